@@ -1,0 +1,42 @@
+"""hicache-existence: an observable, verifiable, self-healing existence cache for
+SGLang HiCache buffer mode.
+
+The public API is re-exported here; importing it has no side effects (no logging
+configuration, no metrics registration, no environment reads).
+"""
+
+from hicache_existence.cache import (
+    HICACHE_EXISTENCE_CACHE_MAX_ENTRIES,
+    PoolBeliefs,
+    PoolExistenceBeliefs,
+    StorageExistenceCache,
+)
+from hicache_existence.flat import FlatStorageExistenceCache
+from hicache_existence.observers import BeliefObserver, MissMemory
+from hicache_existence.policies import (
+    ChainPagesPolicy,
+    PoolBeliefPolicy,
+    TrailingWindowPolicy,
+    default_belief_policy,
+)
+from hicache_existence.stats import MISS_REASONS, CacheStats, PoolStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HICACHE_EXISTENCE_CACHE_MAX_ENTRIES",
+    "MISS_REASONS",
+    "BeliefObserver",
+    "CacheStats",
+    "ChainPagesPolicy",
+    "FlatStorageExistenceCache",
+    "MissMemory",
+    "PoolBeliefPolicy",
+    "PoolBeliefs",
+    "PoolExistenceBeliefs",
+    "PoolStats",
+    "StorageExistenceCache",
+    "TrailingWindowPolicy",
+    "__version__",
+    "default_belief_policy",
+]

@@ -1,0 +1,92 @@
+"""Side-by-side timing: every candidate runs the same work in the same process.
+
+Each round times every candidate once on identical inputs, rotating which one
+goes first so that neither always inherits a warm CPU cache; the figure per
+candidate is the median over rounds, and a comparison is the ratio of medians.
+The garbage collector is off while timing (both sides allocate alike, and a
+collection landing in one side's window is noise, not a property of the code).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+#: A unit of work for one round: performs it and returns the pages it processed.
+RoundFn = Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and spread of one candidate's ns per page over rounds."""
+
+    name: str
+    ns_per_page: float
+    low: float
+    high: float
+    rounds: int
+
+    @property
+    def pages_per_second(self) -> float:
+        return 1e9 / self.ns_per_page if self.ns_per_page else float("inf")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``baseline`` against ``candidate`` on one scenario."""
+
+    scenario: str
+    baseline: Timing
+    candidate: Timing
+    #: baseline time / candidate time: >1 means the candidate is faster.
+    speedup: float
+    notes: dict[str, object] = field(default_factory=dict)
+
+
+def time_rounds(candidates: Sequence[tuple[str, RoundFn]], rounds: int, warmup: int = 1) -> list[Timing]:
+    """Run ``rounds`` interleaved rounds and return one ``Timing`` per candidate."""
+    samples: dict[str, list[float]] = {name: [] for name, _ in candidates}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(warmup + rounds):
+            shift = r % len(candidates)
+            order = list(candidates[shift:]) + list(candidates[:shift])
+            for name, fn in order:
+                start = time.perf_counter_ns()
+                pages = fn(r)
+                elapsed = time.perf_counter_ns() - start
+                if r >= warmup and pages:
+                    samples[name].append(elapsed / pages)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    out = []
+    for name, _ in candidates:
+        values = samples[name]
+        out.append(
+            Timing(
+                name=name,
+                ns_per_page=statistics.median(values),
+                low=min(values),
+                high=max(values),
+                rounds=len(values),
+            )
+        )
+    return out
+
+
+def compare(
+    scenario: str,
+    baseline: tuple[str, RoundFn],
+    candidate: tuple[str, RoundFn],
+    rounds: int,
+    **notes: object,
+) -> Comparison:
+    """Time ``baseline`` and ``candidate`` side by side on ``scenario``."""
+    base, cand = time_rounds([baseline, candidate], rounds)
+    return Comparison(scenario, base, cand, base.ns_per_page / cand.ns_per_page, dict(notes))

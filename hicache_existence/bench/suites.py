@@ -1,0 +1,406 @@
+"""The foundation benchmark: our caches against the seed and upstream, side by side.
+
+Workload (issue "Foundation"): 1024-page chains of 64-hex hashes, caches filled to
+512K entries, accounting on.  Lookups are measured in two regimes because their
+cost is dominated by memory, not code:
+
+* ``hot``: a small working set of chains queried repeatedly (a shared system
+  prompt, a multi-turn session), so the touched structures sit in CPU caches and
+  the per-page *code* cost decides;
+* ``spread``: every query picks one of all 512 chains at random, so most page
+  lookups miss the CPU caches and DRAM latency, the same for every
+  implementation, dominates.
+"""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache_existence.bench import noacct, workload
+from hicache_existence.bench.harness import Comparison, compare
+from hicache_existence.bench.seed import SeedStorageExistenceCache
+from hicache_existence.bench.upstream import UpstreamModule
+from hicache_existence.cache import StorageExistenceCache
+from hicache_existence.flat import FlatStorageExistenceCache
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Sizes of the foundation benchmark."""
+
+    entries: int = 512 * 1024
+    chain_pages: int = 1024
+    rounds: int = 15
+    queries_per_round: int = 32
+    hot_chains: int = 8
+    adds_per_round: int = 4
+    seed: int = 20261129
+
+    @property
+    def chains(self) -> int:
+        return max(2, self.entries // self.chain_pages)
+
+
+QUICK = BenchConfig(entries=32 * 1024, chain_pages=256, rounds=3, queries_per_round=8)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One acceptance target of the foundation issue."""
+
+    name: str
+    metric: str
+    op: str  # ">=" or "<="
+    bound: float
+
+    def met(self, value: float) -> bool:
+        return value >= self.bound if self.op == ">=" else value <= self.bound
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("flat.kv.contains_all", "speedup", ">=", 2.0),
+    Target("flat.kv.covers_all", "speedup", ">=", 2.0),
+    Target("flat.second_pool.contains_all", "speedup", ">=", 1.3),
+    Target("flat.second_pool.covers_all", "speedup", ">=", 1.3),
+    Target("flat.add_steady", "speedup", ">=", 1.2),
+    Target("flat.memory_per_entry", "ratio", "<=", 0.6),
+    Target("current.contains_all", "speedup", ">=", 1.1),
+    Target("current.covered", "speedup", ">=", 1.1),
+    Target("current.covered_inflight_present", "speedup", ">=", 1.1),
+    Target("current.add_steady", "speedup", ">=", 1.0),
+    Target("current.memory_per_entry", "ratio", "<=", 1.0),
+    Target("accounting.flat.contains_all", "overhead", "<=", 0.05),
+    Target("accounting.flat.add_steady", "overhead", "<=", 0.05),
+    Target("accounting.current.contains_all", "overhead", "<=", 0.05),
+    Target("accounting.current.add_steady", "overhead", "<=", 0.05),
+)
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured, plus the targets' verdicts."""
+
+    config: BenchConfig
+    comparisons: list[Comparison] = field(default_factory=list)
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    upstream: dict[str, str] | None = None
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------
+# round functions
+
+
+def _lookup_round(
+    method: Callable[..., bool], pool: str | None, plan: Sequence[list[list[str]]]
+) -> Callable[[int], int]:
+    def run(r: int) -> int:
+        chains = plan[r % len(plan)]
+        pages = 0
+        if pool is None:
+            for c in chains:
+                if not method(c):
+                    raise AssertionError("benchmark chain unexpectedly missed")
+                pages += len(c)
+        else:
+            for c in chains:
+                if not method(pool, c):
+                    raise AssertionError("benchmark chain unexpectedly missed")
+                pages += len(c)
+        return pages
+
+    return run
+
+
+def _add_round(method: Callable[..., None], pool: str | None, plan: Sequence[list[list[str]]]) -> Callable[[int], int]:
+    def run(r: int) -> int:
+        pages = 0
+        for c in plan[r]:
+            if pool is None:
+                method(c)
+            else:
+                method(pool, c)
+            pages += len(c)
+        return pages
+
+    return run
+
+
+def _query_plans(
+    rng: random.Random, cached: list[list[str]], cfg: BenchConfig, rounds: int
+) -> dict[str, list[list[list[str]]]]:
+    hot = rng.sample(cached, min(cfg.hot_chains, len(cached)))
+    return {
+        "hot": [
+            [hot[i % len(hot)] for i in range(cfg.queries_per_round)] for _ in range(rounds)
+        ],
+        "spread": [
+            [rng.choice(cached) for _ in range(cfg.queries_per_round)] for _ in range(rounds)
+        ],
+    }
+
+
+def _memory_per_entry(build: Callable[[], object], entries: int) -> float:
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        obj = build()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del obj
+    return (after - before) / entries
+
+
+# ---------------------------------------------------------------------------
+# suites
+
+
+def run_foundation(
+    cfg: BenchConfig,
+    upstream: UpstreamModule | None,
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> BenchResult:
+    """Run every comparison of the foundation issue."""
+    rng = random.Random(cfg.seed)
+    result = BenchResult(cfg)
+    total_rounds = cfg.rounds + 1  # + warm-up
+    progress(f"generating {cfg.chains} x {cfg.chain_pages}-page chains")
+    kv = workload.chains(cfg.chains, cfg.chain_pages, "kv")
+    half = cfg.chains // 2
+    swa = workload.chains(half, cfg.chain_pages, "swa")
+    fresh_needed = total_rounds * cfg.adds_per_round
+    fresh_a = workload.chains(fresh_needed, cfg.chain_pages, "fresh-a")
+    fresh_b = workload.chains(fresh_needed, cfg.chain_pages, "fresh-b")
+    fresh_c = workload.chains(fresh_needed, cfg.chain_pages, "fresh-c")
+    add_plan_a = [fresh_a[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)]
+    add_plan_b = [fresh_b[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)]
+    add_plan_c = [fresh_c[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)]
+    cap = cfg.chains * cfg.chain_pages
+    stripped = noacct.stripped_classes()
+
+    # -- seed generation ----------------------------------------------------
+    progress("seed generation: filling caches")
+    seed_cache = SeedStorageExistenceCache(cap)
+    ours_flat = FlatStorageExistenceCache(cap)
+    bare_flat: Any = stripped["FlatStorageExistenceCache"](cap)
+    for c in kv:
+        seed_cache.add("kv", c)
+        ours_flat.add("kv", c)
+        bare_flat.add("kv", c)
+    plans = _query_plans(rng, kv, cfg, total_rounds)
+    for regime, plan in plans.items():
+        for op in ("contains_all", "covers_all"):
+            progress(f"flat.kv.{op} [{regime}]")
+            result.comparisons.append(
+                compare(
+                    f"flat.kv.{op}[{regime}]",
+                    ("seed", _lookup_round(getattr(seed_cache, op), "kv", plan)),
+                    ("ours", _lookup_round(getattr(ours_flat, op), "kv", plan)),
+                    cfg.rounds,
+                )
+            )
+    progress("accounting.flat.contains_all")
+    result.comparisons.append(
+        compare(
+            "accounting.flat.contains_all[hot]",
+            ("no-accounting", _lookup_round(bare_flat.contains_all, "kv", plans["hot"])),
+            ("ours", _lookup_round(ours_flat.contains_all, "kv", plans["hot"])),
+            cfg.rounds * 2,
+        )
+    )
+    progress("flat.add_steady")
+    result.comparisons.append(
+        compare(
+            "flat.add_steady",
+            ("seed", _add_round(seed_cache.add, "kv", add_plan_a)),
+            ("ours", _add_round(ours_flat.add, "kv", add_plan_a)),
+            cfg.rounds,
+        )
+    )
+    progress("accounting.flat.add_steady")
+    result.comparisons.append(
+        compare(
+            "accounting.flat.add_steady",
+            ("no-accounting", _add_round(bare_flat.add, "kv", add_plan_b)),
+            ("ours", _add_round(ours_flat.add, "kv", add_plan_b)),
+            cfg.rounds,
+        )
+    )
+    del seed_cache, ours_flat, bare_flat
+
+    progress("seed generation: second pool")
+    seed_cache = SeedStorageExistenceCache(cap)
+    ours_flat = FlatStorageExistenceCache(cap)
+    for a, b in zip(kv[:half], swa):
+        for cache in (seed_cache, ours_flat):
+            cache.add("kv", a)
+            cache.add("swa", b)
+    plans = _query_plans(rng, swa, cfg, total_rounds)
+    for regime, plan in plans.items():
+        for op in ("contains_all", "covers_all"):
+            progress(f"flat.second_pool.{op} [{regime}]")
+            result.comparisons.append(
+                compare(
+                    f"flat.second_pool.{op}[{regime}]",
+                    ("seed", _lookup_round(getattr(seed_cache, op), "swa", plan)),
+                    ("ours", _lookup_round(getattr(ours_flat, op), "swa", plan)),
+                    cfg.rounds,
+                )
+            )
+    del seed_cache, ours_flat
+
+    progress("seed generation: memory")
+
+    def build_seed() -> object:
+        cache = SeedStorageExistenceCache(cap)
+        for c in kv:
+            cache.add("kv", c)
+        return cache
+
+    def build_flat() -> object:
+        cache = FlatStorageExistenceCache(cap)
+        for c in kv:
+            cache.add("kv", c)
+        return cache
+
+    seed_mem = _memory_per_entry(build_seed, cap)
+    flat_mem = _memory_per_entry(build_flat, cap)
+    result.memory["flat.memory_per_entry"] = {
+        "baseline_bytes": seed_mem,
+        "ours_bytes": flat_mem,
+        "ratio": flat_mem / seed_mem,
+    }
+
+    # -- current generation -------------------------------------------------
+    ours_cur = StorageExistenceCache(cap).pool("kv")
+    bare_cur: Any = stripped["StorageExistenceCache"](cap).pool("kv")
+    up_pool: Any = None
+    if upstream is not None:
+        result.upstream = {"origin": upstream.origin, "sha256": upstream.sha256}
+        up_pool = upstream.module.StorageExistenceCache(cap).pool("kv")
+    progress("current generation: filling caches")
+    for c in kv:
+        ours_cur.add(c)
+        bare_cur.add(c)
+        if up_pool is not None:
+            up_pool.add(c)
+    plans = _query_plans(rng, kv, cfg, total_rounds)
+    if up_pool is not None:
+        for regime, plan in plans.items():
+            for op in ("contains_all", "covered"):
+                progress(f"current.{op} [{regime}]")
+                result.comparisons.append(
+                    compare(
+                        f"current.{op}[{regime}]",
+                        ("upstream", _lookup_round(getattr(up_pool, op), None, plan)),
+                        ("ours", _lookup_round(getattr(ours_cur, op), None, plan)),
+                        cfg.rounds,
+                    )
+                )
+        # Write-through keeps some content in flight most of the time; then
+        # upstream's covered() takes its Python loop for every query.
+        inflight = workload.chain(10**6, 64, "inflight")
+        up_pool.track_inflight(inflight)
+        ours_cur.track_inflight(inflight)
+        for regime, plan in plans.items():
+            progress(f"current.covered_inflight_present [{regime}]")
+            result.comparisons.append(
+                compare(
+                    f"current.covered_inflight_present[{regime}]",
+                    ("upstream", _lookup_round(up_pool.covered, None, plan)),
+                    ("ours", _lookup_round(ours_cur.covered, None, plan)),
+                    cfg.rounds,
+                )
+            )
+        up_pool.clear_inflight()
+        ours_cur.clear_inflight()
+        progress("current.add_steady")
+        result.comparisons.append(
+            compare(
+                "current.add_steady",
+                ("upstream", _add_round(up_pool.add, None, add_plan_a)),
+                ("ours", _add_round(ours_cur.add, None, add_plan_a)),
+                cfg.rounds,
+            )
+        )
+    progress("accounting.current")
+    result.comparisons.append(
+        compare(
+            "accounting.current.contains_all[hot]",
+            ("no-accounting", _lookup_round(bare_cur.contains_all, None, plans["hot"])),
+            ("ours", _lookup_round(ours_cur.contains_all, None, plans["hot"])),
+            cfg.rounds * 2,
+        )
+    )
+    result.comparisons.append(
+        compare(
+            "accounting.current.add_steady",
+            ("no-accounting", _add_round(bare_cur.add, None, add_plan_c)),
+            ("ours", _add_round(ours_cur.add, None, add_plan_c)),
+            cfg.rounds,
+        )
+    )
+    del ours_cur, bare_cur, up_pool
+
+    if upstream is not None:
+        up_mod = upstream.module
+
+        def build_up() -> object:
+            pool = up_mod.StorageExistenceCache(cap).pool("kv")
+            for c in kv:
+                pool.add(c)
+            return pool
+
+        def build_cur() -> object:
+            pool = StorageExistenceCache(cap).pool("kv")
+            for c in kv:
+                pool.add(c)
+            return pool
+
+        up_mem = _memory_per_entry(build_up, cap)
+        cur_mem = _memory_per_entry(build_cur, cap)
+        result.memory["current.memory_per_entry"] = {
+            "baseline_bytes": up_mem,
+            "ours_bytes": cur_mem,
+            "ratio": cur_mem / up_mem,
+        }
+
+    result.verdicts = evaluate(result)
+    return result
+
+
+def _values_for(result: BenchResult, target: Target) -> dict[str, float]:
+    if target.metric == "ratio":
+        mem = result.memory.get(target.name)
+        return {"": mem["ratio"]} if mem else {}
+    out: dict[str, float] = {}
+    for comp in result.comparisons:
+        base, _, regime = comp.scenario.partition("[")
+        if base != target.name:
+            continue
+        key = regime.rstrip("]")
+        out[key] = comp.speedup if target.metric == "speedup" else 1.0 / comp.speedup - 1.0
+    return out
+
+
+def evaluate(result: BenchResult) -> list[dict[str, Any]]:
+    """Each target with its measured value(s) per regime and whether it is met."""
+    verdicts = []
+    for target in TARGETS:
+        values = _values_for(result, target)
+        verdicts.append(
+            {
+                "target": target.name,
+                "metric": target.metric,
+                "bound": f"{target.op} {target.bound}",
+                "values": values,
+                "met": bool(values) and all(target.met(v) for v in values.values()),
+                "measured": bool(values),
+            }
+        )
+    return verdicts

@@ -1,0 +1,54 @@
+"""The ``hicache-existence`` command line.
+
+This is the only module that configures logging: the library itself only asks
+for loggers (see ``hicache_existence.logs``), applications decide where they go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+#: Sub-command modules under ``hicache_existence.commands``, in help order.
+COMMANDS: tuple[str, ...] = ("bench",)
+
+
+def _load(name: str) -> ModuleType:
+    return importlib.import_module(f"hicache_existence.commands.{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used by docs tests)."""
+    from hicache_existence import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="hicache-existence",
+        description="Observe, verify and heal SGLang HiCache's storage-existence cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        module = _load(name)
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

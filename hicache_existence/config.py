@@ -1,0 +1,322 @@
+"""One typed configuration object, loadable from JSON, files, flags and environment.
+
+Everything the package can be told lives in ``Config`` (frozen dataclasses, one
+section per feature).  Sources merge in a fixed order, later wins:
+
+1. defaults (below),
+2. ``HICACHE_EXISTENCE_CONFIG`` (JSON text or ``@path``/path to a JSON file),
+3. ``HICACHE_EXISTENCE_<SECTION>__<FIELD>`` variables (e.g.
+   ``HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS=500``), and
+   ``HICACHE_EXISTENCE_ENABLED``,
+4. explicit values (``--hicache-existence-config`` on the server, CLI flags).
+
+Unknown keys and wrongly typed values raise ``ConfigError`` naming the key, so a
+typo never silently falls back to a default.  Secrets (a Redis password in a URL)
+are kept as given but ``redacted()`` masks them for logs and metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+ENV_PREFIX = "HICACHE_EXISTENCE_"
+ENV_CONFIG = "HICACHE_EXISTENCE_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, malformed or out of range."""
+
+
+@dataclass(frozen=True)
+class CacheSection:
+    """The cache itself."""
+
+    #: Entries per pool (current generation) or shared (seed generation).
+    max_entries: int = 512 * 1024
+    #: ``auto`` matches the installed sglang's API shape; or force one.
+    generation: Literal["auto", "current", "flat"] = "auto"
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    """Prometheus export."""
+
+    enabled: bool = True
+    #: ``auto``: multiprocess when ``PROMETHEUS_MULTIPROC_DIR`` is set (SGLang
+    #: ``--enable-metrics``), else a standalone ``/metrics`` server.
+    mode: Literal["auto", "multiprocess", "standalone", "off"] = "auto"
+    host: str = "127.0.0.1"
+    port: int = 9464
+    #: Pools beyond this many distinct names are reported as ``other``.
+    max_pools: int = 16
+    #: Minimum seconds between two flushes of counters in multiprocess mode.
+    flush_interval_s: float = 1.0
+    #: Bytes of one page in L3 (all layers), for the write accounting in bytes.
+    page_size_bytes: int = 0
+    model_name: str = ""
+    storage_backend: str = ""
+
+
+@dataclass(frozen=True)
+class MissReasonSection:
+    """Classification of misses (cold / evicted / invalidated / cleared)."""
+
+    enabled: bool = True
+    #: Memory of recent evictions as a fraction of the cache's own memory.
+    memory_fraction: float = 0.10
+    #: Sampled debug events per second per pool (0 disables them).
+    debug_events_per_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class DivergenceSection:
+    """Cross-rank replica checks."""
+
+    enabled: bool = True
+    interval_steps: int = 1000
+    policy: Literal["log", "heal", "abort"] = "log"
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ReconcilerSection:
+    """Ground-truth reconciliation against L3 (Redis ledger)."""
+
+    enabled: bool = False
+    redis_url: str = ""
+    namespace: str = "hicache"
+    ttl_s: float = 0.0
+    verifications_per_s: float = 50.0
+    pages_per_query: int = 1024
+    sampling_rate: float = 0.01
+    timeout_ms: float = 50.0
+    queue_size: int = 256
+
+
+@dataclass(frozen=True)
+class AdvisorSection:
+    """Live miss-ratio-curve estimation (capacity advice)."""
+
+    enabled: bool = True
+    sampling_rate: float = 0.01
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """CLI logging (the library never configures logging itself)."""
+
+    level: str = "info"
+    json: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of hicache-existence."""
+
+    enabled: bool = False
+    cache: CacheSection = field(default_factory=CacheSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    miss_reasons: MissReasonSection = field(default_factory=MissReasonSection)
+    divergence: DivergenceSection = field(default_factory=DivergenceSection)
+    reconciler: ReconcilerSection = field(default_factory=ReconcilerSection)
+    advisor: AdvisorSection = field(default_factory=AdvisorSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], base: Config | None = None) -> Config:
+        """``base`` (default: defaults) updated with the nested mapping ``data``."""
+        return _merge(base or cls(), data, "")
+
+    @classmethod
+    def from_json(cls, text: str, base: Config | None = None) -> Config:
+        """Parse JSON text, a path to a JSON file, or ``@path``."""
+        return cls.from_mapping(_load_json(text), base)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, base: Config | None = None) -> Config:
+        """Apply ``HICACHE_EXISTENCE_CONFIG`` then ``HICACHE_EXISTENCE_*`` variables."""
+        env = os.environ if env is None else env
+        config = base or cls()
+        blob = env.get(ENV_CONFIG)
+        if blob:
+            config = cls.from_json(blob, config)
+        updates: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith(ENV_PREFIX) or key == ENV_CONFIG:
+                continue
+            path = key[len(ENV_PREFIX) :].lower().split("__")
+            node = updates
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = _EnvText(raw)
+        return _merge(config, updates, "") if updates else config
+
+    @classmethod
+    def load(cls, text: str | None = None, env: Mapping[str, str] | None = None) -> Config:
+        """Defaults, then the environment, then ``text`` (JSON or a file)."""
+        config = cls.from_env(env)
+        return cls.from_json(text, config) if text else config
+
+    # -- output --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def redacted(self) -> dict[str, Any]:
+        """``to_dict()`` with credentials masked, for logs and start-up events."""
+        data = self.to_dict()
+        data["reconciler"]["redis_url"] = redact_url(self.reconciler.redis_url)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def redact_url(url: str) -> str:
+    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
+    if not url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None and "@" not in parts.netloc:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.split(":", 1)[0] if userinfo else ""
+    masked = f"{user}:***@{hostport}" if user else f"***@{hostport}"
+    return urlunsplit((parts.scheme, masked, parts.path, parts.query, parts.fragment))
+
+
+class _EnvText(str):
+    """A value that came from an environment variable: parsed by target type."""
+
+
+def _load_json(text: str) -> Mapping[str, Any]:
+    text = text.strip()
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text(encoding="utf-8")
+    elif not text.startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise ConfigError(f"configuration is neither JSON nor a readable file: {text[:80]!r}")
+        text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"configuration is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("configuration JSON must be an object")
+    return data
+
+
+_T = TypeVar("_T")
+
+
+def _merge(obj: _T, data: Mapping[str, Any], prefix: str) -> _T:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'configuration'} must be an object")
+    hints = typing.get_type_hints(type(obj))
+    known = {f.name for f in fields(obj)}  # type: ignore[arg-type]
+    changes: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"unknown configuration key {prefix}{key!r}; known: {sorted(known)}")
+        current = getattr(obj, name)
+        if is_dataclass(current):
+            changes[name] = _merge(current, value, f"{prefix}{name}.")
+        else:
+            changes[name] = _coerce(value, hints[name], f"{prefix}{name}")
+    result = dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+    _check_ranges(result, prefix)
+    return result
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    from_env = isinstance(value, _EnvText)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+        return str(value)
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{key}: unsupported type")  # pragma: no cover
+    if hint is bool:
+        if from_env:
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ConfigError(f"{key} must be a boolean, got {value!r}")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be a boolean, got {type(value).__name__}")
+        return value
+    if hint is int:
+        if from_env:
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {type(value).__name__}")
+        return value
+    if hint is float:
+        if from_env:
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {type(value).__name__}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {type(value).__name__}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {hint!r}")  # pragma: no cover
+
+
+_POSITIVE = {
+    "cache.max_entries",
+    "metrics.max_pools",
+    "divergence.interval_steps",
+    "reconciler.pages_per_query",
+    "reconciler.queue_size",
+}
+_NON_NEGATIVE = {
+    "metrics.port",
+    "metrics.flush_interval_s",
+    "metrics.page_size_bytes",
+    "miss_reasons.debug_events_per_s",
+    "divergence.timeout_s",
+    "reconciler.ttl_s",
+    "reconciler.verifications_per_s",
+    "reconciler.timeout_ms",
+}
+_FRACTIONS = {"miss_reasons.memory_fraction", "reconciler.sampling_rate", "advisor.sampling_rate"}
+
+
+def _check_ranges(obj: Any, prefix: str) -> None:
+    for f in fields(obj):
+        key = f"{prefix}{f.name}"
+        value = getattr(obj, f.name)
+        if key in _POSITIVE and value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+        if key in _NON_NEGATIVE and value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+        if key in _FRACTIONS and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key} must be within [0, 1], got {value}")
+    if prefix == "metrics." and obj.port > 65535:
+        raise ConfigError(f"metrics.port must be <= 65535, got {obj.port}")

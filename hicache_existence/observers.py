@@ -1,0 +1,51 @@
+"""The two extension points of the cache core, as protocols.
+
+Both are called once per *operation* with the whole batch, never once per page,
+and only when installed (an ``is not None`` test otherwise), so the core pays
+nothing for features that are off.
+
+* ``MissMemory`` remembers why pages left the belief set (evicted, invalidated,
+  cleared) so that a later miss on the same page can be classified: the answer to
+  "why was this page written to L3 again?".
+* ``BeliefObserver`` sees every mutating or touching operation in order, with the
+  call's inputs.  The TP-divergence digest is one: replicas that saw the same
+  operation stream hold the same state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class MissMemory(Protocol):
+    """Bounded memory of pages that left a pool's belief set, and why."""
+
+    def remember(self, keys: Sequence[str], reason: int) -> None:
+        """Record that ``keys`` left the belief set for ``reason`` (a
+        ``stats.MISS_REASONS`` index other than ``COLD``)."""
+
+    def reason(self, key: str) -> int:
+        """Classify a miss on ``key``: the ``stats.MISS_REASONS`` index."""
+
+
+@runtime_checkable
+class BeliefObserver(Protocol):
+    """Receives every state-changing (or LRU-touching) operation of a cache."""
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        """``add`` completed (its evictions included)."""
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        """A lookup walked ``hashes[:stop]``; believed pages among them were
+        touched (moved to most recent).  Called only when ``stop > 0``."""
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        """``invalidate_beyond(hashes, keep_pages)`` completed."""
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """``track_inflight`` (``delta=+1``) or ``untrack_inflight`` (``-1``)."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        """``clear`` (or ``clear_inflight`` when ``inflight_only``)."""
