@@ -12,7 +12,7 @@ from hicache_existence.cache import (
     StorageExistenceCache,
 )
 from hicache_existence.flat import FlatStorageExistenceCache
-from hicache_existence.observers import BeliefObserver, MissMemory
+from hicache_existence.observers import BeliefObserver, MissMemory, Tee
 from hicache_existence.policies import (
     ChainPagesPolicy,
     PoolBeliefPolicy,
@@ -36,6 +36,7 @@ __all__ = [
     "PoolExistenceBeliefs",
     "PoolStats",
     "StorageExistenceCache",
+    "Tee",
     "TrailingWindowPolicy",
     "__version__",
     "default_belief_policy",

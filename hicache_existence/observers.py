@@ -49,3 +49,36 @@ class BeliefObserver(Protocol):
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
         """``clear`` (or ``clear_inflight`` when ``inflight_only``)."""
+
+
+class Tee:
+    """Fans one cache's operation stream out to several observers, in order.
+
+    The cache holds one observer reference; features that each need the stream
+    (TP digest, capacity advisor, reconciler) are combined here.
+    """
+
+    __slots__ = ("observers",)
+
+    def __init__(self, *observers: BeliefObserver) -> None:
+        self.observers = tuple(observers)
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        for o in self.observers:
+            o.added(pool, hashes)
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        for o in self.observers:
+            o.touched(pool, hashes, stop)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        for o in self.observers:
+            o.invalidated(pool, hashes, keep_pages)
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        for o in self.observers:
+            o.inflight(pool, hashes, delta)
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        for o in self.observers:
+            o.cleared(pool, inflight_only)
