@@ -1,0 +1,29 @@
+"""Shared test configuration.
+
+With ``HICACHE_EXISTENCE_REQUIRE_ALL=1`` (set by ``tests/run-all.sh`` and so by CI)
+a skipped test fails the run: a skipped test proves nothing, and every tier
+(sglang, torch, redis, prometheus, multiprocess) must really run there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+REQUIRE_ALL = os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") == "1"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not REQUIRE_ALL:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    skipped = reporter.stats.get("skipped", [])
+    if skipped and session.exitstatus == 0:
+        reporter.write_line(
+            f"HICACHE_EXISTENCE_REQUIRE_ALL=1: {len(skipped)} test(s) skipped; failing the run",
+            red=True,
+        )
+        session.exitstatus = 1

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs every test of hicache-existence on a fresh or a warm machine.
+#
+# Installs what the tests need: Debian packages (redis-server, prometheus) when
+# missing, and a cached, version-keyed virtualenv outside the clone with torch
+# (CPU), the real sglang wheel and this package with its test extras
+# (tests/envs/ensure-env.sh).  Then lints, type-checks, proves the core imports
+# without any extra, and runs pytest with skips turned into failures.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+START=$(date +%s)
+log() { printf '[run-all %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+
+# 1. System packages the real-component tests use.
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+if ((${#need_apt[@]})); then
+  log "installing Debian packages: ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# 2. The cached test environment (torch, sglang, test and dev extras).
+log "preparing the test environment"
+PY="$(bash tests/envs/ensure-env.sh | tail -n 1)"
+log "python: $PY"
+
+# 3. Static checks.
+log "ruff"
+"$PY" -m ruff check hicache_existence tests benchmarks dashboards integrations
+log "mypy"
+"$PY" -m mypy hicache_existence
+
+# 4. The core alone: no extras, no third-party package at all.
+log "core import without extras"
+bash tests/envs/bare-import.sh
+
+# 5. Every test; a skip is a failure here.
+log "pytest"
+export HICACHE_EXISTENCE_REQUIRE_ALL=1 HICACHE_EXISTENCE_REQUIRE_SGLANG=1
+set +e
+"$PY" -m pytest -p no:cacheprovider "$@"
+rc=$?
+set -e
+log "pytest exit code $rc"
+exit $rc
