@@ -5,6 +5,7 @@ The public API is re-exported here; importing it has no side effects (no logging
 configuration, no metrics registration, no environment reads).
 """
 
+from hicache_existence._version import __version__
 from hicache_existence.cache import (
     HICACHE_EXISTENCE_CACHE_MAX_ENTRIES,
     PoolBeliefs,
@@ -20,8 +21,6 @@ from hicache_existence.policies import (
     default_belief_policy,
 )
 from hicache_existence.stats import MISS_REASONS, CacheStats, PoolStats
-
-__version__ = "0.1.0"
 
 __all__ = [
     "HICACHE_EXISTENCE_CACHE_MAX_ENTRIES",

@@ -27,16 +27,14 @@ def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
         seq: Sequence[str] = hashes  # type: ignore[assignment]
     elif isinstance(hashes, (str, bytes, bytearray)):
         raise TypeError(
-            f"{arg} must be an iterable of str page hashes, not a single "
-            f"{type(hashes).__name__}"
+            f"{arg} must be an iterable of str page hashes, not a single {type(hashes).__name__}"
         )
     else:
         try:
             seq = tuple(hashes)
         except TypeError:
             raise TypeError(
-                f"{arg} must be an iterable of str page hashes, got "
-                f"{type(hashes).__name__}"
+                f"{arg} must be an iterable of str page hashes, got {type(hashes).__name__}"
             ) from None
     try:
         "".join(seq)
@@ -44,8 +42,7 @@ def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
         for index, item in enumerate(seq):
             if not isinstance(item, str):
                 raise TypeError(
-                    f"{arg}[{index}] must be a str page hash, got "
-                    f"{type(item).__name__}"
+                    f"{arg}[{index}] must be a str page hash, got {type(item).__name__}"
                 ) from None
         raise  # pragma: no cover - join failed for another reason
     return seq
@@ -86,6 +83,5 @@ def container(value: object, arg: str) -> None:
     """Raise ``TypeError`` unless ``value`` supports ``in``."""
     if not hasattr(type(value), "__contains__"):
         raise TypeError(
-            f"{arg} must be a container of page hashes (support 'in'), got "
-            f"{type(value).__name__}"
+            f"{arg} must be a container of page hashes (support 'in'), got {type(value).__name__}"
         )

@@ -36,7 +36,7 @@ from hicache_existence.stats import (
 HICACHE_EXISTENCE_CACHE_MAX_ENTRIES = 512 * 1024
 
 #: Drains an iterator in C without keeping anything (itertools "consume" recipe).
-_exhaust = deque(maxlen=0).extend
+_exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _ABSENT = object()
 
 MissMemoryFactory = Callable[[str], "MissMemory | None"]
@@ -113,9 +113,7 @@ class PoolBeliefs:
         if memory is None:
             _exhaust(map(popitem, repeat(False, excess)))
         else:
-            memory.remember(
-                [key for key, _ in map(popitem, repeat(False, excess))], EVICTED
-            )
+            memory.remember([key for key, _ in map(popitem, repeat(False, excess))], EVICTED)
         self._counters.evictions += excess
 
     def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
@@ -392,10 +390,7 @@ class StorageExistenceCache:
         return sum(len(b) for b in list(self._pools.values()))
 
     def __repr__(self) -> str:
-        return (
-            f"StorageExistenceCache(max_entries={self._max_entries}, "
-            f"pools={list(self._pools)})"
-        )
+        return f"StorageExistenceCache(max_entries={self._max_entries}, pools={list(self._pools)})"
 
     def stats(self) -> CacheStats:
         """An immutable snapshot of every pool, O(pools); safe from another thread."""

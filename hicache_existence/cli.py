@@ -22,7 +22,7 @@ def _load(name: str) -> ModuleType:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used by docs tests)."""
-    from hicache_existence import __version__
+    from hicache_existence._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="hicache-existence",

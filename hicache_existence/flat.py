@@ -16,7 +16,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from itertools import repeat
 from operator import itemgetter
-from typing import Union
 
 from hicache_existence import _validate
 from hicache_existence.cache import (
@@ -35,7 +34,7 @@ from hicache_existence.stats import (
     make_cache_stats,
 )
 
-_Key = Union[str, tuple[str, str]]
+_Key = str | tuple[str, str]
 _EMPTY: frozenset[str] = frozenset()
 
 
@@ -153,9 +152,7 @@ class FlatStorageExistenceCache:
                     hashes = [key[1] for key in others if key[0] == name]
                 rec.memory.remember(hashes, EVICTED)
 
-    def invalidate_beyond(
-        self, pool: str, hashes: Sequence[str], keep_pages: int
-    ) -> None:
+    def invalidate_beyond(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         """Drop ``pool``'s beliefs beyond the leading ``keep_pages`` of ``hashes``."""
         _validate.pool_name(pool)
         keep = _validate.count(keep_pages, "keep_pages")
@@ -169,9 +166,7 @@ class FlatStorageExistenceCache:
         c.invalidate_calls += 1
         c.invalidations += dropped
         if dropped and rec.memory is not None:
-            rec.memory.remember(
-                [h for h, r in zip(tail, results) if r is not _ABSENT], INVALIDATED
-            )
+            rec.memory.remember([h for h, r in zip(tail, results) if r is not _ABSENT], INVALIDATED)
         if self._observer is not None:
             self._observer.invalidated(rec.name, seq, keep)
 

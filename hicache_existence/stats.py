@@ -49,17 +49,48 @@ class PoolCounters:
     __slots__ = (*COUNTER_FIELDS, "miss_reasons")
 
     def __init__(self) -> None:
-        for name in COUNTER_FIELDS:
-            setattr(self, name, 0)
-        self.miss_reasons = [0, 0, 0, 0]
+        self.queries: int = 0
+        self.query_hits: int = 0
+        self.query_misses: int = 0
+        self.pages_checked: int = 0
+        self.page_hits: int = 0
+        self.rescues: int = 0
+        self.page_misses: int = 0
+        self.adds: int = 0
+        self.inserts: int = 0
+        self.refreshes: int = 0
+        self.evictions: int = 0
+        self.invalidate_calls: int = 0
+        self.invalidations: int = 0
+        self.clears: int = 0
+        self.cleared_pages: int = 0
+        self.inflight_tracked: int = 0
+        self.inflight_released: int = 0
+        self.inflight_clears: int = 0
+        self.miss_reasons: list[int] = [0, 0, 0, 0]
 
-    def snapshot(
-        self, pool: str, entries: int, capacity: int, inflight: int
-    ) -> PoolStats:
+    def snapshot(self, pool: str, entries: int, capacity: int, inflight: int) -> PoolStats:
         """Freeze the counters together with the pool's current gauges."""
         return PoolStats(
             pool,
-            *[getattr(self, name) for name in COUNTER_FIELDS],
+            self.queries,
+            self.query_hits,
+            self.query_misses,
+            self.pages_checked,
+            self.page_hits,
+            self.rescues,
+            self.page_misses,
+            self.adds,
+            self.inserts,
+            self.refreshes,
+            self.evictions,
+            self.invalidate_calls,
+            self.invalidations,
+            self.clears,
+            self.cleared_pages,
+            self.inflight_tracked,
+            self.inflight_released,
+            self.inflight_clears,
             entries,
             capacity,
             inflight,
@@ -244,8 +275,6 @@ def _replace_capacity(stats: PoolStats, capacity: int) -> PoolStats:
     return PoolStats(**values)
 
 
-def make_cache_stats(
-    pools: Mapping[str, PoolStats], shared_capacity: bool = False
-) -> CacheStats:
+def make_cache_stats(pools: Mapping[str, PoolStats], shared_capacity: bool = False) -> CacheStats:
     """Build a ``CacheStats`` over a private copy of ``pools``."""
     return CacheStats(MappingProxyType(dict(pools)), shared_capacity)

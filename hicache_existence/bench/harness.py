@@ -47,7 +47,9 @@ class Comparison:
     notes: dict[str, object] = field(default_factory=dict)
 
 
-def time_rounds(candidates: Sequence[tuple[str, RoundFn]], rounds: int, warmup: int = 1) -> list[Timing]:
+def time_rounds(
+    candidates: Sequence[tuple[str, RoundFn]], rounds: int, warmup: int = 1
+) -> list[Timing]:
     """Run ``rounds`` interleaved rounds and return one ``Timing`` per candidate."""
     samples: dict[str, list[float]] = {name: [] for name, _ in candidates}
     gc.collect()

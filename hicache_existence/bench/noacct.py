@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import inspect
 import types
-from collections.abc import Callable
+from typing import Any
 
 from hicache_existence import cache as _cache_module
 from hicache_existence import flat as _flat_module
@@ -23,7 +23,7 @@ _COUNTER_ROOTS = {"c", "counters", "_counters"}
 
 def _is_accounting(stmt: ast.stmt) -> bool:
     if isinstance(stmt, ast.AugAssign):
-        target = stmt.target
+        target: ast.expr = stmt.target
         if isinstance(target, ast.Attribute) and target.attr == "size":
             return True  # the flat cache's per-pool entry count
         while isinstance(target, (ast.Attribute, ast.Subscript)):
@@ -60,7 +60,7 @@ def _strip_module(module: types.ModuleType, name: str) -> types.ModuleType:
     return out
 
 
-def stripped_classes() -> dict[str, Callable[..., object]]:
+def stripped_classes() -> dict[str, Any]:
     """``StorageExistenceCache`` and ``FlatStorageExistenceCache`` without accounting."""
     cache_mod = _strip_module(_cache_module, "hicache_existence._noacct_cache")
     flat_mod = _strip_module(_flat_module, "hicache_existence._noacct_flat")

@@ -116,7 +116,9 @@ def _lookup_round(
     return run
 
 
-def _add_round(method: Callable[..., None], pool: str | None, plan: Sequence[list[list[str]]]) -> Callable[[int], int]:
+def _add_round(
+    method: Callable[..., None], pool: str | None, plan: Sequence[list[list[str]]]
+) -> Callable[[int], int]:
     def run(r: int) -> int:
         pages = 0
         for c in plan[r]:
@@ -135,20 +137,24 @@ def _query_plans(
 ) -> dict[str, list[list[list[str]]]]:
     hot = rng.sample(cached, min(cfg.hot_chains, len(cached)))
     return {
-        "hot": [
-            [hot[i % len(hot)] for i in range(cfg.queries_per_round)] for _ in range(rounds)
-        ],
+        "hot": [[hot[i % len(hot)] for i in range(cfg.queries_per_round)] for _ in range(rounds)],
         "spread": [
             [rng.choice(cached) for _ in range(cfg.queries_per_round)] for _ in range(rounds)
         ],
     }
 
 
-def _memory_per_entry(build: Callable[[], object], entries: int) -> float:
+def _memory_per_entry(
+    make_empty: Callable[[], Any], fill: Callable[[Any], None], entries: int
+) -> float:
+    """Bytes allocated per entry while filling an already-built empty cache
+    (tracemalloc; the page-hash strings exist beforehand and are excluded, as
+    callers share them; a cache object's fixed size is excluded too)."""
+    obj = make_empty()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        obj = build()
+        fill(obj)
         after = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
@@ -177,9 +183,15 @@ def run_foundation(
     fresh_a = workload.chains(fresh_needed, cfg.chain_pages, "fresh-a")
     fresh_b = workload.chains(fresh_needed, cfg.chain_pages, "fresh-b")
     fresh_c = workload.chains(fresh_needed, cfg.chain_pages, "fresh-c")
-    add_plan_a = [fresh_a[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)]
-    add_plan_b = [fresh_b[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)]
-    add_plan_c = [fresh_c[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)]
+    add_plan_a = [
+        fresh_a[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)
+    ]
+    add_plan_b = [
+        fresh_b[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)
+    ]
+    add_plan_c = [
+        fresh_c[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)
+    ]
     cap = cfg.chains * cfg.chain_pages
     stripped = noacct.stripped_classes()
 
@@ -256,20 +268,12 @@ def run_foundation(
 
     progress("seed generation: memory")
 
-    def build_seed() -> object:
-        cache = SeedStorageExistenceCache(cap)
+    def fill_flat(cache: Any) -> None:
         for c in kv:
             cache.add("kv", c)
-        return cache
 
-    def build_flat() -> object:
-        cache = FlatStorageExistenceCache(cap)
-        for c in kv:
-            cache.add("kv", c)
-        return cache
-
-    seed_mem = _memory_per_entry(build_seed, cap)
-    flat_mem = _memory_per_entry(build_flat, cap)
+    seed_mem = _memory_per_entry(lambda: SeedStorageExistenceCache(cap), fill_flat, cap)
+    flat_mem = _memory_per_entry(lambda: FlatStorageExistenceCache(cap), fill_flat, cap)
     result.memory["flat.memory_per_entry"] = {
         "baseline_bytes": seed_mem,
         "ours_bytes": flat_mem,
@@ -350,20 +354,14 @@ def run_foundation(
     if upstream is not None:
         up_mod = upstream.module
 
-        def build_up() -> object:
-            pool = up_mod.StorageExistenceCache(cap).pool("kv")
+        def fill_pool(pool: Any) -> None:
             for c in kv:
                 pool.add(c)
-            return pool
 
-        def build_cur() -> object:
-            pool = StorageExistenceCache(cap).pool("kv")
-            for c in kv:
-                pool.add(c)
-            return pool
-
-        up_mem = _memory_per_entry(build_up, cap)
-        cur_mem = _memory_per_entry(build_cur, cap)
+        up_mem = _memory_per_entry(
+            lambda: up_mod.StorageExistenceCache(cap).pool("kv"), fill_pool, cap
+        )
+        cur_mem = _memory_per_entry(lambda: StorageExistenceCache(cap).pool("kv"), fill_pool, cap)
         result.memory["current.memory_per_entry"] = {
             "baseline_bytes": up_mem,
             "ours_bytes": cur_mem,

@@ -55,9 +55,7 @@ def _table(result: Any) -> str:
     lines.append("targets:")
     for v in result.verdicts:
         status = "met" if v["met"] else ("NOT MEASURED" if not v["measured"] else "NOT MET")
-        values = ", ".join(
-            f"{k or 'value'}={val:.3f}" for k, val in sorted(v["values"].items())
-        )
+        values = ", ".join(f"{k or 'value'}={val:.3f}" for k, val in sorted(v["values"].items()))
         lines.append(f"  [{status:>12}] {v['target']:40} {v['metric']} {v['bound']:>8}  {values}")
     if result.upstream is None:
         lines.append(

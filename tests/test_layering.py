@@ -1,0 +1,149 @@
+"""Imports point one way: core <- accounting <- exporters/features <- integration.
+
+Walks every module of the package with ``ast`` and fails on an import that goes
+up a layer, on a module nobody placed in a layer, and on a heavy third-party
+import outside the module allowed to make it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hicache_existence"
+
+#: Layer of each module (dotted, relative to the package); a prefix ending in
+#: "." covers a whole sub-package.
+LAYERS: dict[str, int] = {
+    "_version": 0,
+    "_validate": 0,
+    "stats": 0,
+    "observers": 0,
+    "cache": 1,
+    "flat": 1,
+    "policies": 1,
+    "config": 1,
+    "ghosts": 2,
+    "writes": 2,
+    "digest": 2,
+    "advisor": 2,
+    "catalog": 2,
+    "logs": 2,
+    "monitor": 3,
+    "exporters.": 3,
+    "divergence": 3,
+    "reconcile.": 3,
+    "replay.": 3,
+    "runtime": 4,
+    "sglang.": 4,
+    "demo.": 4,
+    "bench.": 5,
+    "commands.": 5,
+    "cli": 5,
+    "__main__": 5,
+    "__init__": 6,
+}
+
+#: Heavy third-party top-level packages and the modules that may import them.
+ALLOWED_THIRD_PARTY: dict[str, tuple[str, ...]] = {
+    "redis": ("reconcile.",),
+    "fakeredis": (),
+    "sglang": ("sglang.", "reconcile.storage_adapters"),
+    "torch": ("divergence", "reconcile.agreement", "sglang.", "demo."),
+    "prometheus_client": ("exporters.", "sglang.", "demo."),
+    "opentelemetry": ("exporters.",),
+    "structlog": ("logs", "cli"),
+    "matplotlib": ("replay.",),
+}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+            name = ".".join(parts) + "."  # a sub-package's __init__
+        else:
+            name = ".".join(parts)
+        out.append((name, path))
+    return out
+
+
+def _layer(name: str) -> int | None:
+    if name in LAYERS:
+        return LAYERS[name]
+    for key, layer in LAYERS.items():
+        if key.endswith(".") and (name == key or name.startswith(key)):
+            return layer
+    return None
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, node.lineno))
+            if node.module == "hicache_existence":
+                for alias in node.names:
+                    sub = PACKAGE / alias.name
+                    is_module = sub.with_suffix(".py").is_file() or sub.is_dir()
+                    target = alias.name if is_module else "__init__"
+                    found.append((f"hicache_existence.{target}", node.lineno))
+    return found
+
+
+def _internal_target(dotted: str) -> str | None:
+    if not dotted.startswith("hicache_existence."):
+        return None
+    rest = dotted[len("hicache_existence.") :]
+    if _layer(rest) is not None:
+        return rest
+    if _layer(rest + ".") is not None:
+        return rest + "."
+    return rest
+
+
+MODULES = _modules()
+
+
+@pytest.mark.parametrize("name,path", MODULES, ids=[m for m, _ in MODULES])
+def test_module_is_placed_in_a_layer(name: str, path: Path) -> None:
+    """Every module of the package is assigned a layer."""
+    assert _layer(name) is not None, f"{name} ({path}) has no layer in tests/test_layering.py"
+
+
+@pytest.mark.parametrize("name,path", MODULES, ids=[m for m, _ in MODULES])
+def test_imports_never_point_up(name: str, path: Path) -> None:
+    """A module imports only from its own layer or below."""
+    mine = _layer(name)
+    if mine is None:
+        pytest.fail(f"{name} has no layer")
+    for dotted, lineno in _imports(path):
+        target = _internal_target(dotted)
+        if target is None:
+            continue
+        theirs = _layer(target)
+        assert theirs is not None, f"{name}:{lineno} imports unplaced module {dotted}"
+        assert theirs <= mine, (
+            f"{name} (layer {mine}) imports {dotted} (layer {theirs}) at line {lineno}"
+        )
+
+
+@pytest.mark.parametrize("name,path", MODULES, ids=[m for m, _ in MODULES])
+def test_heavy_dependencies_stay_in_their_modules(name: str, path: Path) -> None:
+    """redis, sglang, torch, prometheus_client, OpenTelemetry, structlog and
+    matplotlib are imported only by the modules whose job is to use them."""
+    for dotted, lineno in _imports(path):
+        top = dotted.split(".")[0]
+        allowed = ALLOWED_THIRD_PARTY.get(top)
+        if allowed is None:
+            continue
+        ok = any(name == a or (a.endswith(".") and name.startswith(a)) for a in allowed)
+        assert ok, f"{name}:{lineno} imports {top}, allowed only in {allowed}"
