@@ -16,7 +16,7 @@ thread is safe.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice, repeat
 
@@ -53,6 +53,7 @@ class PoolBeliefs:
         "_inflight",
         "_counters",
         "_memory",
+        "_missed",
         "_observer",
     )
 
@@ -71,6 +72,7 @@ class PoolBeliefs:
         self._inflight: dict[str, int] = {}
         self._counters = PoolCounters()
         self._memory = miss_memory
+        self._missed: list[str] = []
         self._observer = observer
 
     # -- configuration -------------------------------------------------------
@@ -113,6 +115,8 @@ class PoolBeliefs:
         if memory is None:
             _exhaust(map(popitem, repeat(False, excess)))
         else:
+            if self._missed:
+                self.settle()
             memory.remember([key for key, _ in map(popitem, repeat(False, excess))], EVICTED)
         self._counters.evictions += excess
 
@@ -128,6 +132,8 @@ class PoolBeliefs:
         c.invalidate_calls += 1
         c.invalidations += dropped
         if dropped and self._memory is not None:
+            if self._missed:
+                self.settle()
             self._memory.remember(
                 [h for h, r in zip(tail, results) if r is not _ABSENT], INVALIDATED
             )
@@ -170,6 +176,8 @@ class PoolBeliefs:
         c.clears += 1
         c.cleared_pages += len(entries)
         if entries and self._memory is not None:
+            if self._missed:
+                self.settle()
             self._memory.remember(list(entries), CLEARED)
         entries.clear()
         self._inflight.clear()
@@ -198,6 +206,7 @@ class PoolBeliefs:
             if self._observer is not None:
                 self._observer.touched(self.name, (page_hash,), 1)
             return True
+        c.query_misses += 1
         self._count_miss(page_hash, c)
         return False
 
@@ -285,9 +294,25 @@ class PoolBeliefs:
 
     def _count_miss(self, page_hash: str, c: PoolCounters) -> None:
         c.page_misses += 1
-        memory = self._memory
-        if memory is not None:
-            c.miss_reasons[memory.reason(page_hash)] += 1
+        if self._memory is not None:
+            # Classified in a batch later (``settle``): a list append is all a
+            # miss pays for its reason.
+            self._missed.append(page_hash)
+
+    def settle(self) -> None:
+        """Classify the misses recorded since the last call (miss reasons).
+
+        Runs automatically before the miss memory changes, so every miss gets
+        the reason it had when it happened; the per-step hook calls it so that
+        exported reasons lag by at most one step.  Scheduler thread only.
+        """
+        missed = self._missed
+        if not missed or self._memory is None:
+            return
+        self._missed = []
+        counts = self._counters.miss_reasons
+        for reason, n in Counter(self._memory.classify(missed)).items():
+            counts[reason] += n
 
     # -- introspection -------------------------------------------------------
     def __len__(self) -> int:
@@ -384,6 +409,11 @@ class StorageExistenceCache:
         """Drop every pool's in-flight refs."""
         for beliefs in list(self._pools.values()):
             beliefs.clear_inflight()
+
+    def settle(self) -> None:
+        """Classify every pool's pending misses (see ``PoolBeliefs.settle``)."""
+        for beliefs in list(self._pools.values()):
+            beliefs.settle()
 
     def __len__(self) -> int:
         """Entries over all pools."""

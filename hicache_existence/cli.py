@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 #: Sub-command modules under ``hicache_existence.commands``, in help order.
-COMMANDS: tuple[str, ...] = ("bench",)
+COMMANDS: tuple[str, ...] = ("bench", "replay", "reconcile_bench")
 
 
 def _load(name: str) -> ModuleType:

@@ -64,6 +64,8 @@ class MetricsSection:
     page_size_bytes: int = 0
     model_name: str = ""
     storage_backend: str = ""
+    #: Comma-separated pools whose series exist (at 0) before first use.
+    initial_pools: str = "kv"
 
 
 @dataclass(frozen=True)
@@ -75,39 +77,116 @@ class MissReasonSection:
     memory_fraction: float = 0.10
     #: Sampled debug events per second per pool (0 disables them).
     debug_events_per_s: float = 1.0
+    #: One miss in this many is considered for a debug event.
+    sample_every: int = 16
 
 
 @dataclass(frozen=True)
 class DivergenceSection:
-    """Cross-rank replica checks."""
+    """Cross-rank replica checks (docs/tp-divergence.md).  Every rank must use the
+    same values; a start-up handshake disables checks on all ranks otherwise."""
 
     enabled: bool = True
+    #: Scheduler steps between checks (one ~0.5 ms gloo all-reduce each).
     interval_steps: int = 1000
+    #: ``log`` an error event; ``heal`` by clearing the diverged pools on every
+    #: rank; ``abort`` by raising (canaries, CI).
     policy: Literal["log", "heal", "abort"] = "log"
+    #: Seconds a check waits for the other ranks before it gives up (> 0).
     timeout_s: float = 30.0
+    #: Every this many checks, also fold an exact O(entries) audit of the pools
+    #: that changed (membership, in-flight refs; ~65 ms per 512K-entry pool);
+    #: 0 never audits.
+    audit_every_checks: int = 100
+    #: Fixed slots that pools hash into, to name diverged pools (1..1024).
+    pool_slots: int = 16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout_s, (int, float)) and not self.timeout_s > 0:
+            raise ConfigError(f"divergence.timeout_s must be > 0, got {self.timeout_s}")
+        if isinstance(self.pool_slots, int) and self.pool_slots > 1024:
+            raise ConfigError(f"divergence.pool_slots must be <= 1024, got {self.pool_slots}")
 
 
 @dataclass(frozen=True)
 class ReconcilerSection:
-    """Ground-truth reconciliation against L3 (Redis ledger)."""
+    """Ground-truth reconciliation against L3 (Redis ledger); docs/reconciler.md."""
 
     enabled: bool = False
+    #: redis://[user:password@]host:port/db, rediss:// (TLS) or unix://; secret.
     redis_url: str = ""
+    #: First component of every ledger key (deployments sharing one Redis).
     namespace: str = "hicache"
+    #: Ledger entry lifetime mirroring L3 retention (0: no expiry).
     ttl_s: float = 0.0
+    #: Budget: verifications admitted per second (agreed clock), burst of 1 s.
     verifications_per_s: float = 50.0
+    #: Budget: leading pages of a chain verified by one query.
     pages_per_query: int = 1024
+    #: Budget: fraction of cache lookups whose chain is a verification candidate.
     sampling_rate: float = 0.01
+    #: Per-query timeout (scheduler side) and Redis socket timeout.
     timeout_ms: float = 50.0
+    connect_timeout_ms: float = 50.0
+    #: Redis client retries (exponential backoff from retry_backoff_ms).
+    retries: int = 1
+    retry_backoff_ms: float = 5.0
+    #: Queries admitted but not yet applied, at most.
     queue_size: int = 256
+    #: Verdicts agreed and applied per agreement, at most (the vector's size).
+    max_verdicts_per_step: int = 8
+    #: Scheduler steps between two agreements (one gloo MIN all-reduce each).
+    agree_interval_steps: int = 4
+    #: Circuit breaker: consecutive errors to open, first and longest backoff.
+    breaker_failures: int = 5
+    breaker_backoff_s: float = 1.0
+    breaker_backoff_max_s: float = 60.0
+    #: Learn presence (all-pages pools) when ground truth shows pages beliefs lack.
+    learn: bool = True
+    #: Ledger writes per pipelined round trip.
+    write_batch: int = 512
+    #: ``lua`` (one script, stops at the first absent page) or ``pipeline``.
+    method: Literal["lua", "pipeline"] = "lua"
+
+    def __post_init__(self) -> None:
+        if self.redis_url:
+            scheme = self.redis_url.split("://", 1)[0] if "://" in self.redis_url else ""
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(
+                    "reconciler.redis_url must be a redis://, rediss:// or unix:// URL, "
+                    f"got {redact_url(self.redis_url)!r}"
+                )
+        if not self.breaker_backoff_s > 0:
+            raise ConfigError(
+                f"reconciler.breaker_backoff_s must be > 0, got {self.breaker_backoff_s}"
+            )
+        if self.breaker_backoff_max_s < self.breaker_backoff_s:
+            raise ConfigError(
+                "reconciler.breaker_backoff_max_s must be >= reconciler.breaker_backoff_s, "
+                f"got {self.breaker_backoff_max_s}"
+            )
 
 
 @dataclass(frozen=True)
 class AdvisorSection:
-    """Live miss-ratio-curve estimation (capacity advice)."""
+    """Live miss-ratio-curve estimation (capacity advice, docs/capacity.md)."""
 
     enabled: bool = True
-    sampling_rate: float = 0.01
+    #: Fraction of page hashes sampled (SHARDS); 0 turns the advisor off.  Accuracy
+    #: needs cap x rate >= ~500 at the smallest cap asked about.
+    sampling_rate: float = 0.02
+    #: Cache operations buffered between drains; beyond it they are dropped (counted).
+    buffer_ops: int = 16384
+    #: Time one per-step drain may spend; the rest waits for the next step.
+    drain_budget_ms: float = 2.0
+    #: Sampled pages tracked per pool: bounds memory and the largest cap estimated
+    #: (max_sampled_pages / sampling_rate entries).
+    max_sampled_pages: int = 131072
+    #: Page references after which a reference weighs half (0: the whole history).
+    half_life_references: int = 0
+    #: SHARDS-adj correction of the sample total (off: the plain ratio was more
+    #: accurate on chained page streams, see docs/capacity.md).
+    adjust: bool = False
 
 
 @dataclass(frozen=True)
@@ -291,9 +370,17 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 _POSITIVE = {
     "cache.max_entries",
     "metrics.max_pools",
+    "miss_reasons.sample_every",
     "divergence.interval_steps",
+    "divergence.pool_slots",
     "reconciler.pages_per_query",
     "reconciler.queue_size",
+    "reconciler.max_verdicts_per_step",
+    "reconciler.agree_interval_steps",
+    "reconciler.breaker_failures",
+    "reconciler.write_batch",
+    "advisor.buffer_ops",
+    "advisor.max_sampled_pages",
 }
 _NON_NEGATIVE = {
     "metrics.port",
@@ -301,9 +388,17 @@ _NON_NEGATIVE = {
     "metrics.page_size_bytes",
     "miss_reasons.debug_events_per_s",
     "divergence.timeout_s",
+    "divergence.audit_every_checks",
     "reconciler.ttl_s",
     "reconciler.verifications_per_s",
     "reconciler.timeout_ms",
+    "reconciler.connect_timeout_ms",
+    "reconciler.retries",
+    "reconciler.retry_backoff_ms",
+    "reconciler.breaker_backoff_s",
+    "reconciler.breaker_backoff_max_s",
+    "advisor.drain_budget_ms",
+    "advisor.half_life_references",
 }
 _FRACTIONS = {"miss_reasons.memory_fraction", "reconciler.sampling_rate", "advisor.sampling_rate"}
 

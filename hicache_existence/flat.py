@@ -41,13 +41,30 @@ _EMPTY: frozenset[str] = frozenset()
 class _Pool:
     """Per-pool bookkeeping of the flat cache: its name, counters, entry count."""
 
-    __slots__ = ("name", "counters", "size", "memory")
+    __slots__ = ("name", "counters", "size", "memory", "missed")
 
     def __init__(self, name: str, memory: MissMemory | None) -> None:
         self.name = name
         self.counters = PoolCounters()
         self.size = 0
         self.memory = memory
+        self.missed: list[str] = []
+
+    def settle(self) -> None:
+        """Classify the misses recorded since the last call (see cache.py)."""
+        missed = self.missed
+        if not missed or self.memory is None:
+            return
+        self.missed = []
+        counts = self.counters.miss_reasons
+        for reason, n in Counter(self.memory.classify(missed)).items():
+            counts[reason] += n
+
+    def remember(self, keys: list[str], reason: int) -> None:
+        """Settle pending misses, then record ``keys`` leaving for ``reason``."""
+        if self.memory is not None:
+            self.settle()
+            self.memory.remember(keys, reason)
 
 
 class FlatStorageExistenceCache:
@@ -150,7 +167,7 @@ class FlatStorageExistenceCache:
                     hashes = [key for key in keys if type(key) is str]
                 else:
                     hashes = [key[1] for key in others if key[0] == name]
-                rec.memory.remember(hashes, EVICTED)
+                rec.remember(hashes, EVICTED)
 
     def invalidate_beyond(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         """Drop ``pool``'s beliefs beyond the leading ``keep_pages`` of ``hashes``."""
@@ -166,7 +183,7 @@ class FlatStorageExistenceCache:
         c.invalidate_calls += 1
         c.invalidations += dropped
         if dropped and rec.memory is not None:
-            rec.memory.remember([h for h, r in zip(tail, results) if r is not _ABSENT], INVALIDATED)
+            rec.remember([h for h, r in zip(tail, results) if r is not _ABSENT], INVALIDATED)
         if self._observer is not None:
             self._observer.invalidated(rec.name, seq, keep)
 
@@ -181,9 +198,7 @@ class FlatStorageExistenceCache:
                 else:
                     by_pool.setdefault(key[0], []).append(key[1])
             for name, hashes in by_pool.items():
-                memory = pools[name].memory
-                if memory is not None:
-                    memory.remember(hashes, CLEARED)
+                pools[name].remember(hashes, CLEARED)
         self._entries.clear()
         for rec in list(pools.values()):
             c = rec.counters
@@ -211,6 +226,7 @@ class FlatStorageExistenceCache:
             if self._observer is not None:
                 self._observer.touched(rec.name, (page_hash,), 1)
             return True
+        c.query_misses += 1
         self._count_miss(rec, page_hash)
         return False
 
@@ -305,10 +321,14 @@ class FlatStorageExistenceCache:
 
     @staticmethod
     def _count_miss(rec: _Pool, page_hash: str) -> None:
-        c = rec.counters
-        c.page_misses += 1
+        rec.counters.page_misses += 1
         if rec.memory is not None:
-            c.miss_reasons[rec.memory.reason(page_hash)] += 1
+            rec.missed.append(page_hash)  # classified in a batch by settle()
+
+    def settle(self) -> None:
+        """Classify every pool's pending misses (miss reasons); scheduler thread."""
+        for rec in list(self._pools.values()):
+            rec.settle()
 
     # -- introspection -------------------------------------------------------
     def __len__(self) -> int:

@@ -14,7 +14,7 @@ nothing for features that are off.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 
@@ -28,6 +28,12 @@ class MissMemory(Protocol):
 
     def reason(self, key: str) -> int:
         """Classify a miss on ``key``: the ``stats.MISS_REASONS`` index."""
+
+    def classify(self, keys: Sequence[str]) -> Iterable[int]:
+        """Classify a batch of misses at once (``reason`` for each key).  The
+        cache defers classification to batch boundaries: a miss only appends
+        its key, and ``classify`` runs before the memory next changes (so the
+        answer is the one the miss would have got) or at the step boundary."""
 
 
 @runtime_checkable

@@ -1,0 +1,629 @@
+"""Capacity advice from inside the live cache: its hit-ratio curve, estimated online.
+
+"What cap do I need?" is a question about the cache's miss-ratio curve: the hit
+ratio an LRU of each size would have had on the same reference stream.  The
+advisor estimates it with SHARDS (Waldspurger et al., FAST '15): a page is
+*sampled* when the leading 64 bits of its SHA-256 hash are below
+``rate * 2**64`` (spatial sampling: a sampled page is sampled at every reference,
+on every TP rank alike), the sampled pages go through an exact LRU stack-distance
+structure, and a sampled stack distance ``d`` stands for ``d / rate`` pages.
+SHARDS-adj corrects the total for the sampling's luck with hot pages.
+
+The reference stream is what the cache is asked and told: every page passed to
+``add`` and every page a lookup walked (``touched``).  A reference is a hit at cap
+``C`` when the page would be believed at the start of its call in an LRU of ``C``
+entries fed the same stream; ``invalidate_beyond`` and ``clear`` remove pages
+from that LRU as they do from the cache.  With ``rate = 1`` and the 1x cap this
+reproduces the cache's own ``(page_hits + refreshes) / (pages walked + pages
+added)``; on a belief-only replay it is the exact curve of ``hicache-existence
+replay --model belief-only``.
+
+Cost split (the scheduler's hot path pays almost nothing):
+
+* the ``BeliefObserver`` methods run inside cache operations and only append the
+  caller's ``(pool, hashes, stop)`` to a bounded buffer -- O(1) per *operation*,
+  no per-page work, no copy (sglang passes fresh lists and does not mutate them
+  afterwards; a lookup's walked prefix is bounded by ``stop``);
+* ``drain(budget_s)``, called once per scheduler step after the cache's events
+  are processed, filters the buffered pages with a C-level string comparison and
+  updates the stack structure, stopping when its time budget is spent;
+* ``snapshot()`` (any thread) turns the histograms into hit ratios at 0.25x ..
+  8x each pool's current cap.
+
+If ``drain`` is not called often enough the buffer fills and further operations
+are dropped (counted in ``dropped_operations`` / ``dropped_references``): sampled
+pages referenced by a dropped operation look older than they are, so the estimate
+is biased low until the stream has moved on.  Nothing here raises into the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, islice
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache_existence.config import AdvisorSection
+
+#: Cap multipliers reported per pool (a fixed set: bounded label cardinality).
+MULTIPLIERS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+#: Proposed gauge: ``{pool, cap_multiplier}`` -> estimated hit ratio.
+GAUGE_NAME = "hicache_existence_advisor_estimated_hit_ratio"
+#: Pool name under which a shared-cap (flat generation) cache is reported.
+SHARED_POOL = "all"
+
+DEFAULT_SAMPLING_RATE = 0.02
+DEFAULT_BUFFER_OPS = 16384
+DEFAULT_DRAIN_BUDGET_S = 0.002
+DEFAULT_MAX_SAMPLED_PAGES = 131072
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_RESCALE_AT = 2.0**40
+_MIN_TREE = 1024
+
+
+class _Default:
+    """The type of ``_DEFAULT``: "use the configured value"."""
+
+
+_DEFAULT = _Default()
+
+
+def multiplier_label(multiplier: float) -> str:
+    """``0.25`` -> ``"0.25"``, ``1.0`` -> ``"1"`` (the ``cap_multiplier`` label value)."""
+    return f"{multiplier:g}"
+
+
+class _Stack:
+    """An exact LRU stack over sampled keys: stack distances in O(log n).
+
+    Keys carry a timestamp; a Fenwick tree counts the live timestamps, so the
+    distance of a key is the number of live timestamps after its own.  When the
+    timestamps run out the live ones are renumbered in LRU order into a tree
+    sized for them (amortised O(1) per touch; memory follows the live keys).
+    """
+
+    __slots__ = ("times", "tree", "size", "clock")
+
+    def __init__(self) -> None:
+        self.times: OrderedDict[Any, int] = OrderedDict()
+        self.size = _MIN_TREE
+        self.tree = [0] * (self.size + 1)
+        self.clock = 1
+
+    def _add(self, i: int, delta: int) -> None:
+        tree = self.tree
+        size = self.size
+        while i <= size:
+            tree[i] += delta
+            i += i & -i
+
+    def remove(self, key: Any) -> None:
+        old = self.times.pop(key, None)
+        if old is not None:
+            self._add(old, -1)
+
+    def trim(self, max_keys: int) -> None:
+        """Forget the least recent keys beyond ``max_keys`` (their next reference is cold)."""
+        times = self.times
+        while len(times) > max_keys:
+            _, old = times.popitem(last=False)
+            self._add(old, -1)
+
+    def clear(self) -> None:
+        self.times.clear()
+        self.size = _MIN_TREE
+        self.tree = [0] * (self.size + 1)
+        self.clock = 1
+
+    def renumber(self) -> None:
+        """Give the live keys timestamps ``1..n`` in LRU order, in a tree of 8n slots."""
+        times = self.times
+        size = max(_MIN_TREE, 8 * len(times))
+        tree = [0] * (size + 1)
+        for t, key in enumerate(times, 1):
+            times[key] = t
+            tree[t] = 1
+        for i in range(1, size + 1):  # linear-time Fenwick build
+            j = i + (i & -i)
+            if j <= size:
+                tree[j] += tree[i]
+        self.tree = tree
+        self.size = size
+        self.clock = len(times) + 1
+
+
+class _Estimator:
+    """SHARDS over one LRU (a pool, or all pools of a shared-cap cache)."""
+
+    __slots__ = (
+        "stack",
+        "hist",
+        "cold",
+        "sampled",
+        "references",
+        "weight",
+        "growth",
+        "raw_references",
+        "raw_sampled",
+        "dropped",
+        "max_keys",
+    )
+
+    def __init__(self, max_keys: int, half_life: int) -> None:
+        self.stack = _Stack()
+        self.max_keys = max_keys
+        #: Weighted sampled references by sampled stack distance.
+        self.hist: list[float] = []
+        self.cold = 0.0
+        self.sampled = 0.0
+        #: Weighted references of the whole stream (sampled or not).
+        self.references = 0.0
+        self.weight = 1.0
+        self.growth = 2.0 ** (1.0 / half_life) if half_life else 1.0
+        self.raw_references = 0
+        self.raw_sampled = 0
+        self.dropped = 0
+
+    def reference(self, keys: Sequence[Any], total: int, inserting: bool = True) -> None:
+        """One call's ``total`` references, of which ``keys`` were sampled; every
+        distance is taken before the call's updates (batch semantics).  A lookup
+        (``inserting=False``) does not insert a page the stack does not hold."""
+        if self.growth != 1.0:
+            self.weight *= self.growth**total
+            if self.weight > _RESCALE_AT:
+                self._rescale()
+        w = self.weight
+        self.references += w * total
+        self.raw_references += total
+        if not keys:
+            return
+        self.raw_sampled += len(keys)
+        self.sampled += w * len(keys)
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            keys = self._repeats_as_hits(keys, w)
+        stack = self.stack
+        times = stack.times
+        tree = stack.tree
+        hist = self.hist
+        live = len(times)
+        absent: list[Any] = []
+        # Distances at the start of the call.  A key whose timestamp follows the
+        # previous key's (a chain referenced again in order) is one closer.
+        prev_t = prev_d = -2
+        for key in keys:
+            t = times.get(key)
+            if t is None:
+                self.cold += w
+                prev_t = -2
+                if not inserting:
+                    absent.append(key)
+                continue
+            if t == prev_t + 1:
+                d = prev_d - 1
+            else:
+                below = 0
+                i = t
+                while i:
+                    below += tree[i]
+                    i &= i - 1
+                d = live - below
+            prev_t = t
+            prev_d = d
+            if d < len(hist):
+                hist[d] += w
+            else:
+                self._bucket(d, w)
+        if absent:
+            skip = set(absent)
+            keys = [key for key in keys if key not in skip]
+        # Updates, in call order: each key becomes the most recent.
+        size = stack.size
+        clock = stack.clock
+        for key in keys:
+            old = times.pop(key, None)
+            if old is not None:
+                i = old
+                while i <= size:
+                    tree[i] -= 1
+                    i += i & -i
+            if clock > size:
+                stack.clock = clock
+                stack.renumber()
+                tree = stack.tree
+                size = stack.size
+                clock = stack.clock
+            times[key] = clock
+            i = clock
+            while i <= size:
+                tree[i] += 1
+                i += i & -i
+            clock += 1
+        stack.clock = clock
+        if len(times) > self.max_keys:
+            stack.trim(self.max_keys)
+
+    def _repeats_as_hits(self, keys: Sequence[Any], w: float) -> list[Any]:
+        """A key repeated within one call is a hit at every cap (``add`` counts it a
+        refresh); the stack sees each key once, at its last occurrence."""
+        last = {key: index for index, key in enumerate(keys)}
+        out = []
+        for index, key in enumerate(keys):
+            if last[key] == index:
+                out.append(key)
+            else:
+                self._bucket(0, w)
+        return out
+
+    def _bucket(self, d: int, w: float) -> None:
+        hist = self.hist
+        if d >= len(hist):
+            hist.extend([0.0] * (d + 1 - len(hist)))
+        hist[d] += w
+
+    def _rescale(self) -> None:
+        scale = 1.0 / self.weight
+        self.hist = [v * scale for v in self.hist]
+        self.cold *= scale
+        self.sampled *= scale
+        self.references *= scale
+        self.weight = 1.0
+
+    def hit_ratio(self, cap: int, rate: float, adjust: bool) -> float | None:
+        """Estimated hit ratio of an LRU of ``cap`` entries; None without data or
+        when ``cap`` lies beyond the distances tracked."""
+        return self.hit_ratios([cap], rate, adjust)[0]
+
+    def hit_ratios(self, caps: Sequence[int], rate: float, adjust: bool) -> list[float | None]:
+        if self.sampled <= 0:
+            return [None] * len(caps)
+        limits = [math.ceil(cap * rate) for cap in caps]
+        top = min(max(limits), len(self.hist))
+        cumulative = [0.0, *accumulate(islice(self.hist, top))]
+        expected = self.references * rate
+        # SHARDS-adj: the sampling's surplus or shortfall of references is put in
+        # the first bucket (hot pages decide it), and the total becomes the expected.
+        delta = expected - self.sampled if adjust else 0.0
+        denominator = self.sampled + delta
+        if denominator <= 0:
+            return [None] * len(caps)
+        out: list[float | None] = []
+        for limit in limits:
+            if limit > self.max_keys:
+                out.append(None)
+                continue
+            hits = cumulative[min(limit, top)] + delta
+            out.append(min(1.0, max(0.0, hits / denominator)))
+        return out
+
+
+@dataclass(frozen=True)
+class PoolAdvice:
+    """One pool's estimated hit ratios around its current cap."""
+
+    pool: str
+    #: The pool's cap when the snapshot was taken (None: not known).
+    capacity: int | None
+    #: Multiplier of ``capacity`` -> estimated hit ratio (None: no data yet, or beyond
+    #: the distances tracked).
+    estimates: Mapping[float, float | None]
+    #: Page references drained (the whole stream) and of those, sampled.
+    references: int
+    sampled_references: int
+    #: Sampled pages currently tracked.
+    sampled_pages: int
+    #: Page references lost to a full buffer.
+    dropped_references: int
+
+
+@dataclass(frozen=True)
+class AdvisorSnapshot:
+    """An immutable view of the advisor, for exporters and the CLI."""
+
+    sampling_rate: float
+    pools: Mapping[str, PoolAdvice]
+    pending_operations: int
+    dropped_operations: int
+    dropped_references: int
+    drains: int
+    drain_seconds: float
+    errors: int
+    multipliers: tuple[float, ...] = field(default=MULTIPLIERS)
+
+    def hit_ratio(self, pool: str, multiplier: float) -> float | None:
+        """The estimate for ``pool`` at ``multiplier`` x its cap (None if unknown)."""
+        advice = self.pools.get(pool)
+        return None if advice is None else advice.estimates.get(multiplier)
+
+    def gauge_samples(self) -> list[tuple[dict[str, str], float]]:
+        """``(labels, value)`` pairs for ``GAUGE_NAME``; unknown estimates are left out."""
+        out = []
+        for pool, advice in self.pools.items():
+            for multiplier, value in advice.estimates.items():
+                if value is not None:
+                    out.append(
+                        ({"pool": pool, "cap_multiplier": multiplier_label(multiplier)}, value)
+                    )
+        return out
+
+
+def _blake_sampled(keys: Iterable[str], threshold: int) -> list[str]:
+    """Sampling for keys that are not 64-hex SHA-256 strings (uniform again)."""
+    out = []
+    for key in keys:
+        digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        if int.from_bytes(digest, "big") < threshold:
+            out.append(key)
+    return out
+
+
+class CapacityAdvisor:
+    """A ``BeliefObserver`` that estimates each pool's hit-ratio curve (SHARDS).
+
+    ``shared=True`` models one LRU over all pools, as the seed (flat) generation
+    has, reported under pool ``"all"``.  ``half_life_references`` > 0 weighs recent
+    references more (the weight doubles every that many page references), so the
+    curve follows a changing workload; 0 keeps the whole history.
+    """
+
+    def __init__(
+        self,
+        sampling_rate: float = DEFAULT_SAMPLING_RATE,
+        *,
+        buffer_ops: int = DEFAULT_BUFFER_OPS,
+        max_sampled_pages: int = DEFAULT_MAX_SAMPLED_PAGES,
+        half_life_references: int = 0,
+        adjust: bool = False,
+        drain_budget_s: float | None = DEFAULT_DRAIN_BUDGET_S,
+        shared: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, float)):
+            raise TypeError(f"sampling_rate must be a number, got {type(sampling_rate).__name__}")
+        if not 0.0 < sampling_rate <= 1.0:
+            raise ValueError(f"sampling_rate must be within (0, 1], got {sampling_rate}")
+        for name, value, low in (
+            ("buffer_ops", buffer_ops, 1),
+            ("max_sampled_pages", max_sampled_pages, 1),
+            ("half_life_references", half_life_references, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if drain_budget_s is not None and not 0 <= drain_budget_s < math.inf:
+            raise ValueError(f"drain_budget_s must be a finite number >= 0, got {drain_budget_s}")
+        self.sampling_rate = float(sampling_rate)
+        self.drain_budget_s = drain_budget_s
+        self.adjust = bool(adjust)
+        self.shared = bool(shared)
+        self._threshold = min(int(self.sampling_rate * 2.0**64), 2**64)
+        # h < prefix  <=>  int(h[:16], 16) < threshold, for 64-char lowercase hex h.
+        self._prefix = f"{self._threshold:016x}" if self._threshold < 2**64 else None
+        self._limit = buffer_ops
+        self._max_keys = max_sampled_pages
+        self._half_life = half_life_references
+        self._clock = clock
+        self._buf: list[tuple[Any, ...]] = []
+        self._estimators: dict[str, _Estimator] = {}
+        self._lock = threading.Lock()
+        self.dropped_operations = 0
+        self.dropped_references = 0
+        self.drains = 0
+        self.drain_seconds = 0.0
+        self.errors = 0
+
+    @classmethod
+    def from_config(
+        cls, section: AdvisorSection, *, shared: bool = False
+    ) -> CapacityAdvisor | None:
+        """An advisor as configured, or None when disabled (or sampling rate 0)."""
+        if not section.enabled or section.sampling_rate <= 0:
+            return None
+        return cls(
+            section.sampling_rate,
+            buffer_ops=section.buffer_ops,
+            max_sampled_pages=section.max_sampled_pages,
+            half_life_references=section.half_life_references,
+            adjust=section.adjust,
+            drain_budget_s=section.drain_budget_ms / 1000.0,
+            shared=shared,
+        )
+
+    # -- BeliefObserver: O(1) per operation, called on the scheduler thread ----
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        buf = self._buf
+        if len(buf) < self._limit:
+            buf.append((pool, hashes))
+        else:
+            self._overflow(pool, len(hashes))
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        buf = self._buf
+        if len(buf) < self._limit:
+            buf.append((pool, hashes, stop))
+        else:
+            self._overflow(pool, stop)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        buf = self._buf
+        if len(buf) < self._limit:
+            buf.append((pool, hashes, keep_pages, None))
+        else:
+            self.dropped_operations += 1
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """In-flight content is not a belief: not part of the reference stream."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        if not inflight_only:
+            # Kept even when full: missing a clear would leave ghosts in the stack.
+            self._buf.append((pool,))
+
+    def _overflow(self, pool: str, pages: int) -> None:
+        self.dropped_operations += 1
+        self.dropped_references += pages
+        try:
+            self._estimator(pool).dropped += pages
+        except Exception:  # never raise into the cache
+            self.errors += 1
+
+    # -- processing ------------------------------------------------------------
+    @property
+    def pending_operations(self) -> int:
+        return len(self._buf)
+
+    def _estimator(self, pool: str) -> _Estimator:
+        name = SHARED_POOL if self.shared else pool
+        est = self._estimators.get(name)
+        if est is None:
+            est = self._estimators[name] = _Estimator(self._max_keys, self._half_life)
+        return est
+
+    def _sample(self, hashes: Sequence[str], count: int, start: int = 0) -> list[Any]:
+        """The sampled keys among ``hashes[start:count]``, in order."""
+        prefix = self._prefix
+        if start or count != len(hashes):
+            view: Iterable[str] = islice(hashes, start, count)
+        else:
+            view = hashes
+        if count <= start:
+            return []
+        if prefix is None:
+            keys: list[Any] = list(view)
+        elif _HEX64.fullmatch(hashes[start]):
+            keys = [h for h in view if h < prefix]
+        else:
+            keys = _blake_sampled(view, self._threshold)
+        return keys
+
+    def _apply(self, op: tuple[Any, ...]) -> None:
+        size = len(op)
+        pool = op[0]
+        est = self._estimator(pool)
+        if size == 1:
+            est.stack.clear()
+            return
+        hashes = op[1]
+        if size == 4:
+            keys = self._sample(hashes, len(hashes), op[2])
+            if self.shared:
+                keys = [(pool, k) for k in keys]
+            for key in keys:
+                est.stack.remove(key)
+            return
+        count = len(hashes) if size == 2 else min(op[2], len(hashes))
+        keys = self._sample(hashes, count)
+        if self.shared:
+            keys = [(pool, k) for k in keys]
+        est.reference(keys, count, size == 2)
+
+    def drain(self, budget_s: float | _Default | None = _DEFAULT) -> int:
+        """Process buffered operations, oldest first, until none is left or the
+        budget is spent (default: the configured ``drain_budget_s``; None: no limit).
+        Returns how many were processed.  Never raises; skips the round if a
+        snapshot holds the lock."""
+        if isinstance(budget_s, _Default):
+            budget_s = self.drain_budget_s
+        if not self._buf or not self._lock.acquire(blocking=False):
+            return 0
+        clock = self._clock
+        started = clock()
+        deadline = started + budget_s if budget_s is not None else math.inf
+        done = 0
+        try:
+            buf = self._buf
+            n = len(buf)
+            apply = self._apply
+            while done < n:
+                op = buf[done]
+                done += 1
+                try:
+                    apply(op)
+                except Exception:
+                    self.errors += 1
+                if not done & 7 and clock() >= deadline:
+                    break
+            del buf[:done]
+        except Exception:
+            self.errors += 1
+        finally:
+            self.drains += 1
+            self.drain_seconds += clock() - started
+            self._lock.release()
+        return done
+
+    def discard_pending(self) -> int:
+        """Drop the buffered operations unprocessed (counted as dropped); returns how many."""
+        with self._lock:
+            dropped = len(self._buf)
+            self._buf.clear()
+            self.dropped_operations += dropped
+        return dropped
+
+    # -- reporting -------------------------------------------------------------
+    def estimate(self, pool: str, cap: int) -> float | None:
+        """Estimated hit ratio of ``pool`` at ``cap`` entries (None: no data yet)."""
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+        with self._lock:
+            est = self._estimators.get(SHARED_POOL if self.shared else pool)
+            if est is None:
+                return None
+            return est.hit_ratio(cap, self.sampling_rate, self.adjust)
+
+    def snapshot(
+        self,
+        capacities: Mapping[str, int] | int | None = None,
+        multipliers: Sequence[float] = MULTIPLIERS,
+    ) -> AdvisorSnapshot:
+        """Hit ratios at ``multipliers`` x each pool's cap.  ``capacities`` maps pool ->
+        cap, or is one cap for every pool (shared-cap cache); pools without a cap get
+        no estimates."""
+        pools: dict[str, PoolAdvice] = {}
+        with self._lock:
+            for name, est in self._estimators.items():
+                cap = (
+                    capacities
+                    if isinstance(capacities, int)
+                    else (capacities.get(name) if capacities is not None else None)
+                )
+                estimates: dict[float, float | None] = {}
+                if cap:
+                    caps = [max(1, int(cap * m)) for m in multipliers]
+                    values = est.hit_ratios(caps, self.sampling_rate, self.adjust)
+                    estimates = dict(zip(multipliers, values))
+                pools[name] = PoolAdvice(
+                    name,
+                    cap or None,
+                    MappingProxyType(estimates),
+                    est.raw_references,
+                    est.raw_sampled,
+                    len(est.stack.times),
+                    est.dropped,
+                )
+        return AdvisorSnapshot(
+            self.sampling_rate,
+            MappingProxyType(pools),
+            len(self._buf),
+            self.dropped_operations,
+            self.dropped_references,
+            self.drains,
+            self.drain_seconds,
+            self.errors,
+            tuple(multipliers),
+        )
+
+    def capacities_of(self, cache: Any) -> Mapping[str, int] | int:
+        """The caps to report against, read from a cache of either generation."""
+        if self.shared or not hasattr(cache, "pools"):
+            return int(cache.max_entries)
+        return {p.name: int(p.max_entries) for p in cache.pools()}

@@ -1,0 +1,95 @@
+"""``hicache-existence reconcile-bench``: the ledger's round-trip costs, Lua vs pipeline.
+
+Runs against ``--redis-url`` (a password in it is never printed) or, with
+``--spawn``, a private redis-server started on a free loopback port in a temp
+directory and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+from typing import Any
+
+NAME = "reconcile-bench"
+HELP = "measure the Redis ledger's leading_present round trips (Lua vs pipeline)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL of a Redis")
+    where.add_argument(
+        "--spawn", action="store_true", help="start a private redis-server on 127.0.0.1"
+    )
+    parser.add_argument(
+        "--pages", default="64,256,1024", help="chain sizes, comma separated (default 64,256,1024)"
+    )
+    parser.add_argument("--reps", type=int, default=50, help="calls per method and case")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def _spawn(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    from hicache_existence.reconcile.measure import wait_ready
+
+    url = f"redis://127.0.0.1:{port}/0"
+    if not wait_ready(url, 10.0):
+        proc.kill()
+        raise SystemExit("the spawned redis-server did not answer PING")
+    return proc, url
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_existence.config import redact_url
+    from hicache_existence.reconcile.measure import format_rows, measure_reads, measure_writes
+    from hicache_existence.reconcile.redis_truth import validate_redis_url
+
+    try:
+        sizes = [int(x) for x in str(args.pages).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"--pages must be integers separated by commas, got {args.pages!r}"
+        ) from None
+    if not sizes or min(sizes) < 1 or args.reps < 1:
+        raise SystemExit("--pages and --reps must be >= 1")
+    proc = None
+    tmp = None
+    try:
+        if args.spawn:
+            tmp = tempfile.mkdtemp(prefix="hicache-existence-redis-")
+            proc, url = _spawn(tmp)
+        else:
+            url = validate_redis_url(args.redis_url, "--redis-url")
+        rows = measure_reads(url, sizes, args.reps)
+        writes: dict[str, Any] = {
+            "record_stored_pages_per_s": measure_writes(url),
+            "record_stored_ttl_pages_per_s": measure_writes(url, ttl_s=60.0),
+        }
+        if args.json:
+            print(json.dumps({"rows": [r.as_dict() for r in rows], **writes}, indent=2))
+        else:
+            print(f"redis: {redact_url(url)}")
+            print(format_rows(rows))
+            for k, v in writes.items():
+                print(f"{k}: {v:,.0f}")
+        return 0
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(10)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,216 @@
+"""``hicache-existence replay``: what would each existence-cache cap give on a trace?
+
+Reads a Mooncake JSONL trace (or a page trace in this project's format, see
+docs/replay.md), expands it to SGLang page hashes, computes the exact
+belief-only hit-ratio curve in one pass, and (by default) replays HiCache buffer
+mode's write path through the real cache at every cap of the sweep, in parallel.
+Prints a table and writes JSON and a PNG plot.  The trace is fully validated
+before anything is written: a bad trace gives an error with its line number and
+no output files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+NAME = "replay"
+HELP = "replay a request trace and report hit ratio and writes for a sweep of caps"
+
+
+def _caps(text: str) -> tuple[int, ...]:
+    from hicache_existence.replay.sweep import parse_caps
+
+    try:
+        return parse_caps(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cap(text: str) -> int:
+    from hicache_existence.replay.sweep import parse_cap
+
+    try:
+        return parse_cap(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(minimum: int):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _millis(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, metavar="TRACE", help="JSONL trace file")
+    parser.add_argument(
+        "--format",
+        choices=("auto", "mooncake", "pages"),
+        default="auto",
+        help="trace format (default: detected from the first line)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("buffer", "belief-only"),
+        default="buffer",
+        help="buffer: also replay the write path per cap (default); "
+        "belief-only: only the exact one-pass curve",
+    )
+    parser.add_argument(
+        "--caps",
+        type=_caps,
+        default=None,
+        help="caps to report, e.g. 16K..2M (doubling, the default) or 64K,512K,1M",
+    )
+    parser.add_argument(
+        "--current-cap",
+        type=_cap,
+        default=None,
+        help="the cap marked as current (default 512K, upstream's)",
+    )
+    parser.add_argument(
+        "--page-size", type=_count(1), default=64, help="tokens per page (default 64)"
+    )
+    parser.add_argument(
+        "--block-tokens",
+        type=_count(1),
+        default=512,
+        help="tokens per Mooncake hash id (default 512)",
+    )
+    parser.add_argument(
+        "--partial-pages",
+        choices=("ceil", "floor"),
+        default="ceil",
+        help="pages of a request's partial last block: ceil (default) or "
+        "floor (only full pages, as SGLang stores)",
+    )
+    parser.add_argument(
+        "--node-pages",
+        type=_count(1),
+        default=8,
+        help="model node size for page traces (default 8)",
+    )
+    parser.add_argument(
+        "--device-pages",
+        type=_count(0),
+        default=16384,
+        help="device prefix-cache capacity in pages (default 16384; 0: none)",
+    )
+    parser.add_argument(
+        "--l3-pages", type=_count(0), default=0, help="L3 capacity in pages (default 0: unbounded)"
+    )
+    parser.add_argument(
+        "--ack-latency-ms",
+        type=_millis,
+        default=0.0,
+        help="write launch to storage ack (default 0: before the next request)",
+    )
+    parser.add_argument(
+        "--prefetch-threshold",
+        type=_count(0),
+        default=256,
+        help="shortest device miss (tokens) that queries L3 (default 256)",
+    )
+    parser.add_argument(
+        "--no-heal", action="store_true", help="do not heal beliefs from prefetch hit queries"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("replay-out"),
+        help="directory for replay.json and replay.png (default ./replay-out)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="JSON path (default OUT/replay.json)"
+    )
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/replay.png)")
+    parser.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    parser.add_argument(
+        "--jobs",
+        type=_count(1),
+        default=None,
+        help="processes for the model runs (default: the usable CPUs)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_existence.replay import report
+    from hicache_existence.replay.model import ModelConfig
+    from hicache_existence.replay.pages import expand
+    from hicache_existence.replay.sweep import DEFAULT_CAPS, DEFAULT_CURRENT_CAP, sweep, throttled
+    from hicache_existence.replay.trace import TraceError, read_trace
+
+    started = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"... [{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    caps = args.caps or DEFAULT_CAPS
+    current = args.current_cap or DEFAULT_CURRENT_CAP
+    json_path = args.json or args.out / "replay.json"
+    plot_path = None if args.no_plot else (args.plot or args.out / "replay.png")
+    tick = throttled(progress)
+    try:
+        progress(f"reading {args.trace}")
+        trace = read_trace(args.trace, args.format, block_tokens=args.block_tokens)
+        progress(f"expanding {len(trace.requests):,} requests to {args.page_size}-token pages")
+        pages = expand(
+            trace,
+            args.page_size,
+            partial_pages=args.partial_pages,
+            node_pages=args.node_pages,
+            progress=lambda done, total: tick(f"expanding: {done}/{total} requests"),
+        )
+    except (TraceError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    expand_s = time.perf_counter() - started
+    config = ModelConfig(
+        device_pages=args.device_pages,
+        l3_pages=args.l3_pages,
+        ack_latency_ms=args.ack_latency_ms,
+        prefetch_threshold_tokens=args.prefetch_threshold,
+        heal=not args.no_heal,
+    )
+    result = sweep(
+        pages,
+        caps,
+        model=args.model,
+        config=config,
+        current_cap=current,
+        jobs=args.jobs,
+        progress=progress,
+    )
+    result.timings["read_and_expand_s"] = expand_s
+    print(report.format_table(result))
+    report.write_json(result, json_path)
+    print(f"wrote {json_path}")
+    if plot_path is not None:
+        problem = report.write_plot(result, plot_path)
+        if problem:
+            print(f"note: {problem}", file=sys.stderr)
+        else:
+            print(f"wrote {plot_path}")
+    return 0

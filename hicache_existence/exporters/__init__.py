@@ -1,0 +1,133 @@
+"""Exporters: Prometheus (standalone and multiprocess), OpenTelemetry, log events.
+
+All of them read snapshots through one ``Sampler`` (``exporters.samples``), never
+the cache's internals.  ``Telemetry`` wires them from a ``Config`` for one
+scheduler process; the SGLang integration calls ``Telemetry.step()`` once per
+scheduler step (after ``check_hicache_events``), which does nothing until
+``metrics.flush_interval_s`` has passed.
+
+Heavy dependencies are imported only by the exporter that needs them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hicache_existence import logs
+from hicache_existence.catalog import DeploymentLabels
+from hicache_existence.config import Config
+from hicache_existence.exporters.samples import PoolLabeler, Sampler, StatsSource
+from hicache_existence.ghosts import GhostFactory
+from hicache_existence.monitor import Monitor
+from hicache_existence.writes import WriteAccounting
+
+__all__ = ["PoolLabeler", "Sampler", "Telemetry", "parse_pools", "resolve_mode"]
+
+
+def parse_pools(text: str) -> tuple[str, ...]:
+    """``"kv, swa"`` -> ``("kv", "swa")`` (the ``metrics.initial_pools`` setting)."""
+    if not isinstance(text, str):
+        raise TypeError(f"initial_pools must be a str, got {type(text).__name__}")
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def resolve_mode(mode: str, env: dict[str, str] | None = None) -> str:
+    """``auto`` -> ``multiprocess`` when ``PROMETHEUS_MULTIPROC_DIR`` is set
+    (SGLang ``--enable-metrics``), else ``standalone``."""
+    if mode not in ("auto", "multiprocess", "standalone", "off"):
+        raise ValueError(
+            f"metrics.mode must be auto, multiprocess, standalone or off, got {mode!r}"
+        )
+    if mode != "auto":
+        return mode
+    environ = os.environ if env is None else env
+    return "multiprocess" if environ.get("PROMETHEUS_MULTIPROC_DIR") else "standalone"
+
+
+class Telemetry:
+    """Metrics and log events for one cache in one process.
+
+    ``start()`` binds the standalone server (if that is the mode); ``step()`` is
+    the per-scheduler-step hook; ``close()`` releases the port.  Nothing here
+    raises into the scheduler after construction.
+    """
+
+    def __init__(
+        self,
+        cache: StatsSource,
+        config: Config | None = None,
+        labels: DeploymentLabels | None = None,
+        *,
+        writes: WriteAccounting | None = None,
+        ghosts: GhostFactory | None = None,
+        clock: Callable[[], float] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config or Config()
+        section = self.config.metrics
+        self.labels = labels or DeploymentLabels(
+            model_name=section.model_name, storage_backend=section.storage_backend
+        )
+        self.mode = resolve_mode(section.mode, env) if section.enabled else "off"
+        self._clock = clock or time.monotonic
+        self.sampler = Sampler(
+            cache,
+            writes=writes,
+            ghosts=ghosts,
+            max_pools=section.max_pools,
+            initial_pools=parse_pools(section.initial_pools),
+        )
+        self.monitor = Monitor(clock=self._clock)
+        self.feeder: Any = None
+        self.server: Any = None
+        self._cache = cache
+        self._last: float | None = None
+        self._logger = logs.get_logger("hicache_existence.exporters")
+        self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
+        if self.mode == "multiprocess":
+            from hicache_existence.exporters.multiprocess import MultiprocessFeeder
+
+            self.feeder = MultiprocessFeeder(
+                self.sampler, self.labels, flush_interval_s=0.0, clock=self._clock
+            )
+
+    def start(self) -> None:
+        """Serve ``/metrics`` on ``metrics.host:metrics.port`` in standalone mode
+        and log the start-up configuration (credentials redacted)."""
+        section = self.config.metrics
+        if self.mode == "standalone" and self.server is None:
+            from hicache_existence.exporters.prometheus import serve
+
+            self.server = serve(self.sampler, self.labels, host=section.host, port=section.port)
+        self._logger.info(
+            logs.STARTUP,
+            mode=self.mode,
+            labels=self.labels.as_dict(),
+            config=self.config.redacted(),
+        )
+
+    def step(self) -> bool:
+        """Flush metrics and derive log events if ``flush_interval_s`` passed."""
+        try:
+            now = self._clock()
+            interval = self.config.metrics.flush_interval_s
+            if self._last is not None and now - self._last < interval:
+                return False
+            self._last = now
+            self.sampler.settle()
+            if self.feeder is not None:
+                self.feeder.flush(force=True)
+            self.monitor.observe(self._cache.stats())
+            return True
+        except Exception as exc:  # never raise into the scheduler
+            if self._errors.allow():
+                self._logger.error(logs.EXPORTER_ERROR, exporter="telemetry", error=repr(exc))
+            return False
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None

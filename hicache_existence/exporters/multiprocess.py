@@ -1,0 +1,137 @@
+"""Prometheus export inside SGLang ``--enable-metrics`` (prometheus_client
+multiprocess mode).
+
+In multiprocess mode every scheduler process writes its metric values to mmap
+files in ``PROMETHEUS_MULTIPROC_DIR`` and SGLang's HTTP server aggregates them
+with ``MultiProcessCollector``; custom collectors are not aggregated, so this
+module feeds ordinary ``Counter``/``Gauge`` objects instead.  It never touches them
+per page: ``flush()`` is called at most once per scheduler step, returns at once
+unless ``flush_interval_s`` has passed, and then applies one O(pools x metrics)
+batch: counters ``inc`` by the delta since the previous flush, gauges ``set``.
+
+Gauges use ``multiprocess_mode="mostrecent"`` (see ``catalog.GAUGE_MULTIPROCESS_MODE``).
+One feeder per process: two feeders with the same label set in one process
+would share mmap entries.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, values
+
+from hicache_existence import logs
+from hicache_existence.catalog import CATALOG, GAUGE_MULTIPROCESS_MODE, DeploymentLabels
+from hicache_existence.exporters.samples import Sampler, Samples, SeriesKey
+
+ENV_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_active() -> bool:
+    """Whether prometheus_client writes values to multiprocess files (decided
+    when prometheus_client was first imported, as SGLang arranges)."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False)) and bool(
+        os.environ.get(ENV_DIR)
+    )
+
+
+class MultiprocessFeeder:
+    """Feeds prometheus_client metrics from a ``Sampler`` in rate-limited batches.
+
+    ``registry=None`` (the default) registers nothing in-process: in multiprocess
+    mode the values live in the mmap files, which SGLang's ``/metrics`` reads.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        labels: DeploymentLabels | None = None,
+        *,
+        flush_interval_s: float = 1.0,
+        clock: Callable[[], float] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"sampler must be a Sampler, got {type(sampler).__name__}")
+        if labels is not None and not isinstance(labels, DeploymentLabels):
+            raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
+        if isinstance(flush_interval_s, bool) or not isinstance(flush_interval_s, (int, float)):
+            raise TypeError("flush_interval_s must be a number of seconds")
+        if not flush_interval_s >= 0:
+            raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
+        self.sampler = sampler
+        self.flush_interval_s = float(flush_interval_s)
+        self._clock = clock or time.monotonic
+        self._deployment = (labels or DeploymentLabels()).values()
+        self._metrics: dict[str, Any] = {}
+        for spec in CATALOG:
+            if spec.kind == "counter":
+                self._metrics[spec.name] = Counter(
+                    spec.name, spec.help, spec.label_names, unit=spec.unit, registry=registry
+                )
+            else:
+                self._metrics[spec.name] = Gauge(
+                    spec.name,
+                    spec.help,
+                    spec.label_names,
+                    unit=spec.unit,
+                    registry=registry,
+                    multiprocess_mode=GAUGE_MULTIPROCESS_MODE,
+                )
+        self._children: dict[tuple[str, SeriesKey], Any] = {}
+        self._previous: dict[tuple[str, SeriesKey], float] = {}
+        self._last: float | None = None
+        self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
+        self._logger = logs.get_logger("hicache_existence.exporters")
+        self.flushes = 0
+        # Every series of the pools known now exists at 0 from the start.
+        self._apply(sampler.sample(), counters=False)
+
+    def flush(self, *, force: bool = False) -> bool:
+        """Apply the accounting since the last flush if ``flush_interval_s`` has
+        passed (or ``force``).  Never raises; returns whether it flushed."""
+        try:
+            now = self._clock()
+            if not force and self._last is not None and now - self._last < self.flush_interval_s:
+                return False
+            self._last = now
+            self.sampler.settle()  # flush runs on the scheduler thread
+            self._apply(self.sampler.sample(), counters=True)
+            self.flushes += 1
+            return True
+        except Exception as exc:  # observability never raises into the scheduler
+            if self._errors.allow():
+                self._logger.error(
+                    logs.EXPORTER_ERROR,
+                    exporter="multiprocess",
+                    error=repr(exc),
+                    suppressed=self._errors.take_suppressed(),
+                )
+            return False
+
+    def _child(self, name: str, key: SeriesKey) -> Any:
+        child = self._children.get((name, key))
+        if child is None:
+            child = self._metrics[name].labels(*self._deployment, *key)
+            self._children[(name, key)] = child
+        return child
+
+    def _apply(self, samples: Samples, *, counters: bool) -> None:
+        previous = self._previous
+        for spec in CATALOG:
+            name = spec.name
+            for key, value in samples[name].items():
+                child = self._child(name, key)
+                if spec.kind == "gauge":
+                    child.set(value)
+                    continue
+                if not counters:
+                    continue  # the child exists at 0; the first flush adds it all
+                slot = (name, key)
+                delta = value - previous.get(slot, 0.0)
+                if delta > 0:
+                    child.inc(delta)
+                    previous[slot] = value

@@ -1,0 +1,131 @@
+"""OpenTelemetry export through ``opentelemetry-api`` only (the SDK is the
+application's choice, an optional extra here).
+
+Every catalog metric becomes an observable instrument (counters: observable
+counters, gauges: observable gauges) whose callback reads the same ``Sampler``
+values the Prometheus exporters render.  A collection takes one snapshot
+shared by all instruments: a callback takes a fresh snapshot only when its own
+instrument has already read the current one, so the cost per collection is one
+O(pools) snapshot plus O(pools) observations per instrument, whatever order the
+SDK calls the callbacks in.
+
+Spans: ``span()`` wraps slow, rare work only (a reconcile pass, a divergence
+check), never a lookup.  Without opentelemetry installed it is a no-op.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hicache_existence.catalog import CATALOG, DEPLOYMENT_LABELS, DeploymentLabels, MetricSpec
+from hicache_existence.exporters.samples import Sampler, Samples
+
+try:  # optional extra
+    from opentelemetry import metrics as _metrics
+    from opentelemetry import trace as _trace
+except ImportError:  # pragma: no cover - exercised by the bare-import check
+    _metrics = None  # type: ignore[assignment]
+    _trace = None  # type: ignore[assignment]
+
+INSTRUMENTATION_NAME = "hicache_existence"
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("hicache-existence")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
+        return "0"
+
+
+_version = _package_version()
+#: Span names (stable).
+SPAN_RECONCILE = "hicache_existence.reconcile"
+SPAN_DIVERGENCE_CHECK = "hicache_existence.divergence_check"
+
+
+class OTelExporter:
+    """Observable instruments for every catalog metric, on ``meter_provider``
+    (default: the global provider, a no-op until the application sets one)."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        labels: DeploymentLabels | None = None,
+        *,
+        meter_provider: Any = None,
+    ) -> None:
+        if _metrics is None:
+            raise RuntimeError(
+                "OpenTelemetry export needs opentelemetry-api: "
+                "pip install 'hicache-existence[otel]'"
+            )
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"sampler must be a Sampler, got {type(sampler).__name__}")
+        if labels is not None and not isinstance(labels, DeploymentLabels):
+            raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
+        self.sampler = sampler
+        self._deployment = dict(zip(DEPLOYMENT_LABELS, (labels or DeploymentLabels()).values()))
+        provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()
+        meter = provider.get_meter(INSTRUMENTATION_NAME, _version)
+        self._lock = threading.Lock()
+        self._samples: Samples | None = None
+        self._consumed: set[str] = set()
+        self.snapshots = 0
+        self.instruments: list[Any] = []
+        for spec in CATALOG:
+            create = (
+                meter.create_observable_counter
+                if spec.kind == "counter"
+                else meter.create_observable_gauge
+            )
+            self.instruments.append(
+                create(
+                    spec.name,
+                    callbacks=[self._callback_for(spec)],
+                    unit=spec.otel_unit,
+                    description=spec.help,
+                )
+            )
+
+    def _callback_for(self, spec: MetricSpec) -> Any:
+        def callback(options: Any) -> Iterable[Any]:
+            return list(self._observe(spec))
+
+        return callback
+
+    def _current(self, name: str) -> Samples:
+        with self._lock:
+            if self._samples is None or name in self._consumed:
+                self._samples = self.sampler.sample()
+                self._consumed = set()
+                self.snapshots += 1
+            self._consumed.add(name)
+            return self._samples
+
+    def _observe(self, spec: MetricSpec) -> Iterator[Any]:
+        assert _metrics is not None
+        samples = self._current(spec.name)
+        extra = ("pool", *spec.extra_labels)
+        for key, value in samples[spec.name].items():
+            attributes = dict(self._deployment)
+            attributes.update(zip(extra, key))
+            yield _metrics.Observation(value, attributes)
+
+
+@contextmanager
+def span(name: str, *, tracer_provider: Any = None, **attributes: Any) -> Iterator[Any]:
+    """A span around slow work (``SPAN_RECONCILE``, ``SPAN_DIVERGENCE_CHECK``) on
+    ``tracer_provider`` (default: the global one); yields the span, or ``None``
+    without opentelemetry."""
+    if not isinstance(name, str) or not name:
+        raise TypeError("name must be a non-empty str span name")
+    if _trace is None:  # pragma: no cover - exercised by the bare-import check
+        yield None
+        return
+    tracer = _trace.get_tracer(INSTRUMENTATION_NAME, _version, tracer_provider)
+    with tracer.start_as_current_span(name, attributes=attributes or None) as current:
+        yield current

@@ -1,0 +1,130 @@
+"""Standalone Prometheus export: a collector that reads the accounting at scrape
+time, and a ``/metrics`` HTTP server on a configurable address.
+
+The collector costs nothing between scrapes: a scrape takes one O(pools)
+``stats()`` snapshot on the scrape thread while the scheduler thread keeps
+mutating the cache (the snapshot reads plain ints; it never locks the cache).
+Use it when SGLang runs *without* ``--enable-metrics``; with it, prometheus_client
+is in multiprocess mode where custom collectors are not aggregated: use
+``exporters.multiprocess`` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache_existence import _validate, logs
+from hicache_existence.catalog import CATALOG, DeploymentLabels, MetricSpec
+from hicache_existence.exporters.samples import Sampler, Samples
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9464
+
+
+def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
+    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+    return cls(spec.name, spec.help, labels=spec.label_names, unit=spec.unit)
+
+
+class PrometheusCollector(Collector):
+    """Renders the catalog from a ``Sampler`` at each scrape."""
+
+    def __init__(self, sampler: Sampler, labels: DeploymentLabels | None = None) -> None:
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"sampler must be a Sampler, got {type(sampler).__name__}")
+        if labels is not None and not isinstance(labels, DeploymentLabels):
+            raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
+        self.sampler = sampler
+        self._deployment = (labels or DeploymentLabels()).values()
+
+    def describe(self) -> Iterable[Metric]:
+        """Families without samples: registration does not take a snapshot."""
+        return [_family(spec) for spec in CATALOG]
+
+    def collect(self) -> Iterator[Metric]:
+        samples = self.sampler.sample()
+        yield from self.render(samples)
+
+    def render(self, samples: Samples) -> Iterator[Metric]:
+        deployment = list(self._deployment)
+        for spec in CATALOG:
+            family = _family(spec)
+            for key, value in samples[spec.name].items():
+                family.add_metric([*deployment, *key], value)
+            yield family
+
+
+class MetricsServer:
+    """A ``/metrics`` endpoint serving one registry from a daemon thread."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+    ) -> None:
+        if not isinstance(registry, CollectorRegistry):
+            raise TypeError(f"registry must be a CollectorRegistry, got {type(registry).__name__}")
+        if not isinstance(host, str) or not host:
+            raise TypeError("host must be a non-empty str address")
+        port = _validate.count(port, "port")
+        if port > 65535:
+            raise ValueError(f"port must be <= 65535, got {port}")
+        self.registry = registry
+        self._httpd: Any
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        address = self._httpd.server_address
+        self.host = str(address[0])
+        self.port = int(address[1])
+        logs.get_logger("hicache_existence.exporters").info(
+            logs.METRICS_SERVER_STARTED, host=self.host, port=self.port
+        )
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def registry_for(sampler: Sampler, labels: DeploymentLabels | None = None) -> CollectorRegistry:
+    """A fresh registry holding one collector for ``sampler``."""
+    registry = CollectorRegistry()
+    registry.register(PrometheusCollector(sampler, labels))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The text exposition of ``registry`` (what a scrape receives)."""
+    return bytes(generate_latest(registry))
+
+
+def serve(
+    sampler: Sampler,
+    labels: DeploymentLabels | None = None,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    registry: CollectorRegistry | None = None,
+) -> MetricsServer:
+    """Register a collector for ``sampler`` on a fresh (or given) registry and
+    serve it on ``host:port`` (port 0 picks a free port; see ``.port``)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    registry.register(PrometheusCollector(sampler, labels))
+    return MetricsServer(registry, host, port)

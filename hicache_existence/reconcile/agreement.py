@@ -1,0 +1,149 @@
+"""Cross-rank agreement of reconciler verdicts: an element-wise MIN of a fixed-size
+integer vector over every TP rank, as upstream does for prefetch hit counts.
+
+Replicas stay identical only if every rank applies the same verdicts at the same
+lockstep point.  Each rank contributes what it knows (how many of its queries are
+done, in submission order, and each answer); the MIN is what every rank can act
+on.  An error is encoded as -1, so one rank's error wins and nobody invalidates.
+
+``GlooAgreement`` runs the collective on a dedicated CPU (gloo) group, never on
+the NCCL data group; torch is imported only when it is constructed.
+``InProcessGroup`` gives threads of one process the same semantics, for tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Agreement(Protocol):
+    """A MIN all-reduce over the ranks that hold cache replicas."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def min_reduce(self, values: Sequence[int]) -> list[int]:
+        """Element-wise MIN of ``values`` over every rank; every rank must call
+        it the same number of times with vectors of the same length."""
+
+
+def _check_vector(values: Sequence[int], length: int | None) -> list[int]:
+    out = list(values)
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"values[{i}] must be an int, got {type(v).__name__}")
+    if length is not None and len(out) != length:
+        raise ValueError(f"values must have length {length} (fixed size), got {len(out)}")
+    return out
+
+
+class SingleRank:
+    """The trivial agreement of one rank (no TP): the vector itself."""
+
+    world_size = 1
+
+    def min_reduce(self, values: Sequence[int]) -> list[int]:
+        return _check_vector(values, None)
+
+
+class GlooAgreement:
+    """MIN all-reduce over a torch.distributed gloo group.
+
+    ``group`` is a process group created on every rank (``new_group(backend=
+    "gloo")``); ``None`` means the default group, which must then be gloo.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized")
+        backend = dist.get_backend(group)
+        if str(backend) != "gloo":
+            raise ValueError(f"group must be a gloo (CPU) group, got backend {backend!r}")
+        self._torch = torch
+        self._dist = dist
+        self._group = group
+        self._size = dist.get_world_size(group)
+        self._length: int | None = None
+
+    @classmethod
+    def new_group(
+        cls, ranks: Sequence[int] | None = None, timeout_s: float = 60.0
+    ) -> GlooAgreement:
+        """Create a dedicated gloo group (collective: call on every rank)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        group = dist.new_group(
+            ranks=list(ranks) if ranks is not None else None,
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return cls(group)
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+    def min_reduce(self, values: Sequence[int]) -> list[int]:
+        vec = _check_vector(values, self._length)
+        self._length = len(vec)
+        tensor = self._torch.tensor(vec, dtype=self._torch.int64)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self._group)
+        return [int(x) for x in tensor.tolist()]
+
+
+class InProcessGroup:
+    """A MIN all-reduce among ``world_size`` threads of one process (tests)."""
+
+    def __init__(self, world_size: int, timeout_s: float = 10.0) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._timeout = timeout_s
+        self._slots: list[list[int] | None] = [None] * world_size
+        self._result: list[int] = []
+        self._gather = threading.Barrier(world_size, action=self._reduce)
+        self._leave = threading.Barrier(world_size)
+
+    def _reduce(self) -> None:
+        vectors = [v for v in self._slots if v is not None]
+        lengths = {len(v) for v in vectors}
+        if len(lengths) != 1:
+            raise ValueError(f"ranks passed vectors of different lengths: {sorted(lengths)}")
+        self._result = [min(col) for col in zip(*vectors)]
+
+    def member(self, rank: int) -> InProcessAgreement:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return InProcessAgreement(self, rank)
+
+    def _min_reduce(self, rank: int, values: Sequence[int]) -> list[int]:
+        self._slots[rank] = _check_vector(values, None)
+        self._gather.wait(self._timeout)
+        result = list(self._result)
+        self._leave.wait(self._timeout)
+        return result
+
+
+class InProcessAgreement:
+    """One thread's handle on an ``InProcessGroup``."""
+
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        self._group = group
+        self.rank = rank
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    def min_reduce(self, values: Sequence[int]) -> list[int]:
+        return self._group._min_reduce(self.rank, values)

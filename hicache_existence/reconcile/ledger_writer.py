@@ -1,0 +1,163 @@
+"""Records L3 writes into a ledger from a background thread.
+
+The storage thread must not wait on Redis: ``stored`` / ``removed`` only enqueue
+(bounded; when full the record is dropped and counted, which at worst costs a
+redundant write later).  One thread drains the queue, coalescing records of the
+same pool into pipelined batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Protocol
+
+from hicache_existence.reconcile.truth import GroundTruthError
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Ledger(Protocol):
+    def record_stored(self, pool: str, hashes: Iterable[str]) -> int: ...
+
+    def record_removed(self, pool: str, hashes: Iterable[str]) -> int: ...
+
+    def clear_shard(self) -> int: ...
+
+
+class LedgerWriter:
+    """Asynchronous, bounded, lossy-by-design ledger recording."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        max_pending: int = 1024,
+        batch_pages: int = 512,
+        name: str = "hicache-existence-ledger-writer",
+    ) -> None:
+        self._ledger = ledger
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
+        self._batch = max(1, batch_pages)
+        self._lock = threading.Lock()
+        #: (op, result) -> pages; op in stored/removed/cleared, result ok/error/dropped.
+        self.pages: Counter[tuple[str, str]] = Counter()
+        self.errors: Counter[str] = Counter()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- producer side (storage thread): never blocks ------------------------------
+    def stored(self, pool: str, hashes: Iterable[str]) -> None:
+        self._offer(("stored", pool, tuple(hashes)))
+
+    def removed(self, pool: str, hashes: Iterable[str]) -> None:
+        self._offer(("removed", pool, tuple(hashes)))
+
+    def cleared(self) -> None:
+        self._offer(("cleared", "", ()))
+
+    def _offer(self, item: tuple[str, str, tuple[str, ...]]) -> None:
+        if self._closed or (not item[2] and item[0] != "cleared"):
+            return
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            with self._lock:
+                self.pages[(item[0], "dropped")] += len(item[2])
+
+    # -- consumer side -----------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is _STOP:
+                self._queue.task_done()
+                return
+            items = [first]
+            pages = len(first[2])  # type: ignore[index]
+            while pages < self._batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                items.append(nxt)
+                if nxt is _STOP:
+                    break
+                pages += len(nxt[2])  # type: ignore[index]
+            stop = items[-1] is _STOP
+            work = [i for i in items if i is not _STOP]
+            try:
+                self._write(work)  # type: ignore[arg-type]
+            finally:
+                for _ in items:
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def _write(self, items: list[tuple[str, str, tuple[str, ...]]]) -> None:
+        # Coalesce consecutive records of the same (op, pool), keeping order.
+        groups: list[tuple[str, str, list[str]]] = []
+        for op, pool, pages in items:
+            if groups and groups[-1][0] == op and groups[-1][1] == pool and op != "cleared":
+                groups[-1][2].extend(pages)
+            else:
+                groups.append((op, pool, list(pages)))
+        for op, pool, hashes in groups:
+            try:
+                if op == "stored":
+                    self._ledger.record_stored(pool, hashes)
+                elif op == "removed":
+                    self._ledger.record_removed(pool, hashes)
+                else:
+                    self._ledger.clear_shard()
+                result = "ok"
+            except GroundTruthError as exc:
+                result = "error"
+                with self._lock:
+                    self.errors[exc.kind] += 1
+                logger.debug("ledger %s failed: %s", op, exc.kind)
+            except Exception:  # never let the writer thread die
+                result = "error"
+                with self._lock:
+                    self.errors["internal"] += 1
+                logger.exception("ledger %s failed", op)
+            with self._lock:
+                self.pages[(op, result)] += len(hashes) if op != "cleared" else 1
+
+    # -- lifecycle -----------------------------------------------------------------
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every enqueued record was attempted; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        cond = self._queue.all_tasks_done
+        with cond:
+            while self._queue.unfinished_tasks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                cond.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is pending (bounded by ``timeout_s``) and stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._queue.put(_STOP, timeout=timeout_s)
+        except queue.Full:
+            return
+        self._thread.join(timeout_s)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """A copy of the counters: ``pages`` by "op/result" and ``errors`` by kind."""
+        with self._lock:
+            return {
+                "pages": {f"{op}/{res}": n for (op, res), n in self.pages.items()},
+                "errors": dict(self.errors),
+            }

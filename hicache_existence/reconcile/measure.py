@@ -1,0 +1,141 @@
+"""Side-by-side round-trip costs of the ledger's read methods against a real Redis.
+
+``leading_present`` must cost one round trip per chain.  Two ways qualify: a Lua
+script that walks the chain server-side and stops at the first absent page, and
+one pipeline (GET epoch + MGET of every key) whose answer is cut client-side.
+This measures both, interleaved call by call so load on a shared machine hits
+them alike, and reports medians of wall time and of the calling thread's CPU
+time (what the worker holds the GIL for).  Also the write path's throughput.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hicache_existence.reconcile.redis_truth import LedgerSettings, RedisLedger
+
+CASES = ("all_present", "absent_first", "absent_half")
+
+
+@dataclass(frozen=True)
+class Row:
+    pages: int
+    case: str
+    method: str
+    median_us: float
+    p90_us: float
+    cpu_median_us: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _chain(tag: str, n: int) -> list[str]:
+    return [hashlib.sha256(f"{tag}:{i}".encode()).hexdigest() for i in range(n)]
+
+
+def measure_reads(
+    url: str,
+    sizes: Sequence[int] = (64, 256, 1024),
+    reps: int = 50,
+    namespace: str = "hicache-measure",
+) -> list[Row]:
+    """Lua vs pipeline ``leading_present`` per chain size and absence position."""
+    ledgers = {
+        m: RedisLedger(LedgerSettings(url, namespace=namespace, shard="m", method=m))
+        for m in ("lua", "pipeline")
+    }
+    rows: list[Row] = []
+    try:
+        writer = ledgers["lua"]
+        for n in sizes:
+            full = _chain(f"n{n}", n)
+            writer.record_stored("kv", full)
+            chains = {
+                "all_present": full,
+                "absent_first": ["absent-" + full[0], *full[1:]],
+                "absent_half": [*full[: n // 2], "absent-half", *full[n // 2 + 1 :]],
+            }
+            for case in CASES:
+                c = chains[case]
+                answers = {m: led.leading_present("kv", c) for m, led in ledgers.items()}
+                if len(set(answers.values())) != 1:
+                    raise AssertionError(f"methods disagree on {case}/{n}: {answers}")
+                wall: dict[str, list[float]] = {m: [] for m in ledgers}
+                cpu: dict[str, list[float]] = {m: [] for m in ledgers}
+                for _ in range(reps):
+                    for m, led in ledgers.items():
+                        c0 = time.thread_time()
+                        t0 = time.perf_counter()
+                        led.leading_present("kv", c)
+                        wall[m].append(time.perf_counter() - t0)
+                        cpu[m].append(time.thread_time() - c0)
+                for m in ledgers:
+                    w = sorted(wall[m])
+                    rows.append(
+                        Row(
+                            n,
+                            case,
+                            m,
+                            statistics.median(w) * 1e6,
+                            w[int(0.9 * (len(w) - 1))] * 1e6,
+                            statistics.median(cpu[m]) * 1e6,
+                        )
+                    )
+        writer.clear_shard()
+    finally:
+        for led in ledgers.values():
+            led.close()
+    return rows
+
+
+def measure_writes(
+    url: str, pages: int = 4096, ttl_s: float = 0.0, namespace: str = "hicache-measure"
+) -> float:
+    """Pages per second recorded by ``record_stored`` (pipelined batches)."""
+    led = RedisLedger(LedgerSettings(url, namespace=namespace, shard="w", ttl_s=ttl_s))
+    try:
+        c = _chain(f"w{ttl_s}", pages)
+        t0 = time.perf_counter()
+        led.record_stored("kv", c)
+        rate = pages / (time.perf_counter() - t0)
+        led.clear_shard()
+        return rate
+    finally:
+        led.close()
+
+
+def wait_ready(url: str, timeout_s: float) -> bool:
+    """Whether the Redis at ``url`` answers PING within ``timeout_s``."""
+    led = RedisLedger(LedgerSettings(url, socket_timeout_s=0.5, connect_timeout_s=0.5))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if led.ping():
+                return True
+            time.sleep(0.02)
+        return False
+    finally:
+        led.close()
+
+
+def format_rows(rows: Sequence[Row]) -> str:
+    """A table: one line per (pages, case), Lua and pipeline side by side."""
+    by = {(r.pages, r.case, r.method): r for r in rows}
+    lines = [
+        f"{'pages':>5} {'case':14} {'lua us':>9} {'pipeline us':>12} {'ratio':>6} "
+        f"{'lua cpu us':>11} {'pipe cpu us':>12}",
+    ]
+    for pages, case in sorted({(r.pages, r.case) for r in rows}, key=lambda k: (k[0], k[1])):
+        lua, pipe = by[(pages, case, "lua")], by[(pages, case, "pipeline")]
+        lines.append(
+            f"{pages:>5} {case:14} {lua.median_us:9.0f} {pipe.median_us:12.0f} "
+            f"{pipe.median_us / lua.median_us:6.2f} {lua.cpu_median_us:11.0f} "
+            f"{pipe.cpu_median_us:12.0f}"
+        )
+    return "\n".join(lines)

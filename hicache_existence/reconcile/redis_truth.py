@@ -1,0 +1,468 @@
+"""The Redis ledger: ground truth mirrored from successful L3 writes.
+
+Prefill instances that share one L3 record every page they store (see
+``storage_adapters.LedgerRecordingStorage``); the reconciler asks the ledger
+which pages are present.  redis-py is imported only when a ledger is built.
+
+Key schema (one Redis database, standalone or Sentinel; not Redis Cluster)::
+
+    <namespace>:epoch                          "<token> <unix seconds>", no TTL
+    <namespace>:<shard>:<pool>:<page hash>     "1", optional TTL (ttl_s)
+
+* ``namespace`` separates deployments sharing one Redis (default ``hicache``).
+* ``shard`` is the L3 key space one rank writes and reads: TP-sharded KV is
+  stored per rank, MLA KV once per model (``shard_id`` derives it the way
+  SGLang's file backend suffixes its keys), so ranks query their own shard and the
+  reconciler MIN-reduces the answers across ranks, as upstream does for hits.
+* ``ttl_s`` > 0 makes entries expire to mirror L3 retention (e.g. the file
+  backend's eviction horizon); successful reads refresh it.
+* The epoch is written (SET NX) with every batch of records.  A missing epoch
+  means the ledger never saw a write or lost its data: no answer is evidence.
+  An epoch that changes under a reader means Redis restarted empty while L3 kept
+  its pages: absence stops being evidence for ``trust_after_reset_s`` (default
+  ``ttl_s``, forever without a TTL; run Redis with ``appendonly yes``).
+
+``leading_present`` costs one round trip: a Lua script walks the chain and stops
+at the first absent page (measured against a pipelined MGET: see
+docs/reconciler.md); ``method="pipeline"`` is kept for servers that forbid
+scripting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from hicache_existence.config import ConfigError, ReconcilerSection, redact_url
+from hicache_existence.reconcile.truth import (
+    GarbageAnswer,
+    GroundTruthError,
+    LedgerEmpty,
+    ServerError,
+    TruthTimeout,
+    TruthUnavailable,
+    check_chain,
+)
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("redis", "rediss", "unix")
+
+#: Walks ``ARGV[2]`` (page hashes joined by newlines) under prefix ``ARGV[1]`` and
+#: stops at the first absent page.  Returns {epoch or nil, leading count}.
+LUA_LEADING_PRESENT = """
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then return {false, 0} end
+local prefix = ARGV[1]
+local n = 0
+for h in string.gmatch(ARGV[2], '[^\\n]+') do
+  if redis.call('EXISTS', prefix .. h) == 0 then break end
+  n = n + 1
+end
+return {epoch, n}
+"""
+
+#: Keys per MGET / MSET / UNLINK command.
+_CHUNK = 1024
+_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+
+
+def validate_redis_url(url: str, arg: str = "redis_url") -> str:
+    """Return ``url`` if it is a redis://, rediss:// or unix:// URL, else raise
+    ``ConfigError`` naming ``arg`` (the message never shows the password)."""
+    if not isinstance(url, str):
+        raise ConfigError(f"{arg} must be a string, got {type(url).__name__}")
+    if not url:
+        raise ConfigError(f"{arg} is empty")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ConfigError(f"{arg} is not a valid URL ({redact_url(url)}): {exc}") from None
+    if parts.scheme not in SCHEMES:
+        raise ConfigError(
+            f"{arg} must use one of {list(SCHEMES)}, got {parts.scheme!r} ({redact_url(url)})"
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigError(f"{arg} has no host ({redact_url(url)})")
+    return url
+
+
+def _label(text: str, arg: str) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"{arg} must be a str, got {type(text).__name__}")
+    if not text or any(c.isspace() for c in text):
+        raise ValueError(f"{arg} must be non-empty without whitespace, got {text!r}")
+    return text
+
+
+def shard_id(
+    model_name: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    is_mla: bool = False,
+    attn_cp_rank: int = 0,
+    attn_cp_size: int = 1,
+) -> str:
+    """The ledger shard of one rank: the L3 key space it writes, named like
+    SGLang's file backend suffixes (``<model>_<tp_rank>_<tp_size>``, or
+    ``<model>`` alone for MLA, whose KV every rank shares)."""
+    model = re.sub(r"[\s:/]+", "-", model_name or "") or "model"
+    shard = model if is_mla else f"{model}_{tp_rank}_{tp_size}"
+    if pp_size > 1:
+        shard += f"_{pp_size}_{pp_rank}"
+    if attn_cp_size > 1:
+        shard += f"_cp{attn_cp_rank}_{attn_cp_size}"
+    return shard
+
+
+def shard_from_storage_config(storage_config: Any) -> str:
+    """``shard_id`` of an SGLang ``HiCacheStorageConfig`` (read by attribute)."""
+    return shard_id(
+        getattr(storage_config, "model_name", None),
+        int(getattr(storage_config, "tp_rank", 0)),
+        int(getattr(storage_config, "tp_size", 1)),
+        pp_rank=int(getattr(storage_config, "pp_rank", 0)),
+        pp_size=int(getattr(storage_config, "pp_size", 1)),
+        is_mla=bool(getattr(storage_config, "is_mla_model", False)),
+        attn_cp_rank=int(getattr(storage_config, "attn_cp_rank", 0)),
+        attn_cp_size=int(getattr(storage_config, "attn_cp_size", 1)),
+    )
+
+
+@dataclass(frozen=True)
+class LedgerSettings:
+    """How to reach and lay out the ledger (timeouts in seconds)."""
+
+    url: str
+    namespace: str = "hicache"
+    shard: str = "default"
+    ttl_s: float = 0.0
+    socket_timeout_s: float = 0.05
+    connect_timeout_s: float = 0.05
+    retries: int = 1
+    retry_backoff_s: float = 0.005
+    retry_backoff_max_s: float = 0.1
+    write_batch: int = 512
+    method: Literal["lua", "pipeline"] = "lua"
+    #: Seconds after an observed ledger reset during which absence is not
+    #: evidence; ``None``: ``ttl_s`` when set, else forever.
+    trust_after_reset_s: float | None = None
+
+    def __post_init__(self) -> None:
+        validate_redis_url(self.url, "url")
+        _label(self.namespace, "namespace")
+        _label(self.shard, "shard")
+        for name in ("ttl_s", "socket_timeout_s", "connect_timeout_s", "retry_backoff_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        if isinstance(self.write_batch, bool) or not isinstance(self.write_batch, int):
+            raise TypeError(f"write_batch must be an int, got {type(self.write_batch).__name__}")
+        if self.write_batch < 1:
+            raise ValueError(f"write_batch must be >= 1, got {self.write_batch}")
+        if self.method not in ("lua", "pipeline"):
+            raise ValueError(f"method must be 'lua' or 'pipeline', got {self.method!r}")
+
+    @classmethod
+    def from_section(cls, section: ReconcilerSection, shard: str = "default") -> LedgerSettings:
+        """Settings from the ``reconciler`` configuration section."""
+        return cls(
+            url=section.redis_url,
+            namespace=section.namespace,
+            shard=shard,
+            ttl_s=section.ttl_s,
+            socket_timeout_s=section.timeout_ms / 1000.0,
+            connect_timeout_s=section.connect_timeout_ms / 1000.0,
+            retries=section.retries,
+            retry_backoff_s=section.retry_backoff_ms / 1000.0,
+            retry_backoff_max_s=max(section.retry_backoff_ms / 1000.0, 0.1),
+            write_batch=section.write_batch,
+            method=section.method,
+        )
+
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
+
+
+def build_client(settings: LedgerSettings) -> Any:
+    """A redis-py client with explicit timeouts and retry with exponential backoff
+    (no I/O happens here: a Redis that is down at start is not an error yet)."""
+    import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    retry = Retry(
+        ExponentialBackoff(cap=settings.retry_backoff_max_s, base=settings.retry_backoff_s),
+        settings.retries,
+    )
+    return redis.Redis.from_url(
+        settings.url,
+        socket_timeout=settings.socket_timeout_s or None,
+        socket_connect_timeout=settings.connect_timeout_s or None,
+        retry=retry,
+        health_check_interval=30,
+        client_name="hicache-existence",
+    )
+
+
+def map_error(exc: BaseException) -> GroundTruthError:
+    """Translate a redis-py (or socket) exception into a ``GroundTruthError``."""
+    import redis.exceptions as rx
+
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, rx.TimeoutError | TimeoutError):
+        return TruthTimeout(text)
+    if isinstance(exc, rx.InvalidResponse):
+        return GarbageAnswer(text)
+    if isinstance(exc, rx.ConnectionError | ConnectionError | OSError):
+        return TruthUnavailable(text)
+    if isinstance(exc, rx.ResponseError):
+        return ServerError(text)
+    if isinstance(exc, rx.RedisError):
+        return ServerError(text)
+    return GarbageAnswer(text)
+
+
+class RedisLedger:
+    """Ground truth read from, and the writer API of, the Redis ledger.
+
+    Thread-safe (redis-py pools connections).  Reads raise ``GroundTruthError``
+    subclasses; nothing here retries beyond the client's own bounded retry.
+    """
+
+    def __init__(
+        self,
+        settings: LedgerSettings,
+        *,
+        client: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(settings, LedgerSettings):
+            raise TypeError(f"settings must be LedgerSettings, got {type(settings).__name__}")
+        self.settings = settings
+        self._client = client if client is not None else build_client(settings)
+        self._script = self._client.register_script(LUA_LEADING_PRESENT)
+        self._clock = clock
+        self._epoch_key = f"{settings.namespace}:epoch"
+        self._shard_prefix = f"{settings.namespace}:{settings.shard}:"
+        self._lock = threading.Lock()
+        self._epoch: bytes | None = None
+        self._distrust_until = 0.0
+        #: Ledger resets this reader observed (epoch changed under it).
+        self.resets = 0
+        if settings.trust_after_reset_s is not None:
+            self._reset_distrust = float(settings.trust_after_reset_s)
+        else:
+            self._reset_distrust = settings.ttl_s if settings.ttl_s > 0 else math.inf
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (
+            f"RedisLedger(url={s.redacted_url()!r}, namespace={s.namespace!r}, "
+            f"shard={s.shard!r}, method={s.method!r})"
+        )
+
+    def prefix(self, pool: str) -> str:
+        """``<namespace>:<shard>:<pool>:``, the prefix of a pool's page keys."""
+        return f"{self._shard_prefix}{pool}:"
+
+    # -- reads ---------------------------------------------------------------
+    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        name, seq = check_chain(pool, hashes)
+        if not seq:
+            return 0
+        blob = _joined(seq)
+        try:
+            if self.settings.method == "lua":
+                reply = self._script(keys=[self._epoch_key], args=[self.prefix(name), blob])
+                epoch, count = _pair(reply)
+            else:
+                epoch, flags = self._mget(name, seq)
+                count = next((i for i, v in enumerate(flags) if not v), len(seq))
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+        self._see_epoch(epoch)
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(seq):
+            raise GarbageAnswer(f"leading count {count!r} outside [0, {len(seq)}]")
+        return count
+
+    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        name, seq = check_chain(pool, hashes)
+        if not seq:
+            return []
+        _joined(seq)
+        try:
+            epoch, flags = self._mget(name, seq)
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+        self._see_epoch(epoch)
+        return flags
+
+    def _mget(self, pool: str, seq: Sequence[str]) -> tuple[Any, list[bool]]:
+        prefix = self.prefix(pool)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(self._epoch_key)
+        for i in range(0, len(seq), _CHUNK):
+            pipe.mget([prefix + h for h in seq[i : i + _CHUNK]])
+        replies = pipe.execute()
+        if not isinstance(replies, list) or len(replies) < 2:
+            raise GarbageAnswer(f"pipeline reply of type {type(replies).__name__}")
+        flags: list[bool] = []
+        for part in replies[1:]:
+            if not isinstance(part, list):
+                raise GarbageAnswer(f"MGET reply of type {type(part).__name__}")
+            flags.extend(v is not None for v in part)
+        if len(flags) != len(seq):
+            raise GarbageAnswer(f"MGET returned {len(flags)} values for {len(seq)} keys")
+        return replies[0], flags
+
+    def _see_epoch(self, epoch: Any) -> None:
+        if epoch is None:
+            raise LedgerEmpty(f"no {self._epoch_key!r} in the ledger")
+        if not isinstance(epoch, bytes | str):
+            raise GarbageAnswer(f"epoch of type {type(epoch).__name__}")
+        value = epoch.encode() if isinstance(epoch, str) else epoch
+        with self._lock:
+            if self._epoch is None:
+                self._epoch = value
+                return
+            if value == self._epoch:
+                return
+            self._epoch = value
+            self.resets += 1
+            self._distrust_until = self._clock() + self._reset_distrust
+        logger.warning(
+            "hicache-existence ledger %s was reset (epoch changed): absence is not "
+            "evidence for %.0f s",
+            self.settings.redacted_url(),
+            self._reset_distrust,
+        )
+
+    def absence_is_evidence(self) -> bool:
+        """False while the ledger is recovering from an observed reset."""
+        with self._lock:
+            return self._clock() >= self._distrust_until
+
+    # -- writes --------------------------------------------------------------
+    def record_stored(self, pool: str, hashes: Iterable[str]) -> int:
+        """Record pages written to L3 (pipelined, ``write_batch`` commands per
+        round trip); returns the pages recorded.  Raises ``GroundTruthError``."""
+        name, seq = check_chain(pool, hashes)
+        if not seq:
+            return 0
+        prefix = self.prefix(name)
+        ttl = self.settings.ttl_s
+        batch = self.settings.write_batch
+        try:
+            for start in range(0, len(seq), batch):
+                chunk = seq[start : start + batch]
+                pipe = self._client.pipeline(transaction=False)
+                pipe.set(self._epoch_key, _new_epoch(), nx=True)
+                if ttl > 0:
+                    px = max(1, int(ttl * 1000))
+                    for h in chunk:
+                        pipe.set(prefix + h, b"1", px=px)
+                else:
+                    pipe.mset({prefix + h: b"1" for h in chunk})
+                pipe.execute()
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+        return len(seq)
+
+    def record_removed(self, pool: str, hashes: Iterable[str]) -> int:
+        """Record pages that left L3; returns the ledger entries removed."""
+        name, seq = check_chain(pool, hashes)
+        if not seq:
+            return 0
+        prefix = self.prefix(name)
+        batch = max(self.settings.write_batch, 1)
+        removed = 0
+        try:
+            for start in range(0, len(seq), batch):
+                pipe = self._client.pipeline(transaction=False)
+                pipe.unlink(*[prefix + h for h in seq[start : start + batch]])
+                (n,) = pipe.execute()
+                removed += int(n)
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+        return removed
+
+    def clear_shard(self) -> int:
+        """Forget every page of this shard (its L3 was cleared); returns keys removed."""
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", self._shard_prefix) + "*"
+        removed = 0
+        try:
+            batch: list[Any] = []
+            for key in self._client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= _CHUNK:
+                    removed += int(self._client.unlink(*batch))
+                    batch = []
+            if batch:
+                removed += int(self._client.unlink(*batch))
+        except Exception as exc:
+            raise map_error(exc) from None
+        return removed
+
+    def ensure_epoch(self) -> None:
+        """Create the epoch if it is missing (writers call this at start)."""
+        try:
+            self._client.set(self._epoch_key, _new_epoch(), nx=True)
+        except Exception as exc:
+            raise map_error(exc) from None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._client.ping())
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+
+def _joined(seq: Sequence[str]) -> str:
+    blob = "\n".join(seq)
+    if blob.count("\n") != len(seq) - 1 or "" in seq:
+        raise ValueError("hashes must be non-empty page hashes without newlines")
+    return blob
+
+
+def _pair(reply: Any) -> tuple[Any, Any]:
+    if not isinstance(reply, list | tuple) or len(reply) != 2:
+        raise GarbageAnswer(f"script reply {type(reply).__name__} is not a pair")
+    return reply[0], reply[1]
+
+
+def _new_epoch() -> str:
+    return f"{secrets.token_hex(8)} {int(time.time())}"
+
+
+def ledger_from_section(section: ReconcilerSection, shard: str = "default") -> RedisLedger:
+    """A ledger configured by the ``reconciler`` section (``redis_url`` required)."""
+    validate_redis_url(section.redis_url, "reconciler.redis_url")
+    return RedisLedger(LedgerSettings.from_section(section, shard))

@@ -1,0 +1,401 @@
+"""SGLang storage adapters: ground truth from any HiCache backend, and a wrapping
+backend that records successful writes into the Redis ledger.
+
+* ``BackendGroundTruth`` asks any object with SGLang's
+  ``batch_exists(keys, extra_info=None) -> int`` (every ``HiCacheStorage``).
+* ``LedgerRecordingStorage`` is a ``HiCacheStorage`` loadable with
+  ``--hicache-storage-backend dynamic``: it builds the real backend, delegates
+  every call to it, and records successful writes (and, with a TTL, reads) into
+  the ledger from a background thread, so prefill instances sharing one L3 learn
+  what the others stored.  The class is built on first access, importing sglang
+  only then; without sglang it is a plain class with the same behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from hicache_existence import _validate
+from hicache_existence.config import Config
+from hicache_existence.reconcile.ledger_writer import LedgerWriter
+from hicache_existence.reconcile.redis_truth import (
+    LedgerSettings,
+    RedisLedger,
+    shard_from_storage_config,
+)
+from hicache_existence.reconcile.truth import (
+    GarbageAnswer,
+    GroundTruthError,
+    ServerError,
+    UnsupportedPool,
+    check_chain,
+)
+
+logger = logging.getLogger(__name__)
+
+KV = "kv"
+
+
+class BackendGroundTruth:
+    """Ground truth from a storage backend's ``batch_exists``.
+
+    Only the KV pool is answered unless ``key_for(pool, page_hash)`` maps another
+    pool's pages to the backend's keys (backends name sidecar objects their own
+    way).  Calls run on the reconciler's worker thread, concurrently with the
+    backend's own prefetch and backup threads, as upstream's own calls do.
+    """
+
+    def __init__(self, backend: Any, *, key_for: Callable[[str, str], str] | None = None) -> None:
+        if not callable(getattr(backend, "batch_exists", None)):
+            raise TypeError(
+                "backend must have batch_exists(keys, extra_info=None), got "
+                f"{type(backend).__name__}"
+            )
+        self._backend = backend
+        self._key_for = key_for
+
+    def _keys(self, pool: str, seq: Sequence[str]) -> list[str]:
+        if self._key_for is not None:
+            return [self._key_for(pool, h) for h in seq]
+        if pool != KV:
+            raise UnsupportedPool(f"no key mapping for pool {pool!r}")
+        return list(seq)
+
+    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        name, seq = check_chain(pool, hashes)
+        keys = self._keys(name, seq)
+        if not keys:
+            return 0
+        try:
+            count = self._backend.batch_exists(keys, None)
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise ServerError(f"batch_exists raised {type(exc).__name__}: {exc}") from None
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(keys):
+            raise GarbageAnswer(f"batch_exists returned {count!r} for {len(keys)} keys")
+        return count
+
+    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        name, seq = check_chain(pool, hashes)
+        keys = self._keys(name, seq)
+        exists = getattr(self._backend, "exists", None)
+        out: list[bool] = []
+        try:
+            for key in keys:
+                if exists is not None:
+                    out.append(bool(exists(key)))
+                else:
+                    out.append(self._backend.batch_exists([key], None) == 1)
+        except Exception as exc:
+            raise ServerError(f"exists raised {type(exc).__name__}: {exc}") from None
+        return out
+
+
+#: Keys of ``--hicache-storage-backend-extra-config`` read by the wrapper; every
+#: other key is passed to the real backend.
+WRAPPER_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "inner_backend",
+        "inner_extra_config",
+        "inner_backend_name",
+        "inner_module_path",
+        "inner_class_name",
+        "ledger_redis_url",
+        "ledger_namespace",
+        "ledger_ttl_s",
+        "ledger_shard",
+        "ledger_learn_absence",
+    }
+)
+
+#: Built-in backends whose constructor needs the host memory pool, which a
+#: dynamic backend only receives through ``register_mem_pool_host``.
+NEEDS_HOST_POOL = frozenset(
+    {"mooncake", "npu_memcache", "aibrix", "hf3fs", "eic", "simm", "mori", "shm", "seaweedfs"}
+)
+
+
+def _successes(keys: Iterable[str] | None, results: Any) -> list[str]:
+    if not keys or not isinstance(results, list | tuple):
+        return []
+    return [k for k, ok in zip(keys, results) if ok]
+
+
+class _LedgerRecordingMixin:
+    """The behaviour of ``LedgerRecordingStorage`` (mixed into the class built
+    over sglang's ``HiCacheStorage`` when it is importable)."""
+
+    _inner: Any
+    _writer: LedgerWriter | None
+    _ledger: Any
+    _ttl: float
+    _learn_absence: bool
+
+    def __init__(
+        self,
+        storage_config: Any,
+        kwargs: Any = None,
+        *,
+        inner: Any = None,
+        ledger: Any = None,
+    ) -> None:
+        self._inner = None
+        self._writer = None
+        self._ledger = None
+        self._pending_inner: tuple[str, Any] | None = None
+        self.storage_config = storage_config
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        section = Config.from_env().reconciler
+        self._ttl = float(extra.get("ledger_ttl_s", section.ttl_s))
+        self._learn_absence = bool(extra.get("ledger_learn_absence", True))
+        if ledger is None:
+            url = str(extra.get("ledger_redis_url") or section.redis_url)
+            if not url:
+                raise ValueError(
+                    "LedgerRecordingStorage needs a Redis URL: set "
+                    "HICACHE_EXISTENCE_RECONCILER__REDIS_URL (preferred: keeps the password "
+                    "off the command line) or ledger_redis_url in the extra config"
+                )
+            section = dataclasses.replace(
+                section,
+                redis_url=url,
+                namespace=str(extra.get("ledger_namespace", section.namespace)),
+                ttl_s=self._ttl,
+            )
+            shard = str(extra.get("ledger_shard") or shard_from_storage_config(storage_config))
+            ledger = RedisLedger(LedgerSettings.from_section(section, shard))
+        self._ledger = ledger
+        self._writer = LedgerWriter(
+            ledger, batch_pages=getattr(getattr(ledger, "settings", None), "write_batch", 512)
+        )
+        if inner is not None:
+            self._inner = inner
+        else:
+            self._create_inner(storage_config, extra)
+        logger.info("hicache-existence: recording L3 writes into %r", ledger)
+
+    # -- construction of the real backend ------------------------------------------
+    def _create_inner(self, storage_config: Any, extra: dict[str, Any]) -> None:
+        name = extra.get("inner_backend")
+        if not name:
+            raise ValueError("LedgerRecordingStorage needs 'inner_backend' in the extra config")
+        inner_extra = extra.get("inner_extra_config")
+        if inner_extra is None:
+            inner_extra = {k: v for k, v in extra.items() if k not in WRAPPER_KEYS}
+        inner_extra = dict(inner_extra)
+        for ours, theirs in (
+            ("inner_backend_name", "backend_name"),
+            ("inner_module_path", "module_path"),
+            ("inner_class_name", "class_name"),
+        ):
+            if ours in extra:
+                inner_extra[theirs] = extra[ours]
+        if dataclasses.is_dataclass(storage_config) and not isinstance(storage_config, type):
+            inner_config = dataclasses.replace(storage_config, extra_config=inner_extra)
+        else:
+            inner_config = storage_config
+        if name in NEEDS_HOST_POOL:
+            self._pending_inner = (str(name), inner_config)
+            return
+        self._inner = _create_backend(str(name), inner_config, None)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host
+        if self._inner is None and self._pending_inner is not None:
+            name, config = self._pending_inner
+            self._inner = _create_backend(name, config, mem_pool_host)
+            self._pending_inner = None
+        self._backend().register_mem_pool_host(mem_pool_host)
+
+    def _backend(self) -> Any:
+        inner = self._inner
+        if inner is None:
+            raise RuntimeError("the real storage backend is not created yet (no host pool)")
+        return inner
+
+    @property
+    def inner_backend(self) -> Any:
+        """The real backend this one delegates to."""
+        return self._inner
+
+    def ledger_ground_truth(self) -> Any:
+        """The ledger this backend records into, as ground truth for a reconciler."""
+        return self._ledger
+
+    def ledger_counts(self) -> dict[str, dict[str, int]]:
+        """The writer's counters (pages by op/result, errors by kind)."""
+        return self._writer.counts() if self._writer is not None else {}
+
+    def flush_ledger(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every recorded write reached the ledger (tests, shutdown)."""
+        return self._writer.flush(timeout_s) if self._writer is not None else True
+
+    # -- recording helpers (never raise into the storage path) -----------------------
+    def _stored(self, pool: Any, keys: Iterable[str]) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.stored(_validate.pool_name(pool), keys)
+        except Exception:
+            logger.debug("ledger record failed", exc_info=True)
+
+    def _refreshed(self, pool: Any, keys: Iterable[str]) -> None:
+        if self._ttl > 0:
+            self._stored(pool, keys)
+
+    def _removed(self, pool: Any, keys: Iterable[str]) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.removed(_validate.pool_name(pool), keys)
+        except Exception:
+            logger.debug("ledger record failed", exc_info=True)
+
+    # -- HiCacheStorage: every call delegated ----------------------------------------
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        self._backend().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def on_host_pools_registered(self) -> None:
+        self._backend().on_host_pools_registered()
+
+    def batch_exists_v2(self, keys: Any, pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        return self._backend().batch_exists_v2(keys, pool_transfers, extra_info)
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> Any:
+        results = self._backend().batch_get_v2(transfers, extra_info)
+        if self._ttl > 0 and isinstance(results, dict):
+            for t in transfers or ():
+                self._refreshed(t.name, _successes(t.keys, results.get(t.name)))
+        return results
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> Any:
+        results = self._backend().batch_set_v2(transfers, extra_info)
+        if isinstance(results, dict):
+            for t in transfers or ():
+                self._stored(t.name, _successes(t.keys, results.get(t.name)))
+        return results
+
+    def batch_get_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> Any:
+        results = self._backend().batch_get_v1(keys, host_indices, extra_info)
+        self._refreshed(KV, _successes(keys, results))
+        return results
+
+    def batch_set_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> Any:
+        results = self._backend().batch_set_v1(keys, host_indices, extra_info)
+        self._stored(KV, _successes(keys, results))
+        return results
+
+    def get(self, key: Any, target_location: Any = None, target_sizes: Any = None) -> Any:
+        value = self._backend().get(key, target_location, target_sizes)
+        if value is not None:
+            self._refreshed(KV, [key])
+        return value
+
+    def batch_get(self, keys: Any, target_locations: Any = None, target_sizes: Any = None) -> Any:
+        values = self._backend().batch_get(keys, target_locations, target_sizes)
+        if self._ttl > 0 and isinstance(values, list | tuple):
+            self._refreshed(KV, [k for k, v in zip(keys, values) if v is not None])
+        return values
+
+    def set(
+        self, key: Any, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> Any:
+        ok = self._backend().set(key, value, target_location, target_sizes)
+        if ok:
+            self._stored(KV, [key])
+        return ok
+
+    def batch_set(
+        self, keys: Any, values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> Any:
+        ok = self._backend().batch_set(keys, values, target_locations, target_sizes)
+        if ok:
+            self._stored(KV, list(keys))
+        return ok
+
+    def exists(self, key: Any) -> Any:
+        return self._backend().exists(key)
+
+    def batch_exists(self, keys: Any, extra_info: Any = None) -> Any:
+        count = self._backend().batch_exists(keys, extra_info)
+        if (
+            self._learn_absence
+            and isinstance(count, int)
+            and not isinstance(count, bool)
+            and 0 <= count < len(keys)
+        ):
+            # The real backend just said this page is absent: teach the ledger.
+            self._removed(KV, [keys[count]])
+        return count
+
+    def clear(self) -> Any:
+        result = self._backend().clear()
+        if result is not False and self._writer is not None:
+            self._writer.cleared()
+        return result
+
+    def get_stats(self) -> Any:
+        return self._backend().get_stats()
+
+    def close(self) -> None:
+        try:
+            inner = self._inner
+            if inner is not None and hasattr(inner, "close"):
+                inner.close()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            if self._ledger is not None and hasattr(self._ledger, "close"):
+                self._ledger.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Backend-specific attributes (not part of HiCacheStorage) reach the real one.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+def _create_backend(name: str, storage_config: Any, mem_pool_host: Any) -> Any:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    return StorageBackendFactory.create_backend(name, storage_config, mem_pool_host)
+
+
+_CLASS: type | None = None
+
+
+def _build_class() -> type:
+    """``LedgerRecordingStorage`` over sglang's ``HiCacheStorage`` if importable."""
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    except ImportError:
+        base: type = object
+    else:
+        base = HiCacheStorage
+
+    # The mixin comes first so its methods override the ABC's abstract ones.
+    class LedgerRecordingStorage(_LedgerRecordingMixin, base):  # type: ignore[misc]
+        """A ``HiCacheStorage`` that delegates to a real backend and records its
+        successful writes into the Redis ledger (see the module docstring)."""
+
+    LedgerRecordingStorage.__qualname__ = "LedgerRecordingStorage"
+    LedgerRecordingStorage.__module__ = __name__
+    return LedgerRecordingStorage
+
+
+def __getattr__(name: str) -> Any:
+    """Build ``LedgerRecordingStorage`` on first access (sglang imported then)."""
+    global _CLASS
+    if name == "LedgerRecordingStorage":
+        if _CLASS is None:
+            _CLASS = _build_class()
+        return _CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,212 @@
+"""The exact belief-only hit-ratio curve of a trace, for every cap, in one pass.
+
+Belief-only mode feeds each request's page chain to ``PoolBeliefs.add`` and
+nothing else.  A page reference is a *hit* when the page is believed as the
+request arrives (or repeats an earlier page of the same request, which ``add``
+counts as a refresh): exactly the cache's ``refreshes``, while misses are its
+``inserts``.  An LRU holds the ``cap`` most recently referenced distinct pages
+(``add`` touches in chain order and evicts at the end of the batch, so within a
+request later pages are more recent), hence a reference hits at cap ``C`` iff its
+*stack distance* -- the number of distinct pages referenced after its previous
+reference and before its request began -- is below ``C`` (Mattson et al., 1970).
+One pass gives the distance of every reference and so the curve for all caps.
+
+Distances come from a Fenwick tree over reference positions that counts
+superseded ("dead") positions: the distance of a reference whose previous
+position is ``a`` is ``distinct_so_far - (a + 1 - dead[0..a])``.  Chains make this
+cheap: consecutive pages of a request that were last referenced at consecutive
+positions (a reused prefix) form a *run* whose distances are ``d, d-1, ...``, so
+one tree query and one range update serve a whole run, and the per-page work is
+two C-level dict passes.  All distances of a request are taken before any of its
+updates, which is what makes them the batch's "as the request arrives".
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, chain
+
+from hicache_existence.replay.pages import PageRequest, PageTrace
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, eq=False)
+class BeliefCurve:
+    """One pool's exact belief-only curve: hits, misses and evictions at any cap."""
+
+    pool: str
+    references: int
+    #: First references: misses at every cap.
+    cold: int
+    #: Distinct pages referenced.
+    distinct: int
+    #: ``hits_below[c]``: references with stack distance below ``c``, for ``c`` in ``0..distinct``.
+    hits_below: Sequence[int]
+    #: Repeats of a page earlier in the same request: hits at every cap.
+    repeats: int = 0
+
+    def hits(self, cap: int) -> int:
+        """References already believed when their request arrives, at ``cap`` entries."""
+        if cap < 1:
+            raise ValueError(f"cap must be >= 1, got {cap}")
+        return self.repeats + self.hits_below[min(cap, self.distinct)]
+
+    def hit_ratio(self, cap: int) -> float:
+        """``hits / references`` (1.0 for an empty stream, like ``PoolStats``)."""
+        return self.hits(cap) / self.references if self.references else 1.0
+
+    def misses(self, cap: int) -> int:
+        """References not believed: the pages ``add`` inserts (each one L3 write)."""
+        return self.references - self.hits(cap)
+
+    def evictions(self, cap: int) -> int:
+        """Entries the cap removed over the whole stream."""
+        return self.misses(cap) - min(cap, self.distinct)
+
+    def entries(self, cap: int) -> int:
+        """Entries held at the end (and at the peak: belief-only never removes otherwise)."""
+        return min(cap, self.distinct)
+
+
+class _Pool:
+    """The one-pass state of one pool's reference stream."""
+
+    __slots__ = ("name", "last", "pos", "size", "b1", "b2", "diff", "cold", "repeats")
+
+    def __init__(self, name: str, references: int) -> None:
+        self.name = name
+        self.last: dict[str, int] = {}
+        self.pos = 0
+        self.size = references + 2
+        # Range-update / prefix-sum Fenwick pair over 1-based positions: dead counts.
+        self.b1 = [0] * (self.size + 1)
+        self.b2 = [0] * (self.size + 1)
+        # Difference array over stack distances (distance d at index d).
+        self.diff = [0] * (references + 2)
+        self.cold = 0
+        self.repeats = 0
+
+    def _dead_through(self, pos: int) -> int:
+        """Dead positions in ``[0, pos]``."""
+        i = pos + 1
+        s1 = s2 = 0
+        b1 = self.b1
+        b2 = self.b2
+        n = i
+        while i > 0:
+            s1 += b1[i]
+            s2 += b2[i]
+            i &= i - 1
+        return s1 * n - s2
+
+    def _kill(self, start: int, count: int) -> None:
+        """Mark positions ``[start, start + count)`` dead (they were all live)."""
+        size = self.size
+        b1 = self.b1
+        b2 = self.b2
+        left = start + 1
+        right = start + count  # inclusive, 1-based
+        i = left
+        w = left - 1
+        while i <= size:
+            b1[i] += 1
+            b2[i] += w
+            i += i & -i
+        i = right + 1
+        while i <= size:
+            b1[i] -= 1
+            b2[i] -= right
+            i += i & -i
+
+    def request(self, pages: Sequence[str]) -> None:
+        n = len(pages)
+        if not n:
+            return
+        start = self.pos
+        last = self.last
+        prevs: list[int | None] = list(map(last.get, pages))
+        repeat_kills: list[int] = []
+        if len(set(pages)) != n:
+            prevs, repeat_kills = self._mark_repeats(pages, prevs, start)
+        # Split into runs of consecutive previous positions.
+        runs: list[tuple[int, int]] = []
+        run_start = run_next = -1
+        cold = repeats = 0
+        for prev in prevs:
+            if prev is not None and prev >= 0:
+                if prev == run_next:
+                    run_next += 1
+                    continue
+                if run_start >= 0:
+                    runs.append((run_start, run_next - run_start))
+                run_start = prev
+                run_next = prev + 1
+                continue
+            if prev is None:
+                cold += 1
+            else:
+                repeats += 1
+            if run_start >= 0:
+                runs.append((run_start, run_next - run_start))
+                run_start = run_next = -1
+        if run_start >= 0:
+            runs.append((run_start, run_next - run_start))
+        self.cold += cold
+        self.repeats += repeats
+        distinct = len(last)
+        diff = self.diff
+        for first, count in runs:
+            d0 = distinct - (first + 1 - self._dead_through(first))
+            diff[d0 - count + 1] += 1
+            diff[d0 + 1] -= 1
+        for first, count in runs:
+            self._kill(first, count)
+        for pos in repeat_kills:
+            self._kill(pos, 1)
+        last.update(zip(pages, range(start, start + n)))
+        self.pos = start + n
+
+    @staticmethod
+    def _mark_repeats(
+        pages: Sequence[str], prevs: list[int | None], start: int
+    ) -> tuple[list[int | None], list[int]]:
+        """Replace repeats within the request by ``-1`` (a hit at every cap) and list the
+        positions they supersede (an earlier occurrence in this request)."""
+        seen: dict[str, int] = {}
+        kills: list[int] = []
+        out = list(prevs)
+        for index, page in enumerate(pages):
+            earlier = seen.get(page)
+            if earlier is not None:
+                out[index] = -1
+                kills.append(start + earlier)
+            seen[page] = index
+        return out, kills
+
+    def curve(self) -> BeliefCurve:
+        distinct = len(self.last)
+        counts = accumulate(self.diff[:distinct])
+        hits_below = array("q", chain((0,), accumulate(counts)))
+        return BeliefCurve(self.name, self.pos, self.cold, distinct, hits_below, self.repeats)
+
+
+def belief_only_curves(
+    requests: PageTrace | Iterable[PageRequest],
+    progress: ProgressFn | None = None,
+) -> dict[str, BeliefCurve]:
+    """The exact belief-only curve of every pool (each pool is its own LRU)."""
+    reqs = requests.requests if isinstance(requests, PageTrace) else tuple(requests)
+    sizes: dict[str, int] = {}
+    for r in reqs:
+        sizes[r.pool] = sizes.get(r.pool, 0) + len(r.pages)
+    pools = {name: _Pool(name, size) for name, size in sizes.items()}
+    total = len(reqs)
+    step = max(1, total // 20)
+    for number, r in enumerate(reqs, 1):
+        pools[r.pool].request(r.pages)
+        if progress is not None and number % step == 0:
+            progress(number, total)
+    return {name: pool.curve() for name, pool in pools.items()}

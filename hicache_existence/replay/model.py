@@ -1,0 +1,356 @@
+"""A model of HiCache buffer mode's write path, driving the real cache classes.
+
+What it models (sglang 0.5.23, ``--hicache-host-memory-mode buffer_only``; see
+docs/replay.md for the sources and every assumption):
+
+* **device prefix cache**: a page LRU of ``device_pages`` with prefix matching;
+  ancestors are touched after their descendants, so it evicts leaves first like
+  the radix tree;
+* **prefetch hit query**: the part of the prompt the device misses, when at least
+  ``prefetch_threshold_tokens`` long, is looked up in L3 (the count of leading
+  pages present, ``batch_exists``); the agreed count heals the beliefs through the
+  real ``ChainPagesPolicy`` (``invalidate_beyond`` past it, ``add`` up to it);
+  the hits are loaded to the device;
+* **write-through admission**: the insert walk presents every node of the
+  request's path (buffer mode never marks a node backed up), oldest ancestor
+  first; a node whose pages are all ``covered()`` (believed or in flight) is not
+  written, else it needs a covered parent (root, a pending write of the parent,
+  or ``contains(parent's last page)``) and the whole node is written:
+  ``track_inflight`` at the launch, ``add`` + ``untrack_inflight`` at the storage
+  ack ``ack_latency_ms`` later (drained before the next request at or after it);
+* **L3 store**: keeps every page written, or the ``l3_pages`` most recently
+  written or read (LRU) when bounded, which is what makes beliefs stale.
+
+The cache under test is ``StorageExistenceCache`` itself (one per run, cap per
+pool), so its LRU, eviction, in-flight refcounts, healing and counters are the
+shipped code's.  Mooncake nodes are trace blocks (a radix node is a run of them,
+so redundant writes from partially covered nodes are a lower bound here).
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from itertools import repeat
+from typing import Any
+
+from hicache_existence.cache import PoolBeliefs, StorageExistenceCache
+from hicache_existence.policies import ChainPagesPolicy
+from hicache_existence.replay.pages import PageRequest, PageTrace
+
+#: Drains an iterator in C.
+_sink: deque[object] = deque(maxlen=0)
+_exhaust: Callable[[Iterable[object]], None] = _sink.extend
+_HEAL = ChainPagesPolicy()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The deployment the write path is modelled for."""
+
+    #: Device (GPU) prefix-cache capacity in pages; 0 means no device cache.
+    device_pages: int = 16384
+    #: L3 capacity in pages; 0 means unbounded (L3 never drops a page).
+    l3_pages: int = 0
+    #: Launch-to-storage-ack latency; acks drain before the first request at or after it.
+    ack_latency_ms: float = 0.0
+    #: Shortest device miss, in tokens, that issues a prefetch hit query (sglang default 256).
+    prefetch_threshold_tokens: int = 256
+    #: Heal beliefs from prefetch hit queries (``ChainPagesPolicy``), as sglang does.
+    heal: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("device_pages", "l3_pages", "prefetch_threshold_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        latency = self.ack_latency_ms
+        if (
+            isinstance(latency, bool)
+            or not isinstance(latency, (int, float))
+            or not (0 <= latency < float("inf"))
+        ):
+            raise ValueError(f"ack_latency_ms must be a finite number >= 0, got {latency!r}")
+
+
+@dataclass
+class ModelResult:
+    """What one run at one cap produced (pages unless named otherwise)."""
+
+    cap: int
+    requests: int = 0
+    page_references: int = 0
+    #: Admission pages found believed / pages the cache examined (its own counters).
+    belief_hit_ratio: float = 1.0
+    writes_issued: int = 0
+    #: Written pages that L3 already held when the write landed.
+    redundant_writes: int = 0
+    #: Pages of nodes skipped because ``covered()`` said so.
+    writes_avoided: int = 0
+    #: Skipped pages that L3 did not hold and no write was bringing (stale beliefs).
+    stale_skips: int = 0
+    #: Pages of nodes dropped because their parent was not covered.
+    dropped_writes: int = 0
+    #: Entries the cap evicted (the cache's ``evictions``).
+    evictions: int = 0
+    #: Beliefs removed by prefetch healing (``invalidations``).
+    heal_invalidations: int = 0
+    device_hit_pages: int = 0
+    l3_hit_pages: int = 0
+    l3_evictions: int = 0
+    peak_entries: int = 0
+    #: ``peak_entries`` times the measured bytes per entry (hash strings excluded).
+    memory_bytes: int = 0
+    elapsed_s: float = 0.0
+    #: The cache's own counters at the end, summed over pools.
+    cache_stats: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@lru_cache(maxsize=1)
+def bytes_per_entry() -> float:
+    """Memory one belief costs in ``PoolBeliefs`` (the hash string is shared with the
+    radix tree in sglang, so it is not counted), measured with ``tracemalloc``."""
+    keys = [f"{i:064x}" for i in range(1 << 16)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        pool = PoolBeliefs(len(keys), "kv")
+        pool.add(keys)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del pool
+    return (after - before) / len(keys)
+
+
+def _leading(held: OrderedDict[str, None], pages: Sequence[str]) -> int:
+    """How many leading ``pages`` are in ``held``, moving them to most recent (in C)."""
+    try:
+        _exhaust(map(held.move_to_end, pages))
+    except KeyError as miss:
+        # Any earlier occurrence of the missing page would have raised there.
+        return pages.index(miss.args[0])
+    return len(pages)
+
+
+class _Store:
+    """L3: the pages it holds, LRU over writes and reads when bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.pages: OrderedDict[str, None] = OrderedDict()
+        self.evictions = 0
+
+    def leading(self, pages: Sequence[str]) -> int:
+        """``batch_exists`` then the load: how many leading pages are stored (those
+        are read, which refreshes them in a bounded store's LRU)."""
+        return _leading(self.pages, pages)
+
+    def write(self, pages: Sequence[str]) -> int:
+        """Store ``pages``; returns how many were already held (redundant)."""
+        held = self.pages
+        before = len(held)
+        held.update(zip(pages, repeat(None)))
+        redundant = len(pages) - (len(held) - before)
+        if self.capacity:
+            if redundant:
+                _exhaust(map(held.move_to_end, pages))
+            excess = len(held) - self.capacity
+            if excess > 0:
+                _exhaust(map(held.popitem, repeat(False, excess)))
+                self.evictions += excess
+        return redundant
+
+
+class _Device:
+    """The device prefix cache: prefix match, leaf-first LRU eviction."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.pages: OrderedDict[str, None] = OrderedDict()
+
+    def match(self, pages: Sequence[str]) -> int:
+        """Pages of the longest cached prefix (touched; ``insert`` re-orders them)."""
+        if not self.capacity:
+            return 0
+        return _leading(self.pages, pages)
+
+    def insert(self, pages: Sequence[str]) -> None:
+        if not self.capacity:
+            return
+        held = self.pages
+        backwards = pages[::-1]
+        held.update(zip(backwards, repeat(None)))
+        _exhaust(map(held.move_to_end, backwards))
+        excess = len(held) - self.capacity
+        if excess > 0:
+            _exhaust(map(held.popitem, repeat(False, excess)))
+
+
+#: A write waiting for its storage ack: (due time in ms, pool state, pages).
+_Ack = tuple[float, "_PoolRun", Sequence[str]]
+
+
+class _PoolRun:
+    """One pool's model state around the real ``PoolBeliefs``."""
+
+    def __init__(self, beliefs: PoolBeliefs, config: ModelConfig, page_size: int) -> None:
+        self.beliefs = beliefs
+        self.config = config
+        self.page_size = page_size
+        self.device = _Device(config.device_pages)
+        self.store = _Store(config.l3_pages)
+        #: Pages with a write launched and not yet landed (ground truth, refcounted).
+        self.writing: dict[str, int] = {}
+        #: Nodes (by last page) with a write not yet acked: they vouch for children.
+        self.pending_nodes: dict[str, int] = {}
+
+    def land(self, keys: Sequence[str], result: ModelResult) -> None:
+        """The storage ack: L3 holds the pages, the beliefs learn them."""
+        result.redundant_writes += self.store.write(keys)
+        self.beliefs.add(keys)
+        self.beliefs.untrack_inflight(keys)
+        writing = self.writing
+        for page in keys:
+            left = writing[page] - 1
+            if left:
+                writing[page] = left
+            else:
+                del writing[page]
+        last = keys[-1]
+        left = self.pending_nodes[last] - 1
+        if left:
+            self.pending_nodes[last] = left
+        else:
+            del self.pending_nodes[last]
+
+    def request(self, req: PageRequest, result: ModelResult, acks: deque[_Ack]) -> None:
+        pages = req.pages
+        beliefs = self.beliefs
+        config = self.config
+        matched = self.device.match(pages)
+        result.device_hit_pages += matched
+        rest = pages[matched:]
+        if rest and len(rest) * self.page_size >= config.prefetch_threshold_tokens:
+            hit = self.store.leading(rest)
+            if config.heal:
+                _HEAL.heal_from_query(beliefs, rest, rest, hit, evidence=True)
+            result.l3_hit_pages += hit
+        self._insert_walk(req, result, acks)
+        self.device.insert(pages)
+
+    def _insert_walk(self, req: PageRequest, result: ModelResult, acks: deque[_Ack]) -> None:
+        pages = req.pages
+        beliefs = self.beliefs
+        bounded_store = bool(self.config.l3_pages)
+        held = self.store.pages
+        writing = self.writing
+        pending = self.pending_nodes
+        due = req.timestamp_ms + self.config.ack_latency_ms
+        start = 0
+        parent_last: str | None = None
+        for end in req.node_ends:
+            keys = pages[start:end]
+            start = end
+            if not keys:
+                continue
+            if beliefs.covered(keys):
+                result.writes_avoided += len(keys)
+                if bounded_store:
+                    result.stale_skips += sum(1 for p in keys if p not in held and p not in writing)
+            elif parent_last is None or parent_last in pending or beliefs.contains(parent_last):
+                beliefs.track_inflight(keys)
+                for page in keys:
+                    writing[page] = writing.get(page, 0) + 1
+                last = keys[-1]
+                pending[last] = pending.get(last, 0) + 1
+                result.writes_issued += len(keys)
+                acks.append((due, self, keys))
+            else:
+                result.dropped_writes += len(keys)
+            parent_last = keys[-1]
+
+
+def run_model(
+    trace: PageTrace,
+    cap: int,
+    config: ModelConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    cache: StorageExistenceCache | None = None,
+    step_hook: Callable[[], object] | None = None,
+) -> ModelResult:
+    """Replay ``trace`` through the write-path model with ``cap`` entries per pool.
+
+    ``cache`` replaces the fresh ``StorageExistenceCache(cap)`` (e.g. one with an
+    observer); ``step_hook`` runs after every request, where sglang's per-step
+    hook would (e.g. an advisor's ``drain``)."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+    config = config or ModelConfig()
+    result = ModelResult(cap=cap)
+    if cache is None:
+        cache = StorageExistenceCache(cap)
+    elif len(cache) or cache.max_entries != cap:
+        raise ValueError("cache must be empty and have max_entries == cap")
+    runs: dict[str, _PoolRun] = {}
+    acks: deque[_Ack] = deque()
+    total = len(trace.requests)
+    step = max(1, total // 20)
+    started = time.perf_counter()
+    peak = 0
+    for number, req in enumerate(trace.requests, 1):
+        now = req.timestamp_ms
+        while acks and acks[0][0] <= now:
+            _, owner, keys = acks.popleft()
+            owner.land(keys, result)
+        run = runs.get(req.pool)
+        if run is None:
+            run = runs[req.pool] = _PoolRun(cache.pool(req.pool), config, trace.page_size)
+        run.request(req, result, acks)
+        entries = len(run.beliefs)
+        if entries > peak:
+            peak = entries
+        result.requests += 1
+        result.page_references += len(req.pages)
+        if step_hook is not None:
+            step_hook()
+        if progress is not None and number % step == 0:
+            progress(number, total)
+    while acks:
+        _, owner, keys = acks.popleft()
+        owner.land(keys, result)
+        peak = max(peak, len(owner.beliefs))
+    stats = cache.stats().total
+    result.cache_stats = {
+        name: getattr(stats, name)
+        for name in (
+            "queries",
+            "pages_checked",
+            "page_hits",
+            "rescues",
+            "page_misses",
+            "adds",
+            "inserts",
+            "refreshes",
+            "evictions",
+            "invalidations",
+            "inflight_tracked",
+            "inflight_released",
+        )
+    }
+    result.belief_hit_ratio = stats.page_hits / stats.pages_checked if stats.pages_checked else 1.0
+    result.evictions = stats.evictions
+    result.heal_invalidations = stats.invalidations
+    result.l3_evictions = sum(r.store.evictions for r in runs.values())
+    result.peak_entries = peak
+    result.memory_bytes = int(peak * bytes_per_entry())
+    result.elapsed_s = time.perf_counter() - started
+    return result

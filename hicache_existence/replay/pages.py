@@ -1,0 +1,177 @@
+"""Expand a trace into SGLang-shaped page-hash chains.
+
+SGLang keys an L3 page by a 64-hex SHA-256 chained from its parent page, so a
+request's pages form a chain and two requests share exactly the pages of their
+common prefix.  Mooncake ids name 512-token blocks with the same prefix
+semantics; a block is split into ``block_tokens / page_size`` pages whose hashes
+are chained the same way::
+
+    digest(page) = sha256(digest(parent) || block id (8 bytes LE) || index in block (4 bytes LE))
+
+starting from a fixed root digest; the page hash is the digest in lowercase hex.
+Equal block ids under the same parent therefore give equal pages, and the same id
+under a different parent (which a consistent trace never has) gives different
+ones, as a real chain would.
+
+The last block of a request is usually partial (``input_length`` is not a
+multiple of 512): it contributes ``ceil(remaining tokens / page_size)`` pages by
+default (a partial page is keyed like the full page at that position, which the
+trace's "equal id = equal content" rule makes consistent), or
+``floor(...)`` with ``partial_pages="floor"``, which matches SGLang storing only
+full pages.  Tokens beyond ``len(hash_ids) * block_tokens`` cannot occur: the
+reader rejects such requests.
+
+Page traces already carry their page hashes; they are only interned (equal
+strings become one object, as in SGLang where the radix tree shares them) and cut
+into model nodes of ``node_pages`` pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from hicache_existence.replay.trace import Request, Trace
+
+PartialPages = Literal["ceil", "floor"]
+
+DEFAULT_PAGE_SIZE = 64
+#: Model node size for page traces, which carry no blocks (a Mooncake block at 64 tokens/page).
+DEFAULT_NODE_PAGES = 8
+_ROOT = hashlib.sha256(b"hicache-existence/replay/root").digest()
+
+
+@dataclass(frozen=True, slots=True)
+class PageRequest:
+    """One request as the existence cache sees it."""
+
+    timestamp_ms: float
+    pool: str
+    #: The request's page hashes, in chain order.
+    pages: tuple[str, ...]
+    #: End index (exclusive) of each radix node of the chain, ascending; the last is ``len(pages)``.
+    node_ends: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PageTrace:
+    """A trace expanded to pages."""
+
+    source: str
+    format: str
+    page_size: int
+    requests: tuple[PageRequest, ...]
+
+    @property
+    def references(self) -> int:
+        """Page references over all requests."""
+        return sum(len(r.pages) for r in self.requests)
+
+    def pools(self) -> tuple[str, ...]:
+        """Pools in order of first appearance."""
+        return tuple(dict.fromkeys(r.pool for r in self.requests))
+
+
+def _block_pages(parent: bytes, block: int, count: int) -> tuple[tuple[str, ...], bytes]:
+    """The ``count`` chained page hashes of ``block`` under ``parent`` and the last digest."""
+    out = []
+    tag = block.to_bytes(8, "little")
+    digest = parent
+    for index in range(count):
+        digest = hashlib.sha256(digest + tag + index.to_bytes(4, "little")).digest()
+        out.append(digest.hex())
+    return tuple(out), digest
+
+
+def chunk_ends(length: int, node_pages: int) -> tuple[int, ...]:
+    """Node end indices cutting ``length`` pages into nodes of ``node_pages``."""
+    return tuple(min(end, length) for end in range(node_pages, length + node_pages, node_pages))
+
+
+def expand(
+    trace: Trace,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    *,
+    partial_pages: PartialPages = "ceil",
+    node_pages: int = DEFAULT_NODE_PAGES,
+    salt: bytes = b"",
+    progress: Callable[[int, int], None] | None = None,
+) -> PageTrace:
+    """Expand every request of ``trace`` to its page chain (deterministic).
+
+    ``salt`` changes every Mooncake page hash while keeping the sharing structure
+    (for experiments that need independent hash draws, e.g. sampling variance)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if partial_pages not in ("ceil", "floor"):
+        raise ValueError(f"partial_pages must be 'ceil' or 'floor', got {partial_pages!r}")
+    if isinstance(node_pages, bool) or not isinstance(node_pages, int) or node_pages < 1:
+        raise ValueError(f"node_pages must be a positive int, got {node_pages!r}")
+    total = len(trace.requests)
+    step = max(1, total // 20)
+    out: list[PageRequest] = []
+    if trace.format == "mooncake":
+        if trace.block_tokens % page_size:
+            raise ValueError(
+                f"page_size {page_size} must divide the trace's block size "
+                f"{trace.block_tokens} tokens"
+            )
+        per_block = trace.block_tokens // page_size
+        memo: dict[tuple[bytes, int], tuple[tuple[str, ...], bytes]] = {}
+        root = hashlib.sha256(_ROOT + salt).digest() if salt else _ROOT
+        for number, request in enumerate(trace.requests):
+            out.append(
+                _expand_mooncake(
+                    request, trace.block_tokens, page_size, per_block, partial_pages, memo, root
+                )
+            )
+            if progress is not None and (number + 1) % step == 0:
+                progress(number + 1, total)
+    else:
+        canon: dict[str, str] = {}
+        for number, request in enumerate(trace.requests):
+            pages = tuple(map(canon.setdefault, request.pages, request.pages))
+            out.append(
+                PageRequest(
+                    request.timestamp_ms, request.pool, pages, chunk_ends(len(pages), node_pages)
+                )
+            )
+            if progress is not None and (number + 1) % step == 0:
+                progress(number + 1, total)
+    return PageTrace(trace.source, trace.format, page_size, tuple(out))
+
+
+def _expand_mooncake(
+    request: Request,
+    block_tokens: int,
+    page_size: int,
+    per_block: int,
+    partial_pages: PartialPages,
+    memo: dict[tuple[bytes, int], tuple[tuple[str, ...], bytes]],
+    root: bytes,
+) -> PageRequest:
+    ids = request.hash_ids
+    pages: list[str] = []
+    ends: list[int] = []
+    parent = root
+    last = len(ids) - 1
+    for index, block in enumerate(ids):
+        key = (parent, block)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = _block_pages(parent, block, per_block)
+        hexes, parent = found
+        if index == last:
+            remaining = request.input_length - last * block_tokens
+            if partial_pages == "ceil":
+                count = -(-remaining // page_size)
+            else:
+                count = remaining // page_size
+            pages.extend(hexes[:count])
+        else:
+            pages.extend(hexes)
+        if not ends or ends[-1] != len(pages):
+            ends.append(len(pages))
+    return PageRequest(request.timestamp_ms, request.pool, tuple(pages), tuple(ends))

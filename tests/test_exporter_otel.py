@@ -1,0 +1,105 @@
+"""OpenTelemetry export through the API, read with the SDK's in-memory reader:
+same values as the Prometheus exporters, one snapshot per collection, spans."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk", reason="the otel-sdk extra is needed for this test")
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+
+import hicache_existence as he
+from hicache_existence.bench import workload
+from hicache_existence.catalog import CATALOG, DeploymentLabels
+from hicache_existence.exporters import otel
+from hicache_existence.exporters.samples import Sampler
+from hicache_existence.ghosts import GhostFactory
+from hicache_existence.writes import WriteAccounting
+
+LABELS = DeploymentLabels(model_name="m", tp_rank=2)
+
+
+def points(reader):
+    """{(metric name, sorted attributes): value} of one collection."""
+    out = {}
+    data = reader.get_metrics_data()
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for p in metric.data.data_points:
+                    out[(metric.name, tuple(sorted(p.attributes.items())))] = p.value
+    return out
+
+
+def setup():
+    """A cache with traffic, write accounting and an exporter on an SDK provider."""
+    ghosts = GhostFactory(50, memory_fraction=1.0)
+    cache = he.StorageExistenceCache(50, miss_memory=ghosts)
+    writes = WriteAccounting(page_size_bytes=100)
+    chain = workload.chain(1, 60, "otel")
+    cache.pool("kv").add(chain)  # 10 evictions
+    cache.pool("kv").contains_all(chain)  # evicted miss
+    writes.written("kv", 60)
+    sampler = Sampler(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa"))
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    exporter = otel.OTelExporter(sampler, LABELS, meter_provider=provider)
+    return cache, sampler, reader, exporter
+
+
+def test_instruments_report_the_sampler_values():
+    """Every catalog metric is observed with the Sampler's values and labels as attributes."""
+    _, sampler, reader, _ = setup()
+    got = points(reader)
+    expected = sampler.sample()
+    base = LABELS.as_dict()
+    for spec in CATALOG:
+        extra = ("pool", *spec.extra_labels)
+        for key, value in expected[spec.name].items():
+            attrs = tuple(sorted({**base, **dict(zip(extra, key))}.items()))
+            assert got[(spec.name, attrs)] == value, (spec.name, key)
+    kv = tuple(sorted({**base, "pool": "kv"}.items()))
+    assert got[("hicache_existence_evictions", kv)] == 10
+    assert got[("hicache_existence_written_bytes", kv)] == 6000
+
+
+def test_one_snapshot_per_collection_and_counters_advance():
+    """A collection takes one snapshot whatever the callback order; the next one
+    sees new traffic."""
+    cache, _, reader, exporter = setup()
+    points(reader)
+    assert exporter.snapshots == 1
+    cache.pool("kv").add(["new"])
+    got = points(reader)
+    assert exporter.snapshots == 2
+    kv = tuple(sorted({**LABELS.as_dict(), "pool": "kv"}.items()))
+    assert got[("hicache_existence_evictions", kv)] == 11
+
+
+def test_span_wraps_slow_work_with_attributes():
+    """span() records one span with its name and attributes on the SDK tracer."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with otel.span(otel.SPAN_RECONCILE, tracer_provider=provider, pool="kv", pages=12) as current:
+        assert current is not None
+    (finished,) = exporter.get_finished_spans()
+    assert finished.name == "hicache_existence.reconcile"
+    assert dict(finished.attributes) == {"pool": "kv", "pages": 12}
+    with pytest.raises(TypeError, match="name"), otel.span(""):
+        pass
+
+
+def test_bad_arguments_name_themselves():
+    """The exporter rejects a non-Sampler and non-DeploymentLabels labels."""
+    with pytest.raises(TypeError, match="sampler"):
+        otel.OTelExporter(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="labels"):
+        otel.OTelExporter(Sampler(he.StorageExistenceCache(1)), {"tp_rank": 0})  # type: ignore[arg-type]

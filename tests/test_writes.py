@@ -1,0 +1,99 @@
+"""Write accounting: pages and bytes per pool, snapshots and deltas, bad input
+leaves every counter as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from hicache_existence.writes import PoolWriteStats, WriteAccounting
+
+
+def test_counts_pages_and_bytes_per_pool():
+    """written/avoided/redundant accumulate per pool; bytes use the page size."""
+    w = WriteAccounting(page_size_bytes=1000, page_sizes={"mamba": 50})
+    w.written("kv", 10, already_stored=3)
+    w.written("kv", 5)
+    w.avoided("kv", 7)
+    w.redundant("kv", 2)
+    w.written("mamba", 4)
+    s = w.stats()
+    assert s["kv"] == PoolWriteStats("kv", 15, 7, 5, 1000)
+    assert (s["kv"].written_bytes, s["kv"].avoided_bytes, s["kv"].redundant_bytes) == (
+        15000,
+        7000,
+        5000,
+    )
+    assert s["mamba"].written_bytes == 200
+    assert s["kv"].avoided_ratio == pytest.approx(7 / 22)
+    assert list(s) == ["kv", "mamba"]
+
+
+def test_snapshots_are_frozen_and_subtract():
+    """A snapshot is immutable; newer - older gives the interval's writes."""
+    w = WriteAccounting(page_size_bytes=10)
+    w.written("kv", 3)
+    before = w.stats()
+    w.written("kv", 4, already_stored=1)
+    w.avoided("swa", 2)
+    delta = w.stats() - before
+    assert delta["kv"] == PoolWriteStats("kv", 4, 0, 1, 10)
+    assert delta["swa"].avoided == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before["kv"].written = 0  # type: ignore[misc]
+    assert w.stats().as_dict()["kv"]["written_bytes"] == 70
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda w: w.written("kv", -1), ValueError, "pages"),
+        (lambda w: w.written("kv", 1.5), TypeError, "pages"),
+        (lambda w: w.written("kv", True), TypeError, "pages"),
+        (lambda w: w.written("kv", 2, already_stored=3), ValueError, "already_stored"),
+        (lambda w: w.written("", 1), ValueError, "pool"),
+        (lambda w: w.written(5, 1), TypeError, "pool"),
+        (lambda w: w.avoided("kv", -2), ValueError, "pages"),
+        (lambda w: w.redundant("kv", 100), ValueError, "redundant"),
+        (lambda w: w.redundant("new", 1), ValueError, "redundant"),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(call, exc, match):
+    """Bad arguments raise naming the argument; counters and pools stay as they were."""
+    w = WriteAccounting(page_size_bytes=8)
+    w.written("kv", 5, already_stored=1)
+    before = w.stats()
+    with pytest.raises(exc, match=match):
+        call(w)
+    assert w.stats() == before
+
+
+def test_constructor_validates_page_sizes():
+    """Negative or non-int page sizes are refused, naming the argument."""
+    with pytest.raises(ValueError, match="page_size_bytes"):
+        WriteAccounting(-1)
+    with pytest.raises(TypeError, match="page_sizes"):
+        WriteAccounting(1, {"kv": 1.5})
+
+
+def test_snapshot_from_another_thread_never_goes_backwards():
+    """A reader thread's successive snapshots are monotonic while a writer records."""
+    w = WriteAccounting(page_size_bytes=1)
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def reader():
+        while not stop.is_set():
+            s = w.stats()
+            seen.append(s["kv"].written if "kv" in s else 0)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for _ in range(20000):
+        w.written("kv", 1)
+    stop.set()
+    t.join()
+    assert seen == sorted(seen)
+    assert w.stats()["kv"].written == 20000
