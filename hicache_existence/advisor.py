@@ -5,18 +5,23 @@ ratio an LRU of each size would have had on the same reference stream.  The
 advisor estimates it with SHARDS (Waldspurger et al., FAST '15): a page is
 *sampled* when the leading 64 bits of its SHA-256 hash are below
 ``rate * 2**64`` (spatial sampling: a sampled page is sampled at every reference,
-on every TP rank alike), the sampled pages go through an exact LRU stack-distance
-structure, and a sampled stack distance ``d`` stands for ``d / rate`` pages.
-SHARDS-adj corrects the total for the sampling's luck with hot pages.
+on every TP rank alike), the sampled pages go through an exact LRU stack, and a
+sampled stack distance ``d`` stands for ``d / rate`` pages.  The hit ratio is the
+plain ratio over sampled references; SHARDS-adj (``adjust=True``) is available
+but was less accurate on chained page streams (docs/capacity.md).
 
 The reference stream is what the cache is asked and told: every page passed to
 ``add`` and every page a lookup walked (``touched``).  A reference is a hit at cap
 ``C`` when the page would be believed at the start of its call in an LRU of ``C``
-entries fed the same stream; ``invalidate_beyond`` and ``clear`` remove pages
-from that LRU as they do from the cache.  With ``rate = 1`` and the 1x cap this
-reproduces the cache's own ``(page_hits + refreshes) / (pages walked + pages
-added)``; on a belief-only replay it is the exact curve of ``hicache-existence
-replay --model belief-only``.
+entries fed the same stream.  On ``add``/lookup streams this is exact (with
+``rate = 1`` it reproduces the cache's own ``(page_hits + refreshes) / (pages
+walked + pages added)`` at the 1x cap, and on a belief-only replay the exact
+curve of ``hicache-existence replay --model belief-only``).  Two cases are
+approximated, because one LRU stack cannot hold every cap's state: a page
+removed by ``invalidate_beyond`` or ``clear`` leaves the stack, so deeper pages
+move up (a real cache keeps that slot empty until the next insert), and a lookup
+that walks an in-flight page beyond a cap moves it up (the real cache does not
+hold it until its storage ack adds it, which buffer mode does soon after).
 
 Cost split (the scheduler's hot path pays almost nothing):
 
@@ -26,7 +31,7 @@ Cost split (the scheduler's hot path pays almost nothing):
   afterwards; a lookup's walked prefix is bounded by ``stop``);
 * ``drain(budget_s)``, called once per scheduler step after the cache's events
   are processed, filters the buffered pages with a C-level string comparison and
-  updates the stack structure, stopping when its time budget is spent;
+  updates the stack, stopping when its time budget is spent (the rest waits);
 * ``snapshot()`` (any thread) turns the histograms into hit ratios at 0.25x ..
   8x each pool's current cap.
 
@@ -43,6 +48,7 @@ import math
 import re
 import threading
 import time
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +73,10 @@ DEFAULT_MAX_SAMPLED_PAGES = 131072
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _RESCALE_AT = 2.0**40
-_MIN_TREE = 1024
+#: Timestamps per block of the stack (a few KiB: cheap to shift, few blocks to sum).
+_BLOCK = 512
+#: Every this many operations a pool's keys are re-checked for the 64-hex shape.
+_HEX_CHECK_EVERY = 1024
 
 
 class _Default:
@@ -83,62 +92,87 @@ def multiplier_label(multiplier: float) -> str:
 
 
 class _Stack:
-    """An exact LRU stack over sampled keys: stack distances in O(log n).
+    """An exact LRU stack over sampled keys, with stack distances in O(log n).
 
-    Keys carry a timestamp; a Fenwick tree counts the live timestamps, so the
-    distance of a key is the number of live timestamps after its own.  When the
-    timestamps run out the live ones are renumbered in LRU order into a tree
-    sized for them (amortised O(1) per touch; memory follows the live keys).
+    Each key carries the timestamp of its last reference; the live timestamps
+    are kept in a blocked sorted list (new ones are always the largest, so they
+    append), and the distance of a key is the number of live timestamps after
+    its own.  Every operation touches one block plus a C-level sum over block
+    lengths: no global rebuild, so no latency spike on the scheduler thread.
     """
 
-    __slots__ = ("times", "tree", "size", "clock")
+    __slots__ = ("times", "blocks", "maxes", "clock")
 
     def __init__(self) -> None:
         self.times: OrderedDict[Any, int] = OrderedDict()
-        self.size = _MIN_TREE
-        self.tree = [0] * (self.size + 1)
-        self.clock = 1
+        self.blocks: list[list[int]] = []
+        self.maxes: list[int] = []
+        self.clock = 0
 
-    def _add(self, i: int, delta: int) -> None:
-        tree = self.tree
-        size = self.size
-        while i <= size:
-            tree[i] += delta
-            i += i & -i
+    def after(self, t: int) -> int:
+        """How many live timestamps are greater than the live timestamp ``t``."""
+        i = bisect_left(self.maxes, t)
+        block = self.blocks[i]
+        later = sum(map(len, islice(self.blocks, i + 1, None)))
+        return later + len(block) - bisect_right(block, t)
+
+    def _discard(self, t: int) -> None:
+        maxes = self.maxes
+        blocks = self.blocks
+        i = bisect_left(maxes, t)
+        block = blocks[i]
+        j = bisect_left(block, t)
+        del block[j]
+        if not block:
+            del blocks[i]
+            del maxes[i]
+            return
+        if j == len(block):
+            maxes[i] = block[-1]
+        if len(block) < _BLOCK // 4:
+            # Merge a thinned-out block into a neighbour so the block count stays ~n/B.
+            if i + 1 < len(blocks) and len(blocks[i + 1]) + len(block) <= _BLOCK:
+                blocks[i + 1][:0] = block
+                del blocks[i]
+                del maxes[i]
+            elif i > 0 and len(blocks[i - 1]) + len(block) <= _BLOCK:
+                blocks[i - 1].extend(block)
+                maxes[i - 1] = maxes[i]
+                del blocks[i]
+                del maxes[i]
+
+    def push(self, key: Any) -> None:
+        """Make ``key`` the most recent."""
+        old = self.times.pop(key, None)
+        if old is not None:
+            self._discard(old)
+        t = self.clock
+        self.clock = t + 1
+        self.times[key] = t
+        blocks = self.blocks
+        if blocks and len(blocks[-1]) < _BLOCK:
+            blocks[-1].append(t)
+            self.maxes[-1] = t
+        else:
+            blocks.append([t])
+            self.maxes.append(t)
 
     def remove(self, key: Any) -> None:
         old = self.times.pop(key, None)
         if old is not None:
-            self._add(old, -1)
+            self._discard(old)
 
     def trim(self, max_keys: int) -> None:
         """Forget the least recent keys beyond ``max_keys`` (their next reference is cold)."""
         times = self.times
         while len(times) > max_keys:
             _, old = times.popitem(last=False)
-            self._add(old, -1)
+            self._discard(old)
 
     def clear(self) -> None:
         self.times.clear()
-        self.size = _MIN_TREE
-        self.tree = [0] * (self.size + 1)
-        self.clock = 1
-
-    def renumber(self) -> None:
-        """Give the live keys timestamps ``1..n`` in LRU order, in a tree of 8n slots."""
-        times = self.times
-        size = max(_MIN_TREE, 8 * len(times))
-        tree = [0] * (size + 1)
-        for t, key in enumerate(times, 1):
-            times[key] = t
-            tree[t] = 1
-        for i in range(1, size + 1):  # linear-time Fenwick build
-            j = i + (i & -i)
-            if j <= size:
-                tree[j] += tree[i]
-        self.tree = tree
-        self.size = size
-        self.clock = len(times) + 1
+        self.blocks.clear()
+        self.maxes.clear()
 
 
 class _Estimator:
@@ -156,6 +190,8 @@ class _Estimator:
         "raw_sampled",
         "dropped",
         "max_keys",
+        "ops",
+        "hex_keys",
     )
 
     def __init__(self, max_keys: int, half_life: int) -> None:
@@ -172,11 +208,12 @@ class _Estimator:
         self.raw_references = 0
         self.raw_sampled = 0
         self.dropped = 0
+        self.ops = 0
+        #: Whether this pool's keys look like 64-hex SHA-256 (re-checked now and then).
+        self.hex_keys = True
 
-    def reference(self, keys: Sequence[Any], total: int, inserting: bool = True) -> None:
-        """One call's ``total`` references, of which ``keys`` were sampled; every
-        distance is taken before the call's updates (batch semantics).  A lookup
-        (``inserting=False``) does not insert a page the stack does not hold."""
+    def advance(self, total: int) -> float:
+        """Count ``total`` references of the whole stream; returns their weight."""
         if self.growth != 1.0:
             self.weight *= self.growth**total
             if self.weight > _RESCALE_AT:
@@ -184,6 +221,13 @@ class _Estimator:
         w = self.weight
         self.references += w * total
         self.raw_references += total
+        return w
+
+    def reference(self, keys: Sequence[Any], total: int, inserting: bool = True) -> None:
+        """One call's ``total`` references, of which ``keys`` were sampled.  Every
+        distance is taken before the call's updates (batch semantics); a lookup
+        (``inserting=False``) does not insert a page the stack does not hold."""
+        w = self.advance(total)
         if not keys:
             return
         self.raw_sampled += len(keys)
@@ -192,12 +236,11 @@ class _Estimator:
             keys = self._repeats_as_hits(keys, w)
         stack = self.stack
         times = stack.times
-        tree = stack.tree
+        after = stack.after
         hist = self.hist
-        live = len(times)
         absent: list[Any] = []
-        # Distances at the start of the call.  A key whose timestamp follows the
-        # previous key's (a chain referenced again in order) is one closer.
+        # A key whose timestamp follows the previous key's (a chain referenced
+        # again in order) is exactly one closer: no search needed.
         prev_t = prev_d = -2
         for key in keys:
             t = times.get(key)
@@ -207,15 +250,7 @@ class _Estimator:
                 if not inserting:
                     absent.append(key)
                 continue
-            if t == prev_t + 1:
-                d = prev_d - 1
-            else:
-                below = 0
-                i = t
-                while i:
-                    below += tree[i]
-                    i &= i - 1
-                d = live - below
+            d = prev_d - 1 if t == prev_t + 1 else after(t)
             prev_t = t
             prev_d = d
             if d < len(hist):
@@ -225,29 +260,9 @@ class _Estimator:
         if absent:
             skip = set(absent)
             keys = [key for key in keys if key not in skip]
-        # Updates, in call order: each key becomes the most recent.
-        size = stack.size
-        clock = stack.clock
+        push = stack.push
         for key in keys:
-            old = times.pop(key, None)
-            if old is not None:
-                i = old
-                while i <= size:
-                    tree[i] -= 1
-                    i += i & -i
-            if clock > size:
-                stack.clock = clock
-                stack.renumber()
-                tree = stack.tree
-                size = stack.size
-                clock = stack.clock
-            times[key] = clock
-            i = clock
-            while i <= size:
-                tree[i] += 1
-                i += i & -i
-            clock += 1
-        stack.clock = clock
+            push(key)
         if len(times) > self.max_keys:
             stack.trim(self.max_keys)
 
@@ -277,21 +292,17 @@ class _Estimator:
         self.references *= scale
         self.weight = 1.0
 
-    def hit_ratio(self, cap: int, rate: float, adjust: bool) -> float | None:
-        """Estimated hit ratio of an LRU of ``cap`` entries; None without data or
-        when ``cap`` lies beyond the distances tracked."""
-        return self.hit_ratios([cap], rate, adjust)[0]
-
     def hit_ratios(self, caps: Sequence[int], rate: float, adjust: bool) -> list[float | None]:
+        """Estimated hit ratio of an LRU of each cap; None without data or when the
+        cap lies beyond the distances tracked (``max_keys / rate``)."""
         if self.sampled <= 0:
             return [None] * len(caps)
         limits = [math.ceil(cap * rate) for cap in caps]
         top = min(max(limits), len(self.hist))
         cumulative = [0.0, *accumulate(islice(self.hist, top))]
-        expected = self.references * rate
-        # SHARDS-adj: the sampling's surplus or shortfall of references is put in
-        # the first bucket (hot pages decide it), and the total becomes the expected.
-        delta = expected - self.sampled if adjust else 0.0
+        # SHARDS-adj: the sample's surplus or shortfall against the expected count is
+        # put in the first bucket and the total becomes the expected count.
+        delta = self.references * rate - self.sampled if adjust else 0.0
         denominator = self.sampled + delta
         if denominator <= 0:
             return [None] * len(caps)
@@ -373,6 +384,27 @@ class CapacityAdvisor:
     references more (the weight doubles every that many page references), so the
     curve follows a changing workload; 0 keeps the whole history.
     """
+
+    __slots__ = (
+        "sampling_rate",
+        "drain_budget_s",
+        "adjust",
+        "shared",
+        "_threshold",
+        "_prefix",
+        "_limit",
+        "_max_keys",
+        "_half_life",
+        "_clock",
+        "_buf",
+        "_estimators",
+        "_lock",
+        "dropped_operations",
+        "dropped_references",
+        "drains",
+        "drain_seconds",
+        "errors",
+    )
 
     def __init__(
         self,
@@ -488,43 +520,47 @@ class CapacityAdvisor:
             est = self._estimators[name] = _Estimator(self._max_keys, self._half_life)
         return est
 
-    def _sample(self, hashes: Sequence[str], count: int, start: int = 0) -> list[Any]:
-        """The sampled keys among ``hashes[start:count]``, in order."""
-        prefix = self._prefix
-        if start or count != len(hashes):
-            view: Iterable[str] = islice(hashes, start, count)
-        else:
-            view = hashes
-        if count <= start:
-            return []
-        if prefix is None:
-            keys: list[Any] = list(view)
-        elif _HEX64.fullmatch(hashes[start]):
-            keys = [h for h in view if h < prefix]
-        else:
-            keys = _blake_sampled(view, self._threshold)
-        return keys
-
     def _apply(self, op: tuple[Any, ...]) -> None:
+        """Process one buffered operation."""
         size = len(op)
         pool = op[0]
-        est = self._estimator(pool)
+        est = self._estimators.get(SHARED_POOL if self.shared else pool) or self._estimator(pool)
         if size == 1:
             est.stack.clear()
             return
         hashes = op[1]
         if size == 4:
-            keys = self._sample(hashes, len(hashes), op[2])
-            if self.shared:
-                keys = [(pool, k) for k in keys]
+            start = op[2]
+            count = len(hashes)
+            inserting = True
+        else:
+            start = 0
+            count = len(hashes) if size == 2 else min(op[2], len(hashes))
+            inserting = size == 2
+        if count <= start:
+            return
+        est.ops += 1
+        if not est.ops % _HEX_CHECK_EVERY or est.ops == 1:
+            est.hex_keys = _HEX64.fullmatch(hashes[start]) is not None
+        prefix = self._prefix
+        view: Iterable[str] = (
+            hashes if not start and count == len(hashes) else islice(hashes, start, count)
+        )
+        if prefix is None:
+            keys: list[Any] = list(view)
+        elif est.hex_keys:
+            keys = [h for h in view if h < prefix]
+        else:
+            keys = _blake_sampled(view, self._threshold)
+        if self.shared and keys:
+            keys = [(pool, k) for k in keys]
+        if size == 4:
             for key in keys:
                 est.stack.remove(key)
-            return
-        count = len(hashes) if size == 2 else min(op[2], len(hashes))
-        keys = self._sample(hashes, count)
-        if self.shared:
-            keys = [(pool, k) for k in keys]
-        est.reference(keys, count, size == 2)
+        elif keys:
+            est.reference(keys, count, inserting)
+        else:
+            est.advance(count)
 
     def drain(self, budget_s: float | _Default | None = _DEFAULT) -> int:
         """Process buffered operations, oldest first, until none is left or the
@@ -564,9 +600,12 @@ class CapacityAdvisor:
     def discard_pending(self) -> int:
         """Drop the buffered operations unprocessed (counted as dropped); returns how many."""
         with self._lock:
-            dropped = len(self._buf)
-            self._buf.clear()
+            ops = self._buf
+            dropped = len(ops)
+            pages = sum(len(op[1]) if len(op) == 2 else op[2] for op in ops if len(op) in (2, 3))
+            ops.clear()
             self.dropped_operations += dropped
+            self.dropped_references += pages
         return dropped
 
     # -- reporting -------------------------------------------------------------
@@ -578,7 +617,7 @@ class CapacityAdvisor:
             est = self._estimators.get(SHARED_POOL if self.shared else pool)
             if est is None:
                 return None
-            return est.hit_ratio(cap, self.sampling_rate, self.adjust)
+            return est.hit_ratios([cap], self.sampling_rate, self.adjust)[0]
 
     def snapshot(
         self,

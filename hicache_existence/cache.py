@@ -208,6 +208,8 @@ class PoolBeliefs:
             return True
         c.query_misses += 1
         self._count_miss(page_hash, c)
+        if self._observer is not None:
+            self._observer.touched(self.name, (page_hash,), 0)
         return False
 
     def contains_all(self, hashes: Iterable[str]) -> bool:
@@ -288,7 +290,7 @@ class PoolBeliefs:
         c.page_hits += hits
         c.rescues += rescues
         self._count_miss(seq[stop], c)
-        if stop and self._observer is not None:
+        if self._observer is not None:
             self._observer.touched(self.name, seq, stop)
         return False
 

@@ -30,6 +30,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 ENV_PREFIX = "HICACHE_EXISTENCE_"
 ENV_CONFIG = "HICACHE_EXISTENCE_CONFIG"
+#: Variables with the prefix that are not settings: tooling switches read by
+#: the test runner and the benchmark, never by ``Config``.
+ENV_NOT_SETTINGS = frozenset(
+    {
+        "HICACHE_EXISTENCE_REQUIRE_ALL",
+        "HICACHE_EXISTENCE_REQUIRE_SGLANG",
+        "HICACHE_EXISTENCE_ENV_ROOT",
+        "HICACHE_EXISTENCE_CACHE_DIR",
+    }
+)
 
 
 class ConfigError(ValueError):
@@ -231,7 +241,7 @@ class Config:
             config = cls.from_json(blob, config)
         updates: dict[str, Any] = {}
         for key, raw in env.items():
-            if not key.startswith(ENV_PREFIX) or key == ENV_CONFIG:
+            if not key.startswith(ENV_PREFIX) or key == ENV_CONFIG or key in ENV_NOT_SETTINGS:
                 continue
             path = key[len(ENV_PREFIX) :].lower().split("__")
             node = updates

@@ -8,11 +8,13 @@ check compares a few 63-bit words per pool instead of the caches themselves.
 
 Per pool, incrementally (once per operation, never once per page in Python):
 
-* ``crc``: CRC-32 over a self-delimiting serialisation of the operation stream.
-  ``add`` / ``invalidate_beyond`` / in-flight batches contribute every page
-  (one ``"\\0".join`` + ``zlib.crc32`` in C); a lookup contributes only
-  ``(stop, hashes[0], hashes[stop-1])``, O(1) per call: SGLang page hashes are
-  chained SHA-256, so the last page names the whole walked prefix.
+* ``crc``: CRC-32 chained over the operation stream, one self-delimiting record
+  per operation.  ``add`` / ``invalidate_beyond`` / in-flight batches contribute
+  every page (one ``"\\0".join`` + ``zlib.crc32`` in C); a lookup contributes
+  only ``(stop, hashes[0], hashes[stop-1])``, O(1) per call: SGLang page hashes
+  are chained SHA-256, so the last page names the whole walked prefix.
+  (``SharedLruDigest``, for the seed generation's shared LRU, also folds each
+  operation's global index, so the interleaving of pools counts too.)
 * ``ops`` / ``pages``: exact counts of operations and of pages in batches, so a
   missing or extra operation is caught with certainty, not with 1 - 2**-32.
 
@@ -302,8 +304,21 @@ class SharedLruDigest(ReplicaDigest):
         super().added(pool, hashes)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        self._order(pool)
-        super().touched(pool, hashes, stop)
+        # Inlined (the hot path): the global index joins the lookup's record.
+        self._seq = seq = self._seq + 1
+        try:
+            s = self._streams[pool]
+            data = f"\0#{seq}\0T{hashes[0]}\0{hashes[stop - 1]}".encode()
+            s.crc = _crc32(data, s.crc ^ stop)
+            s.ops += 1
+        except Exception:  # first touch of the pool, or pages not valid UTF-8
+            try:
+                s = self._stream(pool)
+                data = f"\0#{seq}\0T{hashes[0]}\0{hashes[stop - 1]}".encode(_ENC, _ERR)
+                s.crc = _crc32(data, s.crc ^ stop)
+                s.ops += 1
+            except Exception:
+                self._poison(pool)
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         self._order(pool)

@@ -2,14 +2,15 @@
 
 Every rank calls ``DivergenceChecker.on_step()`` once per scheduler step at a
 lockstep point (in SGLang: right after ``check_hicache_events``).  Every
-``interval_steps`` steps the checker reduces a fixed-size vector of digest
-words (``digest.ReplicaDigest``) over a dedicated CPU group: one all-reduce of
-``[v, -v]`` with MAX yields both the maximum and the minimum of every word, so
-equal replicas cost one small collective and no traffic proportional to the
-cache.  Only when some word differs does it all-gather the same vector to name
-the ranks that differ, then applies the policy: ``log`` (an error event and
-counters), ``heal`` (every rank clears the affected pools at the same step), or
-``abort`` (raise, for canaries and CI).
+``interval_steps`` steps the checker folds its step and the replica's digest
+(``digest.ReplicaDigest``: one 63-bit word over every pool) into one word ``w``
+and all-reduces ``[w, -w]`` with MAX over a dedicated CPU group, which yields
+both the maximum and the minimum: equal replicas cost one collective of two
+int64 and no traffic proportional to the cache.  Only when the words differ
+does it all-gather a fixed-size vector (per-slot pool words and sizes) to name
+the ranks and pools that differ, then applies the policy: ``log`` (an error
+event and counters), ``heal`` (every rank clears the affected pools at the same
+step), or ``abort`` (raise, for canaries and CI).
 
 A healthy job is never hung by it: collectives run only at the lockstep point,
 the group has a timeout and a rank that times out stops checking; a start-up
@@ -22,7 +23,6 @@ same checker over threads for fast tests.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -32,6 +32,7 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from hicache_existence import logs
 from hicache_existence.config import DivergenceSection
 from hicache_existence.digest import (
     DIGEST_VERSION,
@@ -41,15 +42,17 @@ from hicache_existence.digest import (
     ReplicaDigest,
     SharedLruDigest,
     combine,
+    mix,
     slot_of,
 )
 from hicache_existence.flat import FlatStorageExistenceCache
 
 logger = logging.getLogger(__name__)
+_events = logs.get_logger(__name__)
 
 POLICIES: tuple[str, ...] = ("log", "heal", "abort")
 
-#: Event names of the structured log records (``extra["hicache_existence_event"]``).
+#: Names of the structured events (``logs.EventLogger``; also passed to ``on_event``).
 EVENT_STARTED = "hicache_existence.divergence.started"
 EVENT_CONFIG_MISMATCH = "hicache_existence.divergence.config_mismatch"
 EVENT_DETECTED = "hicache_existence.divergence.detected"
@@ -497,11 +500,14 @@ class DivergenceChecker:
             logger.exception("hicache-existence: computing the replica digest failed")
             vector = [0] * (_HEADER + 3 * self._slots)
             vector[_STEP], vector[_STATUS] = step, 1
-        n = len(vector)
+        # A healthy check moves one word, folded from the header (step, status,
+        # replica word), as [w, -w]: two int64, the cheapest all-reduce gloo has
+        # (on 4 ranks, 6 words cost several times 2).  Slot words and sizes
+        # travel in the gather, which runs only when the words differ.
+        word = mix("check", *vector[:_HEADER])
         try:
-            reduced = self._group.all_reduce_max(vector + [-v for v in vector])
-            hi, lo = reduced[:n], [-v for v in reduced[n:]]
-            gathered = self._group.all_gather(vector) if hi != lo else None
+            reduced = self._group.all_reduce_max([word, -word])
+            gathered = self._group.all_gather(vector) if reduced[0] != -reduced[1] else None
         except GroupError as exc:
             self._record_failure(step, exc, "check")
             return CheckResult(step, "failed", self._clock() - t0, self._failure_event)
@@ -511,7 +517,7 @@ class DivergenceChecker:
             duration = self._clock() - t0
             self._check_seconds += duration
             return CheckResult(step, "ok", duration)
-        event = self._diverged(step, vector, hi, lo, gathered, digests)
+        event = self._diverged(step, gathered, digests)
         duration = self._clock() - t0
         self._check_seconds += duration
         event["check_duration_s"] = round(duration, 6)
@@ -546,21 +552,24 @@ class DivergenceChecker:
     def _diverged(
         self,
         step: int,
-        vector: list[int],
-        hi: list[int],
-        lo: list[int],
         gathered: list[list[int]],
         digests: dict[str, PoolDigest],
     ) -> dict[str, Any]:
         k = self._slots
         group = self._group
-        slots = [s for s in range(k) if hi[_HEADER + s] != lo[_HEADER + s]]
+
+        def differs(index: int) -> bool:
+            return len({vec[index] for vec in gathered}) > 1
+
+        # Every rank holds the same gathered vectors, so every rank derives the
+        # same diverged slots (what ``heal`` clears) and the same groups of ranks.
+        slots = [s for s in range(k) if differs(_HEADER + s)]
         kinds = []
-        if hi[_STATUS] != lo[_STATUS]:
+        if differs(_STATUS):
             kinds.append("digest_error")
-        if slots or hi[_REPLICA] != lo[_REPLICA]:
+        if slots or differs(_REPLICA):
             kinds.append("state")
-        if hi[_STEP] != lo[_STEP]:
+        if differs(_STEP):
             kinds.append("step")
         # Ranks grouped by identical vectors; steps aside, unless only they differ.
         only_steps = kinds == ["step"]
@@ -676,14 +685,13 @@ class DivergenceChecker:
             raise DivergenceTimeoutError(str(exc), event) from exc
 
     def _emit(self, level: int, event: dict[str, Any]) -> None:
+        """One structured event: to the package's event logger, then ``on_event``."""
         try:
-            logger.log(
-                level,
-                "%s %s",
-                event["event"],
-                json.dumps(event, sort_keys=True, default=str),
-                extra={"hicache_existence_event": event},
-            )
+            fields = {k: v for k, v in event.items() if k != "event"}
+            if level >= logging.ERROR:
+                _events.error(event["event"], **fields)
+            else:
+                _events.info(event["event"], **fields)
             if self._on_event is not None:
                 self._on_event(event)
         except Exception:  # a broken sink must not break the scheduler

@@ -228,6 +228,8 @@ class FlatStorageExistenceCache:
             return True
         c.query_misses += 1
         self._count_miss(rec, page_hash)
+        if self._observer is not None:
+            self._observer.touched(rec.name, (page_hash,), 0)
         return False
 
     def contains_all(self, pool: str, hashes: Iterable[str]) -> bool:
@@ -315,7 +317,7 @@ class FlatStorageExistenceCache:
         c.page_hits += hits
         c.rescues += rescues
         self._count_miss(rec, seq[stop])
-        if stop and self._observer is not None:
+        if self._observer is not None:
             self._observer.touched(rec.name, seq, stop)
         return False
 

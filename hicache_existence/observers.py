@@ -44,8 +44,10 @@ class BeliefObserver(Protocol):
         """``add`` completed (its evictions included)."""
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        """A lookup walked ``hashes[:stop]``; believed pages among them were
-        touched (moved to most recent).  Called only when ``stop > 0``."""
+        """A lookup of a non-empty ``hashes`` walked ``hashes[:stop]``; believed
+        pages among them were touched (moved to most recent).  ``stop <
+        len(hashes)`` means the lookup missed at ``hashes[stop]`` (``stop == 0``:
+        nothing was touched, the first page missed)."""
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         """``invalidate_beyond(hashes, keep_pages)`` completed."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from hicache_existence.bench import workload
 from hicache_existence.cache import StorageExistenceCache
 from hicache_existence.digest import ReplicaDigest
-from hicache_existence.stats import COLD
+from hicache_existence.ghosts import GhostFactory
 
 CHAINS = [workload.chain(i, 16, "div") for i in range(48)]
 
@@ -24,27 +24,16 @@ CHAINS = [workload.chain(i, 16, "div") for i in range(48)]
 FAULTS = ("extra_add", "touch_order", "missed_invalidate", "missed_untrack")
 
 
-class RecordingMissMemory:
-    """Remembers every page that left the belief set and why (unbounded; tests)."""
-
-    def __init__(self) -> None:
-        self.reasons: dict[str, int] = {}
-
-    def remember(self, keys: object, reason: int) -> None:
-        for key in keys:  # type: ignore[attr-defined]
-            self.reasons[key] = reason
-
-    def reason(self, key: str) -> int:
-        return self.reasons.get(key, COLD)
-
-
 class Replica:
     """One rank's cache, digest and workload state."""
 
     def __init__(self, seed: int = 7, cap: int = 96) -> None:
         self.digest = ReplicaDigest()
+        # The real miss-reason memory, large enough that reasons are exact here.
         self.cache = StorageExistenceCache(
-            cap, observer=self.digest, miss_memory=lambda _name: RecordingMissMemory()
+            cap,
+            observer=self.digest,
+            miss_memory=GhostFactory(cap, memory_fraction=1.0, debug_events_per_s=0),
         )
         self.rng = random.Random(seed)
         self.pending: list[list[str]] = []
@@ -74,6 +63,7 @@ class Replica:
             kv.clear_inflight()
             self.pending.clear()
         swa.contains_all(chain[-2:])
+        self.cache.settle()  # the per-step hook classifies the step's misses
 
     def inject(self, fault: str, faulty: bool) -> None:
         """A scripted step every rank runs; the ``faulty`` rank deviates by ``fault``."""

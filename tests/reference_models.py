@@ -61,6 +61,9 @@ class ExactMissMemory:
     def reason(self, key):
         return self.reasons.get(key, 0)
 
+    def classify(self, keys):
+        return [self.reason(key) for key in keys]
+
 
 def add_stats(a, b):
     """Field-wise sum of two stats dicts."""

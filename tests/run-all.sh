@@ -16,6 +16,7 @@ log() { printf '[run-all %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 if ((${#need_apt[@]})); then
   log "installing Debian packages: ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -175,9 +175,11 @@ def test_log_policy_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     assert s.checks == 5 and s.divergences == 4 and s.heals == 0
     assert s.last_divergence_step == 100 and s.last_check_step == 100
     assert dict(s.divergences_by_pool) == {"kv": 4}
-    records = [r for r in caplog.records if getattr(r, "hicache_existence_event", None)]
-    events = [r.hicache_existence_event for r in records]  # type: ignore[attr-defined]
-    detected = [e for e in events if e["event"] == EVENT_DETECTED]
+    detected = [
+        {"event": r.hicache_event, **r.hicache_fields}  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "hicache_event", None) == EVENT_DETECTED
+    ]
     assert len(detected) == 8  # 4 checks x 2 ranks
     first = min(detected, key=lambda e: e["step"])
     assert first["step"] == 40 and first["action"] == "logged"
@@ -368,22 +370,28 @@ def test_rank_whose_digest_fails_still_takes_part() -> None:
 
 
 def test_more_pools_than_slots_still_names_them() -> None:
-    """Forty pools in four slots: the vector stays fixed-size and a divergence in one
-    pool names the pools of its slot."""
+    """Forty pools in four slots: the collectives stay fixed-size (a two-word
+    all-reduce when healthy, a 3 + 3 x slots gather on divergence) and a divergence
+    in one pool names the pools of its slot."""
     world = InProcessWorld(2, timeout_s=5)
     events: dict[int, dict[str, Any]] = {}
-    lengths: list[int] = []
+    sizes: list[tuple[str, int]] = []
 
     def body(rank: int) -> None:
         replica = Replica()
         group = world.group(rank)
-        orig = group.all_reduce_max
+        reduce, gather = group.all_reduce_max, group.all_gather
 
-        def spy(values: Any) -> list[int]:
-            lengths.append(len(values))
-            return orig(values)
+        def spy_reduce(values: Any) -> list[int]:
+            sizes.append(("reduce", len(values)))
+            return reduce(values)
 
-        group.all_reduce_max = spy  # type: ignore[method-assign]
+        def spy_gather(values: Any) -> list[list[int]]:
+            sizes.append(("gather", len(values)))
+            return gather(values)
+
+        group.all_reduce_max = spy_reduce  # type: ignore[method-assign]
+        group.all_gather = spy_gather  # type: ignore[method-assign]
         checker = DivergenceChecker(
             replica.digest,
             group,
@@ -392,6 +400,7 @@ def test_more_pools_than_slots_still_names_them() -> None:
         )
         for i in range(40):
             replica.cache.pool(f"pool{i}").add([f"{i:064x}"])
+        assert checker.on_step() is not None  # handshake + a healthy check
         if rank == 1:
             replica.cache.pool("pool7").add(["e" * 64])
         r = checker.on_step()
@@ -403,9 +412,10 @@ def test_more_pools_than_slots_still_names_them() -> None:
         t.start()
     for t in threads:
         t.join(30)
-    assert set(lengths) == {14, 2 * (3 + 3 * 4)}  # handshake, check vector
+    assert sorted(set(sizes)) == [("gather", 3 + 3 * 4), ("reduce", 2), ("reduce", 14)]
     named = events[0]["diverged_pools"]
     assert "pool7" in named and all(slot_of(p, 4) == slot_of("pool7", 4) for p in named)
+    assert events[0]["diverged_slots"] == [slot_of("pool7", 4)]
 
 
 def test_single_member_group_checks_alone() -> None:
@@ -485,3 +495,35 @@ def test_in_process_group_errors_are_group_errors() -> None:
         group.all_reduce_max([1])
     with pytest.raises(GroupError):
         group.all_gather([1])
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"timeout_s": 0}, "divergence.timeout_s"),
+        ({"pool_slots": 0}, "divergence.pool_slots"),
+        ({"pool_slots": 4096}, "divergence.pool_slots"),
+        ({"interval_steps": 0}, "divergence.interval_steps"),
+        ({"audit_every_checks": -1}, "divergence.audit_every_checks"),
+        ({"policy": "panic"}, "divergence.policy"),
+    ],
+)
+def test_divergence_settings_are_validated(data: dict[str, Any], match: str) -> None:
+    """Out-of-range divergence settings raise ``ConfigError`` naming the key."""
+    from hicache_existence.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        Config.from_mapping({"divergence": data})
+
+
+def test_divergence_settings_from_the_environment() -> None:
+    """``HICACHE_EXISTENCE_DIVERGENCE__*`` variables set the section."""
+    cfg = Config.from_env(
+        {
+            "HICACHE_EXISTENCE_DIVERGENCE__POLICY": "heal",
+            "HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS": "500",
+            "HICACHE_EXISTENCE_DIVERGENCE__TIMEOUT_S": "2.5",
+        }
+    ).divergence
+    assert (cfg.policy, cfg.interval_steps, cfg.timeout_s) == ("heal", 500, 2.5)
+    assert (cfg.audit_every_checks, cfg.pool_slots) == (100, 16)

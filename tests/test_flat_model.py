@@ -184,6 +184,15 @@ class FlatMachine(RuleBasedStateMachine):
         assert self.cache.clear() is None
         self.model.clear()
 
+    @precondition(lambda self: self.memory and hasattr(self.cache, "settle"))
+    @rule()
+    def settle(self):
+        """Pending misses are classified: the reasons are now exact."""
+        assert self.cache.settle() is None
+        stats = self.cache.stats()
+        for pool, want in self.model.miss_reasons.items():
+            assert dict(stats[pool].misses_by_reason) == want, pool
+
     @precondition(lambda self: self.cache is not None)
     @invariant()
     def matches_model(self):
@@ -197,9 +206,13 @@ class FlatMachine(RuleBasedStateMachine):
         for pool, want in model.stats().items():
             assert stats_fields(stats[pool]) == want, pool
             assert stats[pool].pool == pool and type(stats[pool].pool) is str
-            reasons = model.miss_reasons[pool]
-            want = reasons if self.memory else dict.fromkeys(reasons, 0)
-            assert dict(stats[pool].misses_by_reason) == want
+            got, want = stats[pool].misses_by_reason, model.miss_reasons[pool]
+            if not self.memory:
+                assert dict(got) == dict.fromkeys(want, 0)
+            elif hasattr(cache, "settle"):  # classified lazily: never ahead of the model
+                assert all(got[reason] <= want[reason] for reason in want), (dict(got), want)
+            else:
+                assert dict(got) == want
         assert stats_fields(stats.total) == model.total()
 
 
@@ -218,5 +231,5 @@ def test_flat_model_many_examples():
     """The seed generation matches the reference model over many more examples."""
     run_state_machine_as_test(
         FlatMachine,
-        settings=settings(max_examples=3000, stateful_step_count=80, **SETTINGS),
+        settings=settings(max_examples=2000, stateful_step_count=60, **SETTINGS),
     )

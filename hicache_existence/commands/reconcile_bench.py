@@ -12,6 +12,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -54,9 +55,10 @@ def _spawn(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache_existence.config import redact_url
+    from hicache_existence.config import ConfigError, redact_url
     from hicache_existence.reconcile.measure import format_rows, measure_reads, measure_writes
     from hicache_existence.reconcile.redis_truth import validate_redis_url
+    from hicache_existence.reconcile.truth import GroundTruthError
 
     try:
         sizes = [int(x) for x in str(args.pages).split(",") if x.strip()]
@@ -73,12 +75,20 @@ def run(args: argparse.Namespace) -> int:
             tmp = tempfile.mkdtemp(prefix="hicache-existence-redis-")
             proc, url = _spawn(tmp)
         else:
-            url = validate_redis_url(args.redis_url, "--redis-url")
-        rows = measure_reads(url, sizes, args.reps)
-        writes: dict[str, Any] = {
-            "record_stored_pages_per_s": measure_writes(url),
-            "record_stored_ttl_pages_per_s": measure_writes(url, ttl_s=60.0),
-        }
+            try:
+                url = validate_redis_url(args.redis_url, "--redis-url")
+            except ConfigError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+        try:
+            rows = measure_reads(url, sizes, args.reps)
+            writes: dict[str, Any] = {
+                "record_stored_pages_per_s": measure_writes(url),
+                "record_stored_ttl_pages_per_s": measure_writes(url, ttl_s=60.0),
+            }
+        except GroundTruthError as exc:
+            print(f"error: {redact_url(url)}: {exc.kind}: {exc}", file=sys.stderr)
+            return 1
         if args.json:
             print(json.dumps({"rows": [r.as_dict() for r in rows], **writes}, indent=2))
         else:

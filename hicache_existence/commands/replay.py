@@ -12,8 +12,10 @@ no output files.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 NAME = "replay"
@@ -38,7 +40,7 @@ def _cap(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _count(minimum: int):  # type: ignore[no-untyped-def]
+def _count(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -167,10 +169,15 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"... [{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    caps = args.caps or DEFAULT_CAPS
     current = args.current_cap or DEFAULT_CURRENT_CAP
+    # The current cap always gets a row: it is the one the table and plot compare against.
+    caps = tuple(sorted({*(args.caps or DEFAULT_CAPS), current}))
     json_path = args.json or args.out / "replay.json"
     plot_path = None if args.no_plot else (args.plot or args.out / "replay.png")
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None and (path.is_dir() or _blocked(path.parent)):
+            print(f"error: {flag} {path}: not a writable file location", file=sys.stderr)
+            return 2
     tick = throttled(progress)
     try:
         progress(f"reading {args.trace}")
@@ -205,12 +212,24 @@ def run(args: argparse.Namespace) -> int:
     )
     result.timings["read_and_expand_s"] = expand_s
     print(report.format_table(result))
-    report.write_json(result, json_path)
-    print(f"wrote {json_path}")
-    if plot_path is not None:
-        problem = report.write_plot(result, plot_path)
-        if problem:
-            print(f"note: {problem}", file=sys.stderr)
-        else:
-            print(f"wrote {plot_path}")
+    try:
+        report.write_json(result, json_path)
+        print(f"wrote {json_path}")
+        if plot_path is not None:
+            problem = report.write_plot(result, plot_path)
+            if problem:
+                print(f"note: {problem}", file=sys.stderr)
+            else:
+                print(f"wrote {plot_path}")
+    except OSError as exc:
+        print(f"error: cannot write the report: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _blocked(directory: Path) -> bool:
+    """Whether ``directory`` cannot be created or written (an ancestor is a file...)."""
+    for parent in (directory, *directory.parents):
+        if parent.exists():
+            return not parent.is_dir() or not os.access(parent, os.W_OK)
+    return False

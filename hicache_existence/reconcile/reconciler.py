@@ -7,9 +7,10 @@ queue, so the scheduler never waits on Redis.
 
 Determinism across TP ranks (replicas must stay identical):
 
-* **Picking** uses only the cache's own inputs: a chain touched by a lookup is a
-  candidate when a 64-bit mix of its last page hash and the lookup's ordinal
-  falls under ``sampling_rate``; every replica sees the same lookups.
+* **Picking** uses only the cache's own inputs: a lookup's chain is a candidate
+  when the lookup's ordinal reaches the next of a sequence of random gaps drawn
+  from a fixed-seed PRNG (mean gap 1 / ``sampling_rate``); every replica sees the
+  same lookups, so every replica picks the same chains.
 * **Agreement** happens every ``agree_interval_steps`` calls of ``apply`` (on
   every rank, whatever its state, so a diverged replica cannot hang the others):
   one MIN all-reduce of a fixed-size vector carrying, per rank, how many queries
@@ -32,11 +33,12 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from hashlib import blake2b
 from itertools import islice, repeat
 from typing import Any
 
@@ -56,8 +58,8 @@ from hicache_existence.reconcile.truth import (
 
 logger = logging.getLogger(__name__)
 
-_MASK = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+#: Seed of the sampling PRNG: a constant, so every rank draws the same gaps.
+_SAMPLING_SEED = 0x68696361636865
 #: Padding for vector slots beyond the completed queries (never agreed upon).
 _BIG = 1 << 62
 
@@ -66,28 +68,12 @@ _BIG = 1 << 62
 TRAILING_POOLS = frozenset({"swa", "auxiliary_swa", "mamba", "draft_swa"})
 
 # Query states.
-_PENDING, _DONE, _TIMED_OUT = 0, 1, 2
+_PENDING, _DONE, _TIMED_OUT, _VOID = 0, 1, 2, 3
 
 
 def default_learns(pool: str) -> bool:
     """Whether verdicts may add presence to ``pool`` (all-pages pools only)."""
     return pool not in TRAILING_POOLS and not pool.endswith("_state")
-
-
-def mix64(x: int) -> int:
-    """SplitMix64's finaliser: a well-spread 64-bit value, identical everywhere."""
-    x = (x + _GOLDEN) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-def page_value(page_hash: str) -> int:
-    """64 bits of a page hash, the same in every process (never ``hash()``)."""
-    try:
-        return int(page_hash[:16], 16)
-    except ValueError:
-        return int.from_bytes(blake2b(page_hash.encode(), digest_size=8).digest(), "big")
 
 
 class _Query:
@@ -216,10 +202,15 @@ class Reconciler:
         self._target = _Target(cache)
         self._truth = truth
         self._agreement: Agreement = agreement if agreement is not None else SingleRank()
-        self._threshold = min(int(float(sampling_rate) * 2.0**64), 1 << 64)
-        self._rate = float(verifications_per_s)
-        self._burst = max(1.0, self._rate)
-        self._tokens = self._burst
+        rate = float(sampling_rate)
+        self._gap_span = max(1, round(2.0 / rate) - 1) if rate > 0 else 0
+        self._rng = random.Random(_SAMPLING_SEED)
+        self._countdown = self._gap()
+        # The bucket counts thousandths of a token in integers: refilled from the
+        # agreed clock, it is bit-identical on every rank.
+        self._rate_milli = round(float(verifications_per_s) * 1000)
+        self._burst_milli = max(1000, self._rate_milli)
+        self._tokens_milli = self._burst_milli
         self._last_ms: int | None = None
         self._pages = pages_per_query
         self._timeout = float(timeout_s)
@@ -236,7 +227,6 @@ class Reconciler:
 
         self.counters = ReconcilerCounters()
         self._lock = threading.Lock()  # guards a query's state hand-off
-        self._touches = 0
         self._steps = 0
         self._seq = 0
         self._candidates: list[tuple[str, tuple[str, ...]]] = []
@@ -290,35 +280,48 @@ class Reconciler:
 
     # -- BeliefObserver (scheduler thread, once per cache operation) ------------------
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        """A lookup walked ``hashes``: maybe pick its chain for verification."""
+        """A lookup walked ``hashes``: maybe pick its chain for verification.
+
+        Not picking (the common case) costs a decrement; only a picked chain is
+        copied and timed."""
         if not self._on or self._applying:
             return
-        t0 = time.perf_counter()
+        self._countdown -= 1
+        if self._countdown > 0:
+            return
         try:
-            self._touches += 1
+            self._countdown = self._gap()
             n = min(len(hashes), self._pages)
-            if n == 0 or self._threshold == 0:
-                return
-            last = hashes[n - 1]
-            draw = mix64(page_value(last) ^ ((self._touches * _GOLDEN) & _MASK))
-            if draw >= self._threshold:
-                return
-            key = (pool, last)
-            if key in self._pending:
-                return
-            c = self.counters
+            if n:
+                self._pick(pool, hashes, n, hashes[n - 1])
+        except Exception:
+            self._internal_error("touched")
+
+    def _gap(self) -> int:
+        """Lookups until the next pick: uniform in [1, 2 / sampling_rate - 1] (mean
+        1 / sampling_rate), drawn from a PRNG with a fixed seed in integer
+        arithmetic only, so every rank, on any platform, draws the same gaps
+        (random gaps, unlike every k-th lookup, cannot alias with a periodic
+        workload)."""
+        span = self._gap_span
+        if span <= 0:
+            return sys.maxsize
+        return 1 + ((self._rng.getrandbits(32) * span) >> 32)
+
+    def _pick(self, pool: str, hashes: Sequence[str], n: int, last: str) -> None:
+        t0 = time.perf_counter()
+        key = (pool, last)
+        c = self.counters
+        if key not in self._pending:
             c.candidates_sampled += 1
             if len(self._candidates) >= self._max_candidates:
                 c.candidates_dropped += 1
-                return
-            self._candidates.append((pool, tuple(hashes[:n])))
-            self._pending.add(key)
-        except Exception:
-            self._internal_error("touched")
-        finally:
-            dt = time.perf_counter() - t0
-            if dt > self.counters.max_observe_s:
-                self.counters.max_observe_s = dt
+            else:
+                self._candidates.append((pool, tuple(hashes[:n])))
+                self._pending.add(key)
+        dt = time.perf_counter() - t0
+        if dt > c.max_observe_s:
+            c.max_observe_s = dt
 
     def added(self, pool: str, hashes: Sequence[str]) -> None:
         """Pages added while a query of the pool is out must not be invalidated by
@@ -346,6 +349,7 @@ class Reconciler:
                 if q.pool == pool and not q.void:
                     with self._lock:
                         if q.state == _PENDING:
+                            q.state = _VOID  # a later answer only counts as late
                             self.counters.scheduler_results[(pool, "void")] += 1
                     q.void = True
             kept = [(p, chain) for p, chain in self._candidates if p != pool]
@@ -457,7 +461,7 @@ class Reconciler:
         finally:
             self._applying = False
         self._refill(elapsed_ms)
-        self._admit(min(admit, int(self._tokens)))
+        self._admit(min(admit, self._tokens_milli // 1000))
         self.counters.outstanding = len(self._outstanding)
 
     def _apply_verdict(self, q: _Query, leading: int, trusted: bool) -> None:
@@ -501,8 +505,8 @@ class Reconciler:
             self._last_ms = elapsed_ms
             return
         if elapsed_ms > self._last_ms:
-            gained = (elapsed_ms - self._last_ms) / 1000.0 * self._rate
-            self._tokens = min(self._burst, self._tokens + gained)
+            gained = (elapsed_ms - self._last_ms) * self._rate_milli // 1000
+            self._tokens_milli = min(self._burst_milli, self._tokens_milli + gained)
             self._last_ms = elapsed_ms
 
     def _admit(self, n: int) -> None:
@@ -525,7 +529,7 @@ class Reconciler:
             self._outstanding.append(q)
             self._out_per_pool[pool] = self._out_per_pool.get(pool, 0) + 1
             self._recent.setdefault(pool, {})
-            self._tokens -= 1.0
+            self._tokens_milli -= 1000
             c.candidates_admitted += 1
             self._ensure_worker()
             self._jobs.put_nowait(q)
@@ -576,7 +580,10 @@ class Reconciler:
                 c.max_query_cpu_s = cpu
             if kind:
                 c.errors[kind] += 1
-                self._breaker.failure(q.probe)
+                if kind != "unsupported":  # a pool the truth cannot answer is not ill health
+                    self._breaker.failure(q.probe)
+                elif q.probe:
+                    self._breaker.success()
                 self._finish(q, -1, 0, "error")
             else:
                 self._breaker.success()

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hicache_existence import _validate
-from hicache_existence.config import Config
+from hicache_existence.config import ENV_CONFIG, ENV_PREFIX, Config, ReconcilerSection
 from hicache_existence.reconcile.ledger_writer import LedgerWriter
 from hicache_existence.reconcile.redis_truth import (
     LedgerSettings,
@@ -152,7 +153,7 @@ class _LedgerRecordingMixin:
         self._pending_inner: tuple[str, Any] | None = None
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
-        section = Config.from_env().reconciler
+        section = _reconciler_section_from_env()
         self._ttl = float(extra.get("ledger_ttl_s", section.ttl_s))
         self._learn_absence = bool(extra.get("ledger_learn_absence", True))
         if ledger is None:
@@ -361,6 +362,16 @@ class _LedgerRecordingMixin:
         if inner is None:
             raise AttributeError(name)
         return getattr(inner, name)
+
+
+def _reconciler_section_from_env() -> ReconcilerSection:
+    """The ``reconciler`` section from ``HICACHE_EXISTENCE_CONFIG`` and the
+    ``HICACHE_EXISTENCE_RECONCILER__*`` variables only: other variables with the
+    package's prefix (test switches, other features) are not this backend's
+    business."""
+    prefix = f"{ENV_PREFIX}RECONCILER__"
+    env = {k: v for k, v in os.environ.items() if k.startswith(prefix) or k == ENV_CONFIG}
+    return Config.from_env(env).reconciler
 
 
 def _create_backend(name: str, storage_config: Any, mem_pool_host: Any) -> Any:

@@ -102,6 +102,7 @@ class ModelResult:
     device_hit_pages: int = 0
     l3_hit_pages: int = 0
     l3_evictions: int = 0
+    #: Most entries held at once, over all pools.
     peak_entries: int = 0
     #: ``peak_entries`` times the measured bytes per entry (hash strings excluded).
     memory_bytes: int = 0
@@ -308,14 +309,17 @@ def run_model(
     peak = 0
     for number, req in enumerate(trace.requests, 1):
         now = req.timestamp_ms
-        while acks and acks[0][0] <= now:
-            _, owner, keys = acks.popleft()
-            owner.land(keys, result)
+        if acks and acks[0][0] <= now:
+            while acks and acks[0][0] <= now:
+                _, owner, keys = acks.popleft()
+                owner.land(keys, result)
+            # Acks only add; the request's heal may then remove: look before it.
+            peak = max(peak, sum(len(r.beliefs) for r in runs.values()))
         run = runs.get(req.pool)
         if run is None:
             run = runs[req.pool] = _PoolRun(cache.pool(req.pool), config, trace.page_size)
         run.request(req, result, acks)
-        entries = len(run.beliefs)
+        entries = sum(len(r.beliefs) for r in runs.values()) if len(runs) > 1 else len(run.beliefs)
         if entries > peak:
             peak = entries
         result.requests += 1
@@ -327,7 +331,8 @@ def run_model(
     while acks:
         _, owner, keys = acks.popleft()
         owner.land(keys, result)
-        peak = max(peak, len(owner.beliefs))
+    if runs:
+        peak = max(peak, sum(len(r.beliefs) for r in runs.values()))
     stats = cache.stats().total
     result.cache_stats = {
         name: getattr(stats, name)

@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# Creates or reuses the heavy test environment and prints its python on the last line.
+#
+# Why: the tests that run against the real sglang wheel need torch, triton and a few
+# dozen of sglang's dependencies (~2 GB).  Installing them per run or into the clone
+# would cost minutes and disk on every checkout, so the virtualenv lives outside the
+# repo, keyed by what is in it, and every later call is a few stat()s.
+#
+#   key  = py<X.Y>-sglang<V>-torch<V>-<flavour>-<sha256 of the selected pins>
+#   root = $HICACHE_EXISTENCE_ENV_ROOT (default ~/.cache/hicache-existence/envs)
+#
+# The env holds: the pins of tests/envs/sglang-requirements.txt ("common" + the
+# flavour), installed with --no-deps so nothing else sneaks in; this repo installed
+# editable with its extras (reinstalled only when pyproject.toml, the repo path or the
+# extras change: CI clones into a new folder each time).
+#
+# Environment:
+#   HICACHE_EXISTENCE_ENV_FLAVOR   light (default: CPU torch 2.13; storage_existence_cache,
+#                                  hicache_storage, plugins, hook_registry import) or full
+#                                  (CUDA torch 2.14.1 + torchvision, ~6 GB; also
+#                                  unified_radix_cache and managers.scheduler import)
+#   HICACHE_EXISTENCE_ENV_EXTRAS   extras of this repo to install (default: test,dev)
+#   HICACHE_EXISTENCE_PYTHON       base interpreter (default: python3.11, else python3)
+#   HICACHE_EXISTENCE_ENV_REBUILD=1   discard the env of this key and build it again
+#   HICACHE_EXISTENCE_ENV_KEEP_OLD=1  keep envs of the same flavour with other keys
+#                                     (default: removed after a successful build)
+#
+# Concurrency: one flock on <root>/.lock serialises builds and repo installs; the env
+# is built in <root>/.tmp-* and renamed into place, so a reader never sees half an env.
+# Quiet on the warm path; progress of a build goes to stderr, pip's output to a log.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+REQS="$HERE/sglang-requirements.txt"
+FLAVOR="${HICACHE_EXISTENCE_ENV_FLAVOR:-light}"
+EXTRAS="${HICACHE_EXISTENCE_ENV_EXTRAS:-test,dev}"
+ROOT="${HICACHE_EXISTENCE_ENV_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/hicache-existence/envs}"
+# Bump when the way an env is built changes (not its contents: those are hashed).
+LAYOUT=1
+
+log() { printf '[ensure-env] %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+case "$FLAVOR" in
+  light)
+    MODULES="sglang.srt.mem_cache.buffer_mode.storage_existence_cache
+      sglang.srt.mem_cache.hicache_storage sglang.srt.plugins sglang.srt.plugins.hook_registry
+      sglang.srt.mem_cache.storage.backend_factory" ;;
+  full)
+    MODULES="sglang.srt.mem_cache.buffer_mode.storage_existence_cache
+      sglang.srt.mem_cache.hicache_storage sglang.srt.plugins sglang.srt.plugins.hook_registry
+      sglang.srt.mem_cache.storage.backend_factory
+      sglang.srt.mem_cache.unified_radix_cache sglang.srt.managers.scheduler" ;;
+  *) die "HICACHE_EXISTENCE_ENV_FLAVOR must be light or full, not '$FLAVOR'" ;;
+esac
+[ -f "$REQS" ] || die "missing $REQS"
+
+# --- the base interpreter -------------------------------------------------------------
+PYBIN="${HICACHE_EXISTENCE_PYTHON:-}"
+if [ -z "$PYBIN" ]; then
+  if command -v python3.11 >/dev/null 2>&1; then PYBIN=python3.11; else PYBIN=python3; fi
+fi
+command -v "$PYBIN" >/dev/null 2>&1 || die "no interpreter '$PYBIN'"
+
+# --- the key --------------------------------------------------------------------------
+# The pins of "common" + the flavour, comments and blanks stripped.
+PINS="$(awk -v want="$FLAVOR" '
+  /^#@ / { sec = $2; next }
+  sec == "common" || sec == want { sub(/#.*/, ""); gsub(/[ \t]+/, ""); if (length) print }
+' "$REQS")"
+pin_of() { printf '%s\n' "$PINS" | sed -n "s/^$1==//p" | head -n 1; }
+SGLANG_V="$(pin_of sglang)"
+TORCH_V="$(pin_of torch)"
+[ -n "$SGLANG_V" ] && [ -n "$TORCH_V" ] || die "$REQS pins no sglang or no torch for '$FLAVOR'"
+
+# The interpreter version is read from the env itself on the warm path (no extra
+# process): a python3.11 base gives py3.11, anything else says what it is.
+case "$PYBIN" in
+  python3.11 | */python3.11) PYVER=3.11 ;;
+  *) PYVER="$("$PYBIN" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ;;
+esac
+HASH="$(printf 'layout=%s\n%s\n' "$LAYOUT" "$PINS" | sha256sum | cut -c1-10)"
+KEY="py${PYVER}-sglang${SGLANG_V}-torch${TORCH_V/+/-}-${FLAVOR}-${HASH}"
+ENV="$ROOT/$KEY"
+PY="$ENV/bin/python"
+
+# What the editable install was made from; a change means `pip install -e` again.
+if [ -f "$REPO/pyproject.toml" ]; then
+  REPO_STAMP="$(sha256sum <"$REPO/pyproject.toml" | cut -c1-64) $REPO [$EXTRAS]"
+else
+  REPO_STAMP="no-pyproject $REPO"
+fi
+
+ready() {
+  [ -f "$ENV/.hicache-env-complete" ] && [ -x "$PY" ] \
+    && [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" = "$REPO_STAMP" ]
+}
+
+# --- warm path: no lock, no process beyond the stamp read ----------------------------
+if [ "${HICACHE_EXISTENCE_ENV_REBUILD:-0}" != 1 ] && ready; then
+  echo "$PY"
+  exit 0
+fi
+
+# --- slow path, serialised -------------------------------------------------------------
+mkdir -p "$ROOT"
+exec 9>"$ROOT/.lock"
+if ! flock -n 9; then
+  log "another ensure-env.sh holds $ROOT/.lock; waiting"
+  flock 9
+fi
+
+if [ "${HICACHE_EXISTENCE_ENV_REBUILD:-0}" = 1 ] && [ -d "$ENV" ]; then
+  log "HICACHE_EXISTENCE_ENV_REBUILD=1: removing $ENV"
+  rm -rf -- "$ENV"
+fi
+# A directory without the completion marker was not made by a finished build.
+if [ -d "$ENV" ] && [ ! -f "$ENV/.hicache-env-complete" ]; then
+  log "removing incomplete $ENV"
+  rm -rf -- "$ENV"
+fi
+
+TMP=""
+cleanup() { if [ -n "$TMP" ]; then rm -rf -- "$TMP"; fi; }
+trap cleanup EXIT
+
+# pip's own chatter goes to a log; shown only when a step fails.
+run_logged() {
+  local logfile="$1"
+  shift
+  if ! "$@" >>"$logfile" 2>&1; then
+    log "failed: $*"
+    tail -n 40 "$logfile" >&2
+    exit 1
+  fi
+}
+
+if [ ! -d "$ENV" ]; then
+  START=$(date +%s)
+  # We hold the lock: any .tmp-* left here is a dead build's.
+  rm -rf -- "$ROOT"/.tmp-*
+  TMP="$ROOT/.tmp-$KEY-$$"
+  BLOG="$TMP/.hicache-env-build.log"
+  log "building $KEY (flavour $FLAVOR) in $ROOT"
+  BASE="$("$PYBIN" -c 'import sys; print(sys.executable)')"
+  "$BASE" -m venv "$TMP"
+  printf '%s\n' "$PINS" >"$TMP/.hicache-env-pins"
+  log "installing $(printf '%s\n' "$PINS" | wc -l) pinned packages (--no-deps)"
+  run_logged "$BLOG" "$TMP/bin/python" -m pip install --disable-pip-version-check \
+    --no-input --no-deps -r "$TMP/.hicache-env-pins"
+  # venv and pip write the build path into bin/ (activate scripts, shebangs); point
+  # them at the final path before the rename.
+  grep -rlIF -- "$TMP" "$TMP/bin" | while IFS= read -r f; do
+    sed -i "s#$TMP#$ENV#g" "$f"
+  done || true
+  log "checking imports"
+  # shellcheck disable=SC2086
+  run_logged "$BLOG" "$TMP/bin/python" -c '
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    print("import ok:", name)
+' $MODULES
+  printf '%s\n' "$FLAVOR" >"$TMP/.hicache-env-flavor"
+  touch "$TMP/.hicache-env-complete"
+  mv -T -- "$TMP" "$ENV"
+  TMP=""
+  log "built $ENV in $(( $(date +%s) - START ))s ($(du -sh "$ENV" | cut -f1))"
+
+  if [ "${HICACHE_EXISTENCE_ENV_KEEP_OLD:-0}" != 1 ]; then
+    for old in "$ROOT"/py*-sglang*-torch*; do
+      [ -d "$old" ] && [ "$old" != "$ENV" ] || continue
+      if [ "$(cat "$old/.hicache-env-flavor" 2>/dev/null)" = "$FLAVOR" ]; then
+        log "removing superseded $(basename "$old")"
+        rm -rf -- "$old"
+      fi
+    done
+  fi
+fi
+
+if [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" != "$REPO_STAMP" ]; then
+  if [ -f "$REPO/pyproject.toml" ]; then
+    log "installing $REPO[$EXTRAS] (editable)"
+    # The pins constrain whatever the extras pull in, so a test dependency cannot
+    # silently move a package the sglang imports were checked with.
+    run_logged "$ENV/.hicache-env-build.log" "$PY" -m pip install --disable-pip-version-check \
+      --no-input -e "$REPO[$EXTRAS]" -c "$ENV/.hicache-env-pins"
+  else
+    log "no $REPO/pyproject.toml yet: skipping the editable install"
+  fi
+  printf '%s\n' "$REPO_STAMP" >"$ENV/.hicache-env-repo.tmp"
+  mv -f -- "$ENV/.hicache-env-repo.tmp" "$ENV/.hicache-env-repo"
+fi
+
+echo "$PY"

@@ -1,0 +1,417 @@
+"""The Grafana dashboard and the Prometheus rules: committed files equal the build,
+dashboard-linter conventions, alert conventions, runbooks, and every metric name
+known to the catalog (or explicitly pending)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from hicache_existence import catalog
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+
+
+def load_build() -> ModuleType:
+    """dashboards/build.py as a module (it is a script, not a package)."""
+    name = "hicache_existence_dashboards_build"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "dashboards" / "build.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses resolve annotations through it
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+build = load_build()
+
+
+def committed_dashboard() -> dict[str, Any]:
+    return json.loads(build.DASHBOARD_PATH.read_text(encoding="utf-8"))
+
+
+def committed_rules() -> dict[str, Any]:
+    return yaml.safe_load(build.RULES_PATH.read_text(encoding="utf-8"))
+
+
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
+def alert_rules(rules: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+
+
+def recording_rules(rules: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for g in rules["groups"] for r in g["rules"] if "record" in r]
+
+
+# -- lint: dashboard-linter conventions plus ours ------------------------------------
+
+#: Grafana unit ids the dashboard may use (a typo renders as a raw number).
+KNOWN_UNITS = {"percentunit", "ops", "binBps", "bytes", "short", "s"}
+VARIABLES = ("job", "instance", "model_name", "pool", "tp_rank")
+_RANGE = re.compile(r"\[([^\]]*)\]")
+_SELECTOR = re.compile(r"\b(hicache_existence_[a-zA-Z0-9_]*)(\{[^}]*\})?")
+
+
+def lint_dashboard(d: dict[str, Any]) -> list[str]:
+    """Problems with the dashboard, one line each (empty when clean)."""
+    problems: list[str] = []
+    if d.get("schemaVersion") != 41:
+        problems.append(f"schemaVersion is {d.get('schemaVersion')}, want 41")
+    variables = {v["name"]: v for v in d.get("templating", {}).get("list", [])}
+    ds = variables.get("datasource")
+    if not ds or ds.get("type") != "datasource" or ds.get("query") != "prometheus":
+        problems.append("no datasource variable of type datasource querying prometheus")
+    for name in VARIABLES:
+        v = variables.get(name)
+        if v is None:
+            problems.append(f"no {name} variable")
+            continue
+        if v.get("type") != "query" or v.get("datasource", {}).get("uid") != "${datasource}":
+            problems.append(f"variable {name} must be a query on ${{datasource}}")
+        if not (v.get("multi") and v.get("includeAll") and v.get("allValue") == ".*"):
+            problems.append(f"variable {name} must be multi-valued with All = .*")
+    ids = [p.get("id") for p in d.get("panels", [])]
+    if len(ids) != len(set(ids)):
+        problems.append("duplicate panel ids")
+    cells: set[tuple[int, int]] = set()
+    for p in d.get("panels", []):
+        g = p["gridPos"]
+        if g["x"] + g["w"] > 24:
+            problems.append(f"panel {p.get('title')!r} is wider than the grid")
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
+        if cells & mine:
+            problems.append(f"panel {p.get('title')!r} overlaps another panel")
+        cells |= mine
+    for p in panels(d):
+        title = p.get("title") or "<untitled>"
+        if not p.get("title"):
+            problems.append("a panel has no title")
+        if not p.get("description"):
+            problems.append(f"panel {title!r} has no description")
+        unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        if unit not in KNOWN_UNITS:
+            problems.append(f"panel {title!r} has no known unit (got {unit!r})")
+        if p.get("datasource", {}).get("uid") != "${datasource}":
+            problems.append(f"panel {title!r} does not use the datasource variable")
+        if not p.get("targets"):
+            problems.append(f"panel {title!r} has no targets")
+        for t in p.get("targets", []):
+            expr = t.get("expr", "")
+            if t.get("datasource", {}).get("uid") != "${datasource}":
+                problems.append(f"a target of {title!r} does not use the datasource variable")
+            for window in _RANGE.findall(expr):
+                if window != "$__rate_interval":
+                    problems.append(f"panel {title!r} uses [{window}], not [$__rate_interval]")
+            for name, matchers in _SELECTOR.findall(expr):
+                for required in ('job=~"$job"', 'instance=~"$instance"'):
+                    if required not in matchers:
+                        problems.append(f"panel {title!r}: {name} lacks {required}")
+    return problems
+
+
+_ALERT_NAME = re.compile(r"^HicacheExistence[A-Z][A-Za-z0-9]*$")
+_RECORD_NAME = re.compile(r"^[a-z_]+:hicache_existence_[a-z0-9_]+:[a-z0-9_]+$")
+
+
+def lint_rules(rules: dict[str, Any]) -> list[str]:
+    """Problems with the rules (monitoring-mixins conventions), one line each."""
+    problems: list[str] = []
+    recorded = {r["record"] for r in recording_rules(rules)}
+    for r in recording_rules(rules):
+        if not _RECORD_NAME.match(r["record"]):
+            problems.append(f"recording rule {r['record']!r} is not level:metric:operations")
+    for r in alert_rules(rules):
+        name = r["alert"]
+        if not _ALERT_NAME.match(name):
+            problems.append(f"alert {name!r} is not CamelCase with the HicacheExistence prefix")
+        labels = r.get("labels", {})
+        if labels.get("severity") not in ("critical", "warning", "info"):
+            problems.append(f"alert {name}: severity must be critical, warning or info")
+        for key, value in labels.items():
+            if "$value" in str(value) or "{{" in str(value):
+                problems.append(f"alert {name}: label {key} is templated (series churn)")
+        notes = r.get("annotations", {})
+        for key in ("summary", "description", "runbook_url"):
+            if not notes.get(key):
+                problems.append(f"alert {name} has no {key}")
+        url = notes.get("runbook_url", "")
+        if url != f"{build.SETTINGS.runbook_url}#{name.lower()}":
+            problems.append(f"alert {name}: runbook_url must point at its anchor in runbooks.md")
+        if "for" not in r:
+            problems.append(f"alert {name} has no for")
+    for r in [*recording_rules(rules), *alert_rules(rules)]:
+        for used in build.names_in(r["expr"]):
+            if ":" in used and used not in recorded:
+                problems.append(f"{used} is used but not recorded")
+    return problems
+
+
+def test_committed_files_equal_the_build_output():
+    """dashboards/hicache-existence.json and rules.yml are exactly what build.py
+    writes (run `python dashboards/build.py` after editing it)."""
+    for path, text in build.outputs().items():
+        assert path.read_text(encoding="utf-8") == text, f"{path} is stale"
+
+
+def test_check_mode_reports_and_write_mode_fixes_a_stale_file(tmp_path, monkeypatch):
+    """`build.py --check` exits 1 on a differing file and the plain run rewrites it."""
+    dashboard, rules = tmp_path / "d.json", tmp_path / "r.yml"
+    monkeypatch.setattr(build, "DASHBOARD_PATH", dashboard)
+    monkeypatch.setattr(build, "RULES_PATH", rules)
+    monkeypatch.setattr(build, "ROOT", tmp_path)
+    dashboard.write_text("{}", encoding="utf-8")
+    assert build.main(["--check"]) == 1
+    assert dashboard.read_text(encoding="utf-8") == "{}"
+    assert build.main([]) == 0
+    assert build.main(["--check"]) == 0
+    assert json.loads(dashboard.read_text(encoding="utf-8"))["schemaVersion"] == 41
+
+
+def test_dashboard_passes_the_lint():
+    """Datasource, job/instance/model_name/pool/tp_rank variables; every panel has a
+    title, description, unit and the datasource variable; every range is
+    $__rate_interval; every selector filters job and instance; no overlap."""
+    assert lint_dashboard(committed_dashboard()) == []
+
+
+def test_dashboard_lint_catches_each_violation():
+    """Each kind of violation planted in a copy of the dashboard is reported."""
+    d = copy.deepcopy(committed_dashboard())
+    d["templating"]["list"] = [v for v in d["templating"]["list"] if v["name"] != "instance"]
+    first, second, third = panels(d)[:3]
+    del first["description"]
+    second["fieldConfig"]["defaults"]["unit"] = "persentunit"
+    third["targets"][0]["expr"] = 'sum(rate(hicache_existence_queries_total{job=~"$job"}[5m]))'
+    problems = "\n".join(lint_dashboard(d))
+    assert "no instance variable" in problems
+    assert f"{first['title']!r} has no description" in problems
+    assert "'persentunit'" in problems
+    assert "uses [5m], not [$__rate_interval]" in problems
+    assert 'lacks instance=~"$instance"' in problems
+
+
+def test_dashboard_has_every_row_with_panels():
+    """Rows overview, churn, TP health, reconciler and capacity advice, in that
+    order, each with panels."""
+    d = committed_dashboard()
+    titles = [p["title"] for p in d["panels"] if p["type"] == "row"]
+    assert titles == ["Overview", "Churn", "TP health", "Reconciler", "Capacity advice"]
+    counts = dict.fromkeys(titles, 0)
+    row = None
+    for p in d["panels"]:
+        if p["type"] == "row":
+            row = p["title"]
+        else:
+            counts[row] += 1
+    assert all(n >= 3 for n in counts.values()), counts
+
+
+def test_overview_hit_ratio_is_computed_from_counters():
+    """The hit ratio panel divides rates of the hit and checked counters (no
+    ratio gauge exists)."""
+    (panel,) = [p for p in panels(committed_dashboard()) if p["title"] == "Page hit ratio"]
+    expr = panel["targets"][0]["expr"]
+    assert "rate(hicache_existence_page_hits_total{" in expr
+    assert "rate(hicache_existence_pages_checked_total{" in expr
+    assert "\n/\n" in expr
+
+
+def test_rules_pass_the_lint():
+    """Alert names, severities, annotations, runbook URLs, no templated labels,
+    level:metric:operations records, and every record used is defined."""
+    assert lint_rules(committed_rules()) == []
+
+
+def test_rules_lint_catches_each_violation():
+    """Each kind of violation planted in a copy of the rules is reported."""
+    rules = copy.deepcopy(committed_rules())
+    a, b, c = alert_rules(rules)[:3]
+    a["alert"] = "evictionChurn"
+    b["labels"] = {"severity": "page", "detail": "{{ $value }}"}
+    del c["annotations"]["runbook_url"]
+    recording_rules(rules)[0]["record"] = "hicache_existence_queries_rate5m"
+    problems = "\n".join(lint_rules(rules))
+    assert "'evictionChurn' is not CamelCase" in problems
+    assert f"alert {b['alert']}: severity" in problems
+    assert f"alert {b['alert']}: label detail is templated" in problems
+    assert f"alert {c['alert']} has no runbook_url" in problems
+    assert "is not level:metric:operations" in problems
+    assert "pool:hicache_existence_queries:rate5m is used but not recorded" in problems
+
+
+def test_the_alerts_the_issue_asks_for_exist():
+    """Churn, hit-ratio collapse, TP divergence (critical), reconciler down,
+    circuit open, stale positives, at cap with redundant writes rising."""
+    severity = {r["alert"]: r["labels"]["severity"] for r in alert_rules(committed_rules())}
+    assert severity == {
+        "HicacheExistenceEvictionChurn": "warning",
+        "HicacheExistenceHitRatioCollapse": "warning",
+        "HicacheExistenceTPDivergence": "critical",
+        "HicacheExistenceReconcilerDown": "warning",
+        "HicacheExistenceReconcilerCircuitOpen": "warning",
+        "HicacheExistenceStalePositivesHigh": "warning",
+        "HicacheExistenceAtCapRedundantWritesRising": "info",
+    }
+
+
+# -- runbooks --------------------------------------------------------------------------
+
+
+def runbook_sections() -> dict[str, str]:
+    """``## heading`` -> its text, keyed by GitHub's anchor of the heading."""
+    text = RUNBOOKS.read_text(encoding="utf-8")
+    out: dict[str, str] = {}
+    for block in re.split(r"^## ", text, flags=re.M)[1:]:
+        heading, _, body = block.partition("\n")
+        anchor = re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+        out[anchor] = body
+    return out
+
+
+def test_every_alert_has_a_runbook_section_with_meaning_confirmation_and_action():
+    """Each runbook_url anchor is a section of docs/runbooks.md that says what the
+    alert means, how to confirm it and what to do, and states its thresholds."""
+    sections = runbook_sections()
+    s = build.SETTINGS
+    thresholds = {
+        "HicacheExistenceEvictionChurn": [f"{s.churn_ratio:.0%}", s.churn_for],
+        "HicacheExistenceHitRatioCollapse": [s.collapse_offset, s.collapse_for],
+        "HicacheExistenceTPDivergence": [s.divergence_window],
+        "HicacheExistenceReconcilerDown": [s.reconciler_down_for],
+        "HicacheExistenceReconcilerCircuitOpen": [s.circuit_open_for],
+        "HicacheExistenceStalePositivesHigh": [f"{s.stale_ratio:.0%}", s.stale_for],
+        "HicacheExistenceAtCapRedundantWritesRising": [
+            f"{s.redundant_ratio:.0%}",
+            f"{s.at_cap_fill:.0%}",
+            s.redundant_for,
+        ],
+    }
+    for rule in alert_rules(committed_rules()):
+        anchor = rule["annotations"]["runbook_url"].rsplit("#", 1)[1]
+        assert anchor in sections, f"docs/runbooks.md has no section #{anchor}"
+        body = sections[anchor]
+        for part in ("**Meaning.**", "**Confirm.**", "**Act.**"):
+            assert part in body, f"#{anchor} lacks {part}"
+        for value in thresholds[rule["alert"]]:
+            assert value in body, f"#{anchor} does not state its threshold {value}"
+
+
+def test_every_alert_runbook_section_belongs_to_an_alert():
+    """No runbook section for an alert that no longer exists."""
+    names = {r["alert"].lower() for r in alert_rules(committed_rules())}
+    documented = {a for a in runbook_sections() if a.startswith("hicacheexistence")}
+    assert documented == names
+
+
+# -- metric names: the catalog or the explicit pending list ------------------------------
+
+_MATCHERS = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*"')
+_SCRAPE_LABELS = {"job", "instance"}
+
+
+def metric_problems(exprs: list[str], known: dict[str, catalog.MetricSpec]) -> list[str]:
+    """Names or labels used in ``exprs`` that neither ``known`` (the catalog) nor
+    ``build.PENDING_METRICS`` accounts for, one line each."""
+    problems: list[str] = []
+    pending = set(build.PENDING_METRICS)
+    for name in sorted(pending & set(known)):
+        problems.append(f"{name} is in the catalog now: remove it from PENDING_METRICS")
+    for expr in exprs:
+        for used in sorted(build.names_in(expr)):
+            if ":" in used:
+                continue  # a recording rule (lint_rules checks it is defined)
+            family = build.metric_of(used)
+            if family is None:
+                problems.append(f"{used} is not a sample of any metric in build.METRICS")
+                continue
+            spec = known.get(family.name)
+            if spec is not None:
+                if spec.kind != family.kind:
+                    problems.append(f"{family.name} is a {spec.kind} in the catalog")
+                missing = set(family.labels) - set(spec.label_names)
+                if missing:
+                    problems.append(f"{family.name} has no label(s) {sorted(missing)}")
+            elif family.name not in pending:
+                problems.append(f"{family.name} is neither in the catalog nor pending")
+        for name, matchers in _SELECTOR.findall(expr):
+            family = build.metric_of(name)
+            if family is None:
+                continue
+            allowed = {*catalog.DEPLOYMENT_LABELS, *_SCRAPE_LABELS, *family.labels}
+            if name.endswith("_bucket"):
+                allowed.add("le")
+            for label in _MATCHERS.findall(matchers):
+                if label not in allowed:
+                    problems.append(f"{name} has no label {label!r}")
+    return problems
+
+
+def used_expressions() -> list[str]:
+    d = committed_dashboard()
+    exprs = [t["expr"] for p in panels(d) for t in p["targets"]]
+    exprs += [v["query"] for v in d["templating"]["list"] if v["type"] == "query"]
+    rules = committed_rules()
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    return exprs
+
+
+def test_every_metric_used_is_in_the_catalog_or_pending():
+    """Every metric the dashboard and the rules query is exported by the catalog
+    (right kind, labels it has) or listed in build.PENDING_METRICS, never both."""
+    assert metric_problems(used_expressions(), catalog.BY_NAME) == []
+
+
+def test_metric_check_rejects_unknown_names_labels_and_stale_pending_entries():
+    """A misspelt name, an unknown label and a pending name that the catalog now
+    exports are each reported."""
+    pending = build.PENDING_METRICS[0]
+    fake = dict(catalog.BY_NAME)
+    fake[pending] = catalog.BY_NAME["hicache_existence_queries"]
+    exprs = [
+        'rate(hicache_existence_querys_total{job=~"$job"}[5m])',
+        'rate(hicache_existence_queries_total{poool="kv"}[5m])',
+    ]
+    problems = "\n".join(metric_problems(exprs, fake))
+    assert "hicache_existence_querys_total is not a sample" in problems
+    assert "hicache_existence_queries_total has no label 'poool'" in problems
+    assert f"{pending} is in the catalog now" in problems
+
+
+def test_every_metric_in_the_table_is_used():
+    """build.METRICS holds no name the dashboard and rules do not use (one place,
+    no dead entries)."""
+    used = {build.metric_of(n) for e in used_expressions() for n in build.names_in(e)}
+    assert set(build.METRICS) <= used
+
+
+def test_selector_rejects_a_label_the_metric_lacks():
+    """build.selector() refuses a matcher on a label the family does not carry."""
+    with pytest.raises(ValueError, match="has no label 'reason'"):
+        build.selector(build.QUERIES, reason="evicted")
+
+
+def test_runbooks_name_only_metrics_that_exist():
+    """Every metric or recorded series docs/runbooks.md names is exported by the
+    catalog, pending, or recorded by rules.yml (a runbook query must work)."""
+    known = {spec.exposed_name for spec in catalog.CATALOG}
+    known |= {s for m in build.METRICS if m.name in build.PENDING_METRICS for s in m.sample_names()}
+    known |= {r["record"] for r in recording_rules(committed_rules())}
+    named = build.names_in(RUNBOOKS.read_text(encoding="utf-8"))
+    assert named, "the runbooks name no metric"
+    assert named <= known, sorted(named - known)
