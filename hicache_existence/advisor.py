@@ -496,9 +496,15 @@ class CapacityAdvisor:
         """In-flight content is not a belief: not part of the reference stream."""
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
-        if not inflight_only:
-            # Kept even when full: missing a clear would leave ghosts in the stack.
-            self._buf.append((pool,))
+        if inflight_only:
+            return
+        buf = self._buf
+        # Kept beyond a full buffer (up to twice its size): a missed clear would
+        # leave ghosts in the stack, and clears are rare.
+        if len(buf) < 2 * self._limit:
+            buf.append((pool,))
+        else:
+            self.dropped_operations += 1
 
     def _overflow(self, pool: str, pages: int) -> None:
         self.dropped_operations += 1
@@ -521,7 +527,8 @@ class CapacityAdvisor:
         return est
 
     def _apply(self, op: tuple[Any, ...]) -> None:
-        """Process one buffered operation."""
+        """Process one buffered operation (the general path; ``_run`` inlines the
+        common one)."""
         size = len(op)
         pool = op[0]
         est = self._estimators.get(SHARED_POOL if self.shared else pool) or self._estimator(pool)
@@ -539,13 +546,11 @@ class CapacityAdvisor:
             inserting = size == 2
         if count <= start:
             return
-        est.ops += 1
-        if not est.ops % _HEX_CHECK_EVERY or est.ops == 1:
-            est.hex_keys = _HEX64.fullmatch(hashes[start]) is not None
-        prefix = self._prefix
+        self._check_keys(est, hashes[start])
         view: Iterable[str] = (
             hashes if not start and count == len(hashes) else islice(hashes, start, count)
         )
+        prefix = self._prefix
         if prefix is None:
             keys: list[Any] = list(view)
         elif est.hex_keys:
@@ -562,6 +567,57 @@ class CapacityAdvisor:
         else:
             est.advance(count)
 
+    @staticmethod
+    def _check_keys(est: _Estimator, sample: str) -> None:
+        """Every so often, check that the pool's keys are 64-hex (else sample by blake2b)."""
+        est.ops += 1
+        if est.ops % _HEX_CHECK_EVERY == 1:
+            est.hex_keys = _HEX64.fullmatch(sample) is not None
+
+    def _run(self, buf: list[tuple[Any, ...]], deadline: float) -> int:
+        """Process ``buf`` from its start until the deadline; returns how many were done.
+
+        The common operation (a lookup or an add of SHA-256 keys, per-pool LRUs,
+        no decay, nothing sampled) is handled inline: per operation that is one
+        C-level filter and two additions.
+        """
+        n = len(buf)
+        done = 0
+        clock = self._clock
+        prefix = self._prefix
+        fast = prefix is not None and not self.shared
+        estimators = self._estimators
+        apply = self._apply
+        while done < n:
+            op = buf[done]
+            done += 1
+            try:
+                size = len(op)
+                est = estimators.get(op[0]) if fast and size < 4 else None
+                if est is None or not est.hex_keys or est.growth != 1.0:
+                    apply(op)
+                else:
+                    hashes = op[1]
+                    count = len(hashes)
+                    if size == 3 and op[2] < count:
+                        count = op[2]
+                        keys = [h for h in islice(hashes, count) if h < prefix]
+                    else:
+                        keys = [h for h in hashes if h < prefix]
+                    est.ops += 1
+                    if est.ops % _HEX_CHECK_EVERY == 1 and count:
+                        est.hex_keys = _HEX64.fullmatch(hashes[0]) is not None
+                    if keys:
+                        est.reference(keys, count, size == 2)
+                    else:
+                        est.references += count
+                        est.raw_references += count
+            except Exception:
+                self.errors += 1
+            if not done & 7 and clock() >= deadline:
+                break
+        return done
+
     def drain(self, budget_s: float | _Default | None = _DEFAULT) -> int:
         """Process buffered operations, oldest first, until none is left or the
         budget is spent (default: the configured ``drain_budget_s``; None: no limit).
@@ -577,17 +633,7 @@ class CapacityAdvisor:
         done = 0
         try:
             buf = self._buf
-            n = len(buf)
-            apply = self._apply
-            while done < n:
-                op = buf[done]
-                done += 1
-                try:
-                    apply(op)
-                except Exception:
-                    self.errors += 1
-                if not done & 7 and clock() >= deadline:
-                    break
+            done = self._run(buf, deadline)
             del buf[:done]
         except Exception:
             self.errors += 1
@@ -602,7 +648,13 @@ class CapacityAdvisor:
         with self._lock:
             ops = self._buf
             dropped = len(ops)
-            pages = sum(len(op[1]) if len(op) == 2 else op[2] for op in ops if len(op) in (2, 3))
+            try:
+                pages = sum(
+                    len(op[1]) if len(op) == 2 else op[2] for op in ops if len(op) in (2, 3)
+                )
+            except Exception:
+                pages = 0
+                self.errors += 1
             ops.clear()
             self.dropped_operations += dropped
             self.dropped_references += pages

@@ -224,6 +224,190 @@ CATALOG: tuple[MetricSpec, ...] = (
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 
 
+# ---------------------------------------------------------------------------
+# feature metrics: TP-divergence checks, the reconciler, the capacity advisor
+
+FeatureKind = Literal["counter", "gauge", "histogram"]
+FeatureSource = Literal["divergence", "reconciler", "advisor"]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One metric family of an optional feature.  Its labels follow the
+    deployment labels; a ``pool`` label, where present, is bounded like the cache
+    metrics' (``metrics.max_pools``)."""
+
+    name: str
+    kind: FeatureKind
+    help: str
+    unit: str
+    source: FeatureSource
+    labels: tuple[str, ...]
+    otel_unit: str
+
+    @property
+    def exposed_name(self) -> str:
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return (*DEPLOYMENT_LABELS, *self.labels)
+
+
+def _f(
+    name: str,
+    kind: FeatureKind,
+    source: FeatureSource,
+    help: str,
+    otel_unit: str,
+    labels: tuple[str, ...] = (),
+) -> FeatureSpec:
+    unit = "seconds" if name.endswith("_seconds") else ""
+    return FeatureSpec(PREFIX + name, kind, help, unit, source, labels, otel_unit)
+
+
+FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
+    _f(
+        "divergence_checks",
+        "counter",
+        "divergence",
+        "Cross-rank replica checks completed.",
+        "{check}",
+    ),
+    _f(
+        "divergences",
+        "counter",
+        "divergence",
+        "Checks that found this rank's replica differing from the others (or others from it).",
+        "{check}",
+    ),
+    _f(
+        "divergence_heals",
+        "counter",
+        "divergence",
+        "Heals: pools cleared on every rank at the same step after a divergence.",
+        "{heal}",
+    ),
+    _f(
+        "divergence_check_failures",
+        "counter",
+        "divergence",
+        "Checks whose collective failed (reason: timeout, error); the checker stops after one.",
+        "{check}",
+        ("reason",),
+    ),
+    _f(
+        "divergence_config_mismatches",
+        "counter",
+        "divergence",
+        "Start-up handshakes that found ranks configured differently (checks stay off).",
+        "{check}",
+    ),
+    _f(
+        "divergence_check_seconds",
+        "counter",
+        "divergence",
+        "Seconds spent in checks (with checks_total: the mean check duration).",
+        "s",
+    ),
+    _f(
+        "divergence_last_check_step",
+        "gauge",
+        "divergence",
+        "Scheduler step of the last completed check (0: none yet).",
+        "{step}",
+    ),
+    _f(
+        "divergence_last_detected_step",
+        "gauge",
+        "divergence",
+        "Scheduler step of the last detected divergence (0: none).",
+        "{step}",
+    ),
+    _f(
+        "divergence_active",
+        "gauge",
+        "divergence",
+        "1 while checks run (enabled, handshake passed, no failed collective).",
+        "1",
+    ),
+    _f(
+        "reconciler_queries",
+        "counter",
+        "reconciler",
+        "Ground-truth verifications by result: present (every page in L3), absent (a page "
+        "is missing, trusted), untrusted (a short answer the ledger cannot prove), error, "
+        "timeout, rejected (circuit open), void (the pool was cleared meanwhile).",
+        "{query}",
+        ("pool", "result"),
+    ),
+    _f(
+        "reconciler_stale_positives",
+        "counter",
+        "reconciler",
+        "Verifications that found believed pages missing from L3.",
+        "{query}",
+        ("pool",),
+    ),
+    _f(
+        "reconciler_pages_invalidated",
+        "counter",
+        "reconciler",
+        "Beliefs removed by agreed ground-truth verdicts.",
+        "{page}",
+        ("pool",),
+    ),
+    _f(
+        "reconciler_pages_learnt",
+        "counter",
+        "reconciler",
+        "Pages added to beliefs because L3 holds them (e.g. written by another instance).",
+        "{page}",
+        ("pool",),
+    ),
+    _f(
+        "reconciler_errors",
+        "counter",
+        "reconciler",
+        "Ground-truth errors by kind (never evidence of absence).",
+        "{error}",
+        ("kind",),
+    ),
+    _f(
+        "reconciler_circuit_open",
+        "gauge",
+        "reconciler",
+        "1 while the circuit breaker is open or half-open (queries paused), else 0.",
+        "1",
+    ),
+    _f(
+        "reconciler_outstanding_queries",
+        "gauge",
+        "reconciler",
+        "Verifications queued or in flight.",
+        "{query}",
+    ),
+    _f(
+        "reconciler_query_seconds",
+        "histogram",
+        "reconciler",
+        "Ground-truth query latency, worker side.",
+        "s",
+    ),
+    _f(
+        "advisor_estimated_hit_ratio",
+        "gauge",
+        "advisor",
+        "Estimated page hit ratio if the pool's cap were cap_multiplier x the current cap "
+        "(SHARDS sampling; absent until enough references were seen).",
+        "1",
+        ("pool", "cap_multiplier"),
+    ),
+)
+
+FEATURE_BY_NAME: dict[str, FeatureSpec] = {spec.name: spec for spec in FEATURE_CATALOG}
+
+
 @dataclass(frozen=True)
 class DeploymentLabels:
     """Labels set once per process from configuration and the runtime (the
@@ -276,5 +460,11 @@ def markdown_table() -> str:
             labels += " (" + " / ".join(MISS_REASON_LABELS) + ")"
         lines.append(
             f"| `{spec.exposed_name}` | {spec.kind} | {spec.unit or '-'} | {labels} | {spec.help} |"
+        )
+    for fspec in FEATURE_CATALOG:
+        labels = ", ".join(fspec.labels) or "-"
+        lines.append(
+            f"| `{fspec.exposed_name}` | {fspec.kind} | {fspec.unit or '-'} | {labels} | "
+            f"{fspec.help} |"
         )
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 #: Sub-command modules under ``hicache_existence.commands``, in help order.
-COMMANDS: tuple[str, ...] = ("bench", "replay", "reconcile_bench")
+COMMANDS: tuple[str, ...] = ("demo", "bench", "replay", "reconcile_bench")
 
 
 def _load(name: str) -> ModuleType:
@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Observe, verify and heal SGLang HiCache's storage-existence cache.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="library log events at or above this level go to stderr (default warning)",
+    )
+    parser.add_argument("--log-json", action="store_true", help="log events as JSON lines")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
@@ -43,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from hicache_existence.logs import configure_logging
+
+    configure_logging(args.log_level, json_output=args.log_json)
     try:
         return int(args._run(args))
     except KeyboardInterrupt:

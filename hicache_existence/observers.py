@@ -71,6 +71,11 @@ class Tee:
     def __init__(self, *observers: BeliefObserver) -> None:
         self.observers = tuple(observers)
 
+    def append(self, observer: BeliefObserver) -> None:
+        """Add an observer that needs the cache to exist first (the reconciler):
+        build the ``Tee``, then the cache, then append.  Scheduler thread only."""
+        self.observers = (*self.observers, observer)
+
     def added(self, pool: str, hashes: Sequence[str]) -> None:
         for o in self.observers:
             o.added(pool, hashes)

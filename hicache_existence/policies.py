@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from hicache_existence import _validate
+
 
 class _Beliefs(Protocol):
     def add(self, hashes: Sequence[str]) -> None: ...
@@ -37,7 +39,8 @@ class PoolBeliefPolicy:
         self, beliefs: _Beliefs, keys: Sequence[str], delivered_pages: int
     ) -> None:
         """A transfer delivered only ``delivered_pages``: the rest is not stored."""
-        beliefs.invalidate_beyond(keys, delivered_pages)
+        delivered = _validate.count(delivered_pages, "delivered_pages")
+        beliefs.invalidate_beyond(_validate.page_hashes(keys, "keys"), delivered)
 
 
 class ChainPagesPolicy(PoolBeliefPolicy):
@@ -54,9 +57,12 @@ class ChainPagesPolicy(PoolBeliefPolicy):
         *,
         evidence: bool,
     ) -> None:
-        beliefs.invalidate_beyond(chain, hit_pages)
+        # Validate first: a policy either heals completely or changes nothing.
+        hit = _validate.count(hit_pages, "hit_pages")
+        pages = _validate.page_hashes(chain, "chain")
+        beliefs.invalidate_beyond(pages, hit)
         if evidence:
-            beliefs.add(chain[:hit_pages])
+            beliefs.add(pages[:hit])
 
 
 class TrailingWindowPolicy(PoolBeliefPolicy):
@@ -73,7 +79,8 @@ class TrailingWindowPolicy(PoolBeliefPolicy):
         *,
         evidence: bool,
     ) -> None:
-        beliefs.invalidate_beyond(chain, hit_pages)
+        hit = _validate.count(hit_pages, "hit_pages")
+        beliefs.invalidate_beyond(_validate.page_hashes(chain, "chain"), hit)
 
 
 def default_belief_policy(hit_policy: object) -> PoolBeliefPolicy:

@@ -167,8 +167,10 @@ class PoolStats:
 
     @property
     def misses_by_reason(self) -> Mapping[str, int]:
-        """Classified page misses; they sum to ``page_misses`` when the cache
-        has miss-reason memory enabled, else all are zero."""
+        """Classified page misses.  With miss-reason memory enabled they sum to
+        ``page_misses`` once the cache has settled (``settle()``, which the
+        per-step hook calls; a miss only records its page, classification is
+        batched); without it they are all zero."""
         return MappingProxyType(
             {
                 "cold": self.misses_cold,
@@ -179,9 +181,14 @@ class PoolStats:
         )
 
     def __sub__(self, other: PoolStats) -> PoolStats:
-        """Counters become deltas; gauges keep this (the newer) snapshot's value."""
+        """Counters become deltas; gauges keep this (the newer) snapshot's value.
+
+        No clamping: subtracting a newer snapshot from an older one, or across a
+        re-created cache, gives negative counts rather than hiding the mistake."""
         if not isinstance(other, PoolStats):
             return NotImplemented
+        if other.pool != self.pool:
+            raise ValueError(f"cannot subtract pool {other.pool!r} stats from pool {self.pool!r}")
         values = {}
         for f in fields(self):
             name = f.name
@@ -210,6 +217,7 @@ class PoolStats:
             page_hit_ratio=self.page_hit_ratio,
             coverage_ratio=self.coverage_ratio,
             query_hit_ratio=self.query_hit_ratio,
+            miss_ratio=self.miss_ratio,
             fill_ratio=self.fill_ratio,
         )
         return out

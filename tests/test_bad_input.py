@@ -270,8 +270,8 @@ def test_current_pool_name(bad, exc):
 
 
 HEAL_QUERY_CASES = [
-    (["b", "c", 5], 1, TypeError, "hashes"),
-    ("bc", 1, TypeError, "hashes"),
+    (["b", "c", 5], 1, TypeError, ("chain", "hashes")),
+    ("bc", 1, TypeError, ("chain", "hashes")),
     (["b", "c"], -1, ValueError, ("hit_pages", "keep_pages")),
     (["b", "c"], 1.0, TypeError, ("hit_pages", "keep_pages")),
     (["b", "c"], True, TypeError, ("hit_pages", "keep_pages")),

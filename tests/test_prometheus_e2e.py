@@ -115,9 +115,26 @@ def selectors(expr: str) -> list[str]:
     return sorted({s for f in found for s in expand(f)})
 
 
+_LABEL_VALUES = re.compile(r"^label_values\((.+),\s*(\w+)\)$", re.S)
+
+
+def variable_query(query: str) -> str:
+    """Grafana's ``label_values(selector, label)`` as PromQL that returns one
+    series per value, and none if the label is missing or misspelt."""
+    match = _LABEL_VALUES.match(query.strip())
+    assert match is not None, f"not a label_values() query: {query}"
+    selector, label = match.groups()
+    nonempty = f'{label}!=""'
+    if selector.endswith("}"):
+        selector = f"{selector[:-1]}, {nonempty}}}"
+    else:
+        selector = f"{selector}{{{nonempty}}}"
+    return f"count by ({label}) ({selector})"
+
+
 def checks() -> list[Check]:
-    """Every dashboard target; every recording rule (its expression and its
-    output); the alert expressions (valid, may be empty: the alert need not
+    """Every dashboard target and variable; every recording rule (its expression
+    and its output); the alert expressions (valid, may be empty: the alert need not
     fire); every selector of any of them, each label-value alternative apart."""
     dashboard = json.loads(build.DASHBOARD_PATH.read_text(encoding="utf-8"))
     rules = yaml.safe_load(build.RULES_PATH.read_text(encoding="utf-8"))
@@ -126,6 +143,10 @@ def checks() -> list[Check]:
         for t in panel.get("targets", []):
             what = f"panel {panel['title']!r} target {t['refId']}"
             out.append(Check(what, dashboard_query(t["expr"])))
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            what = f"variable {variable['name']}"
+            out.append(Check(what, dashboard_query(variable_query(variable["query"]))))
     for group in rules["groups"]:
         for rule in group["rules"]:
             if "record" in rule:
@@ -171,6 +192,9 @@ def uses_pending(expr: str, records: set[str]) -> bool:
 
 
 class Stack:
+    """The demo exporter with its workload thread, and a prometheus process that
+    scrapes it every second and evaluates rules.yml every second."""
+
     def __init__(self, workdir: Path) -> None:
         self.binary = need_prometheus()
         self.workdir = workdir

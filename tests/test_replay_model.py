@@ -7,6 +7,7 @@ and the CLI end to end."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -379,7 +380,7 @@ def test_report_json_table_and_plot(tmp_path: Path) -> None:
         "memory_bytes",
     } <= set(rows[0])
     assert [r["cap"] for r in doc["buffer_model"]] == [4, 8, 16]
-    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    require_matplotlib()
     assert report.write_plot(result, tmp_path / "r.png") is None
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.tmp"))
@@ -430,6 +431,16 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert (out / "replay.png").is_file() == _has_matplotlib()
 
 
+def require_matplotlib() -> None:
+    """Skip without matplotlib (fail under HICACHE_EXISTENCE_REQUIRE_ALL=1)."""
+    if _has_matplotlib():
+        return
+    message = "matplotlib (the plot extra) is not installed"
+    if os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -463,3 +474,35 @@ def test_cli_on_the_shared_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     rows = {r["cap"]: r for r in doc["belief_only"]["kv"]["rows"]}
     assert rows[2 << 20]["belief_hit_ratio"] == pytest.approx(1 - 335388 / 958200)
     assert (tmp_path / "replay.png").is_file() or not _has_matplotlib()
+
+
+def test_cli_on_a_page_trace_with_pools(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A page-format trace with two pools: a curve and rows per pool, its declared page size."""
+    rng = random.Random(9)
+    lines = [json.dumps({"format": "hicache-existence-trace", "version": 1, "page_size": 16})]
+    for i in range(40):
+        pages = [f"{rng.randrange(30):064x}" for _ in range(rng.randint(1, 12))]
+        lines.append(json.dumps({"timestamp": i, "pages": pages, "pool": "kv" if i % 2 else "swa"}))
+    path = write_lines(tmp_path / "p.jsonl", lines)
+    code = main(
+        [
+            "replay",
+            str(path),
+            "--out",
+            str(tmp_path / "o"),
+            "--caps",
+            "4,8",
+            "--current-cap",
+            "8",
+            "--jobs",
+            "1",
+            "--quiet",
+            "--no-plot",
+        ]
+    )
+    assert code == 0
+    assert "page size 16 tokens" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "o" / "replay.json").read_text())
+    assert set(doc["belief_only"]) == {"kv", "swa"}
+    assert doc["trace"]["page_size"] == 16
+    assert not (tmp_path / "o" / "replay.png").exists()

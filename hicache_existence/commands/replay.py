@@ -91,7 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the cap marked as current (default 512K, upstream's)",
     )
     parser.add_argument(
-        "--page-size", type=_count(1), default=64, help="tokens per page (default 64)"
+        "--page-size",
+        type=_count(1),
+        default=None,
+        help="tokens per page (default: a page trace's declared size, else 64)",
     )
     parser.add_argument(
         "--block-tokens",
@@ -159,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hicache_existence.replay import report
     from hicache_existence.replay.model import ModelConfig
-    from hicache_existence.replay.pages import expand
+    from hicache_existence.replay.pages import DEFAULT_PAGE_SIZE, expand
     from hicache_existence.replay.sweep import DEFAULT_CAPS, DEFAULT_CURRENT_CAP, sweep, throttled
     from hicache_existence.replay.trace import TraceError, read_trace
 
@@ -182,10 +185,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         progress(f"reading {args.trace}")
         trace = read_trace(args.trace, args.format, block_tokens=args.block_tokens)
-        progress(f"expanding {len(trace.requests):,} requests to {args.page_size}-token pages")
+        page_size = args.page_size or trace.page_size or DEFAULT_PAGE_SIZE
+        progress(f"expanding {len(trace.requests):,} requests to {page_size}-token pages")
         pages = expand(
             trace,
-            args.page_size,
+            page_size,
             partial_pages=args.partial_pages,
             node_pages=args.node_pages,
             progress=lambda done, total: tick(f"expanding: {done}/{total} requests"),

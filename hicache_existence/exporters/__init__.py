@@ -19,12 +19,20 @@ from typing import Any
 from hicache_existence import logs
 from hicache_existence.catalog import DeploymentLabels
 from hicache_existence.config import Config
+from hicache_existence.exporters.features import FeatureSources
 from hicache_existence.exporters.samples import PoolLabeler, Sampler, StatsSource
 from hicache_existence.ghosts import GhostFactory
 from hicache_existence.monitor import Monitor
 from hicache_existence.writes import WriteAccounting
 
-__all__ = ["PoolLabeler", "Sampler", "Telemetry", "parse_pools", "resolve_mode"]
+__all__ = [
+    "FeatureSources",
+    "PoolLabeler",
+    "Sampler",
+    "Telemetry",
+    "parse_pools",
+    "resolve_mode",
+]
 
 
 def parse_pools(text: str) -> tuple[str, ...]:
@@ -65,6 +73,7 @@ class Telemetry:
         ghosts: GhostFactory | None = None,
         clock: Callable[[], float] | None = None,
         env: dict[str, str] | None = None,
+        features: FeatureSources | None = None,
     ) -> None:
         self.config = config or Config()
         section = self.config.metrics
@@ -79,6 +88,7 @@ class Telemetry:
             ghosts=ghosts,
             max_pools=section.max_pools,
             initial_pools=parse_pools(section.initial_pools),
+            features=features,
         )
         self.monitor = Monitor(clock=self._clock)
         self.feeder: Any = None

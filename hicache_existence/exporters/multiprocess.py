@@ -21,10 +21,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
 from hicache_existence import logs
-from hicache_existence.catalog import CATALOG, GAUGE_MULTIPROCESS_MODE, DeploymentLabels
+from hicache_existence.catalog import (
+    CATALOG,
+    GAUGE_MULTIPROCESS_MODE,
+    DeploymentLabels,
+    FeatureSpec,
+    MetricSpec,
+)
+from hicache_existence.exporters.features import HistogramSamples
 from hicache_existence.exporters.samples import Sampler, Samples, SeriesKey
 
 ENV_DIR = "PROMETHEUS_MULTIPROC_DIR"
@@ -81,14 +88,32 @@ class MultiprocessFeeder:
                     registry=registry,
                     multiprocess_mode=GAUGE_MULTIPROCESS_MODE,
                 )
+        self._registry = registry
+        self._features = sampler.feature_specs()
+        for fspec in self._features:
+            if fspec.kind == "counter":
+                self._metrics[fspec.name] = Counter(
+                    fspec.name, fspec.help, fspec.label_names, unit=fspec.unit, registry=registry
+                )
+            elif fspec.kind == "gauge":
+                self._metrics[fspec.name] = Gauge(
+                    fspec.name,
+                    fspec.help,
+                    fspec.label_names,
+                    unit=fspec.unit,
+                    registry=registry,
+                    multiprocess_mode=GAUGE_MULTIPROCESS_MODE,
+                )
+            # histograms are created at the first sample, which carries their buckets
         self._children: dict[tuple[str, SeriesKey], Any] = {}
         self._previous: dict[tuple[str, SeriesKey], float] = {}
+        self._previous_hist: dict[tuple[str, SeriesKey], tuple[tuple[int, ...], float]] = {}
         self._last: float | None = None
         self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
         self._logger = logs.get_logger("hicache_existence.exporters")
         self.flushes = 0
         # Every series of the pools known now exists at 0 from the start.
-        self._apply(sampler.sample(), counters=False)
+        self._apply(*sampler.sample_all(), counters=False)
 
     def flush(self, *, force: bool = False) -> bool:
         """Apply the accounting since the last flush if ``flush_interval_s`` has
@@ -99,7 +124,7 @@ class MultiprocessFeeder:
                 return False
             self._last = now
             self.sampler.settle()  # flush runs on the scheduler thread
-            self._apply(self.sampler.sample(), counters=True)
+            self._apply(*self.sampler.sample_all(), counters=True)
             self.flushes += 1
             return True
         except Exception as exc:  # observability never raises into the scheduler
@@ -119,11 +144,15 @@ class MultiprocessFeeder:
             self._children[(name, key)] = child
         return child
 
-    def _apply(self, samples: Samples, *, counters: bool) -> None:
+    def _apply(self, samples: Samples, histograms: HistogramSamples, *, counters: bool) -> None:
         previous = self._previous
-        for spec in CATALOG:
+        scalar_specs: list[MetricSpec | FeatureSpec] = [
+            *CATALOG,
+            *(f for f in self._features if f.kind != "histogram"),
+        ]
+        for spec in scalar_specs:
             name = spec.name
-            for key, value in samples[name].items():
+            for key, value in samples.get(name, {}).items():
                 child = self._child(name, key)
                 if spec.kind == "gauge":
                     child.set(value)
@@ -135,3 +164,38 @@ class MultiprocessFeeder:
                 if delta > 0:
                     child.inc(delta)
                     previous[slot] = value
+        for fspec in self._features:
+            if fspec.kind == "histogram":
+                self._apply_histogram(fspec, histograms.get(fspec.name, {}), counters)
+
+    def _apply_histogram(
+        self,
+        spec: FeatureSpec,
+        series: dict[SeriesKey, tuple[tuple[float, ...], tuple[int, ...], float]],
+        counters: bool,
+    ) -> None:
+        """Feed a histogram by bucket deltas.  prometheus_client's Histogram only
+        offers observe(); its per-bucket values are incremented directly so the
+        multiprocess files hold exactly the source's counts and sum."""
+        for key, (bounds, cumulative, total) in series.items():
+            if spec.name not in self._metrics:
+                self._metrics[spec.name] = Histogram(
+                    spec.name,
+                    spec.help,
+                    spec.label_names,
+                    unit=spec.unit,
+                    registry=self._registry,
+                    buckets=bounds,
+                )
+            child = self._child(spec.name, key)
+            if not counters:
+                continue
+            per_bucket = [b - a for a, b in zip((0, *cumulative[:-1]), cumulative)]
+            slot = (spec.name, key)
+            old_counts, old_sum = self._previous_hist.get(slot, ((0,) * len(per_bucket), 0.0))
+            for value, delta in zip(child._buckets, map(int.__sub__, per_bucket, old_counts)):
+                if delta > 0:
+                    value.inc(delta)
+            if total - old_sum > 0:
+                child._sum.inc(total - old_sum)
+            self._previous_hist[slot] = (tuple(per_bucket), total)

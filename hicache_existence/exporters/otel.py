@@ -21,7 +21,13 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hicache_existence.catalog import CATALOG, DEPLOYMENT_LABELS, DeploymentLabels, MetricSpec
+from hicache_existence.catalog import (
+    CATALOG,
+    DEPLOYMENT_LABELS,
+    DeploymentLabels,
+    FeatureSpec,
+    MetricSpec,
+)
 from hicache_existence.exporters.samples import Sampler, Samples
 
 try:  # optional extra
@@ -76,7 +82,13 @@ class OTelExporter:
         self._consumed: set[str] = set()
         self.snapshots = 0
         self.instruments: list[Any] = []
-        for spec in CATALOG:
+        specs: list[MetricSpec | FeatureSpec] = [
+            *CATALOG,
+            # Histograms are left to Prometheus: an observable instrument cannot
+            # carry pre-bucketed counts.
+            *(f for f in sampler.feature_specs() if f.kind != "histogram"),
+        ]
+        for spec in specs:
             create = (
                 meter.create_observable_counter
                 if spec.kind == "counter"
@@ -91,7 +103,7 @@ class OTelExporter:
                 )
             )
 
-    def _callback_for(self, spec: MetricSpec) -> Any:
+    def _callback_for(self, spec: MetricSpec | FeatureSpec) -> Any:
         def callback(options: Any) -> Iterable[Any]:
             return list(self._observe(spec))
 
@@ -106,11 +118,11 @@ class OTelExporter:
             self._consumed.add(name)
             return self._samples
 
-    def _observe(self, spec: MetricSpec) -> Iterator[Any]:
+    def _observe(self, spec: MetricSpec | FeatureSpec) -> Iterator[Any]:
         assert _metrics is not None
         samples = self._current(spec.name)
-        extra = ("pool", *spec.extra_labels)
-        for key, value in samples[spec.name].items():
+        extra = spec.labels if isinstance(spec, FeatureSpec) else ("pool", *spec.extra_labels)
+        for key, value in samples.get(spec.name, {}).items():
             attributes = dict(self._deployment)
             attributes.update(zip(extra, key))
             yield _metrics.Observation(value, attributes)

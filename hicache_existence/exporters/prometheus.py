@@ -15,18 +15,26 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from hicache_existence import _validate, logs
-from hicache_existence.catalog import CATALOG, DeploymentLabels, MetricSpec
+from hicache_existence.catalog import CATALOG, DeploymentLabels, FeatureSpec, MetricSpec
+from hicache_existence.exporters.features import HistogramSamples
 from hicache_existence.exporters.samples import Sampler, Samples
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464
 
 
-def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
+def _family(spec: MetricSpec | FeatureSpec) -> Any:
+    if spec.kind == "histogram":
+        return HistogramMetricFamily(spec.name, spec.help, labels=spec.label_names, unit=spec.unit)
     cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
     return cls(spec.name, spec.help, labels=spec.label_names, unit=spec.unit)
 
@@ -44,19 +52,39 @@ class PrometheusCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         """Families without samples: registration does not take a snapshot."""
-        return [_family(spec) for spec in CATALOG]
+        specs: list[MetricSpec | FeatureSpec] = [*CATALOG, *self.sampler.feature_specs()]
+        return [_family(spec) for spec in specs]
 
     def collect(self) -> Iterator[Metric]:
-        samples = self.sampler.sample()
-        yield from self.render(samples)
+        samples, histograms = self.sampler.sample_all()
+        yield from self.render(samples, histograms)
 
-    def render(self, samples: Samples) -> Iterator[Metric]:
+    def render(
+        self, samples: Samples, histograms: HistogramSamples | None = None
+    ) -> Iterator[Metric]:
         deployment = list(self._deployment)
         for spec in CATALOG:
             family = _family(spec)
             for key, value in samples[spec.name].items():
                 family.add_metric([*deployment, *key], value)
             yield family
+        for fspec in self.sampler.feature_specs():
+            family = _family(fspec)
+            if fspec.kind == "histogram":
+                for key, (bounds, cumulative, total) in (
+                    (histograms or {}).get(fspec.name, {}).items()
+                ):
+                    buckets = [(_le(b), float(c)) for b, c in zip(bounds, cumulative)]
+                    buckets.append(("+Inf", float(cumulative[-1] if cumulative else 0)))
+                    family.add_metric([*deployment, *key], buckets, total)
+            else:
+                for key, value in samples.get(fspec.name, {}).items():
+                    family.add_metric([*deployment, *key], value)
+            yield family
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
 
 
 class MetricsServer:

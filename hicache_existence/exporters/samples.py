@@ -14,7 +14,18 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from hicache_existence import _validate
-from hicache_existence.catalog import CATALOG, MISS_REASON_LABELS, OTHER_POOL, MetricSpec
+from hicache_existence.catalog import (
+    CATALOG,
+    MISS_REASON_LABELS,
+    OTHER_POOL,
+    FeatureSpec,
+    MetricSpec,
+)
+from hicache_existence.exporters.features import (
+    FeatureSources,
+    HistogramSamples,
+    sample_features,
+)
 from hicache_existence.ghosts import CACHE_BYTES_PER_ENTRY, GhostFactory
 from hicache_existence.stats import MISS_REASONS, CacheStats, PoolStats
 from hicache_existence.writes import PoolWriteStats, WriteAccounting, WriteStats
@@ -77,7 +88,10 @@ class Sampler:
         max_pools: int = 16,
         initial_pools: Iterable[str] = ("kv",),
         bytes_per_entry: float = CACHE_BYTES_PER_ENTRY,
+        features: FeatureSources | None = None,
     ) -> None:
+        if features is not None and not isinstance(features, FeatureSources):
+            raise TypeError(f"features must be FeatureSources, got {type(features).__name__}")
         if not callable(getattr(cache, "stats", None)):
             raise TypeError("cache must have a stats() method (either cache generation)")
         if writes is not None and not isinstance(writes, WriteAccounting):
@@ -93,7 +107,12 @@ class Sampler:
         self.ghosts = ghosts
         self.bytes_per_entry = float(bytes_per_entry)
         self.labeler = PoolLabeler(max_pools, initial_pools)
+        self.features = features or FeatureSources()
         self._lock = threading.Lock()
+
+    def feature_specs(self) -> tuple[FeatureSpec, ...]:
+        """Feature metric families exported (those whose source is set)."""
+        return self.features.specs()
 
     def settle(self) -> None:
         """Classify the cache's pending misses (scheduler thread only)."""
@@ -102,12 +121,21 @@ class Sampler:
             settle()
 
     def sample(self) -> Samples:
-        """Every catalog metric's series values now."""
+        """Every scalar metric's series values now (cache, writes, features)."""
+        return self.sample_all()[0]
+
+    def sample_all(self) -> tuple[Samples, HistogramSamples]:
+        """Scalar samples plus the feature histograms, from one set of snapshots."""
         cache_stats = self.cache.stats()
         write_stats = self.writes.stats() if self.writes is not None else None
         memory = self.ghosts.nbytes_by_pool() if self.ghosts is not None else {}
         with self._lock:
-            return self._fold(cache_stats, write_stats, memory)
+            out = self._fold(cache_stats, write_stats, memory)
+            scalars, histograms = sample_features(
+                self.features, self.labeler.label, self.labeler.labels()
+            )
+        out.update(scalars)
+        return out, histograms
 
     def _fold(
         self,

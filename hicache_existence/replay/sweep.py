@@ -8,12 +8,14 @@ receiving a copy; otherwise the trace is sent to each worker once).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from queue import Empty
 from typing import Any, Literal
 
 from hicache_existence.replay.mattson import BeliefCurve, belief_only_curves
@@ -117,18 +119,27 @@ class SweepResult:
 
 # Set in the parent before forking; workers read it instead of unpickling the trace.
 _SHARED: tuple[PageTrace, ModelConfig] | None = None
+# In a worker: where to send progress lines (the parent prints them).
+_PROGRESS: Any = None
 
 
-def _init_worker(trace: PageTrace | None, config: ModelConfig | None) -> None:
-    global _SHARED
+def _init_worker(trace: PageTrace | None, config: ModelConfig | None, queue: Any) -> None:
+    global _SHARED, _PROGRESS
     if trace is not None and config is not None:
         _SHARED = (trace, config)
+    _PROGRESS = queue
 
 
 def _run_cap(cap: int) -> ModelResult:
     assert _SHARED is not None, "worker started without a trace"
     trace, config = _SHARED
-    return run_model(trace, cap, config)
+    queue = _PROGRESS
+    tick = throttled(queue.put if queue is not None else (lambda _msg: None), 2.0)
+
+    def report(done: int, total: int) -> None:
+        tick(f"model: cap {format_cap(cap)}: {done}/{total} requests")
+
+    return run_model(trace, cap, config, report)
 
 
 def throttled(say: Progress, interval_s: float = 1.0) -> Progress:
@@ -232,13 +243,22 @@ def _run_model_caps(
     order = sorted(caps, reverse=True)
     say(f"model: {total} caps on {min(jobs, total)} processes")
     by_cap: dict[int, ModelResult] = {}
+    queue = ctx.Queue()
     _SHARED = (trace, config)
     try:
-        initargs = (None, None) if forked else (trace, config)
+        initargs = (None, None, queue) if forked else (trace, config, queue)
         with ctx.Pool(min(jobs, total), _init_worker, initargs) as pool:
-            for done, row in enumerate(pool.imap_unordered(_run_cap, order), 1):
-                by_cap[row.cap] = row
-                say(f"model: cap {format_cap(row.cap)} done ({done}/{total})")
+            running = {cap: pool.apply_async(_run_cap, (cap,)) for cap in order}
+            while running:
+                with contextlib.suppress(Empty):
+                    say(queue.get(timeout=0.25))
+                for cap, pending in list(running.items()):
+                    if pending.ready():
+                        row = pending.get()  # re-raises a worker's exception here
+                        del running[cap]
+                        by_cap[row.cap] = row
+                        say(f"model: cap {format_cap(cap)} done ({len(by_cap)}/{total})")
     finally:
         _SHARED = None
+        queue.close()
     return [by_cap[cap] for cap in caps]

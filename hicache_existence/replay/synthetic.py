@@ -14,7 +14,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from hicache_existence.replay.pages import PageRequest, chunk_ends
+from hicache_existence.replay.pages import PageRequest, PageTrace, chunk_ends
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,10 @@ def long_context_requests(spec: LongContextSpec | None = None) -> list[PageReque
             )
         )
     return out
+
+
+def long_context_trace(spec: LongContextSpec | None = None) -> PageTrace:
+    """The workload as a ``PageTrace`` (64-token pages), ready for ``sweep`` or the benches."""
+    spec = spec or LongContextSpec()
+    requests = tuple(long_context_requests(spec))
+    return PageTrace(f"synthetic-long-context(seed={spec.seed})", "pages", 64, requests)

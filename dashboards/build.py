@@ -1,0 +1,1051 @@
+"""Build the Grafana dashboard and the Prometheus rules from one source.
+
+    python dashboards/build.py          # writes both files below
+    python dashboards/build.py --check  # exits 1 when a committed file differs
+
+Outputs: ``dashboards/hicache-existence.json`` (Grafana classic model,
+schemaVersion 41, like SGLang's own dashboard) and
+``integrations/prometheus/rules.yml`` (recording and alerting rules).  Both are
+committed; ``tests/test_dashboards.py`` fails when they differ from this build,
+as kubernetes-mixin does, so the dashboard, the rules and their tests cannot
+drift apart.
+
+Every metric name is spelt once, in the table below (``METRICS``): a rename is
+one edit here.  Names not yet in ``hicache_existence.catalog`` are listed in
+``PENDING_METRICS``; the tests accept a name only if it is in one of the two.
+Thresholds and the runbook location live in ``Settings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence.json"
+RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+# -- metrics: the one place their names are spelt --------------------------------
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric family as the catalog names it (counters without ``_total``)."""
+
+    name: str
+    kind: Kind
+    #: Labels after the deployment labels (which every series carries).
+    labels: tuple[str, ...] = ()
+
+    @property
+    def sample(self) -> str:
+        """The sample name queried: ``_total`` for counters."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+    @property
+    def bucket(self) -> str:
+        if self.kind != "histogram":
+            raise ValueError(f"{self.name} is not a histogram")
+        return f"{self.name}_bucket"
+
+    def sample_names(self) -> tuple[str, ...]:
+        """Every sample name this family exposes."""
+        if self.kind == "histogram":
+            return tuple(f"{self.name}{s}" for s in ("_bucket", "_count", "_sum"))
+        return (self.sample,)
+
+
+P = "hicache_existence_"
+POOL = ("pool",)
+
+
+_TABLE: list[Metric] = []
+
+
+def _m(name: str, kind: Kind, labels: tuple[str, ...] = POOL) -> Metric:
+    metric = Metric(P + name, kind, labels)
+    _TABLE.append(metric)
+    return metric
+
+
+# Cache accounting (hicache_existence.catalog).
+QUERIES = _m("queries", "counter")
+QUERY_HITS = _m("query_hits", "counter")
+PAGES_CHECKED = _m("pages_checked", "counter")
+PAGE_HITS = _m("page_hits", "counter")
+PAGE_RESCUES = _m("page_rescues", "counter")
+PAGE_MISSES = _m("page_misses", "counter", ("pool", "reason"))
+PAGE_INSERTS = _m("page_inserts", "counter")
+PAGE_REFRESHES = _m("page_refreshes", "counter")
+EVICTIONS = _m("evictions", "counter")
+INVALIDATIONS = _m("invalidations", "counter")
+CLEARED_PAGES = _m("cleared_pages", "counter")
+ENTRIES = _m("entries", "gauge")
+CAPACITY = _m("capacity_entries", "gauge")
+INFLIGHT = _m("inflight_pages", "gauge")
+MEMORY = _m("memory_bytes", "gauge")
+MISS_MEMORY = _m("miss_memory_bytes", "gauge")
+WRITTEN_PAGES = _m("written_pages", "counter")
+WRITTEN_BYTES = _m("written_bytes", "counter")
+AVOIDED_PAGES = _m("write_avoided_pages", "counter")
+AVOIDED_BYTES = _m("write_avoided_bytes", "counter")
+REDUNDANT_PAGES = _m("redundant_written_pages", "counter")
+REDUNDANT_BYTES = _m("redundant_written_bytes", "counter")
+# TP-replica divergence checks.
+DIV_CHECKS = _m("divergence_checks", "counter", ())
+DIVERGENCES = _m("divergences", "counter", ())
+DIV_HEALS = _m("divergence_heals", "counter", ())
+DIV_LAST_STEP = _m("divergence_last_check_step", "gauge", ())
+DIV_SECONDS = _m("divergence_check_seconds", "histogram", ())
+# Reconciler (ground truth).
+REC_QUERIES = _m("reconciler_queries", "counter", ("pool", "result"))
+REC_STALE = _m("reconciler_stale_positives", "counter")
+REC_INVALIDATED = _m("reconciler_pages_invalidated", "counter")
+REC_LEARNT = _m("reconciler_pages_learnt", "counter")
+REC_ERRORS = _m("reconciler_errors", "counter", ("kind",))
+REC_CIRCUIT = _m("reconciler_circuit_open", "gauge", ())
+REC_SECONDS = _m("reconciler_query_seconds", "histogram", ())
+# Capacity advisor.
+ADVISOR = _m("advisor_estimated_hit_ratio", "gauge", ("pool", "cap_multiplier"))
+
+#: Every family the dashboard and the rules use.
+METRICS: tuple[Metric, ...] = tuple(_TABLE)
+
+#: Families used here that ``hicache_existence.catalog`` does not export yet
+#: (catalog names: counters without ``_total``).  Remove a name when it is
+#: added to the catalog; the tests fail if a name is in both or in neither.
+PENDING_METRICS: tuple[str, ...] = (
+    DIV_CHECKS.name,
+    DIVERGENCES.name,
+    DIV_HEALS.name,
+    DIV_LAST_STEP.name,
+    DIV_SECONDS.name,
+    REC_QUERIES.name,
+    REC_STALE.name,
+    REC_INVALIDATED.name,
+    REC_LEARNT.name,
+    REC_ERRORS.name,
+    REC_CIRCUIT.name,
+    REC_SECONDS.name,
+    ADVISOR.name,
+)
+
+#: Label values the expressions rely on (one place, like the names).
+REASON_EVICTED = "evicted"
+#: Reconciler results that are answers from ground truth (not failures or skips).
+ANSWERED_RESULTS: tuple[str, ...] = ("present", "stale", "learnt")
+FAILED_RESULTS: tuple[str, ...] = ("error", "timeout")
+#: ``cap_multiplier`` label values compared by the "gain from doubling" panel.
+CAP_NOW, CAP_DOUBLE = "1", "2"
+
+_SAMPLE_TO_METRIC = {s: m for m in METRICS for s in m.sample_names()}
+_NAME = re.compile(r"\b(?:[a-z_]+:)?" + P + r"[a-zA-Z0-9_:]*")
+
+
+def metric_of(sample: str) -> Metric | None:
+    """The family a sample name (``..._total``, ``..._bucket``) belongs to."""
+    return _SAMPLE_TO_METRIC.get(sample)
+
+
+def names_in(expr: str) -> set[str]:
+    """Metric and recording-rule names an expression mentions."""
+    return set(_NAME.findall(expr))
+
+
+# -- settings: thresholds and the runbook location ------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a deployment may want to tune, in one object."""
+
+    runbook_url: str = (
+        "https://github.com/hicache-existence/hicache-existence/blob/main/docs/runbooks.md"
+    )
+    #: Labels recording rules keep: one deployment's pool, summed over ranks and
+    #: instances (level ``pool`` in the rule names).
+    keep: tuple[str, ...] = ("job", "model_name", "engine_type", "storage_backend", "pool")
+    #: Lookups per second (summed over ranks) below which ratio alerts stay quiet.
+    min_queries_per_s: float = 1.0
+    #: Capacity (evicted) misses per lookup that count as churn.
+    churn_ratio: float = 0.05
+    churn_for: str = "15m"
+    #: Hit ratio collapse: below this fraction of its value ``collapse_offset`` ago ...
+    collapse_fraction: float = 0.5
+    collapse_offset: str = "1h"
+    #: ... when that earlier value was at least this (a tiny ratio halving is noise).
+    collapse_min_previous: float = 0.1
+    collapse_for: str = "15m"
+    divergence_window: str = "10m"
+    reconciler_down_window: str = "10m"
+    reconciler_down_for: str = "10m"
+    circuit_open_for: str = "5m"
+    #: Verifications that found a stale positive, over answered verifications.
+    stale_ratio: float = 0.1
+    #: Answered verifications per second below which the stale ratio is noise.
+    stale_min_answered_per_s: float = 0.05
+    stale_for: str = "15m"
+    #: Entries over cap that count as "at cap".
+    at_cap_fill: float = 0.99
+    #: Redundant written pages over written pages that count as significant.
+    redundant_ratio: float = 0.05
+    redundant_offset: str = "1h"
+    redundant_for: str = "30m"
+
+
+SETTINGS = Settings()
+
+# -- PromQL helpers ---------------------------------------------------------------
+
+DASHBOARD_VARIABLES = ("job", "instance", "model_name", "pool", "tp_rank")
+
+
+def selector(metric: Metric, sample: str | None = None, **matchers: str) -> str:
+    """``sample{...}`` filtered by the dashboard variables the family carries,
+    plus exact ``matchers`` (a value starting with ``~`` is a regex)."""
+    parts = [f'{v}=~"${v}"' for v in ("job", "instance", "model_name", "tp_rank")]
+    if "pool" in metric.labels:
+        parts.append('pool=~"$pool"')
+    for label, value in matchers.items():
+        if label not in metric.labels:
+            raise ValueError(f"{metric.name} has no label {label!r}")
+        op, value = ("=~", value[1:]) if value.startswith("~") else ("=", value)
+        parts.append(f'{label}{op}"{value}"')
+    return f"{sample or metric.sample}{{{', '.join(parts)}}}"
+
+
+def by(labels: Sequence[str]) -> str:
+    return f"by ({', '.join(labels)}) " if labels else ""
+
+
+def rate(metric: Metric, group: Sequence[str] = ("pool",), **matchers: str) -> str:
+    """Per-second rate over ``$__rate_interval``, summed by ``group``."""
+    return f"sum {by(group)}(rate({selector(metric, **matchers)}[$__rate_interval]))"
+
+
+def increase(metric: Metric, group: Sequence[str] = (), **matchers: str) -> str:
+    return f"sum {by(group)}(increase({selector(metric, **matchers)}[$__rate_interval]))"
+
+
+def quantile(q: float, metric: Metric) -> str:
+    bucket = selector(metric, metric.bucket)
+    return f"histogram_quantile({q}, sum by (le) (rate({bucket}[$__rate_interval])))"
+
+
+def regex(values: Iterable[str]) -> str:
+    return "~" + "|".join(values)
+
+
+# -- dashboard model ---------------------------------------------------------------
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+PanelType = Literal["timeseries", "stat", "bargauge"]
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    targets: tuple[Target, ...]
+    type: PanelType = "timeseries"
+    width: int = 8
+    height: int = 8
+    #: Fixed axis range for ratios.
+    ratio: bool = False
+    #: A dashed threshold line (the matching alert's threshold).
+    threshold: float | None = None
+    mappings: tuple[dict[str, Any], ...] = ()
+    #: Threshold steps (value, colour) for stat panels.
+    steps: tuple[tuple[float | None, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+
+def _t(expr: str, legend: str) -> Target:
+    return Target(expr, legend)
+
+
+def _ratio(num: str, den: str) -> str:
+    return f"{num}\n/\n{den}"
+
+
+def rows() -> tuple[Row, ...]:
+    """Every row and panel of the dashboard."""
+    s = SETTINGS
+    overview = Row(
+        "Overview",
+        (
+            Panel(
+                "Page hit ratio",
+                "Examined pages found believed stored over pages examined, per pool "
+                "(page_hits / pages_checked rates). A hit skips a redundant device-to-host "
+                "copy and L3 write.",
+                "percentunit",
+                (_t(_ratio(rate(PAGE_HITS), rate(PAGES_CHECKED)), "{{pool}}"),),
+                ratio=True,
+            ),
+            Panel(
+                "Lookup hit ratio",
+                "Lookups (contains / contains_all / covered) that answered True over all "
+                "lookups, per pool.",
+                "percentunit",
+                (_t(_ratio(rate(QUERY_HITS), rate(QUERIES)), "{{pool}}"),),
+                ratio=True,
+            ),
+            Panel(
+                "Writes avoided vs redundant (pages/s)",
+                "Pages admitted without an L3 write because they were believed stored "
+                "(avoided), pages written, and written pages that ground truth says were "
+                "already stored (redundant: what a larger or better-healed cache would save).",
+                "ops",
+                (
+                    _t(rate(AVOIDED_PAGES), "{{pool}} avoided"),
+                    _t(rate(WRITTEN_PAGES), "{{pool}} written"),
+                    _t(rate(REDUNDANT_PAGES), "{{pool}} redundant"),
+                ),
+            ),
+            Panel(
+                "Writes avoided vs redundant (bytes/s)",
+                "The same as bytes per second (pages x the configured page size; zero when "
+                "metrics.page_size_bytes is not set).",
+                "binBps",
+                (
+                    _t(rate(AVOIDED_BYTES), "{{pool}} avoided"),
+                    _t(rate(WRITTEN_BYTES), "{{pool}} written"),
+                    _t(rate(REDUNDANT_BYTES), "{{pool}} redundant"),
+                ),
+            ),
+            Panel(
+                "Entries vs cap",
+                "Page hashes believed stored and the cap, per pool, on the fullest selected "
+                "replica (seed generation: the cap is shared by every pool).",
+                "short",
+                (
+                    _t(f"max by (pool) ({selector(ENTRIES)})", "{{pool}} entries"),
+                    _t(f"max by (pool) ({selector(CAPACITY)})", "{{pool}} cap"),
+                ),
+            ),
+            Panel(
+                "Fill",
+                "Entries over cap per pool, on the fullest selected replica. At 100% every "
+                "insert evicts the least recently used entry.",
+                "percentunit",
+                (_t(f"max by (pool) ({selector(ENTRIES)} / {selector(CAPACITY)})", "{{pool}}"),),
+                type="stat",
+                ratio=True,
+                steps=((None, "green"), (s.at_cap_fill, "orange")),
+            ),
+            Panel(
+                "Memory",
+                "Estimated memory of the beliefs (entries x measured bytes per entry, plus "
+                "the miss-reason memory) and of the miss-reason memory alone, summed over the "
+                "selected ranks.",
+                "bytes",
+                (
+                    _t(f"sum by (pool) ({selector(MEMORY)})", "{{pool}} total"),
+                    _t(f"sum by (pool) ({selector(MISS_MEMORY)})", "{{pool}} miss-reason memory"),
+                ),
+            ),
+            Panel(
+                "In-flight pages",
+                "Distinct pages with in-flight writes (D2H launched, storage ack pending), "
+                "summed over the selected ranks.",
+                "short",
+                (_t(f"sum by (pool) ({selector(INFLIGHT)})", "{{pool}}"),),
+            ),
+            Panel(
+                "Rescues (pages/s)",
+                "Examined pages not believed but covered by an in-flight write: lookups the "
+                "in-flight refs saved from a redundant write.",
+                "ops",
+                (_t(rate(PAGE_RESCUES), "{{pool}}"),),
+            ),
+        ),
+    )
+    churn = Row(
+        "Churn",
+        (
+            Panel(
+                "Evictions per second",
+                "Entries dropped by the cap (least recently used first), per pool.",
+                "ops",
+                (_t(rate(EVICTIONS), "{{pool}}"),),
+            ),
+            Panel(
+                "Misses by reason (pages/s)",
+                "Page misses by reason: cold (never believed), evicted (dropped by the cap: "
+                "capacity misses), invalidated (heals), cleared, unclassified (no miss-reason "
+                "memory).",
+                "ops",
+                (_t(rate(PAGE_MISSES, ("pool", "reason")), "{{pool}} {{reason}}"),),
+            ),
+            Panel(
+                "Capacity misses per lookup",
+                "Evicted-reason misses over lookups, per pool: the eviction-churn signal. The "
+                f"line is the alert threshold ({s.churn_ratio:.0%} for {s.churn_for}); when it "
+                "stays above, a larger cap would turn these misses into hits (see capacity "
+                "advice).",
+                "percentunit",
+                (
+                    _t(
+                        _ratio(rate(PAGE_MISSES, reason=REASON_EVICTED), rate(QUERIES)),
+                        "{{pool}}",
+                    ),
+                ),
+                ratio=True,
+                threshold=s.churn_ratio,
+            ),
+            Panel(
+                "Inserts vs refreshes (pages/s)",
+                "Pages added that were not believed (inserts: new or re-learnt after an "
+                "eviction) and pages added that were already believed (refreshes).",
+                "ops",
+                (
+                    _t(rate(PAGE_INSERTS), "{{pool}} inserts"),
+                    _t(rate(PAGE_REFRESHES), "{{pool}} refreshes"),
+                ),
+                width=12,
+            ),
+            Panel(
+                "Invalidations and clears (entries/s)",
+                "Entries dropped by invalidate_beyond (heals after a prefetch shortfall) and "
+                "by clears.",
+                "ops",
+                (
+                    _t(rate(INVALIDATIONS), "{{pool}} invalidated"),
+                    _t(rate(CLEARED_PAGES), "{{pool}} cleared"),
+                ),
+                width=12,
+            ),
+        ),
+    )
+    tp = Row(
+        "TP health",
+        (
+            Panel(
+                "Divergence checks per second",
+                "Cross-rank replica checks, per TP rank. Every rank of a group checks at the "
+                "same steps; a rank that stops checking has timed out.",
+                "ops",
+                (_t(rate(DIV_CHECKS, ("tp_rank",)), "tp {{tp_rank}}"),),
+                width=6,
+            ),
+            Panel(
+                "Divergences and heals",
+                "Checks that found replicas differing, and heals (diverged pools cleared on "
+                "every rank), per interval. Any divergence pages (critical).",
+                "short",
+                (
+                    _t(increase(DIVERGENCES, ("tp_rank",)), "tp {{tp_rank}} divergences"),
+                    _t(increase(DIV_HEALS, ("tp_rank",)), "tp {{tp_rank}} heals"),
+                ),
+                width=6,
+            ),
+            Panel(
+                "Last checked step",
+                "Scheduler step of each rank's last check: ranks of one group move together.",
+                "short",
+                (_t(f"max by (tp_rank) ({selector(DIV_LAST_STEP)})", "tp {{tp_rank}}"),),
+                width=6,
+            ),
+            Panel(
+                "Check latency",
+                "Time one check takes (the gloo all-reduce, waiting for peers included).",
+                "s",
+                (
+                    _t(quantile(0.5, DIV_SECONDS), "p50"),
+                    _t(quantile(0.99, DIV_SECONDS), "p99"),
+                ),
+                width=6,
+            ),
+        ),
+    )
+    answered = regex(ANSWERED_RESULTS)
+    reconciler = Row(
+        "Reconciler",
+        (
+            Panel(
+                "Queries by result",
+                "Ground-truth verifications per second by result (present, stale, learnt: "
+                "answered; error, timeout: failed; skipped: not sent).",
+                "ops",
+                (_t(rate(REC_QUERIES, ("result",)), "{{result}}"),),
+            ),
+            Panel(
+                "Stale positives per answered query",
+                "Verifications that found a believed page missing from L3, over answered "
+                f"verifications, per pool. The line is the alert threshold ({s.stale_ratio:.0%}).",
+                "percentunit",
+                (
+                    _t(
+                        _ratio(rate(REC_STALE), rate(REC_QUERIES, result=answered)),
+                        "{{pool}}",
+                    ),
+                ),
+                ratio=True,
+                threshold=s.stale_ratio,
+            ),
+            Panel(
+                "Pages invalidated and learnt (pages/s)",
+                "Beliefs dropped because L3 lacks the page, and pages added because L3 holds "
+                "them (written by another instance, or evicted from the beliefs).",
+                "ops",
+                (
+                    _t(rate(REC_INVALIDATED), "{{pool}} invalidated"),
+                    _t(rate(REC_LEARNT), "{{pool}} learnt"),
+                ),
+            ),
+            Panel(
+                "Query latency",
+                "Time one ground-truth query takes (worker thread; the scheduler never waits).",
+                "s",
+                (
+                    _t(quantile(0.5, REC_SECONDS), "p50"),
+                    _t(quantile(0.99, REC_SECONDS), "p99"),
+                ),
+            ),
+            Panel(
+                "Errors by kind",
+                "Ground-truth errors per second by kind (connection, timeout, garbage, ...).",
+                "ops",
+                (_t(rate(REC_ERRORS, ("kind",)), "{{kind}}"),),
+            ),
+            Panel(
+                "Circuit",
+                "Circuit breaker on the selected ranks: open means ground truth kept failing "
+                "and queries are skipped until a probe succeeds.",
+                "short",
+                (_t(f"max({selector(REC_CIRCUIT)})", "circuit"),),
+                type="stat",
+                mappings=(
+                    {
+                        "type": "value",
+                        "options": {
+                            "0": {"text": "closed", "color": "green", "index": 0},
+                            "1": {"text": "open", "color": "red", "index": 1},
+                        },
+                    },
+                ),
+                steps=((None, "green"), (1, "red")),
+            ),
+        ),
+    )
+    advice = Row(
+        "Capacity advice",
+        (
+            Panel(
+                "Estimated hit ratio by cap",
+                "The advisor's live estimate (SHARDS) of the hit ratio an LRU of each multiple "
+                "of the current cap would have had on the same references, per pool.",
+                "percentunit",
+                (
+                    _t(
+                        f"max by (pool, cap_multiplier) ({selector(ADVISOR)})",
+                        "{{pool}} x{{cap_multiplier}}",
+                    ),
+                ),
+                width=12,
+                ratio=True,
+            ),
+            Panel(
+                "Estimated hit ratio now, by cap",
+                "The latest estimate per cap multiple: a curve that is still rising at 2x or "
+                "4x means a larger cap pays.",
+                "percentunit",
+                (
+                    _t(
+                        f"max by (pool, cap_multiplier) ({selector(ADVISOR)})",
+                        "{{pool}} x{{cap_multiplier}}",
+                    ),
+                ),
+                type="bargauge",
+                width=6,
+                ratio=True,
+            ),
+            Panel(
+                "Gain from doubling the cap",
+                "Estimated hit ratio at 2x the cap minus at 1x, per pool (percentage points).",
+                "percentunit",
+                (
+                    _t(
+                        f"max by (pool) ({selector(ADVISOR, cap_multiplier=CAP_DOUBLE)})\n-\n"
+                        f"max by (pool) ({selector(ADVISOR, cap_multiplier=CAP_NOW)})",
+                        "{{pool}}",
+                    ),
+                ),
+                type="stat",
+                width=6,
+                steps=((None, "green"), (0.05, "orange")),
+            ),
+        ),
+    )
+    return (overview, churn, tp, reconciler, advice)
+
+
+# -- dashboard JSON --------------------------------------------------------------
+
+
+def _variable(name: str, metric: Metric, parents: Sequence[str]) -> dict[str, Any]:
+    filters = ", ".join(f'{p}=~"${p}"' for p in parents)
+    query = f"label_values({metric.sample}{{{filters}}}, {name})" if filters else None
+    query = query or f"label_values({metric.sample}, {name})"
+    return {
+        "name": name,
+        "label": name,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": query,
+        "query": query,
+        "refresh": 2,
+        "regex": "",
+        "sort": 1,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "options": [],
+        "hide": 0,
+        "skipUrlSync": False,
+    }
+
+
+def templating() -> list[dict[str, Any]]:
+    datasource = {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "options": [],
+        "refresh": 1,
+        "regex": "",
+        "hide": 0,
+        "skipUrlSync": False,
+    }
+    out: list[dict[str, Any]] = [datasource]
+    for i, name in enumerate(DASHBOARD_VARIABLES):
+        out.append(_variable(name, QUERIES, DASHBOARD_VARIABLES[:i]))
+    return out
+
+
+def _field_config(panel: Panel) -> dict[str, Any]:
+    defaults: dict[str, Any] = {"unit": panel.unit}
+    if panel.ratio:
+        defaults.update(min=0, max=1)
+    if panel.type == "timeseries":
+        defaults["custom"] = {"drawStyle": "line", "fillOpacity": 10, "lineWidth": 1}
+        if panel.threshold is not None:
+            defaults["custom"]["thresholdsStyle"] = {"mode": "dashed"}
+            defaults["thresholds"] = {
+                "mode": "absolute",
+                "steps": [
+                    {"color": "green", "value": None},
+                    {"color": "red", "value": panel.threshold},
+                ],
+            }
+    if panel.steps:
+        defaults["thresholds"] = {
+            "mode": "absolute",
+            "steps": [{"color": c, "value": v} for v, c in panel.steps],
+        }
+    if panel.mappings:
+        defaults["mappings"] = list(panel.mappings)
+    return {"defaults": defaults, "overrides": []}
+
+
+def _options(panel: Panel) -> dict[str, Any]:
+    reduce = {"calcs": ["lastNotNull"], "fields": "", "values": False}
+    if panel.type == "stat":
+        return {
+            "colorMode": "value",
+            "graphMode": "none",
+            "justifyMode": "auto",
+            "orientation": "auto",
+            "reduceOptions": reduce,
+            "textMode": "auto",
+        }
+    if panel.type == "bargauge":
+        return {
+            "displayMode": "gradient",
+            "orientation": "horizontal",
+            "reduceOptions": reduce,
+            "showUnfilled": True,
+        }
+    return {
+        "legend": {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True},
+        "tooltip": {"mode": "multi", "sort": "desc"},
+    }
+
+
+def _panel_json(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
+    instant = panel.type != "timeseries"
+    targets = [
+        {
+            "datasource": DATASOURCE,
+            "editorMode": "code",
+            "expr": t.expr,
+            "legendFormat": t.legend,
+            "range": not instant,
+            "instant": instant,
+            "refId": chr(ord("A") + i),
+        }
+        for i, t in enumerate(panel.targets)
+    ]
+    return {
+        "id": pid,
+        "type": panel.type,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": panel.height, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": _field_config(panel),
+        "options": _options(panel),
+        "targets": targets,
+    }
+
+
+def _layout(all_rows: Sequence[Row]) -> Iterator[dict[str, Any]]:
+    pid, y = 1, 0
+    for row in all_rows:
+        yield {
+            "id": pid,
+            "type": "row",
+            "title": row.title,
+            "collapsed": False,
+            "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+            "panels": [],
+        }
+        pid, y, x, line = pid + 1, y + 1, 0, 0
+        for panel in row.panels:
+            if x + panel.width > 24:
+                x, y = 0, y + line
+                line = 0
+            yield _panel_json(panel, pid, x, y)
+            pid, x, line = pid + 1, x + panel.width, max(line, panel.height)
+        y += line
+
+
+def dashboard() -> dict[str, Any]:
+    """The dashboard as Grafana's classic JSON model."""
+    return {
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "description": "SGLang HiCache storage-existence cache: hit ratio, churn, TP-replica "
+        "health, ground-truth reconciliation and capacity advice (hicache-existence).",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": list(_layout(rows())),
+        "refresh": "30s",
+        "schemaVersion": 41,
+        "tags": ["sglang", "hicache", "hicache-existence"],
+        "templating": {"list": templating()},
+        "time": {"from": "now-6h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "title": "SGLang HiCache existence cache",
+        "uid": "hicache-existence",
+        "version": 1,
+    }
+
+
+def dashboard_text() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+# -- Prometheus rules -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recording:
+    record: str
+    expr: str
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    for_: str
+    severity: Literal["critical", "warning", "info"]
+    summary: str
+    description: str
+
+
+def _sum_rate(metric: Metric, keep: Sequence[str], window: str = "5m", **matchers: str) -> str:
+    inner = metric.sample
+    if matchers:
+        inner += "{" + ", ".join(f'{k}="{v}"' for k, v in matchers.items()) + "}"
+    return f"sum by ({', '.join(keep)}) (rate({inner}[{window}]))"
+
+
+def _rec(metric: Metric, level: str = "pool") -> str:
+    """The name of the 5m-rate recording of ``metric`` at ``level``."""
+    return f"{level}:{metric.name}:rate5m"
+
+
+HIT_RATIO = f"pool:{PAGE_HITS.name}_per_{PAGES_CHECKED.name.removeprefix(P)}:ratio_rate5m"
+CHURN_RATIO = f"pool:{P}capacity_misses_per_query:ratio_rate5m"
+REDUNDANT_RATIO = (
+    f"pool:{REDUNDANT_PAGES.name}_per_{WRITTEN_PAGES.name.removeprefix(P)}:ratio_rate5m"
+)
+ANSWERED_RATE = f"pool:{P}reconciler_answered_queries:rate5m"
+STALE_RATIO = f"pool:{REC_STALE.name}_per_answered_query:ratio_rate5m"
+FILL_RATIO = f"pool:{ENTRIES.name}_per_{CAPACITY.name.removeprefix(P)}:ratio"
+
+
+def recordings() -> tuple[Recording, ...]:
+    """Per-pool 5m rates and ratios, summed over ranks and instances."""
+    keep = SETTINGS.keep
+    rated = (
+        QUERIES,
+        PAGES_CHECKED,
+        PAGE_HITS,
+        EVICTIONS,
+        WRITTEN_PAGES,
+        AVOIDED_PAGES,
+        REDUNDANT_PAGES,
+        REC_STALE,
+    )
+    out = [Recording(_rec(m), _sum_rate(m, keep)) for m in rated]
+    out.append(
+        Recording(_rec(PAGE_MISSES, "pool_reason"), _sum_rate(PAGE_MISSES, (*keep, "reason")))
+    )
+    out.append(
+        Recording(_rec(REC_QUERIES, "pool_result"), _sum_rate(REC_QUERIES, (*keep, "result")))
+    )
+    answered = "|".join(ANSWERED_RESULTS)
+    out += [
+        Recording(
+            ANSWERED_RATE,
+            f'sum without (result) ({_rec(REC_QUERIES, "pool_result")}{{result=~"{answered}"}})',
+        ),
+        Recording(HIT_RATIO, f"{_rec(PAGE_HITS)}\n/\n{_rec(PAGES_CHECKED)}"),
+        Recording(
+            CHURN_RATIO,
+            f"sum without (reason) ({_rec(PAGE_MISSES, 'pool_reason')}"
+            f'{{reason="{REASON_EVICTED}"}})\n/\n{_rec(QUERIES)}',
+        ),
+        Recording(REDUNDANT_RATIO, f"{_rec(REDUNDANT_PAGES)}\n/\n{_rec(WRITTEN_PAGES)}"),
+        Recording(STALE_RATIO, f"{_rec(REC_STALE)}\n/\n{ANSWERED_RATE}"),
+        Recording(
+            FILL_RATIO,
+            f"max by ({', '.join(keep)}) ({ENTRIES.sample} / {CAPACITY.sample})",
+        ),
+    ]
+    return tuple(out)
+
+
+_WHERE = "pool {{ $labels.pool }} of {{ $labels.model_name }} ({{ $labels.job }})"
+_DEPLOYMENT = "{{ $labels.model_name }} ({{ $labels.job }}, engine {{ $labels.engine_type }})"
+
+
+def alerts() -> tuple[Alert, ...]:
+    s = SETTINGS
+    keep = ", ".join(k for k in s.keep if k != "pool")
+    failed = "|".join(FAILED_RESULTS)
+    answered = "|".join(ANSWERED_RESULTS)
+    return (
+        Alert(
+            "HicacheExistenceEvictionChurn",
+            f"{CHURN_RATIO} > {s.churn_ratio}\nand\n{_rec(QUERIES)} > {s.min_queries_per_s}",
+            s.churn_for,
+            "warning",
+            "Capacity misses are {{ $value | humanizePercentage }} of lookups in " + _WHERE + ".",
+            f"For {s.churn_for} more than {s.churn_ratio:.0%} of existence-cache lookups missed a "
+            "page the cap had evicted: the working set does not fit, so pages already in L3 are "
+            "copied and written again. Check the capacity advice and raise cache.max_entries.",
+        ),
+        Alert(
+            "HicacheExistenceHitRatioCollapse",
+            f"{HIT_RATIO}\n  < {s.collapse_fraction} * ({HIT_RATIO} offset {s.collapse_offset})\n"
+            f"and\n({HIT_RATIO} offset {s.collapse_offset}) > {s.collapse_min_previous}\n"
+            f"and\n{_rec(QUERIES)} > {s.min_queries_per_s}",
+            s.collapse_for,
+            "warning",
+            "Page hit ratio fell to {{ $value | humanizePercentage }} in " + _WHERE + ".",
+            f"The page hit ratio has been below {s.collapse_fraction:.0%} of its value "
+            f"{s.collapse_offset} earlier for {s.collapse_for} while lookups continue: beliefs "
+            "were lost (clear, restart, heal storm) or the workload changed.",
+        ),
+        Alert(
+            "HicacheExistenceTPDivergence",
+            f"sum by ({keep}, dp_rank, pp_rank) "
+            f"(increase({DIVERGENCES.sample}[{s.divergence_window}])) > 0",
+            "0m",
+            "critical",
+            "Existence-cache replicas diverged across TP ranks of " + _DEPLOYMENT + ".",
+            "A divergence check found cache replicas that differ between ranks of dp_rank "
+            "{{ $labels.dp_rank }}, pp_rank {{ $labels.pp_rank }} in the last "
+            f"{s.divergence_window}. Replicas must stay identical; a divergence precedes "
+            "collective hangs and silently lowers prefetch hits.",
+        ),
+        Alert(
+            "HicacheExistenceReconcilerDown",
+            f'sum by ({keep}) (rate({REC_QUERIES.sample}{{result=~"{failed}"}}'
+            f"[{s.reconciler_down_window}])) > 0\n"
+            f'unless\nsum by ({keep}) (rate({REC_QUERIES.sample}{{result=~"{answered}"}}'
+            f"[{s.reconciler_down_window}])) > 0",
+            s.reconciler_down_for,
+            "warning",
+            "The reconciler of " + _DEPLOYMENT + " gets no answers from ground truth.",
+            f"For {s.reconciler_down_for} every ground-truth query failed (error or timeout) and "
+            "none was answered: beliefs are not being verified or healed.",
+        ),
+        Alert(
+            "HicacheExistenceReconcilerCircuitOpen",
+            f"max by ({keep}) ({REC_CIRCUIT.sample}) == 1",
+            s.circuit_open_for,
+            "warning",
+            "The reconciler circuit breaker of " + _DEPLOYMENT + " is open.",
+            f"The circuit breaker has been open for {s.circuit_open_for}: ground truth kept "
+            "failing, so verifications are skipped and retried with exponential backoff.",
+        ),
+        Alert(
+            "HicacheExistenceStalePositivesHigh",
+            f"{STALE_RATIO} > {s.stale_ratio}\nand\n{ANSWERED_RATE} > {s.stale_min_answered_per_s}",
+            s.stale_for,
+            "warning",
+            "{{ $value | humanizePercentage }} of verifications find stale positives in "
+            + _WHERE
+            + ".",
+            f"For {s.stale_for} more than {s.stale_ratio:.0%} of answered ground-truth "
+            "verifications found pages believed stored that L3 no longer holds: L3 drops pages "
+            "sooner than the beliefs forget them, so write-backs are skipped for missing pages.",
+        ),
+        Alert(
+            "HicacheExistenceAtCapRedundantWritesRising",
+            f"{REDUNDANT_RATIO} > {s.redundant_ratio}\n"
+            f"and\n{REDUNDANT_RATIO} > ({REDUNDANT_RATIO} offset {s.redundant_offset})\n"
+            f"and\n{FILL_RATIO} >= {s.at_cap_fill}",
+            s.redundant_for,
+            "info",
+            "Redundant writes are {{ $value | humanizePercentage }} of writes and rising in "
+            + _WHERE
+            + ", at cap.",
+            f"The cache is at its cap and for {s.redundant_for} more than "
+            f"{s.redundant_ratio:.0%} of written pages were already in L3, a higher share than "
+            f"{s.redundant_offset} earlier: evictions make the cache forget pages L3 still holds.",
+        ),
+    )
+
+
+def runbook_anchor(alert_name: str) -> str:
+    """GitHub's anchor of a ``## <alert name>`` heading."""
+    return alert_name.lower()
+
+
+def rules() -> dict[str, Any]:
+    """The rule groups as Prometheus loads them."""
+    return {
+        "groups": [
+            {
+                "name": "hicache-existence.rules",
+                "rules": [{"record": r.record, "expr": r.expr} for r in recordings()],
+            },
+            {
+                "name": "hicache-existence.alerts",
+                "rules": [
+                    {
+                        "alert": a.name,
+                        "expr": a.expr,
+                        "for": a.for_,
+                        "labels": {"severity": a.severity},
+                        "annotations": {
+                            "summary": a.summary,
+                            "description": a.description,
+                            "runbook_url": f"{SETTINGS.runbook_url}#{runbook_anchor(a.name)}",
+                        },
+                    }
+                    for a in alerts()
+                ],
+            },
+        ]
+    }
+
+
+RULES_HEADER = (
+    "# Generated by dashboards/build.py (edit it there, then run `python dashboards/build.py`).\n"
+    "# tests/test_dashboards.py fails when this file differs from the build output.\n"
+    "# Recording rules: level:metric:operations; level `pool` keeps "
+    + ", ".join(SETTINGS.keep)
+    + "\n# and sums over ranks and instances. Alerts: docs/runbooks.md.\n"
+)
+
+
+def rules_text() -> str:
+    import yaml  # a dev dependency; only the build needs it
+
+    class Dumper(yaml.SafeDumper):  # type: ignore[misc]  # untyped without stubs
+        def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+            super().increase_indent(flow, False)
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    body = yaml.dump(rules(), Dumper=Dumper, sort_keys=False, width=1000, allow_unicode=True)
+    return RULES_HEADER + str(body)
+
+
+# -- command line -------------------------------------------------------------------
+
+
+def outputs() -> dict[Path, str]:
+    return {DASHBOARD_PATH: dashboard_text(), RULES_PATH: rules_text()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file differs")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in outputs().items():
+        current = path.read_text(encoding="utf-8") if path.exists() else None
+        if current == text:
+            continue
+        if args.check:
+            stale.append(path)
+        else:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path.relative_to(ROOT)}")
+    for path in stale:
+        print(f"{path.relative_to(ROOT)} differs from the build; run python dashboards/build.py")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

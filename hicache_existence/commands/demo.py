@@ -1,0 +1,72 @@
+"""``hicache-existence demo``: a simulated prefill server, end to end.
+
+Replays a trace (a bundled Mooncake sample by default) through simulated TP ranks
+(two gloo processes when torch is installed) that call the cache exactly where
+SGLang's buffer-mode write path does, with metrics, TP-divergence checks, the
+reconciler and the capacity advisor on, and serves the aggregated ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "demo"
+HELP = "run a simulated prefill server end to end and serve /metrics"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace", type=Path, help="Mooncake or page JSONL trace (default: bundled)"
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="TP ranks (default 2; 1 without torch)"
+    )
+    parser.add_argument("--steps", type=int, default=0, help="scheduler steps (default: one pass)")
+    parser.add_argument("--requests-per-step", type=int, default=4)
+    parser.add_argument(
+        "--steps-per-s", type=float, default=40.0, help="pace (0: as fast as possible)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="/metrics address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=9464, help="/metrics port (0: any free port)")
+    parser.add_argument("--cap", type=int, default=16384, help="existence-cache cap per pool")
+    parser.add_argument("--l3-pages", type=int, default=12000, help="L3 shard capacity in pages")
+    parser.add_argument(
+        "--redis-url", default="", help="use a Redis ledger as the reconciler's ground truth"
+    )
+    parser.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="loop over the trace until interrupted (for Prometheus/Grafana to scrape)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_existence.demo.run import DemoOptions, run_demo
+
+    for name in ("ranks", "requests_per_step", "cap", "l3_pages"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1")
+            return 2
+    if args.steps < 0 or args.steps_per_s < 0 or not 0 <= args.port <= 65535:
+        print("error: --steps and --steps-per-s must be >= 0, --port within 0..65535")
+        return 2
+    if args.trace is not None and not args.trace.is_file():
+        print(f"error: --trace {args.trace}: no such file")
+        return 2
+    opts = DemoOptions(
+        trace=args.trace,
+        ranks=args.ranks,
+        steps=args.steps,
+        requests_per_step=args.requests_per_step,
+        steps_per_s=args.steps_per_s,
+        host=args.host,
+        port=args.port,
+        cap=args.cap,
+        l3_pages=args.l3_pages,
+        redis_url=args.redis_url,
+        keep_running=args.keep_running,
+        progress=not args.no_progress,
+    )
+    return run_demo(opts)

@@ -1,0 +1,1 @@
+"""The demo: a simulated SGLang prefill scheduler driving the whole package."""

@@ -1,0 +1,465 @@
+"""``hicache-existence demo``: a simulated prefill server, end to end.
+
+The parent process plays SGLang's HTTP server: it puts prometheus_client in
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, as ``--enable-metrics`` does),
+serves the aggregated ``/metrics``, starts one scheduler process per TP rank and
+prints a live progress line read from the same metrics a scrape sees.  Each
+rank joins a ``torch.distributed`` gloo group (when torch is installed and more
+than one rank is asked for), builds an ``ExistenceRuntime`` and replays the trace
+through ``SimulatedScheduler``: the divergence checker compares the replicas over
+gloo, the reconciler agrees its verdicts over gloo and checks beliefs against an
+embedded L3 ground truth (or a Redis ledger with ``--redis-url``).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hicache_existence.catalog import DeploymentLabels
+from hicache_existence.config import Config
+
+BUNDLED_TRACE = "mooncake_sample.jsonl"
+
+
+def torch_available() -> bool:
+    """Whether torch.distributed can be imported (multi-rank demo)."""
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """Everything the demo can be told (the CLI builds it)."""
+
+    trace: Path | None = None
+    ranks: int = 2
+    steps: int = 0  # 0: one pass over the trace
+    requests_per_step: int = 4
+    steps_per_s: float = 40.0  # 0: as fast as possible
+    host: str = "127.0.0.1"
+    port: int = 9464
+    cap: int = 16384
+    l3_pages: int = 12000
+    l3_drop_every: int = 200
+    redis_url: str = ""
+    keep_running: bool = False
+    progress: bool = True
+    config: Config = field(default_factory=Config)
+
+
+def bundled_trace() -> Path:
+    """The Mooncake sample shipped with the package (first 1,200 requests)."""
+    return Path(str(importlib.resources.files("hicache_existence.demo") / "data" / BUNDLED_TRACE))
+
+
+def demo_config(opts: DemoOptions) -> Config:
+    """The runtime configuration the ranks use: every feature on, short intervals."""
+    base = opts.config
+    return Config.from_mapping(
+        {
+            "enabled": True,
+            "cache": {"max_entries": opts.cap},
+            "metrics": {
+                "mode": "multiprocess",
+                "flush_interval_s": 0.25,
+                "model_name": base.metrics.model_name or "demo-model",
+                "storage_backend": base.metrics.storage_backend or "demo-l3",
+                "page_size_bytes": base.metrics.page_size_bytes or 64 * 2 * 61 * 128 * 2,
+                "initial_pools": "kv,swa",
+            },
+            "divergence": {"enabled": True, "interval_steps": 25},
+            "reconciler": {
+                "enabled": True,
+                "redis_url": opts.redis_url,
+                "sampling_rate": max(base.reconciler.sampling_rate, 0.05),
+                "verifications_per_s": max(base.reconciler.verifications_per_s, 200.0),
+            },
+            "advisor": {"enabled": True, "sampling_rate": 0.25},
+        },
+        base,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------
+# one rank
+
+
+def _requests(opts: DemoOptions) -> Sequence[Any]:
+    from hicache_existence.replay.pages import expand
+    from hicache_existence.replay.trace import read_trace
+
+    trace = read_trace(opts.trace or bundled_trace())
+    return expand(trace).requests
+
+
+def _batches(requests: Sequence[Any], per_step: int) -> Iterator[list[Any]]:
+    index = 0
+    while True:
+        batch = [requests[(index + i) % len(requests)] for i in range(per_step)]
+        index += per_step
+        yield batch
+
+
+def rank_main(
+    rank: int,
+    world: int,
+    dist_port: int,
+    opts: DemoOptions,
+    reports: Any,
+    stop: Any,
+) -> None:
+    """A scheduler process: join the group, build the runtime, replay, report."""
+    try:
+        _rank_loop(rank, world, dist_port, opts, reports, stop)
+    except BaseException as exc:  # report, then let the parent decide
+        reports.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def _rank_loop(
+    rank: int, world: int, dist_port: int, opts: DemoOptions, reports: Any, stop: Any
+) -> None:
+    from hicache_existence.demo.scheduler import L3Shard, SimulatedScheduler
+    from hicache_existence.runtime import ExistenceRuntime
+
+    group: Any = None
+    agreement: Any = None
+    config = demo_config(opts)
+    if world > 1:
+        import torch.distributed as dist
+
+        from hicache_existence.divergence import TorchGlooGroup
+        from hicache_existence.reconcile.agreement import GlooAgreement
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world
+        )
+        group = TorchGlooGroup.create(timeout_s=config.divergence.timeout_s)
+        agreement = GlooAgreement.new_group()
+    ledger: Any = None
+    if opts.redis_url:
+        from hicache_existence.reconcile.redis_truth import ledger_from_section, shard_id
+
+        ledger = ledger_from_section(config.reconciler, shard_id("demo", rank, world))
+    shard = L3Shard(opts.l3_pages, drop_every=opts.l3_drop_every, ledger=ledger)
+    labels = DeploymentLabels(
+        model_name=config.metrics.model_name,
+        engine_type="prefill",
+        tp_rank=rank,
+        storage_backend=config.metrics.storage_backend,
+    )
+    runtime = ExistenceRuntime(
+        config, labels, group=group, truth=ledger or shard, agreement=agreement
+    ).start()
+    scheduler = SimulatedScheduler(runtime, shard, clear_swa_every=100)
+    requests = _requests(opts)
+    steps = opts.steps or math.ceil(len(requests) / opts.requests_per_step)
+    period = 1.0 / opts.steps_per_s if opts.steps_per_s > 0 else 0.0
+    started = time.monotonic()
+    batches = _batches(requests, opts.requests_per_step)
+    step = 0
+    while True:
+        if not opts.keep_running and step >= steps:
+            break
+        if opts.keep_running and _stop_agreed(stop, world, step):
+            break
+        scheduler.step(next(batches))
+        step += 1
+        if rank == 0 and step % 10 == 0:
+            reports.put({"rank": 0, "progress": _progress(scheduler, step, steps, opts)})
+        if period:
+            delay = started + step * period - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+    runtime.telemetry.step()  # a last flush
+    summary = _summary(runtime, scheduler, step) if rank == 0 else None
+    runtime.close()
+    reports.put({"rank": rank, "done": True, "summary": summary})
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _stop_agreed(stop: Any, world: int, step: int) -> bool:
+    """Ranks must stop at the same step (collectives): every 10 steps they agree
+    on the stop flag with a MAX all-reduce."""
+    if step % 10:
+        return False
+    flag = 1 if stop.is_set() else 0
+    if world == 1:
+        return bool(flag)
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([flag], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> dict[str, Any]:
+    runtime = scheduler.runtime
+    total = runtime.cache.stats().total
+    checker = runtime.checker.stats() if runtime.checker is not None else None
+    rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+    t = scheduler.totals
+    return {
+        "step": step,
+        "steps": 0 if opts.keep_running else steps,
+        "requests": t.requests,
+        "hit_ratio": total.page_hit_ratio,
+        "evictions": total.evictions,
+        "written": t.written,
+        "avoided": t.avoided,
+        "redundant": t.redundant,
+        "checks": checker.checks if checker else 0,
+        "divergences": checker.divergences if checker else 0,
+        "stale": sum(rec.stale_positives.values()) if rec else 0,
+    }
+
+
+def _summary(runtime: Any, scheduler: Any, steps: int) -> dict[str, Any]:
+    stats = runtime.cache.stats()
+    advice = runtime._advice() if runtime.advisor is not None else None
+    checker = runtime.checker.stats() if runtime.checker is not None else None
+    rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+    runtime.cache.settle()
+    return {
+        "steps": steps,
+        "totals": vars(scheduler.totals),
+        "pools": {name: s.as_dict() for name, s in runtime.cache.stats().items()},
+        "cap": runtime.config.cache.max_entries,
+        "advice": {
+            pool: {str(m): v for m, v in a.estimates.items()} for pool, a in advice.pools.items()
+        }
+        if advice
+        else {},
+        "divergence": {
+            "checks": checker.checks,
+            "divergences": checker.divergences,
+            "failures": checker.failures,
+        }
+        if checker
+        else None,
+        "reconciler": {
+            "queries": sum(rec.queries.values()),
+            "stale_positives": sum(rec.stale_positives.values()),
+            "pages_invalidated": sum(rec.pages_invalidated.values()),
+            "pages_learnt": sum(rec.pages_learnt.values()),
+            "errors": sum(rec.errors.values()),
+        }
+        if rec
+        else None,
+        "l3": {"evicted": scheduler.shard.evicted, "dropped": scheduler.shard.dropped},
+        "stats_total": stats.total.as_dict(),
+    }
+
+
+# ---------------------------------------------------------------------------
+# the parent: /metrics, progress, summary
+
+
+class MetricsEndpoint:
+    """SGLang's side of multiprocess metrics: aggregate the ranks' files and serve."""
+
+    def __init__(self, directory: str, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.registry = CollectorRegistry()
+        MultiProcessCollector(self.registry, path=directory)  # type: ignore[no-untyped-call]
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        address = self._httpd.server_address
+        self.port = int(address[1])
+        self.url = f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def _line(p: dict[str, Any]) -> str:
+    of = f"/{p['steps']}" if p["steps"] else ""
+    return (
+        f"step {p['step']}{of}  requests {p['requests']}  page hit ratio {p['hit_ratio']:.3f}  "
+        f"evictions {p['evictions']}  written {p['written']}  avoided {p['avoided']}  "
+        f"redundant {p['redundant']}  checks {p['checks']} (divergences {p['divergences']})  "
+        f"stale positives found {p['stale']}"
+    )
+
+
+def format_summary(summary: dict[str, Any], ranks: int) -> str:
+    """The closing report, capacity advice included."""
+    t = summary["totals"]
+    kv = summary["pools"].get("kv", {})
+    lines = [
+        "",
+        f"demo finished: {summary['steps']} steps, {t['requests']} requests, {t['pages']} page "
+        f"references on {ranks} TP rank(s)",
+        f"  kv pool: page hit ratio {kv.get('page_hit_ratio', 0):.3f}, entries "
+        f"{kv.get('entries', 0)}/{kv.get('capacity', 0)}, evictions {kv.get('evictions', 0)}, "
+        f"misses cold/evicted/invalidated/cleared "
+        f"{kv.get('misses_cold', 0)}/{kv.get('misses_evicted', 0)}/"
+        f"{kv.get('misses_invalidated', 0)}/{kv.get('misses_cleared', 0)}",
+        f"  writes: {t['written']} pages written, {t['avoided']} avoided, {t['redundant']} "
+        f"redundant (already in L3)",
+    ]
+    d = summary.get("divergence")
+    if d:
+        lines.append(
+            f"  TP replicas: {d['checks']} checks, {d['divergences']} divergences, "
+            f"{d['failures']} failed checks"
+        )
+    r = summary.get("reconciler")
+    if r:
+        lines.append(
+            f"  reconciler: {r['queries']} verifications, {r['stale_positives']} stale positives "
+            f"found, {r['pages_invalidated']} beliefs invalidated, {r['pages_learnt']} learnt, "
+            f"{r['errors']} errors (L3 evicted {summary['l3']['evicted']}, lost "
+            f"{summary['l3']['dropped']} pages)"
+        )
+    lines.append(format_advice(summary.get("advice", {}), summary["cap"]))
+    return "\n".join(lines)
+
+
+def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
+    """Estimated hit ratio per pool at multiples of the cap, and a recommendation."""
+    if not advice:
+        return "  capacity advice: not enough references sampled yet"
+    lines = [f"  capacity advice (current cap {cap} entries per pool):"]
+    for pool, estimates in sorted(advice.items()):
+        known = [(float(m), v) for m, v in estimates.items() if v is not None]
+        if not known:
+            continue
+        cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known))
+        lines.append(f"    {pool}: estimated page hit ratio {cells}")
+        best = max(v for _, v in known)
+        enough = min(m for m, v in known if v >= best - 0.01)
+        here = dict(known).get(1.0)
+        if here is not None and enough > 1.0:
+            lines.append(
+                f"      -> a cap of about {int(cap * enough)} ({enough:g}x) would raise it from "
+                f"{here:.3f} to {dict(known)[enough]:.3f}"
+            )
+        elif here is not None:
+            lines.append("      -> the current cap captures the reuse this workload has")
+    return "\n".join(lines)
+
+
+def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
+    """Run the demo; returns the exit status."""
+    ranks = opts.ranks
+    if ranks > 1 and not torch_available():
+        out("torch is not installed: running one TP rank (pip install torch for two)")
+        ranks = 1
+    mp_dir = tempfile.mkdtemp(prefix="hicache-existence-demo-")
+    previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = mp_dir  # inherited by the ranks
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    stop = ctx.Event()
+    endpoint: MetricsEndpoint | None = None
+    procs: list[Any] = []
+    status = 0
+    try:
+        endpoint = MetricsEndpoint(mp_dir, opts.host, opts.port)
+        out(f"serving /metrics at {endpoint.url} ({ranks} TP rank(s), multiprocess mode)")
+        dist_port = _free_port()
+        procs = [
+            ctx.Process(target=rank_main, args=(r, ranks, dist_port, opts, reports, stop))
+            for r in range(ranks)
+        ]
+        for p in procs:
+            p.start()
+        summary = _follow(reports, procs, ranks, opts, stop, out)
+        for p in procs:
+            p.join(timeout=30)
+        if summary is None or any(p.exitcode for p in procs):
+            status = 1
+        else:
+            out(format_summary(summary, ranks))
+        if opts.keep_running and status == 0 and sys.stdin is not None:
+            pass
+    except KeyboardInterrupt:
+        stop.set()
+        status = 130
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        if endpoint is not None:
+            endpoint.close()
+        if previous is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
+        shutil.rmtree(mp_dir, ignore_errors=True)
+    return status
+
+
+def _follow(
+    reports: Any,
+    procs: list[Any],
+    ranks: int,
+    opts: DemoOptions,
+    stop: Any,
+    out: Callable[[str], None],
+) -> dict[str, Any] | None:
+    done = 0
+    summary: dict[str, Any] | None = None
+    tty = sys.stderr.isatty()
+    last_print = 0.0
+    try:
+        while done < ranks:
+            try:
+                msg = reports.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    out("a rank exited with an error")
+                    return None
+                continue
+            if "error" in msg:
+                out(f"rank {msg['rank']} failed: {msg['error']}")
+                return None
+            if "progress" in msg and opts.progress:
+                now = time.monotonic()
+                if tty:
+                    sys.stderr.write("\r" + _line(msg["progress"])[:200])
+                    sys.stderr.flush()
+                elif now - last_print >= 2.0:
+                    out(_line(msg["progress"]))
+                    last_print = now
+            if msg.get("done"):
+                done += 1
+                if msg.get("summary") is not None:
+                    summary = msg["summary"]
+    except KeyboardInterrupt:
+        stop.set()
+        return _follow(reports, procs, ranks, replace(opts, progress=False), stop, out)
+    if tty:
+        sys.stderr.write("\n")
+    return summary

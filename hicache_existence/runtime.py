@@ -1,0 +1,197 @@
+"""One scheduler process's hicache-existence, wired from one ``Config``.
+
+``ExistenceRuntime`` builds the cache (either API generation) with its miss-reason
+memory and its observers (the TP-replica digest, the capacity advisor, the
+reconciler), the write accounting and the exporters, and runs everything that
+happens once per scheduler step in ``step()``:
+
+1. the capacity advisor drains its buffered references (time-budgeted);
+2. the reconciler applies rank-agreed ground-truth verdicts (a lockstep point);
+3. the divergence checker counts the step and, when due, compares replicas;
+4. telemetry settles pending miss reasons and flushes metrics (rate-limited).
+
+The SGLang plugin calls ``step()`` right after ``check_hicache_events``, the demo
+after each simulated scheduler step: the same code path.  ``step()`` never
+raises into the scheduler, except under the divergence policy ``abort``, whose
+purpose is to raise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from hicache_existence import logs
+from hicache_existence.advisor import CapacityAdvisor
+from hicache_existence.cache import StorageExistenceCache
+from hicache_existence.catalog import DeploymentLabels
+from hicache_existence.config import Config
+from hicache_existence.digest import ReplicaDigest, SharedLruDigest
+from hicache_existence.divergence import (
+    CheckGroup,
+    DivergenceChecker,
+    DivergenceError,
+    InProcessWorld,
+)
+from hicache_existence.exporters import FeatureSources, Telemetry
+from hicache_existence.exporters.otel import SPAN_DIVERGENCE_CHECK, span
+from hicache_existence.flat import FlatStorageExistenceCache
+from hicache_existence.ghosts import GhostFactory
+from hicache_existence.observers import BeliefObserver, Tee
+from hicache_existence.reconcile.agreement import Agreement
+from hicache_existence.reconcile.reconciler import Reconciler
+from hicache_existence.reconcile.truth import GroundTruth
+from hicache_existence.writes import WriteAccounting
+
+Generation = Literal["current", "flat"]
+AnyCache = StorageExistenceCache | FlatStorageExistenceCache
+
+
+class ExistenceRuntime:
+    """Cache, accounting, checks and exporters of one scheduler process.
+
+    ``group`` is the replica group the divergence checker compares over (every TP
+    rank holding a replica of this cache); ``None`` means a single replica, checked
+    against itself so the machinery and its metrics still run.  ``truth`` is the
+    reconciler's ground truth (``None``: no reconciler); ``agreement`` its
+    cross-rank verdict agreement (``None``: one rank).
+    """
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        labels: DeploymentLabels | None = None,
+        *,
+        generation: Generation = "current",
+        group: CheckGroup | None = None,
+        truth: GroundTruth | None = None,
+        agreement: Agreement | None = None,
+        env: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or Config()
+        if generation not in ("current", "flat"):
+            raise ValueError(f"generation must be 'current' or 'flat', got {generation!r}")
+        self.generation = generation
+        self.labels = labels or DeploymentLabels(
+            model_name=config.metrics.model_name, storage_backend=config.metrics.storage_backend
+        )
+        self._logger = logs.get_logger("hicache_existence.runtime")
+        self._errors = logs.RateLimiter(1 / 60, clock=clock)
+        self.steps = 0
+
+        max_entries = config.cache.max_entries
+        self.ghosts = (
+            GhostFactory.from_config(config, max_entries) if config.miss_reasons.enabled else None
+        )
+        flat = generation == "flat"
+        self.digest: ReplicaDigest | None = None
+        if config.divergence.enabled:
+            self.digest = SharedLruDigest() if flat else ReplicaDigest()
+        self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
+        observers: list[BeliefObserver] = [o for o in (self.digest, self.advisor) if o is not None]
+        self.tee = Tee(*observers)
+        self.cache: AnyCache
+        if flat:
+            self.cache = FlatStorageExistenceCache(
+                max_entries, miss_memory=self.ghosts, observer=self.tee
+            )
+        else:
+            self.cache = StorageExistenceCache(
+                max_entries, miss_memory=self.ghosts, observer=self.tee
+            )
+
+        self.reconciler: Reconciler | None = None
+        if config.reconciler.enabled and truth is not None:
+            self.reconciler = Reconciler.from_section(
+                config.reconciler, self.cache, truth, agreement
+            )
+            self.tee.append(self.reconciler)
+
+        self.checker: DivergenceChecker | None = None
+        if self.digest is not None:
+            if group is None:
+                group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
+            self.checker = DivergenceChecker(
+                self.digest, group, config.divergence, cache=self.cache
+            )
+
+        self.writes = WriteAccounting(page_size_bytes=config.metrics.page_size_bytes)
+        self.telemetry = Telemetry(
+            self.cache,
+            config,
+            self.labels,
+            writes=self.writes,
+            ghosts=self.ghosts,
+            env=env,
+            clock=clock,
+            features=FeatureSources(
+                divergence=self.checker.stats if self.checker is not None else None,
+                reconciler=self.reconciler.snapshot if self.reconciler is not None else None,
+                advisor=self._advice if self.advisor is not None else None,
+            ),
+        )
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> ExistenceRuntime:
+        """Bind the metrics endpoint (standalone mode) and log the configuration."""
+        self.telemetry.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the reconciler's worker and release the metrics port."""
+        if self.reconciler is not None:
+            self.reconciler.close()
+        self.telemetry.close()
+
+    def __enter__(self) -> ExistenceRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the per-step hook -------------------------------------------------------
+    def step(self) -> None:
+        """Everything due once per scheduler step; call it on every rank at the
+        same lockstep point (after ``check_hicache_events``)."""
+        self.steps += 1
+        if self.advisor is not None:
+            self._guard("advisor", self.advisor.drain)
+        if self.reconciler is not None:
+            self._guard("reconciler", lambda: self.reconciler.apply(self.steps))  # type: ignore[union-attr]
+        if self.checker is not None:
+            self._check()
+        self._guard("telemetry", self.telemetry.step)
+
+    def _check(self) -> None:
+        checker = self.checker
+        assert checker is not None
+        due = (checker.step + 1) % self.config.divergence.interval_steps == 0
+        try:
+            if due:
+                with span(SPAN_DIVERGENCE_CHECK, step=checker.step + 1):
+                    checker.on_step()
+            else:
+                checker.on_step()
+        except DivergenceError:
+            raise  # policy "abort": raising is the point
+        except Exception as exc:
+            self._report("divergence", exc)
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # observability never takes the scheduler down
+            self._report(what, exc)
+
+    def _report(self, what: str, exc: Exception) -> None:
+        if self._errors.allow():
+            self._logger.error(logs.EXPORTER_ERROR, exporter=what, error=repr(exc))
+
+    def _advice(self) -> Any:
+        assert self.advisor is not None
+        stats = self.cache.stats()
+        if isinstance(self.cache, FlatStorageExistenceCache):
+            return self.advisor.snapshot(self.cache.max_entries)
+        return self.advisor.snapshot({pool: s.capacity for pool, s in stats.items()})
