@@ -12,6 +12,15 @@ from typing import Any
 
 NAME = "bench"
 HELP = "time the caches against the seed's code and upstream's, side by side"
+SUITES = ("foundation", "digest", "observability", "advisor", "replay", "all")
+
+#: Overhead bounds of the observability suite (wired cache vs bare, side by side).
+OBSERVABILITY_TARGETS = {
+    "observability.hit[contains_all]": 0.05,
+    "observability.miss[covered,65p]": 0.10,
+    "observability.miss[contains]": 0.10,
+    "observability.add_steady": 0.10,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--check", action="store_true", help="exit 1 when a target is not met or not measured"
+    )
+    parser.add_argument(
+        "--suite",
+        choices=SUITES,
+        default="foundation",
+        help="foundation (cache vs seed/upstream, the default), digest (TP digest cost), "
+        "observability (miss reasons + export + concurrent scrapes), advisor, replay, or all",
     )
 
 
@@ -86,9 +102,40 @@ def _as_json(result: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache_existence.bench import suites, upstream
+    for key in ("entries", "chain_pages", "rounds"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            print(f"error: --{key.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    wheel = args.upstream_wheel
+    if wheel is not None and not wheel.is_file():
+        print(f"error: --upstream-wheel {wheel}: no such file", file=sys.stderr)
+        return 2
 
-    cfg = suites.QUICK if args.quick else suites.BenchConfig()
+    def progress(msg: str) -> None:
+        if not args.json:
+            print(f"... {msg}", file=sys.stderr, flush=True)
+
+    suites = SUITES[:-1] if args.suite == "all" else (args.suite,)
+    records: dict[str, Any] = {}
+    tables: list[str] = []
+    verdicts: list[dict[str, Any]] = []
+    for suite in suites:
+        table, record, suite_verdicts = _RUNNERS[suite](args, progress)
+        records[suite] = record
+        tables.append(f"== {suite} ==\n{table}")
+        verdicts.extend(suite_verdicts)
+    if args.json:
+        out: dict[str, Any] = records[suites[0]] if len(suites) == 1 else {"suites": records}
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print("\n\n".join(tables))
+    if args.check and not all(v["met"] for v in verdicts):
+        return 1
+    return 0
+
+
+def _sizes(args: argparse.Namespace, cfg: Any) -> Any:
     overrides = {
         k: v
         for k, v in (
@@ -96,30 +143,88 @@ def run(args: argparse.Namespace) -> int:
             ("chain_pages", args.chain_pages),
             ("rounds", args.rounds),
         )
-        if v is not None
+        if v is not None and hasattr(cfg, k)
     }
-    for key, value in overrides.items():
-        if value < 1:
-            print(f"error: --{key.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    cfg = dataclasses.replace(cfg, **overrides)
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _foundation(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
+    from hicache_existence.bench import suites, upstream
+
+    cfg = _sizes(args, suites.QUICK if args.quick else suites.BenchConfig())
     wheel = args.upstream_wheel
-    if wheel is not None and not wheel.is_file():
-        print(f"error: --upstream-wheel {wheel}: no such file", file=sys.stderr)
-        return 2
     if wheel is None and args.fetch_upstream and upstream.load_upstream() is None:
         wheel = upstream.fetch_wheel()
-    up = upstream.load_upstream(wheel)
+    result = suites.run_foundation(cfg, upstream.load_upstream(wheel), progress)
+    return _table(result), _as_json(result), result.verdicts
 
-    def progress(msg: str) -> None:
-        if not args.json:
-            print(f"... {msg}", file=sys.stderr, flush=True)
 
-    result = suites.run_foundation(cfg, up, progress)
-    if args.json:
-        print(json.dumps(_as_json(result), indent=2))
-    else:
-        print(_table(result))
-    if args.check and not all(v["met"] for v in result.verdicts):
-        return 1
-    return 0
+def _digest(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
+    from hicache_existence.bench import digest
+
+    cfg = _sizes(args, digest.QUICK if args.quick else digest.DigestBenchConfig())
+    result = digest.run_digest(cfg, progress)
+    return digest.format_table(result), digest.as_json(result), result.verdicts
+
+
+def _observability(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
+    from hicache_existence.bench import observability
+
+    cfg = _sizes(args, observability.QUICK_COSTS if args.quick else observability.CostConfig())
+    result = observability.run_costs(cfg, progress)
+    overheads = result.overheads()
+    verdicts = []
+    for name, bound in OBSERVABILITY_TARGETS.items():
+        key = next(
+            (
+                k
+                for k in overheads
+                if k.split("[")[0] == name.split("[")[0]
+                and k.split("[")[-1].split(",")[0] == name.split("[")[-1].split(",")[0]
+            ),
+            None,
+        )
+        value = overheads.get(key) if key else None
+        verdicts.append(
+            {
+                "target": name,
+                "metric": "overhead",
+                "bound": f"<= {bound}",
+                "values": {"": value} if value is not None else {},
+                "measured": value is not None,
+                "met": value is not None and value <= bound,
+            }
+        )
+    lines = [observability.format_costs(result), "", "targets:"]
+    for v in verdicts:
+        status = "met" if v["met"] else ("NOT MEASURED" if not v["measured"] else "NOT MET")
+        shown = "-" if not v["values"] else f"{v['values']['']:+.1%}"
+        lines.append(f"  [{status:>12}] {v['target']:40} overhead {v['bound']:>8}  {shown}")
+    record = result.as_dict()
+    record["targets"] = verdicts
+    return "\n".join(lines), record, verdicts
+
+
+def _advisor(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
+    from hicache_existence.bench import advisor
+
+    cfg = advisor.QUICK if args.quick else advisor.AdvisorBenchConfig()
+    result = advisor.run_advisor_bench(cfg, progress)
+    verdicts = list(getattr(result, "verdicts", []) or [])
+    record = result.as_dict() if hasattr(result, "as_dict") else dataclasses.asdict(result)
+    return advisor.format_advisor_bench(result), record, verdicts
+
+
+def _replay(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
+    from hicache_existence.bench import replay
+
+    return replay.run_for_cli(quick=args.quick, progress=progress)
+
+
+_RUNNERS = {
+    "foundation": _foundation,
+    "digest": _digest,
+    "observability": _observability,
+    "advisor": _advisor,
+    "replay": _replay,
+}

@@ -131,6 +131,11 @@ def rank_main(
     stop: Any,
 ) -> None:
     """A scheduler process: join the group, build the runtime, replay, report."""
+    import signal
+
+    # Ctrl-C goes to the parent, which sets ``stop``; ranks then stop together
+    # at an agreed step (a rank leaving on its own would strand the collectives).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _rank_loop(rank, world, dist_port, opts, reports, stop)
     except BaseException as exc:  # report, then let the parent decide

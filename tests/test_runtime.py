@@ -1,0 +1,221 @@
+"""ExistenceRuntime: one Config wires cache, checks, reconciler, advisor and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hicache_existence.config import Config
+from hicache_existence.demo.run import bundled_trace
+from hicache_existence.demo.scheduler import L3Shard, SimulatedScheduler
+from hicache_existence.replay.pages import expand
+from hicache_existence.replay.trace import read_trace
+from hicache_existence.runtime import ExistenceRuntime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(mode: str = "standalone") -> Config:
+    return Config.from_mapping(
+        {
+            "enabled": True,
+            "cache": {"max_entries": 2048},
+            "metrics": {"mode": mode, "port": 0, "flush_interval_s": 0},
+            "divergence": {"interval_steps": 5},
+            "reconciler": {"enabled": True, "sampling_rate": 0.5, "verifications_per_s": 500},
+            "advisor": {"sampling_rate": 0.5},
+        }
+    )
+
+
+def _requests(limit: int = 200):
+    return expand(read_trace(bundled_trace())).requests[:limit]
+
+
+def _drive(runtime: ExistenceRuntime, shard: L3Shard, steps: int = 40) -> SimulatedScheduler:
+    scheduler = SimulatedScheduler(runtime, shard, clear_swa_every=10)
+    requests = _requests()
+    for step in range(steps):
+        scheduler.step(requests[(step * 4) % len(requests) :][:4])
+    runtime.cache.settle()
+    return scheduler
+
+
+def _parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Exposition text -> {(sample name, sorted labels): value}."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, rest = head.partition("{")
+        labels = []
+        for part in rest.rstrip("}").split('",'):
+            if "=" in part:
+                k, v = part.split("=", 1)
+                labels.append((k.strip(","), v.strip('"')))
+        out[(name, tuple(sorted(labels)))] = float(value)
+    return out
+
+
+def _value(samples, name: str, **labels: str) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    found = False
+    for (n, lab), v in samples.items():
+        if n == name and all(dict(lab).get(k) == val for k, val in labels.items()):
+            total += v
+            found = True
+    assert found, f"no series {name} {labels}"
+    return total
+
+
+def test_runtime_exports_every_feature_with_the_snapshot_values():
+    """A standalone scrape of a driven runtime shows cache, divergence, reconciler,
+    advisor and histogram series equal to the components' own snapshots."""
+    shard = L3Shard(1500, drop_every=50)
+    runtime = ExistenceRuntime(_config(), truth=shard).start()
+    try:
+        _drive(runtime, shard)
+        runtime.telemetry.step()
+        url = runtime.telemetry.server.url
+        with urllib.request.urlopen(url, timeout=10) as response:
+            samples = _parse(response.read().decode())
+        checks = runtime.checker.stats()
+        rec = runtime.reconciler.snapshot()
+        stats = runtime.cache.stats()
+    finally:
+        runtime.close()
+    assert checks.checks >= 8 and checks.divergences == 0
+    assert _value(samples, "hicache_existence_divergence_checks_total") == checks.checks
+    assert _value(samples, "hicache_existence_divergence_active") == 1
+    assert _value(samples, "hicache_existence_page_hits_total", pool="kv") == stats["kv"].page_hits
+    answered = sum(rec.queries.values())
+    assert answered > 0
+    assert _value(samples, "hicache_existence_reconciler_queries_total") == answered
+    assert (
+        _value(samples, "hicache_existence_reconciler_query_seconds_count")
+        == rec.query_seconds.count
+    )
+    assert _value(samples, "hicache_existence_reconciler_query_seconds_bucket", le="+Inf") == (
+        rec.query_seconds.count
+    )
+    assert _value(samples, "hicache_existence_reconciler_errors_total", kind="connection") == 0
+    ratios = {
+        dict(lab)["cap_multiplier"]: v
+        for (n, lab), v in samples.items()
+        if n == "hicache_existence_advisor_estimated_hit_ratio" and dict(lab)["pool"] == "kv"
+    }
+    assert set(ratios) == {"0.25", "0.5", "1", "2", "4", "8"}
+    assert all(0.0 <= v <= 1.0 for v in ratios.values())
+    assert ratios["8"] >= ratios["0.25"]
+    misses = {
+        dict(lab)["reason"]: v
+        for (n, lab), v in samples.items()
+        if n == "hicache_existence_page_misses_total" and dict(lab)["pool"] == "swa"
+    }
+    assert misses["cleared"] > 0
+
+
+def test_step_survives_a_failing_component():
+    """A component that raises is logged and skipped; step() never raises."""
+    runtime = ExistenceRuntime(_config(mode="off"))
+
+    class Broken:
+        def drain(self) -> int:
+            raise RuntimeError("advisor exploded")
+
+    runtime.advisor = Broken()  # type: ignore[assignment]
+    for _ in range(12):
+        runtime.step()
+    assert runtime.checker.stats().checks == 2  # the rest of the step still ran
+    runtime.close()
+
+
+def test_without_ground_truth_there_is_no_reconciler():
+    """reconciler.enabled without a truth builds no reconciler (nothing to ask)."""
+    runtime = ExistenceRuntime(_config(mode="off"), truth=None)
+    assert runtime.reconciler is None
+    runtime.close()
+
+
+def test_flat_generation_runtime_checks_with_the_shared_lru_digest():
+    """generation='flat' builds the seed-generation cache with the shared-LRU digest."""
+    from hicache_existence.digest import SharedLruDigest
+    from hicache_existence.flat import FlatStorageExistenceCache
+
+    runtime = ExistenceRuntime(_config(mode="off"), generation="flat")
+    assert isinstance(runtime.cache, FlatStorageExistenceCache)
+    assert isinstance(runtime.digest, SharedLruDigest)
+    runtime.cache.add("kv", ["a" * 64])
+    for _ in range(5):
+        runtime.step()
+    assert runtime.checker.stats().checks == 1
+    runtime.close()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_runtime import _config, _drive
+    from hicache_existence.catalog import DeploymentLabels
+    from hicache_existence.demo.scheduler import L3Shard
+    from hicache_existence.runtime import ExistenceRuntime
+    shard = L3Shard(1500, drop_every=50)
+    rt = ExistenceRuntime(_config("multiprocess"), DeploymentLabels(tp_rank={rank}), truth=shard)
+    rt.start()
+    _drive(rt, shard, steps=30)
+    rt.telemetry.step()
+    rec = rt.reconciler.snapshot()
+    print(json.dumps({{"checks": rt.checker.stats().checks, "queries": sum(rec.queries.values()),
+                      "latency_count": rec.query_seconds.count,
+                      "latency_sum": rec.query_seconds.sum}}))
+    rt.close()
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_feature_metrics_aggregate_in_multiprocess_mode(tmp_path):
+    """Two processes feed feature counters and the latency histogram through
+    prometheus_client multiprocess files; MultiProcessCollector sums them exactly."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    results = []
+    for rank in (0, 1):
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD.format(tests=str(ROOT / "tests"), rank=rank)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=True,
+        )
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    samples = _parse(generate_latest(registry).decode())
+    assert _value(samples, "hicache_existence_divergence_checks_total") == sum(
+        r["checks"] for r in results
+    )
+    assert _value(samples, "hicache_existence_reconciler_queries_total") == sum(
+        r["queries"] for r in results
+    )
+    assert _value(samples, "hicache_existence_reconciler_query_seconds_count") == sum(
+        r["latency_count"] for r in results
+    )
+    assert _value(samples, "hicache_existence_reconciler_query_seconds_sum") == pytest.approx(
+        sum(r["latency_sum"] for r in results)
+    )
+    for rank in ("0", "1"):
+        assert _value(samples, "hicache_existence_divergence_active", tp_rank=rank) == 1
