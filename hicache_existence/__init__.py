@@ -2,8 +2,12 @@
 SGLang HiCache buffer mode.
 
 The public API is re-exported here; importing it has no side effects (no logging
-configuration, no metrics registration, no environment reads).
+configuration, no metrics registration, no environment reads).  The cache core is
+imported eagerly; the heavier features (runtime, exporters, checks, reconciler,
+advisor) on first attribute access, so ``import hicache_existence`` stays light.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from hicache_existence._version import __version__
 from hicache_existence.cache import (
@@ -22,12 +26,63 @@ from hicache_existence.policies import (
 )
 from hicache_existence.stats import MISS_REASONS, CacheStats, PoolStats
 
+#: Lazily imported public names -> their module.
+_LAZY = {
+    "AdvisorSnapshot": "hicache_existence.advisor",
+    "CapacityAdvisor": "hicache_existence.advisor",
+    "Config": "hicache_existence.config",
+    "ConfigError": "hicache_existence.config",
+    "DeploymentLabels": "hicache_existence.catalog",
+    "DivergenceChecker": "hicache_existence.divergence",
+    "ExistenceRuntime": "hicache_existence.runtime",
+    "GhostFactory": "hicache_existence.ghosts",
+    "Reconciler": "hicache_existence.reconcile.reconciler",
+    "ReplicaDigest": "hicache_existence.digest",
+    "SharedLruDigest": "hicache_existence.digest",
+    "WriteAccounting": "hicache_existence.writes",
+}
+
+if TYPE_CHECKING:
+    from hicache_existence.advisor import AdvisorSnapshot, CapacityAdvisor
+    from hicache_existence.catalog import DeploymentLabels
+    from hicache_existence.config import Config, ConfigError
+    from hicache_existence.digest import ReplicaDigest, SharedLruDigest
+    from hicache_existence.divergence import DivergenceChecker
+    from hicache_existence.ghosts import GhostFactory
+    from hicache_existence.reconcile.reconciler import Reconciler
+    from hicache_existence.runtime import ExistenceRuntime
+    from hicache_existence.writes import WriteAccounting
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache_existence' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "HICACHE_EXISTENCE_CACHE_MAX_ENTRIES",
     "MISS_REASONS",
+    "AdvisorSnapshot",
     "BeliefObserver",
     "CacheStats",
+    "CapacityAdvisor",
     "ChainPagesPolicy",
+    "Config",
+    "ConfigError",
+    "DeploymentLabels",
+    "DivergenceChecker",
+    "ExistenceRuntime",
+    "GhostFactory",
+    "Reconciler",
+    "ReplicaDigest",
+    "SharedLruDigest",
+    "WriteAccounting",
     "FlatStorageExistenceCache",
     "MissMemory",
     "PoolBeliefPolicy",

@@ -10,13 +10,19 @@ sampled stack distance ``d`` stands for ``d / rate`` pages.  The hit ratio is th
 plain ratio over sampled references; SHARDS-adj (``adjust=True``) is available
 but was less accurate on chained page streams (docs/capacity.md).
 
-The reference stream is what the cache is asked and told: every page passed to
-``add`` and every page a lookup walked (``touched``).  A reference is a hit at cap
-``C`` when the page would be believed at the start of its call in an LRU of ``C``
-entries fed the same stream.  On ``add``/lookup streams this is exact (with
-``rate = 1`` it reproduces the cache's own ``(page_hits + refreshes) / (pages
-walked + pages added)`` at the 1x cap, and on a belief-only replay the exact
-curve of ``hicache-existence replay --model belief-only``).  Two cases are
+Two curves share one stack.  The *reference stream* is what the cache is asked and
+told: every page passed to ``add`` and every page a lookup walked (``touched``).
+The *lookup* curve counts only what lookups asked, including the page each one
+missed at: in buffer mode a lookup miss is what triggers an L3 write, while a
+bigger cap also turns prefetch-healing adds into refreshes that save nothing, so
+the lookup curve is the one that tracks write savings (docs/capacity.md).
+
+A reference is a hit at cap ``C`` when the page would be believed at the start of
+its call in an LRU of ``C`` entries fed the same stream.  On ``add``/lookup
+streams this is exact: with ``rate = 1`` at the 1x cap the stream curve is the
+cache's own ``(page_hits + refreshes) / (pages walked + pages added)`` and the
+lookup curve its ``page_hits / pages_checked``, and on a belief-only replay the
+stream curve is the exact curve of ``replay --model belief-only``.  Two cases are
 approximated, because one LRU stack cannot hold every cap's state: a page
 removed by ``invalidate_beyond`` or ``clear`` leaves the stack, so deeper pages
 move up (a real cache keeps that slot empty until the next insert), and a lookup
@@ -61,8 +67,10 @@ if TYPE_CHECKING:
 
 #: Cap multipliers reported per pool (a fixed set: bounded label cardinality).
 MULTIPLIERS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-#: Proposed gauge: ``{pool, cap_multiplier}`` -> estimated hit ratio.
+#: Proposed gauge: ``{pool, cap_multiplier}`` -> estimated hit ratio of the reference stream.
 GAUGE_NAME = "hicache_existence_advisor_estimated_hit_ratio"
+#: Proposed gauge: the same for lookups alone (what decides writes in buffer mode).
+LOOKUP_GAUGE_NAME = "hicache_existence_advisor_estimated_lookup_hit_ratio"
 #: Pool name under which a shared-cap (flat generation) cache is reported.
 SHARED_POOL = "all"
 
@@ -175,124 +183,35 @@ class _Stack:
         self.maxes.clear()
 
 
-class _Estimator:
-    """SHARDS over one LRU (a pool, or all pools of a shared-cap cache)."""
+class _Curve:
+    """A weighted histogram of sampled stack distances: one hit-ratio curve."""
 
-    __slots__ = (
-        "stack",
-        "hist",
-        "cold",
-        "sampled",
-        "references",
-        "weight",
-        "growth",
-        "raw_references",
-        "raw_sampled",
-        "dropped",
-        "max_keys",
-        "ops",
-        "hex_keys",
-    )
+    __slots__ = ("hist", "cold", "sampled", "references")
 
-    def __init__(self, max_keys: int, half_life: int) -> None:
-        self.stack = _Stack()
-        self.max_keys = max_keys
+    def __init__(self) -> None:
         #: Weighted sampled references by sampled stack distance.
         self.hist: list[float] = []
+        #: Weighted sampled references to pages the stack did not hold.
         self.cold = 0.0
         self.sampled = 0.0
         #: Weighted references of the whole stream (sampled or not).
         self.references = 0.0
-        self.weight = 1.0
-        self.growth = 2.0 ** (1.0 / half_life) if half_life else 1.0
-        self.raw_references = 0
-        self.raw_sampled = 0
-        self.dropped = 0
-        self.ops = 0
-        #: Whether this pool's keys look like 64-hex SHA-256 (re-checked now and then).
-        self.hex_keys = True
 
-    def advance(self, total: int) -> float:
-        """Count ``total`` references of the whole stream; returns their weight."""
-        if self.growth != 1.0:
-            self.weight *= self.growth**total
-            if self.weight > _RESCALE_AT:
-                self._rescale()
-        w = self.weight
-        self.references += w * total
-        self.raw_references += total
-        return w
-
-    def reference(self, keys: Sequence[Any], total: int, inserting: bool = True) -> None:
-        """One call's ``total`` references, of which ``keys`` were sampled.  Every
-        distance is taken before the call's updates (batch semantics); a lookup
-        (``inserting=False``) does not insert a page the stack does not hold."""
-        w = self.advance(total)
-        if not keys:
-            return
-        self.raw_sampled += len(keys)
-        self.sampled += w * len(keys)
-        if len(keys) > 1 and len(set(keys)) != len(keys):
-            keys = self._repeats_as_hits(keys, w)
-        stack = self.stack
-        times = stack.times
-        after = stack.after
-        hist = self.hist
-        absent: list[Any] = []
-        # A key whose timestamp follows the previous key's (a chain referenced
-        # again in order) is exactly one closer: no search needed.
-        prev_t = prev_d = -2
-        for key in keys:
-            t = times.get(key)
-            if t is None:
-                self.cold += w
-                prev_t = -2
-                if not inserting:
-                    absent.append(key)
-                continue
-            d = prev_d - 1 if t == prev_t + 1 else after(t)
-            prev_t = t
-            prev_d = d
-            if d < len(hist):
-                hist[d] += w
-            else:
-                self._bucket(d, w)
-        if absent:
-            skip = set(absent)
-            keys = [key for key in keys if key not in skip]
-        push = stack.push
-        for key in keys:
-            push(key)
-        if len(times) > self.max_keys:
-            stack.trim(self.max_keys)
-
-    def _repeats_as_hits(self, keys: Sequence[Any], w: float) -> list[Any]:
-        """A key repeated within one call is a hit at every cap (``add`` counts it a
-        refresh); the stack sees each key once, at its last occurrence."""
-        last = {key: index for index, key in enumerate(keys)}
-        out = []
-        for index, key in enumerate(keys):
-            if last[key] == index:
-                out.append(key)
-            else:
-                self._bucket(0, w)
-        return out
-
-    def _bucket(self, d: int, w: float) -> None:
+    def bucket(self, d: int, w: float) -> None:
         hist = self.hist
         if d >= len(hist):
             hist.extend([0.0] * (d + 1 - len(hist)))
         hist[d] += w
 
-    def _rescale(self) -> None:
-        scale = 1.0 / self.weight
+    def rescale(self, scale: float) -> None:
         self.hist = [v * scale for v in self.hist]
         self.cold *= scale
         self.sampled *= scale
         self.references *= scale
-        self.weight = 1.0
 
-    def hit_ratios(self, caps: Sequence[int], rate: float, adjust: bool) -> list[float | None]:
+    def hit_ratios(
+        self, caps: Sequence[int], rate: float, adjust: bool, max_keys: int
+    ) -> list[float | None]:
         """Estimated hit ratio of an LRU of each cap; None without data or when the
         cap lies beyond the distances tracked (``max_keys / rate``)."""
         if self.sampled <= 0:
@@ -308,12 +227,158 @@ class _Estimator:
             return [None] * len(caps)
         out: list[float | None] = []
         for limit in limits:
-            if limit > self.max_keys:
+            if limit > max_keys:
                 out.append(None)
                 continue
             hits = cumulative[min(limit, top)] + delta
             out.append(min(1.0, max(0.0, hits / denominator)))
         return out
+
+
+class _Estimator:
+    """SHARDS over one LRU (a pool, or all pools of a shared-cap cache): one stack,
+    two curves.  ``stream`` counts every page added or walked by a lookup (the
+    cache's reference stream, the replay's yardstick); ``lookups`` counts only
+    what lookups asked, including the page a lookup missed at (what admission
+    decides writes by)."""
+
+    __slots__ = (
+        "stack",
+        "stream",
+        "lookups",
+        "weight",
+        "growth",
+        "raw_references",
+        "raw_sampled",
+        "raw_lookups",
+        "dropped",
+        "max_keys",
+        "ops",
+        "hex_keys",
+    )
+
+    def __init__(self, max_keys: int, half_life: int) -> None:
+        self.stack = _Stack()
+        self.max_keys = max_keys
+        self.stream = _Curve()
+        self.lookups = _Curve()
+        self.weight = 1.0
+        self.growth = 2.0 ** (1.0 / half_life) if half_life else 1.0
+        self.raw_references = 0
+        self.raw_sampled = 0
+        self.raw_lookups = 0
+        self.dropped = 0
+        self.ops = 0
+        #: Whether this pool's keys look like 64-hex SHA-256 (re-checked now and then).
+        self.hex_keys = True
+
+    def advance(self, total: int, lookups: int = 0) -> float:
+        """Count ``total`` stream references (and ``lookups`` lookup references) of
+        the whole stream, sampled or not; returns their weight."""
+        if self.growth != 1.0:
+            self.weight *= self.growth**total
+            if self.weight > _RESCALE_AT:
+                self._rescale()
+        w = self.weight
+        self.stream.references += w * total
+        self.raw_references += total
+        if lookups:
+            self.lookups.references += w * lookups
+            self.raw_lookups += lookups
+        return w
+
+    def reference(
+        self,
+        keys: Sequence[Any],
+        total: int,
+        inserting: bool = True,
+        missed: Any = None,
+        lookups: int = 0,
+    ) -> None:
+        """One call's ``total`` references, of which ``keys`` were sampled.  Every
+        distance is taken before the call's updates (batch semantics).  A lookup
+        (``inserting=False``, ``lookups`` references counting the page it missed
+        at, ``missed`` if that page was sampled) does not insert a page the stack
+        does not hold, and the missed page is only counted, not moved: the cache
+        does not hold it."""
+        w = self.advance(total, lookups)
+        stream = self.stream
+        lookup = None if inserting else self.lookups
+        if lookup is not None:
+            lookup.sampled += w * (len(keys) + (missed is not None))
+        if missed is not None:
+            t = self.stack.times.get(missed)
+            if t is None:
+                lookup.cold += w  # type: ignore[union-attr]
+            else:
+                lookup.bucket(self.stack.after(t), w)  # type: ignore[union-attr]
+        if not keys:
+            return
+        self.raw_sampled += len(keys)
+        stream.sampled += w * len(keys)
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            keys = self._repeats_as_hits(keys, w, lookup)
+        stack = self.stack
+        times = stack.times
+        after = stack.after
+        hist = stream.hist
+        absent: list[Any] = []
+        # A key whose timestamp follows the previous key's (a chain referenced
+        # again in order) is exactly one closer: no search needed.
+        prev_t = prev_d = -2
+        for key in keys:
+            t = times.get(key)
+            if t is None:
+                stream.cold += w
+                prev_t = -2
+                if lookup is not None:
+                    lookup.cold += w
+                    absent.append(key)
+                continue
+            d = prev_d - 1 if t == prev_t + 1 else after(t)
+            prev_t = t
+            prev_d = d
+            if d < len(hist):
+                hist[d] += w
+            else:
+                stream.bucket(d, w)
+            if lookup is not None:
+                lookup.bucket(d, w)
+        if absent:
+            skip = set(absent)
+            keys = [key for key in keys if key not in skip]
+        push = stack.push
+        for key in keys:
+            push(key)
+        if len(times) > self.max_keys:
+            stack.trim(self.max_keys)
+
+    def _repeats_as_hits(self, keys: Sequence[Any], w: float, lookup: _Curve | None) -> list[Any]:
+        """A key repeated within one call is a hit at every cap (``add`` counts it a
+        refresh, a walk found it); the stack sees each key once, at its last
+        occurrence."""
+        last = {key: index for index, key in enumerate(keys)}
+        out = []
+        for index, key in enumerate(keys):
+            if last[key] == index:
+                out.append(key)
+            else:
+                self.stream.bucket(0, w)
+                if lookup is not None:
+                    lookup.bucket(0, w)
+        return out
+
+    def _rescale(self) -> None:
+        scale = 1.0 / self.weight
+        self.stream.rescale(scale)
+        self.lookups.rescale(scale)
+        self.weight = 1.0
+
+    def hit_ratios(
+        self, caps: Sequence[int], rate: float, adjust: bool, lookups: bool = False
+    ) -> list[float | None]:
+        curve = self.lookups if lookups else self.stream
+        return curve.hit_ratios(caps, rate, adjust, self.max_keys)
 
 
 @dataclass(frozen=True)
@@ -333,6 +398,11 @@ class PoolAdvice:
     sampled_pages: int
     #: Page references lost to a full buffer.
     dropped_references: int
+    #: Multiplier -> estimated hit ratio of lookups alone (the pages admission asked
+    #: about, including the one each lookup missed at): what decides L3 writes.
+    lookup_estimates: Mapping[float, float | None] = field(default_factory=dict)
+    #: Pages lookups asked about (walked, plus the page each missed at).
+    lookup_references: int = 0
 
 
 @dataclass(frozen=True)
@@ -354,11 +424,18 @@ class AdvisorSnapshot:
         advice = self.pools.get(pool)
         return None if advice is None else advice.estimates.get(multiplier)
 
-    def gauge_samples(self) -> list[tuple[dict[str, str], float]]:
-        """``(labels, value)`` pairs for ``GAUGE_NAME``; unknown estimates are left out."""
+    def lookup_hit_ratio(self, pool: str, multiplier: float) -> float | None:
+        """The lookup-only estimate for ``pool`` at ``multiplier`` x its cap."""
+        advice = self.pools.get(pool)
+        return None if advice is None else advice.lookup_estimates.get(multiplier)
+
+    def gauge_samples(self, lookups: bool = False) -> list[tuple[dict[str, str], float]]:
+        """``(labels, value)`` pairs for ``GAUGE_NAME`` (``LOOKUP_GAUGE_NAME`` with
+        ``lookups=True``); unknown estimates are left out."""
         out = []
         for pool, advice in self.pools.items():
-            for multiplier, value in advice.estimates.items():
+            values = advice.lookup_estimates if lookups else advice.estimates
+            for multiplier, value in values.items():
                 if value is not None:
                     out.append(
                         ({"pool": pool, "cap_multiplier": multiplier_label(multiplier)}, value)
@@ -536,36 +613,45 @@ class CapacityAdvisor:
             est.stack.clear()
             return
         hashes = op[1]
-        if size == 4:
-            start = op[2]
-            count = len(hashes)
-            inserting = True
-        else:
-            start = 0
-            count = len(hashes) if size == 2 else min(op[2], len(hashes))
-            inserting = size == 2
-        if count <= start:
+        length = len(hashes)
+        if not length:
             return
-        self._check_keys(est, hashes[start])
-        view: Iterable[str] = (
-            hashes if not start and count == len(hashes) else islice(hashes, start, count)
-        )
-        prefix = self._prefix
-        if prefix is None:
-            keys: list[Any] = list(view)
-        elif est.hex_keys:
-            keys = [h for h in view if h < prefix]
-        else:
-            keys = _blake_sampled(view, self._threshold)
+        start = op[2] if size == 4 else 0
+        count = min(op[2], length) if size == 3 else length
+        self._check_keys(est, hashes[min(start, length - 1)])
+        keys = self._sample(est, hashes, start, count) if count > start else []
         if self.shared and keys:
             keys = [(pool, k) for k in keys]
         if size == 4:
             for key in keys:
                 est.stack.remove(key)
-        elif keys:
-            est.reference(keys, count, inserting)
+        elif size == 2:
+            if keys:
+                est.reference(keys, count)
+            else:
+                est.advance(count)
         else:
-            est.advance(count)
+            # A lookup: it walked hashes[:count] and, if count < length, missed there.
+            missed = None
+            if count < length and self._sample(est, hashes, count, count + 1):
+                missed = (pool, hashes[count]) if self.shared else hashes[count]
+            lookups = count + (count < length)
+            if keys or missed is not None:
+                est.reference(keys, count, False, missed, lookups)
+            else:
+                est.advance(count, lookups)
+
+    def _sample(self, est: _Estimator, hashes: Sequence[str], start: int, stop: int) -> list[Any]:
+        """The sampled keys among ``hashes[start:stop]``, in order."""
+        prefix = self._prefix
+        view: Iterable[str] = (
+            hashes if not start and stop == len(hashes) else islice(hashes, start, stop)
+        )
+        if prefix is None:
+            return list(view)
+        if est.hex_keys:
+            return [h for h in view if h < prefix]
+        return _blake_sampled(view, self._threshold)
 
     @staticmethod
     def _check_keys(est: _Estimator, sample: str) -> None:
@@ -579,7 +665,7 @@ class CapacityAdvisor:
 
         The common operation (a lookup or an add of SHA-256 keys, per-pool LRUs,
         no decay, nothing sampled) is handled inline: per operation that is one
-        C-level filter and two additions.
+        C-level filter and a few additions.
         """
         n = len(buf)
         done = 0
@@ -589,6 +675,8 @@ class CapacityAdvisor:
         estimators = self._estimators
         apply = self._apply
         while done < n:
+            if done and not done & 7 and clock() >= deadline:
+                break
             op = buf[done]
             done += 1
             try:
@@ -596,26 +684,39 @@ class CapacityAdvisor:
                 est = estimators.get(op[0]) if fast and size < 4 else None
                 if est is None or not est.hex_keys or est.growth != 1.0:
                     apply(op)
+                    continue
+                hashes = op[1]
+                length = len(hashes)
+                if size == 2:
+                    keys = [h for h in hashes if h < prefix]
+                    count = lookups = length
                 else:
-                    hashes = op[1]
-                    count = len(hashes)
-                    if size == 3 and op[2] < count:
-                        count = op[2]
+                    count = op[2]
+                    if count < length:
+                        if hashes[count] < prefix:  # the missed page is sampled
+                            apply(op)
+                            continue
                         keys = [h for h in islice(hashes, count) if h < prefix]
+                        lookups = count + 1
                     else:
+                        count = lookups = length
                         keys = [h for h in hashes if h < prefix]
-                    est.ops += 1
-                    if est.ops % _HEX_CHECK_EVERY == 1 and count:
-                        est.hex_keys = _HEX64.fullmatch(hashes[0]) is not None
-                    if keys:
-                        est.reference(keys, count, size == 2)
+                est.ops += 1
+                if est.ops % _HEX_CHECK_EVERY == 1 and length:
+                    est.hex_keys = _HEX64.fullmatch(hashes[0]) is not None
+                if keys:
+                    if size == 2:
+                        est.reference(keys, count)
                     else:
-                        est.references += count
-                        est.raw_references += count
+                        est.reference(keys, count, False, None, lookups)
+                else:
+                    est.stream.references += count
+                    est.raw_references += count
+                    if size == 3:
+                        est.lookups.references += lookups
+                        est.raw_lookups += lookups
             except Exception:
                 self.errors += 1
-            if not done & 7 and clock() >= deadline:
-                break
         return done
 
     def drain(self, budget_s: float | _Default | None = _DEFAULT) -> int:
@@ -661,15 +762,16 @@ class CapacityAdvisor:
         return dropped
 
     # -- reporting -------------------------------------------------------------
-    def estimate(self, pool: str, cap: int) -> float | None:
-        """Estimated hit ratio of ``pool`` at ``cap`` entries (None: no data yet)."""
+    def estimate(self, pool: str, cap: int, *, lookups: bool = False) -> float | None:
+        """Estimated hit ratio of ``pool`` at ``cap`` entries: of the reference stream,
+        or with ``lookups=True`` of the pages lookups asked for (None: no data yet)."""
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise ValueError(f"cap must be an int >= 1, got {cap!r}")
         with self._lock:
             est = self._estimators.get(SHARED_POOL if self.shared else pool)
             if est is None:
                 return None
-            return est.hit_ratios([cap], self.sampling_rate, self.adjust)[0]
+            return est.hit_ratios([cap], self.sampling_rate, self.adjust, lookups)[0]
 
     def snapshot(
         self,
@@ -688,10 +790,14 @@ class CapacityAdvisor:
                     else (capacities.get(name) if capacities is not None else None)
                 )
                 estimates: dict[float, float | None] = {}
+                lookup_estimates: dict[float, float | None] = {}
                 if cap:
                     caps = [max(1, int(cap * m)) for m in multipliers]
-                    values = est.hit_ratios(caps, self.sampling_rate, self.adjust)
+                    rate = self.sampling_rate
+                    values = est.hit_ratios(caps, rate, self.adjust)
                     estimates = dict(zip(multipliers, values))
+                    values = est.hit_ratios(caps, rate, self.adjust, lookups=True)
+                    lookup_estimates = dict(zip(multipliers, values))
                 pools[name] = PoolAdvice(
                     name,
                     cap or None,
@@ -700,6 +806,8 @@ class CapacityAdvisor:
                     est.raw_sampled,
                     len(est.stack.times),
                     est.dropped,
+                    MappingProxyType(lookup_estimates),
+                    est.raw_lookups,
                 )
         return AdvisorSnapshot(
             self.sampling_rate,

@@ -403,6 +403,24 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "1",
         ("pool", "cap_multiplier"),
     ),
+    _f(
+        "advisor_estimated_lookup_hit_ratio",
+        "gauge",
+        "advisor",
+        "Estimated hit ratio of lookups alone (each lookup's walked pages and its miss page) "
+        "at cap_multiplier x the current cap: the curve to size the cap by in buffer mode, "
+        "where prefetch healing re-teaches beliefs (docs/capacity.md).",
+        "1",
+        ("pool", "cap_multiplier"),
+    ),
+    _f(
+        "advisor_dropped_references",
+        "counter",
+        "advisor",
+        "Page references the advisor's buffer could not hold (the estimate is biased low "
+        "while this grows).",
+        "{page}",
+    ),
 )
 
 FEATURE_BY_NAME: dict[str, FeatureSpec] = {spec.name: spec for spec in FEATURE_CATALOG}

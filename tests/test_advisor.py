@@ -86,6 +86,10 @@ def test_rate_one_reproduces_the_cache_counters(cap: int, ops: list[tuple[str, l
     advisor.drain(None)
     s = pool.stats()
     referenced = s.page_hits + s.rescues + s.inserts + s.refreshes
+    if s.pages_checked:
+        # Lookups alone, the page each one missed at included: the cache's page hit ratio.
+        lookups = advisor.estimate("kv", cap, lookups=True)
+        assert lookups == pytest.approx(s.page_hits / s.pages_checked)
     if not referenced:
         assert advisor.estimate("kv", cap) is None
         return
@@ -110,8 +114,25 @@ def test_buffer_mode_stream_matches_the_cache_at_1x() -> None:
         s = cache.stats()["kv"]
         real = (s.page_hits + s.refreshes) / (s.page_hits + s.rescues + s.inserts + s.refreshes)
         assert advisor.estimate("kv", cap) == pytest.approx(real, abs=1e-3)
+        lookups = advisor.estimate("kv", cap, lookups=True)
+        assert lookups == pytest.approx(s.page_hits / s.pages_checked, abs=1e-3)
         invalidations.append(s.invalidations)
     assert invalidations[0] > 0  # the bounded L3 made healing remove beliefs
+
+
+def test_lookup_curve_sees_that_healing_makes_a_small_cap_cheap() -> None:
+    """Buffer mode, Mooncake, 1M-token device, 16K cap (420 redundant writes in all): the
+    lookup curve stays flat above 1x while the reference-stream curve climbs."""
+    pages = expand(read_trace(shared_trace()))
+    advisor = CapacityAdvisor()
+    cache = StorageExistenceCache(16384, observer=advisor)
+    result = run_model(pages, 16384, ModelConfig(), cache=cache, step_hook=advisor.drain)
+    advisor.drain(None)
+    snap = advisor.snapshot(advisor.capacities_of(cache))
+    assert result.redundant_writes < 0.01 * result.writes_issued
+    assert abs(snap.lookup_hit_ratio("kv", 8.0) - snap.lookup_hit_ratio("kv", 1.0)) < 0.01
+    assert snap.hit_ratio("kv", 8.0) - snap.hit_ratio("kv", 1.0) > 0.2
+    assert snap.pools["kv"].lookup_references > 0
 
 
 def default_rate_errors(
@@ -265,6 +286,7 @@ def test_snapshot_gauges_and_ranges() -> None:
     assert kv.estimates[8.0] is None  # 128 * 0.5 sampled slots > max_sampled_pages
     labels = {s[0]["cap_multiplier"] for s in snap.gauge_samples() if s[0]["pool"] == "kv"}
     assert "0.25" in labels and "8" not in labels
+    assert not snap.gauge_samples(lookups=True)  # adds only: no lookups to estimate
     assert multiplier_label(1.0) == "1" and multiplier_label(0.5) == "0.5"
     assert GAUGE_NAME == "hicache_existence_advisor_estimated_hit_ratio"
     assert advisor.snapshot().pools["kv"].estimates == {}

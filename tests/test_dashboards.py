@@ -17,6 +17,8 @@ import pytest
 import yaml
 
 from hicache_existence import catalog
+from hicache_existence.advisor import MULTIPLIERS, multiplier_label
+from hicache_existence.reconcile.counters import RESULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
@@ -256,13 +258,15 @@ def test_rules_lint_catches_each_violation():
 
 
 def test_the_alerts_the_issue_asks_for_exist():
-    """Churn, hit-ratio collapse, TP divergence (critical), reconciler down,
-    circuit open, stale positives, at cap with redundant writes rising."""
+    """Churn, hit-ratio collapse, TP divergence (critical), TP checks stopped,
+    reconciler down, circuit open, stale positives, at cap with redundant writes
+    rising."""
     severity = {r["alert"]: r["labels"]["severity"] for r in alert_rules(committed_rules())}
     assert severity == {
         "HicacheExistenceEvictionChurn": "warning",
         "HicacheExistenceHitRatioCollapse": "warning",
         "HicacheExistenceTPDivergence": "critical",
+        "HicacheExistenceTPChecksStopped": "warning",
         "HicacheExistenceReconcilerDown": "warning",
         "HicacheExistenceReconcilerCircuitOpen": "warning",
         "HicacheExistenceStalePositivesHigh": "warning",
@@ -293,6 +297,7 @@ def test_every_alert_has_a_runbook_section_with_meaning_confirmation_and_action(
         "HicacheExistenceEvictionChurn": [f"{s.churn_ratio:.0%}", s.churn_for],
         "HicacheExistenceHitRatioCollapse": [s.collapse_offset, s.collapse_for],
         "HicacheExistenceTPDivergence": [s.divergence_window],
+        "HicacheExistenceTPChecksStopped": [s.checks_stopped_for],
         "HicacheExistenceReconcilerDown": [s.reconciler_down_for],
         "HicacheExistenceReconcilerCircuitOpen": [s.circuit_open_for],
         "HicacheExistenceStalePositivesHigh": [f"{s.stale_ratio:.0%}", s.stale_for],
@@ -319,13 +324,47 @@ def test_every_alert_runbook_section_belongs_to_an_alert():
     assert documented == names
 
 
+#: Italic words of the runbooks that name Grafana UI elements, not panels.
+_UI_WORDS = {"All", "i"}
+_ITALIC = re.compile(r"(?<![*\w])\*([^*]+?)\*(?![*\w])")
+
+
+def test_runbooks_explain_every_dashboard_row():
+    """docs/runbooks.md has a "Reading the dashboard" section with a subsection
+    per dashboard row, in dashboard order."""
+    sections = runbook_sections()
+    assert "reading-the-dashboard" in sections
+    rows = [p["title"] for p in committed_dashboard()["panels"] if p["type"] == "row"]
+    headings = re.findall(r"^### (.+)$", sections["reading-the-dashboard"], flags=re.M)
+    assert headings == rows
+
+
+def test_runbooks_refer_only_to_panels_that_exist():
+    """Every italic *name* in docs/runbooks.md is a panel, a row or the dashboard
+    (a renamed panel leaves no stale instruction behind)."""
+    d = committed_dashboard()
+    titles = {p["title"] for p in d["panels"]} | {d["title"]} | _UI_WORDS
+    text = RUNBOOKS.read_text(encoding="utf-8")
+    named = {" ".join(m.split()) for m in _ITALIC.findall(text)}
+    assert named, "the runbooks name no panel"
+    assert named <= titles, sorted(named - titles)
+
+
 # -- metric names: the catalog or the explicit pending list ------------------------------
 
 _MATCHERS = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*"')
 _SCRAPE_LABELS = {"job", "instance"}
+#: Every exported family: cache metrics and feature metrics (both have ``kind``
+#: and ``label_names``).
+KNOWN: dict[str, catalog.MetricSpec | catalog.FeatureSpec] = {
+    **catalog.BY_NAME,
+    **catalog.FEATURE_BY_NAME,
+}
 
 
-def metric_problems(exprs: list[str], known: dict[str, catalog.MetricSpec]) -> list[str]:
+def metric_problems(
+    exprs: list[str], known: dict[str, catalog.MetricSpec | catalog.FeatureSpec]
+) -> list[str]:
     """Names or labels used in ``exprs`` that neither ``known`` (the catalog) nor
     ``build.PENDING_METRICS`` accounts for, one line each."""
     problems: list[str] = []
@@ -373,24 +412,46 @@ def used_expressions() -> list[str]:
 
 def test_every_metric_used_is_in_the_catalog_or_pending():
     """Every metric the dashboard and the rules query is exported by the catalog
-    (right kind, labels it has) or listed in build.PENDING_METRICS, never both."""
-    assert metric_problems(used_expressions(), catalog.BY_NAME) == []
+    (cache or feature metrics; right kind, labels it has) or listed in
+    build.PENDING_METRICS, never both."""
+    assert metric_problems(used_expressions(), KNOWN) == []
 
 
-def test_metric_check_rejects_unknown_names_labels_and_stale_pending_entries():
-    """A misspelt name, an unknown label and a pending name that the catalog now
-    exports are each reported."""
-    pending = build.PENDING_METRICS[0]
-    fake = dict(catalog.BY_NAME)
-    fake[pending] = catalog.BY_NAME["hicache_existence_queries"]
+def test_no_metric_is_pending_now_that_every_feature_exports():
+    """TP-divergence, reconciler and advisor metrics are all in the catalog, so
+    nothing is pending (every dashboard query is asserted end to end)."""
+    assert build.PENDING_METRICS == ()
+
+
+def test_metric_check_rejects_unknown_names_labels_and_stale_pending_entries(monkeypatch):
+    """A misspelt name, an unknown label, a name neither exported nor pending, and
+    a pending name that the catalog now exports are each reported; a pending name
+    the catalog lacks is accepted."""
     exprs = [
         'rate(hicache_existence_querys_total{job=~"$job"}[5m])',
         'rate(hicache_existence_queries_total{poool="kv"}[5m])',
+        'rate(hicache_existence_divergence_checks_total{job=~"$job"}[5m])',
     ]
-    problems = "\n".join(metric_problems(exprs, fake))
+    without = {k: v for k, v in KNOWN.items() if k != build.DIV_CHECKS.name}
+    problems = "\n".join(metric_problems(exprs, without))
     assert "hicache_existence_querys_total is not a sample" in problems
     assert "hicache_existence_queries_total has no label 'poool'" in problems
-    assert f"{pending} is in the catalog now" in problems
+    assert f"{build.DIV_CHECKS.name} is neither in the catalog nor pending" in problems
+    monkeypatch.setattr(build, "PENDING_METRICS", (build.DIV_CHECKS.name, build.QUERIES.name))
+    problems = "\n".join(metric_problems(exprs, without))
+    assert f"{build.QUERIES.name} is in the catalog now" in problems
+    assert build.DIV_CHECKS.name not in problems
+
+
+def test_metric_check_rejects_a_wrong_kind_or_a_label_the_catalog_lacks():
+    """A family declared with another kind, or with a label the catalog does not
+    export, is reported (e.g. a histogram where the catalog has a counter)."""
+    fake = dict(KNOWN)
+    fake[build.DIV_SECONDS.name] = catalog.FEATURE_BY_NAME[build.REC_SECONDS.name]
+    fake[build.ADVISOR.name] = catalog.FEATURE_BY_NAME[build.REC_CIRCUIT.name]
+    problems = "\n".join(metric_problems(used_expressions(), fake))
+    assert f"{build.DIV_SECONDS.name} is a histogram in the catalog" in problems
+    assert f"{build.ADVISOR.name} has no label(s) ['cap_multiplier', 'pool']" in problems
 
 
 def test_every_metric_in_the_table_is_used():
@@ -398,6 +459,42 @@ def test_every_metric_in_the_table_is_used():
     no dead entries)."""
     used = {build.metric_of(n) for e in used_expressions() for n in build.names_in(e)}
     assert set(build.METRICS) <= used
+
+
+def test_every_feature_metric_is_on_the_dashboard():
+    """Each TP-divergence, reconciler and advisor family of the catalog has a panel
+    (they exist to be watched; a new one needs a panel or a deliberate exclusion)."""
+    d = committed_dashboard()
+    on_dashboard = {
+        family.name
+        for p in panels(d)
+        for t in p["targets"]
+        for n in build.names_in(t["expr"])
+        if (family := build.metric_of(n)) is not None
+    }
+    assert set(catalog.FEATURE_BY_NAME) - on_dashboard == set()
+
+
+def test_label_values_the_expressions_rely_on_match_the_package():
+    """Reconciler results split exactly into answered, failed and discarded;
+    cap multipliers are the advisor's, ascending; the churn reason is a miss
+    reason."""
+    groups = (build.ANSWERED_RESULTS, build.FAILED_RESULTS, build.DISCARDED_RESULTS)
+    assert sorted(v for g in groups for v in g) == sorted(RESULTS)
+    multipliers = tuple(multiplier_label(m) for m in sorted(MULTIPLIERS))
+    assert multipliers == build.CAP_MULTIPLIERS
+    assert {build.CAP_NOW, build.CAP_DOUBLE} <= set(build.CAP_MULTIPLIERS)
+    assert build.REASON_EVICTED in catalog.MISS_REASON_LABELS
+
+
+def test_recommended_cap_tries_every_multiple_smallest_first():
+    """The recommended-cap query has one term per cap multiple, ascending, so
+    ``or`` keeps the smallest qualifying multiple."""
+    expr = build.recommended(build.advisor_at)
+    found = re.findall(r'cap_multiplier="([0-9.]+)"', expr)
+    assert found == [m for m in build.CAP_MULTIPLIERS for _ in range(2)]
+    assert expr.count("\nor\n") == len(build.CAP_MULTIPLIERS) - 1
+    assert f"- {build.SETTINGS.advice_tolerance})" in expr
 
 
 def test_selector_rejects_a_label_the_metric_lacks():
@@ -410,6 +507,11 @@ def test_runbooks_name_only_metrics_that_exist():
     """Every metric or recorded series docs/runbooks.md names is exported by the
     catalog, pending, or recorded by rules.yml (a runbook query must work)."""
     known = {spec.exposed_name for spec in catalog.CATALOG}
+    for fspec in catalog.FEATURE_CATALOG:
+        if fspec.kind == "histogram":
+            known |= {fspec.name + suffix for suffix in ("_bucket", "_count", "_sum")}
+        else:
+            known.add(fspec.exposed_name)
     known |= {s for m in build.METRICS if m.name in build.PENDING_METRICS for s in m.sample_names()}
     known |= {r["record"] for r in recording_rules(committed_rules())}
     named = build.names_in(RUNBOOKS.read_text(encoding="utf-8"))

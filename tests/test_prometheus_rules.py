@@ -3,6 +3,7 @@ unit tests, and proof that every alert's firing and non-firing cases can fail.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -111,3 +112,100 @@ def test_every_alert_has_firing_and_non_firing_cases_that_can_fail(tmp_path):
     outcome = dict(re.findall(r"Unit Testing:\s+(\S+)\n\s+(SUCCESS|FAILED)", result.stdout))
     survivors = [what for path, what in files.items() if outcome.get(str(path)) != "FAILED"]
     assert not survivors, f"these still pass with the alert mutated: {survivors}\n{result.stdout}"
+
+
+# -- the dashboard's recommended-cap query, evaluated by promtool ---------------------
+
+DASHBOARD = ROOT / "dashboards" / "hicache-existence.json"
+_VARIABLE = re.compile(r"\$\{?(job|instance|model_name|pool|tp_rank)\}?")
+
+
+def dashboard_expr(title: str, ref_id: str) -> str:
+    """A panel target's PromQL with every dashboard variable at All."""
+    panels = json.loads(DASHBOARD.read_text(encoding="utf-8"))["panels"]
+    (panel,) = [p for p in panels if p["title"] == title]
+    (target,) = [t for t in panel["targets"] if t["refId"] == ref_id]
+    return _VARIABLE.sub(".*", target["expr"])
+
+
+def _advisor_series(rank: str, pool: str, ratios: list[float]) -> list[dict[str, str]]:
+    labels = (
+        f'job="sglang",instance="10.0.0.1:946{rank}",model_name="llama",engine_type="prefill",'
+        f'storage_backend="mooncake",tp_rank="{rank}",dp_rank="0",pp_rank="0",pool="{pool}"'
+    )
+    out = [{"series": f"hicache_existence_capacity_entries{{{labels}}}", "values": "1000x5"}]
+    for multiplier, ratio in zip(("0.25", "0.5", "1", "2", "4", "8"), ratios):
+        out.append(
+            {
+                "series": "hicache_existence_advisor_estimated_hit_ratio"
+                f'{{{labels},cap_multiplier="{multiplier}"}}',
+                "values": f"{ratio}x5",
+            }
+        )
+    return out
+
+
+def test_recommended_cap_is_the_smallest_multiple_within_tolerance_of_the_best(tmp_path):
+    """The dashboard's recommended cap (and its estimate), under promtool: a curve
+    that flattens at 4x recommends 4x, a flat curve 0.25x, a curve still rising at
+    8x recommends 8x; equal replicas on two ranks count once; a pool without
+    estimates gets no recommendation."""
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {
+                        "record": "test:recommended_cap",
+                        "expr": dashboard_expr("Recommended cap (entries)", "B"),
+                    },
+                    {
+                        "record": "test:recommended_hit_ratio",
+                        "expr": dashboard_expr("Estimated hit ratio at the recommended cap", "B"),
+                    },
+                ],
+            }
+        ]
+    }
+    flattens = [0.1, 0.2, 0.4, 0.6, 0.7, 0.705]  # within 0.01 of the best from 4x
+    series = [
+        *_advisor_series("0", "kv", flattens),
+        *_advisor_series("1", "kv", flattens),
+        *_advisor_series("0", "swa", [0.3] * 6),
+        *_advisor_series("0", "draft", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
+        *_advisor_series("0", "other", [])[:1],  # a cap, no estimates
+    ]
+    suite = {
+        "rule_files": ["rules.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": "test:recommended_cap",
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {"labels": 'test:recommended_cap{pool="kv"}', "value": 4000},
+                            {"labels": 'test:recommended_cap{pool="swa"}', "value": 250},
+                            {"labels": 'test:recommended_cap{pool="draft"}', "value": 8000},
+                        ],
+                    },
+                    {
+                        "expr": "test:recommended_hit_ratio",
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {"labels": 'test:recommended_hit_ratio{pool="kv"}', "value": 0.7},
+                            {"labels": 'test:recommended_hit_ratio{pool="swa"}', "value": 0.3},
+                            {"labels": 'test:recommended_hit_ratio{pool="draft"}', "value": 0.6},
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules), encoding="utf-8")
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(suite, sort_keys=False), encoding="utf-8")
+    result = run("test", "rules", str(tmp_path / "tests.yml"))
+    assert result.returncode == 0, result.stdout

@@ -21,6 +21,7 @@ processes on a shared machine are not charged to either side.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -31,10 +32,11 @@ from typing import Any
 from hicache_existence.advisor import MULTIPLIERS, CapacityAdvisor
 from hicache_existence.bench import workload
 from hicache_existence.bench.harness import Comparison, compare
+from hicache_existence.bench.replay import default_trace
 from hicache_existence.cache import PoolBeliefs, StorageExistenceCache
 from hicache_existence.replay.mattson import belief_only_curves
 from hicache_existence.replay.model import ModelConfig, run_model
-from hicache_existence.replay.pages import PageRequest, PageTrace
+from hicache_existence.replay.pages import PageRequest, PageTrace, expand
 
 Progress = Callable[[str], None]
 #: (pool, method name, arguments), or None between scheduler steps.
@@ -60,6 +62,12 @@ class AdvisorBenchConfig:
 QUICK = AdvisorBenchConfig(chain_sizes=(8, 1024), rounds=3, mix_requests=400, mix_rounds=2)
 
 
+#: Issue #8's targets: at most 5% hot-path overhead at the default sampling rate (on the
+#: realistic step mix), within 0.02 of the exact curve.
+TARGET_HOT_PATH_OVERHEAD = 0.05
+TARGET_MAX_ABS_ERROR = 0.02
+
+
 @dataclass
 class AdvisorBenchResult:
     """Everything the advisor benchmark measured."""
@@ -69,6 +77,53 @@ class AdvisorBenchResult:
     step_mix: dict[str, float] = field(default_factory=dict)
     drain: dict[str, float] = field(default_factory=dict)
     accuracy: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def verdicts(self) -> list[dict[str, Any]]:
+        """The issue's targets in the ``bench`` command's verdict shape."""
+        overhead = self.step_mix.get("hot_path_overhead")
+        error = self.accuracy.get("max_abs_error")
+        rows = [
+            ("advisor.hot_path[step_mix]", "overhead", TARGET_HOT_PATH_OVERHEAD, overhead),
+            ("advisor.accuracy[max_abs_error]", "error", TARGET_MAX_ABS_ERROR, error),
+        ]
+        return [
+            {
+                "target": target,
+                "metric": metric,
+                "bound": f"<= {bound}",
+                "values": {"": value} if value is not None else {},
+                "measured": value is not None,
+                "met": value is not None and value <= bound,
+            }
+            for target, metric, bound, value in rows
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "per_operation": [
+                {
+                    "scenario": c.scenario,
+                    "baseline": dataclasses.asdict(c.baseline),
+                    "candidate": dataclasses.asdict(c.candidate),
+                    "overhead": 1 / c.speedup - 1,
+                    "notes": dict(c.notes),
+                }
+                for c in self.per_operation
+            ],
+            "step_mix": self.step_mix,
+            "drain": self.drain,
+            "accuracy": _json_keys(self.accuracy),
+            "targets": self.verdicts,
+        }
+
+
+def _json_keys(value: Any) -> Any:
+    """Mappings with number keys (caps, multipliers) as JSON objects with string keys."""
+    if isinstance(value, dict):
+        return {str(k): _json_keys(v) for k, v in value.items()}
+    return value
 
 
 # ---------------------------------------------------------------------------
@@ -348,12 +403,17 @@ def accuracy(
 
 
 def run_advisor_bench(
-    trace: PageTrace,
     cfg: AdvisorBenchConfig | None = None,
     progress: Progress = lambda _msg: None,
+    *,
+    trace: PageTrace | None = None,
 ) -> AdvisorBenchResult:
-    """Every figure of the advisor benchmark on ``trace`` (e.g. the Mooncake trace)."""
+    """Every figure of the advisor benchmark on ``trace`` (default: the Mooncake trace,
+    see ``bench.replay.default_trace``)."""
     cfg = cfg or AdvisorBenchConfig()
+    if trace is None:
+        found = default_trace(progress)
+        trace = found if isinstance(found, PageTrace) else expand(found)
     result = AdvisorBenchResult(cfg)
     result.per_operation = per_operation_overhead(cfg, progress)
     result.step_mix, result.drain = step_mix(trace, cfg, progress)

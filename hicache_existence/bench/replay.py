@@ -13,22 +13,47 @@ while timing.  Target (issue #8): belief-only >= 500,000 page references/s/core.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hicache_existence.cache import StorageExistenceCache
 from hicache_existence.replay.mattson import belief_only_curves
 from hicache_existence.replay.model import ModelConfig, run_model
 from hicache_existence.replay.pages import PageTrace, expand
-from hicache_existence.replay.trace import Trace
+from hicache_existence.replay.synthetic import long_context_trace
+from hicache_existence.replay.trace import Trace, read_trace
 
 Progress = Callable[[str], None]
 #: Issue #8: belief-only replay throughput per core.
 TARGET_BELIEF_ONLY_REFS_PER_S = 500_000.0
+#: Where the shared Mooncake trace lies next to a source checkout (``../shared/traces``).
+_SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_synthetic_trace.jsonl"
+#: The sample the demo bundles (a slice of the same trace, with its licence).
+_BUNDLED_SAMPLE = Path(__file__).resolve().parents[1] / "demo/data/mooncake_sample.jsonl"
+
+
+def default_trace(progress: Progress = lambda _msg: None) -> Trace | PageTrace:
+    """The trace the figures are taken on: ``$HICACHE_EXISTENCE_MOONCAKE_TRACE``, else the
+    shared Mooncake trace next to a source checkout, else the demo's bundled sample,
+    else the synthetic long-context workload."""
+    candidates = [
+        os.environ.get("HICACHE_EXISTENCE_MOONCAKE_TRACE"),
+        _SHARED_TRACE,
+        _BUNDLED_SAMPLE,
+    ]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            progress(f"trace: {candidate}")
+            return read_trace(candidate)
+    progress("trace: none found, using the synthetic long-context workload")
+    return long_context_trace()
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,30 @@ class ReplayBenchResult:
     @property
     def target_met(self) -> bool:
         return self.figures.get("belief_only_refs_per_s", 0.0) >= TARGET_BELIEF_ONLY_REFS_PER_S
+
+    @property
+    def verdicts(self) -> list[dict[str, Any]]:
+        """The issue's target in the ``bench`` command's verdict shape."""
+        value = self.figures.get("belief_only_refs_per_s")
+        return [
+            {
+                "target": "replay.belief_only",
+                "metric": "page_refs_per_s_per_core",
+                "bound": f">= {TARGET_BELIEF_ONLY_REFS_PER_S:.0f}",
+                "values": {"": value} if value is not None else {},
+                "measured": value is not None,
+                "met": self.target_met,
+            }
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "references": self.references,
+            "figures": self.figures,
+            "checks": self.checks,
+            "targets": self.verdicts,
+        }
 
 
 def _cpu_median(fn: Callable[[], object], rounds: int) -> tuple[float, object]:
@@ -150,3 +199,11 @@ def format_replay_bench(result: ReplayBenchResult) -> str:
             f"  buffer-mode model, one cap   {f['model_one_cap_refs_per_s']:>12,.0f}",
         ]
     )
+
+
+def run_for_cli(
+    quick: bool = False, progress: Progress = lambda _msg: None
+) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """``(table, JSON record, verdicts)`` for ``hicache-existence bench --suite replay``."""
+    result = run_replay_bench(default_trace(progress), QUICK if quick else None, progress)
+    return format_replay_bench(result), result.as_dict(), result.verdicts

@@ -173,7 +173,7 @@ def _observability(args: argparse.Namespace, progress: Any) -> tuple[str, Any, l
     cfg = _sizes(args, observability.QUICK_COSTS if args.quick else observability.CostConfig())
     result = observability.run_costs(cfg, progress)
     overheads = result.overheads()
-    verdicts = []
+    verdicts: list[dict[str, Any]] = []
     for name, bound in OBSERVABILITY_TARGETS.items():
         key = next(
             (

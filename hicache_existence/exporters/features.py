@@ -122,10 +122,15 @@ def _reconciler(
 
 
 def _advisor(out: FeatureSamples, snap: Any, label: Callable[[str], str]) -> None:
-    series: dict[tuple[str, ...], float] = {}
-    for labels, value in snap.gauge_samples():
-        pool_label = label(labels["pool"])
-        if pool_label == OTHER_POOL:
-            continue  # an estimate of several folded pools would mean nothing
-        series[(pool_label, labels["cap_multiplier"])] = float(value)
-    out[_name("advisor_estimated_hit_ratio")] = series
+    for name, lookups in (
+        ("advisor_estimated_hit_ratio", False),
+        ("advisor_estimated_lookup_hit_ratio", True),
+    ):
+        series: dict[tuple[str, ...], float] = {}
+        for labels, value in snap.gauge_samples(lookups=lookups):
+            pool_label = label(labels["pool"])
+            if pool_label == OTHER_POOL:
+                continue  # an estimate of several folded pools would mean nothing
+            series[(pool_label, labels["cap_multiplier"])] = float(value)
+        out[_name(name)] = series
+    out[_name("advisor_dropped_references")] = {(): float(snap.dropped_references)}

@@ -15,8 +15,11 @@ missing wheel shows up as a *failed* test under ``HICACHE_EXISTENCE_REQUIRE_SGLA
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -88,3 +91,103 @@ def seed_baseline() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# -- programs and divergences, shared by the differential tests -------------------------
+Op = tuple[Any, ...]
+
+#: Small alphabet of real-looking page hashes (64-char lowercase hex, like sglang's);
+#: programs name pages by index so a divergence prints short.
+ALPHABET: tuple[str, ...] = tuple(
+    hashlib.sha256(f"page-{i}".encode()).hexdigest() for i in range(10)
+)
+_INDEX = {h: i for i, h in enumerate(ALPHABET)}
+
+
+def pages(idx: Sequence[int]) -> list[str]:
+    """The page hashes named by alphabet indexes."""
+    return [ALPHABET[i] for i in idx]
+
+
+def page_ids(value: Any) -> Any:
+    """``value`` with every alphabet hash inside it replaced by its index (for messages)."""
+    if isinstance(value, str):
+        return _INDEX.get(value, value)
+    if isinstance(value, dict):
+        return {page_ids(k): page_ids(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(page_ids(v) for v in value)
+    return value
+
+
+def fresh_iterable(kind: str, idx: Sequence[int]) -> Iterable[str]:
+    """A new iterable of the pages on each call: each cache gets its own one-shot
+    iterator, never a shared one."""
+    hashes = pages(idx)
+    if kind == "list":
+        return hashes
+    if kind == "tuple":
+        return tuple(hashes)
+    if kind == "gen":
+        return (h for h in hashes)
+    if kind == "iter":
+        return iter(hashes)
+    raise AssertionError(kind)
+
+
+def fresh_sequence(kind: str, idx: Sequence[int]) -> Sequence[str]:
+    hashes = pages(idx)
+    return hashes if kind == "list" else tuple(hashes)
+
+
+class Divergence(AssertionError):
+    """The implementation under test and its reference disagree.  Carries how both
+    caches were built (``setup``: constructor keyword arguments) and the program up
+    to and including the diverging step, so it can be replayed and minimized."""
+
+    def __init__(
+        self, what: str, cls: str, setup: dict[str, Any], program: Sequence[Op]
+    ) -> None:
+        self.what = what
+        self.cls = cls
+        self.setup = dict(setup)
+        self.program = list(program)
+        args = ", ".join(f"{k}={v!r}" for k, v in self.setup.items())
+        lines = [what, f"  both = {cls}({args})"]
+        lines += [f"  [{i}] {op!r}" for i, op in enumerate(self.program)]
+        super().__init__("\n".join(lines))
+
+
+def minimized(
+    replay: Callable[[list[Op]], object], found: Divergence, budget_s: float = 30.0
+) -> Divergence:
+    """The shortest program (greedy chunk deletion within ``budget_s``) that still
+    diverges when ``replay``ed on fresh caches: a human needs two or three steps,
+    not the 25,000 random ones that happened to find the bug."""
+    program = found.program
+    last = found
+    deadline = time.monotonic() + budget_s
+    chunk = max(1, len(program) // 2)
+    while chunk >= 1 and time.monotonic() < deadline:
+        i = 0
+        while i < len(program) and time.monotonic() < deadline:
+            candidate = program[:i] + program[i + chunk :]
+            try:
+                replay(candidate)
+            except Divergence as still:
+                program, last = still.program, still
+            else:
+                i += chunk
+        chunk //= 2
+    return last
+
+
+def fail_with(replay: Callable[[list[Op]], object], found: Divergence, against: str) -> None:
+    """Fail the test with the minimized divergence (pages shown as alphabet indexes)."""
+    small = minimized(replay, found)
+    pytest.fail(
+        f"hicache_existence diverges from {against}.\n"
+        f"Minimized ({len(small.program)} of {len(found.program)} steps; "
+        f"page i = ALPHABET[i]):\n{small}",
+        pytrace=False,
+    )

@@ -1,0 +1,96 @@
+"""What the integration hooks in sglang, and how it recognises the installed API.
+
+Targets are resolved (imported) before anything is registered, so that a
+missing one leaves sglang exactly as it was instead of failing later inside
+``HookRegistry.apply_hooks``.  The cache generation is read from the *shape*
+of upstream's class, never from a version string: a release can backport or
+rename, the methods it has are what our replacement must provide.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pkgutil
+from collections.abc import Iterable
+from typing import Literal
+
+Generation = Literal["current", "flat"]
+
+#: Upstream's existence cache class (REPLACEd by ours).
+CACHE_CLASS = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache.StorageExistenceCache"
+#: The per-step lockstep point (our hook runs AFTER it).
+STEP_METHOD = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache_events"
+#: sglang's argparse machinery (AROUND hooks add and carry the server flags).
+ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
+#: The hook registry itself.
+HOOK_REGISTRY = "sglang.srt.plugins.hook_registry.HookRegistry"
+
+CACHE_TARGETS: tuple[str, ...] = (CACHE_CLASS, STEP_METHOD)
+FLAG_TARGETS: tuple[str, ...] = (ADD_CLI_ARGS, FROM_CLI_ARGS)
+
+
+class TargetMissing(LookupError):
+    """A hook target does not exist in the installed sglang (``reason`` says why)."""
+
+    def __init__(self, target: str, reason: str) -> None:
+        super().__init__(f"{target}: {reason}")
+        self.target = target
+        self.reason = reason
+
+
+def resolve(target: str) -> object:
+    """Import and return ``target`` (``package.module.Class.attr``), or raise
+    ``TargetMissing`` naming what is absent."""
+    try:
+        return pkgutil.resolve_name(target)
+    except Exception as exc:  # ImportError, AttributeError, or a module failing to import
+        raise TargetMissing(target, f"{type(exc).__name__}: {exc}") from None
+
+
+def first_missing(targets: Iterable[str]) -> TargetMissing | None:
+    """The first target that does not resolve, or ``None`` when all do."""
+    for target in targets:
+        try:
+            resolve(target)
+        except TargetMissing as missing:
+            return missing
+    return None
+
+
+def detect_generation(cls: object) -> Generation | None:
+    """The API generation of an upstream existence cache class, by its shape.
+
+    ``current``: a container with ``pool(name)`` whose per-pool objects carry
+    the operations.  ``flat`` (the seed's): ``add(pool, hashes)``,
+    ``contains_all(pool, hashes)`` and ``covers_all(...)`` on the cache itself.
+    ``None``: neither (an API this package does not know).
+    """
+    if not isinstance(cls, type):
+        return None
+    if callable(getattr(cls, "pool", None)) and callable(getattr(cls, "clear_inflight", None)):
+        return "current"
+    flat_methods = ("add", "contains", "contains_all", "covers_all", "invalidate_beyond")
+    if all(callable(getattr(cls, name, None)) for name in flat_methods):
+        params = _positional(getattr(cls, "add"))
+        if len(params) >= 3:  # self, pool, hashes
+            return "flat"
+    return None
+
+
+def _positional(fn: object) -> list[str]:
+    try:
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in sig.parameters.values() if p.kind in kinds]
+
+
+def original_of(obj: object) -> object:
+    """``obj`` with HookRegistry's wrappers peeled off (``__wrapped__`` chain)."""
+    seen = 0
+    while hasattr(obj, "__wrapped__") and seen < 32:
+        obj = obj.__wrapped__
+        seen += 1
+    return obj
