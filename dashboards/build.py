@@ -22,7 +22,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -99,12 +99,17 @@ AVOIDED_PAGES = _m("write_avoided_pages", "counter")
 AVOIDED_BYTES = _m("write_avoided_bytes", "counter")
 REDUNDANT_PAGES = _m("redundant_written_pages", "counter")
 REDUNDANT_BYTES = _m("redundant_written_bytes", "counter")
-# TP-replica divergence checks.
+# TP-replica divergence checks (no pool: one checker per rank).
 DIV_CHECKS = _m("divergence_checks", "counter", ())
 DIVERGENCES = _m("divergences", "counter", ())
 DIV_HEALS = _m("divergence_heals", "counter", ())
+DIV_FAILURES = _m("divergence_check_failures", "counter", ("reason",))
+DIV_MISMATCHES = _m("divergence_config_mismatches", "counter", ())
+#: A counter of seconds: with DIV_CHECKS it gives the mean check duration.
+DIV_SECONDS = _m("divergence_check_seconds", "counter", ())
 DIV_LAST_STEP = _m("divergence_last_check_step", "gauge", ())
-DIV_SECONDS = _m("divergence_check_seconds", "histogram", ())
+DIV_DETECTED_STEP = _m("divergence_last_detected_step", "gauge", ())
+DIV_ACTIVE = _m("divergence_active", "gauge", ())
 # Reconciler (ground truth).
 REC_QUERIES = _m("reconciler_queries", "counter", ("pool", "result"))
 REC_STALE = _m("reconciler_stale_positives", "counter")
@@ -112,37 +117,37 @@ REC_INVALIDATED = _m("reconciler_pages_invalidated", "counter")
 REC_LEARNT = _m("reconciler_pages_learnt", "counter")
 REC_ERRORS = _m("reconciler_errors", "counter", ("kind",))
 REC_CIRCUIT = _m("reconciler_circuit_open", "gauge", ())
+REC_OUTSTANDING = _m("reconciler_outstanding_queries", "gauge", ())
 REC_SECONDS = _m("reconciler_query_seconds", "histogram", ())
-# Capacity advisor.
+# Capacity advisor: the reference-stream curve, and the lookup curve (the one to
+# size the cap by in buffer mode, docs/capacity.md).
 ADVISOR = _m("advisor_estimated_hit_ratio", "gauge", ("pool", "cap_multiplier"))
+ADVISOR_LOOKUP = _m("advisor_estimated_lookup_hit_ratio", "gauge", ("pool", "cap_multiplier"))
+ADVISOR_DROPPED = _m("advisor_dropped_references", "counter", ())
 
 #: Every family the dashboard and the rules use.
 METRICS: tuple[Metric, ...] = tuple(_TABLE)
 
 #: Families used here that ``hicache_existence.catalog`` does not export yet
-#: (catalog names: counters without ``_total``).  Remove a name when it is
-#: added to the catalog; the tests fail if a name is in both or in neither.
-PENDING_METRICS: tuple[str, ...] = (
-    DIV_CHECKS.name,
-    DIVERGENCES.name,
-    DIV_HEALS.name,
-    DIV_LAST_STEP.name,
-    DIV_SECONDS.name,
-    REC_QUERIES.name,
-    REC_STALE.name,
-    REC_INVALIDATED.name,
-    REC_LEARNT.name,
-    REC_ERRORS.name,
-    REC_CIRCUIT.name,
-    REC_SECONDS.name,
-    ADVISOR.name,
-)
+#: (catalog names: counters without ``_total``).  Add a name here when a panel
+#: or rule needs a metric before its feature exports it, and remove it when the
+#: catalog has it; the tests fail if a name is in both or in neither, and the
+#: end-to-end test checks queries over pending names for validity only.
+PENDING_METRICS: tuple[str, ...] = ()
 
-#: Label values the expressions rely on (one place, like the names).
+#: Label values the expressions rely on (one place, like the names;
+#: tests/test_dashboards.py checks them against the package's own tuples).
 REASON_EVICTED = "evicted"
-#: Reconciler results that are answers from ground truth (not failures or skips).
-ANSWERED_RESULTS: tuple[str, ...] = ("present", "stale", "learnt")
-FAILED_RESULTS: tuple[str, ...] = ("error", "timeout")
+#: Reconciler results (``hicache_existence.reconcile.counters.RESULTS``): answers
+#: from ground truth; stale positives come from ``absent`` answers.
+ANSWERED_RESULTS: tuple[str, ...] = ("present", "absent", "untrusted")
+#: Queries that got no answer: ground truth raised, timed out, or the open
+#: circuit rejected them without I/O.
+FAILED_RESULTS: tuple[str, ...] = ("error", "timeout", "rejected")
+#: Neither: the answer was discarded because the pool was cleared meanwhile.
+DISCARDED_RESULTS: tuple[str, ...] = ("void",)
+#: ``cap_multiplier`` label values of the advisor gauge, ascending.
+CAP_MULTIPLIERS: tuple[str, ...] = ("0.25", "0.5", "1", "2", "4", "8")
 #: ``cap_multiplier`` label values compared by the "gain from doubling" panel.
 CAP_NOW, CAP_DOUBLE = "1", "2"
 
@@ -185,6 +190,8 @@ class Settings:
     collapse_min_previous: float = 0.1
     collapse_for: str = "15m"
     divergence_window: str = "10m"
+    #: A rank not checking its replica for this long (start-up handshake included).
+    checks_stopped_for: str = "10m"
     reconciler_down_window: str = "10m"
     reconciler_down_for: str = "10m"
     circuit_open_for: str = "5m"
@@ -199,6 +206,10 @@ class Settings:
     redundant_ratio: float = 0.05
     redundant_offset: str = "1h"
     redundant_for: str = "30m"
+    #: The recommended cap is the smallest multiple of the cap whose estimated hit
+    #: ratio is within this of the best estimate (as ``hicache-existence demo``
+    #: recommends).
+    advice_tolerance: float = 0.01
 
 
 SETTINGS = Settings()
@@ -242,6 +253,27 @@ def quantile(q: float, metric: Metric) -> str:
 
 def regex(values: Iterable[str]) -> str:
     return "~" + "|".join(values)
+
+
+def advisor_at(multiplier: str, metric: Metric | None = None) -> str:
+    """An advisor curve (default: the lookup curve) per pool at ``multiplier`` x the cap."""
+    metric = metric or ADVISOR_LOOKUP
+    return f"max by (pool) ({selector(metric, cap_multiplier=multiplier)})"
+
+
+def recommended(value: Callable[[str], str]) -> str:
+    """``value(m)`` per pool at the smallest cap multiple ``m`` whose lookup-curve
+    estimate is within ``advice_tolerance`` of the pool's best estimate.
+
+    PromQL cannot read a label as a number, so each multiple is one term, kept
+    only where it qualifies, and the terms are joined with ``or`` in ascending
+    order: ``or`` keeps the first term per pool, i.e. the smallest multiple."""
+    best = f"max by (pool) ({selector(ADVISOR_LOOKUP)})"
+    tolerance = SETTINGS.advice_tolerance
+    return "\nor\n".join(
+        f"(\n  {value(m)}\n  and on (pool)\n  ({advisor_at(m)} >= {best} - {tolerance})\n)"
+        for m in CAP_MULTIPLIERS
+    )
 
 
 # -- dashboard model ---------------------------------------------------------------
@@ -443,39 +475,80 @@ def rows() -> tuple[Row, ...]:
         (
             Panel(
                 "Divergence checks per second",
-                "Cross-rank replica checks, per TP rank. Every rank of a group checks at the "
-                "same steps; a rank that stops checking has timed out.",
+                "Cross-rank replica checks completed, per TP rank. Every rank of a group "
+                "checks at the same steps (every divergence.interval_steps scheduler steps).",
                 "ops",
                 (_t(rate(DIV_CHECKS, ("tp_rank",)), "tp {{tp_rank}}"),),
-                width=6,
             ),
             Panel(
                 "Divergences and heals",
                 "Checks that found replicas differing, and heals (diverged pools cleared on "
-                "every rank), per interval. Any divergence pages (critical).",
+                "every rank at the same step), per interval. Any divergence pages (critical).",
                 "short",
                 (
                     _t(increase(DIVERGENCES, ("tp_rank",)), "tp {{tp_rank}} divergences"),
                     _t(increase(DIV_HEALS, ("tp_rank",)), "tp {{tp_rank}} heals"),
                 ),
-                width=6,
             ),
             Panel(
-                "Last checked step",
-                "Scheduler step of each rank's last check: ranks of one group move together.",
+                "Checking",
+                "Whether each rank still compares its replica with the others: stopped after "
+                "a failed check collective or a start-up configuration mismatch (it stays "
+                "stopped until restart; a warning alert fires after "
+                f"{s.checks_stopped_for}).",
                 "short",
-                (_t(f"max by (tp_rank) ({selector(DIV_LAST_STEP)})", "tp {{tp_rank}}"),),
-                width=6,
+                (_t(f"min by (tp_rank) ({selector(DIV_ACTIVE)})", "tp {{tp_rank}}"),),
+                type="stat",
+                mappings=(
+                    {
+                        "type": "value",
+                        "options": {
+                            "0": {"text": "stopped", "color": "red", "index": 0},
+                            "1": {"text": "checking", "color": "green", "index": 1},
+                        },
+                    },
+                ),
+                steps=((None, "red"), (1, "green")),
             ),
             Panel(
-                "Check latency",
-                "Time one check takes (the gloo all-reduce, waiting for peers included).",
+                "Check failures and config mismatches",
+                "Checks whose collective failed, by reason (timeout: a peer did not arrive "
+                "within divergence.timeout_s; error), and start-up handshakes that found the "
+                "ranks configured differently, per interval. Either stops the checks.",
+                "short",
+                (
+                    _t(
+                        increase(DIV_FAILURES, ("tp_rank", "reason")),
+                        "tp {{tp_rank}} {{reason}}",
+                    ),
+                    _t(increase(DIV_MISMATCHES, ("tp_rank",)), "tp {{tp_rank}} config mismatch"),
+                ),
+            ),
+            Panel(
+                "Last checked and detected step",
+                "Scheduler step of each rank's last completed check (ranks of one group move "
+                "together) and of its last detected divergence (0: none).",
+                "short",
+                (
+                    _t(f"max by (tp_rank) ({selector(DIV_LAST_STEP)})", "tp {{tp_rank}} checked"),
+                    _t(
+                        f"max by (tp_rank) ({selector(DIV_DETECTED_STEP)})",
+                        "tp {{tp_rank}} detected",
+                    ),
+                ),
+            ),
+            Panel(
+                "Mean check duration",
+                "Seconds spent in checks over checks completed, per rank (the gloo "
+                "all-reduce, waiting for peers included): a rising line means a peer "
+                "arrives late.",
                 "s",
                 (
-                    _t(quantile(0.5, DIV_SECONDS), "p50"),
-                    _t(quantile(0.99, DIV_SECONDS), "p99"),
+                    _t(
+                        _ratio(rate(DIV_SECONDS, ("tp_rank",)), rate(DIV_CHECKS, ("tp_rank",))),
+                        "tp {{tp_rank}}",
+                    ),
                 ),
-                width=6,
             ),
         ),
     )
@@ -484,16 +557,19 @@ def rows() -> tuple[Row, ...]:
         "Reconciler",
         (
             Panel(
-                "Queries by result",
-                "Ground-truth verifications per second by result (present, stale, learnt: "
-                "answered; error, timeout: failed; skipped: not sent).",
+                "Verifications by result",
+                "Ground-truth verifications per second by result. Answered: present (every "
+                "page in L3), absent (a page is missing: stale positives come from these), "
+                "untrusted (short while the ledger cannot prove absence). Failed: error, "
+                "timeout, rejected (circuit open). void: discarded, the pool was cleared.",
                 "ops",
                 (_t(rate(REC_QUERIES, ("result",)), "{{result}}"),),
             ),
             Panel(
-                "Stale positives per answered query",
-                "Verifications that found a believed page missing from L3, over answered "
-                f"verifications, per pool. The line is the alert threshold ({s.stale_ratio:.0%}).",
+                "Stale positives per answered verification",
+                "Verifications that removed a belief L3 lacks, over answered verifications "
+                "(present + absent + untrusted), per pool. The line is the alert threshold "
+                f"({s.stale_ratio:.0%} for {s.stale_for}).",
                 "percentunit",
                 (
                     _t(
@@ -516,26 +592,39 @@ def rows() -> tuple[Row, ...]:
             ),
             Panel(
                 "Query latency",
-                "Time one ground-truth query takes (worker thread; the scheduler never waits).",
+                "Time one ground-truth query takes, from the latency histogram over the "
+                "selected ranks (worker thread; the scheduler never waits). Near "
+                "reconciler.timeout_ms: ground truth is slow.",
                 "s",
                 (
                     _t(quantile(0.5, REC_SECONDS), "p50"),
                     _t(quantile(0.99, REC_SECONDS), "p99"),
                 ),
+                width=6,
             ),
             Panel(
                 "Errors by kind",
-                "Ground-truth errors per second by kind (connection, timeout, garbage, ...).",
+                "Ground-truth errors per second by kind (connection, timeout, garbage, "
+                "ledger_empty, ...). An error is never evidence of absence.",
                 "ops",
                 (_t(rate(REC_ERRORS, ("kind",)), "{{kind}}"),),
+                width=6,
+            ),
+            Panel(
+                "Outstanding verifications",
+                "Verifications queued or in flight, per rank (bounded by reconciler.queue_size).",
+                "short",
+                (_t(f"max by (tp_rank) ({selector(REC_OUTSTANDING)})", "tp {{tp_rank}}"),),
+                width=6,
             ),
             Panel(
                 "Circuit",
-                "Circuit breaker on the selected ranks: open means ground truth kept failing "
-                "and queries are skipped until a probe succeeds.",
+                "Circuit breaker on the selected ranks: open (or half-open) means ground "
+                "truth kept failing and verifications are rejected until a probe succeeds.",
                 "short",
                 (_t(f"max({selector(REC_CIRCUIT)})", "circuit"),),
                 type="stat",
+                width=6,
                 mappings=(
                     {
                         "type": "value",
@@ -553,9 +642,25 @@ def rows() -> tuple[Row, ...]:
         "Capacity advice",
         (
             Panel(
-                "Estimated hit ratio by cap",
-                "The advisor's live estimate (SHARDS) of the hit ratio an LRU of each multiple "
-                "of the current cap would have had on the same references, per pool.",
+                "Estimated lookup hit ratio by cap",
+                "The advisor's live estimate (SHARDS) of the hit ratio lookups alone would have "
+                "had with an LRU of each multiple of the current cap (cap_multiplier 0.25x to "
+                "8x), per pool. In buffer mode size the cap by this curve: a lookup miss is what "
+                "triggers an L3 write (docs/capacity.md).",
+                "percentunit",
+                (
+                    _t(
+                        f"max by (pool, cap_multiplier) ({selector(ADVISOR_LOOKUP)})",
+                        "{{pool}} x{{cap_multiplier}}",
+                    ),
+                ),
+                ratio=True,
+            ),
+            Panel(
+                "Estimated hit ratio by cap (reference stream)",
+                "The same estimate over the cache's whole reference stream (lookups and adds, "
+                "prefetch healing included), per pool. It rises with the cap partly by turning "
+                "healing adds into refreshes, which save nothing: read it with the lookup curve.",
                 "percentunit",
                 (
                     _t(
@@ -563,17 +668,24 @@ def rows() -> tuple[Row, ...]:
                         "{{pool}} x{{cap_multiplier}}",
                     ),
                 ),
-                width=12,
                 ratio=True,
             ),
             Panel(
-                "Estimated hit ratio now, by cap",
-                "The latest estimate per cap multiple: a curve that is still rising at 2x or "
-                "4x means a larger cap pays.",
+                "Advisor dropped references (pages/s)",
+                "Page references the advisor's buffer could not hold, per rank: while this is "
+                "above zero the estimates are biased low (raise advisor.buffer_ops or "
+                "advisor.drain_budget_ms, or lower advisor.sampling_rate).",
+                "ops",
+                (_t(rate(ADVISOR_DROPPED, ("tp_rank",)), "tp {{tp_rank}}"),),
+            ),
+            Panel(
+                "Estimated lookup hit ratio now, by cap",
+                "The latest lookup-curve estimate per cap multiple: still rising at 2x or 4x "
+                "means a larger cap pays; flat means the cap already holds the reuse.",
                 "percentunit",
                 (
                     _t(
-                        f"max by (pool, cap_multiplier) ({selector(ADVISOR)})",
+                        f"max by (pool, cap_multiplier) ({selector(ADVISOR_LOOKUP)})",
                         "{{pool}} x{{cap_multiplier}}",
                     ),
                 ),
@@ -583,18 +695,48 @@ def rows() -> tuple[Row, ...]:
             ),
             Panel(
                 "Gain from doubling the cap",
-                "Estimated hit ratio at 2x the cap minus at 1x, per pool (percentage points).",
+                "Estimated lookup hit ratio at 2x the cap minus at 1x, per pool (percentage "
+                "points; above 1x the estimate understates the gain, docs/capacity.md).",
                 "percentunit",
                 (
                     _t(
-                        f"max by (pool) ({selector(ADVISOR, cap_multiplier=CAP_DOUBLE)})\n-\n"
-                        f"max by (pool) ({selector(ADVISOR, cap_multiplier=CAP_NOW)})",
+                        f"{advisor_at(CAP_DOUBLE)}\n-\n{advisor_at(CAP_NOW)}",
                         "{{pool}}",
                     ),
                 ),
                 type="stat",
                 width=6,
-                steps=((None, "green"), (0.05, "orange")),
+                steps=((None, "green"), (0.02, "orange")),
+            ),
+            Panel(
+                "Recommended cap (entries)",
+                "Per pool: the current cap, and the smallest multiple of it (0.25x to 8x) "
+                "whose estimated lookup hit ratio is within "
+                f"{s.advice_tolerance * 100:g} percentage point(s) of the best estimate. At "
+                "8x the curve may still rise beyond; below 1x the cap could shrink.",
+                "short",
+                (
+                    _t(f"max by (pool) ({selector(CAPACITY)})", "{{pool}} now"),
+                    _t(
+                        recommended(lambda m: f"{m} * max by (pool) ({selector(CAPACITY)})"),
+                        "{{pool}} recommended",
+                    ),
+                ),
+                type="stat",
+                width=6,
+            ),
+            Panel(
+                "Estimated lookup hit ratio at the recommended cap",
+                "Per pool: the estimated lookup hit ratio at the current cap and at the "
+                "recommended cap (the panel to the left).",
+                "percentunit",
+                (
+                    _t(advisor_at(CAP_NOW), "{{pool}} now"),
+                    _t(recommended(advisor_at), "{{pool}} recommended"),
+                ),
+                type="stat",
+                width=6,
+                ratio=True,
             ),
         ),
     )
@@ -913,6 +1055,17 @@ def alerts() -> tuple[Alert, ...]:
             "collective hangs and silently lowers prefetch hits.",
         ),
         Alert(
+            "HicacheExistenceTPChecksStopped",
+            f"min by ({keep}, dp_rank, pp_rank) ({DIV_ACTIVE.sample}) == 0",
+            s.checks_stopped_for,
+            "warning",
+            "TP-replica divergence checks stopped in " + _DEPLOYMENT + ".",
+            "A rank of dp_rank {{ $labels.dp_rank }}, pp_rank {{ $labels.pp_rank }} has not "
+            f"been comparing its replica with the other TP ranks for {s.checks_stopped_for}: a "
+            "check's collective failed (timeout or error) or the ranks are configured "
+            "differently. A divergence would now go unnoticed.",
+        ),
+        Alert(
             "HicacheExistenceReconcilerDown",
             f'sum by ({keep}) (rate({REC_QUERIES.sample}{{result=~"{failed}"}}'
             f"[{s.reconciler_down_window}])) > 0\n"
@@ -921,8 +1074,9 @@ def alerts() -> tuple[Alert, ...]:
             s.reconciler_down_for,
             "warning",
             "The reconciler of " + _DEPLOYMENT + " gets no answers from ground truth.",
-            f"For {s.reconciler_down_for} every ground-truth query failed (error or timeout) and "
-            "none was answered: beliefs are not being verified or healed.",
+            f"For {s.reconciler_down_for} ground-truth verifications failed (error, timeout, or "
+            "rejected by the open circuit) and none was answered (present, absent or untrusted): "
+            "beliefs are not being verified or healed.",
         ),
         Alert(
             "HicacheExistenceReconcilerCircuitOpen",

@@ -209,7 +209,7 @@ def uses_pending(expr: str, records: set[str]) -> bool:
 #: The workload's knobs: small enough that everything moves within seconds.
 CAP = 2048
 L3_PAGES = 1500
-L3_DROP_EVERY = 50
+L3_DROP_EVERY = 20
 CLEAR_SWA_EVERY = 20
 REQUESTS_PER_STEP = 4
 STEPS_PER_S = 40.0
@@ -466,8 +466,14 @@ MOVING = (
         "sum(increase(hicache_existence_reconciler_query_seconds_count[1m])) > 0",
     ),
     (
-        "estimates at all six caps for kv and swa",
-        "count(count by (pool) (hicache_existence_advisor_estimated_hit_ratio) == 6) == 2",
+        "stream-curve estimates at all six caps for kv and swa",
+        "count(count by (pool) (max by (pool, cap_multiplier) "
+        "(hicache_existence_advisor_estimated_hit_ratio)) == 6) == 2",
+    ),
+    (
+        "lookup-curve estimates at all six caps for kv and swa",
+        "count(count by (pool) (max by (pool, cap_multiplier) "
+        "(hicache_existence_advisor_estimated_lookup_hit_ratio)) == 6) == 2",
     ),
 )
 
@@ -527,8 +533,8 @@ def exported_pending(stack: Stack, pending: list[Check]) -> list[str]:
 def test_pending_metric_queries_are_valid_and_an_exported_one_is_reported(stack, monkeypatch):
     """Queries over build.PENDING_METRICS are valid PromQL and return nothing (a
     pending metric that returns data must leave the list); planting an exported
-    metric (the advisor gauge) in the list moves its queries, recorded or not,
-    out of the asserted set and gets them reported as exported."""
+    metric (the advisor's lookup curve) in the list moves its queries out of the
+    asserted set and gets them reported as exported."""
     _, pending = partition()
     exported = exported_pending(stack, pending)
     assert not exported, f"pending metrics return data (remove them from the list): {exported}"
@@ -538,10 +544,11 @@ def test_pending_metric_queries_are_valid_and_an_exported_one_is_reported(stack,
             "were checked for validity only: " + "; ".join(c.what for c in pending),
             stacklevel=1,
         )
-    monkeypatch.setattr(build, "PENDING_METRICS", (build.ADVISOR.name,))
+    planted_name = build.ADVISOR_LOOKUP.name
+    monkeypatch.setattr(build, "PENDING_METRICS", (planted_name,))
     live, planted = partition()
-    assert planted and all(build.ADVISOR.name in c.query for c in planted)
-    assert not any(build.ADVISOR.name in c.query for c in live)
+    assert planted and all(planted_name in c.query for c in planted)
+    assert not any(planted_name in c.query for c in live)
     titles = {c.what for c in planted}
     assert "panel 'Recommended cap (entries)' target B" in titles
     assert "panel 'Recommended cap (entries)' target A" not in titles  # the cap alone

@@ -128,28 +128,36 @@ def dashboard_expr(title: str, ref_id: str) -> str:
     return _VARIABLE.sub(".*", target["expr"])
 
 
+#: A reference-stream curve still rising at 8x: the recommendation must ignore it
+#: (in buffer mode the cap is sized by the lookup curve).
+_STREAM = [0.1, 0.2, 0.3, 0.5, 0.7, 0.9]
+
+
 def _advisor_series(rank: str, pool: str, ratios: list[float]) -> list[dict[str, str]]:
+    """A pool's cap and its two advisor curves: ``ratios`` on the lookup curve."""
     labels = (
         f'job="sglang",instance="10.0.0.1:946{rank}",model_name="llama",engine_type="prefill",'
         f'storage_backend="mooncake",tp_rank="{rank}",dp_rank="0",pp_rank="0",pool="{pool}"'
     )
     out = [{"series": f"hicache_existence_capacity_entries{{{labels}}}", "values": "1000x5"}]
-    for multiplier, ratio in zip(("0.25", "0.5", "1", "2", "4", "8"), ratios):
-        out.append(
-            {
-                "series": "hicache_existence_advisor_estimated_hit_ratio"
-                f'{{{labels},cap_multiplier="{multiplier}"}}',
-                "values": f"{ratio}x5",
-            }
-        )
+    multipliers = ("0.25", "0.5", "1", "2", "4", "8")
+    for name, curve in (("lookup_hit_ratio", ratios), ("hit_ratio", _STREAM)):
+        for multiplier, ratio in zip(multipliers, curve if ratios else []):
+            out.append(
+                {
+                    "series": f"hicache_existence_advisor_estimated_{name}"
+                    f'{{{labels},cap_multiplier="{multiplier}"}}',
+                    "values": f"{ratio}x5",
+                }
+            )
     return out
 
 
 def test_recommended_cap_is_the_smallest_multiple_within_tolerance_of_the_best(tmp_path):
-    """The dashboard's recommended cap (and its estimate), under promtool: a curve
-    that flattens at 4x recommends 4x, a flat curve 0.25x, a curve still rising at
-    8x recommends 8x; equal replicas on two ranks count once; a pool without
-    estimates gets no recommendation."""
+    """The dashboard's recommended cap (and its estimate), under promtool: a lookup
+    curve that flattens at 4x recommends 4x, a flat one 0.25x, one still rising at
+    8x recommends 8x, whatever the reference-stream curve says; equal replicas on
+    two ranks count once; a pool without estimates gets no recommendation."""
     rules = {
         "groups": [
             {
@@ -161,7 +169,9 @@ def test_recommended_cap_is_the_smallest_multiple_within_tolerance_of_the_best(t
                     },
                     {
                         "record": "test:recommended_hit_ratio",
-                        "expr": dashboard_expr("Estimated hit ratio at the recommended cap", "B"),
+                        "expr": dashboard_expr(
+                            "Estimated lookup hit ratio at the recommended cap", "B"
+                        ),
                     },
                 ],
             }

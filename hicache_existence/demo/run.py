@@ -257,7 +257,15 @@ def _summary(runtime: Any, scheduler: Any, steps: int) -> dict[str, Any]:
         "totals": vars(scheduler.totals),
         "pools": {name: s.as_dict() for name, s in runtime.cache.stats().items()},
         "cap": runtime.config.cache.max_entries,
+        # Buffer mode sizes the cap by the lookup curve (prefetch healing re-teaches
+        # beliefs; docs/capacity.md); the reference-stream curve is kept beside it.
         "advice": {
+            pool: {str(m): v for m, v in a.lookup_estimates.items()}
+            for pool, a in advice.pools.items()
+        }
+        if advice
+        else {},
+        "advice_stream": {
             pool: {str(m): v for m, v in a.estimates.items()} for pool, a in advice.pools.items()
         }
         if advice
@@ -354,13 +362,16 @@ def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
     """Estimated hit ratio per pool at multiples of the cap, and a recommendation."""
     if not advice:
         return "  capacity advice: not enough references sampled yet"
-    lines = [f"  capacity advice (current cap {cap} entries per pool):"]
+    lines = [
+        f"  capacity advice (current cap {cap} entries per pool; estimated hit ratio of "
+        "lookups, the buffer-mode curve):"
+    ]
     for pool, estimates in sorted(advice.items()):
         known = [(float(m), v) for m, v in estimates.items() if v is not None]
         if not known:
             continue
         cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known))
-        lines.append(f"    {pool}: estimated page hit ratio {cells}")
+        lines.append(f"    {pool}: {cells}")
         best = max(v for _, v in known)
         enough = min(m for m, v in known if v >= best - 0.01)
         here = dict(known).get(1.0)
