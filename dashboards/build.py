@@ -30,6 +30,7 @@ from typing import Any, Literal
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence.json"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
+PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -1179,7 +1180,24 @@ def rules_text() -> str:
 
 
 def outputs() -> dict[Path, str]:
-    return {DASHBOARD_PATH: dashboard_text(), RULES_PATH: rules_text()}
+    rules = rules_text()
+    return {
+        DASHBOARD_PATH: dashboard_text(),
+        RULES_PATH: rules,
+        PROMETHEUSRULE_PATH: _prometheusrule(rules),
+    }
+
+
+def _prometheusrule(rules: str) -> str:
+    """The Kubernetes PrometheusRule embedding ``rules`` (one source for both)."""
+    import importlib.util
+
+    script = ROOT / "integrations" / "kubernetes" / "render_prometheusrule.py"
+    spec = importlib.util.spec_from_file_location("render_prometheusrule", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.render(rules))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

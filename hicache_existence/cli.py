@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 #: Sub-command modules under ``hicache_existence.commands``, in help order.
-COMMANDS: tuple[str, ...] = ("demo", "bench", "replay", "reconcile_bench")
+COMMANDS: tuple[str, ...] = ("demo", "bench", "replay", "reconcile_bench", "launch")
 
 
 def _load(name: str) -> ModuleType:

@@ -24,8 +24,11 @@ if ((${#need_apt[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# 2. The cached test environment (torch, sglang, test and dev extras).
+# 2. The cached test environment (torch, sglang, test and dev extras).  The "full"
+#    flavour (torch 2.14.1 + torchvision from local disk) is the one in which sglang's
+#    unified_radix_cache and scheduler modules import, which the plugin tests need.
 log "preparing the test environment"
+export HICACHE_EXISTENCE_ENV_FLAVOR="${HICACHE_EXISTENCE_ENV_FLAVOR:-full}"
 PY="$(bash tests/envs/ensure-env.sh | tail -n 1)"
 log "python: $PY"
 

@@ -87,6 +87,10 @@ def _read(fn: Callable[[], Any]) -> Any:
         return None
 
 
+def _attr(obj: Any, name: str) -> Any:
+    return _read(lambda: getattr(obj, name))
+
+
 def _int(value: Any, default: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return default
@@ -114,9 +118,8 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
     sources: list[str] = []
     server_args: Any = None
 
-    rc = _read(lambda: sys.modules.get("sglang.srt.runtime_context"))
-    if rc is None:
-        rc = _read(lambda: __import__("sglang.srt.runtime_context", fromlist=["get_parallel"]))
+    # Only if sglang already imported it: a context nobody imported was never published.
+    rc = sys.modules.get("sglang.srt.runtime_context")
     if rc is not None:
         got = _from_runtime_context(rc)
         if got:
@@ -160,7 +163,7 @@ def _from_runtime_context(rc: Any) -> dict[str, Any]:
     parallel = _read(rc.get_parallel)
     if parallel is not None:
         for name in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank"):
-            value = _read(lambda name=name: getattr(parallel, name))
+            value = _attr(parallel, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 out[name] = value
     serving = _read(rc.get_serving)
@@ -189,7 +192,10 @@ def _from_runtime_context(rc: Any) -> dict[str, Any]:
 
 def _from_server_args(server_args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    get = lambda name: _read(lambda: getattr(server_args, name, None))  # noqa: E731
+
+    def get(name: str) -> Any:
+        return _read(lambda: getattr(server_args, name, None))
+
     model = get("served_model_name") or get("model_path")
     if isinstance(model, str) and model:
         out["model_name"] = model
@@ -222,11 +228,15 @@ def _from_stack(depth: int) -> tuple[Any, Any]:
     while frame is not None and seen < depth and (scheduler is None or server_args is None):
         local = frame.f_locals
         owner = local.get("self")
-        if scheduler is None and owner is not None and type(owner).__name__.endswith("Scheduler"):
-            if hasattr(owner, "server_args"):
-                scheduler = owner
-                if server_args is None:
-                    server_args = getattr(owner, "server_args", None)
+        if (
+            scheduler is None
+            and owner is not None
+            and type(owner).__name__.endswith("Scheduler")
+            and hasattr(owner, "server_args")
+        ):
+            scheduler = owner
+            if server_args is None:
+                server_args = getattr(owner, "server_args", None)
         if server_args is None:
             candidate = local.get("server_args")
             if candidate is not None and hasattr(candidate, "model_path"):

@@ -206,9 +206,7 @@ def _check_config(values: FlagValues) -> None:
     try:
         Config.load(values.config, dict(os.environ))
     except ConfigError as exc:
-        raise SystemExit(
-            f"{ENABLE_FLAG}: invalid hicache-existence configuration: {exc}"
-        ) from None
+        raise SystemExit(f"{ENABLE_FLAG}: invalid hicache-existence configuration: {exc}") from None
 
 
 def register(registry: Any, around: Any) -> None:

@@ -72,7 +72,7 @@ def detect_generation(cls: object) -> Generation | None:
         return "current"
     flat_methods = ("add", "contains", "contains_all", "covers_all", "invalidate_beyond")
     if all(callable(getattr(cls, name, None)) for name in flat_methods):
-        params = _positional(getattr(cls, "add"))
+        params = _positional(getattr(cls, "add", None))
         if len(params) >= 3:  # self, pool, hashes
             return "flat"
     return None

@@ -1,0 +1,37 @@
+# Shared settings of the PD recipes (sourced by prefill.sh, decode.sh, router.sh).
+# Every value can be overridden from the environment; DRY_RUN=1 prints the command
+# (one argument per line) instead of running it.
+: "${PYTHON:=python3}"
+: "${MODEL:=meta-llama/Llama-3.1-8B-Instruct}"
+: "${HOST:=0.0.0.0}"
+: "${TP:=1}"
+# PD transfer engine between prefill and decode (mooncake, nixl, ...).
+: "${TRANSFER_BACKEND:=mooncake}"
+# HiCache L3 storage of the prefill servers (shared by all of them).
+: "${L3_BACKEND:=file}"
+if [ -z "${L3_EXTRA_CONFIG:-}" ]; then
+  L3_EXTRA_CONFIG='{"file_storage_path": "/mnt/hicache-l3"}'
+fi
+# 64-token pages: what HiCache recommends (the CUDA default page size is 1).
+: "${PAGE_SIZE:=64}"
+# Host memory as a staging buffer only: 1.2x the device pool is upstream's default.
+: "${HICACHE_RATIO:=1.2}"
+: "${PREFILL_PORT:=30000}"
+: "${DECODE_PORT:=30001}"
+: "${ROUTER_PORT:=8000}"
+: "${PREFILL_URLS:=http://127.0.0.1:${PREFILL_PORT}}"
+: "${DECODE_URLS:=http://127.0.0.1:${DECODE_PORT}}"
+# hicache-existence: how to enable it on prefill servers.
+#   flag      --enable-hicache-existence on sglang's command line (sglang >= 0.5.19)
+#   launcher  hicache-existence launch -- <sglang args>
+#   env       HICACHE_EXISTENCE_ENABLED=1 + HICACHE_EXISTENCE_CONFIG (containers)
+: "${HX_ROUTE:=flag}"
+: "${HX_CONFIG:=$(dirname "${BASH_SOURCE[0]}")/hicache-existence.json}"
+
+run() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    printf '%s\n' "$@"
+  else
+    exec "$@"
+  fi
+}

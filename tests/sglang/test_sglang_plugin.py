@@ -1,0 +1,155 @@
+"""The plugin inside the real sglang wheel: loaded by sglang's own
+``load_plugins()``, hooks on the real classes, our cache built by a real
+``UnifiedRadixCache``, the per-step hook run by the real
+``check_hicache_events``; disabled, a missing target and an unknown API shape
+leave sglang untouched."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hx_harness import EP_NAME, EP_VALUE, GROUP, Scenarios, installed_entry_point
+
+pytestmark = [pytest.mark.sglang]
+
+CACHE_CLASS = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache.StorageExistenceCache"
+STEP = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache_events"
+ADD = "sglang.srt.server_args.ServerArgs.add_cli_args"
+FROM = "sglang.srt.server_args.ServerArgs.from_cli_args"
+UPSTREAM_MODULE = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache"
+
+
+def test_entry_point_is_declared() -> None:
+    """The installed distribution declares the plugin's entry point (pyproject.toml)."""
+    ep = installed_entry_point()
+    assert ep is not None, (
+        f'pyproject.toml lacks [project.entry-points."{GROUP}"] {EP_NAME} = "{EP_VALUE}" '
+        "(or the environment was not reinstalled): sglang cannot find the plugin"
+    )
+    assert ep.value == EP_VALUE
+    assert ep.dist is not None and ep.dist.name == "hicache-existence"
+
+
+def test_load_plugins_registers_all_hooks_through_sglang(scenarios: Scenarios) -> None:
+    """Enabled, sglang's load_plugins runs our entry point, which registers the
+    REPLACE, AFTER and both AROUND hooks under the plugin's name."""
+    r = scenarios.get("enabled").value()
+    assert r["status"]["cache"] is True and r["status"]["generation"] == "current"
+    assert r["warnings"] == []
+    registry = r["registry"]
+    assert registry[CACHE_CLASS] == [["replace", EP_NAME, registry[CACHE_CLASS][0][2]]]
+    assert [h[0] for h in registry[STEP]] == ["after"]
+    assert [h[0] for h in registry[ADD]] == ["around"]
+    assert [h[0] for h in registry[FROM]] == ["around"]
+    assert all(h[1] == EP_NAME for hooks in registry.values() for h in hooks)
+
+
+def test_hooks_apply_to_the_real_classes(scenarios: Scenarios) -> None:
+    """apply_hooks put our class in upstream's module and in unified_radix_cache's
+    stale ``from ... import`` binding, and wrapped the real check_hicache_events."""
+    identity = scenarios.get("enabled").value()["identity"]
+    assert identity["class_module"] == "hicache_existence.sglang.hooks"
+    assert identity["urc_binding_is_same"] is True
+    assert identity["step_wrapped"] is True
+    assert identity["step_qualname"] == "UnifiedRadixCache.check_hicache_events"
+
+
+def test_unified_radix_cache_constructs_our_cache(scenarios: Scenarios) -> None:
+    """A real UnifiedRadixCache's constructor gets the process runtime's cache,
+    which upstream's (replaced) name recognises as an instance."""
+    built = scenarios.get("enabled").value()["constructed"]
+    assert built["cache"]["type"] == "hicache_existence.cache.StorageExistenceCache"
+    assert built["is_runtime_cache"] is True
+    assert built["isinstance_upstream_name"] is True
+
+
+def test_labels_come_from_the_running_scheduler(scenarios: Scenarios) -> None:
+    """Deployment labels are read from sglang's published runtime context: the
+    served model name, prefill engine type and the storage backend."""
+    built = scenarios.get("enabled").value()["constructed"]
+    assert built["labels"] == {
+        "model_name": "org/model-7b",
+        "engine_type": "prefill",
+        "tp_rank": "0",
+        "dp_rank": "0",
+        "pp_rank": "0",
+        "storage_backend": "file",
+    }
+    assert built["sources"][0] == "runtime_context"
+    assert built["metrics_mode"] == "standalone"
+
+
+def test_step_hook_runs_after_real_check_hicache_events(scenarios: Scenarios) -> None:
+    """Seven real check_hicache_events calls are seven runtime steps; divergence
+    checks are due every third step; metrics carry the labels."""
+    stepped = scenarios.get("enabled").value()["stepped"]
+    assert stepped["entry_steps"] == 7
+    assert stepped["runtime_steps"] == 7
+    assert stepped["checks"] == 2
+    assert stepped["divergence_active"] is True
+    assert stepped["members"] == [0]
+    assert stepped["hits"] == [True, True, False]
+    kv = stepped["cache_after"]["pools"]["kv"]
+    assert (kv["entries"], kv["inserts"], kv["queries"], kv["query_hits"]) == (8, 8, 3, 2)
+    (line,) = stepped["queries_samples"]
+    assert 'engine_type="prefill"' in line and 'model_name="org/model-7b"' in line
+    assert re.search(r"\} 3\.0$", line)
+    (checks,) = stepped["checks_samples"]
+    assert checks.endswith(" 2.0")
+
+
+def test_second_cache_in_one_process_is_upstreams(scenarios: Scenarios) -> None:
+    """Only the first existence cache of a process is observed; a second tree
+    gets upstream's own class, and the reason is recorded."""
+    second = scenarios.get("enabled").value()["second_tree"]
+    assert second["cache_module"] == UPSTREAM_MODULE
+    assert "second existence cache" in second["declined"]
+
+
+def test_disabled_leaves_sglang_untouched(scenarios: Scenarios) -> None:
+    """Installed but not enabled: no cache hook is registered, upstream's class
+    and check_hicache_events are the originals, the tree builds upstream's cache."""
+    r = scenarios.get("disabled").value()
+    assert r["status"]["enabled"] is False and r["status"]["cache"] is False
+    assert set(r["registry"]) == {ADD, FROM}
+    assert r["identity"]["class_module"] == UPSTREAM_MODULE
+    assert r["identity"]["urc_binding_is_same"] is True
+    assert r["identity"]["step_wrapped"] is False
+    assert r["cache_module"] == UPSTREAM_MODULE
+    assert r["entry"] is False
+    assert r["warnings"] == []
+
+
+def test_disabled_parses_exactly_like_sglang_without_the_plugin(scenarios: Scenarios) -> None:
+    """The parser hooks of a disabled plugin change nothing: the same argv gives
+    the same ServerArgs as in a process where sglang did not load the plugin."""
+    with_plugin = scenarios.get("disabled").value()
+    without = scenarios.get("no_plugin").value()
+    assert without["registry"] == {}
+    assert without["status"] == {}
+    assert with_plugin["parsed"]["repr"] == without["parsed"]["repr"]
+    assert with_plugin["parsed"]["extras"] == without["parsed"]["extras"] == []
+    assert with_plugin["identity"] == without["identity"]
+    assert with_plugin["env_enabled"] is None
+
+
+def test_missing_target_one_warning_and_untouched(scenarios: Scenarios) -> None:
+    """Without check_hicache_events, exactly one warning names the target and the
+    class is not replaced either (all or nothing)."""
+    r = scenarios.get("missing_target").value()
+    assert len(r["warnings"]) == 1
+    assert STEP in r["warnings"][0] and "sglang runs unmodified" in r["warnings"][0]
+    assert set(r["registry"]) == {ADD, FROM}
+    assert r["class_module"] == r["upstream_class_module"] == UPSTREAM_MODULE
+    assert r["entry"] is False
+    assert r["status"]["cache"] is False
+
+
+def test_unknown_api_shape_one_warning_and_untouched(scenarios: Scenarios) -> None:
+    """An existence cache class of an unknown API shape: one warning, no cache
+    hook, the class left as it was."""
+    r = scenarios.get("unknown_shape").value()
+    assert len(r["warnings"]) == 1 and "API this package does not know" in r["warnings"][0]
+    assert set(r["registry"]) == {ADD, FROM}
+    assert r["still_unknown"] is True
