@@ -31,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence.json"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
 PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
+#: The renderer of the PrometheusRule (located from this file, not ``ROOT``).
+_RENDER_SCRIPT = (
+    Path(__file__).resolve().parents[1] / "integrations" / "kubernetes" / "render_prometheusrule.py"
+)
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -1192,7 +1196,7 @@ def _prometheusrule(rules: str) -> str:
     """The Kubernetes PrometheusRule embedding ``rules`` (one source for both)."""
     import importlib.util
 
-    script = ROOT / "integrations" / "kubernetes" / "render_prometheusrule.py"
+    script = _RENDER_SCRIPT
     spec = importlib.util.spec_from_file_location("render_prometheusrule", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

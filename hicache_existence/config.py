@@ -34,12 +34,24 @@ ENV_CONFIG = "HICACHE_EXISTENCE_CONFIG"
 #: the test runner and the benchmark, never by ``Config``.
 ENV_NOT_SETTINGS = frozenset(
     {
-        "HICACHE_EXISTENCE_REQUIRE_ALL",
-        "HICACHE_EXISTENCE_REQUIRE_SGLANG",
-        "HICACHE_EXISTENCE_ENV_ROOT",
         "HICACHE_EXISTENCE_CACHE_DIR",
+        "HICACHE_EXISTENCE_MOONCAKE_TRACE",
+        "HICACHE_EXISTENCE_PYTHON",
     }
 )
+#: Prefixes of tooling variables (test runner, test environment builder).
+ENV_NOT_SETTINGS_PREFIXES = ("HICACHE_EXISTENCE_REQUIRE_", "HICACHE_EXISTENCE_ENV_")
+
+
+def is_setting_variable(key: str) -> bool:
+    """Whether environment variable ``key`` is a ``Config`` setting (per-key
+    variable or ``HICACHE_EXISTENCE_ENABLED``), not the JSON blob or tooling."""
+    return (
+        key.startswith(ENV_PREFIX)
+        and key != ENV_CONFIG
+        and key not in ENV_NOT_SETTINGS
+        and not key.startswith(ENV_NOT_SETTINGS_PREFIXES)
+    )
 
 
 class ConfigError(ValueError):
@@ -241,7 +253,7 @@ class Config:
             config = cls.from_json(blob, config)
         updates: dict[str, Any] = {}
         for key, raw in env.items():
-            if not key.startswith(ENV_PREFIX) or key == ENV_CONFIG or key in ENV_NOT_SETTINGS:
+            if not is_setting_variable(key):
                 continue
             path = key[len(ENV_PREFIX) :].lower().split("__")
             node = updates
@@ -294,7 +306,7 @@ def _load_json(text: str) -> Mapping[str, Any]:
     text = text.strip()
     if text.startswith("@"):
         text = Path(text[1:]).read_text(encoding="utf-8")
-    elif not text.startswith("{"):
+    elif not text.startswith(("{", "[")):
         path = Path(text)
         if not path.is_file():
             raise ConfigError(f"configuration is neither JSON nor a readable file: {text[:80]!r}")

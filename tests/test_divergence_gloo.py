@@ -367,7 +367,13 @@ def _worker(rank: int, size: int, port: int, out_dir: Path) -> None:  # pragma: 
     if rank == last:
         run_steps(rep, 150, lambda _s: chk.on_step())
         report["timeout"] = {"stopped_at": chk.step}
-        time.sleep(TIMEOUT_S + 3)
+        # Stay alive (without calling the checker) until every other rank has
+        # timed out and reported: leaving earlier would turn their timeout into a
+        # "connection closed" error, which is not the behaviour under test.
+        deadline = time.monotonic() + TIMEOUT_S + 60
+        others = [out_dir / f"rank{r}.json" for r in range(last)]
+        while time.monotonic() < deadline and not all(p.exists() for p in others):
+            time.sleep(0.05)
     else:
         failed: list[Any] = []
 

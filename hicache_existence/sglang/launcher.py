@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hicache_existence.config import ENV_CONFIG, ENV_NOT_SETTINGS, ENV_PREFIX, Config, ConfigError
+from hicache_existence.config import ENV_CONFIG, Config, ConfigError, is_setting_variable
 from hicache_existence.sglang.flags import CONFIG_FLAG, ENABLE_FLAG, ENV_ENABLED, read_config_text
 
 #: sglang entry points the launcher can start.
@@ -120,13 +120,7 @@ def plan(
             set_env[ENV_ENABLED] = "1"
         if flag_text is not None:
             set_env[ENV_CONFIG] = merged.to_json()
-            unset = [
-                key
-                for key in environ
-                if key.startswith(ENV_PREFIX)
-                and key not in (ENV_CONFIG, ENV_ENABLED)
-                and key not in ENV_NOT_SETTINGS
-            ]
+            unset = [key for key in environ if is_setting_variable(key) and key != ENV_ENABLED]
             if enable or merged.enabled:
                 set_env[ENV_ENABLED] = "1"
             else:

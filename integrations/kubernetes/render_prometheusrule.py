@@ -6,7 +6,7 @@ PrometheusRule (prometheus-operator), so the rules have one source.
 
 The groups are copied as text (indented under ``spec:``), never re-serialised, so
 the embedded rules are byte-for-byte what dashboards/build.py generated.
-tests/sglang/test_sglang_recipes.py fails when the committed file is stale.
+tests/sglang_integration/test_sglang_recipes.py fails when the committed file is stale.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RULES = HERE.parents[1] / "prometheus" / "rules.yml"
+RULES = HERE.parent / "prometheus" / "rules.yml"
 OUTPUT = HERE / "prometheusrule.yaml"
 
 HEADER = """\

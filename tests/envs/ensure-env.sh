@@ -144,7 +144,7 @@ if [ ! -d "$ENV" ]; then
   BLOG="$TMP/.hicache-env-build.log"
   log "building $KEY (flavour $FLAVOR) in $ROOT"
   BASE="$("$PYBIN" -c 'import sys; print(sys.executable)')"
-  "$BASE" -m venv "$TMP"
+  "$BASE" -m venv --prompt "$KEY" "$TMP"
   printf '%s\n' "$PINS" >"$TMP/.hicache-env-pins"
   log "installing $(printf '%s\n' "$PINS" | wc -l) pinned packages (--no-deps)"
   run_logged "$BLOG" "$TMP/bin/python" -m pip install --disable-pip-version-check \

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -83,14 +82,12 @@ def require_upstream() -> Upstream:
 
 @functools.cache
 def seed_baseline() -> ModuleType:
-    """``benchmarks/seed_baseline.py`` loaded by path: ``benchmarks`` is not a
-    package and need not be on ``sys.path``."""
-    path = REPO / "benchmarks" / "seed_baseline.py"
-    spec = importlib.util.spec_from_file_location("hicache_existence_seed_baseline", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The seed's code as the benchmarks run it (``hicache_existence.bench.seed``):
+    the one baseline every benchmark compares against, so the differential test
+    also proves the benchmark's baseline behaves like the seed."""
+    import hicache_existence.bench.seed as seed
+
+    return seed
 
 
 # -- programs and divergences, shared by the differential tests -------------------------
@@ -145,9 +142,7 @@ class Divergence(AssertionError):
     caches were built (``setup``: constructor keyword arguments) and the program up
     to and including the diverging step, so it can be replayed and minimized."""
 
-    def __init__(
-        self, what: str, cls: str, setup: dict[str, Any], program: Sequence[Op]
-    ) -> None:
+    def __init__(self, what: str, cls: str, setup: dict[str, Any], program: Sequence[Op]) -> None:
         self.what = what
         self.cls = cls
         self.setup = dict(setup)

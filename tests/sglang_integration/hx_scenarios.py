@@ -774,7 +774,7 @@ def step_overhead(rounds: str = "15", calls: str = "2000") -> dict[str, Any]:
     (minimal tree, default configuration), interleaved with the unhooked
     original in the same process; medians of ``rounds`` rounds of ``calls``.
 
-        HICACHE_EXISTENCE_ENABLED=1 python tests/sglang/hx_scenarios.py step_overhead
+        HICACHE_EXISTENCE_ENABLED=1 python tests/sglang_integration/hx_scenarios.py step_overhead
     """
     import statistics
 

@@ -2,7 +2,7 @@
 dataclasses (types, defaults and the ``#:`` comments above each field), so a new
 or renamed key cannot go undocumented.
 
-    python tests/sglang/test_enable_doc.py --write   # regenerate the table in place
+    python tests/sglang_integration/test_enable_doc.py --write   # regenerate the table in place
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_config_reference_matches_the_dataclasses() -> None:
     default, variable and comment (regenerate: this file with --write)."""
     assert _current() == config_table(), (
         "docs/enable.md's configuration table is stale: "
-        "python tests/sglang/test_enable_doc.py --write"
+        "python tests/sglang_integration/test_enable_doc.py --write"
     )
 
 

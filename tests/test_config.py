@@ -1,0 +1,92 @@
+"""Config: one typed object from defaults, JSON, files and environment; clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hicache_existence.config import Config, ConfigError, is_setting_variable, redact_url
+
+
+def test_sources_merge_in_order_env_then_text():
+    """Environment (blob, then per-key variables) is applied before explicit text."""
+    env = {
+        "HICACHE_EXISTENCE_CONFIG": '{"divergence": {"interval_steps": 5, "policy": "heal"}}',
+        "HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS": "6",
+        "HICACHE_EXISTENCE_ENABLED": "yes",
+        "HICACHE_EXISTENCE_METRICS__FLUSH_INTERVAL_S": "0.5",
+    }
+    config = Config.load('{"divergence": {"interval_steps": 7}}', env=env)
+    assert config.enabled is True
+    assert config.divergence.interval_steps == 7
+    assert config.divergence.policy == "heal"
+    assert config.metrics.flush_interval_s == 0.5
+
+
+def test_file_and_at_path_are_read(tmp_path):
+    """A path or @path holds the JSON."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"cache": {"max_entries": 1234}}))
+    assert Config.from_json(str(path)).cache.max_entries == 1234
+    assert Config.from_json(f"@{path}").cache.max_entries == 1234
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ('{"nope": 1}', "unknown configuration key 'nope'"),
+        ('{"divergence": {"policy": "panic"}}', "divergence.policy must be one of"),
+        ('{"metrics": {"port": "80"}}', "metrics.port must be an integer"),
+        ('{"metrics": {"port": 70000}}', "metrics.port must be <= 65535"),
+        ('{"cache": {"max_entries": 0}}', "cache.max_entries must be >= 1"),
+        ('{"advisor": {"sampling_rate": 2}}', "advisor.sampling_rate must be within [0, 1]"),
+        ('{"enabled": "true"}', "enabled must be a boolean"),
+        ("[1, 2]", "must be an object"),
+        ("{not json", "not valid JSON"),
+        ("/no/such/file.json", "neither JSON nor a readable file"),
+    ],
+)
+def test_bad_values_raise_config_error_naming_the_key(text, needle):
+    """Every malformed value raises ConfigError with the key (never a silent default)."""
+    with pytest.raises(ConfigError) as info:
+        Config.load(text, env={})
+    assert needle in str(info.value)
+
+
+def test_bad_environment_values_name_the_variable_key():
+    """A per-key variable with a bad value fails like JSON would."""
+    with pytest.raises(ConfigError, match="divergence.interval_steps must be an integer"):
+        Config.from_env({"HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS": "often"})
+    with pytest.raises(ConfigError, match="unknown configuration key"):
+        Config.from_env({"HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEP": "5"})
+
+
+def test_tooling_variables_are_not_settings():
+    """Test-runner and env-builder switches never reach Config."""
+    env = {
+        "HICACHE_EXISTENCE_REQUIRE_ALL": "1",
+        "HICACHE_EXISTENCE_ENV_FLAVOR": "full",
+        "HICACHE_EXISTENCE_CACHE_DIR": "/tmp/x",
+    }
+    assert Config.from_env(env) == Config()
+    assert not any(is_setting_variable(k) for k in env)
+    assert is_setting_variable("HICACHE_EXISTENCE_ENABLED")
+    assert not is_setting_variable("HICACHE_EXISTENCE_CONFIG")
+
+
+def test_redacted_masks_credentials_everywhere_they_are_shown():
+    """Passwords in the Redis URL never appear in redacted output."""
+    config = Config.from_mapping(
+        {"reconciler": {"redis_url": "rediss://user:s3cret@redis.example:6380/2"}}
+    )
+    shown = json.dumps(config.redacted())
+    assert "s3cret" not in shown and "user:***@redis.example:6380" in shown
+    assert redact_url("redis://:pw@h:1/0") == "redis://***@h:1/0"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_round_trip_through_json():
+    """to_json() output loads back to an equal Config."""
+    config = Config.from_mapping({"enabled": True, "metrics": {"port": 9500}})
+    assert Config.from_json(config.to_json()) == config
