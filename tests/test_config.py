@@ -56,7 +56,7 @@ def test_bad_values_raise_config_error_naming_the_key(text, needle):
 
 def test_bad_environment_values_name_the_variable_key():
     """A per-key variable with a bad value fails like JSON would."""
-    with pytest.raises(ConfigError, match="divergence.interval_steps must be an integer"):
+    with pytest.raises(ConfigError, match=r"divergence\.interval_steps must be an integer"):
         Config.from_env({"HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS": "often"})
     with pytest.raises(ConfigError, match="unknown configuration key"):
         Config.from_env({"HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEP": "5"})
