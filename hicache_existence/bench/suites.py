@@ -234,6 +234,11 @@ def run_foundation(
             cfg.rounds,
         )
     )
+    # Give the no-accounting cache the same history as ours (plan a), so both
+    # hash tables carry the same deleted-slot debris when the next comparison runs.
+    for chains in add_plan_a:
+        for c in chains:
+            bare_flat.add("kv", c)
     progress("accounting.flat.add_steady")
     result.comparisons.append(
         compare(
@@ -332,6 +337,10 @@ def run_foundation(
                 cfg.rounds,
             )
         )
+    if up_pool is not None:
+        for chains in add_plan_a:  # same history as ours (see the flat suite)
+            for c in chains:
+                bare_cur.add(c)
     progress("accounting.current")
     result.comparisons.append(
         compare(
