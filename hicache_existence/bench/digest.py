@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hicache_existence.bench import workload
-from hicache_existence.bench.harness import Comparison, RoundFn, Timing
+from hicache_existence.bench.harness import Comparison, RoundFn, Timing, add_round, lookup_round
 from hicache_existence.cache import StorageExistenceCache
 from hicache_existence.digest import ReplicaDigest, SharedLruDigest, audit_pool
 from hicache_existence.flat import FlatStorageExistenceCache
@@ -132,37 +132,6 @@ def paired_compare(
     )
 
 
-def _lookups(
-    method: Callable[..., bool], pool: str | None, plan: Sequence[list[list[str]]]
-) -> Callable[[int], int]:
-    def run(r: int) -> int:
-        pages = 0
-        for c in plan[r % len(plan)]:
-            hit = method(c) if pool is None else method(pool, c)
-            if not hit:
-                raise AssertionError("benchmark chain unexpectedly missed")
-            pages += len(c)
-        return pages
-
-    return run
-
-
-def _adds(
-    method: Callable[..., None], pool: str | None, plan: Sequence[list[list[str]]]
-) -> Callable[[int], int]:
-    def run(r: int) -> int:
-        pages = 0
-        for c in plan[r]:
-            if pool is None:
-                method(c)
-            else:
-                method(pool, c)
-            pages += len(c)
-        return pages
-
-    return run
-
-
 def _median_us(fn: Callable[[], object], repeat: int) -> float:
     samples = []
     for _ in range(repeat):
@@ -242,14 +211,14 @@ def _current_suite(
         )
 
     for op in ("contains_all", "covered"):
-        fn = _lookups(getattr(pool, op), None, plan)
+        fn = lookup_round(getattr(pool, op), None, plan)
         side_by_side(f"digest.current.{op}", fn, fn)
-    fn = _lookups(pool.contains_all, None, short_plan)
+    fn = lookup_round(pool.contains_all, None, short_plan)
     side_by_side(f"digest.current.contains_all_{cfg.short_chain_pages}p", fn, fn)
     side_by_side(
         "digest.current.add_steady",
-        _adds(pool.add, None, add_plan(0)),
-        _adds(pool.add, None, add_plan(1)),
+        add_round(pool.add, None, add_plan(0)),
+        add_round(pool.add, None, add_plan(1)),
     )
     pool._observer = digest
     progress("isolated costs")
@@ -273,7 +242,7 @@ def _flat_suite(
         flat.add("kv", c)
     for op in ("contains_all", "covers_all"):
         progress(f"digest.flat.{op}")
-        fn = _lookups(getattr(flat, op), "kv", plan)
+        fn = lookup_round(getattr(flat, op), "kv", plan)
         result.comparisons.append(
             paired_compare(
                 f"digest.flat.{op}",
@@ -286,8 +255,8 @@ def _flat_suite(
     result.comparisons.append(
         paired_compare(
             "digest.flat.add_steady",
-            ("no-digest", _toggled(flat, None, _adds(flat.add, "kv", add_plan(2)))),
-            ("digest", _toggled(flat, shared, _adds(flat.add, "kv", add_plan(3)))),
+            ("no-digest", _toggled(flat, None, add_round(flat.add, "kv", add_plan(2)))),
+            ("digest", _toggled(flat, shared, add_round(flat.add, "kv", add_plan(3)))),
             cfg.rounds,
         )
     )

@@ -87,3 +87,39 @@ def compare(
     """Time ``baseline`` and ``candidate`` side by side on ``scenario``."""
     base, cand = time_rounds([baseline, candidate], rounds)
     return Comparison(scenario, base, cand, base.ns_per_page / cand.ns_per_page, dict(notes))
+
+
+def lookup_round(
+    method: Callable[..., bool], pool: str | None, plan: Sequence[Sequence[list[str]]]
+) -> RoundFn:
+    """A round that looks up round ``r``'s chains (all must hit); ``pool`` is
+    passed first for the seed generation's ``method(pool, hashes)``."""
+
+    def run(r: int) -> int:
+        pages = 0
+        for c in plan[r % len(plan)]:
+            hit = method(c) if pool is None else method(pool, c)
+            if not hit:
+                raise AssertionError("benchmark chain unexpectedly missed")
+            pages += len(c)
+        return pages
+
+    return run
+
+
+def add_round(
+    method: Callable[..., None], pool: str | None, plan: Sequence[Sequence[list[str]]]
+) -> RoundFn:
+    """A round that adds round ``r``'s (fresh) chains."""
+
+    def run(r: int) -> int:
+        pages = 0
+        for c in plan[r]:
+            if pool is None:
+                method(c)
+            else:
+                method(pool, c)
+            pages += len(c)
+        return pages
+
+    return run

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import random
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.bench import noacct, workload
-from hicache_existence.bench.harness import Comparison, compare
+from hicache_existence.bench.harness import Comparison, add_round, compare, lookup_round
 from hicache_existence.bench.seed import SeedStorageExistenceCache
 from hicache_existence.bench.upstream import UpstreamModule
 from hicache_existence.cache import StorageExistenceCache
@@ -93,43 +93,6 @@ class BenchResult:
 
 # ---------------------------------------------------------------------------
 # round functions
-
-
-def _lookup_round(
-    method: Callable[..., bool], pool: str | None, plan: Sequence[list[list[str]]]
-) -> Callable[[int], int]:
-    def run(r: int) -> int:
-        chains = plan[r % len(plan)]
-        pages = 0
-        if pool is None:
-            for c in chains:
-                if not method(c):
-                    raise AssertionError("benchmark chain unexpectedly missed")
-                pages += len(c)
-        else:
-            for c in chains:
-                if not method(pool, c):
-                    raise AssertionError("benchmark chain unexpectedly missed")
-                pages += len(c)
-        return pages
-
-    return run
-
-
-def _add_round(
-    method: Callable[..., None], pool: str | None, plan: Sequence[list[list[str]]]
-) -> Callable[[int], int]:
-    def run(r: int) -> int:
-        pages = 0
-        for c in plan[r]:
-            if pool is None:
-                method(c)
-            else:
-                method(pool, c)
-            pages += len(c)
-        return pages
-
-    return run
 
 
 def _query_plans(
@@ -211,8 +174,8 @@ def run_foundation(
             result.comparisons.append(
                 compare(
                     f"flat.kv.{op}[{regime}]",
-                    ("seed", _lookup_round(getattr(seed_cache, op), "kv", plan)),
-                    ("ours", _lookup_round(getattr(ours_flat, op), "kv", plan)),
+                    ("seed", lookup_round(getattr(seed_cache, op), "kv", plan)),
+                    ("ours", lookup_round(getattr(ours_flat, op), "kv", plan)),
                     cfg.rounds,
                 )
             )
@@ -220,8 +183,8 @@ def run_foundation(
     result.comparisons.append(
         compare(
             "accounting.flat.contains_all[hot]",
-            ("no-accounting", _lookup_round(bare_flat.contains_all, "kv", plans["hot"])),
-            ("ours", _lookup_round(ours_flat.contains_all, "kv", plans["hot"])),
+            ("no-accounting", lookup_round(bare_flat.contains_all, "kv", plans["hot"])),
+            ("ours", lookup_round(ours_flat.contains_all, "kv", plans["hot"])),
             cfg.rounds * 2,
         )
     )
@@ -229,8 +192,8 @@ def run_foundation(
     result.comparisons.append(
         compare(
             "flat.add_steady",
-            ("seed", _add_round(seed_cache.add, "kv", add_plan_a)),
-            ("ours", _add_round(ours_flat.add, "kv", add_plan_a)),
+            ("seed", add_round(seed_cache.add, "kv", add_plan_a)),
+            ("ours", add_round(ours_flat.add, "kv", add_plan_a)),
             cfg.rounds,
         )
     )
@@ -243,8 +206,8 @@ def run_foundation(
     result.comparisons.append(
         compare(
             "accounting.flat.add_steady",
-            ("no-accounting", _add_round(bare_flat.add, "kv", add_plan_b)),
-            ("ours", _add_round(ours_flat.add, "kv", add_plan_b)),
+            ("no-accounting", add_round(bare_flat.add, "kv", add_plan_b)),
+            ("ours", add_round(ours_flat.add, "kv", add_plan_b)),
             cfg.rounds,
         )
     )
@@ -264,8 +227,8 @@ def run_foundation(
             result.comparisons.append(
                 compare(
                     f"flat.second_pool.{op}[{regime}]",
-                    ("seed", _lookup_round(getattr(seed_cache, op), "swa", plan)),
-                    ("ours", _lookup_round(getattr(ours_flat, op), "swa", plan)),
+                    ("seed", lookup_round(getattr(seed_cache, op), "swa", plan)),
+                    ("ours", lookup_round(getattr(ours_flat, op), "swa", plan)),
                     cfg.rounds,
                 )
             )
@@ -306,8 +269,8 @@ def run_foundation(
                 result.comparisons.append(
                     compare(
                         f"current.{op}[{regime}]",
-                        ("upstream", _lookup_round(getattr(up_pool, op), None, plan)),
-                        ("ours", _lookup_round(getattr(ours_cur, op), None, plan)),
+                        ("upstream", lookup_round(getattr(up_pool, op), None, plan)),
+                        ("ours", lookup_round(getattr(ours_cur, op), None, plan)),
                         cfg.rounds,
                     )
                 )
@@ -321,8 +284,8 @@ def run_foundation(
             result.comparisons.append(
                 compare(
                     f"current.covered_inflight_present[{regime}]",
-                    ("upstream", _lookup_round(up_pool.covered, None, plan)),
-                    ("ours", _lookup_round(ours_cur.covered, None, plan)),
+                    ("upstream", lookup_round(up_pool.covered, None, plan)),
+                    ("ours", lookup_round(ours_cur.covered, None, plan)),
                     cfg.rounds,
                 )
             )
@@ -332,8 +295,8 @@ def run_foundation(
         result.comparisons.append(
             compare(
                 "current.add_steady",
-                ("upstream", _add_round(up_pool.add, None, add_plan_a)),
-                ("ours", _add_round(ours_cur.add, None, add_plan_a)),
+                ("upstream", add_round(up_pool.add, None, add_plan_a)),
+                ("ours", add_round(ours_cur.add, None, add_plan_a)),
                 cfg.rounds,
             )
         )
@@ -345,16 +308,16 @@ def run_foundation(
     result.comparisons.append(
         compare(
             "accounting.current.contains_all[hot]",
-            ("no-accounting", _lookup_round(bare_cur.contains_all, None, plans["hot"])),
-            ("ours", _lookup_round(ours_cur.contains_all, None, plans["hot"])),
+            ("no-accounting", lookup_round(bare_cur.contains_all, None, plans["hot"])),
+            ("ours", lookup_round(ours_cur.contains_all, None, plans["hot"])),
             cfg.rounds * 2,
         )
     )
     result.comparisons.append(
         compare(
             "accounting.current.add_steady",
-            ("no-accounting", _add_round(bare_cur.add, None, add_plan_c)),
-            ("ours", _add_round(ours_cur.add, None, add_plan_c)),
+            ("no-accounting", add_round(bare_cur.add, None, add_plan_c)),
+            ("ours", add_round(ours_cur.add, None, add_plan_c)),
             cfg.rounds,
         )
     )
