@@ -1,0 +1,78 @@
+"""The benchmark machinery: the accounting-free baseline and the CLI's record.
+
+Timings are never asserted here (benchmarks report ratios; they are not timed
+unit tests); these tests only keep the benchmark honest and runnable.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from hicache_existence.bench import noacct
+from hicache_existence.bench.seed import SeedStorageExistenceCache
+
+
+def test_stripped_classes_keep_the_data_path_and_drop_only_accounting():
+    """The no-accounting copies behave exactly like the shipped classes (same LRU
+    order) while every counter stays at zero, and statements were removed."""
+    import hicache_existence as he
+
+    assert noacct.removed_statement_count() > 20
+    classes = noacct.stripped_classes()
+    ours = he.StorageExistenceCache(3).pool("kv")
+    bare = classes["StorageExistenceCache"](3).pool("kv")
+    for pool in (ours, bare):
+        pool.add(["a", "b", "c", "d"])
+        pool.contains_all(["b", "x"])
+        pool.invalidate_beyond(["c", "d"], 1)
+    assert ours.lru_keys() == bare.lru_keys()
+    assert ours.stats().page_hits == 1 and bare.stats().page_hits == 0
+    flat = he.FlatStorageExistenceCache(3)
+    bare_flat = classes["FlatStorageExistenceCache"](3)
+    for cache in (flat, bare_flat):
+        cache.add("kv", ["a", "b"])
+        cache.add("swa", ["a", "c"])
+    assert flat.lru_keys() == bare_flat.lru_keys()
+    assert bare_flat.stats().total.inserts == 0
+
+
+def test_seed_baseline_matches_the_flat_generation_on_a_mixed_stream():
+    """The benchmark's seed baseline and our flat cache agree on state."""
+    import hicache_existence as he
+
+    seed, ours = SeedStorageExistenceCache(4), he.FlatStorageExistenceCache(4)
+    ops = [
+        ("add", "kv", list("abc")),
+        ("add", "swa", list("ab")),
+        ("all", "kv", list("ab")),
+        ("inv", "kv", list("abc"), 1),
+        ("add", "kv", list("de")),
+    ]
+    for op in ops:
+        for cache in (seed, ours):
+            if op[0] == "add":
+                cache.add(op[1], op[2])
+            elif op[0] == "all":
+                cache.contains_all(op[1], op[2])
+            else:
+                cache.invalidate_beyond(op[1], op[2], op[3])
+    assert list(seed._entries) == list(ours.lru_keys())
+
+
+def test_bench_cli_quick_json_record_has_every_target():
+    """`hicache-existence bench --quick --json` runs and reports every foundation
+    target with its verdict (upstream marked unmeasured when sglang is absent)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache_existence", "bench", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    record = json.loads(out.stdout)
+    names = {t["target"] for t in record["targets"]}
+    assert {"flat.kv.contains_all", "flat.add_steady", "current.add_steady"} <= names
+    assert all(isinstance(t["met"], bool) for t in record["targets"])
+    assert record["memory"]["flat.memory_per_entry"]["ratio"] < 1.0
