@@ -300,10 +300,6 @@ def run_foundation(
                 cfg.rounds,
             )
         )
-    if up_pool is not None:
-        for chains in add_plan_a:  # same history as ours (see the flat suite)
-            for c in chains:
-                bare_cur.add(c)
     progress("accounting.current")
     result.comparisons.append(
         compare(
@@ -313,6 +309,10 @@ def run_foundation(
             cfg.rounds * 2,
         )
     )
+    if up_pool is not None:
+        for chains in add_plan_a:  # same history as ours (see the flat suite)
+            for c in chains:
+                bare_cur.add(c)
     result.comparisons.append(
         compare(
             "accounting.current.add_steady",
