@@ -216,7 +216,15 @@ class PoolBeliefs:
     def contains_all(self, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored.  Stops at the first page that is
         not; the pages before it are LRU-touched."""
-        seq = _validate.page_hashes(hashes)
+        return self._walk(_validate.page_hashes(hashes), None)
+
+    def covered(self, hashes: Iterable[str]) -> bool:
+        """Whether every page is believed stored or in flight.  Believed pages are
+        LRU-touched; in-flight-only pages count as rescues."""
+        return self._walk(_validate.page_hashes(hashes), self._inflight or None)
+
+    def _walk(self, seq: Sequence[str], cover: dict[str, int] | None) -> bool:
+        """A chain walk: every page touched in C; the rest only on a miss."""
         c = self._counters
         c.queries += 1
         try:
@@ -224,27 +232,7 @@ class PoolBeliefs:
         except KeyError as miss:
             # Any earlier occurrence of the missing page would have raised there,
             # so its first index is where the walk stopped.
-            return self._walk_rest(seq, seq.index(miss.args[0]), None, c)
-        n = len(seq)
-        c.query_hits += 1
-        c.pages_checked += n
-        c.page_hits += n
-        if n and self._observer is not None:
-            self._observer.touched(self.name, seq, n)
-        return True
-
-    def covered(self, hashes: Iterable[str]) -> bool:
-        """Whether every page is believed stored or in flight.  Believed pages are
-        LRU-touched; in-flight-only pages count as rescues."""
-        if not self._inflight:
-            return self.contains_all(hashes)
-        seq = _validate.page_hashes(hashes)
-        c = self._counters
-        c.queries += 1
-        try:
-            _exhaust(map(self._entries.move_to_end, seq))
-        except KeyError as miss:
-            return self._walk_rest(seq, seq.index(miss.args[0]), self._inflight, c)
+            return self._walk_rest(seq, seq.index(miss.args[0]), cover, c)
         n = len(seq)
         c.query_hits += 1
         c.pages_checked += n

@@ -95,20 +95,25 @@ class FlatStorageExistenceCache:
     def max_entries(self, value: int) -> None:
         self._max_entries = _validate.count(value, "max_entries", 1)
 
-    def _pool(self, pool: str) -> _Pool:
-        """The record of ``pool``; a new one is created only after ``pool`` is
-        validated, so a call that fails validation leaves no trace."""
+    def _resolve(self, pool: str) -> _Pool | str:
+        """The record of a known ``pool``, else its validated name (raises on a bad
+        one).  Known pools skip validation: the hot path pays one dict lookup."""
         try:
             rec = self._pools.get(pool)
         except TypeError:
             rec = None
+        return rec if rec is not None else _validate.pool_name(pool)
+
+    def _pool(self, resolved: _Pool | str) -> _Pool:
+        """The record for ``_resolve``'s answer, created only now, after the caller
+        validated everything else, so a call that fails validation leaves no trace."""
+        if isinstance(resolved, _Pool):
+            return resolved
+        rec = self._pools.get(resolved)
         if rec is None:
-            name = _validate.pool_name(pool)
-            rec = self._pools.get(name)
-            if rec is None:
-                memory = self._miss_memory(name) if self._miss_memory else None
-                rec = self._pools[name] = _Pool(name, memory)
-                self._any_memory = self._any_memory or memory is not None
+            memory = self._miss_memory(resolved) if self._miss_memory else None
+            rec = self._pools[resolved] = _Pool(resolved, memory)
+            self._any_memory = self._any_memory or memory is not None
         return rec
 
     def _keys(self, rec: _Pool, seq: Sequence[str]) -> Sequence[_Key]:
@@ -120,9 +125,9 @@ class FlatStorageExistenceCache:
     def add(self, pool: str, hashes: Iterable[str]) -> None:
         """Insert or refresh every page of ``pool`` in order, then evict the
         globally least recently used entries down to the shared cap."""
-        _validate.pool_name(pool)
+        resolved = self._resolve(pool)
         seq = _validate.page_hashes(hashes)
-        rec = self._pool(pool)
+        rec = self._pool(resolved)
         keys = self._keys(rec, seq)
         entries = self._entries
         n = len(seq)
@@ -172,10 +177,10 @@ class FlatStorageExistenceCache:
 
     def invalidate_beyond(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         """Drop ``pool``'s beliefs beyond the leading ``keep_pages`` of ``hashes``."""
-        _validate.pool_name(pool)
+        resolved = self._resolve(pool)
         keep = _validate.count(keep_pages, "keep_pages")
         seq = _validate.page_hashes(hashes)
-        rec = self._pool(pool)
+        rec = self._pool(resolved)
         tail = seq[keep:]
         results = list(map(self._entries.pop, self._keys(rec, tail), repeat(_ABSENT)))
         dropped = len(tail) - results.count(_ABSENT)
@@ -212,9 +217,9 @@ class FlatStorageExistenceCache:
     # -- queries -------------------------------------------------------------
     def contains(self, pool: str, page_hash: str) -> bool:
         """Whether one page of ``pool`` is believed stored; a hit is LRU-touched."""
-        _validate.pool_name(pool)
+        resolved = self._resolve(pool)
         _validate.page_hash(page_hash)
-        rec = self._pool(pool)
+        rec = self._pool(resolved)
         key: _Key = page_hash if rec.name == self._primary else (rec.name, page_hash)
         entries = self._entries
         c = rec.counters
@@ -236,9 +241,9 @@ class FlatStorageExistenceCache:
     def contains_all(self, pool: str, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored; stops at the first that is not,
         having LRU-touched the pages before it."""
-        _validate.pool_name(pool)
+        resolved = self._resolve(pool)
         seq = _validate.page_hashes(hashes)
-        return self._walk(self._pool(pool), seq, _EMPTY)
+        return self._walk(self._pool(resolved), seq, _EMPTY)
 
     def covers_all(
         self,
@@ -249,10 +254,10 @@ class FlatStorageExistenceCache:
         """Whether every page is believed stored or in ``extra_cover`` (e.g. its
         D2H was launched and the storage ack is certain).  Believed pages are
         LRU-touched; pages covered only by ``extra_cover`` are rescues."""
-        _validate.pool_name(pool)
+        resolved = self._resolve(pool)
         _validate.container(extra_cover, "extra_cover")
         seq = _validate.page_hashes(hashes)
-        return self._walk(self._pool(pool), seq, extra_cover)
+        return self._walk(self._pool(resolved), seq, extra_cover)
 
     def _walk(self, rec: _Pool, seq: Sequence[str], cover: Container[str]) -> bool:
         c = rec.counters

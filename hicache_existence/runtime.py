@@ -191,7 +191,6 @@ class ExistenceRuntime:
 
     def _advice(self) -> Any:
         assert self.advisor is not None
-        stats = self.cache.stats()
         if isinstance(self.cache, FlatStorageExistenceCache):
             return self.advisor.snapshot(self.cache.max_entries)
-        return self.advisor.snapshot({pool: s.capacity for pool, s in stats.items()})
+        return self.advisor.snapshot({pool: s.capacity for pool, s in self.cache.stats().items()})

@@ -11,7 +11,7 @@ reason about an interval.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
 #: Why a page missed.  Index order is the order of ``PoolCounters.miss_reasons``.
@@ -252,7 +252,7 @@ class CacheStats(Mapping[str, PoolStats]):
             total = total + stats
         if self.shared_capacity and self.pools:
             capacity = next(iter(self.pools.values())).capacity
-            total = _replace_capacity(total, capacity)
+            total = replace(total, capacity=capacity)
         return total
 
     def __sub__(self, other: CacheStats) -> CacheStats:
@@ -275,12 +275,6 @@ class CacheStats(Mapping[str, PoolStats]):
             "pools": {name: s.as_dict() for name, s in self.pools.items()},
             "total": self.total.as_dict(),
         }
-
-
-def _replace_capacity(stats: PoolStats, capacity: int) -> PoolStats:
-    values = {f.name: getattr(stats, f.name) for f in fields(stats)}
-    values["capacity"] = capacity
-    return PoolStats(**values)
 
 
 def make_cache_stats(pools: Mapping[str, PoolStats], shared_capacity: bool = False) -> CacheStats:

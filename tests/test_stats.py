@@ -9,30 +9,9 @@ import json
 import time
 
 import pytest
+from reference_models import COUNTERS, GAUGES  # the contract's field lists, once
 
 import hicache_existence as he
-
-COUNTERS = (
-    "queries",
-    "query_hits",
-    "query_misses",
-    "pages_checked",
-    "page_hits",
-    "rescues",
-    "page_misses",
-    "adds",
-    "inserts",
-    "refreshes",
-    "evictions",
-    "invalidate_calls",
-    "invalidations",
-    "clears",
-    "cleared_pages",
-    "inflight_tracked",
-    "inflight_released",
-    "inflight_clears",
-)
-GAUGES = ("entries", "capacity", "inflight")
 
 
 def busy_cache():

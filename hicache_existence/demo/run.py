@@ -247,15 +247,15 @@ def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> dict[
 
 
 def _summary(runtime: Any, scheduler: Any, steps: int) -> dict[str, Any]:
+    runtime.cache.settle()  # classify the last step's misses before reporting them
     stats = runtime.cache.stats()
     advice = runtime._advice() if runtime.advisor is not None else None
     checker = runtime.checker.stats() if runtime.checker is not None else None
     rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
-    runtime.cache.settle()
     return {
         "steps": steps,
         "totals": vars(scheduler.totals),
-        "pools": {name: s.as_dict() for name, s in runtime.cache.stats().items()},
+        "pools": {name: s.as_dict() for name, s in stats.items()},
         "cap": runtime.config.cache.max_entries,
         # Buffer mode sizes the cap by the lookup curve (prefetch healing re-teaches
         # beliefs; docs/capacity.md); the reference-stream curve is kept beside it.
