@@ -48,6 +48,23 @@ def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
     return seq
 
 
+def page_sequence(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
+    """``hashes`` as a list or tuple, items unchecked: for calls whose items an
+    ``LruIndex`` checks itself (before changing anything, in one C pass)."""
+    if type(hashes) in _SEQ_TYPES:
+        return hashes  # type: ignore[return-value]
+    if isinstance(hashes, (str, bytes, bytearray)):
+        raise TypeError(
+            f"{arg} must be an iterable of str page hashes, not a single {type(hashes).__name__}"
+        )
+    try:
+        return tuple(hashes)
+    except TypeError:
+        raise TypeError(
+            f"{arg} must be an iterable of str page hashes, got {type(hashes).__name__}"
+        ) from None
+
+
 def page_hash(value: object, arg: str = "page_hash") -> str:
     """Return ``value`` if it is a ``str``, else raise ``TypeError``."""
     if not isinstance(value, str):

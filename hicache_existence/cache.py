@@ -3,9 +3,9 @@
 A drop-in for ``sglang.srt.mem_cache.buffer_mode.storage_existence_cache``:
 same classes, same methods, same results and LRU order for every operation
 sequence, plus always-on accounting.  It is faster than upstream because the
-per-page work runs inside C iterators (``map`` over ``OrderedDict.move_to_end``
-drained by a zero-length ``deque``) instead of a Python ``for`` loop; the page a
-chain walk stops at is recovered from the ``KeyError`` only on the miss path.
+beliefs live in an ``LruIndex`` (``hicache_existence.lru``): a whole chain is
+walked, inserted or evicted in one C call instead of a Python ``for`` loop over
+``OrderedDict`` methods, and the index is half the size of an ``OrderedDict``.
 
 Beliefs are advisory: a hit skips a redundant D2H copy and L3 write, a stale
 positive at worst skips write-backs until a prefetch shortfall heals it, a miss
@@ -16,11 +16,11 @@ thread is safe.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice, repeat
+from itertools import islice
 
-from hicache_existence import _validate
+from hicache_existence import _validate, lru
 from hicache_existence.observers import BeliefObserver, MissMemory
 from hicache_existence.stats import (
     CLEARED,
@@ -34,10 +34,6 @@ from hicache_existence.stats import (
 
 #: Upstream's default cap per pool (~32M tokens at page size 64).
 HICACHE_EXISTENCE_CACHE_MAX_ENTRIES = 512 * 1024
-
-#: Drains an iterator in C without keeping anything (itertools "consume" recipe).
-_exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
-_ABSENT = object()
 
 MissMemoryFactory = Callable[[str], "MissMemory | None"]
 
@@ -67,8 +63,9 @@ class PoolBeliefs:
     ) -> None:
         self.name = _validate.pool_name(name, "name")
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
-        # Attribute names match upstream's, for code that peeks at them.
-        self._entries: OrderedDict[str, None] = OrderedDict()
+        # Attribute names match upstream's, for code that peeks at them (the
+        # index supports len(), ``in`` and iteration in LRU order).
+        self._entries: lru.LruIndexType = lru.LruIndex()
         self._inflight: dict[str, int] = {}
         self._counters = PoolCounters()
         self._memory = miss_memory
@@ -88,17 +85,11 @@ class PoolBeliefs:
     # -- mutations -----------------------------------------------------------
     def add(self, hashes: Iterable[str]) -> None:
         """Insert or refresh every page in order, then evict oldest-first to the cap."""
-        seq = _validate.page_hashes(hashes)
+        seq = _validate.page_sequence(hashes)
         entries = self._entries
         n = len(seq)
-        before = len(entries)
-        for h in seq:  # measured faster than OrderedDict.update(zip(...)) here
-            entries[h] = None
-        inserted = len(entries) - before
-        if inserted != n:
-            # Some pages were present or repeated: re-touch in order so the last
-            # occurrence of each page decides its LRU position, as upstream.
-            _exhaust(map(entries.move_to_end, seq))
+        # Pages already present (or repeated) move to the MRU end, as upstream.
+        inserted = entries.add(seq)
         c = self._counters
         c.adds += 1
         c.inserts += inserted
@@ -111,14 +102,14 @@ class PoolBeliefs:
 
     def _evict(self, excess: int) -> None:
         """The one eviction path: pop the ``excess`` least recently used entries."""
-        popitem = self._entries.popitem
         memory = self._memory
         if memory is None:
-            _exhaust(map(popitem, repeat(False, excess)))
+            self._entries.evict(excess)
         else:
             if self._missed:
                 self.settle()
-            memory.remember([key for key, _ in map(popitem, repeat(False, excess))], EVICTED)
+            evicted: dict[int, list[str]] = self._entries.evict(excess, True)  # type: ignore[assignment]
+            memory.remember(evicted.get(0, []), EVICTED)
         self._counters.evictions += excess
 
     def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
@@ -126,18 +117,14 @@ class PoolBeliefs:
         (absent pages are skipped); the next insert re-writes that span."""
         keep = _validate.count(keep_pages, "keep_pages")
         seq = _validate.page_hashes(hashes)
-        tail = seq[keep:]
-        results = list(map(self._entries.pop, tail, repeat(_ABSENT)))
-        dropped = len(tail) - results.count(_ABSENT)
+        gone = self._entries.discard(seq[keep:])
         c = self._counters
         c.invalidate_calls += 1
-        c.invalidations += dropped
-        if dropped and self._memory is not None:
+        c.invalidations += len(gone)
+        if gone and self._memory is not None:
             if self._missed:
                 self.settle()
-            self._memory.remember(
-                [h for h, r in zip(tail, results) if r is not _ABSENT], INVALIDATED
-            )
+            self._memory.remember(gone, INVALIDATED)
         if self._observer is not None:
             self._observer.invalidated(self.name, seq, keep)
 
@@ -179,7 +166,7 @@ class PoolBeliefs:
         if entries and self._memory is not None:
             if self._missed:
                 self.settle()
-            self._memory.remember(list(entries), CLEARED)
+            self._memory.remember(entries.keys(), CLEARED)
         entries.clear()
         self._inflight.clear()
         if self._observer is not None:
@@ -196,12 +183,10 @@ class PoolBeliefs:
     def contains(self, page_hash: str) -> bool:
         """Whether one page is believed stored; a hit is LRU-touched."""
         _validate.page_hash(page_hash)
-        entries = self._entries
         c = self._counters
         c.queries += 1
         c.pages_checked += 1
-        if page_hash in entries:
-            entries.move_to_end(page_hash)
+        if self._entries.touch(page_hash):
             c.page_hits += 1
             c.query_hits += 1
             if self._observer is not None:
@@ -216,24 +201,22 @@ class PoolBeliefs:
     def contains_all(self, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored.  Stops at the first page that is
         not; the pages before it are LRU-touched."""
-        return self._walk(_validate.page_hashes(hashes), None)
+        return self._walk(_validate.page_sequence(hashes), None)
 
     def covered(self, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored or in flight.  Believed pages are
         LRU-touched; in-flight-only pages count as rescues."""
-        return self._walk(_validate.page_hashes(hashes), self._inflight or None)
+        return self._walk(_validate.page_sequence(hashes), self._inflight or None)
 
     def _walk(self, seq: Sequence[str], cover: dict[str, int] | None) -> bool:
-        """A chain walk: every page touched in C; the rest only on a miss."""
+        """A chain walk: the believed prefix touched in one C call; the rest
+        only on a miss."""
+        n = len(seq)
+        pos = self._entries.touch_prefix(seq)  # validates seq before any change
         c = self._counters
         c.queries += 1
-        try:
-            _exhaust(map(self._entries.move_to_end, seq))
-        except KeyError as miss:
-            # Any earlier occurrence of the missing page would have raised there,
-            # so its first index is where the walk stopped.
-            return self._walk_rest(seq, seq.index(miss.args[0]), cover, c)
-        n = len(seq)
+        if pos != n:
+            return self._walk_rest(seq, pos, cover, c)
         c.query_hits += 1
         c.pages_checked += n
         c.page_hits += n
@@ -253,12 +236,10 @@ class PoolBeliefs:
         query misses or meets in-flight content."""
         hits = pos
         rescues = 0
-        entries = self._entries
-        move_to_end = entries.move_to_end
         if cover is not None:
+            touch = self._entries.touch
             for h in islice(seq, pos, None):
-                if h in entries:
-                    move_to_end(h)
+                if touch(h):
                     hits += 1
                 elif h in cover:
                     rescues += 1
@@ -317,7 +298,7 @@ class PoolBeliefs:
 
     def lru_keys(self) -> tuple[str, ...]:
         """Believed page hashes, least recently used first (O(entries); for tests)."""
-        return tuple(self._entries)
+        return tuple(self._entries.keys())
 
     def inflight_refs(self) -> dict[str, int]:
         """A copy of the in-flight refcounts."""

@@ -350,15 +350,12 @@ def audit_pool(pool: PoolBeliefs) -> int:
     """An exact 63-bit digest of a current-generation pool's *membership*: the
     believed pages, the in-flight refcounts and the cap.  O(entries), in C.
 
-    Pages are read in the order of the underlying ``dict`` (first insertion
-    since the page last left), not in LRU order: walking an ``OrderedDict``'s
-    linked list costs ~0.4 us a page at 512K entries (a hash probe per node),
-    the plain ``dict`` scan ~30 ns.  That order is a deterministic function of
-    the operation history, so equal histories still give equal audits; an LRU
-    order that differs matters only once it evicts differently, and then the
-    membership differs.
+    Pages are read in LRU order, which both index implementations give
+    identically (the compiled one walks its node list in C, ~10 ns a page at
+    512K entries), so equal histories give equal audits whatever backend each
+    rank runs.
     """
-    keys = list(dict.keys(pool._entries))
+    keys = pool._entries.keys()
     crc = _crc_strings(keys, 0)
     items = sorted(pool._inflight.items())
     crc2 = _crc_strings([k for k, _ in items], 0)
@@ -368,9 +365,9 @@ def audit_pool(pool: PoolBeliefs) -> int:
 
 def audit_flat(cache: FlatStorageExistenceCache) -> int:
     """An exact 63-bit digest of a seed-generation cache's membership over every
-    pool (``dict`` order, as ``audit_pool``) and the shared cap."""
-    entries = cache._entries
-    keys = [k if type(k) is str else "\x01".join(k) for k in dict.keys(entries)]
+    pool (LRU order, as ``audit_pool``) and the shared cap."""
+    names = {rec.tag: rec.name for rec in cache._pools.values()}
+    keys = [f"{names[tag]}\x01{key}" if tag else key for tag, key in cache._entries.items()]
     crc = _crc_strings(keys, 0)
     return mix("flat", crc, len(keys), cache.max_entries)
 

@@ -2,28 +2,20 @@
 
 Behaves exactly like the seed's ``StorageExistenceCache`` (global LRU order across
 pools, one cap for all of them) with accounting, at a fraction of its per-page
-cost.  The trick is the key: pages of the primary pool (``kv`` by default, where
-almost all traffic goes) are keyed by the hash string itself, other pools by a
-``(pool, hash)`` tuple.  A ``str`` never equals a ``tuple``, so the key spaces
-cannot collide, one ``OrderedDict`` still holds the single global LRU order, and
-the primary pool skips building and hashing a tuple per page (which is half the
-seed's lookup cost and 67 bytes an entry).
+cost.  The trick is the key: one ``LruIndex`` (``hicache_existence.lru``) holds
+the single global LRU order, and a page's pool is a small integer *tag* stored
+beside its hash, never a ``(pool, hash)`` tuple built and hashed per page (which
+is half the seed's lookup cost and 67 bytes an entry).  The primary pool (``kv``
+by default, where almost all traffic goes) has tag 0.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Container, Iterable, Sequence
-from itertools import repeat
-from operator import itemgetter
 
-from hicache_existence import _validate
-from hicache_existence.cache import (
-    _ABSENT,
-    HICACHE_EXISTENCE_CACHE_MAX_ENTRIES,
-    MissMemoryFactory,
-    _exhaust,
-)
+from hicache_existence import _validate, lru
+from hicache_existence.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES, MissMemoryFactory
 from hicache_existence.observers import BeliefObserver, MissMemory
 from hicache_existence.stats import (
     CLEARED,
@@ -34,17 +26,18 @@ from hicache_existence.stats import (
     make_cache_stats,
 )
 
-_Key = str | tuple[str, str]
 _EMPTY: frozenset[str] = frozenset()
 
 
 class _Pool:
-    """Per-pool bookkeeping of the flat cache: its name, counters, entry count."""
+    """Per-pool bookkeeping of the flat cache: its name, index tag, counters,
+    entry count."""
 
-    __slots__ = ("name", "counters", "size", "memory", "missed")
+    __slots__ = ("name", "tag", "counters", "size", "memory", "missed")
 
-    def __init__(self, name: str, memory: MissMemory | None) -> None:
+    def __init__(self, name: str, tag: int, memory: MissMemory | None) -> None:
         self.name = name
+        self.tag = tag
         self.counters = PoolCounters()
         self.size = 0
         self.memory = memory
@@ -80,8 +73,9 @@ class FlatStorageExistenceCache:
     ) -> None:
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
         self._primary = _validate.pool_name(primary_pool, "primary_pool")
-        self._entries: OrderedDict[_Key, None] = OrderedDict()
+        self._entries: lru.LruIndexType = lru.LruIndex()
         self._pools: dict[str, _Pool] = {}
+        self._by_tag: dict[int, _Pool] = {}
         self._miss_memory = miss_memory
         self._any_memory = False
         self._observer = observer
@@ -112,31 +106,24 @@ class FlatStorageExistenceCache:
         rec = self._pools.get(resolved)
         if rec is None:
             memory = self._miss_memory(resolved) if self._miss_memory else None
-            rec = self._pools[resolved] = _Pool(resolved, memory)
+            tag = 0 if resolved == self._primary else len(self._pools) + 1
+            rec = self._pools[resolved] = _Pool(resolved, tag, memory)
+            self._by_tag[tag] = rec
             self._any_memory = self._any_memory or memory is not None
         return rec
-
-    def _keys(self, rec: _Pool, seq: Sequence[str]) -> Sequence[_Key]:
-        if rec.name == self._primary:
-            return seq
-        return list(zip(repeat(rec.name), seq))
 
     # -- mutations -----------------------------------------------------------
     def add(self, pool: str, hashes: Iterable[str]) -> None:
         """Insert or refresh every page of ``pool`` in order, then evict the
         globally least recently used entries down to the shared cap."""
         resolved = self._resolve(pool)
-        seq = _validate.page_hashes(hashes)
-        rec = self._pool(resolved)
-        keys = self._keys(rec, seq)
+        seq = _validate.page_sequence(hashes)
         entries = self._entries
+        if not isinstance(resolved, _Pool):
+            _validate.page_hashes(seq)  # a new pool is created only for a valid call
+        rec = self._pool(resolved)
         n = len(seq)
-        before = len(entries)
-        for key in keys:  # measured faster than OrderedDict.update(zip(...)) here
-            entries[key] = None
-        inserted = len(entries) - before
-        if inserted != n:
-            _exhaust(map(entries.move_to_end, keys))
+        inserted = entries.add(seq, rec.tag)
         rec.size += inserted
         c = rec.counters
         c.adds += 1
@@ -150,29 +137,20 @@ class FlatStorageExistenceCache:
 
     def _evict(self, excess: int) -> None:
         """The one eviction path; attributes each evicted entry to its pool."""
-        popitem = self._entries.popitem
-        pools = self._pools
-        if len(pools) == 1 and not self._any_memory:
-            # One pool owns every entry: nothing to attribute, drain in C.
-            _exhaust(map(popitem, repeat(False, excess)))
-            (rec,) = pools.values()
-            rec.size -= excess
-            rec.counters.evictions += excess
+        by_tag = self._by_tag
+        if not self._any_memory:
+            counts: dict[int, int] = self._entries.evict(excess)  # type: ignore[assignment]
+            for tag, evicted in counts.items():
+                rec = by_tag[tag]
+                rec.size -= evicted
+                rec.counters.evictions += evicted
             return
-        keys = [key for key, _ in map(popitem, repeat(False, excess))]
-        others = [key for key in keys if type(key) is tuple]
-        counts: dict[str, int] = Counter(map(itemgetter(0), others))
-        if len(others) != len(keys):
-            counts[self._primary] = len(keys) - len(others)
-        for name, evicted in counts.items():
-            rec = pools[name]
-            rec.size -= evicted
-            rec.counters.evictions += evicted
+        groups: dict[int, list[str]] = self._entries.evict(excess, True)  # type: ignore[assignment]
+        for tag, hashes in groups.items():
+            rec = by_tag[tag]
+            rec.size -= len(hashes)
+            rec.counters.evictions += len(hashes)
             if rec.memory is not None:
-                if name == self._primary:
-                    hashes = [key for key in keys if type(key) is str]
-                else:
-                    hashes = [key[1] for key in others if key[0] == name]
                 rec.remember(hashes, EVICTED)
 
     def invalidate_beyond(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
@@ -181,30 +159,24 @@ class FlatStorageExistenceCache:
         keep = _validate.count(keep_pages, "keep_pages")
         seq = _validate.page_hashes(hashes)
         rec = self._pool(resolved)
-        tail = seq[keep:]
-        results = list(map(self._entries.pop, self._keys(rec, tail), repeat(_ABSENT)))
-        dropped = len(tail) - results.count(_ABSENT)
-        rec.size -= dropped
+        gone = self._entries.discard(seq[keep:], rec.tag)
+        rec.size -= len(gone)
         c = rec.counters
         c.invalidate_calls += 1
-        c.invalidations += dropped
-        if dropped and rec.memory is not None:
-            rec.remember([h for h, r in zip(tail, results) if r is not _ABSENT], INVALIDATED)
+        c.invalidations += len(gone)
+        if gone and rec.memory is not None:
+            rec.remember(gone, INVALIDATED)
         if self._observer is not None:
             self._observer.invalidated(rec.name, seq, keep)
 
     def clear(self) -> None:
         """Forget every belief of every pool."""
         pools = self._pools
-        if any(rec.memory is not None for rec in pools.values()):
-            by_pool: dict[str, list[str]] = {}
-            for key in self._entries:
-                if type(key) is str:
-                    by_pool.setdefault(self._primary, []).append(key)
-                else:
-                    by_pool.setdefault(key[0], []).append(key[1])
-            for name, hashes in by_pool.items():
-                pools[name].remember(hashes, CLEARED)
+        if self._any_memory:
+            # Drain oldest first, grouped by pool, for the miss memories.
+            groups: dict[int, list[str]] = self._entries.evict(len(self._entries), True)  # type: ignore[assignment]
+            for tag, hashes in groups.items():
+                self._by_tag[tag].remember(hashes, CLEARED)
         self._entries.clear()
         for rec in list(pools.values()):
             c = rec.counters
@@ -220,13 +192,10 @@ class FlatStorageExistenceCache:
         resolved = self._resolve(pool)
         _validate.page_hash(page_hash)
         rec = self._pool(resolved)
-        key: _Key = page_hash if rec.name == self._primary else (rec.name, page_hash)
-        entries = self._entries
         c = rec.counters
         c.queries += 1
         c.pages_checked += 1
-        if key in entries:
-            entries.move_to_end(key)
+        if self._entries.touch(page_hash, rec.tag):
             c.page_hits += 1
             c.query_hits += 1
             if self._observer is not None:
@@ -242,7 +211,9 @@ class FlatStorageExistenceCache:
         """Whether every page is believed stored; stops at the first that is not,
         having LRU-touched the pages before it."""
         resolved = self._resolve(pool)
-        seq = _validate.page_hashes(hashes)
+        seq = _validate.page_sequence(hashes)
+        if not isinstance(resolved, _Pool):
+            _validate.page_hashes(seq)  # a new pool is created only for a valid call
         return self._walk(self._pool(resolved), seq, _EMPTY)
 
     def covers_all(
@@ -256,28 +227,18 @@ class FlatStorageExistenceCache:
         LRU-touched; pages covered only by ``extra_cover`` are rescues."""
         resolved = self._resolve(pool)
         _validate.container(extra_cover, "extra_cover")
-        seq = _validate.page_hashes(hashes)
+        seq = _validate.page_sequence(hashes)
+        if not isinstance(resolved, _Pool):
+            _validate.page_hashes(seq)  # a new pool is created only for a valid call
         return self._walk(self._pool(resolved), seq, extra_cover)
 
     def _walk(self, rec: _Pool, seq: Sequence[str], cover: Container[str]) -> bool:
+        n = len(seq)
+        pos = self._entries.touch_prefix(seq, rec.tag)  # validates seq before any change
         c = rec.counters
         c.queries += 1
-        move_to_end = self._entries.move_to_end
-        primary = rec.name == self._primary
-        try:
-            if primary:
-                _exhaust(map(move_to_end, seq))
-            else:
-                _exhaust(map(move_to_end, zip(repeat(rec.name), seq)))
-        except KeyError as miss:
-            if primary:
-                pos = seq.index(miss.args[0])
-            else:
-                # A tuple key may arrive as the exception's args tuple itself.
-                key = miss.args[0] if len(miss.args) == 1 else miss.args
-                pos = seq.index(key[1])
+        if pos != n:
             return self._walk_rest(rec, seq, pos, cover if cover else None)
-        n = len(seq)
         c.query_hits += 1
         c.pages_checked += n
         c.page_hits += n
@@ -294,15 +255,12 @@ class FlatStorageExistenceCache:
         hits = pos
         rescues = 0
         if cover is not None:
-            entries = self._entries
-            move_to_end = entries.move_to_end
+            touch = self._entries.touch
             name = rec.name
-            primary = name == self._primary
+            tag = rec.tag
             for i in range(pos, len(seq)):
                 h = seq[i]
-                key: _Key = h if primary else (name, h)
-                if key in entries:
-                    move_to_end(key)
+                if touch(h, tag):
                     hits += 1
                 elif h in cover:
                     rescues += 1
@@ -354,11 +312,8 @@ class FlatStorageExistenceCache:
 
     def lru_keys(self) -> tuple[tuple[str, str], ...]:
         """``(pool, page_hash)`` beliefs, least recently used first (for tests)."""
-        primary = self._primary
-        return tuple(
-            (primary, key) if type(key) is str else key  # type: ignore[misc]
-            for key in self._entries
-        )
+        names = {tag: rec.name for tag, rec in self._by_tag.items()}
+        return tuple((names[tag], key) for tag, key in self._entries.items())
 
     def stats(self) -> CacheStats:
         """An immutable snapshot of every pool, O(pools); safe from another thread."""

@@ -32,6 +32,7 @@ from reference_models import (
 )
 
 import hicache_existence as he
+from hicache_existence import lru
 
 
 class PoolName(str, Enum):
@@ -312,6 +313,25 @@ SETTINGS = dict(
 CacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, **SETTINGS)
 TestCacheModel = CacheMachine.TestCase
 TestCacheModel.__doc__ = "The current generation matches the reference model step by step."
+
+
+class PurePythonCacheMachine(CacheMachine):
+    """The same machine on the pure-Python index (``HICACHE_EXISTENCE_BACKEND=python``):
+    the fallback must behave exactly like the compiled index."""
+
+    def __init__(self):
+        self._saved_index = lru.LruIndex
+        lru.LruIndex = lru.PyLruIndex
+        super().__init__()
+
+    def teardown(self):
+        lru.LruIndex = self._saved_index
+
+
+PurePythonCacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, **SETTINGS
+)
+TestCacheModelPurePython = PurePythonCacheMachine.TestCase
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 from reference_models import FIELDS, ExactMissMemory, RefFlat
 
 import hicache_existence as he
+from hicache_existence import lru
 
 
 class PoolName(str, Enum):
@@ -224,6 +225,25 @@ SETTINGS = dict(
 FlatMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, **SETTINGS)
 TestFlatModel = FlatMachine.TestCase
 TestFlatModel.__doc__ = "The seed generation matches the reference model step by step."
+
+
+class PurePythonFlatMachine(FlatMachine):
+    """The same machine on the pure-Python index (``HICACHE_EXISTENCE_BACKEND=python``):
+    the fallback must behave exactly like the compiled index."""
+
+    def __init__(self):
+        self._saved_index = lru.LruIndex
+        lru.LruIndex = lru.PyLruIndex
+        super().__init__()
+
+    def teardown(self):
+        lru.LruIndex = self._saved_index
+
+
+PurePythonFlatMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, **SETTINGS
+)
+TestFlatModelPurePython = PurePythonFlatMachine.TestCase
 
 
 @pytest.mark.slow

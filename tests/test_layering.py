@@ -21,6 +21,8 @@ LAYERS: dict[str, int] = {
     "_validate": 0,
     "stats": 0,
     "observers": 0,
+    "lru": 0,
+    "_lru": 0,  # the compiled index (hicache_existence/_lru.c)
     "cache": 1,
     "flat": 1,
     "policies": 1,

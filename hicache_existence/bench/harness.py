@@ -89,6 +89,44 @@ def compare(
     return Comparison(scenario, base, cand, base.ns_per_page / cand.ns_per_page, dict(notes))
 
 
+def compare_balanced(
+    scenario: str,
+    baselines: Sequence[RoundFn],
+    candidates: Sequence[RoundFn],
+    labels: tuple[str, str],
+    rounds: int,
+    **notes: object,
+) -> Comparison:
+    """Like ``compare``, over two instances of each side built in ABBA order
+    (candidate, baseline, baseline, candidate).  Instances of the *same* class
+    with the same history differ by up to ~50% on memory-bound work depending
+    only on where, and in which order, their tables were allocated; giving each
+    side one early and one late instance cancels that out.  Each side's figure
+    is the mean of its two instances' medians."""
+    base_label, cand_label = labels
+    (c1, c2), (b1, b2) = candidates, baselines
+    named = [
+        (f"{cand_label}-1", c1),
+        (f"{base_label}-1", b1),
+        (f"{base_label}-2", b2),
+        (f"{cand_label}-2", c2),
+    ]
+    timings = {t.name: t for t in time_rounds(named, rounds)}
+
+    def side(label: str) -> Timing:
+        a, b = timings[f"{label}-1"], timings[f"{label}-2"]
+        return Timing(
+            name=label,
+            ns_per_page=(a.ns_per_page + b.ns_per_page) / 2,
+            low=min(a.low, b.low),
+            high=max(a.high, b.high),
+            rounds=a.rounds + b.rounds,
+        )
+
+    base, cand = side(base_label), side(cand_label)
+    return Comparison(scenario, base, cand, base.ns_per_page / cand.ns_per_page, dict(notes))
+
+
 def lookup_round(
     method: Callable[..., bool], pool: str | None, plan: Sequence[Sequence[list[str]]]
 ) -> RoundFn:

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.bench import noacct, workload
-from hicache_existence.bench.harness import Comparison, add_round, compare, lookup_round
+from hicache_existence.bench.harness import (
+    Comparison,
+    add_round,
+    compare,
+    compare_balanced,
+    lookup_round,
+)
 from hicache_existence.bench.seed import SeedStorageExistenceCache
 from hicache_existence.bench.upstream import UpstreamModule
 from hicache_existence.cache import StorageExistenceCache
@@ -145,15 +151,11 @@ def run_foundation(
     fresh_needed = total_rounds * cfg.adds_per_round
     fresh_a = workload.chains(fresh_needed, cfg.chain_pages, "fresh-a")
     fresh_b = workload.chains(fresh_needed, cfg.chain_pages, "fresh-b")
-    fresh_c = workload.chains(fresh_needed, cfg.chain_pages, "fresh-c")
     add_plan_a = [
         fresh_a[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)
     ]
     add_plan_b = [
         fresh_b[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)
-    ]
-    add_plan_c = [
-        fresh_c[i * cfg.adds_per_round : (i + 1) * cfg.adds_per_round] for i in range(total_rounds)
     ]
     cap = cfg.chains * cfg.chain_pages
     stripped = noacct.stripped_classes()
@@ -162,11 +164,9 @@ def run_foundation(
     progress("seed generation: filling caches")
     seed_cache = SeedStorageExistenceCache(cap)
     ours_flat = FlatStorageExistenceCache(cap)
-    bare_flat: Any = stripped["FlatStorageExistenceCache"](cap)
     for c in kv:
         seed_cache.add("kv", c)
         ours_flat.add("kv", c)
-        bare_flat.add("kv", c)
     plans = _query_plans(rng, kv, cfg, total_rounds)
     for regime, plan in plans.items():
         for op in ("contains_all", "covers_all"):
@@ -179,15 +179,6 @@ def run_foundation(
                     cfg.rounds,
                 )
             )
-    progress("accounting.flat.contains_all")
-    result.comparisons.append(
-        compare(
-            "accounting.flat.contains_all[hot]",
-            ("no-accounting", lookup_round(bare_flat.contains_all, "kv", plans["hot"])),
-            ("ours", lookup_round(ours_flat.contains_all, "kv", plans["hot"])),
-            cfg.rounds * 2,
-        )
-    )
     progress("flat.add_steady")
     result.comparisons.append(
         compare(
@@ -197,21 +188,7 @@ def run_foundation(
             cfg.rounds,
         )
     )
-    # Give the no-accounting cache the same history as ours (plan a), so both
-    # hash tables carry the same deleted-slot debris when the next comparison runs.
-    for chains in add_plan_a:
-        for c in chains:
-            bare_flat.add("kv", c)
-    progress("accounting.flat.add_steady")
-    result.comparisons.append(
-        compare(
-            "accounting.flat.add_steady",
-            ("no-accounting", add_round(bare_flat.add, "kv", add_plan_b)),
-            ("ours", add_round(ours_flat.add, "kv", add_plan_b)),
-            cfg.rounds,
-        )
-    )
-    del seed_cache, ours_flat, bare_flat
+    del seed_cache, ours_flat
 
     progress("seed generation: second pool")
     seed_cache = SeedStorageExistenceCache(cap)
@@ -250,7 +227,6 @@ def run_foundation(
 
     # -- current generation -------------------------------------------------
     ours_cur = StorageExistenceCache(cap).pool("kv")
-    bare_cur: Any = stripped["StorageExistenceCache"](cap).pool("kv")
     up_pool: Any = None
     if upstream is not None:
         result.upstream = {"origin": upstream.origin, "sha256": upstream.sha256}
@@ -258,7 +234,6 @@ def run_foundation(
     progress("current generation: filling caches")
     for c in kv:
         ours_cur.add(c)
-        bare_cur.add(c)
         if up_pool is not None:
             up_pool.add(c)
     plans = _query_plans(rng, kv, cfg, total_rounds)
@@ -300,28 +275,7 @@ def run_foundation(
                 cfg.rounds,
             )
         )
-    progress("accounting.current")
-    result.comparisons.append(
-        compare(
-            "accounting.current.contains_all[hot]",
-            ("no-accounting", lookup_round(bare_cur.contains_all, None, plans["hot"])),
-            ("ours", lookup_round(ours_cur.contains_all, None, plans["hot"])),
-            cfg.rounds * 2,
-        )
-    )
-    if up_pool is not None:
-        for chains in add_plan_a:  # same history as ours (see the flat suite)
-            for c in chains:
-                bare_cur.add(c)
-    result.comparisons.append(
-        compare(
-            "accounting.current.add_steady",
-            ("no-accounting", add_round(bare_cur.add, None, add_plan_c)),
-            ("ours", add_round(ours_cur.add, None, add_plan_c)),
-            cfg.rounds,
-        )
-    )
-    del ours_cur, bare_cur, up_pool
+    del ours_cur, up_pool
 
     if upstream is not None:
         up_mod = upstream.module
@@ -340,8 +294,58 @@ def run_foundation(
             "ratio": cur_mem / up_mem,
         }
 
+    # -- accounting: ours against the same code with its counters stripped ---
+    # Two instances a side, built in ABBA order (see ``compare_balanced``), all
+    # with identical histories: the fill, then the same spread lookups that
+    # scatter the LRU order, then the same adds.  What differs is the accounting.
+    for gen, ours_cls, bare_cls, bind in (
+        ("flat", FlatStorageExistenceCache, stripped["FlatStorageExistenceCache"], _bind_flat),
+        ("current", StorageExistenceCache, stripped["StorageExistenceCache"], _bind_current),
+    ):
+        progress(f"accounting.{gen}")
+        quad = [bind(cls(cap)) for cls in (ours_cls, bare_cls, bare_cls, ours_cls)]  # ABBA
+        for c in kv:
+            for add, _ in quad:
+                add(c)
+        for queries in plans["spread"]:
+            for c in queries:
+                for _, look in quad:
+                    look(c)
+        mine, bare = (quad[0], quad[3]), (quad[1], quad[2])
+        labels = ("no-accounting", "ours")
+        result.comparisons.append(
+            compare_balanced(
+                f"accounting.{gen}.contains_all[hot]",
+                [lookup_round(look, None, plans["hot"]) for _, look in bare],
+                [lookup_round(look, None, plans["hot"]) for _, look in mine],
+                labels,
+                cfg.rounds,
+            )
+        )
+        result.comparisons.append(
+            compare_balanced(
+                f"accounting.{gen}.add_steady",
+                [add_round(add, None, add_plan_b) for add, _ in bare],
+                [add_round(add, None, add_plan_b) for add, _ in mine],
+                labels,
+                cfg.rounds,
+            )
+        )
+        del quad, mine, bare
+
     result.verdicts = evaluate(result)
     return result
+
+
+def _bind_flat(cache: Any) -> tuple[Callable[[list[str]], None], Callable[[list[str]], bool]]:
+    """(add, contains_all) of a seed-generation cache, on pool ``kv``."""
+    return (lambda c: cache.add("kv", c)), (lambda c: cache.contains_all("kv", c))
+
+
+def _bind_current(cache: Any) -> tuple[Callable[[list[str]], None], Callable[[list[str]], bool]]:
+    """(add, contains_all) of a current-generation cache's pool ``kv``."""
+    pool = cache.pool("kv")
+    return pool.add, pool.contains_all
 
 
 def _values_for(result: BenchResult, target: Target) -> dict[str, float]:

@@ -86,8 +86,10 @@ ENV="$ROOT/$KEY"
 PY="$ENV/bin/python"
 
 # What the editable install was made from; a change means `pip install -e` again.
+# The compiled index is built by that install, so its sources count too.
 if [ -f "$REPO/pyproject.toml" ]; then
-  REPO_STAMP="$(sha256sum <"$REPO/pyproject.toml" | cut -c1-64) $REPO [$EXTRAS]"
+  REPO_STAMP="$(cat "$REPO/pyproject.toml" "$REPO"/setup.py "$REPO"/hicache_existence/*.c 2>/dev/null \
+    | sha256sum | cut -c1-64) $REPO [$EXTRAS]"
 else
   REPO_STAMP="no-pyproject $REPO"
 fi

@@ -1,0 +1,225 @@
+"""The LRU index behind both cache generations, compiled when possible.
+
+Both caches keep their beliefs in an ``LruIndex``: an LRU-ordered set of
+``(tag, page_hash)`` keys, where the tag is a small int naming the pool (the
+seed generation shares one index among pools; the current generation gives each
+pool its own and uses tag 0).  The caches do their accounting around it; the
+index only stores, orders and evicts.
+
+Two implementations with one interface:
+
+* ``hicache_existence._lru.LruIndex`` (C, built at install time when a compiler
+  is present): one 8-byte table slot and one 24-byte node per entry, a touch is
+  one probe and one relink.  It is what makes the caches beat the seed's and
+  upstream's ``OrderedDict`` by the factors in ``docs/design.md``.
+* ``PyLruIndex`` (below): the same operations on an ``OrderedDict``, keys ``str``
+  for tag 0 and ``(tag, str)`` otherwise, per-page work inside C iterators.  It is
+  the fallback where the extension is not built, and the reference the
+  extension is tested against.
+
+``HICACHE_EXISTENCE_BACKEND`` (read once, at import) picks one: ``auto`` (the
+default: compiled if importable), ``c`` (compiled or ImportError) or ``python``.
+Every method validates all its input before it changes anything: a non-``str``
+page raises ``TypeError`` naming its index and leaves the index as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import repeat
+from typing import Protocol
+
+#: Drains an iterator in C without keeping anything (itertools "consume" recipe).
+_exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+_ABSENT = object()
+
+#: Import-time switch between the two implementations (see the module docstring).
+ENV_BACKEND = "HICACHE_EXISTENCE_BACKEND"
+
+
+class LruIndexType(Protocol):
+    """The interface both implementations provide."""
+
+    def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int: ...
+    def touch(self, page_hash: str, tag: int = 0, /) -> bool: ...
+    def contains(self, page_hash: str, tag: int = 0, /) -> bool: ...
+    def add(self, hashes: Sequence[str], tag: int = 0, /) -> int: ...
+    def evict(self, count: int, keys: bool = False, /) -> dict[int, int] | dict[int, list[str]]: ...
+    def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]: ...
+    def clear(self) -> None: ...
+    def keys(self) -> list[str]: ...
+    def items(self) -> list[tuple[int, str]]: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, page_hash: object) -> bool: ...
+    def __iter__(self) -> Iterator[str]: ...
+
+
+def _check_items(seq: Sequence[str]) -> None:
+    """The C index's up-front check: list or tuple, every item a ``str``."""
+    if not isinstance(seq, (list, tuple)):
+        raise TypeError(f"hashes must be a list or tuple of str, got {type(seq).__name__}")
+    try:
+        "".join(seq)  # one C pass; raises on the first non-str
+    except TypeError:
+        for index, item in enumerate(seq):
+            if not isinstance(item, str):
+                raise TypeError(
+                    f"hashes[{index}] must be a str page hash, got {type(item).__name__}"
+                ) from None
+        raise
+
+
+def _check_key(page_hash: object) -> None:
+    if not isinstance(page_hash, str):
+        raise TypeError(f"page hash must be a str, got {type(page_hash).__name__}")
+
+
+def _check_tag(tag: object) -> int:
+    if not isinstance(tag, int):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if not 0 <= tag < 2**32:
+        raise ValueError("tag must be in [0, 2**32)")
+    return tag
+
+
+def _exact(seq: Sequence[str]) -> Sequence[str]:
+    """Exact ``str`` copies of subclass items (stored keys are plain ``str``)."""
+    if all(type(h) is str for h in seq):
+        return seq
+    return [h if type(h) is str else str.__str__(h) for h in seq]
+
+
+class PyLruIndex:
+    """Pure-Python ``LruIndex``: one ``OrderedDict``; tag-0 keys are the ``str``
+    itself (no tuple to build or hash), other tags ``(tag, str)``."""
+
+    __slots__ = ("_od",)
+
+    def __init__(self) -> None:
+        self._od: OrderedDict[str | tuple[int, str], None] = OrderedDict()
+
+    def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int:
+        _check_items(hashes)
+        move_to_end = self._od.move_to_end
+        try:
+            if _check_tag(tag) == 0:
+                _exhaust(map(move_to_end, hashes))
+            else:
+                _exhaust(map(move_to_end, zip(repeat(tag), hashes)))
+        except KeyError as miss:
+            # Any earlier occurrence of the missing page would have raised there,
+            # so its first index is where the walk stopped.  A tuple key may
+            # arrive as the exception's args tuple itself.
+            key = miss.args[0] if tag == 0 or len(miss.args) == 1 else miss.args
+            return hashes.index(key if tag == 0 else key[1])
+        return len(hashes)
+
+    def touch(self, page_hash: str, tag: int = 0, /) -> bool:
+        _check_key(page_hash)
+        key = page_hash if _check_tag(tag) == 0 else (tag, page_hash)
+        od = self._od
+        if key in od:
+            od.move_to_end(key)
+            return True
+        return False
+
+    def contains(self, page_hash: str, tag: int = 0, /) -> bool:
+        _check_key(page_hash)
+        return (page_hash if _check_tag(tag) == 0 else (tag, page_hash)) in self._od
+
+    def add(self, hashes: Sequence[str], tag: int = 0, /) -> int:
+        _check_items(hashes)
+        seq = _exact(hashes)
+        keys = seq if _check_tag(tag) == 0 else list(zip(repeat(tag), seq))
+        od = self._od
+        before = len(od)
+        for key in keys:  # measured faster than OrderedDict.update(zip(...))
+            od[key] = None
+        inserted = len(od) - before
+        if inserted != len(keys):
+            # Some pages were present or repeated: re-touch in order so the last
+            # occurrence of each page decides its LRU position.
+            _exhaust(map(od.move_to_end, keys))
+        return inserted
+
+    def evict(self, count: int, keys: bool = False, /) -> dict[int, int] | dict[int, list[str]]:
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        od = self._od
+        count = min(count, len(od))
+        popped = [key for key, _ in map(od.popitem, repeat(False, count))]
+        if not keys:
+            tagged = sum(1 for key in popped if type(key) is tuple)
+            out_counts: dict[int, int] = {}
+            if tagged == 0:
+                if count:
+                    out_counts[0] = count
+                return out_counts
+            for key in popped:
+                t = 0 if isinstance(key, str) else key[0]
+                out_counts[t] = out_counts.get(t, 0) + 1
+            return out_counts
+        out_keys: dict[int, list[str]] = {}
+        for key in popped:
+            if isinstance(key, str):
+                out_keys.setdefault(0, []).append(key)
+            else:
+                out_keys.setdefault(key[0], []).append(key[1])
+        return out_keys
+
+    def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]:
+        _check_items(hashes)
+        keys = hashes if _check_tag(tag) == 0 else list(zip(repeat(tag), hashes))
+        results = list(map(self._od.pop, keys, repeat(_ABSENT)))
+        return [h for h, r in zip(hashes, results) if r is not _ABSENT]
+
+    def clear(self) -> None:
+        self._od.clear()
+
+    def keys(self) -> list[str]:
+        return [key if isinstance(key, str) else key[1] for key in self._od]
+
+    def items(self) -> list[tuple[int, str]]:
+        return [(0, key) if isinstance(key, str) else key for key in self._od]
+
+    def __len__(self) -> int:
+        return len(self._od)
+
+    def __contains__(self, page_hash: object) -> bool:
+        return isinstance(page_hash, str) and page_hash in self._od
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __repr__(self) -> str:
+        return f"<PyLruIndex entries={len(self._od)}>"
+
+
+def _select() -> tuple[Callable[[], LruIndexType], str]:
+    choice = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "c", "python"):
+        raise ValueError(f"{ENV_BACKEND} must be auto, c or python, got {choice!r}")
+    if choice != "python":
+        try:
+            from hicache_existence._lru import LruIndex as CLruIndex
+        except ImportError:
+            if choice == "c":
+                raise
+        else:
+            return CLruIndex, "c"
+    return PyLruIndex, "python"
+
+
+#: The implementation the caches use, and its name ("c" or "python").
+LruIndex, BACKEND = _select()
+
+
+def c_index() -> Callable[[], LruIndexType] | None:
+    """The compiled implementation, or ``None`` when it is not built."""
+    try:
+        from hicache_existence._lru import LruIndex as CLruIndex
+    except ImportError:
+        return None
+    return CLruIndex  # type: ignore[no-any-return]

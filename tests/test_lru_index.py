@@ -1,0 +1,324 @@
+"""The LRU index behind both caches: the compiled one against a plain reference
+model and against the pure-Python fallback, operation by operation.
+
+The reference is a Python list in LRU order (oldest first) of ``(tag, key)``
+pairs: obviously right, hopelessly slow.  Both implementations must give the same
+answers and leave the same order after every operation, including on bad input
+(which must raise before anything changes).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from hicache_existence import lru
+
+CIndex = lru.c_index()
+IMPLS = {"python": lru.PyLruIndex}
+if CIndex is not None:
+    IMPLS["c"] = CIndex
+
+#: Every implementation available here; under REQUIRE_ALL the compiled one must be.
+needs_c = pytest.mark.skipif(CIndex is None, reason="compiled index not built")
+
+
+class RefIndex:
+    """The reference model: a list of (tag, key), least recently used first."""
+
+    def __init__(self) -> None:
+        self.order: list[tuple[int, str]] = []
+
+    def _find(self, key: str, tag: int) -> int:
+        try:
+            return self.order.index((tag, key))
+        except ValueError:
+            return -1
+
+    def _to_end(self, i: int) -> None:
+        self.order.append(self.order.pop(i))
+
+    def touch_prefix(self, seq, tag=0):
+        for i, h in enumerate(seq):
+            j = self._find(h, tag)
+            if j < 0:
+                return i
+            self._to_end(j)
+        return len(seq)
+
+    def touch(self, h, tag=0):
+        j = self._find(h, tag)
+        if j >= 0:
+            self._to_end(j)
+        return j >= 0
+
+    def contains(self, h, tag=0):
+        return self._find(h, tag) >= 0
+
+    def add(self, seq, tag=0):
+        new = 0
+        for h in seq:
+            j = self._find(h, tag)
+            if j >= 0:
+                self._to_end(j)
+            else:
+                self.order.append((tag, str(h)))
+                new += 1
+        return new
+
+    def evict(self, count, keys=False):
+        gone, self.order = self.order[:count], self.order[count:]
+        out: dict = {}
+        for tag, h in gone:
+            if keys:
+                out.setdefault(tag, []).append(h)
+            else:
+                out[tag] = out.get(tag, 0) + 1
+        return out
+
+    def discard(self, seq, tag=0):
+        out = []
+        for h in seq:
+            j = self._find(h, tag)
+            if j >= 0:
+                out.append(self.order.pop(j)[1])
+        return out
+
+    def clear(self):
+        self.order = []
+
+    def items(self):
+        return list(self.order)
+
+
+class Sub(str):
+    """A str subclass (an Enum-like pool or hash type): stored as an exact str."""
+
+
+keys_st = st.sampled_from([f"{i:064x}" for i in range(6)] + ["", "é", "\U0001f600", "a\x00b"])
+tags_st = st.sampled_from([0, 0, 0, 1, 2, 2**32 - 1])
+
+
+@st.composite
+def pages(draw):
+    items = draw(st.lists(keys_st, max_size=8))
+    if draw(st.booleans()):
+        items = [Sub(h) if draw(st.booleans()) and h else h for h in items]
+    return tuple(items) if draw(st.booleans()) else items
+
+
+bad_items = st.sampled_from([1, None, b"ab", 2.5, ("a",)])
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Every implementation and the reference get the same calls."""
+
+    @initialize()
+    def start(self):
+        self.ref = RefIndex()
+        self.impls = {name: make() for name, make in IMPLS.items()}
+
+    def _all(self, method, *args):
+        want = getattr(self.ref, method)(*args)
+        for name, index in self.impls.items():
+            got = getattr(index, method)(*args)
+            assert got == want, (name, method, args, got, want)
+        return want
+
+    @rule(seq=pages(), tag=tags_st)
+    def add(self, seq, tag):
+        self._all("add", seq, tag)
+
+    @rule(seq=pages(), tag=tags_st)
+    def touch_prefix(self, seq, tag):
+        self._all("touch_prefix", seq, tag)
+
+    @rule(h=keys_st, tag=tags_st)
+    def touch(self, h, tag):
+        self._all("touch", h, tag)
+
+    @rule(h=keys_st, tag=tags_st)
+    def contains(self, h, tag):
+        self._all("contains", h, tag)
+        for index in self.impls.values():
+            assert (h in index) == self.ref.contains(h, 0)
+
+    @rule(count=st.integers(0, 12), keys=st.booleans())
+    def evict(self, count, keys):
+        self._all("evict", count, keys)
+
+    @rule(seq=pages(), tag=tags_st)
+    def discard(self, seq, tag):
+        self._all("discard", seq, tag)
+
+    @rule()
+    def clear(self):
+        self._all("clear")
+
+    @rule(seq=pages(), bad=bad_items, at=st.integers(0, 8), method=st.sampled_from(
+        ["add", "touch_prefix", "discard"]))
+    def bad_input_changes_nothing(self, seq, bad, at, method):
+        items = list(seq)
+        items.insert(min(at, len(items)), bad)
+        index_of_bad = next(i for i, x in enumerate(items) if not isinstance(x, str))
+        for name, index in self.impls.items():
+            with pytest.raises(TypeError, match=rf"hashes\[{index_of_bad}\] must be a str"):
+                getattr(index, method)(items, 0)
+            assert index.items() == self.ref.items(), name
+
+    @invariant()
+    def same_order(self):
+        if not hasattr(self, "ref"):
+            return
+        want = self.ref.items()
+        for name, index in self.impls.items():
+            got = index.items()
+            assert got == want, name
+            assert all(type(k) is str for _, k in got), name  # subclasses stored exact
+            assert len(index) == len(want)
+            assert index.keys() == [k for _, k in want] == list(index)
+
+
+IndexMachine.TestCase.settings = settings(
+    max_examples=400,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestIndexModel = IndexMachine.TestCase
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_argument_errors_name_the_problem(impl):
+    index = IMPLS[impl]()
+    index.add(["a", "b"])
+    with pytest.raises(TypeError, match="list or tuple"):
+        index.add({"a"})
+    with pytest.raises(TypeError, match="list or tuple"):
+        index.touch_prefix(iter(["a"]))
+    with pytest.raises(TypeError, match="tag must be an int"):
+        index.add(["a"], "kv")
+    with pytest.raises(ValueError, match="tag must be in"):
+        index.add(["a"], -1)
+    with pytest.raises(ValueError, match="tag must be in"):
+        index.touch("a", 2**32)
+    with pytest.raises(TypeError, match="page hash must be a str"):
+        index.touch(5)
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        index.evict(-1)
+    assert index.items() == [(0, "a"), (0, "b")]
+    assert 5 not in index and "a" in index
+
+
+@needs_c
+def test_large_index_matches_the_fallback_through_growth_and_churn():
+    """Thousands of entries (several table growths and node chunks), full-cache
+    churn as in a serving process, then a drain: same answers throughout."""
+    c, p = CIndex(), lru.PyLruIndex()
+    chains = [[f"{i:08x}{j:056x}" for j in range(256)] for i in range(64)]
+    cap = 40 * 256
+    for round_ in range(3):
+        for i, chain in enumerate(chains):
+            tag = i % 3
+            assert c.add(chain, tag) == p.add(chain, tag)
+            excess = len(c) - cap
+            if excess > 0:
+                assert c.evict(excess, round_ == 1) == p.evict(excess, round_ == 1)
+            probe = chains[(i * 7) % len(chains)]
+            assert c.touch_prefix(probe, (i * 7) % 3) == p.touch_prefix(probe, (i * 7) % 3)
+            assert c.discard(chain[200:210], tag) == p.discard(chain[200:210], tag)
+    assert c.items() == p.items()
+    assert c.evict(len(c), True) == p.evict(len(p), True)
+    assert len(c) == 0 and c.items() == []
+
+
+@needs_c
+def test_no_reference_leaks_and_memory_is_released():
+    """Keys are owned exactly once: every reference taken is given back by
+    evict/discard/clear/dealloc, and clear() frees the tables."""
+    keys = [f"{i:064x}" for i in range(5000)]
+    before = [sys.getrefcount(k) for k in keys]
+    index = CIndex()
+    index.add(keys)
+    assert [sys.getrefcount(k) for k in keys] == [b + 1 for b in before]
+    index.touch_prefix(keys)
+    index.discard(keys[:100])
+    index.evict(100)
+    evicted = index.evict(100, True)
+    del evicted
+    index.add(keys[:300], 5)
+    gc.collect()
+    assert index.__sizeof__() > 5000 * 24
+    index.clear()
+    assert [sys.getrefcount(k) for k in keys] == before
+    assert index.__sizeof__() < 1024
+    index.add(keys)
+    del index
+    assert [sys.getrefcount(k) for k in keys] == before
+
+
+@needs_c
+def test_nodes_reserved_but_never_used_are_not_released():
+    """``add`` reserves nodes for every page before it knows how many are new; a
+    refresh-only add leaves a whole reserved chunk unused.  Releasing it must not
+    touch its (uninitialised) nodes: a regression for a crash at clear/dealloc."""
+    keys = [f"{i:064x}" for i in range(1024)]
+    before = [sys.getrefcount(k) for k in keys]
+    for finish in ("clear", "del"):
+        index = CIndex()
+        index.add(keys)  # exactly one chunk of nodes
+        for _ in range(3):
+            assert index.add(keys) == 0  # reserves (and keeps) a second chunk
+        index.touch_prefix(keys)
+        if finish == "clear":
+            index.clear()
+            assert len(index) == 0 and index.add(keys[:5]) == 5
+        del index
+        gc.collect()
+    assert [sys.getrefcount(k) for k in keys] == before
+
+
+@needs_c
+def test_compiled_entry_is_about_forty_bytes():
+    """The size that makes memory per entry ~0.5x an OrderedDict's (tracemalloc
+    sees the C allocations: they go through PyMem)."""
+    keys = [f"{i:064x}" for i in range(1 << 17)]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        index = CIndex()
+        for start in range(0, len(keys), 1024):
+            index.add(keys[start : start + 1024])
+        per_entry = (tracemalloc.get_traced_memory()[0] - base) / len(keys)
+    finally:
+        tracemalloc.stop()
+    assert 24 < per_entry < 48, per_entry
+
+
+def test_backend_switch_is_honoured_and_reported():
+    """HICACHE_EXISTENCE_BACKEND picks the implementation at import; a bad value
+    is a clear error."""
+    code = "from hicache_existence import lru; print(lru.BACKEND, lru.LruIndex.__name__)"
+    env = dict(os.environ, HICACHE_EXISTENCE_BACKEND="python")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["python", "PyLruIndex"], out.stderr
+    env["HICACHE_EXISTENCE_BACKEND"] = "fortran"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "must be auto, c or python" in out.stderr
+
+
+def test_compiled_index_is_in_use_where_required():
+    """CI (REQUIRE_ALL) must exercise the compiled index: a missing build step
+    would otherwise leave every cache test running on the fallback."""
+    if os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") != "1" and CIndex is None:
+        pytest.skip("compiled index not built (allowed outside CI)")
+    assert CIndex is not None
+    assert lru.BACKEND == "c" and lru.LruIndex is CIndex
