@@ -1,19 +1,33 @@
-"""Build hook for the optional compiled LRU index (hicache_existence/_lru.c).
+"""Build hook for the optional compiled accelerators.
 
-Everything else lives in pyproject.toml.  The extension is ``optional``: where
-no C compiler is available the package installs and runs on its pure-Python
-index (hicache_existence.lru), only slower.
+* ``hicache_existence/_lru.c``: the LRU index behind both cache generations;
+* ``hicache_existence/_ghosts.c``: the miss-reason memory's trace scatter/gather.
+
+Everything else lives in pyproject.toml.  Both extensions are ``optional``:
+where no C compiler is available the package installs and runs on its
+pure-Python equivalents (``hicache_existence.lru``, ``hicache_existence.ghosts``),
+only slower.  ``hicache_existence.lru.BACKEND`` says which one runs.
 """
 
 from setuptools import Extension, setup
 
+FLAGS = [
+    "-O3",
+    "-std=c99",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+    "-Wno-missing-field-initializers",
+]
+
 setup(
     ext_modules=[
         Extension(
-            "hicache_existence._lru",
-            sources=["hicache_existence/_lru.c"],
+            f"hicache_existence.{name}",
+            sources=[f"hicache_existence/{name}.c"],
             optional=True,
-            extra_compile_args=["-O3", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+            extra_compile_args=FLAGS,
         )
+        for name in ("_lru", "_ghosts")
     ]
 )

@@ -31,4 +31,8 @@ def run(name: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run("foundation", ["bench", "--json", *sys.argv[1:]]))
+    extra = sys.argv[1:]
+    rc = run("foundation", ["bench", "--json", *extra])
+    # The observability issue's criterion: the same ratios with export wired in.
+    rc |= run("foundation-wired", ["bench", "--json", "--wired", *extra])
+    sys.exit(rc)

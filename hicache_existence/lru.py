@@ -25,10 +25,12 @@ page raises ``TypeError`` naming its index and leaves the index as it was.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
+from types import ModuleType
 from typing import Protocol
 
 #: Drains an iterator in C without keeping anything (itertools "consume" recipe).
@@ -197,23 +199,43 @@ class PyLruIndex:
         return f"<PyLruIndex entries={len(self._od)}>"
 
 
-def _select() -> tuple[Callable[[], LruIndexType], str]:
+def _choice() -> str:
     choice = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
     if choice not in ("auto", "c", "python"):
         raise ValueError(f"{ENV_BACKEND} must be auto, c or python, got {choice!r}")
-    if choice != "python":
-        try:
-            from hicache_existence._lru import LruIndex as CLruIndex
-        except ImportError:
-            if choice == "c":
-                raise
-        else:
-            return CLruIndex, "c"
+    return choice
+
+
+def compiled(name: str) -> ModuleType | None:
+    """The compiled module ``hicache_existence.<name>`` if the backend switch
+    allows it and it is built, else ``None`` (``c`` makes a missing build an
+    ImportError)."""
+    choice = _choice()
+    if choice == "python":
+        return None
+    try:
+        return importlib.import_module(f"hicache_existence.{name}")
+    except ImportError:
+        if choice == "c":
+            raise
+        return None
+
+
+def _select() -> tuple[Callable[[], LruIndexType], str]:
+    module = compiled("_lru")
+    if module is not None:
+        return module.LruIndex, "c"
     return PyLruIndex, "python"
 
 
 #: The implementation the caches use, and its name ("c" or "python").
 LruIndex, BACKEND = _select()
+
+#: Bytes one entry costs at full cap (512K entries, CPython 3.11, tracemalloc,
+#: hash strings excluded): the compiled index's 8-byte slot at <= 3/4 load plus
+#: its 24-byte node; an ``OrderedDict`` entry.  Used for the memory estimate
+#: metric and to size the miss-reason memory.
+BYTES_PER_ENTRY = 40.0 if BACKEND == "c" else 77.3
 
 
 def c_index() -> Callable[[], LruIndexType] | None:

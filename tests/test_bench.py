@@ -76,3 +76,20 @@ def test_bench_cli_quick_json_record_has_every_target():
     assert {"flat.kv.contains_all", "flat.add_steady", "current.add_steady"} <= names
     assert all(isinstance(t["met"], bool) for t in record["targets"])
     assert record["memory"]["flat.memory_per_entry"]["ratio"] < 1.0
+
+
+def test_bench_wired_foundation_runs_with_export_and_concurrent_scrapes():
+    """`bench --wired`: our caches carry miss-reason memories, a feeder flushed
+    every round and a scrape thread; the record says so and the scrapes ran."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache_existence", "bench", "--quick", "--wired", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    record = json.loads(out.stdout)
+    assert record["config"]["wired"] is True
+    assert record["wired"]["scrape_errors"] == 0
+    assert record["index_backend"] in {"c", "python"}
+    assert {t["target"] for t in record["targets"]} >= {"flat.add_steady", "current.add_steady"}

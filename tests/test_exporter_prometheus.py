@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hicache_existence as he
+from hicache_existence import lru
 from hicache_existence.bench import workload
 from hicache_existence.catalog import CATALOG, DeploymentLabels
 from hicache_existence.config import Config
@@ -102,7 +103,8 @@ def test_scripted_workload_values_over_http():
     assert value(s, "hicache_existence_redundant_written_pages_total") == 2
     mem = ghosts.nbytes_by_pool()["kv"]
     assert value(s, "hicache_existence_miss_memory_bytes") == mem
-    assert value(s, "hicache_existence_memory_bytes") == pytest.approx(95 * 77.3 + mem)
+    estimate = 95 * lru.BYTES_PER_ENTRY + mem
+    assert value(s, "hicache_existence_memory_bytes") == pytest.approx(estimate)
     exposed = {name for name, _ in s}
     assert exposed >= {spec.exposed_name for spec in CATALOG}
 

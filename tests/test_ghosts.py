@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hicache_existence as he
-from hicache_existence import logs
+from hicache_existence import ghosts, logs
 from hicache_existence.bench import observability, workload
 from hicache_existence.config import Config
 from hicache_existence.ghosts import (
@@ -53,6 +53,31 @@ def test_batch_path_equals_per_key_path(slots):
     slow._remember_slow(keys, INVALIDATED)
     assert fast._table == slow._table
     assert fast.occupancy() > 0
+
+
+@pytest.mark.skipif(ghosts._native is None, reason="compiled ghosts module not built")
+@pytest.mark.parametrize("slots", [1, 100, 300, 7730, 70_000, 4_000_000])
+def test_compiled_path_equals_the_python_batch_path(slots, monkeypatch):
+    """The compiled scatter/gather (hicache_existence/_ghosts.c) writes and reads
+    exactly what the pure-Python batch path does, at every table layout."""
+    keys = workload.chain(5, 2000, "layout") + [k.upper() for k in workload.chain(6, 100, "up")]
+    native, python = FingerprintGhosts(slots), FingerprintGhosts(slots)
+    native.remember(keys, EVICTED)
+    native.remember(keys[::7], CLEARED)
+    monkeypatch.setattr(ghosts, "_native", None)
+    python.remember(keys, EVICTED)
+    python.remember(keys[::7], CLEARED)
+    assert native._table == python._table
+    probes = keys[::3] + workload.chain(7, 500, "cold")
+    want = python.classify(probes)
+    monkeypatch.undo()
+    assert native.classify(probes) == want
+    assert slots < 70_000 or set(want) >= {COLD, EVICTED, CLEARED}
+    # A batch with one odd key writes nothing in C and takes the per-key path.
+    odd = FingerprintGhosts(slots)
+    native = ghosts._native
+    assert native.remember(odd._table, [*keys[:5], "x"], EVICTED, odd._top, odd._levels) is False
+    assert odd.occupancy() == 0
 
 
 @settings(max_examples=150, deadline=None)

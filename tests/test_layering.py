@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "observers": 0,
     "lru": 0,
     "_lru": 0,  # the compiled index (hicache_existence/_lru.c)
+    "_ghosts": 2,  # the compiled trace scatter/gather (hicache_existence/_ghosts.c)
     "cache": 1,
     "flat": 1,
     "policies": 1,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache_existence.bench import workload
-from hicache_existence.bench.harness import Comparison, compare
+from hicache_existence.bench.harness import Comparison, compare, compare_balanced
 from hicache_existence.cache import StorageExistenceCache
 from hicache_existence.ghosts import CACHE_BYTES_PER_ENTRY, FingerprintGhosts, GhostFactory
 from hicache_existence.stats import COLD, EVICTED, MISS_REASONS
@@ -136,21 +136,30 @@ def run_costs(
     kv = workload.chains(n_chains, cfg.chain_pages, "obs-kv")
     # Pages that were added once and evicted: the misses that need classifying.
     gone = workload.chains(2, cfg.chain_pages, "obs-gone")
-    fresh = workload.chains(2 * total_rounds * cfg.adds_per_round, cfg.chain_pages, "obs-fresh")
+    fresh = workload.chains(total_rounds * cfg.adds_per_round, cfg.chain_pages, "obs-fresh")
 
-    ghosts = GhostFactory(cap)
-    bare = StorageExistenceCache(cap)
-    wired_cache = StorageExistenceCache(cap, miss_memory=ghosts)
-    b_pool, w_pool = bare.pool("kv"), wired_cache.pool("kv")
-    progress("filling both caches")
+    # Two caches a side, built and filled in ABBA order (wired, bare, bare,
+    # wired): instances of one class differ on memory-bound work by where their
+    # tables landed (see ``harness.compare_balanced``).  Lookups compare the
+    # first pair; steady-state adds, the most placement-sensitive, all four.
+    def wired_cache() -> tuple[Any, MultiprocessFeeder, Any]:
+        ghosts = GhostFactory(cap)
+        cache = StorageExistenceCache(cap, miss_memory=ghosts)
+        sampler = Sampler(cache, ghosts=ghosts)
+        # Flushed every round (a scheduler step) and rate-limited as configured
+        # in production; a full flush's own cost is timed separately below.
+        feeder = MultiprocessFeeder(sampler, flush_interval_s=cfg.flush_interval_s, registry=None)
+        return cache, feeder, (registry_for(sampler), ghosts)
+
+    w1, feeder, (registry, ghosts) = wired_cache()
+    bare, bare2 = StorageExistenceCache(cap), StorageExistenceCache(cap)
+    w2, feeder2, _ = wired_cache()
+    b_pool, w_pool = bare.pool("kv"), w1.pool("kv")
+    pools = (w_pool, b_pool, bare2.pool("kv"), w2.pool("kv"))
+    progress("filling the caches")
     for c in (*gone, *kv):
-        b_pool.add(c)
-        w_pool.add(c)
-    sampler = Sampler(wired_cache, ghosts=ghosts)
-    registry = registry_for(sampler)
-    # Flushed every round (a scheduler step) and rate-limited as configured in
-    # production; a full flush's own cost is timed separately below.
-    feeder = MultiprocessFeeder(sampler, flush_interval_s=cfg.flush_interval_s, registry=None)
+        for pool in pools:
+            pool.add(c)
     result.miss_memory_bytes_per_entry = ghosts.nbytes_by_pool()["kv"] / cap
 
     hot = rng.sample(kv, min(cfg.hot_chains, len(kv)))
@@ -206,7 +215,7 @@ def run_costs(
 
         return run
 
-    def adds(pool: Any, offset: int, step: bool) -> Callable[[int], int]:
+    def adds(pool: Any, offset: int, flush: MultiprocessFeeder | None) -> Callable[[int], int]:
         def run(r: int) -> int:
             add = pool.add
             pages = 0
@@ -214,8 +223,8 @@ def run_costs(
             for chain in fresh[base : base + cfg.adds_per_round]:
                 add(chain)
                 pages += len(chain)
-            if step:
-                feeder.flush()
+            if flush is not None:
+                flush.flush()
             return pages
 
         return run
@@ -254,12 +263,13 @@ def run_costs(
             )
         )
         progress("add: steady state (every page evicts one)")
-        half = total_rounds * cfg.adds_per_round
+        # Every cache adds the same fresh chains, so all four keep equal histories.
         result.comparisons.append(
-            compare(
+            compare_balanced(
                 "observability.add_steady",
-                ("bare", adds(b_pool, 0, False)),
-                ("wired", adds(w_pool, half, True)),
+                [adds(pools[1], 0, None), adds(pools[2], 0, None)],
+                [adds(pools[0], 0, feeder), adds(pools[3], 0, feeder2)],
+                ("bare", "wired"),
                 cfg.rounds,
                 unit="page",
             )

@@ -23,6 +23,7 @@ from typing import Any
 from hicache_existence.bench import noacct, workload
 from hicache_existence.bench.harness import (
     Comparison,
+    RoundFn,
     add_round,
     compare,
     compare_balanced,
@@ -45,6 +46,10 @@ class BenchConfig:
     hot_chains: int = 8
     adds_per_round: int = 4
     seed: int = 20261129
+    #: Wire export into our caches (miss-reason memories, a multiprocess feeder
+    #: flushed every round, a concurrent scrape thread): the observability
+    #: issue's "the foundation ratios still hold with export wired in".
+    wired: bool = False
 
     @property
     def chains(self) -> int:
@@ -95,6 +100,8 @@ class BenchResult:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     upstream: dict[str, str] | None = None
     verdicts: list[dict[str, Any]] = field(default_factory=list)
+    #: Concurrent scrapes during a wired run (``BenchConfig.wired``).
+    wired: dict[str, int] | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -159,11 +166,13 @@ def run_foundation(
     ]
     cap = cfg.chains * cfg.chain_pages
     stripped = noacct.stripped_classes()
+    # A daemon scrape thread when wired; stopped below (and dies with the process).
+    wiring = _Wiring(cfg.wired)
 
     # -- seed generation ----------------------------------------------------
     progress("seed generation: filling caches")
     seed_cache = SeedStorageExistenceCache(cap)
-    ours_flat = FlatStorageExistenceCache(cap)
+    ours_flat = wiring.flat(cap)
     for c in kv:
         seed_cache.add("kv", c)
         ours_flat.add("kv", c)
@@ -175,7 +184,7 @@ def run_foundation(
                 compare(
                     f"flat.kv.{op}[{regime}]",
                     ("seed", lookup_round(getattr(seed_cache, op), "kv", plan)),
-                    ("ours", lookup_round(getattr(ours_flat, op), "kv", plan)),
+                    ("ours", wiring.round(lookup_round(getattr(ours_flat, op), "kv", plan))),
                     cfg.rounds,
                 )
             )
@@ -184,7 +193,7 @@ def run_foundation(
         compare(
             "flat.add_steady",
             ("seed", add_round(seed_cache.add, "kv", add_plan_a)),
-            ("ours", add_round(ours_flat.add, "kv", add_plan_a)),
+            ("ours", wiring.round(add_round(ours_flat.add, "kv", add_plan_a))),
             cfg.rounds,
         )
     )
@@ -192,7 +201,7 @@ def run_foundation(
 
     progress("seed generation: second pool")
     seed_cache = SeedStorageExistenceCache(cap)
-    ours_flat = FlatStorageExistenceCache(cap)
+    ours_flat = wiring.flat(cap)
     for a, b in zip(kv[:half], swa):
         for cache in (seed_cache, ours_flat):
             cache.add("kv", a)
@@ -205,7 +214,7 @@ def run_foundation(
                 compare(
                     f"flat.second_pool.{op}[{regime}]",
                     ("seed", lookup_round(getattr(seed_cache, op), "swa", plan)),
-                    ("ours", lookup_round(getattr(ours_flat, op), "swa", plan)),
+                    ("ours", wiring.round(lookup_round(getattr(ours_flat, op), "swa", plan))),
                     cfg.rounds,
                 )
             )
@@ -226,7 +235,7 @@ def run_foundation(
     }
 
     # -- current generation -------------------------------------------------
-    ours_cur = StorageExistenceCache(cap).pool("kv")
+    ours_cur = wiring.current(cap).pool("kv")
     up_pool: Any = None
     if upstream is not None:
         result.upstream = {"origin": upstream.origin, "sha256": upstream.sha256}
@@ -245,7 +254,7 @@ def run_foundation(
                     compare(
                         f"current.{op}[{regime}]",
                         ("upstream", lookup_round(getattr(up_pool, op), None, plan)),
-                        ("ours", lookup_round(getattr(ours_cur, op), None, plan)),
+                        ("ours", wiring.round(lookup_round(getattr(ours_cur, op), None, plan))),
                         cfg.rounds,
                     )
                 )
@@ -260,7 +269,7 @@ def run_foundation(
                 compare(
                     f"current.covered_inflight_present[{regime}]",
                     ("upstream", lookup_round(up_pool.covered, None, plan)),
-                    ("ours", lookup_round(ours_cur.covered, None, plan)),
+                    ("ours", wiring.round(lookup_round(ours_cur.covered, None, plan))),
                     cfg.rounds,
                 )
             )
@@ -271,7 +280,7 @@ def run_foundation(
             compare(
                 "current.add_steady",
                 ("upstream", add_round(up_pool.add, None, add_plan_a)),
-                ("ours", add_round(ours_cur.add, None, add_plan_a)),
+                ("ours", wiring.round(add_round(ours_cur.add, None, add_plan_a))),
                 cfg.rounds,
             )
         )
@@ -293,6 +302,10 @@ def run_foundation(
             "ours_bytes": cur_mem,
             "ratio": cur_mem / up_mem,
         }
+
+    wiring.stop()
+    if cfg.wired:
+        result.wired = {"scrapes": wiring.scrapes, "scrape_errors": wiring.scrapes_failed}
 
     # -- accounting: ours against the same code with its counters stripped ---
     # Two instances a side, built in ABBA order (see ``compare_balanced``), all
@@ -335,6 +348,77 @@ def run_foundation(
 
     result.verdicts = evaluate(result)
     return result
+
+
+class _Wiring:
+    """Export wired into "our" caches, as in a serving process with metrics on:
+    a miss-reason memory per pool, a multiprocess feeder flushed after every
+    round (a scheduler step; rate-limited as in production), and a thread
+    rendering a standalone registry every 50 ms.  A no-op when not ``enabled``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._feeders: dict[int, Any] = {}
+        self._registries: list[Any] = []
+        self._scraper: Any = None
+        self._current: Any = None
+        self.scrapes = 0
+        self.scrapes_failed = 0
+
+    def _wire(self, cache: Any, ghosts: Any) -> None:
+        from hicache_existence.bench.observability import _ScrapeThread
+        from hicache_existence.exporters.multiprocess import MultiprocessFeeder
+        from hicache_existence.exporters.prometheus import registry_for, render
+        from hicache_existence.exporters.samples import Sampler
+
+        sampler = Sampler(cache, ghosts=ghosts)
+        self._feeders[id(cache)] = MultiprocessFeeder(sampler, registry=None)
+        self._registries.append(registry_for(sampler))
+        if self._scraper is None:
+            registries = self._registries
+            self._scraper = _ScrapeThread(lambda: b"".join(map(render, registries)), 0.05)
+            self._scraper.start()
+        self._current = self._feeders[id(cache)]
+
+    def flat(self, cap: int) -> FlatStorageExistenceCache:
+        if not self.enabled:
+            return FlatStorageExistenceCache(cap)
+        from hicache_existence.ghosts import GhostFactory
+
+        ghosts = GhostFactory(cap)
+        cache = FlatStorageExistenceCache(cap, miss_memory=ghosts)
+        self._wire(cache, ghosts)
+        return cache
+
+    def current(self, cap: int) -> StorageExistenceCache:
+        if not self.enabled:
+            return StorageExistenceCache(cap)
+        from hicache_existence.ghosts import GhostFactory
+
+        ghosts = GhostFactory(cap)
+        cache = StorageExistenceCache(cap, miss_memory=ghosts)
+        self._wire(cache, ghosts)
+        return cache
+
+    def round(self, fn: RoundFn) -> RoundFn:
+        """``fn`` followed by a flush of the most recently wired cache's feeder."""
+        if not self.enabled:
+            return fn
+        feeder = self._current
+
+        def run(r: int) -> int:
+            pages = fn(r)
+            feeder.flush()
+            return pages
+
+        return run
+
+    def stop(self) -> None:
+        if self._scraper is not None:
+            self._scraper.stop()
+            self.scrapes = self._scraper.scrapes
+            self.scrapes_failed = self._scraper.errors
+            self._scraper = None
 
 
 def _bind_flat(cache: Any) -> tuple[Callable[[list[str]], None], Callable[[list[str]], bool]]:

@@ -14,12 +14,14 @@ NAME = "bench"
 HELP = "time the caches against the seed's code and upstream's, side by side"
 SUITES = ("foundation", "digest", "observability", "advisor", "replay", "all")
 
-#: Overhead bounds of the observability suite (wired cache vs bare, side by side).
+#: Overhead bounds of the observability suite (wired cache vs bare, side by side):
+#: the miss-reason path adds at most 10% to a miss and nothing measurable to a hit.
+#: ``observability.add_steady`` is reported, not bounded: the issue's criterion for
+#: adds is that the foundation ratios hold with export wired in (``--wired``).
 OBSERVABILITY_TARGETS = {
     "observability.hit[contains_all]": 0.05,
     "observability.miss[covered,65p]": 0.10,
     "observability.miss[contains]": 0.10,
-    "observability.add_steady": 0.10,
 }
 
 
@@ -42,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--check", action="store_true", help="exit 1 when a target is not met or not measured"
+    )
+    parser.add_argument(
+        "--wired",
+        action="store_true",
+        help="foundation suite with export wired into our caches (miss-reason memories, "
+        "a feeder flushed every round, a scrape thread rendering every 50 ms)",
     )
     parser.add_argument(
         "--suite",
@@ -81,12 +89,20 @@ def _table(result: Any) -> str:
     return "\n".join(lines)
 
 
+def _backend() -> str:
+    from hicache_existence import lru
+
+    return lru.BACKEND
+
+
 def _as_json(result: Any) -> dict[str, Any]:
     return {
         "config": dataclasses.asdict(result.config),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "upstream": result.upstream,
+        "index_backend": _backend(),
+        "wired": getattr(result, "wired", None),
         "comparisons": [
             {
                 "scenario": c.scenario,
@@ -142,6 +158,7 @@ def _sizes(args: argparse.Namespace, cfg: Any) -> Any:
             ("entries", args.entries),
             ("chain_pages", args.chain_pages),
             ("rounds", args.rounds),
+            ("wired", getattr(args, "wired", False) or None),
         )
         if v is not None and hasattr(cfg, k)
     }
