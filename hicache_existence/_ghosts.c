@@ -144,6 +144,37 @@ batch_words(PyObject *seq, uint32_t **words, Py_ssize_t *n)
     return 1;
 }
 
+/* Shared argument handling: the layout, and the words of a batchable `keys`.
+ * Returns -1 on error, 0 when the batch is not batchable (nothing held), 1 with
+ * `l` and `*words` held (release with finish()). */
+static int
+prepare(PyObject *table, PyObject *keys, PyObject *top, PyObject *levels_obj, int writable,
+        Layout *l, uint32_t **words, Py_ssize_t *n)
+{
+    if (!PyList_Check(keys) && !PyTuple_Check(keys)) {
+        return 0;
+    }
+    long levels = PyLong_AsLong(levels_obj);
+    if (levels == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (parse_layout(table, top, (int)levels, writable, l) < 0) {
+        return -1;
+    }
+    int ok = batch_words(keys, words, n);
+    if (ok <= 0) {
+        release_layout(l);
+    }
+    return ok;
+}
+
+static void
+finish(Layout *l, uint32_t *words)
+{
+    PyMem_Free(words);
+    release_layout(l);
+}
+
 PyDoc_STRVAR(remember_doc,
 "remember(table, keys, reason, top, levels, /) -> bool\n\n"
 "Write (word & 0xFC) | reason into every key's slot, in order (later wins).\n"
@@ -157,9 +188,6 @@ ghosts_remember(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "remember() takes 5 positional arguments");
         return NULL;
     }
-    if (!PyList_Check(args[1]) && !PyTuple_Check(args[1])) {
-        Py_RETURN_FALSE;
-    }
     long reason = PyLong_AsLong(args[2]);
     if (reason == -1 && PyErr_Occurred()) {
         return NULL;
@@ -168,29 +196,17 @@ ghosts_remember(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "reason must be 1, 2 or 3");
         return NULL;
     }
-    int levels = PyLong_AsLong(args[4]);
-    if (levels == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
     Layout l;
-    if (parse_layout(args[0], args[3], levels, 1, &l) < 0) {
-        return NULL;
-    }
     uint32_t *words;
     Py_ssize_t n;
-    int ok = batch_words(args[1], &words, &n);
+    int ok = prepare(args[0], args[1], args[3], args[4], 1, &l, &words, &n);
     if (ok <= 0) {
-        release_layout(&l);
-        if (ok < 0) {
-            return NULL;
-        }
-        Py_RETURN_FALSE;
+        return ok < 0 ? NULL : Py_NewRef(Py_False);
     }
     unsigned char *table = l.table.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (slot_index(&l, words[i]) >= l.table.len) {
-            PyMem_Free(words);
-            release_layout(&l);
+            finish(&l, words);
             PyErr_SetString(PyExc_ValueError, "top/levels do not fit the table");
             return NULL;
         }
@@ -203,8 +219,7 @@ ghosts_remember(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         table[slot_index(&l, words[i])] = (unsigned char)((words[i] & FP_MASK) | (uint32_t)reason);
     }
-    PyMem_Free(words);
-    release_layout(&l);
+    finish(&l, words);
     Py_RETURN_TRUE;
 }
 
@@ -220,26 +235,12 @@ ghosts_classify(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "classify() takes 4 positional arguments");
         return NULL;
     }
-    if (!PyList_Check(args[1]) && !PyTuple_Check(args[1])) {
-        Py_RETURN_NONE;
-    }
-    int levels = PyLong_AsLong(args[3]);
-    if (levels == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
     Layout l;
-    if (parse_layout(args[0], args[2], levels, 0, &l) < 0) {
-        return NULL;
-    }
     uint32_t *words;
     Py_ssize_t n;
-    int ok = batch_words(args[1], &words, &n);
+    int ok = prepare(args[0], args[1], args[2], args[3], 0, &l, &words, &n);
     if (ok <= 0) {
-        release_layout(&l);
-        if (ok < 0) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, n);
     if (out != NULL) {
@@ -257,8 +258,7 @@ ghosts_classify(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             dst[i] = (s && ((s ^ words[i]) & FP_MASK) == 0) ? (unsigned char)(s & 3) : 0;
         }
     }
-    PyMem_Free(words);
-    release_layout(&l);
+    finish(&l, words);
     return out;
 }
 

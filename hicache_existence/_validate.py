@@ -36,6 +36,13 @@ def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
             raise TypeError(
                 f"{arg} must be an iterable of str page hashes, got {type(hashes).__name__}"
             ) from None
+    str_items(seq, arg)
+    return seq
+
+
+def str_items(seq: Sequence[str], arg: str = "hashes") -> None:
+    """Raise ``TypeError`` naming ``arg[index]`` unless every item is a ``str``
+    (one C pass, ``"".join``; the index is found only on failure)."""
     try:
         "".join(seq)
     except TypeError:
@@ -45,7 +52,6 @@ def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
                     f"{arg}[{index}] must be a str page hash, got {type(item).__name__}"
                 ) from None
         raise  # pragma: no cover - join failed for another reason
-    return seq
 
 
 def page_sequence(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:

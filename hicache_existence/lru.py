@@ -33,6 +33,8 @@ from itertools import repeat
 from types import ModuleType
 from typing import Protocol
 
+from hicache_existence import _validate
+
 #: Drains an iterator in C without keeping anything (itertools "consume" recipe).
 _exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _ABSENT = object()
@@ -62,15 +64,7 @@ def _check_items(seq: Sequence[str]) -> None:
     """The C index's up-front check: list or tuple, every item a ``str``."""
     if not isinstance(seq, (list, tuple)):
         raise TypeError(f"hashes must be a list or tuple of str, got {type(seq).__name__}")
-    try:
-        "".join(seq)  # one C pass; raises on the first non-str
-    except TypeError:
-        for index, item in enumerate(seq):
-            if not isinstance(item, str):
-                raise TypeError(
-                    f"hashes[{index}] must be a str page hash, got {type(item).__name__}"
-                ) from None
-        raise
+    _validate.str_items(seq, "hashes")
 
 
 def _check_key(page_hash: object) -> None:

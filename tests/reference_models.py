@@ -364,3 +364,22 @@ class RefFlat:
             total = add_stats(total, s)
         total["capacity"] = self.max_entries if self.counters else 0
         return total
+
+
+def on_pure_python_index(machine: type) -> type:
+    """``machine`` driving caches built on the pure-Python index (what
+    ``HICACHE_EXISTENCE_BACKEND=python`` selects): the fallback must behave
+    exactly like the compiled index, so the same state machine runs on both."""
+    from hicache_existence import lru
+
+    class PurePython(machine):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            self._saved_index = lru.LruIndex
+            lru.LruIndex = lru.PyLruIndex
+            super().__init__()
+
+        def teardown(self) -> None:
+            lru.LruIndex = self._saved_index
+
+    PurePython.__name__ = PurePython.__qualname__ = f"PurePython{machine.__name__}"
+    return PurePython

@@ -26,13 +26,13 @@ from reference_models import (
     FIELDS,
     ExactMissMemory,
     RefCache,
+    on_pure_python_index,
     ref_chain_heal_from_query,
     ref_heal_from_transfer,
     ref_trailing_heal_from_query,
 )
 
 import hicache_existence as he
-from hicache_existence import lru
 
 
 class PoolName(str, Enum):
@@ -315,19 +315,7 @@ TestCacheModel = CacheMachine.TestCase
 TestCacheModel.__doc__ = "The current generation matches the reference model step by step."
 
 
-class PurePythonCacheMachine(CacheMachine):
-    """The same machine on the pure-Python index (``HICACHE_EXISTENCE_BACKEND=python``):
-    the fallback must behave exactly like the compiled index."""
-
-    def __init__(self):
-        self._saved_index = lru.LruIndex
-        lru.LruIndex = lru.PyLruIndex
-        super().__init__()
-
-    def teardown(self):
-        lru.LruIndex = self._saved_index
-
-
+PurePythonCacheMachine = on_pure_python_index(CacheMachine)
 PurePythonCacheMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=50, **SETTINGS
 )

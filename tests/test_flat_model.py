@@ -21,10 +21,9 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from reference_models import FIELDS, ExactMissMemory, RefFlat
+from reference_models import FIELDS, ExactMissMemory, RefFlat, on_pure_python_index
 
 import hicache_existence as he
-from hicache_existence import lru
 
 
 class PoolName(str, Enum):
@@ -227,19 +226,7 @@ TestFlatModel = FlatMachine.TestCase
 TestFlatModel.__doc__ = "The seed generation matches the reference model step by step."
 
 
-class PurePythonFlatMachine(FlatMachine):
-    """The same machine on the pure-Python index (``HICACHE_EXISTENCE_BACKEND=python``):
-    the fallback must behave exactly like the compiled index."""
-
-    def __init__(self):
-        self._saved_index = lru.LruIndex
-        lru.LruIndex = lru.PyLruIndex
-        super().__init__()
-
-    def teardown(self):
-        lru.LruIndex = self._saved_index
-
-
+PurePythonFlatMachine = on_pure_python_index(FlatMachine)
 PurePythonFlatMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=50, **SETTINGS
 )
