@@ -12,8 +12,8 @@
  * | (word >> lo_shift) & lo_mask, with hi_shift = 8 * (levels - 1) and
  * lo_shift = 32 - 8 * levels; the slot byte is (word & 0xFC) | reason.  Only
  * batches whose every key is 64 characters starting with 8 hex digits are
- * handled (as the Python batch path); otherwise nothing is written and None is
- * returned, and the caller takes its per-key path.
+ * handled (as the Python batch path); otherwise nothing is written (remember
+ * returns False, classify None) and the caller takes its per-key path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -156,6 +156,10 @@ prepare(PyObject *table, PyObject *keys, PyObject *top, PyObject *levels_obj, in
     }
     long levels = PyLong_AsLong(levels_obj);
     if (levels == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (levels < 1 || levels > 3) {
+        PyErr_SetString(PyExc_ValueError, "levels must be 1, 2 or 3");
         return -1;
     }
     if (parse_layout(table, top, (int)levels, writable, l) < 0) {

@@ -345,12 +345,12 @@ check_items(PyObject *const *items, Py_ssize_t n, int *exact)
             continue;
         }
         if (!PyUnicode_Check(it)) {
-            PyObject *tname = PyObject_GetAttrString((PyObject *)Py_TYPE(it), "__name__");
-            if (tname == NULL) {
-                return -1;
-            }
-            PyErr_Format(PyExc_TypeError, "hashes[%zd] must be a str page hash, got %U", i, tname);
-            Py_DECREF(tname);
+            /* The type's short name, as type(it).__name__ reads for ordinary
+             * classes, without running any Python code. */
+            const char *name = Py_TYPE(it)->tp_name;
+            const char *dot = strrchr(name, '.');
+            PyErr_Format(PyExc_TypeError, "hashes[%zd] must be a str page hash, got %.100s", i,
+                         dot ? dot + 1 : name);
             return -1;
         }
         all_exact = 0;
@@ -487,7 +487,7 @@ Lru_contains(Lru *self, PyObject *const *args, Py_ssize_t nargs)
                      nargs);
         return NULL;
     }
-    if (parse_tag(nargs == 2 ? args[1] : NULL, &tag) < 0) {
+    if (check_key(args[0]) < 0 || parse_tag(nargs == 2 ? args[1] : NULL, &tag) < 0) {
         return NULL;
     }
     int r = lookup(self, args[0], tag);
@@ -528,19 +528,29 @@ Lru_add(Lru *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *copies = NULL;
     if (!exact) {
         /* Store subclasses as exact str copies: no overridden method can run
-         * inside the index, and stored keys cannot hold references back. */
-        copies = PyList_New(n);
+         * inside the index, and stored keys cannot hold references back.  The
+         * list is allocated empty first (that allocation may run finalizers
+         * that change `seq`), then `seq` is read and checked again; str copies
+         * and appends allocate nothing the collector tracks. */
+        copies = PyList_New(0);
         if (copies == NULL) {
+            return NULL;
+        }
+        items = PySequence_Fast_ITEMS(seq);
+        n = PySequence_Fast_GET_SIZE(seq);
+        if (check_items(items, n, NULL) < 0) {
+            Py_DECREF(copies);
             return NULL;
         }
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *c = PyUnicode_CheckExact(items[i]) ? Py_NewRef(items[i])
                                                          : PyUnicode_FromObject(items[i]);
-            if (c == NULL) {
+            if (c == NULL || PyList_Append(copies, c) < 0) {
+                Py_XDECREF(c);
                 Py_DECREF(copies);
                 return NULL;
             }
-            PyList_SET_ITEM(copies, i, c);
+            Py_DECREF(c);
         }
         items = PySequence_Fast_ITEMS(copies);
     }
@@ -628,7 +638,7 @@ Lru_evict(Lru *self, PyObject *const *args, Py_ssize_t nargs)
                      nargs);
         return NULL;
     }
-    Py_ssize_t count = PyNumber_AsSsize_t(args[0], PyExc_OverflowError);
+    Py_ssize_t count = PyNumber_AsSsize_t(args[0], NULL); /* clamps, as min() in Python */
     if (count == -1 && PyErr_Occurred()) {
         return NULL;
     }
@@ -679,6 +689,9 @@ Lru_evict(Lru *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(key);
         }
     }
+    /* Building the answer can fail only for lack of memory, after the entries
+     * are gone: the caller then gets MemoryError and loses the keys, which at
+     * that point is the least of its problems. */
     Py_ssize_t start = 0;
     for (Py_ssize_t i = 1; i <= count; i++) {
         if (i == count || tags[i] != tags[start]) {
@@ -706,13 +719,20 @@ Lru_discard(Lru *self, PyObject *const *args, Py_ssize_t nargs)
     if (parse_seq_tag("discard", args, nargs, &seq, &tag) < 0) {
         return NULL;
     }
+    /* Allocated before the caller's sequence is read: the allocation may run
+     * finalizers that change it.  Appends only grow the item array (no
+     * collector), so nothing after this point can. */
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (check_items(items, n, NULL) < 0) {
+        Py_DECREF(out);
         return NULL;
     }
-    PyObject *out = PyList_New(0);
-    if (out == NULL || self->size == 0) {
+    if (self->size == 0) {
         return out;
     }
     /* Pass 1 collects the present keys without changing anything (so a failed
@@ -731,8 +751,7 @@ Lru_discard(Lru *self, PyObject *const *args, Py_ssize_t nargs)
         if (pos < 0) {
             continue;
         }
-        uint32_t id = (uint32_t)self->slots[pos] - 1;
-        if (PyList_Append(out, node_at(self, id)->key) < 0) {
+        if (PyList_Append(out, key) < 0) { /* the caller's object, as the Python twin */
             Py_DECREF(out);
             return NULL;
         }
@@ -808,12 +827,24 @@ PyDoc_STRVAR(keys_doc, "keys(/) -> list\n\nEvery key, least recently used first.
 static PyObject *
 Lru_keys(Lru *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *out = PyList_New(self->size);
+    /* Allocating the list may run the collector (and finalizers that change
+     * this index): size it again until the size it was made for still holds,
+     * then walk with no allocation. */
+    Py_ssize_t n;
+    PyObject *out;
+    for (;;) {
+        n = self->size;
+        out = PyList_New(n);
+        if (out == NULL || self->size == n) {
+            break;
+        }
+        Py_DECREF(out);
+    }
     if (out == NULL) {
         return NULL;
     }
     uint32_t id = self->head;
-    for (Py_ssize_t i = 0; i < self->size; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         Node *nd = node_at(self, id);
         PyList_SET_ITEM(out, i, Py_NewRef(nd->key));
         id = nd->next;

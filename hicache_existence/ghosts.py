@@ -247,6 +247,8 @@ class FingerprintGhosts:
             return None
         if n > 1 and joined[_HEX_KEY_LEN::stride] != _SEP * (n - 1):
             return None
+        if joined.count(_SEP) != n - 1:  # a separator inside a key shifts the lanes
+            return None
         head = bytearray(8 * n)
         try:
             for i in range(8):

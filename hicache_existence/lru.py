@@ -60,11 +60,14 @@ class LruIndexType(Protocol):
     def __iter__(self) -> Iterator[str]: ...
 
 
-def _check_items(seq: Sequence[str]) -> None:
-    """The C index's up-front check: list or tuple, every item a ``str``."""
+def _check_batch(seq: Sequence[str], tag: object) -> int:
+    """The C index's up-front checks, in its order: the container (list or
+    tuple), the tag, every item a ``str``.  Returns the tag as a plain int."""
     if not isinstance(seq, (list, tuple)):
         raise TypeError(f"hashes must be a list or tuple of str, got {type(seq).__name__}")
+    plain = _check_tag(tag)
     _validate.str_items(seq, "hashes")
+    return plain
 
 
 def _check_key(page_hash: object) -> None:
@@ -73,11 +76,12 @@ def _check_key(page_hash: object) -> None:
 
 
 def _check_tag(tag: object) -> int:
+    """``tag`` as a plain int (``True`` or an ``IntEnum`` become their value)."""
     if not isinstance(tag, int):
         raise TypeError(f"tag must be an int, got {type(tag).__name__}")
     if not 0 <= tag < 2**32:
         raise ValueError("tag must be in [0, 2**32)")
-    return tag
+    return int(tag)
 
 
 def _exact(seq: Sequence[str]) -> Sequence[str]:
@@ -97,10 +101,10 @@ class PyLruIndex:
         self._od: OrderedDict[str | tuple[int, str], None] = OrderedDict()
 
     def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int:
-        _check_items(hashes)
+        tag = _check_batch(hashes, tag)
         move_to_end = self._od.move_to_end
         try:
-            if _check_tag(tag) == 0:
+            if tag == 0:
                 _exhaust(map(move_to_end, hashes))
             else:
                 _exhaust(map(move_to_end, zip(repeat(tag), hashes)))
@@ -114,7 +118,8 @@ class PyLruIndex:
 
     def touch(self, page_hash: str, tag: int = 0, /) -> bool:
         _check_key(page_hash)
-        key = page_hash if _check_tag(tag) == 0 else (tag, page_hash)
+        tag = _check_tag(tag)
+        key = page_hash if tag == 0 else (tag, page_hash)
         od = self._od
         if key in od:
             od.move_to_end(key)
@@ -123,12 +128,13 @@ class PyLruIndex:
 
     def contains(self, page_hash: str, tag: int = 0, /) -> bool:
         _check_key(page_hash)
-        return (page_hash if _check_tag(tag) == 0 else (tag, page_hash)) in self._od
+        tag = _check_tag(tag)
+        return (page_hash if tag == 0 else (tag, page_hash)) in self._od
 
     def add(self, hashes: Sequence[str], tag: int = 0, /) -> int:
-        _check_items(hashes)
+        tag = _check_batch(hashes, tag)
         seq = _exact(hashes)
-        keys = seq if _check_tag(tag) == 0 else list(zip(repeat(tag), seq))
+        keys = seq if tag == 0 else list(zip(repeat(tag), seq))
         od = self._od
         before = len(od)
         for key in keys:  # measured faster than OrderedDict.update(zip(...))
@@ -166,8 +172,8 @@ class PyLruIndex:
         return out_keys
 
     def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]:
-        _check_items(hashes)
-        keys = hashes if _check_tag(tag) == 0 else list(zip(repeat(tag), hashes))
+        tag = _check_batch(hashes, tag)
+        keys = hashes if tag == 0 else list(zip(repeat(tag), hashes))
         results = list(map(self._od.pop, keys, repeat(_ABSENT)))
         return [h for h, r in zip(hashes, results) if r is not _ABSENT]
 

@@ -95,6 +95,19 @@ def test_any_text_keys_agree_between_paths(keys, reason):
     assert fast.reason(keys[-1]) == reason
 
 
+def test_a_newline_inside_a_key_never_shifts_the_batch_lanes(monkeypatch):
+    """Keys whose lengths add up right but hide a separator must not take the
+    batch path, with or without the compiled module (review finding: the Python
+    batch path wrote slots that reason() never reads)."""
+    keys = ["0123abcd" + "x" * 22, "y" * 33 + "\n" + "deadbeef" + "z" * 56]
+    for native in (ghosts._native, None):
+        monkeypatch.setattr(ghosts, "_native", native)
+        g = FingerprintGhosts(4096)
+        g.remember(keys, EVICTED)
+        assert [g.reason(k) for k in keys] == [EVICTED, EVICTED]
+        assert g.classify(keys) == [EVICTED, EVICTED]
+
+
 def test_hex_keys_with_upper_case_and_mixed_batches():
     """Upper-case hex, and a batch mixing hex and other keys, stay consistent."""
     hexes = workload.chain(9, 50, "mix")
