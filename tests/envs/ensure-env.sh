@@ -94,9 +94,20 @@ else
   REPO_STAMP="no-pyproject $REPO"
 fi
 
+# The editable install builds the C extensions into the work tree, so a fresh
+# clone at a path used before (same stamp) has none of them: check for them too.
+built_in_place() {
+  local c
+  for c in "$REPO"/hicache_existence/*.c; do
+    [ -e "$c" ] || continue
+    compgen -G "${c%.c}.*.so" >/dev/null || return 1
+  done
+}
+
 ready() {
   [ -f "$ENV/.hicache-env-complete" ] && [ -x "$PY" ] \
-    && [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" = "$REPO_STAMP" ]
+    && [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" = "$REPO_STAMP" ] \
+    && built_in_place
 }
 
 # --- warm path: no lock, no process beyond the stamp read ----------------------------
@@ -181,7 +192,7 @@ for name in sys.argv[1:]:
   fi
 fi
 
-if [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" != "$REPO_STAMP" ]; then
+if [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" != "$REPO_STAMP" ] || ! built_in_place; then
   if [ -f "$REPO/pyproject.toml" ]; then
     log "installing $REPO[$EXTRAS] (editable)"
     # The pins constrain whatever the extras pull in, so a test dependency cannot
