@@ -625,29 +625,17 @@ add_run(PyObject *out, uint32_t tag, PyObject *keys, Py_ssize_t start, Py_ssize_
     return rc;
 }
 
-PyDoc_STRVAR(evict_doc,
-"evict(count, keys=False, /) -> dict\n\n"
-"Remove the `count` least recently used entries (all, if fewer).  Returns\n"
-"{tag: number removed}, or {tag: [keys removed, oldest first]} when `keys`.");
-
+/* Remove the `count_obj` least recently used entries; {tag: number} or,
+ * with `want_keys`, {tag: [keys, oldest first]}. */
 static PyObject *
-Lru_evict(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+evict_oldest(Lru *self, PyObject *count_obj, int want_keys)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "evict() takes 1 or 2 positional arguments (%zd given)",
-                     nargs);
-        return NULL;
-    }
-    Py_ssize_t count = PyNumber_AsSsize_t(args[0], NULL); /* clamps, as min() in Python */
+    Py_ssize_t count = PyNumber_AsSsize_t(count_obj, NULL); /* clamps, as min() in Python */
     if (count == -1 && PyErr_Occurred()) {
         return NULL;
     }
     if (count < 0) {
         PyErr_SetString(PyExc_ValueError, "count must be >= 0");
-        return NULL;
-    }
-    int want_keys = nargs == 2 ? PyObject_IsTrue(args[1]) : 0;
-    if (want_keys < 0) {
         return NULL;
     }
     /* Everything that can allocate a Python object (and so run the garbage
@@ -705,6 +693,27 @@ Lru_evict(Lru *self, PyObject *const *args, Py_ssize_t nargs)
     Py_XDECREF(keys);
     PyMem_Free(tags);
     return out;
+}
+
+PyDoc_STRVAR(evict_doc,
+"evict(count, /) -> dict\n\n"
+"Remove the `count` least recently used entries (all, if fewer); return\n"
+"{tag: number removed}.");
+
+static PyObject *
+Lru_evict(Lru *self, PyObject *count)
+{
+    return evict_oldest(self, count, 0);
+}
+
+PyDoc_STRVAR(evict_keys_doc,
+"evict_keys(count, /) -> dict\n\n"
+"As evict(), returning {tag: [keys removed, oldest first]}.");
+
+static PyObject *
+Lru_evict_keys(Lru *self, PyObject *count)
+{
+    return evict_oldest(self, count, 1);
 }
 
 PyDoc_STRVAR(discard_doc,
@@ -959,7 +968,8 @@ static PyMethodDef Lru_methods[] = {
     {"touch", (PyCFunction)(void (*)(void))Lru_touch, METH_FASTCALL, touch_doc},
     {"contains", (PyCFunction)(void (*)(void))Lru_contains, METH_FASTCALL, contains_doc},
     {"add", (PyCFunction)(void (*)(void))Lru_add, METH_FASTCALL, add_doc},
-    {"evict", (PyCFunction)(void (*)(void))Lru_evict, METH_FASTCALL, evict_doc},
+    {"evict", (PyCFunction)Lru_evict, METH_O, evict_doc},
+    {"evict_keys", (PyCFunction)Lru_evict_keys, METH_O, evict_keys_doc},
     {"discard", (PyCFunction)(void (*)(void))Lru_discard, METH_FASTCALL, discard_doc},
     {"clear", (PyCFunction)Lru_clear, METH_NOARGS, clear_doc},
     {"keys", (PyCFunction)Lru_keys, METH_NOARGS, keys_doc},

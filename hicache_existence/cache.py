@@ -108,8 +108,7 @@ class PoolBeliefs:
         else:
             if self._missed:
                 self.settle()
-            evicted: dict[int, list[str]] = self._entries.evict(excess, True)  # type: ignore[assignment]
-            memory.remember(evicted.get(0, []), EVICTED)
+            memory.remember(self._entries.evict_keys(excess).get(0, []), EVICTED)
         self._counters.evictions += excess
 
     def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:

@@ -98,11 +98,15 @@ class FlatStorageExistenceCache:
             rec = None
         return rec if rec is not None else _validate.pool_name(pool)
 
-    def _pool(self, resolved: _Pool | str) -> _Pool:
+    def _pool(self, resolved: _Pool | str, pages: Sequence[str] | None = None) -> _Pool:
         """The record for ``_resolve``'s answer, created only now, after the caller
-        validated everything else, so a call that fails validation leaves no trace."""
+        validated everything else, so a call that fails validation leaves no trace.
+        ``pages`` are a batch the index checks only later, when it runs: a new pool
+        checks them here first."""
         if isinstance(resolved, _Pool):
             return resolved
+        if pages is not None:
+            _validate.page_hashes(pages)
         rec = self._pools.get(resolved)
         if rec is None:
             memory = self._miss_memory(resolved) if self._miss_memory else None
@@ -119,9 +123,7 @@ class FlatStorageExistenceCache:
         resolved = self._resolve(pool)
         seq = _validate.page_sequence(hashes)
         entries = self._entries
-        if not isinstance(resolved, _Pool):
-            _validate.page_hashes(seq)  # a new pool is created only for a valid call
-        rec = self._pool(resolved)
+        rec = self._pool(resolved, seq)
         n = len(seq)
         inserted = entries.add(seq, rec.tag)
         rec.size += inserted
@@ -139,14 +141,12 @@ class FlatStorageExistenceCache:
         """The one eviction path; attributes each evicted entry to its pool."""
         by_tag = self._by_tag
         if not self._any_memory:
-            counts: dict[int, int] = self._entries.evict(excess)  # type: ignore[assignment]
-            for tag, evicted in counts.items():
+            for tag, evicted in self._entries.evict(excess).items():
                 rec = by_tag[tag]
                 rec.size -= evicted
                 rec.counters.evictions += evicted
             return
-        groups: dict[int, list[str]] = self._entries.evict(excess, True)  # type: ignore[assignment]
-        for tag, hashes in groups.items():
+        for tag, hashes in self._entries.evict_keys(excess).items():
             rec = by_tag[tag]
             rec.size -= len(hashes)
             rec.counters.evictions += len(hashes)
@@ -174,8 +174,7 @@ class FlatStorageExistenceCache:
         pools = self._pools
         if self._any_memory:
             # Drain oldest first, grouped by pool, for the miss memories.
-            groups: dict[int, list[str]] = self._entries.evict(len(self._entries), True)  # type: ignore[assignment]
-            for tag, hashes in groups.items():
+            for tag, hashes in self._entries.evict_keys(len(self._entries)).items():
                 self._by_tag[tag].remember(hashes, CLEARED)
         self._entries.clear()
         for rec in list(pools.values()):
@@ -212,9 +211,7 @@ class FlatStorageExistenceCache:
         having LRU-touched the pages before it."""
         resolved = self._resolve(pool)
         seq = _validate.page_sequence(hashes)
-        if not isinstance(resolved, _Pool):
-            _validate.page_hashes(seq)  # a new pool is created only for a valid call
-        return self._walk(self._pool(resolved), seq, _EMPTY)
+        return self._walk(self._pool(resolved, seq), seq, _EMPTY)
 
     def covers_all(
         self,
@@ -228,9 +225,7 @@ class FlatStorageExistenceCache:
         resolved = self._resolve(pool)
         _validate.container(extra_cover, "extra_cover")
         seq = _validate.page_sequence(hashes)
-        if not isinstance(resolved, _Pool):
-            _validate.page_hashes(seq)  # a new pool is created only for a valid call
-        return self._walk(self._pool(resolved), seq, extra_cover)
+        return self._walk(self._pool(resolved, seq), seq, extra_cover)
 
     def _walk(self, rec: _Pool, seq: Sequence[str], cover: Container[str]) -> bool:
         n = len(seq)

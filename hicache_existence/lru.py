@@ -30,8 +30,9 @@ import os
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
+from operator import itemgetter
 from types import ModuleType
-from typing import Protocol
+from typing import Protocol, cast
 
 from hicache_existence import _validate
 
@@ -50,7 +51,8 @@ class LruIndexType(Protocol):
     def touch(self, page_hash: str, tag: int = 0, /) -> bool: ...
     def contains(self, page_hash: str, tag: int = 0, /) -> bool: ...
     def add(self, hashes: Sequence[str], tag: int = 0, /) -> int: ...
-    def evict(self, count: int, keys: bool = False, /) -> dict[int, int] | dict[int, list[str]]: ...
+    def evict(self, count: int, /) -> dict[int, int]: ...
+    def evict_keys(self, count: int, /) -> dict[int, list[str]]: ...
     def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]: ...
     def clear(self) -> None: ...
     def keys(self) -> list[str]: ...
@@ -84,21 +86,27 @@ def _check_tag(tag: object) -> int:
     return int(tag)
 
 
+_STR_ONLY = frozenset({str})
+
+
 def _exact(seq: Sequence[str]) -> Sequence[str]:
     """Exact ``str`` copies of subclass items (stored keys are plain ``str``)."""
-    if all(type(h) is str for h in seq):
+    if {*map(type, seq)} <= _STR_ONLY:  # one C pass
         return seq
     return [h if type(h) is str else str.__str__(h) for h in seq]
 
 
 class PyLruIndex:
     """Pure-Python ``LruIndex``: one ``OrderedDict``; tag-0 keys are the ``str``
-    itself (no tuple to build or hash), other tags ``(tag, str)``."""
+    itself (no tuple to build or hash), other tags ``(tag, str)``.  While no
+    tagged key was added (the current generation never adds one) every key is a
+    ``str`` and evictions and listings skip the per-key sorting by tag."""
 
-    __slots__ = ("_od",)
+    __slots__ = ("_od", "_tagged")
 
     def __init__(self) -> None:
         self._od: OrderedDict[str | tuple[int, str], None] = OrderedDict()
+        self._tagged = False
 
     def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int:
         tag = _check_batch(hashes, tag)
@@ -134,6 +142,8 @@ class PyLruIndex:
     def add(self, hashes: Sequence[str], tag: int = 0, /) -> int:
         tag = _check_batch(hashes, tag)
         seq = _exact(hashes)
+        if tag:
+            self._tagged = True
         keys = seq if tag == 0 else list(zip(repeat(tag), seq))
         od = self._od
         before = len(od)
@@ -146,30 +156,38 @@ class PyLruIndex:
             _exhaust(map(od.move_to_end, keys))
         return inserted
 
-    def evict(self, count: int, keys: bool = False, /) -> dict[int, int] | dict[int, list[str]]:
+    def evict(self, count: int, /) -> dict[int, int]:
+        n, pops = self._pops(count)
+        if not self._tagged:  # every key is a tag-0 str: drain in C
+            _exhaust(pops)
+            return {0: n} if n else {}
+        out: dict[int, int] = {}
+        for key, _ in pops:
+            t = 0 if isinstance(key, str) else key[0]
+            out[t] = out.get(t, 0) + 1
+        return out
+
+    def evict_keys(self, count: int, /) -> dict[int, list[str]]:
+        _, pops = self._pops(count)
+        popped = list(map(itemgetter(0), pops))
+        if not self._tagged:
+            return {0: cast("list[str]", popped)} if popped else {}
+        out: dict[int, list[str]] = {}
+        for key in popped:
+            if isinstance(key, str):
+                out.setdefault(0, []).append(key)
+            else:
+                out.setdefault(key[0], []).append(key[1])
+        return out
+
+    def _pops(self, count: int) -> tuple[int, Iterator[tuple[str | tuple[int, str], None]]]:
+        """How many of the oldest entries ``count`` removes, and a lazy iterator
+        that removes them (oldest first) as it is consumed."""
         if count < 0:
             raise ValueError("count must be >= 0")
         od = self._od
-        count = min(count, len(od))
-        popped = [key for key, _ in map(od.popitem, repeat(False, count))]
-        if not keys:
-            tagged = sum(1 for key in popped if type(key) is tuple)
-            out_counts: dict[int, int] = {}
-            if tagged == 0:
-                if count:
-                    out_counts[0] = count
-                return out_counts
-            for key in popped:
-                t = 0 if isinstance(key, str) else key[0]
-                out_counts[t] = out_counts.get(t, 0) + 1
-            return out_counts
-        out_keys: dict[int, list[str]] = {}
-        for key in popped:
-            if isinstance(key, str):
-                out_keys.setdefault(0, []).append(key)
-            else:
-                out_keys.setdefault(key[0], []).append(key[1])
-        return out_keys
+        n = min(count, len(od))
+        return n, map(od.popitem, repeat(False, n))
 
     def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]:
         tag = _check_batch(hashes, tag)
@@ -179,11 +197,16 @@ class PyLruIndex:
 
     def clear(self) -> None:
         self._od.clear()
+        self._tagged = False
 
     def keys(self) -> list[str]:
+        if not self._tagged:
+            return list(self._od)  # type: ignore[arg-type]
         return [key if isinstance(key, str) else key[1] for key in self._od]
 
     def items(self) -> list[tuple[int, str]]:
+        if not self._tagged:
+            return list(zip(repeat(0), self._od))  # type: ignore[arg-type]
         return [(0, key) if isinstance(key, str) else key for key in self._od]
 
     def __len__(self) -> int:

@@ -26,6 +26,7 @@ from reference_models import (
     FIELDS,
     ExactMissMemory,
     RefCache,
+    check_miss_reasons,
     on_pure_python_index,
     ref_chain_heal_from_query,
     ref_heal_from_transfer,
@@ -99,17 +100,6 @@ def plain(name):
 def stats_fields(pool_stats):
     """The contract's fields of one ``PoolStats`` as a dict."""
     return {name: getattr(pool_stats, name) for name in FIELDS}
-
-
-def check_miss_reasons(got, want, memory, cache):
-    """Classified misses: all zero without a memory; with one, exact (or, where the
-    cache classifies lazily until ``settle()``, never ahead of the model)."""
-    if not memory:
-        assert dict(got) == dict.fromkeys(want, 0)
-    elif hasattr(cache, "settle"):
-        assert all(got[reason] <= want[reason] for reason in want), (dict(got), want)
-    else:
-        assert dict(got) == want
 
 
 class CacheMachine(RuleBasedStateMachine):

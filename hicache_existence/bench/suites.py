@@ -358,9 +358,9 @@ class _Wiring:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._feeders: dict[int, Any] = {}
         self._registries: list[Any] = []
         self._scraper: Any = None
+        #: The feeder of the most recently wired cache (``round`` flushes it).
         self._current: Any = None
         self.scrapes = 0
         self.scrapes_failed = 0
@@ -372,13 +372,12 @@ class _Wiring:
         from hicache_existence.exporters.samples import Sampler
 
         sampler = Sampler(cache, ghosts=ghosts)
-        self._feeders[id(cache)] = MultiprocessFeeder(sampler, registry=None)
+        self._current = MultiprocessFeeder(sampler, registry=None)
         self._registries.append(registry_for(sampler))
         if self._scraper is None:
             registries = self._registries
             self._scraper = _ScrapeThread(lambda: b"".join(map(render, registries)), 0.05)
             self._scraper.start()
-        self._current = self._feeders[id(cache)]
 
     def flat(self, cap: int) -> FlatStorageExistenceCache:
         if not self.enabled:
