@@ -25,6 +25,7 @@ setup(
         Extension(
             f"hicache_existence.{name}",
             sources=[f"hicache_existence/{name}.c"],
+            depends=["hicache_existence/_sampler.h"],
             optional=True,
             extra_compile_args=FLAGS,
         )

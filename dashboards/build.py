@@ -677,9 +677,10 @@ def rows() -> tuple[Row, ...]:
             ),
             Panel(
                 "Advisor dropped references (pages/s)",
-                "Page references the advisor's buffer could not hold, per rank: while this is "
-                "above zero the estimates are biased low (raise advisor.buffer_ops or "
-                "advisor.drain_budget_ms, or lower advisor.sampling_rate).",
+                "Sampled page references the advisor could not record, per rank (its sampler "
+                "could not allocate memory): while this is above zero the estimates are biased "
+                "low (lower advisor.max_sampled_pages or advisor.sampling_rate, or give the "
+                "scheduler process more memory).",
                 "ops",
                 (_t(rate(ADVISOR_DROPPED, ("tp_rank",)), "tp {{tp_rank}}"),),
             ),

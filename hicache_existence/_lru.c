@@ -23,6 +23,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -55,6 +56,11 @@ typedef struct {
     uint32_t head;      /* least recently used, NIL when empty */
     uint32_t tail;      /* most recently used, NIL when empty */
     Py_ssize_t size;
+    /* Samplers fed from inside touch_prefix/add/discard/clear (attach): one per
+     * tag at most, a handful in all (the pools of a cache). */
+    PyObject **samplers;
+    uint32_t *sampler_tags;
+    uint32_t nsamplers;
 } Lru;
 
 static inline Node *
@@ -383,6 +389,19 @@ check_key(PyObject *key)
     return 0;
 }
 
+#include "_sampler.h"
+
+static inline Sampler *
+sampler_for(const Lru *self, uint32_t tag)
+{
+    for (uint32_t i = 0; i < self->nsamplers; i++) {
+        if (self->sampler_tags[i] == tag) {
+            return (Sampler *)self->samplers[i];
+        }
+    }
+    return NULL;
+}
+
 /* ---- methods ---------------------------------------------------------- */
 
 PyDoc_STRVAR(touch_prefix_doc,
@@ -405,6 +424,10 @@ Lru_touch_prefix(Lru *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t i = 0;
+    Sampler *smp = self->nsamplers != 0 ? sampler_for(self, tag) : NULL;
+    SCollect col;
+    col.k = 0;
+    col.overflow = 0;
     if (self->size != 0) {
         for (; i < n; i++) {
             PyObject *key = items[i];
@@ -419,6 +442,19 @@ Lru_touch_prefix(Lru *self, PyObject *const *args, Py_ssize_t nargs)
             }
             uint32_t id = (uint32_t)self->slots[pos] - 1;
             move_to_end(self, id, node_at(self, id));
+            if (smp != NULL) {
+                sc_offer(&col, smp, ph, tag);
+            }
+        }
+    }
+    if (smp != NULL && i == n && n != 0) {
+        /* A complete walk is recorded here; one that stops short is finished
+         * (and recorded, via Sampler.walked) by the caller. */
+        if (col.overflow) {
+            s_record_walk(smp, tag, items, n, n);
+        }
+        else {
+            s_reference(smp, tag, col.buf, col.k, n, 1, n, 0, 0);
         }
     }
     return PyLong_FromSsize_t(i);
@@ -559,12 +595,19 @@ Lru_add(Lru *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t inserted = 0;
+    Sampler *smp = self->nsamplers != 0 ? sampler_for(self, tag) : NULL;
+    SCollect col;
+    col.k = 0;
+    col.overflow = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = items[i];
         Py_hash_t ph = str_hash(key);
         if (ph == -1) { /* cannot happen for a ready str; keep what was done */
             Py_XDECREF(copies);
             return NULL;
+        }
+        if (smp != NULL) {
+            sc_offer(&col, smp, ph, tag);
         }
         uint32_t h = mix_hash(ph, tag);
         size_t hole = 0;
@@ -583,6 +626,14 @@ Lru_add(Lru *self, PyObject *const *args, Py_ssize_t nargs)
         append_node(self, id, nd);
         self->size++;
         inserted++;
+    }
+    if (smp != NULL) {
+        if (col.overflow) {
+            s_record_add(smp, tag, items, n);
+        }
+        else {
+            s_reference(smp, tag, col.buf, col.k, n, 0, 0, 0, 0);
+        }
     }
     Py_XDECREF(copies);
     return PyLong_FromSsize_t(inserted);
@@ -741,6 +792,14 @@ Lru_discard(Lru *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(out);
         return NULL;
     }
+    if (self->nsamplers != 0) {
+        /* Evicted pages stay in a sampler's stack (that is how it sees beyond
+         * the cap), so this runs whether or not the index holds them. */
+        Sampler *s = sampler_for(self, tag);
+        if (s != NULL) {
+            s_record_remove(s, tag, items, n);
+        }
+    }
     if (self->size == 0) {
         return out;
     }
@@ -824,6 +883,9 @@ release_all(Lru *self)
 static PyObject *
 Lru_clear(Lru *self, PyObject *Py_UNUSED(ignored))
 {
+    for (uint32_t i = 0; i < self->nsamplers; i++) {
+        s_clear((Sampler *)self->samplers[i]);
+    }
     release_all(self);
     if (reserve(self, 0) < 0) {
         return NULL;
@@ -950,8 +1012,82 @@ Lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 static void
+release_samplers(Lru *self)
+{
+    PyObject **samplers = self->samplers;
+    uint32_t n = self->nsamplers;
+    PyMem_Free(self->sampler_tags);
+    self->samplers = NULL;
+    self->sampler_tags = NULL;
+    self->nsamplers = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        Py_DECREF(samplers[i]);
+    }
+    PyMem_Free(samplers);
+}
+
+PyDoc_STRVAR(attach_doc,
+"attach(tag, sampler, /) -> None\n\n"
+"Feed `sampler` (a Sampler, or None to detach) with tag `tag`'s references\n"
+"from now on: complete touch_prefix walks, adds, discards and clears.");
+
+static PyObject *
+Lru_attach(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t tag;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "attach() takes 2 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (parse_tag(args[0], &tag) < 0) {
+        return NULL;
+    }
+    PyObject *sampler = args[1];
+    if (sampler != Py_None && !PyObject_TypeCheck(sampler, &SamplerType)) {
+        PyErr_Format(PyExc_TypeError, "sampler must be a Sampler or None, got %.100s",
+                     Py_TYPE(sampler)->tp_name);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < self->nsamplers; i++) {
+        if (self->sampler_tags[i] != tag) {
+            continue;
+        }
+        PyObject *old = self->samplers[i];
+        if (sampler == Py_None) {
+            self->nsamplers--;
+            self->samplers[i] = self->samplers[self->nsamplers];
+            self->sampler_tags[i] = self->sampler_tags[self->nsamplers];
+        }
+        else {
+            self->samplers[i] = Py_NewRef(sampler);
+        }
+        Py_DECREF(old);
+        Py_RETURN_NONE;
+    }
+    if (sampler == Py_None) {
+        Py_RETURN_NONE;
+    }
+    uint32_t n = self->nsamplers + 1;
+    PyObject **samplers = PyMem_Realloc(self->samplers, n * sizeof(PyObject *));
+    if (samplers == NULL) {
+        return PyErr_NoMemory();
+    }
+    self->samplers = samplers;
+    uint32_t *tags = PyMem_Realloc(self->sampler_tags, n * sizeof(uint32_t));
+    if (tags == NULL) {
+        return PyErr_NoMemory();
+    }
+    self->sampler_tags = tags;
+    samplers[n - 1] = Py_NewRef(sampler);
+    tags[n - 1] = tag;
+    self->nsamplers = n;
+    Py_RETURN_NONE;
+}
+
+static void
 Lru_dealloc(Lru *self)
 {
+    release_samplers(self);
     release_all(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -972,6 +1108,7 @@ static PyMethodDef Lru_methods[] = {
     {"evict_keys", (PyCFunction)Lru_evict_keys, METH_O, evict_keys_doc},
     {"discard", (PyCFunction)(void (*)(void))Lru_discard, METH_FASTCALL, discard_doc},
     {"clear", (PyCFunction)Lru_clear, METH_NOARGS, clear_doc},
+    {"attach", (PyCFunction)(void (*)(void))Lru_attach, METH_FASTCALL, attach_doc},
     {"keys", (PyCFunction)Lru_keys, METH_NOARGS, keys_doc},
     {"items", (PyCFunction)Lru_items, METH_NOARGS, items_doc},
     {"__sizeof__", (PyCFunction)Lru_sizeof, METH_NOARGS, sizeof_doc},
@@ -1012,7 +1149,7 @@ static struct PyModuleDef lru_module = {
 PyMODINIT_FUNC
 PyInit__lru(void)
 {
-    if (PyType_Ready(&LruType) < 0) {
+    if (PyType_Ready(&LruType) < 0 || PyType_Ready(&SamplerType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&lru_module);
@@ -1022,6 +1159,12 @@ PyInit__lru(void)
     Py_INCREF(&LruType);
     if (PyModule_AddObject(m, "LruIndex", (PyObject *)&LruType) < 0) {
         Py_DECREF(&LruType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SamplerType);
+    if (PyModule_AddObject(m, "Sampler", (PyObject *)&SamplerType) < 0) {
+        Py_DECREF(&SamplerType);
         Py_DECREF(m);
         return NULL;
     }

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 from hicache_existence import _validate, lru
-from hicache_existence.observers import BeliefObserver, MissMemory
+from hicache_existence.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.sampler import SamplerType
 from hicache_existence.stats import (
     CLEARED,
     EVICTED,
@@ -51,6 +52,7 @@ class PoolBeliefs:
         "_memory",
         "_missed",
         "_observer",
+        "_sampler",
     )
 
     def __init__(
@@ -60,6 +62,7 @@ class PoolBeliefs:
         *,
         miss_memory: MissMemory | None = None,
         observer: BeliefObserver | None = None,
+        advisor: SamplerSource | None = None,
     ) -> None:
         self.name = _validate.pool_name(name, "name")
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
@@ -71,6 +74,12 @@ class PoolBeliefs:
         self._memory = miss_memory
         self._missed: list[str] = []
         self._observer = observer
+        # The advisor's sampler is fed by the index itself; the cache reports
+        # only the walks the index cannot see end (misses, rescues, contains).
+        self._sampler: SamplerType | None = None
+        if advisor is not None:
+            self._sampler = advisor.sampler(self.name, lru.sampler_class(self._entries))
+            self._entries.attach(0, self._sampler)
 
     # -- configuration -------------------------------------------------------
     @property
@@ -188,11 +197,15 @@ class PoolBeliefs:
         if self._entries.touch(page_hash):
             c.page_hits += 1
             c.query_hits += 1
+            if self._sampler is not None:
+                self._sampler.walked((page_hash,), 1)
             if self._observer is not None:
                 self._observer.touched(self.name, (page_hash,), 1)
             return True
         c.query_misses += 1
         self._count_miss(page_hash, c)
+        if self._sampler is not None:
+            self._sampler.walked((page_hash,), 0)
         if self._observer is not None:
             self._observer.touched(self.name, (page_hash,), 0)
         return False
@@ -250,6 +263,8 @@ class PoolBeliefs:
                 c.pages_checked += n
                 c.page_hits += hits
                 c.rescues += rescues
+                if self._sampler is not None:
+                    self._sampler.walked(seq, n)
                 if self._observer is not None:
                     self._observer.touched(self.name, seq, n)
                 return True
@@ -259,6 +274,8 @@ class PoolBeliefs:
         c.page_hits += hits
         c.rescues += rescues
         self._count_miss(seq[stop], c)
+        if self._sampler is not None:
+            self._sampler.walked(seq, stop)
         if self._observer is not None:
             self._observer.touched(self.name, seq, stop)
         return False
@@ -318,8 +335,10 @@ class StorageExistenceCache:
     """The beliefs of every storage pool, each created on first use.
 
     ``miss_memory`` is a factory ``pool name -> MissMemory`` (or ``None``) used for
-    each new pool; ``observer`` sees every operation of every pool.  Both are off
-    by default, and constructing with no arguments is exactly upstream's call.
+    each new pool; ``observer`` sees every operation of every pool; ``advisor``
+    (the capacity advisor) gives each new pool a sampler its index feeds.  All
+    are off by default, and constructing with no arguments is exactly upstream's
+    call.
     """
 
     def __init__(
@@ -328,11 +347,13 @@ class StorageExistenceCache:
         *,
         miss_memory: MissMemoryFactory | None = None,
         observer: BeliefObserver | None = None,
+        advisor: SamplerSource | None = None,
     ) -> None:
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
         self._pools: dict[str, PoolBeliefs] = {}
         self._miss_memory = miss_memory
         self._observer = observer
+        self._advisor = advisor
 
     @property
     def max_entries(self) -> int:
@@ -359,6 +380,7 @@ class StorageExistenceCache:
                     key,
                     miss_memory=memory,
                     observer=self._observer,
+                    advisor=self._advisor,
                 )
                 self._pools[key] = beliefs
         return beliefs

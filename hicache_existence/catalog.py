@@ -417,8 +417,8 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "advisor_dropped_references",
         "counter",
         "advisor",
-        "Page references the advisor's buffer could not hold (the estimate is biased low "
-        "while this grows).",
+        "Sampled page references the advisor could not record (its sampler could not "
+        "allocate memory; the estimate is biased low while this grows).",
         "{page}",
     ),
 )

@@ -199,10 +199,6 @@ class AdvisorSection:
     #: Fraction of page hashes sampled (SHARDS); 0 turns the advisor off.  Accuracy
     #: needs cap x rate >= ~500 at the smallest cap asked about.
     sampling_rate: float = 0.02
-    #: Cache operations buffered between drains; beyond it they are dropped (counted).
-    buffer_ops: int = 16384
-    #: Time one per-step drain may spend; the rest waits for the next step.
-    drain_budget_ms: float = 2.0
     #: Sampled pages tracked per pool: bounds memory and the largest cap estimated
     #: (max_sampled_pages / sampling_rate entries).
     max_sampled_pages: int = 131072
@@ -403,7 +399,6 @@ _POSITIVE = {
     "reconciler.agree_interval_steps",
     "reconciler.breaker_failures",
     "reconciler.write_batch",
-    "advisor.buffer_ops",
     "advisor.max_sampled_pages",
 }
 _NON_NEGATIVE = {
@@ -421,7 +416,6 @@ _NON_NEGATIVE = {
     "reconciler.retry_backoff_ms",
     "reconciler.breaker_backoff_s",
     "reconciler.breaker_backoff_max_s",
-    "advisor.drain_budget_ms",
     "advisor.half_life_references",
 }
 _FRACTIONS = {"miss_reasons.memory_fraction", "reconciler.sampling_rate", "advisor.sampling_rate"}

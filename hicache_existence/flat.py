@@ -16,7 +16,8 @@ from collections.abc import Container, Iterable, Sequence
 
 from hicache_existence import _validate, lru
 from hicache_existence.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES, MissMemoryFactory
-from hicache_existence.observers import BeliefObserver, MissMemory
+from hicache_existence.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.sampler import SamplerType
 from hicache_existence.stats import (
     CLEARED,
     EVICTED,
@@ -33,7 +34,7 @@ class _Pool:
     """Per-pool bookkeeping of the flat cache: its name, index tag, counters,
     entry count."""
 
-    __slots__ = ("name", "tag", "counters", "size", "memory", "missed")
+    __slots__ = ("name", "tag", "counters", "size", "memory", "missed", "sampler")
 
     def __init__(self, name: str, tag: int, memory: MissMemory | None) -> None:
         self.name = name
@@ -42,6 +43,8 @@ class _Pool:
         self.size = 0
         self.memory = memory
         self.missed: list[str] = []
+        #: The capacity advisor's sampler, fed by the index under ``tag``.
+        self.sampler: SamplerType | None = None
 
     def settle(self) -> None:
         """Classify the misses recorded since the last call (see cache.py)."""
@@ -70,6 +73,7 @@ class FlatStorageExistenceCache:
         primary_pool: str = "kv",
         miss_memory: MissMemoryFactory | None = None,
         observer: BeliefObserver | None = None,
+        advisor: SamplerSource | None = None,
     ) -> None:
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
         self._primary = _validate.pool_name(primary_pool, "primary_pool")
@@ -79,6 +83,7 @@ class FlatStorageExistenceCache:
         self._miss_memory = miss_memory
         self._any_memory = False
         self._observer = observer
+        self._advisor = advisor
 
     @property
     def max_entries(self) -> int:
@@ -113,6 +118,10 @@ class FlatStorageExistenceCache:
             tag = 0 if resolved == self._primary else len(self._pools) + 1
             rec = self._pools[resolved] = _Pool(resolved, tag, memory)
             self._by_tag[tag] = rec
+            if self._advisor is not None:
+                entries = self._entries
+                rec.sampler = self._advisor.sampler(resolved, lru.sampler_class(entries))
+                entries.attach(tag, rec.sampler)
             self._any_memory = self._any_memory or memory is not None
         return rec
 
@@ -197,11 +206,15 @@ class FlatStorageExistenceCache:
         if self._entries.touch(page_hash, rec.tag):
             c.page_hits += 1
             c.query_hits += 1
+            if rec.sampler is not None:
+                rec.sampler.walked((page_hash,), 1, rec.tag)
             if self._observer is not None:
                 self._observer.touched(rec.name, (page_hash,), 1)
             return True
         c.query_misses += 1
         self._count_miss(rec, page_hash)
+        if rec.sampler is not None:
+            rec.sampler.walked((page_hash,), 0, rec.tag)
         if self._observer is not None:
             self._observer.touched(rec.name, (page_hash,), 0)
         return False
@@ -267,6 +280,8 @@ class FlatStorageExistenceCache:
                 c.pages_checked += n
                 c.page_hits += hits
                 c.rescues += rescues
+                if rec.sampler is not None:
+                    rec.sampler.walked(seq, n, tag)
                 if self._observer is not None:
                     self._observer.touched(name, seq, n)
                 return True
@@ -276,6 +291,8 @@ class FlatStorageExistenceCache:
         c.page_hits += hits
         c.rescues += rescues
         self._count_miss(rec, seq[stop])
+        if rec.sampler is not None:
+            rec.sampler.walked(seq, stop, rec.tag)
         if self._observer is not None:
             self._observer.touched(rec.name, seq, stop)
         return False

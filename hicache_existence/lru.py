@@ -35,6 +35,7 @@ from types import ModuleType
 from typing import Protocol, cast
 
 from hicache_existence import _validate
+from hicache_existence.sampler import PySampler, SamplerType
 
 #: Drains an iterator in C without keeping anything (itertools "consume" recipe).
 _exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
@@ -57,6 +58,7 @@ class LruIndexType(Protocol):
     def clear(self) -> None: ...
     def keys(self) -> list[str]: ...
     def items(self) -> list[tuple[int, str]]: ...
+    def attach(self, tag: int, sampler: SamplerType | None, /) -> None: ...
     def __len__(self) -> int: ...
     def __contains__(self, page_hash: object) -> bool: ...
     def __iter__(self) -> Iterator[str]: ...
@@ -102,11 +104,23 @@ class PyLruIndex:
     tagged key was added (the current generation never adds one) every key is a
     ``str`` and evictions and listings skip the per-key sorting by tag."""
 
-    __slots__ = ("_od", "_tagged")
+    __slots__ = ("_od", "_tagged", "_samplers")
 
     def __init__(self) -> None:
         self._od: OrderedDict[str | tuple[int, str], None] = OrderedDict()
         self._tagged = False
+        self._samplers: dict[int, PySampler] = {}
+
+    def attach(self, tag: int, sampler: SamplerType | None, /) -> None:
+        """Feed ``sampler`` (a ``PySampler``; None detaches) with ``tag``'s complete
+        ``touch_prefix`` walks, adds, discards and clears."""
+        tag = _check_tag(tag)
+        if sampler is None:
+            self._samplers.pop(tag, None)
+            return
+        if not isinstance(sampler, PySampler):
+            raise TypeError(f"sampler must be a PySampler or None, got {type(sampler).__name__}")
+        self._samplers[tag] = sampler
 
     def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int:
         tag = _check_batch(hashes, tag)
@@ -122,6 +136,10 @@ class PyLruIndex:
             # arrive as the exception's args tuple itself.
             key = miss.args[0] if tag == 0 or len(miss.args) == 1 else miss.args
             return hashes.index(key if tag == 0 else key[1])
+        if self._samplers and hashes:
+            sampler = self._samplers.get(tag)
+            if sampler is not None:
+                sampler.walked(hashes, len(hashes), tag)
         return len(hashes)
 
     def touch(self, page_hash: str, tag: int = 0, /) -> bool:
@@ -154,6 +172,10 @@ class PyLruIndex:
             # Some pages were present or repeated: re-touch in order so the last
             # occurrence of each page decides its LRU position.
             _exhaust(map(od.move_to_end, keys))
+        if self._samplers:
+            sampler = self._samplers.get(tag)
+            if sampler is not None:
+                sampler.added(seq, tag)
         return inserted
 
     def evict(self, count: int, /) -> dict[int, int]:
@@ -191,11 +213,17 @@ class PyLruIndex:
 
     def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]:
         tag = _check_batch(hashes, tag)
+        if self._samplers:
+            sampler = self._samplers.get(tag)
+            if sampler is not None:
+                sampler.removed(hashes, tag)
         keys = hashes if tag == 0 else list(zip(repeat(tag), hashes))
         results = list(map(self._od.pop, keys, repeat(_ABSENT)))
         return [h for h, r in zip(hashes, results) if r is not _ABSENT]
 
     def clear(self) -> None:
+        for sampler in self._samplers.values():
+            sampler.clear()
         self._od.clear()
         self._tagged = False
 
@@ -244,15 +272,16 @@ def compiled(name: str) -> ModuleType | None:
         return None
 
 
-def _select() -> tuple[Callable[[], LruIndexType], str]:
+def _select() -> tuple[Callable[[], LruIndexType], Callable[..., SamplerType], str]:
     module = compiled("_lru")
     if module is not None:
-        return module.LruIndex, "c"
-    return PyLruIndex, "python"
+        return module.LruIndex, module.Sampler, "c"
+    return PyLruIndex, PySampler, "python"
 
 
-#: The implementation the caches use, and its name ("c" or "python").
-LruIndex, BACKEND = _select()
+#: The implementation the caches use, its sampler (the one ``attach`` takes:
+#: ``Sampler(threshold, max_keys, half_life=0)``), and its name ("c" or "python").
+LruIndex, Sampler, BACKEND = _select()
 
 #: Bytes one entry costs at full cap (512K entries, CPython 3.11, tracemalloc,
 #: hash strings excluded): the compiled index's 8-byte slot at <= 3/4 load plus
@@ -268,3 +297,13 @@ def c_index() -> Callable[[], LruIndexType] | None:
     except ImportError:
         return None
     return CLruIndex  # type: ignore[no-any-return]
+
+
+def sampler_class(index: LruIndexType) -> Callable[..., SamplerType]:
+    """The sampler type ``index.attach`` takes (``PySampler`` for the pure-Python
+    index, the compiled ``Sampler`` for the compiled one)."""
+    if isinstance(index, PyLruIndex):
+        return PySampler
+    from hicache_existence._lru import Sampler as CSampler
+
+    return CSampler  # type: ignore[no-any-return]

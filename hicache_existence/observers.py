@@ -10,12 +10,17 @@ nothing for features that are off.
 * ``BeliefObserver`` sees every mutating or touching operation in order, with the
   call's inputs.  The TP-divergence digest is one: replicas that saw the same
   operation stream hold the same state.
+* ``SamplerSource`` hands out one reference-stream ``Sampler`` per pool, which the
+  cache attaches to its LRU index: the capacity advisor.  Unlike an observer it
+  costs the hot path no Python call (``hicache_existence.sampler``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
+
+from hicache_existence.sampler import SamplerType
 
 
 @runtime_checkable
@@ -59,11 +64,21 @@ class BeliefObserver(Protocol):
         """``clear`` (or ``clear_inflight`` when ``inflight_only``)."""
 
 
+@runtime_checkable
+class SamplerSource(Protocol):
+    """Gives each pool the sampler its index should feed (the capacity advisor)."""
+
+    def sampler(
+        self, pool: str, factory: Callable[..., SamplerType] | None = None
+    ) -> SamplerType:
+        """``pool``'s sampler, made with ``factory`` (what the index takes) if new."""
+
+
 class Tee:
     """Fans one cache's operation stream out to several observers, in order.
 
     The cache holds one observer reference; features that each need the stream
-    (TP digest, capacity advisor, reconciler) are combined here.
+    (TP digest, reconciler) are combined here.
     """
 
     __slots__ = ("observers",)

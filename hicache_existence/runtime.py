@@ -1,14 +1,15 @@
 """One scheduler process's hicache-existence, wired from one ``Config``.
 
 ``ExistenceRuntime`` builds the cache (either API generation) with its miss-reason
-memory and its observers (the TP-replica digest, the capacity advisor, the
-reconciler), the write accounting and the exporters, and runs everything that
+memory, its observers (the TP-replica digest, the reconciler) and the capacity
+advisor's samplers, the write accounting and the exporters, and runs everything that
 happens once per scheduler step in ``step()``:
 
-1. the capacity advisor drains its buffered references (time-budgeted);
-2. the reconciler applies rank-agreed ground-truth verdicts (a lockstep point);
-3. the divergence checker counts the step and, when due, compares replicas;
-4. telemetry settles pending miss reasons and flushes metrics (rate-limited).
+1. the reconciler applies rank-agreed ground-truth verdicts (a lockstep point);
+2. the divergence checker counts the step and, when due, compares replicas;
+3. telemetry settles pending miss reasons and flushes metrics (rate-limited).
+
+The capacity advisor needs no step: its samplers are fed by the cache's index.
 
 The SGLang plugin calls ``step()`` right after ``check_hicache_events``, the demo
 after each simulated scheduler step: the same code path.  ``step()`` never
@@ -90,16 +91,16 @@ class ExistenceRuntime:
         if config.divergence.enabled:
             self.digest = SharedLruDigest() if flat else ReplicaDigest()
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
-        observers: list[BeliefObserver] = [o for o in (self.digest, self.advisor) if o is not None]
+        observers: list[BeliefObserver] = [self.digest] if self.digest is not None else []
         self.tee = Tee(*observers)
         self.cache: AnyCache
         if flat:
             self.cache = FlatStorageExistenceCache(
-                max_entries, miss_memory=self.ghosts, observer=self.tee
+                max_entries, miss_memory=self.ghosts, observer=self.tee, advisor=self.advisor
             )
         else:
             self.cache = StorageExistenceCache(
-                max_entries, miss_memory=self.ghosts, observer=self.tee
+                max_entries, miss_memory=self.ghosts, observer=self.tee, advisor=self.advisor
             )
 
         self.reconciler: Reconciler | None = None
@@ -156,8 +157,6 @@ class ExistenceRuntime:
         """Everything due once per scheduler step; call it on every rank at the
         same lockstep point (after ``check_hicache_events``)."""
         self.steps += 1
-        if self.advisor is not None:
-            self._guard("advisor", self.advisor.drain)
         if self.reconciler is not None:
             self._guard("reconciler", lambda: self.reconciler.apply(self.steps))  # type: ignore[union-attr]
         if self.checker is not None:

@@ -52,6 +52,7 @@ HICACHE_EXISTENCE_BACKEND=python "$PY" -m pytest -p no:cacheprovider -q \
   tests/test_bad_input.py tests/test_digest.py tests/test_miss_reasons.py \
   tests/test_exporter_prometheus.py tests/test_replay_mattson.py tests/test_config.py \
   tests/sglang_integration/test_sglang_launcher.py tests/test_lru_index.py \
+  tests/test_advisor.py tests/test_sampler.py \
   --deselect tests/test_lru_index.py::test_compiled_index_is_in_use_where_required
 log "pytest"
 set +e

@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "stats": 0,
     "observers": 0,
     "lru": 0,
+    "sampler": 0,
     "_lru": 0,  # the compiled index (hicache_existence/_lru.c)
     "_ghosts": 2,  # the compiled trace scatter/gather (hicache_existence/_ghosts.c)
     "cache": 1,

@@ -129,10 +129,13 @@ def test_step_survives_a_failing_component():
     runtime = ExistenceRuntime(_config(mode="off"))
 
     class Broken:
-        def drain(self) -> int:
-            raise RuntimeError("advisor exploded")
+        def apply(self, step: int) -> None:
+            raise RuntimeError("reconciler exploded")
 
-    runtime.advisor = Broken()  # type: ignore[assignment]
+        def close(self) -> None:
+            pass
+
+    runtime.reconciler = Broken()  # type: ignore[assignment]
     for _ in range(12):
         runtime.step()
     assert runtime.checker.stats().checks == 2  # the rest of the step still ran

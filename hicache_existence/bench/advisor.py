@@ -2,16 +2,19 @@
 
 Three figures (issue #8, item 2):
 
-* **hot-path overhead per operation**: the same lookups on the same cache with no
-  observer and with the advisor as observer (its buffer emptied between rounds,
-  so only the O(1) append is timed), for chains of 8 to 1024 pages;
+* **hot-path overhead per operation**: the same lookups on the same cache without
+  and with the advisor attached (its samplers fed from inside the index, sampled
+  pages' stack updates included), for chains of 8 to 1024 pages;
 * **a realistic step mix**: the buffer-mode write-path model's own cache
   operations on a trace (lookups per radix node, heals, launches, acks),
   recorded once, then replayed step by step on a fresh cache without and with
-  the advisor, draining once per step; reports the hot-path overhead and the
-  drain's cost per step and per page;
+  the advisor; everything the advisor costs happens inside those calls (there is
+  no drain), so their time is the whole overhead;
 * **accuracy**: the advisor's estimates against the exact belief-only curve
   (``replay.mattson``) at 0.25x .. 8x a current cap and over a range of caps.
+  Which pages are sampled depends on the process's str-hash salt, so with
+  ``accuracy_seeds`` the check also runs in that many subprocesses with
+  ``PYTHONHASHSEED`` 0, 1, ... and reports the distribution of the error.
 
 Timings interleave the candidates round by round (rotating who goes first) and
 report medians, with the garbage collector off while timing, like ``harness``;
@@ -23,7 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +44,7 @@ from hicache_existence.cache import PoolBeliefs, StorageExistenceCache
 from hicache_existence.replay.mattson import belief_only_curves
 from hicache_existence.replay.model import ModelConfig, run_model
 from hicache_existence.replay.pages import PageRequest, PageTrace, expand
+from hicache_existence.replay.synthetic import LongContextSpec, long_context_requests
 
 Progress = Callable[[str], None]
 #: (pool, method name, arguments), or None between scheduler steps.
@@ -57,15 +65,33 @@ class AdvisorBenchConfig:
     #: The cap the step mix and the accuracy check treat as current.
     current_cap: int = 512 * 1024
     accuracy_caps: tuple[int, ...] = tuple(1 << k for k in range(13, 21))
+    #: Subprocesses (``PYTHONHASHSEED`` 0, 1, ...) the accuracy check is repeated in,
+    #: per workload, for the distribution of the error over hash salts (0: none).
+    accuracy_salts: int = 8
 
 
-QUICK = AdvisorBenchConfig(chain_sizes=(8, 1024), rounds=3, mix_requests=400, mix_rounds=2)
+QUICK = AdvisorBenchConfig(
+    chain_sizes=(8, 1024), rounds=3, mix_requests=400, mix_rounds=2, accuracy_salts=0
+)
+
+#: The synthetic long-context workload of the accuracy check: 13.2M page references,
+#: its hit-ratio curve rising from 0.67 at 32K entries to 0.88 at 512K and 0.90 at 1M.
+SYNTHETIC = LongContextSpec(requests=12000, documents=8000)
+
+#: Workloads of the accuracy check over salts: name -> (current caps, extra caps).
+SALT_WORKLOADS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "mooncake": ((512 * 1024,), tuple(1 << k for k in range(13, 21))),
+    "synthetic": ((512 * 1024, 128 * 1024), ()),
+}
 
 
 #: Issue #8's targets: at most 5% hot-path overhead at the default sampling rate (on the
 #: realistic step mix), within 0.02 of the exact curve.
 TARGET_HOT_PATH_OVERHEAD = 0.05
 TARGET_MAX_ABS_ERROR = 0.02
+#: Sampled slots (cap x rate) from which the accuracy target is claimed over salts:
+#: 0.25x of upstream's 512K cap at the default rate (docs/capacity.md).
+MIN_SAMPLED_SLOTS = 2600
 
 
 @dataclass
@@ -75,8 +101,9 @@ class AdvisorBenchResult:
     config: AdvisorBenchConfig
     per_operation: list[Comparison] = field(default_factory=list)
     step_mix: dict[str, float] = field(default_factory=dict)
-    drain: dict[str, float] = field(default_factory=dict)
     accuracy: dict[str, Any] = field(default_factory=dict)
+    #: workload -> per-salt errors and their summary (``accuracy_over_salts``).
+    salts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def verdicts(self) -> list[dict[str, Any]]:
@@ -87,6 +114,19 @@ class AdvisorBenchResult:
             ("advisor.hot_path[step_mix]", "overhead", TARGET_HOT_PATH_OVERHEAD, overhead),
             ("advisor.accuracy[max_abs_error]", "error", TARGET_MAX_ABS_ERROR, error),
         ]
+        rate = self.config.sampling_rate
+        for name, dist in self.salts.items():
+            worst = [
+                v["max"] for cap, v in dist["per_cap"].items() if cap * rate >= MIN_SAMPLED_SLOTS
+            ]
+            rows.append(
+                (
+                    f"advisor.accuracy_over_salts[{name}]",
+                    f"max error over {dist['salts']} salts, cap x rate >= {MIN_SAMPLED_SLOTS}",
+                    TARGET_MAX_ABS_ERROR,
+                    max(worst) if worst else None,
+                )
+            )
         return [
             {
                 "target": target,
@@ -113,8 +153,8 @@ class AdvisorBenchResult:
                 for c in self.per_operation
             ],
             "step_mix": self.step_mix,
-            "drain": self.drain,
             "accuracy": _json_keys(self.accuracy),
+            "salts": _json_keys(self.salts),
             "targets": self.verdicts,
         }
 
@@ -130,12 +170,8 @@ def _json_keys(value: Any) -> Any:
 # per-operation overhead
 
 
-def _lookup_round(
-    pool: PoolBeliefs, plan: Sequence[Sequence[list[str]]], advisor: CapacityAdvisor | None
-) -> Callable[[int], int]:
+def _lookup_round(pool: PoolBeliefs, plan: Sequence[Sequence[list[str]]]) -> Callable[[int], int]:
     def run(r: int) -> int:
-        if advisor is not None:
-            advisor.discard_pending()
         lookup = pool.contains_all
         pages = 0
         for chain in plan[r % len(plan)]:
@@ -147,14 +183,14 @@ def _lookup_round(
 
 
 def per_operation_overhead(cfg: AdvisorBenchConfig, progress: Progress) -> list[Comparison]:
-    """contains_all on a hot working set: no observer vs the advisor's append."""
+    """contains_all on a hot working set: no advisor vs the advisor attached."""
     out = []
     for size in cfg.chain_sizes:
         progress(f"advisor per-operation overhead, {size}-page lookups")
         chains = workload.chains(max(8, 8192 // size), size, f"adv{size}")
         bare = StorageExistenceCache(1 << 20).pool("kv")
-        advisor = CapacityAdvisor(cfg.sampling_rate, buffer_ops=1 << 20)
-        observed = StorageExistenceCache(1 << 20, observer=advisor).pool("kv")
+        advisor = CapacityAdvisor(cfg.sampling_rate)
+        observed = StorageExistenceCache(1 << 20, advisor=advisor).pool("kv")
         for chain in chains:
             bare.add(chain)
             observed.add(chain)
@@ -165,9 +201,9 @@ def per_operation_overhead(cfg: AdvisorBenchConfig, progress: Progress) -> list[
         ]
         out.append(
             compare(
-                f"advisor.observe.contains_all[{size}]",
-                ("no-observer", _lookup_round(bare, plan, None)),
-                ("advisor", _lookup_round(observed, plan, advisor)),
+                f"advisor.attached.contains_all[{size}]",
+                ("no-advisor", _lookup_round(bare, plan)),
+                ("advisor", _lookup_round(observed, plan)),
                 cfg.rounds,
                 chain_pages=size,
             )
@@ -253,101 +289,75 @@ def _referenced_pages(log: Sequence[_Op]) -> int:
     return pages
 
 
-def step_mix(
-    trace: PageTrace, cfg: AdvisorBenchConfig, progress: Progress
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Replay the model's recorded calls step by step on three fresh caches: no
-    observer; the advisor observing with its buffer discarded each step (the pure
-    hot-path cost); the advisor observing and draining each step (the real thing:
-    its drain also leaves the CPU caches colder for the next step's lookups)."""
+def step_mix(trace: PageTrace, cfg: AdvisorBenchConfig, progress: Progress) -> dict[str, float]:
+    """Replay the model's recorded calls step by step on fresh caches, without and
+    with the advisor attached; each step's calls are timed (thread CPU time)."""
     requests = trace.requests[: cfg.mix_requests] if cfg.mix_requests else trace.requests
     sub = PageTrace(trace.source, trace.format, trace.page_size, tuple(requests))
     progress(f"advisor step mix: recording the model's calls on {len(requests):,} requests")
     log = record_operations(sub, cfg.current_cap)
     ops = sum(1 for op in log if op is not None)
     pages = _referenced_pages(log)
-    names = ("bare", "observe", "advisor")
+    names = ("bare", "advisor")
     op_times: dict[str, list[float]] = {name: [] for name in names}
-    drain_totals: list[float] = []
-    drain_steps: list[float] = []
+    sampled: list[int] = []
     n_steps = 1
     gc_was_enabled = gc.isenabled()
     try:
         for r in range(cfg.mix_rounds + 1):
-            shift = r % len(names)
-            for name in names[shift:] + names[:shift]:
-                progress(f"advisor step mix: round {r}, {name}")
-                advisor = None if name == "bare" else CapacityAdvisor(cfg.sampling_rate)
-                cache = StorageExistenceCache(cfg.current_cap, observer=advisor)
-                steps = _bind(log, cache)
-                n_steps = len(steps)
-                gc.collect()
-                gc.disable()
-                op_time = 0.0
-                drains: list[float] = []
-                # CPU time of this thread: the machine may be shared, and another
-                # process's time slice is not the advisor's cost.
-                clock = time.thread_time
-                for step in steps:
+            progress(f"advisor step mix: round {r}")
+            advisor = CapacityAdvisor(cfg.sampling_rate)
+            caches = {
+                "bare": StorageExistenceCache(cfg.current_cap),
+                "advisor": StorageExistenceCache(cfg.current_cap, advisor=advisor),
+            }
+            bound = {name: _bind(log, caches[name]) for name in names}
+            n_steps = len(bound["bare"])
+            totals = dict.fromkeys(names, 0.0)
+            gc.collect()
+            gc.disable()
+            # Both caches advance step by step, the order alternating every step,
+            # so drifts of the machine's speed fall on both alike.  CPU time of
+            # this thread: another process's time slice is not the advisor's cost.
+            clock = time.thread_time
+            for i in range(n_steps):
+                for name in names if i % 2 == 0 else names[::-1]:
                     t0 = clock()
-                    for fn, args in step:
+                    for fn, args in bound[name][i]:
                         fn(*args)
-                    t1 = clock()
-                    op_time += t1 - t0
-                    if advisor is None:
-                        continue
-                    if name == "observe":
-                        advisor.discard_pending()
-                    else:
-                        advisor.drain(None)
-                        drains.append(clock() - t1)
-                gc.enable()
-                if r == 0:
-                    continue  # warm-up
-                op_times[name].append(op_time)
-                if name == "advisor":
-                    drain_totals.append(sum(drains))
-                    drain_steps.extend(drains)
+                    totals[name] += clock() - t0
+            gc.enable()
+            if r == 0:
+                continue  # warm-up
+            for name in names:
+                op_times[name].append(totals[name])
+            snap = advisor.snapshot()
+            sampled.append(sum(p.sampled_references for p in snap.pools.values()))
     finally:
         if gc_was_enabled:
             gc.enable()
         else:
             gc.disable()
     bare = statistics.median(op_times["bare"])
-    observe = statistics.median(op_times["observe"])
     adv = statistics.median(op_times["advisor"])
-    drain = statistics.median(drain_totals)
     # Ratios within a round (same machine conditions), then the median over rounds.
-    observe_ratio = statistics.median(o / b for o, b in zip(op_times["observe"], op_times["bare"]))
-    advisor_ratio = statistics.median(a / b for a, b in zip(op_times["advisor"], op_times["bare"]))
-    total_ratio = statistics.median(
-        (a + d) / b for a, d, b in zip(op_times["advisor"], drain_totals, op_times["bare"])
-    )
-    drain_steps.sort()
-    mix = {
+    ratios = [a / b for a, b in zip(op_times["advisor"], op_times["bare"])]
+    ratio = statistics.median(ratios)
+    sampled_refs = statistics.median(sampled) if sampled else 0
+    return {
         "requests": float(len(requests)),
         "steps": float(n_steps),
         "operations": float(ops),
         "pages_referenced": float(pages),
+        "sampled_references": float(sampled_refs),
         "cache_us_per_step": bare / n_steps * 1e6,
-        "observe_us_per_step": observe / n_steps * 1e6,
         "advisor_us_per_step": adv / n_steps * 1e6,
-        "hot_path_overhead": observe_ratio - 1.0,
-        "ns_per_operation_added": (observe_ratio - 1.0) * bare / max(ops, 1) * 1e9,
-        "overhead_with_drain_between_steps": advisor_ratio - 1.0,
+        "hot_path_overhead": ratio - 1.0,
+        "hot_path_overhead_low": min(ratios) - 1.0,
+        "hot_path_overhead_high": max(ratios) - 1.0,
+        "ns_per_operation_added": (ratio - 1.0) * bare / max(ops, 1) * 1e9,
+        "ns_per_page_added": (ratio - 1.0) * bare / max(pages, 1) * 1e9,
     }
-    drain_figures = {
-        "sampling_rate": cfg.sampling_rate,
-        "us_per_step_mean": drain / n_steps * 1e6,
-        "us_per_step_median": drain_steps[len(drain_steps) // 2] * 1e6,
-        "us_per_step_p99": drain_steps[min(len(drain_steps) - 1, int(0.99 * len(drain_steps)))]
-        * 1e6,
-        "us_per_step_max": drain_steps[-1] * 1e6,
-        "ns_per_page": drain / max(pages, 1) * 1e9,
-        "relative_to_cache_time": drain / bare,
-        "total_overhead": total_ratio - 1.0,
-    }
-    return mix, drain_figures
 
 
 # ---------------------------------------------------------------------------
@@ -360,12 +370,11 @@ def accuracy(
     current_cap: int,
     sampling_rate: float,
 ) -> dict[str, Any]:
-    """Advisor estimates (belief-only stream, one drain per request) vs the exact curve."""
+    """Advisor estimates (belief-only stream) vs the exact curve."""
     curve = belief_only_curves(requests)["kv"]
     advisor = CapacityAdvisor(sampling_rate)
     for r in requests:
         advisor.added(r.pool, r.pages)
-        advisor.drain(None)
     by_cap = {}
     for cap in sorted(set(caps)):
         est = advisor.estimate("kv", cap)
@@ -402,6 +411,61 @@ def accuracy(
     }
 
 
+def salt_errors(workload_name: str, sampling_rate: float) -> dict[str, Any]:
+    """This process's |estimate - exact| on a named workload at its caps (the
+    per-salt worker: the sample depends on the process's str-hash salt)."""
+    currents, extra = SALT_WORKLOADS[workload_name]
+    if workload_name == "mooncake":
+        found = default_trace()
+        requests = (found if isinstance(found, PageTrace) else expand(found)).requests
+    else:
+        requests = tuple(long_context_requests(SYNTHETIC))
+    curve = belief_only_curves(requests)["kv"]
+    advisor = CapacityAdvisor(sampling_rate)
+    for r in requests:
+        advisor.added(r.pool, r.pages)
+    caps = sorted({max(1, int(c * m)) for c in currents for m in MULTIPLIERS} | set(extra))
+    errors: dict[int, float | None] = {}
+    for cap in caps:
+        est = advisor.estimate("kv", cap)
+        errors[cap] = None if est is None else abs(est - curve.hit_ratio(cap))
+    return {"caps": caps, "errors": errors}
+
+
+def accuracy_over_salts(
+    salts: int, sampling_rate: float, progress: Progress = lambda _msg: None
+) -> dict[str, Any]:
+    """``salt_errors`` in ``salts`` subprocesses per workload (``PYTHONHASHSEED`` 0..):
+    the distribution of the error over hash salts, per cap."""
+    out: dict[str, Any] = {}
+    for name in SALT_WORKLOADS:
+        runs = []
+        for salt in range(salts):
+            progress(f"advisor accuracy over salts: {name}, PYTHONHASHSEED={salt}")
+            env = {**os.environ, "PYTHONHASHSEED": str(salt)}
+            done = subprocess.run(
+                [sys.executable, "-m", "hicache_existence.bench.advisor", name, str(sampling_rate)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            runs.append(json.loads(done.stdout))
+        caps = runs[0]["caps"] if runs else []
+        per_cap = {}
+        for cap in caps:
+            values = [r["errors"][str(cap)] for r in runs if r["errors"][str(cap)] is not None]
+            if values:
+                values.sort()
+                per_cap[cap] = {
+                    "median": statistics.median(values),
+                    "p90": values[min(len(values) - 1, int(0.9 * len(values)))],
+                    "max": values[-1],
+                }
+        out[name] = {"salts": salts, "per_cap": per_cap}
+    return out
+
+
 def run_advisor_bench(
     cfg: AdvisorBenchConfig | None = None,
     progress: Progress = lambda _msg: None,
@@ -416,11 +480,13 @@ def run_advisor_bench(
         trace = found if isinstance(found, PageTrace) else expand(found)
     result = AdvisorBenchResult(cfg)
     result.per_operation = per_operation_overhead(cfg, progress)
-    result.step_mix, result.drain = step_mix(trace, cfg, progress)
+    result.step_mix = step_mix(trace, cfg, progress)
     progress("advisor accuracy against the exact curve")
     result.accuracy = accuracy(
         trace.requests, cfg.accuracy_caps, cfg.current_cap, cfg.sampling_rate
     )
+    if cfg.accuracy_salts:
+        result.salts = accuracy_over_salts(cfg.accuracy_salts, cfg.sampling_rate, progress)
     return result
 
 
@@ -434,18 +500,14 @@ def format_advisor_bench(result: AdvisorBenchResult) -> str:
             f"({1 / c.speedup - 1:+.1%})"
         )
     m = result.step_mix
-    d = result.drain
     lines += [
         f"step mix (buffer-mode model, {m['steps']:.0f} steps, {m['operations']:.0f} cache calls, "
-        f"{m['pages_referenced']:.0f} pages referenced; thread CPU time):",
-        f"  cache {m['cache_us_per_step']:.1f} us/step; advisor observing "
-        f"{m['observe_us_per_step']:.1f} us ({m['hot_path_overhead']:+.1%}, "
-        f"{m['ns_per_operation_added']:.0f} ns per call); observing with a drain between "
-        f"steps {m['advisor_us_per_step']:.1f} us ({m['overhead_with_drain_between_steps']:+.1%})",
-        f"  drain at rate {d['sampling_rate']:g}: {d['us_per_step_mean']:.1f} us/step mean, "
-        f"{d['us_per_step_median']:.1f} median, {d['us_per_step_p99']:.1f} p99, "
-        f"{d['us_per_step_max']:.1f} max; {d['ns_per_page']:.1f} ns per referenced page; "
-        f"observer + drain = {d['total_overhead']:+.1%} of cache time",
+        f"{m['pages_referenced']:.0f} pages referenced, {m['sampled_references']:.0f} sampled; "
+        "thread CPU time):",
+        f"  cache {m['cache_us_per_step']:.2f} us/step; with the advisor attached "
+        f"{m['advisor_us_per_step']:.2f} us ({m['hot_path_overhead']:+.1%}, rounds "
+        f"{m['hot_path_overhead_low']:+.1%}..{m['hot_path_overhead_high']:+.1%}; "
+        f"{m['ns_per_operation_added']:.1f} ns per call, {m['ns_per_page_added']:.2f} ns per page)",
     ]
     a = result.accuracy
     lines.append(f"accuracy at rate {a['sampling_rate']:g} (max |error| {a['max_abs_error']:.4f}):")
@@ -453,4 +515,16 @@ def format_advisor_bench(result: AdvisorBenchResult) -> str:
         est = "   n/a" if v["estimate"] is None else f"{v['estimate']:.4f}"
         err = "" if v["error"] is None else f"{v['error']:+.4f}"
         lines.append(f"  {m_:>5g}x cap {v['cap']:>8}: exact {v['exact']:.4f} estimate {est} {err}")
+    for name, dist in result.salts.items():
+        lines.append(
+            f"accuracy over {dist['salts']} hash salts, {name} (|error| median / p90 / max):"
+        )
+        for cap, v in dist["per_cap"].items():
+            lines.append(
+                f"  cap {cap:>8}: {v['median']:.4f} / {v['p90']:.4f} / {v['max']:.4f}"
+            )
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the per-salt worker of accuracy_over_salts
+    print(json.dumps(salt_errors(sys.argv[1], float(sys.argv[2]))))
