@@ -17,7 +17,7 @@ from hicache_existence.cache import (
     StorageExistenceCache,
 )
 from hicache_existence.flat import FlatStorageExistenceCache
-from hicache_existence.observers import BeliefObserver, MissMemory, Tee
+from hicache_existence.observers import BeliefObserver, MissMemory, SamplerSource, Tee
 from hicache_existence.policies import (
     ChainPagesPolicy,
     PoolBeliefPolicy,
@@ -89,6 +89,7 @@ __all__ = [
     "PoolBeliefs",
     "PoolExistenceBeliefs",
     "PoolStats",
+    "SamplerSource",
     "StorageExistenceCache",
     "Tee",
     "TrailingWindowPolicy",

@@ -340,8 +340,9 @@ s_grow_times(Sampler *s, uint32_t ntimes)
 static int
 s_room(Sampler *s)
 {
-    if (s->bits == NULL) {
-        s->ntimes = 0;
+    if (s->ntimes == 0) {
+        /* Fresh (or cleared, or a first allocation that failed part-way:
+         * ntimes is set only once owner, bits and fen all exist). */
         if (s_grow_times(s, S_MIN_TIMES) < 0) {
             return -1;
         }
@@ -499,7 +500,7 @@ s_reference(Sampler *s, uint32_t tag, uint64_t *hashes, Py_ssize_t k, Py_ssize_t
                 PyMem_Free(seen);
                 PyMem_Free(used);
             }
-            s->lost += (unsigned long long)k;
+            s->lost += (unsigned long long)(k + has_missed);
             return;
         }
         if (used == used_inline) {

@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence
-from itertools import accumulate, islice
+from collections.abc import Iterable, Sequence
+from itertools import accumulate, compress, islice
 from typing import Any, Protocol
 
 from hicache_existence import _validate
@@ -190,6 +190,7 @@ class PySampler:
     __slots__ = (
         "_threshold",
         "_all",
+        "_range",
         "max_keys",
         "_growth",
         "_weight",
@@ -200,8 +201,11 @@ class PySampler:
     )
 
     def __init__(self, threshold: int, max_keys: int, half_life: int = 0) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, int):
-            raise TypeError(f"threshold must be an int, got {type(threshold).__name__}")
+        for name, value in (("threshold", threshold), ("max_keys", max_keys)):
+            if not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not isinstance(half_life, int):
+            raise TypeError(f"half_life must be an int, got {type(half_life).__name__}")
         if not 0 <= threshold <= 1 << 64:
             raise ValueError("threshold must be in [0, 2**64]")
         if not 1 <= max_keys <= 1 << 28:
@@ -210,6 +214,7 @@ class PySampler:
             raise ValueError(f"half_life must be >= 0, got {half_life}")
         self._threshold = threshold
         self._all = threshold == 1 << 64
+        self._range = range(min(threshold, 1 << 63))
         self.max_keys = max_keys
         self._growth = 2.0 ** (1.0 / half_life) if half_life else 1.0
         self._weight = 1.0
@@ -222,14 +227,24 @@ class PySampler:
     def _sampled(self, hashes: Sequence[str], tag: int) -> list[Any]:
         """Identities of the sampled pages of ``hashes``, in order."""
         thr = self._threshold
-        values = [str.__hash__(h) & _M64 for h in hashes]
-        if not self._all:
-            values = [v for v in values if v < thr]
+        if self._all:
+            picked: Iterable[str] = hashes
+        elif thr <= 1 << 63:
+            # (unsigned) h < thr  <=>  0 <= h < thr for the signed hash: a range
+            # test, so the per-page filter runs in C (compress/map).
+            picked = compress(hashes, map(self._range.__contains__, map(str.__hash__, hashes)))
+        else:
+            picked = [h for h in hashes if str.__hash__(h) & _M64 < thr]
+        values = [str.__hash__(h) & _M64 for h in picked]
         return values if tag == 0 else [(tag, v) for v in values]
 
     def _advance(self, total: int, lookups: int) -> float:
         if self._growth != 1.0:
-            self._weight *= math.pow(self._growth, total)
+            try:
+                growth = math.pow(self._growth, total)
+            except OverflowError:  # C's pow gives inf: everything so far weighs 0
+                growth = math.inf
+            self._weight *= growth
             if self._weight > _RESCALE_AT:
                 f = 1.0 / self._weight
                 self._stream.scale(f)
@@ -304,7 +319,7 @@ class PySampler:
         self._reference(self._sampled(hashes, tag), len(hashes), False)
 
     def walked(self, hashes: Sequence[str], stop: int, tag: int = 0, /) -> None:
-        if isinstance(stop, bool) or not isinstance(stop, int):
+        if not isinstance(stop, int):
             raise TypeError(f"stop must be an int, got {type(stop).__name__}")
         if stop < 0:
             raise ValueError("stop must be >= 0")

@@ -217,3 +217,15 @@ def test_memory_is_bounded_by_max_keys() -> None:
         s.added([f"k{j}" for j in range(i, i + 100)])
     assert s.counts()["tracked"] == 4096
     assert s.__sizeof__() < 4096 * 120
+
+
+@needs_c
+def test_a_decay_too_fast_for_a_float_weighs_the_past_zero_alike() -> None:
+    """half_life 1 and an 1100-page call: the weight's growth overflows a double
+    (C's pow gives inf, Python's raises); both then weigh the past as zero."""
+    c, p = both(1 << 64, 50, half_life=1)
+    for s in (c, p):
+        s.added(KEYS[:5])  # type: ignore[attr-defined]
+        s.added([f"x{i}" for i in range(1100)])  # type: ignore[attr-defined]
+        s.walked(KEYS[:3], 3)  # type: ignore[attr-defined]
+    same(c, p)

@@ -88,7 +88,7 @@ PY="$ENV/bin/python"
 # What the editable install was made from; a change means `pip install -e` again.
 # The compiled index is built by that install, so its sources count too.
 if [ -f "$REPO/pyproject.toml" ]; then
-  REPO_STAMP="$(cat "$REPO/pyproject.toml" "$REPO"/setup.py "$REPO"/hicache_existence/*.c 2>/dev/null \
+  REPO_STAMP="$(cat "$REPO/pyproject.toml" "$REPO"/setup.py "$REPO"/hicache_existence/*.[ch] 2>/dev/null \
     | sha256sum | cut -c1-64) $REPO [$EXTRAS]"
 else
   REPO_STAMP="no-pyproject $REPO"
