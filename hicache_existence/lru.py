@@ -139,7 +139,7 @@ class PyLruIndex:
         if self._samplers and hashes:
             sampler = self._samplers.get(tag)
             if sampler is not None:
-                sampler.walked(hashes, len(hashes), tag)
+                sampler._fed(hashes, tag, True)
         return len(hashes)
 
     def touch(self, page_hash: str, tag: int = 0, /) -> bool:
@@ -175,7 +175,7 @@ class PyLruIndex:
         if self._samplers:
             sampler = self._samplers.get(tag)
             if sampler is not None:
-                sampler.added(seq, tag)
+                sampler._fed(seq, tag, False)
         return inserted
 
     def evict(self, count: int, /) -> dict[int, int]:

@@ -313,7 +313,30 @@ class PySampler:
             stack.push(key)
             stack.trim(self.max_keys)
 
-    # -- recording ---------------------------------------------------------------
+    # -- recording, from the index (input already checked; the hot path) ------------
+    def _fed(self, hashes: Sequence[str], tag: int, lookup: bool) -> None:
+        """A complete walk (``lookup``) or an add, fed by ``PyLruIndex``: one C-level
+        hash pass and one comparison per page, then nothing more for a call with
+        no sampled page (most calls).  Hashes by ``hash()``, as the index's own
+        ``OrderedDict`` does (an override on a str subclass would be honoured)."""
+        thr = self._threshold
+        n = len(hashes)
+        if thr <= 1 << 63:
+            values = [v for v in map(hash, hashes) if 0 <= v < thr]
+            if not values and self._growth == 1.0:
+                self._stream.references += n
+                raw = self._raw
+                raw[0] += n
+                if lookup:
+                    self._lookups.references += n
+                    raw[2] += n
+                return
+            keys: list[Any] = values if tag == 0 else [(tag, v) for v in values]
+        else:
+            keys = self._sampled(hashes, tag)
+        self._reference(keys, n, lookup, n if lookup else 0)
+
+    # -- recording, by hand or from the cache --------------------------------------
     def added(self, hashes: Sequence[str], tag: int = 0, /) -> None:
         tag = _check(hashes, tag, "added")
         self._reference(self._sampled(hashes, tag), len(hashes), False)
@@ -328,12 +351,26 @@ class PySampler:
         if not n:
             return
         stop = min(stop, n)
+        lookups = stop + (stop < n)
+        thr = self._threshold
+        if thr <= 1 << 63:
+            # The cache reports every lookup that stops short here: the common
+            # call (nothing sampled) costs one C-level hash pass and a few adds.
+            values = [v for v in map(str.__hash__, islice(hashes, stop)) if 0 <= v < thr]
+            last = str.__hash__(hashes[stop]) if stop < n else -1
+            if not values and not 0 <= last < thr and self._growth == 1.0:
+                self._stream.references += stop
+                self._lookups.references += lookups
+                raw = self._raw
+                raw[0] += stop
+                raw[2] += lookups
+                return
         keys = self._sampled(hashes[:stop], tag)
         missed = None
         if stop < n:
             sampled = self._sampled(hashes[stop : stop + 1], tag)
             missed = sampled[0] if sampled else None
-        self._reference(keys, stop, True, stop + (stop < n), missed)
+        self._reference(keys, stop, True, lookups, missed)
 
     def removed(self, hashes: Sequence[str], tag: int = 0, /) -> None:
         tag = _check(hashes, tag, "removed")
