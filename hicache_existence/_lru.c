@@ -410,6 +410,33 @@ PyDoc_STRVAR(touch_prefix_doc,
 "recently used end, in order, stopping at the first absent page; return how\n"
 "many were touched (== len(hashes) when all are present).");
 
+/* The walk of touch_prefix; -1 on error.  Inlined twice, with and without a
+ * sampler, so the path without one has no per-page test for it. */
+static inline __attribute__((always_inline)) Py_ssize_t
+walk_prefix(Lru *self, PyObject *const *items, Py_ssize_t n, uint32_t tag, Sampler *smp,
+            SCollect *col)
+{
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *key = items[i];
+        Py_hash_t ph = str_hash(key);
+        if (ph == -1) {
+            return -1;
+        }
+        size_t hole = 0;
+        Py_ssize_t pos = find(self, key, tag, mix_hash(ph, tag), &hole);
+        if (pos < 0) {
+            break;
+        }
+        uint32_t id = (uint32_t)self->slots[pos] - 1;
+        move_to_end(self, id, node_at(self, id));
+        if (smp != NULL) {
+            sc_offer(col, smp, ph, tag);
+        }
+    }
+    return i;
+}
+
 static PyObject *
 Lru_touch_prefix(Lru *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -429,22 +456,10 @@ Lru_touch_prefix(Lru *self, PyObject *const *args, Py_ssize_t nargs)
     col.k = 0;
     col.overflow = 0;
     if (self->size != 0) {
-        for (; i < n; i++) {
-            PyObject *key = items[i];
-            Py_hash_t ph = str_hash(key);
-            if (ph == -1) {
-                return NULL;
-            }
-            size_t hole = 0;
-            Py_ssize_t pos = find(self, key, tag, mix_hash(ph, tag), &hole);
-            if (pos < 0) {
-                break;
-            }
-            uint32_t id = (uint32_t)self->slots[pos] - 1;
-            move_to_end(self, id, node_at(self, id));
-            if (smp != NULL) {
-                sc_offer(&col, smp, ph, tag);
-            }
+        i = smp == NULL ? walk_prefix(self, items, n, tag, NULL, &col)
+                        : walk_prefix(self, items, n, tag, smp, &col);
+        if (i < 0) {
+            return NULL;
         }
     }
     if (smp != NULL && i == n && n != 0) {
@@ -542,6 +557,43 @@ Lru_sq_contains(Lru *self, PyObject *key)
     return lookup(self, key, 0);
 }
 
+/* The insert loop of add (room reserved); the count inserted, -1 on error.
+ * Inlined with and without a sampler, like walk_prefix. */
+static inline __attribute__((always_inline)) Py_ssize_t
+add_items(Lru *self, PyObject *const *items, Py_ssize_t n, uint32_t tag, Sampler *smp,
+          SCollect *col)
+{
+    Py_ssize_t inserted = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        Py_hash_t ph = str_hash(key);
+        if (ph == -1) {
+            return -1;
+        }
+        if (smp != NULL) {
+            sc_offer(col, smp, ph, tag);
+        }
+        uint32_t h = mix_hash(ph, tag);
+        size_t hole = 0;
+        Py_ssize_t pos = find(self, key, tag, h, &hole);
+        if (pos >= 0) {
+            uint32_t id = (uint32_t)self->slots[pos] - 1;
+            move_to_end(self, id, node_at(self, id));
+            continue;
+        }
+        uint32_t id = alloc_node(self);
+        Node *nd = node_at(self, id);
+        nd->key = Py_NewRef(key);
+        nd->tag = tag;
+        nd->hash = h;
+        self->slots[hole] = ((uint64_t)h << 32) | (uint64_t)(id + 1);
+        append_node(self, id, nd);
+        self->size++;
+        inserted++;
+    }
+    return inserted;
+}
+
 PyDoc_STRVAR(add_doc,
 "add(hashes, tag=0, /) -> int\n\n"
 "Insert each page of `hashes` at the most recently used end, or move it there\n"
@@ -594,38 +646,15 @@ Lru_add(Lru *self, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(copies);
         return NULL;
     }
-    Py_ssize_t inserted = 0;
     Sampler *smp = self->nsamplers != 0 ? sampler_for(self, tag) : NULL;
     SCollect col;
     col.k = 0;
     col.overflow = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = items[i];
-        Py_hash_t ph = str_hash(key);
-        if (ph == -1) { /* cannot happen for a ready str; keep what was done */
-            Py_XDECREF(copies);
-            return NULL;
-        }
-        if (smp != NULL) {
-            sc_offer(&col, smp, ph, tag);
-        }
-        uint32_t h = mix_hash(ph, tag);
-        size_t hole = 0;
-        Py_ssize_t pos = find(self, key, tag, h, &hole);
-        if (pos >= 0) {
-            uint32_t id = (uint32_t)self->slots[pos] - 1;
-            move_to_end(self, id, node_at(self, id));
-            continue;
-        }
-        uint32_t id = alloc_node(self);
-        Node *nd = node_at(self, id);
-        nd->key = Py_NewRef(key);
-        nd->tag = tag;
-        nd->hash = h;
-        self->slots[hole] = ((uint64_t)h << 32) | (uint64_t)(id + 1);
-        append_node(self, id, nd);
-        self->size++;
-        inserted++;
+    Py_ssize_t inserted = smp == NULL ? add_items(self, items, n, tag, NULL, &col)
+                                      : add_items(self, items, n, tag, smp, &col);
+    if (inserted < 0) { /* cannot happen for ready str; keep what was done */
+        Py_XDECREF(copies);
+        return NULL;
     }
     if (smp != NULL) {
         if (col.overflow) {

@@ -197,7 +197,7 @@ class AdvisorSection:
 
     enabled: bool = True
     #: Fraction of page hashes sampled (SHARDS); 0 turns the advisor off.  Accuracy
-    #: needs cap x rate >= ~500 at the smallest cap asked about.
+    #: needs cap x rate >= ~2600 at the smallest cap asked about.
     sampling_rate: float = 0.02
     #: Sampled pages tracked per pool: bounds memory and the largest cap estimated
     #: (max_sampled_pages / sampling_rate entries).
