@@ -97,17 +97,9 @@ def test_rate_one_reproduces_the_cache_counters(
     (walked + added) of the real cache, and its page hit ratio for lookups."""
     advisor = exact_advisor(backend)
     with index_backend(backend):
-        pool = StorageExistenceCache(cap, advisor=advisor).pool("kv")
-    for op, pages in ops:
-        hashes = [HEX[i] for i in pages]
-        if op == "add":
-            pool.add(hashes)
-        elif op == "all":
-            pool.contains_all(hashes)
-        elif op == "one" and hashes:
-            pool.contains(hashes[0])
-        elif op == "clear":
-            pool.clear()
+        cache = StorageExistenceCache(cap, advisor=advisor)
+        pool = cache.pool("kv")
+        _drive(cache, [(op, "kv", pages) for op, pages in ops], flat=False)
     s = pool.stats()
     referenced = s.page_hits + s.rescues + s.inserts + s.refreshes
     if s.pages_checked:
