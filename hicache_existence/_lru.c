@@ -322,21 +322,44 @@ parse_tag(PyObject *obj, uint32_t *tag)
 }
 
 static int
+check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi)
+{
+    if (nargs >= lo && nargs <= hi) {
+        return 0;
+    }
+    if (lo == hi) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", name, lo,
+                     nargs);
+    }
+    else {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd or %zd positional arguments (%zd given)",
+                     name, lo, hi, nargs);
+    }
+    return -1;
+}
+
+/* A batch argument (list or tuple; its items are checked by check_items) and
+ * its optional tag. */
+static int
+parse_batch(PyObject *seq, PyObject *tag_obj, uint32_t *tag)
+{
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_Format(PyExc_TypeError, "hashes must be a list or tuple of str, got %.100s",
+                     Py_TYPE(seq)->tp_name);
+        return -1;
+    }
+    return parse_tag(tag_obj, tag);
+}
+
+static int
 parse_seq_tag(const char *name, PyObject *const *args, Py_ssize_t nargs, PyObject **seq,
               uint32_t *tag)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 1 or 2 positional arguments (%zd given)", name,
-                     nargs);
+    if (check_nargs(name, nargs, 1, 2) < 0) {
         return -1;
     }
     *seq = args[0];
-    if (!PyList_Check(*seq) && !PyTuple_Check(*seq)) {
-        PyErr_Format(PyExc_TypeError, "hashes must be a list or tuple of str, got %.100s",
-                     Py_TYPE(*seq)->tp_name);
-        return -1;
-    }
-    return parse_tag(nargs == 2 ? args[1] : NULL, tag);
+    return parse_batch(*seq, nargs == 2 ? args[1] : NULL, tag);
 }
 
 /* Every item must be a str: checked before anything changes.  Sets *exact to
@@ -475,6 +498,31 @@ Lru_touch_prefix(Lru *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(i);
 }
 
+/* One page argument and its optional tag. */
+static int
+parse_key_tag(const char *name, PyObject *const *args, Py_ssize_t nargs, uint32_t *tag)
+{
+    if (check_nargs(name, nargs, 1, 2) < 0 || check_key(args[0]) < 0) {
+        return -1;
+    }
+    return parse_tag(nargs == 2 ? args[1] : NULL, tag);
+}
+
+/* The slot of a checked key: >= 0 present, -1 absent, -2 error. */
+static Py_ssize_t
+find_key(const Lru *self, PyObject *key, uint32_t tag)
+{
+    if (self->size == 0) {
+        return -1;
+    }
+    Py_hash_t ph = str_hash(key);
+    if (ph == -1) {
+        return -2;
+    }
+    size_t hole = 0;
+    return find(self, key, tag, mix_hash(ph, tag), &hole);
+}
+
 PyDoc_STRVAR(touch_doc,
 "touch(page_hash, tag=0, /) -> bool\n\n"
 "Move one page to the most recently used end if present; return whether it was.");
@@ -483,46 +531,16 @@ static PyObject *
 Lru_touch(Lru *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint32_t tag;
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "touch() takes 1 or 2 positional arguments (%zd given)",
-                     nargs);
+    if (parse_key_tag("touch", args, nargs, &tag) < 0) {
         return NULL;
     }
-    if (check_key(args[0]) < 0 || parse_tag(nargs == 2 ? args[1] : NULL, &tag) < 0) {
-        return NULL;
-    }
-    if (self->size == 0) {
-        Py_RETURN_FALSE;
-    }
-    Py_hash_t ph = str_hash(args[0]);
-    if (ph == -1) {
-        return NULL;
-    }
-    size_t hole = 0;
-    Py_ssize_t pos = find(self, args[0], tag, mix_hash(ph, tag), &hole);
+    Py_ssize_t pos = find_key(self, args[0], tag);
     if (pos < 0) {
-        Py_RETURN_FALSE;
+        return pos == -2 ? NULL : Py_NewRef(Py_False);
     }
     uint32_t id = (uint32_t)self->slots[pos] - 1;
     move_to_end(self, id, node_at(self, id));
     Py_RETURN_TRUE;
-}
-
-static int
-lookup(Lru *self, PyObject *key, uint32_t tag)
-{
-    if (check_key(key) < 0) {
-        return -1;
-    }
-    if (self->size == 0) {
-        return 0;
-    }
-    Py_hash_t ph = str_hash(key);
-    if (ph == -1) {
-        return -1;
-    }
-    size_t hole = 0;
-    return find(self, key, tag, mix_hash(ph, tag), &hole) >= 0;
 }
 
 PyDoc_STRVAR(contains_doc,
@@ -533,19 +551,11 @@ static PyObject *
 Lru_contains(Lru *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint32_t tag;
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "contains() takes 1 or 2 positional arguments (%zd given)",
-                     nargs);
+    if (parse_key_tag("contains", args, nargs, &tag) < 0) {
         return NULL;
     }
-    if (check_key(args[0]) < 0 || parse_tag(nargs == 2 ? args[1] : NULL, &tag) < 0) {
-        return NULL;
-    }
-    int r = lookup(self, args[0], tag);
-    if (r < 0) {
-        return NULL;
-    }
-    return PyBool_FromLong(r);
+    Py_ssize_t pos = find_key(self, args[0], tag);
+    return pos == -2 ? NULL : PyBool_FromLong(pos >= 0);
 }
 
 static int
@@ -554,7 +564,11 @@ Lru_sq_contains(Lru *self, PyObject *key)
     if (!PyUnicode_Check(key)) {
         return 0; /* like a dict of str keys: other objects are simply absent */
     }
-    return lookup(self, key, 0);
+    if (check_key(key) < 0) {
+        return -1;
+    }
+    Py_ssize_t pos = find_key(self, key, 0);
+    return pos == -2 ? -1 : pos >= 0;
 }
 
 /* The insert loop of add (room reserved); the count inserted, -1 on error.
@@ -1064,11 +1078,7 @@ static PyObject *
 Lru_attach(Lru *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint32_t tag;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "attach() takes 2 positional arguments (%zd given)", nargs);
-        return NULL;
-    }
-    if (parse_tag(args[0], &tag) < 0) {
+    if (check_nargs("attach", nargs, 2, 2) < 0 || parse_tag(args[0], &tag) < 0) {
         return NULL;
     }
     PyObject *sampler = args[1];

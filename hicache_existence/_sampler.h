@@ -698,24 +698,35 @@ s_record_remove(Sampler *s, uint32_t tag, PyObject *const *items, Py_ssize_t n)
 
 /* ---- the Python type -------------------------------------------------------- */
 
-static int check_items(PyObject *const *items, Py_ssize_t n, int *exact);
-static int parse_tag(PyObject *obj, uint32_t *tag);
+/* (The argument helpers are _lru.c's: this file is included after them.) */
 
+/* The batch of hashes and optional tag of a recording call, checked. */
 static int
-s_parse_batch(const char *name, PyObject *seq, PyObject *tag_obj, PyObject *const **items,
-              Py_ssize_t *n, uint32_t *tag)
+s_parse_batch(PyObject *seq, PyObject *tag_obj, PyObject *const **items, Py_ssize_t *n,
+              uint32_t *tag)
 {
-    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
-        PyErr_Format(PyExc_TypeError, "%s(): hashes must be a list or tuple of str, got %.100s",
-                     name, Py_TYPE(seq)->tp_name);
-        return -1;
-    }
-    if (parse_tag(tag_obj, tag) < 0) {
+    if (parse_batch(seq, tag_obj, tag) < 0) {
         return -1;
     }
     *items = PySequence_Fast_ITEMS(seq);
     *n = PySequence_Fast_GET_SIZE(seq);
     return check_items(*items, *n, NULL);
+}
+
+/* added() and removed(): (hashes, tag=0) into `record`. */
+static PyObject *
+s_batch_call(Sampler *self, const char *name, PyObject *const *args, Py_ssize_t nargs,
+             void (*record)(Sampler *, uint32_t, PyObject *const *, Py_ssize_t))
+{
+    PyObject *const *items;
+    Py_ssize_t n;
+    uint32_t tag;
+    if (check_nargs(name, nargs, 1, 2) < 0
+        || s_parse_batch(args[0], nargs == 2 ? args[1] : NULL, &items, &n, &tag) < 0) {
+        return NULL;
+    }
+    record(self, tag, items, n);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(s_added_doc,
@@ -725,19 +736,7 @@ PyDoc_STRVAR(s_added_doc,
 static PyObject *
 Sampler_added(Sampler *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "added() takes 1 or 2 positional arguments (%zd given)",
-                     nargs);
-        return NULL;
-    }
-    PyObject *const *items;
-    Py_ssize_t n;
-    uint32_t tag;
-    if (s_parse_batch("added", args[0], nargs == 2 ? args[1] : NULL, &items, &n, &tag) < 0) {
-        return NULL;
-    }
-    s_record_add(self, tag, items, n);
-    Py_RETURN_NONE;
+    return s_batch_call(self, "added", args, nargs, s_record_add);
 }
 
 PyDoc_STRVAR(s_walked_doc,
@@ -748,9 +747,7 @@ PyDoc_STRVAR(s_walked_doc,
 static PyObject *
 Sampler_walked(Sampler *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 2 || nargs > 3) {
-        PyErr_Format(PyExc_TypeError, "walked() takes 2 or 3 positional arguments (%zd given)",
-                     nargs);
+    if (check_nargs("walked", nargs, 2, 3) < 0) {
         return NULL;
     }
     if (!PyLong_Check(args[1])) {
@@ -769,7 +766,7 @@ Sampler_walked(Sampler *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *const *items;
     Py_ssize_t n;
     uint32_t tag;
-    if (s_parse_batch("walked", args[0], nargs == 3 ? args[2] : NULL, &items, &n, &tag) < 0) {
+    if (s_parse_batch(args[0], nargs == 3 ? args[2] : NULL, &items, &n, &tag) < 0) {
         return NULL;
     }
     s_record_walk(self, tag, items, n, stop);
@@ -783,19 +780,7 @@ PyDoc_STRVAR(s_removed_doc,
 static PyObject *
 Sampler_removed(Sampler *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "removed() takes 1 or 2 positional arguments (%zd given)",
-                     nargs);
-        return NULL;
-    }
-    PyObject *const *items;
-    Py_ssize_t n;
-    uint32_t tag;
-    if (s_parse_batch("removed", args[0], nargs == 2 ? args[1] : NULL, &items, &n, &tag) < 0) {
-        return NULL;
-    }
-    s_record_remove(self, tag, items, n);
-    Py_RETURN_NONE;
+    return s_batch_call(self, "removed", args, nargs, s_record_remove);
 }
 
 PyDoc_STRVAR(s_clear_doc, "clear(/) -> None\n\nForget every tracked key (the curves stay).");
@@ -815,9 +800,7 @@ PyDoc_STRVAR(s_cumulative_doc,
 static PyObject *
 Sampler_cumulative(Sampler *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "cumulative() takes 1 or 2 positional arguments (%zd given)",
-                     nargs);
+    if (check_nargs("cumulative", nargs, 1, 2) < 0) {
         return NULL;
     }
     int lookups = 0;

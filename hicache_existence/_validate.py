@@ -54,6 +54,26 @@ def str_items(seq: Sequence[str], arg: str = "hashes") -> None:
         raise  # pragma: no cover - join failed for another reason
 
 
+def index_tag(tag: object) -> int:
+    """A pool tag of ``LruIndex``/``Sampler`` as a plain int (``True`` or an
+    ``IntEnum`` become their value), as the compiled types check it."""
+    if not isinstance(tag, int):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if not 0 <= tag < 2**32:
+        raise ValueError("tag must be in [0, 2**32)")
+    return int(tag)
+
+
+def index_batch(seq: Sequence[str], tag: object) -> int:
+    """The compiled index's and sampler's up-front checks, in their order: the
+    container (list or tuple), the tag, every item a ``str``.  Returns the tag."""
+    if not isinstance(seq, _SEQ_TYPES):
+        raise TypeError(f"hashes must be a list or tuple of str, got {type(seq).__name__}")
+    plain = index_tag(tag)
+    str_items(seq, "hashes")
+    return plain
+
+
 def page_sequence(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
     """``hashes`` as a list or tuple, items unchecked: for calls whose items an
     ``LruIndex`` checks itself (before changing anything, in one C pass)."""

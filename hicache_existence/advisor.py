@@ -80,11 +80,13 @@ def hit_ratios(
     adjust: bool = False,
     lookups: bool = False,
     max_keys: int | None = None,
+    counts: Mapping[str, Any] | None = None,
 ) -> list[float | None]:
     """Estimated hit ratio of an LRU of each cap from one sampler's curve; None
     without data or when the cap lies beyond the distances tracked
-    (``max_keys / rate``)."""
-    counts = sampler.counts()
+    (``max_keys / rate``).  ``counts``: the sampler's ``counts()``, if in hand."""
+    if counts is None:
+        counts = sampler.counts()
     prefix = "lookup" if lookups else "stream"
     sampled = float(counts[f"{prefix}_sampled"])
     if sampled <= 0:
@@ -329,6 +331,7 @@ class CapacityAdvisor:
                 if isinstance(capacities, int)
                 else (capacities.get(name) if capacities is not None else None)
             )
+            counts = sampler.counts()
             estimates: dict[float, float | None] = {}
             lookup_estimates: dict[float, float | None] = {}
             if cap:
@@ -341,9 +344,9 @@ class CapacityAdvisor:
                         adjust=self.adjust,
                         lookups=lookups,
                         max_keys=self._max_keys,
+                        counts=counts,
                     )
                     out.update(zip(multipliers, values))
-            counts = sampler.counts()
             lost += int(counts["lost"])
             pools[name] = PoolAdvice(
                 name,

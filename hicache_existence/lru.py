@@ -64,28 +64,9 @@ class LruIndexType(Protocol):
     def __iter__(self) -> Iterator[str]: ...
 
 
-def _check_batch(seq: Sequence[str], tag: object) -> int:
-    """The C index's up-front checks, in its order: the container (list or
-    tuple), the tag, every item a ``str``.  Returns the tag as a plain int."""
-    if not isinstance(seq, (list, tuple)):
-        raise TypeError(f"hashes must be a list or tuple of str, got {type(seq).__name__}")
-    plain = _check_tag(tag)
-    _validate.str_items(seq, "hashes")
-    return plain
-
-
 def _check_key(page_hash: object) -> None:
     if not isinstance(page_hash, str):
         raise TypeError(f"page hash must be a str, got {type(page_hash).__name__}")
-
-
-def _check_tag(tag: object) -> int:
-    """``tag`` as a plain int (``True`` or an ``IntEnum`` become their value)."""
-    if not isinstance(tag, int):
-        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
-    if not 0 <= tag < 2**32:
-        raise ValueError("tag must be in [0, 2**32)")
-    return int(tag)
 
 
 _STR_ONLY = frozenset({str})
@@ -114,7 +95,7 @@ class PyLruIndex:
     def attach(self, tag: int, sampler: SamplerType | None, /) -> None:
         """Feed ``sampler`` (a ``PySampler``; None detaches) with ``tag``'s complete
         ``touch_prefix`` walks, adds, discards and clears."""
-        tag = _check_tag(tag)
+        tag = _validate.index_tag(tag)
         if sampler is None:
             self._samplers.pop(tag, None)
             return
@@ -123,7 +104,7 @@ class PyLruIndex:
         self._samplers[tag] = sampler
 
     def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int:
-        tag = _check_batch(hashes, tag)
+        tag = _validate.index_batch(hashes, tag)
         move_to_end = self._od.move_to_end
         try:
             if tag == 0:
@@ -144,7 +125,7 @@ class PyLruIndex:
 
     def touch(self, page_hash: str, tag: int = 0, /) -> bool:
         _check_key(page_hash)
-        tag = _check_tag(tag)
+        tag = _validate.index_tag(tag)
         key = page_hash if tag == 0 else (tag, page_hash)
         od = self._od
         if key in od:
@@ -154,11 +135,11 @@ class PyLruIndex:
 
     def contains(self, page_hash: str, tag: int = 0, /) -> bool:
         _check_key(page_hash)
-        tag = _check_tag(tag)
+        tag = _validate.index_tag(tag)
         return (page_hash if tag == 0 else (tag, page_hash)) in self._od
 
     def add(self, hashes: Sequence[str], tag: int = 0, /) -> int:
-        tag = _check_batch(hashes, tag)
+        tag = _validate.index_batch(hashes, tag)
         seq = _exact(hashes)
         if tag:
             self._tagged = True
@@ -212,7 +193,7 @@ class PyLruIndex:
         return n, map(od.popitem, repeat(False, n))
 
     def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]:
-        tag = _check_batch(hashes, tag)
+        tag = _validate.index_batch(hashes, tag)
         if self._samplers:
             sampler = self._samplers.get(tag)
             if sampler is not None:

@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from itertools import accumulate, compress, islice
+from collections.abc import Callable, Sequence
+from itertools import accumulate, islice
 from typing import Any, Protocol
 
 from hicache_existence import _validate
@@ -171,26 +171,12 @@ class _Curve:
         self.references *= f
 
 
-def _check(seq: object, tag: object, name: str) -> int:
-    if not isinstance(seq, (list, tuple)):
-        raise TypeError(
-            f"{name}(): hashes must be a list or tuple of str, got {type(seq).__name__}"
-        )
-    if not isinstance(tag, int):
-        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
-    if not 0 <= tag < 2**32:
-        raise ValueError("tag must be in [0, 2**32)")
-    _validate.str_items(seq, "hashes")
-    return int(tag)
-
-
 class PySampler:
     """Pure-Python ``Sampler`` (see the module docstring)."""
 
     __slots__ = (
         "_threshold",
         "_all",
-        "_range",
         "max_keys",
         "_growth",
         "_weight",
@@ -214,7 +200,6 @@ class PySampler:
             raise ValueError(f"half_life must be >= 0, got {half_life}")
         self._threshold = threshold
         self._all = threshold == 1 << 64
-        self._range = range(min(threshold, 1 << 63))
         self.max_keys = max_keys
         self._growth = 2.0 ** (1.0 / half_life) if half_life else 1.0
         self._weight = 1.0
@@ -224,18 +209,21 @@ class PySampler:
         # raw references, raw sampled, raw lookups, lost
         self._raw = [0, 0, 0, 0]
 
-    def _sampled(self, hashes: Sequence[str], tag: int) -> list[Any]:
-        """Identities of the sampled pages of ``hashes``, in order."""
+    def _sampled(
+        self, hashes: Sequence[str], tag: int, hasher: Callable[[str], int] = str.__hash__
+    ) -> list[Any]:
+        """Identities of the sampled pages of ``hashes``, in order: one C-level
+        hash pass and one comparison a page.  ``str.__hash__`` counts a str
+        subclass as its value, as the compiled sampler does; the index passes the
+        faster ``hash`` (its items are plain str, or hashed so by its dict)."""
         thr = self._threshold
-        if self._all:
-            picked: Iterable[str] = hashes
-        elif thr <= 1 << 63:
-            # (unsigned) h < thr  <=>  0 <= h < thr for the signed hash: a range
-            # test, so the per-page filter runs in C (compress/map).
-            picked = compress(hashes, map(self._range.__contains__, map(str.__hash__, hashes)))
+        if thr <= 1 << 63:
+            # (unsigned) h < thr  <=>  0 <= h < thr for the signed hash.
+            values = [v for v in map(hasher, hashes) if 0 <= v < thr]
+        elif self._all:
+            values = [v & _M64 for v in map(hasher, hashes)]
         else:
-            picked = [h for h in hashes if str.__hash__(h) & _M64 < thr]
-        values = [str.__hash__(h) & _M64 for h in picked]
+            values = [u for u in (v & _M64 for v in map(hasher, hashes)) if u < thr]
         return values if tag == 0 else [(tag, v) for v in values]
 
     def _advance(self, total: int, lookups: int) -> float:
@@ -314,66 +302,46 @@ class PySampler:
             stack.trim(self.max_keys)
 
     # -- recording, from the index (input already checked; the hot path) ------------
-    def _fed(self, hashes: Sequence[str], tag: int, lookup: bool) -> None:
-        """A complete walk (``lookup``) or an add, fed by ``PyLruIndex``: one C-level
-        hash pass and one comparison per page, then nothing more for a call with
-        no sampled page (most calls).  Hashes by ``hash()``, as the index's own
-        ``OrderedDict`` does (an override on a str subclass would be honoured)."""
-        thr = self._threshold
+    def _fed(
+        self,
+        hashes: Sequence[str],
+        tag: int,
+        lookup: bool,
+        hasher: Callable[[str], int] = hash,
+    ) -> None:
+        """A complete walk (``lookup``) or an add, fed by ``PyLruIndex`` (input
+        already checked): only the counters for a call with no sampled page."""
         n = len(hashes)
-        if thr <= 1 << 63:
-            values = [v for v in map(hash, hashes) if 0 <= v < thr]
-            if not values and self._growth == 1.0:
-                self._stream.references += n
-                raw = self._raw
-                raw[0] += n
-                if lookup:
-                    self._lookups.references += n
-                    raw[2] += n
-                return
-            keys: list[Any] = values if tag == 0 else [(tag, v) for v in values]
+        keys = self._sampled(hashes, tag, hasher)
+        if keys:
+            self._reference(keys, n, lookup, n if lookup else 0)
         else:
-            keys = self._sampled(hashes, tag)
-        self._reference(keys, n, lookup, n if lookup else 0)
+            self._advance(n, n if lookup else 0)
 
     # -- recording, by hand or from the cache --------------------------------------
     def added(self, hashes: Sequence[str], tag: int = 0, /) -> None:
-        tag = _check(hashes, tag, "added")
-        self._reference(self._sampled(hashes, tag), len(hashes), False)
+        self._fed(hashes, _validate.index_batch(hashes, tag), False, str.__hash__)
 
     def walked(self, hashes: Sequence[str], stop: int, tag: int = 0, /) -> None:
         if not isinstance(stop, int):
             raise TypeError(f"stop must be an int, got {type(stop).__name__}")
         if stop < 0:
             raise ValueError("stop must be >= 0")
-        tag = _check(hashes, tag, "walked")
+        tag = _validate.index_batch(hashes, tag)
         n = len(hashes)
         if not n:
             return
         stop = min(stop, n)
-        lookups = stop + (stop < n)
-        thr = self._threshold
-        if thr <= 1 << 63:
-            # The cache reports every lookup that stops short here: the common
-            # call (nothing sampled) costs one C-level hash pass and a few adds.
-            values = [v for v in map(str.__hash__, islice(hashes, stop)) if 0 <= v < thr]
-            last = str.__hash__(hashes[stop]) if stop < n else -1
-            if not values and not 0 <= last < thr and self._growth == 1.0:
-                self._stream.references += stop
-                self._lookups.references += lookups
-                raw = self._raw
-                raw[0] += stop
-                raw[2] += lookups
-                return
         keys = self._sampled(hashes[:stop], tag)
-        missed = None
-        if stop < n:
-            sampled = self._sampled(hashes[stop : stop + 1], tag)
-            missed = sampled[0] if sampled else None
-        self._reference(keys, stop, True, lookups, missed)
+        last = self._sampled(hashes[stop : stop + 1], tag)
+        lookups = stop + (stop < n)
+        if keys or last:
+            self._reference(keys, stop, True, lookups, last[0] if last else None)
+        else:  # most calls: nothing sampled, only the counters move
+            self._advance(stop, lookups)
 
     def removed(self, hashes: Sequence[str], tag: int = 0, /) -> None:
-        tag = _check(hashes, tag, "removed")
+        tag = _validate.index_batch(hashes, tag)
         if not self._stack.times:
             return
         for key in self._sampled(hashes, tag):

@@ -195,21 +195,30 @@ def samples(text: str, name: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(name + "{")]
 
 
-# -- scenarios -----------------------------------------------------------------------
-@scenario
-def enabled() -> dict[str, Any]:
-    """Plugin loaded by load_plugins with HICACHE_EXISTENCE_ENABLED=1; a real
-    UnifiedRadixCache builds our cache; real check_hicache_events steps it."""
+def loaded_plugins() -> tuple[Captured, dict[str, Any]]:
+    """Capture logs, run sglang's plugin loading, and report what it left: the
+    plugin's status, the registry and the classes' identity."""
     logs = capture_logs()
     load_plugins()
-    from hicache_existence.sglang import hooks, plugin
+    from hicache_existence.sglang import plugin
 
     out: dict[str, Any] = {
         "status": plugin.status(),
         "registry": registry_state(),
         "identity": class_identity(),
     }
+    return logs, out
+
+
+# -- scenarios -----------------------------------------------------------------------
+@scenario
+def enabled() -> dict[str, Any]:
+    """Plugin loaded by load_plugins with HICACHE_EXISTENCE_ENABLED=1; a real
+    UnifiedRadixCache builds our cache; real check_hicache_events steps it."""
+    logs, out = loaded_plugins()
     import sglang.srt.mem_cache.buffer_mode.storage_existence_cache as sec
+
+    from hicache_existence.sglang import hooks
 
     publish(server_args())
     tree = build_tree()
@@ -456,15 +465,8 @@ def buffer_reconcile() -> dict[str, Any]:
 def disabled(argv_json: str = '["--model-path", "dummy"]') -> dict[str, Any]:
     """Installed but not enabled: only the parser hooks exist; sglang's classes,
     methods and parse results are untouched."""
-    logs = capture_logs()
-    load_plugins()
-    from hicache_existence.sglang import hooks, plugin
-
-    out: dict[str, Any] = {
-        "status": plugin.status(),
-        "registry": registry_state(),
-        "identity": class_identity(),
-    }
+    logs, out = loaded_plugins()
+    from hicache_existence.sglang import hooks
     publish(server_args())
     tree = build_tree()
     for _ in range(3):
