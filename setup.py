@@ -1,12 +1,12 @@
 """Build hook for the optional compiled accelerators.
 
-* ``hicache_existence/_lru.c``: the LRU index behind both cache generations;
-* ``hicache_existence/_ghosts.c``: the miss-reason memory's trace scatter/gather.
+* ``hicache_existence/core/_lru.c``: the LRU index behind both cache generations;
+* ``hicache_existence/accounting/_ghosts.c``: the miss-reason memory's trace scatter/gather.
 
 Everything else lives in pyproject.toml.  Both extensions are ``optional``:
 where no C compiler is available the package installs and runs on its
-pure-Python equivalents (``hicache_existence.lru``, ``hicache_existence.ghosts``),
-only slower.  ``hicache_existence.lru.BACKEND`` says which one runs.
+pure-Python equivalents (``hicache_existence.core.lru``, ``hicache_existence.accounting.ghosts``),
+only slower.  ``hicache_existence.core.lru.BACKEND`` says which one runs.
 """
 
 from setuptools import Extension, setup
@@ -24,11 +24,11 @@ setup(
     ext_modules=[
         Extension(
             f"hicache_existence.{name}",
-            sources=[f"hicache_existence/{name}.c"],
-            depends=["hicache_existence/_sampler.h"],
+            sources=[f"hicache_existence/{name.replace('.', '/')}.c"],
+            depends=["hicache_existence/core/_sampler.h"],
             optional=True,
             extra_compile_args=FLAGS,
         )
-        for name in ("_lru", "_ghosts")
+        for name in ("core._lru", "accounting._ghosts")
     ]
 )

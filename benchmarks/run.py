@@ -1,7 +1,7 @@
 """Run every benchmark suite and keep the JSON records in benchmarks/results/.
 
 A thin wrapper over ``hicache-existence bench``: the suites live in the package
-(``hicache_existence.bench``) so the installed CLI can run them too.
+(``hicache_existence_bench``) so the installed CLI can run them too.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python dashboards/build.py          # writes both files below
     python dashboards/build.py --check  # exits 1 when a committed file differs
 
-Outputs: ``dashboards/hicache-existence.json`` (Grafana classic model,
+Outputs: ``dashboards/hicache-existence-dashboard.json`` (Grafana classic model,
 schemaVersion 41, like SGLang's own dashboard) and
 ``integrations/prometheus/rules.yml`` (recording and alerting rules).  Both are
 committed; ``tests/test_dashboards.py`` fails when they differ from this build,
@@ -11,7 +11,7 @@ as kubernetes-mixin does, so the dashboard, the rules and their tests cannot
 drift apart.
 
 Every metric name is spelt once, in the table below (``METRICS``): a rename is
-one edit here.  Names not yet in ``hicache_existence.catalog`` are listed in
+one edit here.  Names not yet in ``hicache_existence.exporters.catalog`` are listed in
 ``PENDING_METRICS``; the tests accept a name only if it is in one of the two.
 Thresholds and the runbook location live in ``Settings``.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence.json"
+DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
 PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
 #: The renderer of the PrometheusRule (located from this file, not ``ROOT``).
@@ -81,7 +81,7 @@ def _m(name: str, kind: Kind, labels: tuple[str, ...] = POOL) -> Metric:
     return metric
 
 
-# Cache accounting (hicache_existence.catalog).
+# Cache accounting (hicache_existence.exporters.catalog).
 QUERIES = _m("queries", "counter")
 QUERY_HITS = _m("query_hits", "counter")
 PAGES_CHECKED = _m("pages_checked", "counter")
@@ -133,7 +133,7 @@ ADVISOR_DROPPED = _m("advisor_dropped_references", "counter", ())
 #: Every family the dashboard and the rules use.
 METRICS: tuple[Metric, ...] = tuple(_TABLE)
 
-#: Families used here that ``hicache_existence.catalog`` does not export yet
+#: Families used here that ``hicache_existence.exporters.catalog`` does not export yet
 #: (catalog names: counters without ``_total``).  Add a name here when a panel
 #: or rule needs a metric before its feature exports it, and remove it when the
 #: catalog has it; the tests fail if a name is in both or in neither, and the

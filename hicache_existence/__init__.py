@@ -10,48 +10,48 @@ advisor) on first attribute access, so ``import hicache_existence`` stays light.
 from typing import TYPE_CHECKING, Any
 
 from hicache_existence._version import __version__
-from hicache_existence.cache import (
+from hicache_existence.core.cache import (
     HICACHE_EXISTENCE_CACHE_MAX_ENTRIES,
     PoolBeliefs,
     PoolExistenceBeliefs,
     StorageExistenceCache,
 )
-from hicache_existence.flat import FlatStorageExistenceCache
-from hicache_existence.observers import BeliefObserver, MissMemory, SamplerSource, Tee
-from hicache_existence.policies import (
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource, Tee
+from hicache_existence.core.policies import (
     ChainPagesPolicy,
     PoolBeliefPolicy,
     TrailingWindowPolicy,
     default_belief_policy,
 )
-from hicache_existence.stats import MISS_REASONS, CacheStats, PoolStats
+from hicache_existence.core.stats import MISS_REASONS, CacheStats, PoolStats
 
 #: Lazily imported public names -> their module.
 _LAZY = {
-    "AdvisorSnapshot": "hicache_existence.advisor",
-    "CapacityAdvisor": "hicache_existence.advisor",
+    "AdvisorSnapshot": "hicache_existence.accounting.advisor",
+    "CapacityAdvisor": "hicache_existence.accounting.advisor",
     "Config": "hicache_existence.config",
     "ConfigError": "hicache_existence.config",
-    "DeploymentLabels": "hicache_existence.catalog",
-    "DivergenceChecker": "hicache_existence.divergence",
+    "DeploymentLabels": "hicache_existence.exporters.catalog",
+    "DivergenceChecker": "hicache_existence.replicas.divergence",
     "ExistenceRuntime": "hicache_existence.runtime",
-    "GhostFactory": "hicache_existence.ghosts",
+    "GhostFactory": "hicache_existence.accounting.ghosts",
     "Reconciler": "hicache_existence.reconcile.reconciler",
-    "ReplicaDigest": "hicache_existence.digest",
-    "SharedLruDigest": "hicache_existence.digest",
-    "WriteAccounting": "hicache_existence.writes",
+    "ReplicaDigest": "hicache_existence.replicas.digest",
+    "SharedLruDigest": "hicache_existence.replicas.digest",
+    "WriteAccounting": "hicache_existence.accounting.writes",
 }
 
 if TYPE_CHECKING:
-    from hicache_existence.advisor import AdvisorSnapshot, CapacityAdvisor
-    from hicache_existence.catalog import DeploymentLabels
+    from hicache_existence.accounting.advisor import AdvisorSnapshot, CapacityAdvisor
+    from hicache_existence.accounting.ghosts import GhostFactory
+    from hicache_existence.accounting.writes import WriteAccounting
     from hicache_existence.config import Config, ConfigError
-    from hicache_existence.digest import ReplicaDigest, SharedLruDigest
-    from hicache_existence.divergence import DivergenceChecker
-    from hicache_existence.ghosts import GhostFactory
+    from hicache_existence.exporters.catalog import DeploymentLabels
     from hicache_existence.reconcile.reconciler import Reconciler
+    from hicache_existence.replicas.digest import ReplicaDigest, SharedLruDigest
+    from hicache_existence.replicas.divergence import DivergenceChecker
     from hicache_existence.runtime import ExistenceRuntime
-    from hicache_existence.writes import WriteAccounting
 
 
 def __getattr__(name: str) -> Any:

@@ -32,13 +32,13 @@ ENV_PREFIX = "HICACHE_EXISTENCE_"
 ENV_CONFIG = "HICACHE_EXISTENCE_CONFIG"
 #: Variables with the prefix that are not settings: tooling switches read by
 #: the test runner and the benchmark, and the index backend switch read once at
-#: import (``hicache_existence.lru``), never by ``Config``.
+#: import (``hicache_existence.core.lru``), never by ``Config``.
 ENV_NOT_SETTINGS = frozenset(
     {
         "HICACHE_EXISTENCE_CACHE_DIR",
         "HICACHE_EXISTENCE_MOONCAKE_TRACE",
         "HICACHE_EXISTENCE_PYTHON",
-        "HICACHE_EXISTENCE_BACKEND",  # == hicache_existence.lru.ENV_BACKEND (tested)
+        "HICACHE_EXISTENCE_BACKEND",  # == hicache_existence.core.lru.ENV_BACKEND (tested)
     }
 )
 #: Prefixes of tooling variables (test runner, test environment builder).

@@ -24,26 +24,26 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from hicache_existence import logs
-from hicache_existence.advisor import CapacityAdvisor
-from hicache_existence.cache import StorageExistenceCache
-from hicache_existence.catalog import DeploymentLabels
+from hicache_existence.accounting.advisor import CapacityAdvisor
+from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.config import Config
-from hicache_existence.digest import ReplicaDigest, SharedLruDigest
-from hicache_existence.divergence import (
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.observers import BeliefObserver, Tee
+from hicache_existence.exporters import FeatureSources, Telemetry
+from hicache_existence.exporters.catalog import DeploymentLabels
+from hicache_existence.exporters.otel import SPAN_DIVERGENCE_CHECK, span
+from hicache_existence.reconcile.agreement import Agreement
+from hicache_existence.reconcile.reconciler import Reconciler
+from hicache_existence.reconcile.truth import GroundTruth
+from hicache_existence.replicas.digest import ReplicaDigest, SharedLruDigest
+from hicache_existence.replicas.divergence import (
     CheckGroup,
     DivergenceChecker,
     DivergenceError,
     InProcessWorld,
 )
-from hicache_existence.exporters import FeatureSources, Telemetry
-from hicache_existence.exporters.otel import SPAN_DIVERGENCE_CHECK, span
-from hicache_existence.flat import FlatStorageExistenceCache
-from hicache_existence.ghosts import GhostFactory
-from hicache_existence.observers import BeliefObserver, Tee
-from hicache_existence.reconcile.agreement import Agreement
-from hicache_existence.reconcile.reconciler import Reconciler
-from hicache_existence.reconcile.truth import GroundTruth
-from hicache_existence.writes import WriteAccounting
 
 Generation = Literal["current", "flat"]
 AnyCache = StorageExistenceCache | FlatStorageExistenceCache

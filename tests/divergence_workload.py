@@ -13,10 +13,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from hicache_existence.bench import workload
-from hicache_existence.cache import StorageExistenceCache
-from hicache_existence.digest import ReplicaDigest
-from hicache_existence.ghosts import GhostFactory
+from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.replicas.digest import ReplicaDigest
+from hicache_existence_bench import workload
 
 CHAINS = [workload.chain(i, 16, "div") for i in range(48)]
 

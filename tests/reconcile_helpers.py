@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hicache_existence.cache import StorageExistenceCache
-from hicache_existence.observers import Tee
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.observers import Tee
 from hicache_existence.reconcile.reconciler import Reconciler
 from hicache_existence.reconcile.truth import GroundTruthError, TruthUnavailable
 

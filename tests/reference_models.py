@@ -358,7 +358,7 @@ class RefFlat:
 
     def total(self):
         """Every field summed over pools, except capacity: the one shared cap
-        (0 with no known pool, as hicache_existence/stats.py documents)."""
+        (0 with no known pool, as hicache_existence/core/stats.py documents)."""
         total = {name: 0 for name in FIELDS}
         for s in self.stats().values():
             total = add_stats(total, s)
@@ -381,7 +381,7 @@ def on_pure_python_index(machine: type) -> type:
     """``machine`` driving caches built on the pure-Python index (what
     ``HICACHE_EXISTENCE_BACKEND=python`` selects): the fallback must behave
     exactly like the compiled index, so the same state machine runs on both."""
-    from hicache_existence import lru
+    from hicache_existence.core import lru
 
     class PurePython(machine):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:

@@ -19,24 +19,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_replay_trace import shared_trace
 
-from hicache_existence import lru
-from hicache_existence.advisor import (
+from hicache_existence.accounting.advisor import (
     GAUGE_NAME,
     MULTIPLIERS,
     SHARED_POOL,
     CapacityAdvisor,
     multiplier_label,
 )
-from hicache_existence.bench.advisor import SYNTHETIC
-from hicache_existence.cache import StorageExistenceCache
 from hicache_existence.config import AdvisorSection, Config
-from hicache_existence.flat import FlatStorageExistenceCache
+from hicache_existence.core import lru
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.sampler import PySampler
 from hicache_existence.replay.mattson import belief_only_curves
 from hicache_existence.replay.model import ModelConfig, run_model
 from hicache_existence.replay.pages import PageRequest, PageTrace, expand
 from hicache_existence.replay.synthetic import long_context_requests
 from hicache_existence.replay.trace import read_trace
-from hicache_existence.sampler import PySampler
+from hicache_existence_bench.advisor import SYNTHETIC
 
 HEX = [f"{random.Random(i).getrandbits(256):064x}" for i in range(64)]
 
@@ -157,7 +157,7 @@ def salted_errors(workload: str, salt: int) -> dict[int, float | None]:
     process's str-hash salt, so a fixed salt makes the check reproducible."""
     env = {**os.environ, "PYTHONHASHSEED": str(salt)}
     done = subprocess.run(
-        [sys.executable, "-m", "hicache_existence.bench.advisor", workload, "0.02"],
+        [sys.executable, "-m", "hicache_existence_bench.advisor", workload, "0.02"],
         env=env,
         capture_output=True,
         text=True,

@@ -10,8 +10,8 @@ import json
 import subprocess
 import sys
 
-from hicache_existence.bench import noacct
-from hicache_existence.bench.seed import SeedStorageExistenceCache
+from hicache_existence_bench import noacct
+from hicache_existence_bench.seed import SeedStorageExistenceCache
 
 
 def test_stripped_classes_keep_the_data_path_and_drop_only_accounting():
@@ -98,9 +98,9 @@ def test_bench_wired_foundation_runs_with_export_and_concurrent_scrapes():
 def test_advisor_bench_measures_the_attached_advisor_and_reports_targets():
     """A tiny run of the advisor suite: both sides timed, the advisor really attached
     (its samplers saw the step mix), and the verdicts carry the issue's targets."""
-    from hicache_existence.bench import advisor as bench
     from hicache_existence.replay.pages import PageTrace
     from hicache_existence.replay.synthetic import LongContextSpec, long_context_requests
+    from hicache_existence_bench import advisor as bench
 
     requests = tuple(long_context_requests(LongContextSpec(requests=60, documents=20)))
     trace = PageTrace("synthetic", "page", 64, requests)

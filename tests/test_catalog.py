@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hicache_existence import catalog
-from hicache_existence.catalog import CATALOG, DeploymentLabels
-from hicache_existence.stats import PoolStats
-from hicache_existence.writes import PoolWriteStats
+from hicache_existence.accounting.writes import PoolWriteStats
+from hicache_existence.core.stats import PoolStats
+from hicache_existence.exporters import catalog
+from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 BEGIN, END = "<!-- catalog:begin -->", "<!-- catalog:end -->"

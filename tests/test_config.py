@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hicache_existence import lru
 from hicache_existence.config import Config, ConfigError, is_setting_variable, redact_url
+from hicache_existence.core import lru
 
 
 def test_sources_merge_in_order_env_then_text():

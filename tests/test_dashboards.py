@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from hicache_existence import catalog
-from hicache_existence.advisor import MULTIPLIERS, multiplier_label
+from hicache_existence.accounting.advisor import MULTIPLIERS, multiplier_label
+from hicache_existence.exporters import catalog
 from hicache_existence.reconcile.counters import RESULTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def lint_rules(rules: dict[str, Any]) -> list[str]:
 
 
 def test_committed_files_equal_the_build_output():
-    """dashboards/hicache-existence.json and rules.yml are exactly what build.py
+    """dashboards/hicache-existence-dashboard.json and rules.yml are exactly what build.py
     writes (run `python dashboards/build.py` after editing it)."""
     for path, text in build.outputs().items():
         assert path.read_text(encoding="utf-8") == text, f"{path} is stale"

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from hicache_existence.bench import workload
-from hicache_existence.cache import StorageExistenceCache
-from hicache_existence.digest import (
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.observers import BeliefObserver, Tee
+from hicache_existence.replicas.digest import (
     MASK63,
     ReplicaDigest,
     SharedLruDigest,
@@ -25,8 +26,7 @@ from hicache_existence.digest import (
     mix,
     slot_of,
 )
-from hicache_existence.flat import FlatStorageExistenceCache
-from hicache_existence.observers import BeliefObserver, Tee
+from hicache_existence_bench import workload
 
 HEX = workload.chain(1, 6, "digest-test")
 # Realistic 64-hex pages plus odd strings the API accepts (no NUL: see the docs).

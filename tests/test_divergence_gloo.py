@@ -208,7 +208,7 @@ def _worker(rank: int, size: int, port: int, out_dir: Path) -> None:  # pragma: 
     from divergence_workload import Replica, run_steps
 
     from hicache_existence.config import DivergenceSection
-    from hicache_existence.divergence import (
+    from hicache_existence.replicas.divergence import (
         DivergenceChecker,
         DivergenceError,
         TorchGlooGroup,

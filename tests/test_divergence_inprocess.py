@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from divergence_workload import FAULTS, Replica, run_steps
 
 from hicache_existence.config import Config, DivergenceSection
-from hicache_existence.digest import ReplicaDigest, SharedLruDigest, slot_of
-from hicache_existence.divergence import (
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.replicas.digest import ReplicaDigest, SharedLruDigest, slot_of
+from hicache_existence.replicas.divergence import (
     EVENT_CHECK_FAILED,
     EVENT_CONFIG_MISMATCH,
     EVENT_DETECTED,
@@ -33,7 +34,6 @@ from hicache_existence.divergence import (
     GroupTimeout,
     InProcessWorld,
 )
-from hicache_existence.flat import FlatStorageExistenceCache
 
 
 @dataclass
@@ -162,7 +162,7 @@ def test_touch_order_fault_changes_a_later_eviction() -> None:
 def test_log_policy_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     """``log`` records a structured error event (ranks, digests, sizes, step) and the
     counters, and keeps checking."""
-    caplog.set_level(logging.ERROR, logger="hicache_existence.divergence")
+    caplog.set_level(logging.ERROR, logger="hicache_existence.replicas.divergence")
     outcomes = run_world(
         2,
         100,

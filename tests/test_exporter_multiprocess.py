@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import hicache_existence as he
 from hicache_existence import logs
-from hicache_existence.catalog import CATALOG, DeploymentLabels
+from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels
 from hicache_existence.exporters.multiprocess import MultiprocessFeeder, multiprocess_active
-from hicache_existence.exporters.samples import Sampler
+from hicache_existence.exporters.series import SeriesReader
 
 #: One scheduler process: a workload in steps, a flush per step, then its own
 #: accounting (what the aggregation must add up to) as JSON on stdout.
@@ -27,12 +27,12 @@ CHILD = textwrap.dedent(
     """
     import json, random, sys
     from hicache_existence import StorageExistenceCache
-    from hicache_existence.bench import workload
-    from hicache_existence.catalog import DeploymentLabels
+    from hicache_existence_bench import workload
+    from hicache_existence.exporters.catalog import DeploymentLabels
     from hicache_existence.exporters.multiprocess import MultiprocessFeeder, multiprocess_active
-    from hicache_existence.exporters.samples import Sampler
-    from hicache_existence.ghosts import GhostFactory
-    from hicache_existence.writes import WriteAccounting
+    from hicache_existence.exporters.series import SeriesReader
+    from hicache_existence.accounting.ghosts import GhostFactory
+    from hicache_existence.accounting.writes import WriteAccounting
 
     rank, seed, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     assert multiprocess_active(), "prometheus_client is not in multiprocess mode"
@@ -41,7 +41,7 @@ CHILD = textwrap.dedent(
     cache = StorageExistenceCache(300, miss_memory=ghosts)
     writes = WriteAccounting(page_size_bytes=512)
     feeder = MultiprocessFeeder(
-        Sampler(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa")),
+        SeriesReader(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa")),
         DeploymentLabels(model_name="m", engine_type="prefill", tp_rank=rank),
         flush_interval_s=0.0,
     )
@@ -159,7 +159,7 @@ def test_flush_is_rate_limited_and_applies_deltas():
     cache = he.StorageExistenceCache(10)
     registry = CollectorRegistry()
     feeder = MultiprocessFeeder(
-        Sampler(cache),
+        SeriesReader(cache),
         DeploymentLabels(),
         flush_interval_s=1.0,
         clock=lambda: now[0],
@@ -199,7 +199,7 @@ def test_flush_never_raises_into_the_scheduler(caplog):
             return he.StorageExistenceCache(1).stats()
 
     source = Flaky()
-    feeder = MultiprocessFeeder(Sampler(source), registry=CollectorRegistry())
+    feeder = MultiprocessFeeder(SeriesReader(source), registry=CollectorRegistry())
     source.broken = True
     with caplog.at_level(logging.ERROR, logger="hicache_existence.exporters"):
         assert feeder.flush(force=True) is False

@@ -16,12 +16,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 )
 
 import hicache_existence as he
-from hicache_existence.bench import workload
-from hicache_existence.catalog import CATALOG, DeploymentLabels
+from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.exporters import otel
-from hicache_existence.exporters.samples import Sampler
-from hicache_existence.ghosts import GhostFactory
-from hicache_existence.writes import WriteAccounting
+from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels
+from hicache_existence.exporters.series import SeriesReader
+from hicache_existence_bench import workload
 
 LABELS = DeploymentLabels(model_name="m", tp_rank=2)
 
@@ -47,18 +47,18 @@ def setup():
     cache.pool("kv").add(chain)  # 10 evictions
     cache.pool("kv").contains_all(chain)  # evicted miss
     writes.written("kv", 60)
-    sampler = Sampler(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa"))
+    series_reader = SeriesReader(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa"))
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
-    exporter = otel.OTelExporter(sampler, LABELS, meter_provider=provider)
-    return cache, sampler, reader, exporter
+    exporter = otel.OTelExporter(series_reader, LABELS, meter_provider=provider)
+    return cache, series_reader, reader, exporter
 
 
 def test_instruments_report_the_sampler_values():
-    """Every catalog metric is observed with the Sampler's values and labels as attributes."""
-    _, sampler, reader, _ = setup()
+    """Every catalog metric is observed with the SeriesReader's values and labels as attributes."""
+    _, series_reader, reader, _ = setup()
     got = points(reader)
-    expected = sampler.sample()
+    expected = series_reader.sample()
     base = LABELS.as_dict()
     for spec in CATALOG:
         extra = ("pool", *spec.extra_labels)
@@ -98,8 +98,8 @@ def test_span_wraps_slow_work_with_attributes():
 
 
 def test_bad_arguments_name_themselves():
-    """The exporter rejects a non-Sampler and non-DeploymentLabels labels."""
-    with pytest.raises(TypeError, match="sampler"):
+    """The exporter rejects a non-SeriesReader and non-DeploymentLabels labels."""
+    with pytest.raises(TypeError, match="series_reader"):
         otel.OTelExporter(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="labels"):
-        otel.OTelExporter(Sampler(he.StorageExistenceCache(1)), {"tp_rank": 0})  # type: ignore[arg-type]
+        otel.OTelExporter(SeriesReader(he.StorageExistenceCache(1)), {"tp_rank": 0})  # type: ignore[arg-type]

@@ -14,15 +14,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hicache_existence as he
-from hicache_existence import lru
-from hicache_existence.bench import workload
-from hicache_existence.catalog import CATALOG, DeploymentLabels
+from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.config import Config
+from hicache_existence.core import lru
 from hicache_existence.exporters import Telemetry
+from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels
 from hicache_existence.exporters.prometheus import PrometheusCollector, serve
-from hicache_existence.exporters.samples import Sampler
-from hicache_existence.ghosts import GhostFactory
-from hicache_existence.writes import WriteAccounting
+from hicache_existence.exporters.series import SeriesReader
+from hicache_existence_bench import workload
 
 LABELS = DeploymentLabels(
     model_name="llama", engine_type="prefill", tp_rank=1, storage_backend="file"
@@ -73,9 +73,9 @@ def test_scripted_workload_values_over_http():
     """GET /metrics on a real server returns every catalog metric with the values
     the scripted workload implies."""
     cache, writes, ghosts = scripted()
-    sampler = Sampler(cache, writes=writes, ghosts=ghosts)
+    series_reader = SeriesReader(cache, writes=writes, ghosts=ghosts)
     with (
-        serve(sampler, LABELS, host="127.0.0.1", port=0) as server,
+        serve(series_reader, LABELS, host="127.0.0.1", port=0) as server,
         urllib.request.urlopen(server.url, timeout=10) as response,
     ):
         assert response.status == 200
@@ -111,9 +111,9 @@ def test_scripted_workload_values_over_http():
 
 def test_every_series_exists_at_zero_before_any_traffic():
     """Declared pools have every metric (and every miss reason) at 0 at once."""
-    sampler = Sampler(he.StorageExistenceCache(10), initial_pools=("kv", "swa"))
+    series_reader = SeriesReader(he.StorageExistenceCache(10), initial_pools=("kv", "swa"))
     registry = CollectorRegistry()
-    registry.register(PrometheusCollector(sampler, LABELS))
+    registry.register(PrometheusCollector(series_reader, LABELS))
     s = parse(generate_latest(registry).decode())
     for spec in CATALOG:
         for pool in ("kv", "swa"):
@@ -125,13 +125,13 @@ def test_every_series_exists_at_zero_before_any_traffic():
 def test_pool_label_cardinality_is_bounded():
     """Pools beyond max_pools are summed under pool="other"; assignment is sticky."""
     cache = he.StorageExistenceCache(10)
-    sampler = Sampler(cache, max_pools=2, initial_pools=("kv",))
+    series_reader = SeriesReader(cache, max_pools=2, initial_pools=("kv",))
     for name in ("kv", "swa", "mamba", "draft"):
         cache.pool(name).add([f"{name}-1", f"{name}-2"])
-    samples = sampler.sample()["hicache_existence_page_inserts"]
+    samples = series_reader.sample()["hicache_existence_page_inserts"]
     assert samples == {("kv",): 2, ("swa",): 2, ("other",): 4}
     cache.pool("late").add(["x"])
-    assert sampler.sample()["hicache_existence_page_inserts"][("other",)] == 5
+    assert series_reader.sample()["hicache_existence_page_inserts"][("other",)] == 5
 
 
 def test_flat_generation_exports_shared_capacity_and_reasons():
@@ -142,9 +142,9 @@ def test_flat_generation_exports_shared_capacity_and_reasons():
     cache.add("kv", a)
     cache.add("swa", workload.chain(2, 40, "flatprom"))  # evicts 30 kv pages
     assert not cache.contains_all("kv", a)
-    sampler = Sampler(cache, ghosts=ghosts, max_pools=1)
-    sampler.settle()
-    out = sampler.sample()
+    series_reader = SeriesReader(cache, ghosts=ghosts, max_pools=1)
+    series_reader.settle()
+    out = series_reader.sample()
     assert out["hicache_existence_capacity_entries"] == {("kv",): 50, ("other",): 50}
     assert out["hicache_existence_evictions"][("kv",)] == 30
     assert out["hicache_existence_page_misses"][("kv", "evicted")] == 1
@@ -157,7 +157,7 @@ def test_collector_never_fails_registration_and_describes_catalog():
         def stats(self):
             raise AssertionError("snapshot taken at registration")
 
-    collector = PrometheusCollector(Sampler(Exploding()))
+    collector = PrometheusCollector(SeriesReader(Exploding()))
     CollectorRegistry().register(collector)
     assert [m.name for m in collector.describe()] == [spec.name for spec in CATALOG]
 
@@ -172,7 +172,9 @@ def test_exposition_passes_promtool_lint():
         pytest.skip("promtool not installed (apt-get install prometheus)")
     cache, writes, ghosts = scripted()
     registry = CollectorRegistry()
-    registry.register(PrometheusCollector(Sampler(cache, writes=writes, ghosts=ghosts), LABELS))
+    registry.register(
+        PrometheusCollector(SeriesReader(cache, writes=writes, ghosts=ghosts), LABELS)
+    )
     run = subprocess.run(
         [promtool, "check", "metrics"],
         input=generate_latest(registry),
@@ -185,13 +187,13 @@ def test_exposition_passes_promtool_lint():
 def test_bad_arguments_name_themselves():
     """Exporter constructors reject wrong types and out-of-range ports."""
     with pytest.raises(TypeError, match="cache"):
-        Sampler(object())  # type: ignore[arg-type]
+        SeriesReader(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_pools"):
-        Sampler(he.StorageExistenceCache(1), max_pools=0)
-    with pytest.raises(TypeError, match="sampler"):
+        SeriesReader(he.StorageExistenceCache(1), max_pools=0)
+    with pytest.raises(TypeError, match="series_reader"):
         PrometheusCollector(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="port"):
-        serve(Sampler(he.StorageExistenceCache(1)), port=70000)
+        serve(SeriesReader(he.StorageExistenceCache(1)), port=70000)
 
 
 def test_telemetry_standalone_serves_configured_address():

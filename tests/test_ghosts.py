@@ -10,15 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hicache_existence as he
-from hicache_existence import ghosts, logs
-from hicache_existence.bench import observability, workload
-from hicache_existence.config import Config
-from hicache_existence.ghosts import (
+from hicache_existence import logs
+from hicache_existence.accounting import ghosts
+from hicache_existence.accounting.ghosts import (
     CACHE_BYTES_PER_ENTRY,
     FingerprintGhosts,
     GhostFactory,
 )
-from hicache_existence.stats import CLEARED, COLD, EVICTED, INVALIDATED
+from hicache_existence.config import Config
+from hicache_existence.core.stats import CLEARED, COLD, EVICTED, INVALIDATED
+from hicache_existence_bench import observability, workload
 
 BIG = 1 << 20
 
@@ -58,7 +59,7 @@ def test_batch_path_equals_per_key_path(slots):
 @pytest.mark.skipif(ghosts._native is None, reason="compiled ghosts module not built")
 @pytest.mark.parametrize("slots", [1, 100, 300, 7730, 70_000, 4_000_000])
 def test_compiled_path_equals_the_python_batch_path(slots, monkeypatch):
-    """The compiled scatter/gather (hicache_existence/_ghosts.c) writes and reads
+    """The compiled scatter/gather (hicache_existence/accounting/_ghosts.c) writes and reads
     exactly what the pure-Python batch path does, at every table layout."""
     keys = workload.chain(5, 2000, "layout") + [k.upper() for k in workload.chain(6, 100, "up")]
     native, python = FingerprintGhosts(slots), FingerprintGhosts(slots)
@@ -209,7 +210,7 @@ def test_sampled_debug_event_is_rate_limited(caplog):
     )
     keys = workload.chain(3, 10, "trace")
     g.remember(keys, EVICTED)
-    with caplog.at_level(logging.DEBUG, logger="hicache_existence.ghosts"):
+    with caplog.at_level(logging.DEBUG, logger="hicache_existence.accounting.ghosts"):
         for k in keys[:6]:  # 3 sampled misses in the same second: 1 event
             g.reason(k)
         now[0] = 5.0
@@ -224,7 +225,7 @@ def test_sampled_debug_event_is_rate_limited(caplog):
 def test_no_debug_event_when_debug_is_off(caplog):
     """With the logger above DEBUG, no event and no rate-limiter work happen."""
     g = FingerprintGhosts(BIG, sample_every=1)
-    with caplog.at_level(logging.INFO, logger="hicache_existence.ghosts"):
+    with caplog.at_level(logging.INFO, logger="hicache_existence.accounting.ghosts"):
         for k in workload.chain(4, 20, "quiet"):
             g.reason(k)
     assert not caplog.records

@@ -15,7 +15,7 @@ import structlog
 
 import hicache_existence as he
 from hicache_existence import logs
-from hicache_existence.monitor import Monitor
+from hicache_existence.exporters.monitor import Monitor
 
 
 @pytest.fixture
@@ -38,10 +38,10 @@ def test_library_import_and_use_configure_nothing():
     code = (
         "import logging, structlog\n"
         "import hicache_existence as he\n"
-        "from hicache_existence import logs, exporters\n"
+        "from hicache_existence import exporters\nfrom hicache_existence import logs\n"
         "from hicache_existence.exporters import prometheus, multiprocess, otel\n"
-        "from hicache_existence.exporters.samples import Sampler\n"
-        "s = Sampler(he.StorageExistenceCache(4)); s.sample()\n"
+        "from hicache_existence.exporters.series import SeriesReader\n"
+        "s = SeriesReader(he.StorageExistenceCache(4)); s.sample()\n"
         "logs.get_logger('hicache_existence.x').info(logs.STARTUP, a=1)\n"
         "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
         "assert not structlog.is_configured()\n"
@@ -123,7 +123,7 @@ def test_monitor_at_capacity_once_clears_and_bursts(caplog):
     cache = he.StorageExistenceCache(10)
     monitor = Monitor(burst_fraction=0.5, clock=lambda: now[0])
     kv = cache.pool("kv")
-    with caplog.at_level(logging.INFO, logger="hicache_existence.monitor"):
+    with caplog.at_level(logging.INFO, logger="hicache_existence.exporters.monitor"):
         monitor.observe(cache.stats())
         kv.add([f"p{i}" for i in range(10)])
         now[0] = 1.0

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from hicache_existence import lru
+from hicache_existence.core import lru
 
 CIndex = lru.c_index()
 IMPLS = {"python": lru.PyLruIndex}
@@ -310,7 +310,7 @@ def test_compiled_entry_is_about_forty_bytes():
 def test_backend_switch_is_honoured_and_reported():
     """HICACHE_EXISTENCE_BACKEND picks the implementation at import; a bad value
     is a clear error."""
-    code = "from hicache_existence import lru; print(lru.BACKEND, lru.LruIndex.__name__)"
+    code = "from hicache_existence.core import lru; print(lru.BACKEND, lru.LruIndex.__name__)"
     env = dict(os.environ, HICACHE_EXISTENCE_BACKEND="python")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.split() == ["python", "PyLruIndex"], out.stderr
@@ -330,7 +330,7 @@ def test_compiled_index_is_in_use_where_required():
 
 _REENTRANT = """
 import gc, sys
-from hicache_existence._lru import LruIndex
+from hicache_existence.core._lru import LruIndex
 
 mode = sys.argv[1]
 idx = LruIndex()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hicache_existence as he
-from hicache_existence.bench import workload
-from hicache_existence.ghosts import GhostFactory
+from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence_bench import workload
 
 
 def test_reason_is_fixed_at_miss_time_even_if_the_page_is_evicted_later():

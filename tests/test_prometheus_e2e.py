@@ -42,10 +42,10 @@ from typing import Any
 import pytest
 import yaml
 
-from hicache_existence.catalog import DeploymentLabels
 from hicache_existence.config import Config
 from hicache_existence.demo.run import DemoOptions, bundled_trace, demo_config
 from hicache_existence.demo.scheduler import L3Shard, SimulatedScheduler
+from hicache_existence.exporters.catalog import DeploymentLabels
 from hicache_existence.replay import pages
 from hicache_existence.replay.trace import read_trace
 from hicache_existence.runtime import ExistenceRuntime

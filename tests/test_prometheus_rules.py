@@ -116,7 +116,7 @@ def test_every_alert_has_firing_and_non_firing_cases_that_can_fail(tmp_path):
 
 # -- the dashboard's recommended-cap query, evaluated by promtool ---------------------
 
-DASHBOARD = ROOT / "dashboards" / "hicache-existence.json"
+DASHBOARD = ROOT / "dashboards" / "hicache-existence-dashboard.json"
 _VARIABLE = re.compile(r"\$\{?(job|instance|model_name|pool|tp_rank)\}?")
 
 

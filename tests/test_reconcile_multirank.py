@@ -221,14 +221,14 @@ def _worker(rank: int, port: int, url: str, mode: str, out_dir: Path) -> None:  
 
     import torch.distributed as dist
 
-    from hicache_existence.cache import StorageExistenceCache
     from hicache_existence.config import DivergenceSection
-    from hicache_existence.digest import ReplicaDigest, combine
-    from hicache_existence.divergence import DivergenceChecker, TorchGlooGroup
-    from hicache_existence.observers import Tee
+    from hicache_existence.core.cache import StorageExistenceCache
+    from hicache_existence.core.observers import Tee
     from hicache_existence.reconcile.agreement import GlooAgreement, SingleRank
     from hicache_existence.reconcile.reconciler import Reconciler
     from hicache_existence.reconcile.redis_truth import LedgerSettings, RedisLedger
+    from hicache_existence.replicas.digest import ReplicaDigest, combine
+    from hicache_existence.replicas.divergence import DivergenceChecker, TorchGlooGroup
 
     dist.init_process_group(
         "gloo",

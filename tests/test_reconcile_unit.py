@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from reconcile_helpers import FaultyTruth, TrustToggle, chain, step_until_idle, wired
 
 from hicache_existence.config import Config, ConfigError, ReconcilerSection
-from hicache_existence.flat import FlatStorageExistenceCache
-from hicache_existence.observers import BeliefObserver, Tee
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.observers import BeliefObserver, Tee
 from hicache_existence.reconcile.agreement import (
     InProcessGroup,
     SingleRank,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_replay_trace import shared_trace
 
-from hicache_existence.cache import StorageExistenceCache
+from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.replay.mattson import belief_only_curves
 from hicache_existence.replay.pages import PageRequest, expand
 from hicache_existence.replay.trace import read_trace

@@ -151,8 +151,8 @@ def test_without_ground_truth_there_is_no_reconciler():
 
 def test_flat_generation_runtime_checks_with_the_shared_lru_digest():
     """generation='flat' builds the seed-generation cache with the shared-LRU digest."""
-    from hicache_existence.digest import SharedLruDigest
-    from hicache_existence.flat import FlatStorageExistenceCache
+    from hicache_existence.core.flat import FlatStorageExistenceCache
+    from hicache_existence.replicas.digest import SharedLruDigest
 
     runtime = ExistenceRuntime(_config(mode="off"), generation="flat")
     assert isinstance(runtime.cache, FlatStorageExistenceCache)
@@ -169,7 +169,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {tests!r})
     from test_runtime import _config, _drive
-    from hicache_existence.catalog import DeploymentLabels
+    from hicache_existence.exporters.catalog import DeploymentLabels
     from hicache_existence.demo.scheduler import L3Shard
     from hicache_existence.runtime import ExistenceRuntime
     shard = L3Shard(1500, drop_every=50)

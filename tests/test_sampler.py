@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_existence import lru
-from hicache_existence.sampler import PySampler, threshold
+from hicache_existence.core import lru
+from hicache_existence.core.sampler import PySampler, threshold
 
-C_LRU = pytest.importorskip("hicache_existence._lru") if lru.c_index() else None
+C_LRU = pytest.importorskip("hicache_existence.core._lru") if lru.c_index() else None
 needs_c = pytest.mark.skipif(C_LRU is None, reason="the compiled index is not built")
 
 KEYS = [f"{random.Random(i).getrandbits(256):064x}" for i in range(40)]

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from hicache_existence import lru
+from hicache_existence.core import lru
 
 testcapi = pytest.importorskip("_testcapi")
 needs_c = pytest.mark.skipif(lru.c_index() is None, reason="the compiled index is not built")
@@ -30,7 +30,7 @@ def test_a_failed_first_allocation_leaves_the_sampler_usable() -> None:
     code = textwrap.dedent(
         """
         import _testcapi
-        from hicache_existence._lru import Sampler
+        from hicache_existence.core._lru import Sampler
 
         batch = ["a"]
         for k in range(8):

@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hicache_existence as he
-from hicache_existence.bench import workload
-from hicache_existence.catalog import CATALOG
+from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.exporters.catalog import CATALOG
 from hicache_existence.exporters.multiprocess import MultiprocessFeeder
 from hicache_existence.exporters.prometheus import PrometheusCollector
-from hicache_existence.exporters.samples import Sampler
-from hicache_existence.ghosts import GhostFactory
-from hicache_existence.writes import WriteAccounting
+from hicache_existence.exporters.series import SeriesReader
+from hicache_existence_bench import workload
 
 COUNTERS = {spec.exposed_name for spec in CATALOG if spec.kind == "counter"}
 
@@ -98,12 +98,12 @@ def mutate(cache, writes, feeder, seconds: float, generation: str) -> int:
 def run_stress(cache, generation, ghosts, seconds=2.0):
     """Two scrape threads on the collector, one on the feeder's registry."""
     writes = WriteAccounting(page_size_bytes=64)
-    sampler = Sampler(cache, writes=writes, ghosts=ghosts, max_pools=8)
+    series_reader = SeriesReader(cache, writes=writes, ghosts=ghosts, max_pools=8)
     standalone = CollectorRegistry()
-    standalone.register(PrometheusCollector(sampler))
+    standalone.register(PrometheusCollector(series_reader))
     fed = CollectorRegistry()
     feeder = MultiprocessFeeder(
-        Sampler(cache, writes=writes, ghosts=ghosts, max_pools=8),
+        SeriesReader(cache, writes=writes, ghosts=ghosts, max_pools=8),
         flush_interval_s=0.01,
         registry=fed,
     )

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hicache_existence.writes import PoolWriteStats, WriteAccounting
+from hicache_existence.accounting.writes import PoolWriteStats, WriteAccounting
 
 
 def test_counts_pages_and_bytes_per_pool():

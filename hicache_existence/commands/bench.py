@@ -90,7 +90,7 @@ def _table(result: Any) -> str:
 
 
 def _backend() -> str:
-    from hicache_existence import lru
+    from hicache_existence.core import lru
 
     return lru.BACKEND
 
@@ -166,7 +166,7 @@ def _sizes(args: argparse.Namespace, cfg: Any) -> Any:
 
 
 def _foundation(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
-    from hicache_existence.bench import suites, upstream
+    from hicache_existence_bench import suites, upstream
 
     cfg = _sizes(args, suites.QUICK if args.quick else suites.BenchConfig())
     wheel = args.upstream_wheel
@@ -177,7 +177,7 @@ def _foundation(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list
 
 
 def _digest(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
-    from hicache_existence.bench import digest
+    from hicache_existence_bench import digest
 
     cfg = _sizes(args, digest.QUICK if args.quick else digest.DigestBenchConfig())
     result = digest.run_digest(cfg, progress)
@@ -185,7 +185,7 @@ def _digest(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any
 
 
 def _observability(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
-    from hicache_existence.bench import observability
+    from hicache_existence_bench import observability
 
     cfg = _sizes(args, observability.QUICK_COSTS if args.quick else observability.CostConfig())
     result = observability.run_costs(cfg, progress)
@@ -223,7 +223,7 @@ def _observability(args: argparse.Namespace, progress: Any) -> tuple[str, Any, l
 
 
 def _advisor(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
-    from hicache_existence.bench import advisor
+    from hicache_existence_bench import advisor
 
     cfg = advisor.QUICK if args.quick else advisor.AdvisorBenchConfig()
     result = advisor.run_advisor_bench(cfg, progress)
@@ -233,9 +233,10 @@ def _advisor(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[An
 
 
 def _replay(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
-    from hicache_existence.bench import replay
+    from hicache_existence_bench import replay
 
-    return replay.run_for_cli(quick=args.quick, progress=progress)
+    text, record, verdicts = replay.run_for_cli(quick=args.quick, progress=progress)
+    return str(text), record, list(verdicts)
 
 
 _RUNNERS = {

@@ -18,7 +18,7 @@ HELP = "start sglang (launch_server or serve) with hicache-existence enabled"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hicache_existence.sglang.flags import CONFIG_FLAG, ENABLE_FLAG
+    from hicache_existence.integrations.sglang.flags import CONFIG_FLAG, ENABLE_FLAG
 
     parser.add_argument(
         ENABLE_FLAG,
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache_existence.sglang.launcher import LaunchError, execute, plan, preflight
+    from hicache_existence.integrations.sglang.launcher import LaunchError, execute, plan, preflight
 
     forwarded = list(args.sglang_args)
     if forwarded[:1] == ["--"]:  # the separator (argparse keeps it with REMAINDER)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hicache_existence.catalog import DeploymentLabels
 from hicache_existence.config import Config
+from hicache_existence.exporters.catalog import DeploymentLabels
 
 BUNDLED_TRACE = "mooncake_sample.jsonl"
 
@@ -155,8 +155,8 @@ def _rank_loop(
     if world > 1:
         import torch.distributed as dist
 
-        from hicache_existence.divergence import TorchGlooGroup
         from hicache_existence.reconcile.agreement import GlooAgreement
+        from hicache_existence.replicas.divergence import TorchGlooGroup
 
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world

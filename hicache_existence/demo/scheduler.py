@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_existence.policies import ChainPagesPolicy, TrailingWindowPolicy
+from hicache_existence.core.policies import ChainPagesPolicy, TrailingWindowPolicy
 from hicache_existence.reconcile.truth import check_chain
 from hicache_existence.replay.pages import PageRequest
 from hicache_existence.runtime import ExistenceRuntime

@@ -1,6 +1,6 @@
 """Exporters: Prometheus (standalone and multiprocess), OpenTelemetry, log events.
 
-All of them read snapshots through one ``Sampler`` (``exporters.samples``), never
+All of them read snapshots through one ``SeriesReader`` (``exporters.series``), never
 the cache's internals.  ``Telemetry`` wires them from a ``Config`` for one
 scheduler process; the SGLang integration calls ``Telemetry.step()`` once per
 scheduler step (after ``check_hicache_events``), which does nothing until
@@ -17,18 +17,18 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache_existence import logs
-from hicache_existence.catalog import DeploymentLabels
+from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.config import Config
+from hicache_existence.exporters.catalog import DeploymentLabels
 from hicache_existence.exporters.features import FeatureSources
-from hicache_existence.exporters.samples import PoolLabeler, Sampler, StatsSource
-from hicache_existence.ghosts import GhostFactory
-from hicache_existence.monitor import Monitor
-from hicache_existence.writes import WriteAccounting
+from hicache_existence.exporters.monitor import Monitor
+from hicache_existence.exporters.series import PoolLabeler, SeriesReader, StatsSource
 
 __all__ = [
     "FeatureSources",
     "PoolLabeler",
-    "Sampler",
+    "SeriesReader",
     "Telemetry",
     "parse_pools",
     "resolve_mode",
@@ -82,7 +82,7 @@ class Telemetry:
         )
         self.mode = resolve_mode(section.mode, env) if section.enabled else "off"
         self._clock = clock or time.monotonic
-        self.sampler = Sampler(
+        self.series_reader = SeriesReader(
             cache,
             writes=writes,
             ghosts=ghosts,
@@ -101,7 +101,7 @@ class Telemetry:
             from hicache_existence.exporters.multiprocess import MultiprocessFeeder
 
             self.feeder = MultiprocessFeeder(
-                self.sampler, self.labels, flush_interval_s=0.0, clock=self._clock
+                self.series_reader, self.labels, flush_interval_s=0.0, clock=self._clock
             )
 
     def start(self) -> None:
@@ -111,7 +111,9 @@ class Telemetry:
         if self.mode == "standalone" and self.server is None:
             from hicache_existence.exporters.prometheus import serve
 
-            self.server = serve(self.sampler, self.labels, host=section.host, port=section.port)
+            self.server = serve(
+                self.series_reader, self.labels, host=section.host, port=section.port
+            )
         self._logger.info(
             logs.STARTUP,
             mode=self.mode,
@@ -127,7 +129,7 @@ class Telemetry:
             if self._last is not None and now - self._last < interval:
                 return False
             self._last = now
-            self.sampler.settle()
+            self.series_reader.settle()
             if self.feeder is not None:
                 self.feeder.flush(force=True)
             self.monitor.observe(self._cache.stats())

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_existence.catalog import FEATURE_CATALOG, OTHER_POOL, FeatureSpec
+from hicache_existence.exporters.catalog import FEATURE_CATALOG, OTHER_POOL, FeatureSpec
 from hicache_existence.reconcile.counters import ERROR_KINDS, RESULTS
 
 #: metric name -> series (label values after the deployment labels) -> value.

@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
 from hicache_existence import logs
-from hicache_existence.catalog import (
+from hicache_existence.exporters.catalog import (
     CATALOG,
     GAUGE_MULTIPROCESS_MODE,
     DeploymentLabels,
@@ -32,7 +32,7 @@ from hicache_existence.catalog import (
     MetricSpec,
 )
 from hicache_existence.exporters.features import HistogramSamples
-from hicache_existence.exporters.samples import Sampler, Samples, SeriesKey
+from hicache_existence.exporters.series import Samples, SeriesKey, SeriesReader
 
 ENV_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -46,7 +46,7 @@ def multiprocess_active() -> bool:
 
 
 class MultiprocessFeeder:
-    """Feeds prometheus_client metrics from a ``Sampler`` in rate-limited batches.
+    """Feeds prometheus_client metrics from a ``SeriesReader`` in rate-limited batches.
 
     ``registry=None`` (the default) registers nothing in-process: in multiprocess
     mode the values live in the mmap files, which SGLang's ``/metrics`` reads.
@@ -54,22 +54,24 @@ class MultiprocessFeeder:
 
     def __init__(
         self,
-        sampler: Sampler,
+        series_reader: SeriesReader,
         labels: DeploymentLabels | None = None,
         *,
         flush_interval_s: float = 1.0,
         clock: Callable[[], float] | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        if not isinstance(sampler, Sampler):
-            raise TypeError(f"sampler must be a Sampler, got {type(sampler).__name__}")
+        if not isinstance(series_reader, SeriesReader):
+            raise TypeError(
+                f"series_reader must be a SeriesReader, got {type(series_reader).__name__}"
+            )
         if labels is not None and not isinstance(labels, DeploymentLabels):
             raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
         if isinstance(flush_interval_s, bool) or not isinstance(flush_interval_s, (int, float)):
             raise TypeError("flush_interval_s must be a number of seconds")
         if not flush_interval_s >= 0:
             raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
-        self.sampler = sampler
+        self.series_reader = series_reader
         self.flush_interval_s = float(flush_interval_s)
         self._clock = clock or time.monotonic
         self._deployment = (labels or DeploymentLabels()).values()
@@ -89,7 +91,7 @@ class MultiprocessFeeder:
                     multiprocess_mode=GAUGE_MULTIPROCESS_MODE,
                 )
         self._registry = registry
-        self._features = sampler.feature_specs()
+        self._features = series_reader.feature_specs()
         for fspec in self._features:
             if fspec.kind == "counter":
                 self._metrics[fspec.name] = Counter(
@@ -113,7 +115,7 @@ class MultiprocessFeeder:
         self._logger = logs.get_logger("hicache_existence.exporters")
         self.flushes = 0
         # Every series of the pools known now exists at 0 from the start.
-        self._apply(*sampler.sample_all(), counters=False)
+        self._apply(*series_reader.sample_all(), counters=False)
 
     def flush(self, *, force: bool = False) -> bool:
         """Apply the accounting since the last flush if ``flush_interval_s`` has
@@ -123,8 +125,8 @@ class MultiprocessFeeder:
             if not force and self._last is not None and now - self._last < self.flush_interval_s:
                 return False
             self._last = now
-            self.sampler.settle()  # flush runs on the scheduler thread
-            self._apply(*self.sampler.sample_all(), counters=True)
+            self.series_reader.settle()  # flush runs on the scheduler thread
+            self._apply(*self.series_reader.sample_all(), counters=True)
             self.flushes += 1
             return True
         except Exception as exc:  # observability never raises into the scheduler

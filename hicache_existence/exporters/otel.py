@@ -2,7 +2,7 @@
 application's choice, an optional extra here).
 
 Every catalog metric becomes an observable instrument (counters: observable
-counters, gauges: observable gauges) whose callback reads the same ``Sampler``
+counters, gauges: observable gauges) whose callback reads the same ``SeriesReader``
 values the Prometheus exporters render.  A collection takes one snapshot
 shared by all instruments: a callback takes a fresh snapshot only when its own
 instrument has already read the current one, so the cost per collection is one
@@ -21,14 +21,14 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hicache_existence.catalog import (
+from hicache_existence.exporters.catalog import (
     CATALOG,
     DEPLOYMENT_LABELS,
     DeploymentLabels,
     FeatureSpec,
     MetricSpec,
 )
-from hicache_existence.exporters.samples import Sampler, Samples
+from hicache_existence.exporters.series import Samples, SeriesReader
 
 try:  # optional extra
     from opentelemetry import metrics as _metrics
@@ -59,7 +59,7 @@ class OTelExporter:
 
     def __init__(
         self,
-        sampler: Sampler,
+        series_reader: SeriesReader,
         labels: DeploymentLabels | None = None,
         *,
         meter_provider: Any = None,
@@ -69,11 +69,13 @@ class OTelExporter:
                 "OpenTelemetry export needs opentelemetry-api: "
                 "pip install 'hicache-existence[otel]'"
             )
-        if not isinstance(sampler, Sampler):
-            raise TypeError(f"sampler must be a Sampler, got {type(sampler).__name__}")
+        if not isinstance(series_reader, SeriesReader):
+            raise TypeError(
+                f"series_reader must be a SeriesReader, got {type(series_reader).__name__}"
+            )
         if labels is not None and not isinstance(labels, DeploymentLabels):
             raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
-        self.sampler = sampler
+        self.series_reader = series_reader
         self._deployment = dict(zip(DEPLOYMENT_LABELS, (labels or DeploymentLabels()).values()))
         provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()
         meter = provider.get_meter(INSTRUMENTATION_NAME, _version)
@@ -86,7 +88,7 @@ class OTelExporter:
             *CATALOG,
             # Histograms are left to Prometheus: an observable instrument cannot
             # carry pre-bucketed counts.
-            *(f for f in sampler.feature_specs() if f.kind != "histogram"),
+            *(f for f in series_reader.feature_specs() if f.kind != "histogram"),
         ]
         for spec in specs:
             create = (
@@ -112,7 +114,7 @@ class OTelExporter:
     def _current(self, name: str) -> Samples:
         with self._lock:
             if self._samples is None or name in self._consumed:
-                self._samples = self.sampler.sample()
+                self._samples = self.series_reader.sample()
                 self._consumed = set()
                 self.snapshots += 1
             self._consumed.add(name)

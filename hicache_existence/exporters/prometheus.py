@@ -23,10 +23,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from hicache_existence import _validate, logs
-from hicache_existence.catalog import CATALOG, DeploymentLabels, FeatureSpec, MetricSpec
+from hicache_existence import logs
+from hicache_existence.core import _validate
+from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels, FeatureSpec, MetricSpec
 from hicache_existence.exporters.features import HistogramSamples
-from hicache_existence.exporters.samples import Sampler, Samples
+from hicache_existence.exporters.series import Samples, SeriesReader
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464
@@ -40,23 +41,25 @@ def _family(spec: MetricSpec | FeatureSpec) -> Any:
 
 
 class PrometheusCollector(Collector):
-    """Renders the catalog from a ``Sampler`` at each scrape."""
+    """Renders the catalog from a ``SeriesReader`` at each scrape."""
 
-    def __init__(self, sampler: Sampler, labels: DeploymentLabels | None = None) -> None:
-        if not isinstance(sampler, Sampler):
-            raise TypeError(f"sampler must be a Sampler, got {type(sampler).__name__}")
+    def __init__(self, series_reader: SeriesReader, labels: DeploymentLabels | None = None) -> None:
+        if not isinstance(series_reader, SeriesReader):
+            raise TypeError(
+                f"series_reader must be a SeriesReader, got {type(series_reader).__name__}"
+            )
         if labels is not None and not isinstance(labels, DeploymentLabels):
             raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
-        self.sampler = sampler
+        self.series_reader = series_reader
         self._deployment = (labels or DeploymentLabels()).values()
 
     def describe(self) -> Iterable[Metric]:
         """Families without samples: registration does not take a snapshot."""
-        specs: list[MetricSpec | FeatureSpec] = [*CATALOG, *self.sampler.feature_specs()]
+        specs: list[MetricSpec | FeatureSpec] = [*CATALOG, *self.series_reader.feature_specs()]
         return [_family(spec) for spec in specs]
 
     def collect(self) -> Iterator[Metric]:
-        samples, histograms = self.sampler.sample_all()
+        samples, histograms = self.series_reader.sample_all()
         yield from self.render(samples, histograms)
 
     def render(
@@ -68,7 +71,7 @@ class PrometheusCollector(Collector):
             for key, value in samples[spec.name].items():
                 family.add_metric([*deployment, *key], value)
             yield family
-        for fspec in self.sampler.feature_specs():
+        for fspec in self.series_reader.feature_specs():
             family = _family(fspec)
             if fspec.kind == "histogram":
                 for key, (bounds, cumulative, total) in (
@@ -131,10 +134,12 @@ class MetricsServer:
         self.close()
 
 
-def registry_for(sampler: Sampler, labels: DeploymentLabels | None = None) -> CollectorRegistry:
-    """A fresh registry holding one collector for ``sampler``."""
+def registry_for(
+    series_reader: SeriesReader, labels: DeploymentLabels | None = None
+) -> CollectorRegistry:
+    """A fresh registry holding one collector for ``series_reader``."""
     registry = CollectorRegistry()
-    registry.register(PrometheusCollector(sampler, labels))
+    registry.register(PrometheusCollector(series_reader, labels))
     return registry
 
 
@@ -144,15 +149,15 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 def serve(
-    sampler: Sampler,
+    series_reader: SeriesReader,
     labels: DeploymentLabels | None = None,
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     registry: CollectorRegistry | None = None,
 ) -> MetricsServer:
-    """Register a collector for ``sampler`` on a fresh (or given) registry and
+    """Register a collector for ``series_reader`` on a fresh (or given) registry and
     serve it on ``host:port`` (port 0 picks a free port; see ``.port``)."""
     registry = registry if registry is not None else CollectorRegistry()
-    registry.register(PrometheusCollector(sampler, labels))
+    registry.register(PrometheusCollector(series_reader, labels))
     return MetricsServer(registry, host, port)

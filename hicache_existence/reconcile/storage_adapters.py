@@ -19,8 +19,8 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from hicache_existence import _validate
 from hicache_existence.config import ENV_CONFIG, ENV_PREFIX, Config, ReconcilerSection
+from hicache_existence.core import _validate
 from hicache_existence.reconcile.ledger_writer import LedgerWriter
 from hicache_existence.reconcile.redis_truth import (
     LedgerSettings,

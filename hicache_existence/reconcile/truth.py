@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from hicache_existence import _validate
+from hicache_existence.core import _validate
 
 
 class GroundTruthError(Exception):

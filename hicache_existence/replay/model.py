@@ -38,8 +38,8 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Any
 
-from hicache_existence.cache import PoolBeliefs, StorageExistenceCache
-from hicache_existence.policies import ChainPagesPolicy
+from hicache_existence.core.cache import PoolBeliefs, StorageExistenceCache
+from hicache_existence.core.policies import ChainPagesPolicy
 from hicache_existence.replay.pages import PageRequest, PageTrace
 
 #: Drains an iterator in C.

@@ -26,7 +26,7 @@ fi
 #   launcher  hicache-existence launch -- <sglang args>
 #   env       HICACHE_EXISTENCE_ENABLED=1 + HICACHE_EXISTENCE_CONFIG (containers)
 : "${HX_ROUTE:=flag}"
-: "${HX_CONFIG:=$(dirname "${BASH_SOURCE[0]}")/hicache-existence.json}"
+: "${HX_CONFIG:=$(dirname "${BASH_SOURCE[0]}")/hicache-existence-config.json}"
 
 run() {
   if [ "${DRY_RUN:-0}" = 1 ]; then

@@ -25,7 +25,9 @@ for mode in c python; do
 import os
 import sys
 import hicache_existence as h
-from hicache_existence import config, lru, stats  # noqa: F401
+from hicache_existence import config  # noqa: F401
+from hicache_existence.core import stats  # noqa: F401
+from hicache_existence.core import lru
 assert lru.BACKEND == os.environ["EXPECT"], (lru.BACKEND, os.environ["EXPECT"])
 c = h.StorageExistenceCache(2)
 p = c.pool("kv")

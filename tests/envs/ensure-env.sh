@@ -88,7 +88,7 @@ PY="$ENV/bin/python"
 # What the editable install was made from; a change means `pip install -e` again.
 # The compiled index is built by that install, so its sources count too.
 if [ -f "$REPO/pyproject.toml" ]; then
-  REPO_STAMP="$(cat "$REPO/pyproject.toml" "$REPO"/setup.py "$REPO"/hicache_existence/*.[ch] 2>/dev/null \
+  REPO_STAMP="$(cat "$REPO/pyproject.toml" "$REPO"/setup.py $(find "$REPO/hicache_existence" -name '*.[ch]' | sort) 2>/dev/null \
     | sha256sum | cut -c1-64) $REPO [$EXTRAS]"
 else
   REPO_STAMP="no-pyproject $REPO"
@@ -98,7 +98,7 @@ fi
 # clone at a path used before (same stamp) has none of them: check for them too.
 built_in_place() {
   local c
-  for c in "$REPO"/hicache_existence/*.c; do
+  for c in $(find "$REPO/hicache_existence" -name '*.c'); do
     [ -e "$c" ] || continue
     compgen -G "${c%.c}.*.so" >/dev/null || return 1
   done

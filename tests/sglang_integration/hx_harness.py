@@ -35,7 +35,7 @@ REPO = HERE.parents[1]
 SCRIPT = HERE / "hx_scenarios.py"
 GROUP = "sglang.srt.plugins"
 EP_NAME = "hicache_existence"
-EP_VALUE = "hicache_existence.sglang.plugin:register"
+EP_VALUE = "hicache_existence.integrations.sglang.plugin:register"
 RESULT = "HX-RESULT "
 TIMEOUT_S = 420
 

@@ -200,7 +200,7 @@ def loaded_plugins() -> tuple[Captured, dict[str, Any]]:
     plugin's status, the registry and the classes' identity."""
     logs = capture_logs()
     load_plugins()
-    from hicache_existence.sglang import plugin
+    from hicache_existence.integrations.sglang import plugin
 
     out: dict[str, Any] = {
         "status": plugin.status(),
@@ -218,7 +218,7 @@ def enabled() -> dict[str, Any]:
     logs, out = loaded_plugins()
     import sglang.srt.mem_cache.buffer_mode.storage_existence_cache as sec
 
-    from hicache_existence.sglang import hooks
+    from hicache_existence.integrations.sglang import hooks
 
     publish(server_args())
     tree = build_tree()
@@ -304,7 +304,7 @@ class BufferModeServer:
     def __init__(self, l3_max_bytes: int = 0) -> None:
         from sglang.srt.environ import envs
 
-        from hicache_existence.sglang import hooks
+        from hicache_existence.integrations.sglang import hooks
 
         self.shims = _cpu_buffer_mode_shims()
         self.l3 = Path(tempfile.mkdtemp(prefix="hx-l3-"))
@@ -466,7 +466,7 @@ def disabled(argv_json: str = '["--model-path", "dummy"]') -> dict[str, Any]:
     """Installed but not enabled: only the parser hooks exist; sglang's classes,
     methods and parse results are untouched."""
     logs, out = loaded_plugins()
-    from hicache_existence.sglang import hooks
+    from hicache_existence.integrations.sglang import hooks
     publish(server_args())
     tree = build_tree()
     for _ in range(3):
@@ -501,7 +501,7 @@ def missing_target() -> dict[str, Any]:
             delattr(cls, "check_hicache_events")
     logs = capture_logs()
     load_plugins()
-    from hicache_existence.sglang import hooks, plugin
+    from hicache_existence.integrations.sglang import hooks, plugin
 
     publish(server_args())
     tree = build_tree()
@@ -530,7 +530,7 @@ def unknown_shape() -> dict[str, Any]:
     sec.StorageExistenceCache = Unknown
     logs = capture_logs()
     load_plugins()
-    from hicache_existence.sglang import plugin
+    from hicache_existence.integrations.sglang import plugin
 
     return {
         "status": plugin.status(),
@@ -541,7 +541,7 @@ def unknown_shape() -> dict[str, Any]:
 
 
 def _child_reads(args: Any, queue: Any) -> None:
-    from hicache_existence.sglang.flags import stored_values
+    from hicache_existence.integrations.sglang.flags import stored_values
 
     values = stored_values(args)
     queue.put(
@@ -564,7 +564,7 @@ def flags() -> dict[str, Any]:
     load_plugins()
     from sglang.srt.server_args import prepare_server_args
 
-    from hicache_existence.sglang.flags import stored_values
+    from hicache_existence.integrations.sglang.flags import stored_values
 
     out: dict[str, Any] = {"env_before": os.environ.get("HICACHE_EXISTENCE_ENABLED")}
     tmp = Path(tempfile.mkdtemp(prefix="hx-flags-"))
@@ -630,7 +630,7 @@ def launched(*argv: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k.startswith("HICACHE_EXISTENCE_")}
     load_plugins()
     from hicache_existence.config import Config
-    from hicache_existence.sglang import plugin
+    from hicache_existence.integrations.sglang import plugin
 
     return {
         "argv": list(argv),
@@ -652,7 +652,7 @@ def multirank(rank: str, world: str, port: str, diverge_at: str = "0") -> dict[s
     tp = dist.new_group(list(range(w)), backend="gloo")
     logs = capture_logs()
     load_plugins()
-    from hicache_existence.sglang import hooks
+    from hicache_existence.integrations.sglang import hooks
 
     publish(server_args(tp_size=w), world_rank=r)
     tree = build_tree(groups={"tp_cache_group": tp})
@@ -684,7 +684,7 @@ def _scheduler_child(queue: Any) -> None:
     """A scheduler process of a server started with --enable-metrics: loads the
     plugins, builds its tree, runs steps (the feeder writes multiprocess files)."""
     load_plugins()
-    from hicache_existence.sglang import hooks
+    from hicache_existence.integrations.sglang import hooks
 
     publish(server_args())
     tree = build_tree()
@@ -737,7 +737,7 @@ def recipes(prefill_json: str, decode_json: str) -> dict[str, Any]:
     from sglang.srt.arg_groups.hicache_hook import validate_hicache_host_memory_mode
     from sglang.srt.server_args import prepare_server_args
 
-    from hicache_existence.sglang.flags import stored_values
+    from hicache_existence.integrations.sglang.flags import stored_values
 
     out: dict[str, Any] = {}
     for name, argv in (("prefill", json.loads(prefill_json)), ("decode", json.loads(decode_json))):

@@ -12,7 +12,7 @@ import pytest
 from hx_harness import HERE, REPO, TIMEOUT_S, Outcome, Scenarios
 
 from hicache_existence.config import Config
-from hicache_existence.sglang.launcher import LaunchError, plan, split_flags
+from hicache_existence.integrations.sglang.launcher import LaunchError, plan, split_flags
 
 TRICKY = ["--model-path", "a b", "--json", '{"x": [1, 2]}', "", "ünï", "--", "--tp=2", "-x"]
 

@@ -49,7 +49,7 @@ def test_hooks_apply_to_the_real_classes(scenarios: Scenarios) -> None:
     """apply_hooks put our class in upstream's module and in unified_radix_cache's
     stale ``from ... import`` binding, and wrapped the real check_hicache_events."""
     identity = scenarios.get("enabled").value()["identity"]
-    assert identity["class_module"] == "hicache_existence.sglang.hooks"
+    assert identity["class_module"] == "hicache_existence.integrations.sglang.hooks"
     assert identity["urc_binding_is_same"] is True
     assert identity["step_wrapped"] is True
     assert identity["step_qualname"] == "UnifiedRadixCache.check_hicache_events"
@@ -59,7 +59,7 @@ def test_unified_radix_cache_constructs_our_cache(scenarios: Scenarios) -> None:
     """A real UnifiedRadixCache's constructor gets the process runtime's cache,
     which upstream's (replaced) name recognises as an instance."""
     built = scenarios.get("enabled").value()["constructed"]
-    assert built["cache"]["type"] == "hicache_existence.cache.StorageExistenceCache"
+    assert built["cache"]["type"] == "hicache_existence.core.cache.StorageExistenceCache"
     assert built["is_runtime_cache"] is True
     assert built["isinstance_upstream_name"] is True
 

@@ -19,7 +19,7 @@ import yaml
 from hx_harness import RECIPES, REPO, Scenarios, recipe_argv, sglang_args
 
 from hicache_existence.config import Config
-from hicache_existence.sglang.launcher import plan
+from hicache_existence.integrations.sglang.launcher import plan
 
 K8S = RECIPES.parent / "kubernetes"
 REQUIRE_ALL = os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") == "1"
@@ -43,7 +43,7 @@ def test_prefill_routes_run_the_same_sglang_arguments() -> None:
     i = args.index("--enable-hicache-existence")
     base, ours = args[:i], args[i:]
     assert ours[0] == "--enable-hicache-existence" and ours[1] == "--hicache-existence-config"
-    assert Path(ours[2]) == RECIPES / "hicache-existence.json"
+    assert Path(ours[2]) == RECIPES / "hicache-existence-config.json"
     for expected in ("buffer_only", "prefill", "--enable-metrics", "--enable-hierarchical-cache"):
         assert expected in base
 
@@ -73,7 +73,7 @@ def test_decode_and_router_have_no_hicache_existence() -> None:
 
 def test_example_configurations_load_and_agree() -> None:
     """The recipes' JSON and the Kubernetes ConfigMap load as the same Config."""
-    from_file = Config.from_json(str(RECIPES / "hicache-existence.json"))
+    from_file = Config.from_json(str(RECIPES / "hicache-existence-config.json"))
     (configmap,) = _docs(K8S / "hicache-existence-config.yaml")
     assert Config.from_json(configmap["data"]["config.json"]) == from_file
 
@@ -156,7 +156,7 @@ def test_recipe_arguments_pass_sglangs_parser_and_validator(scenarios: Scenarios
     r = scenarios.get("recipes").value()
     prefill, decode = r["prefill"], r["decode"]
     assert prefill["flags"]["enabled"] is True
-    expected = json.loads((RECIPES / "hicache-existence.json").read_text())
+    expected = json.loads((RECIPES / "hicache-existence-config.json").read_text())
     assert json.loads(prefill["flags"]["config"]) == expected
     assert (prefill["host_memory_mode"], prefill["disaggregation_mode"]) == (
         "buffer_only",

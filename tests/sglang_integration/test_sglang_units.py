@@ -12,12 +12,16 @@ from typing import Any
 
 import pytest
 
-from hicache_existence.cache import StorageExistenceCache
-from hicache_existence.flat import FlatStorageExistenceCache
-from hicache_existence.sglang import flags, hooks, plugin
-from hicache_existence.sglang.facts import SchedulerFacts, engine_type_of
-from hicache_existence.sglang.targets import detect_generation
-from hicache_existence.sglang.topology import DeferredAgreement, DeferredGroup, components
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.integrations.sglang import flags, hooks, plugin
+from hicache_existence.integrations.sglang.facts import SchedulerFacts, engine_type_of
+from hicache_existence.integrations.sglang.targets import detect_generation
+from hicache_existence.integrations.sglang.topology import (
+    DeferredAgreement,
+    DeferredGroup,
+    components,
+)
 
 
 class _FlatShape:
@@ -115,7 +119,7 @@ def test_flags_are_added_once_and_a_clash_is_not_fatal(caplog: pytest.LogCapture
 
     clash = argparse.ArgumentParser()
     clash.add_argument(flags.ENABLE_FLAG, action="store_true")
-    with caplog.at_level(logging.WARNING, logger="hicache_existence.sglang"):
+    with caplog.at_level(logging.WARNING, logger="hicache_existence.integrations.sglang"):
         assert flags.add_arguments(clash) == [flags.CONFIG_FLAG]
     assert len(caplog.records) == 1 and flags.ENABLE_FLAG in caplog.records[0].getMessage()
 
@@ -252,7 +256,7 @@ def test_plugin_without_hook_registry_warns_once(
     and register() never raises."""
     monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", None)
     monkeypatch.setattr(plugin, "_DONE", {})
-    with caplog.at_level(logging.WARNING, logger="hicache_existence.sglang"):
+    with caplog.at_level(logging.WARNING, logger="hicache_existence.integrations.sglang"):
         plugin.register()
         plugin.register()  # idempotent
     assert len(caplog.records) == 1 and "no plugin hook registry" in caplog.records[0].getMessage()

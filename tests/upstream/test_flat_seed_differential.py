@@ -1,5 +1,5 @@
 """Differential test: ``hicache_existence.FlatStorageExistenceCache`` against the seed
-generation's own code, reimplemented as ``hicache_existence/bench/seed.py``.
+generation's own code, reimplemented as ``benchmarks/hicache_existence_bench/seed.py``.
 
 Why: the flat cache claims to behave exactly like the seed's cache (one global LRU
 over ``(pool, page_hash)``, one cap shared by every pool) while keying its primary

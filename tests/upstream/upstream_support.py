@@ -82,10 +82,10 @@ def require_upstream() -> Upstream:
 
 @functools.cache
 def seed_baseline() -> ModuleType:
-    """The seed's code as the benchmarks run it (``hicache_existence.bench.seed``):
+    """The seed's code as the benchmarks run it (``hicache_existence_bench.seed``):
     the one baseline every benchmark compares against, so the differential test
     also proves the benchmark's baseline behaves like the seed."""
-    import hicache_existence.bench.seed as seed
+    import hicache_existence_bench.seed as seed
 
     return seed
 

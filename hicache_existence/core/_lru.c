@@ -1,0 +1,1211 @@
+/*
+ * hicache_existence.core._lru: a compact LRU index of str page hashes.
+ *
+ * Why it exists: the existence cache's hot path touches every page of a
+ * 1024-page chain in LRU order.  OrderedDict.move_to_end costs a dict probe, a
+ * probe of its node side table and a node relink per page, touching about five
+ * cache lines, and the seed generation also builds and hashes a (pool, hash)
+ * tuple per page.  This index keeps, per entry, one 8-byte table slot (32 hash
+ * bits and a node id, so probes and rehashes never dereference a key) and one
+ * 24-byte node (key, LRU links, pool tag, hash bits) in chunked arrays, so a
+ * touch is one slot probe and one relink, and an entry costs ~40 bytes instead
+ * of OrderedDict's ~77.
+ *
+ * Semantics are OrderedDict's, restricted to what the caches need: keys are
+ * compared as str *values* (subclasses are stored as exact str copies), a
+ * ``tag`` (small unsigned int, the pool) is part of the key, and every method
+ * validates all of its input before it changes anything.  Methods never call
+ * back into Python code (exact str only, no __eq__/__hash__ overrides are
+ * consulted), so each call is atomic under the GIL and holds no reference
+ * cycles, which is why the type is not GC-tracked.
+ *
+ * The pure-Python twin with the same interface is hicache_existence.core.lru.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK_BITS 10
+#define CHUNK_NODES ((uint32_t)1 << CHUNK_BITS)
+#define CHUNK_MASK (CHUNK_NODES - 1)
+#define NIL ((uint32_t)0xFFFFFFFFu)
+/* Node ids are stored +1 in the low half of a slot; keep them far from NIL. */
+#define MAX_ENTRIES ((Py_ssize_t)0x7FFFFFFF)
+#define MIN_SLOTS 8
+
+typedef struct {
+    PyObject *key; /* exact str, owned; NULL while the node is free */
+    uint32_t prev; /* towards the least recently used end */
+    uint32_t next; /* towards the most recently used end; free-list link */
+    uint32_t tag;
+    uint32_t hash; /* mixed 32-bit hash, also kept in the slot */
+} Node;
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *slots;   /* (hash << 32) | (node id + 1); 0 is empty */
+    size_t mask;       /* number of slots - 1 (a power of two) */
+    Node **chunks;     /* CHUNK_NODES nodes each */
+    uint32_t nchunks;
+    uint32_t chunks_cap;
+    uint32_t fresh;     /* ids below this were handed out at least once */
+    uint32_t free_head; /* released ids, linked through Node.next */
+    uint32_t nfree;
+    uint32_t head;      /* least recently used, NIL when empty */
+    uint32_t tail;      /* most recently used, NIL when empty */
+    Py_ssize_t size;
+    /* Samplers fed from inside touch_prefix/add/discard/clear (attach): one per
+     * tag at most, a handful in all (the pools of a cache). */
+    PyObject **samplers;
+    uint32_t *sampler_tags;
+    uint32_t nsamplers;
+} Lru;
+
+static inline Node *
+node_at(const Lru *self, uint32_t id)
+{
+    return &self->chunks[id >> CHUNK_BITS][id & CHUNK_MASK];
+}
+
+static inline uint32_t
+mix_hash(Py_hash_t h, uint32_t tag)
+{
+    uint64_t x = (uint64_t)h ^ ((uint64_t)tag * 0x9E3779B97F4A7C15ull);
+    return (uint32_t)(x ^ (x >> 32));
+}
+
+/* The str's own hash, ignoring any subclass override (value semantics). */
+static inline Py_hash_t
+str_hash(PyObject *s)
+{
+    return PyUnicode_Type.tp_hash(s);
+}
+
+static inline int
+str_eq(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+    if (n != PyUnicode_GET_LENGTH(b)) {
+        return 0;
+    }
+    unsigned int kind = PyUnicode_KIND(a);
+    if (kind != PyUnicode_KIND(b)) {
+        return 0; /* str storage is canonical: different kinds differ */
+    }
+    return memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * kind) == 0;
+}
+
+/* Slot index of (key, tag), or -1 with *hole set to the empty slot that ended
+ * the probe (where the key would be inserted). */
+static inline Py_ssize_t
+find(const Lru *self, PyObject *key, uint32_t tag, uint32_t h, size_t *hole)
+{
+    const uint64_t *slots = self->slots;
+    size_t mask = self->mask;
+    size_t i = h & mask;
+    for (;;) {
+        uint64_t s = slots[i];
+        if (s == 0) {
+            *hole = i;
+            return -1;
+        }
+        if ((uint32_t)(s >> 32) == h) {
+            const Node *nd = node_at(self, (uint32_t)s - 1);
+            if (nd->tag == tag && str_eq(nd->key, key)) {
+                return (Py_ssize_t)i;
+            }
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+static inline void
+unlink_node(Lru *self, Node *nd)
+{
+    if (nd->prev != NIL) {
+        node_at(self, nd->prev)->next = nd->next;
+    }
+    else {
+        self->head = nd->next;
+    }
+    if (nd->next != NIL) {
+        node_at(self, nd->next)->prev = nd->prev;
+    }
+    else {
+        self->tail = nd->prev;
+    }
+}
+
+static inline void
+append_node(Lru *self, uint32_t id, Node *nd)
+{
+    nd->prev = self->tail;
+    nd->next = NIL;
+    if (self->tail != NIL) {
+        node_at(self, self->tail)->next = id;
+    }
+    else {
+        self->head = id;
+    }
+    self->tail = id;
+}
+
+static inline void
+move_to_end(Lru *self, uint32_t id, Node *nd)
+{
+    if (self->tail != id) {
+        unlink_node(self, nd);
+        append_node(self, id, nd);
+    }
+}
+
+/* Rebuild the table with ncap slots; only slot words move (no key is read). */
+static int
+rehash(Lru *self, size_t ncap)
+{
+    uint64_t *fresh = PyMem_Calloc(ncap, sizeof(uint64_t));
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t nmask = ncap - 1;
+    if (self->slots != NULL) {
+        for (size_t i = 0; i <= self->mask; i++) {
+            uint64_t s = self->slots[i];
+            if (s != 0) {
+                size_t j = (uint32_t)(s >> 32) & nmask;
+                while (fresh[j] != 0) {
+                    j = (j + 1) & nmask;
+                }
+                fresh[j] = s;
+            }
+        }
+        PyMem_Free(self->slots);
+    }
+    self->slots = fresh;
+    self->mask = nmask;
+    return 0;
+}
+
+/* Make room for `extra` more entries (table load <= 3/4, nodes allocated), so
+ * that the mutation that follows cannot fail half-way. */
+static int
+reserve(Lru *self, Py_ssize_t extra)
+{
+    if (extra > MAX_ENTRIES - self->size) {
+        PyErr_SetString(PyExc_OverflowError, "LRU index cannot hold more than 2**31-1 entries");
+        return -1;
+    }
+    size_t need = (size_t)(self->size + extra);
+    size_t cap = self->mask + 1;
+    if (self->slots == NULL || need * 4 > cap * 3) {
+        size_t ncap = self->slots == NULL ? MIN_SLOTS : cap;
+        while (need * 4 > ncap * 3) {
+            ncap <<= 1;
+        }
+        if (self->slots == NULL || ncap != cap) {
+            if (rehash(self, ncap) < 0) {
+                return -1;
+            }
+        }
+    }
+    uint64_t avail = (uint64_t)self->nfree + (uint64_t)self->nchunks * CHUNK_NODES - self->fresh;
+    while (avail < (uint64_t)extra) {
+        if (self->nchunks == self->chunks_cap) {
+            uint32_t ncc = self->chunks_cap ? self->chunks_cap * 2 : 4;
+            Node **grown = PyMem_Realloc(self->chunks, ncc * sizeof(Node *));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            self->chunks = grown;
+            self->chunks_cap = ncc;
+        }
+        Node *chunk = PyMem_Malloc(CHUNK_NODES * sizeof(Node));
+        if (chunk == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->chunks[self->nchunks++] = chunk;
+        avail += CHUNK_NODES;
+    }
+    return 0;
+}
+
+static inline uint32_t
+alloc_node(Lru *self)
+{
+    uint32_t id = self->free_head;
+    if (id != NIL) {
+        self->free_head = node_at(self, id)->next;
+        self->nfree--;
+        return id;
+    }
+    return self->fresh++;
+}
+
+/* Linear-probing deletion with backward shift: no tombstones, so probe
+ * lengths do not grow under the constant insert/evict churn of a full cache. */
+static void
+delete_slot(Lru *self, size_t i)
+{
+    uint64_t *slots = self->slots;
+    size_t mask = self->mask;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        uint64_t s = slots[j];
+        if (s == 0) {
+            break;
+        }
+        size_t home = (uint32_t)(s >> 32) & mask;
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            slots[i] = s;
+            i = j;
+        }
+    }
+    slots[i] = 0;
+}
+
+/* Remove node `id` from the table and the LRU list; returns its (owned) key. */
+static PyObject *
+remove_node(Lru *self, uint32_t id, Node *nd)
+{
+    size_t mask = self->mask;
+    size_t i = nd->hash & mask;
+    uint32_t want = id + 1;
+    while ((uint32_t)self->slots[i] != want) {
+        i = (i + 1) & mask;
+    }
+    delete_slot(self, i);
+    unlink_node(self, nd);
+    PyObject *key = nd->key;
+    nd->key = NULL;
+    nd->next = self->free_head;
+    self->free_head = id;
+    self->nfree++;
+    self->size--;
+    return key;
+}
+
+/* ---- argument helpers ------------------------------------------------- */
+
+static int
+parse_tag(PyObject *obj, uint32_t *tag)
+{
+    if (obj == NULL) {
+        *tag = 0;
+        return 0;
+    }
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "tag must be an int, got %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long v = PyLong_AsUnsignedLong(obj);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "tag must be in [0, 2**32)");
+        return -1;
+    }
+    if (v > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "tag must be in [0, 2**32)");
+        return -1;
+    }
+    *tag = (uint32_t)v;
+    return 0;
+}
+
+static int
+check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi)
+{
+    if (nargs >= lo && nargs <= hi) {
+        return 0;
+    }
+    if (lo == hi) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", name, lo,
+                     nargs);
+    }
+    else {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd or %zd positional arguments (%zd given)",
+                     name, lo, hi, nargs);
+    }
+    return -1;
+}
+
+/* A batch argument (list or tuple; its items are checked by check_items) and
+ * its optional tag. */
+static int
+parse_batch(PyObject *seq, PyObject *tag_obj, uint32_t *tag)
+{
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_Format(PyExc_TypeError, "hashes must be a list or tuple of str, got %.100s",
+                     Py_TYPE(seq)->tp_name);
+        return -1;
+    }
+    return parse_tag(tag_obj, tag);
+}
+
+static int
+parse_seq_tag(const char *name, PyObject *const *args, Py_ssize_t nargs, PyObject **seq,
+              uint32_t *tag)
+{
+    if (check_nargs(name, nargs, 1, 2) < 0) {
+        return -1;
+    }
+    *seq = args[0];
+    return parse_batch(*seq, nargs == 2 ? args[1] : NULL, tag);
+}
+
+/* Every item must be a str: checked before anything changes.  Sets *exact to
+ * 0 when some item is a str subclass (stored as an exact copy). */
+static int
+check_items(PyObject *const *items, Py_ssize_t n, int *exact)
+{
+    int all_exact = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = items[i];
+        if (PyUnicode_CheckExact(it)) {
+            continue;
+        }
+        if (!PyUnicode_Check(it)) {
+            /* The type's short name, as type(it).__name__ reads for ordinary
+             * classes, without running any Python code. */
+            const char *name = Py_TYPE(it)->tp_name;
+            const char *dot = strrchr(name, '.');
+            PyErr_Format(PyExc_TypeError, "hashes[%zd] must be a str page hash, got %.100s", i,
+                         dot ? dot + 1 : name);
+            return -1;
+        }
+        all_exact = 0;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyUnicode_READY(items[i]) < 0) {
+            return -1;
+        }
+    }
+#endif
+    if (exact != NULL) {
+        *exact = all_exact;
+    }
+    return 0;
+}
+
+static int
+check_key(PyObject *key)
+{
+    if (!PyUnicode_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "page hash must be a str, got %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(key) < 0) {
+        return -1;
+    }
+#endif
+    return 0;
+}
+
+#include "_sampler.h"
+
+static inline Sampler *
+sampler_for(const Lru *self, uint32_t tag)
+{
+    for (uint32_t i = 0; i < self->nsamplers; i++) {
+        if (self->sampler_tags[i] == tag) {
+            return (Sampler *)self->samplers[i];
+        }
+    }
+    return NULL;
+}
+
+/* ---- methods ---------------------------------------------------------- */
+
+PyDoc_STRVAR(touch_prefix_doc,
+"touch_prefix(hashes, tag=0, /) -> int\n\n"
+"Move each page of `hashes` (list or tuple of str) that is present to the most\n"
+"recently used end, in order, stopping at the first absent page; return how\n"
+"many were touched (== len(hashes) when all are present).");
+
+/* The walk of touch_prefix; -1 on error.  Inlined twice, with and without a
+ * sampler, so the path without one has no per-page test for it. */
+static inline __attribute__((always_inline)) Py_ssize_t
+walk_prefix(Lru *self, PyObject *const *items, Py_ssize_t n, uint32_t tag, Sampler *smp,
+            SCollect *col)
+{
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *key = items[i];
+        Py_hash_t ph = str_hash(key);
+        if (ph == -1) {
+            return -1;
+        }
+        size_t hole = 0;
+        Py_ssize_t pos = find(self, key, tag, mix_hash(ph, tag), &hole);
+        if (pos < 0) {
+            break;
+        }
+        uint32_t id = (uint32_t)self->slots[pos] - 1;
+        move_to_end(self, id, node_at(self, id));
+        if (smp != NULL) {
+            sc_offer(col, smp, ph, tag);
+        }
+    }
+    return i;
+}
+
+static PyObject *
+Lru_touch_prefix(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq;
+    uint32_t tag;
+    if (parse_seq_tag("touch_prefix", args, nargs, &seq, &tag) < 0) {
+        return NULL;
+    }
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (check_items(items, n, NULL) < 0) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    Sampler *smp = self->nsamplers != 0 ? sampler_for(self, tag) : NULL;
+    SCollect col;
+    col.k = 0;
+    col.overflow = 0;
+    if (self->size != 0) {
+        i = smp == NULL ? walk_prefix(self, items, n, tag, NULL, &col)
+                        : walk_prefix(self, items, n, tag, smp, &col);
+        if (i < 0) {
+            return NULL;
+        }
+    }
+    if (smp != NULL && i == n && n != 0) {
+        /* A complete walk is recorded here; one that stops short is finished
+         * (and recorded, via Sampler.walked) by the caller. */
+        if (col.overflow) {
+            s_record_walk(smp, tag, items, n, n);
+        }
+        else {
+            s_reference(smp, tag, col.buf, col.k, n, 1, n, 0, 0);
+        }
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+/* One page argument and its optional tag. */
+static int
+parse_key_tag(const char *name, PyObject *const *args, Py_ssize_t nargs, uint32_t *tag)
+{
+    if (check_nargs(name, nargs, 1, 2) < 0 || check_key(args[0]) < 0) {
+        return -1;
+    }
+    return parse_tag(nargs == 2 ? args[1] : NULL, tag);
+}
+
+/* The slot of a checked key: >= 0 present, -1 absent, -2 error. */
+static Py_ssize_t
+find_key(const Lru *self, PyObject *key, uint32_t tag)
+{
+    if (self->size == 0) {
+        return -1;
+    }
+    Py_hash_t ph = str_hash(key);
+    if (ph == -1) {
+        return -2;
+    }
+    size_t hole = 0;
+    return find(self, key, tag, mix_hash(ph, tag), &hole);
+}
+
+PyDoc_STRVAR(touch_doc,
+"touch(page_hash, tag=0, /) -> bool\n\n"
+"Move one page to the most recently used end if present; return whether it was.");
+
+static PyObject *
+Lru_touch(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t tag;
+    if (parse_key_tag("touch", args, nargs, &tag) < 0) {
+        return NULL;
+    }
+    Py_ssize_t pos = find_key(self, args[0], tag);
+    if (pos < 0) {
+        return pos == -2 ? NULL : Py_NewRef(Py_False);
+    }
+    uint32_t id = (uint32_t)self->slots[pos] - 1;
+    move_to_end(self, id, node_at(self, id));
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(contains_doc,
+"contains(page_hash, tag=0, /) -> bool\n\n"
+"Whether a page is present, without touching it.");
+
+static PyObject *
+Lru_contains(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t tag;
+    if (parse_key_tag("contains", args, nargs, &tag) < 0) {
+        return NULL;
+    }
+    Py_ssize_t pos = find_key(self, args[0], tag);
+    return pos == -2 ? NULL : PyBool_FromLong(pos >= 0);
+}
+
+static int
+Lru_sq_contains(Lru *self, PyObject *key)
+{
+    if (!PyUnicode_Check(key)) {
+        return 0; /* like a dict of str keys: other objects are simply absent */
+    }
+    if (check_key(key) < 0) {
+        return -1;
+    }
+    Py_ssize_t pos = find_key(self, key, 0);
+    return pos == -2 ? -1 : pos >= 0;
+}
+
+/* The insert loop of add (room reserved); the count inserted, -1 on error.
+ * Inlined with and without a sampler, like walk_prefix. */
+static inline __attribute__((always_inline)) Py_ssize_t
+add_items(Lru *self, PyObject *const *items, Py_ssize_t n, uint32_t tag, Sampler *smp,
+          SCollect *col)
+{
+    Py_ssize_t inserted = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        Py_hash_t ph = str_hash(key);
+        if (ph == -1) {
+            return -1;
+        }
+        if (smp != NULL) {
+            sc_offer(col, smp, ph, tag);
+        }
+        uint32_t h = mix_hash(ph, tag);
+        size_t hole = 0;
+        Py_ssize_t pos = find(self, key, tag, h, &hole);
+        if (pos >= 0) {
+            uint32_t id = (uint32_t)self->slots[pos] - 1;
+            move_to_end(self, id, node_at(self, id));
+            continue;
+        }
+        uint32_t id = alloc_node(self);
+        Node *nd = node_at(self, id);
+        nd->key = Py_NewRef(key);
+        nd->tag = tag;
+        nd->hash = h;
+        self->slots[hole] = ((uint64_t)h << 32) | (uint64_t)(id + 1);
+        append_node(self, id, nd);
+        self->size++;
+        inserted++;
+    }
+    return inserted;
+}
+
+PyDoc_STRVAR(add_doc,
+"add(hashes, tag=0, /) -> int\n\n"
+"Insert each page of `hashes` at the most recently used end, or move it there\n"
+"if present, in order; return how many were new.  Nothing is evicted.");
+
+static PyObject *
+Lru_add(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq;
+    uint32_t tag;
+    if (parse_seq_tag("add", args, nargs, &seq, &tag) < 0) {
+        return NULL;
+    }
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int exact;
+    if (check_items(items, n, &exact) < 0) {
+        return NULL;
+    }
+    PyObject *copies = NULL;
+    if (!exact) {
+        /* Store subclasses as exact str copies: no overridden method can run
+         * inside the index, and stored keys cannot hold references back.  The
+         * list is allocated empty first (that allocation may run finalizers
+         * that change `seq`), then `seq` is read and checked again; str copies
+         * and appends allocate nothing the collector tracks. */
+        copies = PyList_New(0);
+        if (copies == NULL) {
+            return NULL;
+        }
+        items = PySequence_Fast_ITEMS(seq);
+        n = PySequence_Fast_GET_SIZE(seq);
+        if (check_items(items, n, NULL) < 0) {
+            Py_DECREF(copies);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *c = PyUnicode_CheckExact(items[i]) ? Py_NewRef(items[i])
+                                                         : PyUnicode_FromObject(items[i]);
+            if (c == NULL || PyList_Append(copies, c) < 0) {
+                Py_XDECREF(c);
+                Py_DECREF(copies);
+                return NULL;
+            }
+            Py_DECREF(c);
+        }
+        items = PySequence_Fast_ITEMS(copies);
+    }
+    if (reserve(self, n) < 0) {
+        Py_XDECREF(copies);
+        return NULL;
+    }
+    Sampler *smp = self->nsamplers != 0 ? sampler_for(self, tag) : NULL;
+    SCollect col;
+    col.k = 0;
+    col.overflow = 0;
+    Py_ssize_t inserted = smp == NULL ? add_items(self, items, n, tag, NULL, &col)
+                                      : add_items(self, items, n, tag, smp, &col);
+    if (inserted < 0) { /* cannot happen for ready str; keep what was done */
+        Py_XDECREF(copies);
+        return NULL;
+    }
+    if (smp != NULL) {
+        if (col.overflow) {
+            s_record_add(smp, tag, items, n);
+        }
+        else {
+            s_reference(smp, tag, col.buf, col.k, n, 0, 0, 0, 0);
+        }
+    }
+    Py_XDECREF(copies);
+    return PyLong_FromSsize_t(inserted);
+}
+
+/* Add one run of `count` evicted entries of `tag` to `out`: their number, or
+ * (when `keys` is a list) the slice of it from `start`. */
+static int
+add_run(PyObject *out, uint32_t tag, PyObject *keys, Py_ssize_t start, Py_ssize_t count)
+{
+    PyObject *k = PyLong_FromUnsignedLong(tag);
+    if (k == NULL) {
+        return -1;
+    }
+    PyObject *old = PyDict_GetItemWithError(out, k);
+    if (old == NULL && PyErr_Occurred()) {
+        Py_DECREF(k);
+        return -1;
+    }
+    int rc;
+    if (keys == NULL) {
+        PyObject *v = PyLong_FromSsize_t(count + (old ? PyLong_AsSsize_t(old) : 0));
+        rc = v == NULL ? -1 : PyDict_SetItem(out, k, v);
+        Py_XDECREF(v);
+    }
+    else if (old != NULL) {
+        PyObject *part = PyList_GetSlice(keys, start, start + count);
+        rc = part == NULL ? -1 : PyList_SetSlice(old, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, part);
+        Py_XDECREF(part);
+    }
+    else if (start == 0 && count == PyList_GET_SIZE(keys)) {
+        rc = PyDict_SetItem(out, k, keys); /* one run: the list itself */
+    }
+    else {
+        PyObject *part = PyList_GetSlice(keys, start, start + count);
+        rc = part == NULL ? -1 : PyDict_SetItem(out, k, part);
+        Py_XDECREF(part);
+    }
+    Py_DECREF(k);
+    return rc;
+}
+
+/* Remove the `count_obj` least recently used entries; {tag: number} or,
+ * with `want_keys`, {tag: [keys, oldest first]}. */
+static PyObject *
+evict_oldest(Lru *self, PyObject *count_obj, int want_keys)
+{
+    Py_ssize_t count = PyNumber_AsSsize_t(count_obj, NULL); /* clamps, as min() in Python */
+    if (count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "count must be >= 0");
+        return NULL;
+    }
+    /* Everything that can allocate a Python object (and so run the garbage
+     * collector, finalizers, other threads) happens before the walk or after
+     * the removal, never while the index is half-changed. */
+    PyObject *out = PyDict_New();
+    if (out == NULL) {
+        return NULL;
+    }
+    if (count > self->size) {
+        count = self->size;
+    }
+    PyObject *keys = want_keys ? PyList_New(count) : NULL;
+    uint32_t *tags = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(uint32_t));
+    if ((want_keys && keys == NULL) || tags == NULL) {
+        Py_XDECREF(keys);
+        PyMem_Free(tags);
+        Py_DECREF(out);
+        return tags == NULL ? PyErr_NoMemory() : NULL;
+    }
+    if (count > self->size) { /* the collector ran above and shrank us */
+        count = self->size;
+        if (keys != NULL && PyList_SetSlice(keys, count, PY_SSIZE_T_MAX, NULL) < 0) {
+            Py_DECREF(keys);
+            PyMem_Free(tags);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint32_t victim = self->head;
+        Node *nd = node_at(self, victim);
+        tags[i] = nd->tag;
+        PyObject *key = remove_node(self, victim, nd);
+        if (keys != NULL) {
+            PyList_SET_ITEM(keys, i, key); /* the node's reference moves to the list */
+        }
+        else {
+            Py_DECREF(key);
+        }
+    }
+    /* Building the answer can fail only for lack of memory, after the entries
+     * are gone: the caller then gets MemoryError and loses the keys, which at
+     * that point is the least of its problems. */
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 1; i <= count; i++) {
+        if (i == count || tags[i] != tags[start]) {
+            if (add_run(out, tags[start], keys, start, i - start) < 0) {
+                Py_CLEAR(out);
+                break;
+            }
+            start = i;
+        }
+    }
+    Py_XDECREF(keys);
+    PyMem_Free(tags);
+    return out;
+}
+
+PyDoc_STRVAR(evict_doc,
+"evict(count, /) -> dict\n\n"
+"Remove the `count` least recently used entries (all, if fewer); return\n"
+"{tag: number removed}.");
+
+static PyObject *
+Lru_evict(Lru *self, PyObject *count)
+{
+    return evict_oldest(self, count, 0);
+}
+
+PyDoc_STRVAR(evict_keys_doc,
+"evict_keys(count, /) -> dict\n\n"
+"As evict(), returning {tag: [keys removed, oldest first]}.");
+
+static PyObject *
+Lru_evict_keys(Lru *self, PyObject *count)
+{
+    return evict_oldest(self, count, 1);
+}
+
+PyDoc_STRVAR(discard_doc,
+"discard(hashes, tag=0, /) -> list\n\n"
+"Remove each page of `hashes` that is present; return the removed pages in order.");
+
+static PyObject *
+Lru_discard(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq;
+    uint32_t tag;
+    if (parse_seq_tag("discard", args, nargs, &seq, &tag) < 0) {
+        return NULL;
+    }
+    /* Allocated before the caller's sequence is read: the allocation may run
+     * finalizers that change it.  Appends only grow the item array (no
+     * collector), so nothing after this point can. */
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (check_items(items, n, NULL) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    if (self->nsamplers != 0) {
+        /* Evicted pages stay in a sampler's stack (that is how it sees beyond
+         * the cap), so this runs whether or not the index holds them. */
+        Sampler *s = sampler_for(self, tag);
+        if (s != NULL) {
+            s_record_remove(s, tag, items, n);
+        }
+    }
+    if (self->size == 0) {
+        return out;
+    }
+    /* Pass 1 collects the present keys without changing anything (so a failed
+     * allocation leaves the index as it was); pass 2 removes them.  A page that
+     * repeats is collected twice and dropped from the answer at its second
+     * removal, so it counts once, at its first occurrence. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        Py_hash_t ph = str_hash(key);
+        if (ph == -1) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        size_t hole = 0;
+        Py_ssize_t pos = find(self, key, tag, mix_hash(ph, tag), &hole);
+        if (pos < 0) {
+            continue;
+        }
+        if (PyList_Append(out, key) < 0) { /* the caller's object, as the Python twin */
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    /* Removal: look each collected key up again and unlink it. */
+    Py_ssize_t m = PyList_GET_SIZE(out);
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *key = PyList_GET_ITEM(out, i);
+        size_t hole = 0;
+        Py_ssize_t pos = find(self, key, tag, mix_hash(str_hash(key), tag), &hole);
+        if (pos < 0) {
+            /* A repeat of a page removed a moment ago: drop it from the answer. */
+            Py_DECREF(key);
+            continue;
+        }
+        uint32_t id = (uint32_t)self->slots[pos] - 1;
+        PyObject *owned = remove_node(self, id, node_at(self, id));
+        Py_DECREF(owned);
+        PyList_SET_ITEM(out, kept, key);
+        kept++;
+    }
+    Py_SET_SIZE(out, kept);
+    return out;
+}
+
+PyDoc_STRVAR(clear_doc, "clear(/) -> None\n\nRemove every entry and release the memory.");
+
+static void
+release_all(Lru *self)
+{
+    /* Detach first so that the index is consistent (empty) while keys die. */
+    Node **chunks = self->chunks;
+    uint32_t nchunks = self->nchunks;
+    uint32_t fresh = self->fresh;
+    PyMem_Free(self->slots);
+    self->slots = NULL;
+    self->mask = 0;
+    self->chunks = NULL;
+    self->nchunks = self->chunks_cap = 0;
+    self->fresh = self->nfree = 0;
+    self->free_head = self->head = self->tail = NIL;
+    self->size = 0;
+    for (uint32_t c = 0; c < nchunks; c++) {
+        Node *chunk = chunks[c];
+        /* Nodes at or past `fresh` were never handed out (a reservation may
+         * allocate chunks that stay unused): their memory is uninitialised. */
+        uint64_t first = (uint64_t)c * CHUNK_NODES;
+        uint32_t upto = fresh <= first ? 0 : (uint32_t)(fresh - first);
+        if (upto > CHUNK_NODES) {
+            upto = CHUNK_NODES;
+        }
+        for (uint32_t k = 0; k < upto; k++) {
+            Py_XDECREF(chunk[k].key);
+        }
+        PyMem_Free(chunk);
+    }
+    PyMem_Free(chunks);
+}
+
+static PyObject *
+Lru_clear(Lru *self, PyObject *Py_UNUSED(ignored))
+{
+    for (uint32_t i = 0; i < self->nsamplers; i++) {
+        s_clear((Sampler *)self->samplers[i]);
+    }
+    release_all(self);
+    if (reserve(self, 0) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(keys_doc, "keys(/) -> list\n\nEvery key, least recently used first.");
+
+static PyObject *
+Lru_keys(Lru *self, PyObject *Py_UNUSED(ignored))
+{
+    /* Allocating the list may run the collector (and finalizers that change
+     * this index): size it again until the size it was made for still holds,
+     * then walk with no allocation. */
+    Py_ssize_t n;
+    PyObject *out;
+    for (;;) {
+        n = self->size;
+        out = PyList_New(n);
+        if (out == NULL || self->size == n) {
+            break;
+        }
+        Py_DECREF(out);
+    }
+    if (out == NULL) {
+        return NULL;
+    }
+    uint32_t id = self->head;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Node *nd = node_at(self, id);
+        PyList_SET_ITEM(out, i, Py_NewRef(nd->key));
+        id = nd->next;
+    }
+    return out;
+}
+
+PyDoc_STRVAR(items_doc, "items(/) -> list\n\nEvery (tag, key), least recently used first.");
+
+static PyObject *
+Lru_items(Lru *self, PyObject *Py_UNUSED(ignored))
+{
+    /* Keys and tags are read in one walk with no Python allocation (see evict);
+     * the pairs are built afterwards. */
+    PyObject *keys = Lru_keys(self, NULL);
+    if (keys == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    uint32_t *tags = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+    if (tags == NULL) {
+        Py_DECREF(keys);
+        return PyErr_NoMemory();
+    }
+    uint32_t id = self->head;
+    for (Py_ssize_t i = 0; i < n && id != NIL; i++) {
+        Node *nd = node_at(self, id);
+        tags[i] = nd->tag;
+        id = nd->next;
+    }
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *pair = Py_BuildValue("(kO)", (unsigned long)tags[i], PyList_GET_ITEM(keys, i));
+        if (pair == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, pair);
+    }
+    PyMem_Free(tags);
+    Py_DECREF(keys);
+    return out;
+}
+
+PyDoc_STRVAR(sizeof_doc, "__sizeof__() -> int\n\nBytes held by the index (keys excluded).");
+
+static PyObject *
+Lru_sizeof(Lru *self, PyObject *Py_UNUSED(ignored))
+{
+    size_t total = sizeof(Lru);
+    if (self->slots != NULL) {
+        total += (self->mask + 1) * sizeof(uint64_t);
+    }
+    total += (size_t)self->chunks_cap * sizeof(Node *);
+    total += (size_t)self->nchunks * CHUNK_NODES * sizeof(Node);
+    return PyLong_FromSize_t(total);
+}
+
+static PyObject *
+Lru_iter(Lru *self)
+{
+    PyObject *keys = Lru_keys(self, NULL);
+    if (keys == NULL) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static Py_ssize_t
+Lru_len(Lru *self)
+{
+    return self->size;
+}
+
+static PyObject *
+Lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "LruIndex() takes no arguments");
+        return NULL;
+    }
+    Lru *self = (Lru *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->free_head = self->head = self->tail = NIL;
+    if (reserve(self, 0) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void
+release_samplers(Lru *self)
+{
+    PyObject **samplers = self->samplers;
+    uint32_t n = self->nsamplers;
+    PyMem_Free(self->sampler_tags);
+    self->samplers = NULL;
+    self->sampler_tags = NULL;
+    self->nsamplers = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        Py_DECREF(samplers[i]);
+    }
+    PyMem_Free(samplers);
+}
+
+PyDoc_STRVAR(attach_doc,
+"attach(tag, sampler, /) -> None\n\n"
+"Feed `sampler` (a Sampler, or None to detach) with tag `tag`'s references\n"
+"from now on: complete touch_prefix walks, adds, discards and clears.");
+
+static PyObject *
+Lru_attach(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t tag;
+    if (check_nargs("attach", nargs, 2, 2) < 0 || parse_tag(args[0], &tag) < 0) {
+        return NULL;
+    }
+    PyObject *sampler = args[1];
+    if (sampler != Py_None && !PyObject_TypeCheck(sampler, &SamplerType)) {
+        PyErr_Format(PyExc_TypeError, "sampler must be a Sampler or None, got %.100s",
+                     Py_TYPE(sampler)->tp_name);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < self->nsamplers; i++) {
+        if (self->sampler_tags[i] != tag) {
+            continue;
+        }
+        PyObject *old = self->samplers[i];
+        if (sampler == Py_None) {
+            self->nsamplers--;
+            self->samplers[i] = self->samplers[self->nsamplers];
+            self->sampler_tags[i] = self->sampler_tags[self->nsamplers];
+        }
+        else {
+            self->samplers[i] = Py_NewRef(sampler);
+        }
+        Py_DECREF(old);
+        Py_RETURN_NONE;
+    }
+    if (sampler == Py_None) {
+        Py_RETURN_NONE;
+    }
+    uint32_t n = self->nsamplers + 1;
+    PyObject **samplers = PyMem_Realloc(self->samplers, n * sizeof(PyObject *));
+    if (samplers == NULL) {
+        return PyErr_NoMemory();
+    }
+    self->samplers = samplers;
+    uint32_t *tags = PyMem_Realloc(self->sampler_tags, n * sizeof(uint32_t));
+    if (tags == NULL) {
+        return PyErr_NoMemory();
+    }
+    self->sampler_tags = tags;
+    samplers[n - 1] = Py_NewRef(sampler);
+    tags[n - 1] = tag;
+    self->nsamplers = n;
+    Py_RETURN_NONE;
+}
+
+static void
+Lru_dealloc(Lru *self)
+{
+    release_samplers(self);
+    release_all(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Lru_repr(Lru *self)
+{
+    return PyUnicode_FromFormat("<LruIndex entries=%zd>", self->size);
+}
+
+static PyMethodDef Lru_methods[] = {
+    {"touch_prefix", (PyCFunction)(void (*)(void))Lru_touch_prefix, METH_FASTCALL,
+     touch_prefix_doc},
+    {"touch", (PyCFunction)(void (*)(void))Lru_touch, METH_FASTCALL, touch_doc},
+    {"contains", (PyCFunction)(void (*)(void))Lru_contains, METH_FASTCALL, contains_doc},
+    {"add", (PyCFunction)(void (*)(void))Lru_add, METH_FASTCALL, add_doc},
+    {"evict", (PyCFunction)Lru_evict, METH_O, evict_doc},
+    {"evict_keys", (PyCFunction)Lru_evict_keys, METH_O, evict_keys_doc},
+    {"discard", (PyCFunction)(void (*)(void))Lru_discard, METH_FASTCALL, discard_doc},
+    {"clear", (PyCFunction)Lru_clear, METH_NOARGS, clear_doc},
+    {"attach", (PyCFunction)(void (*)(void))Lru_attach, METH_FASTCALL, attach_doc},
+    {"keys", (PyCFunction)Lru_keys, METH_NOARGS, keys_doc},
+    {"items", (PyCFunction)Lru_items, METH_NOARGS, items_doc},
+    {"__sizeof__", (PyCFunction)Lru_sizeof, METH_NOARGS, sizeof_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Lru_as_sequence = {
+    .sq_length = (lenfunc)Lru_len,
+    .sq_contains = (objobjproc)Lru_sq_contains,
+};
+
+PyDoc_STRVAR(Lru_doc,
+"LruIndex()\n\n"
+"An LRU-ordered set of (tag, str) keys: the storage behind the existence\n"
+"caches' per-page beliefs.  See hicache_existence.core.lru for the interface.");
+
+static PyTypeObject LruType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_existence.core._lru.LruIndex",
+    .tp_basicsize = sizeof(Lru),
+    .tp_dealloc = (destructor)Lru_dealloc,
+    .tp_repr = (reprfunc)Lru_repr,
+    .tp_as_sequence = &Lru_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Lru_doc,
+    .tp_iter = (getiterfunc)Lru_iter,
+    .tp_methods = Lru_methods,
+    .tp_new = Lru_new,
+};
+
+static struct PyModuleDef lru_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "hicache_existence.core._lru",
+    .m_doc = "Compiled LRU index behind the existence caches (optional accelerator).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__lru(void)
+{
+    if (PyType_Ready(&LruType) < 0 || PyType_Ready(&SamplerType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&lru_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&LruType);
+    if (PyModule_AddObject(m, "LruIndex", (PyObject *)&LruType) < 0) {
+        Py_DECREF(&LruType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SamplerType);
+    if (PyModule_AddObject(m, "Sampler", (PyObject *)&SamplerType) < 0) {
+        Py_DECREF(&SamplerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,422 @@
+"""The current API generation (sglang 0.5.23): one LRU of believed page hashes per pool.
+
+A drop-in for ``sglang.srt.mem_cache.buffer_mode.storage_existence_cache``:
+same classes, same methods, same results and LRU order for every operation
+sequence, plus always-on accounting.  It is faster than upstream because the
+beliefs live in an ``LruIndex`` (``hicache_existence.core.lru``): a whole chain is
+walked, inserted or evicted in one C call instead of a Python ``for`` loop over
+``OrderedDict`` methods, and the index is half the size of an ``OrderedDict``.
+
+Beliefs are advisory: a hit skips a redundant D2H copy and L3 write, a stale
+positive at worst skips write-backs until a prefetch shortfall heals it, a miss
+costs one idempotent write.  Every mutation must happen on the scheduler thread
+at lockstep points so TP replicas stay identical; reading ``stats()`` from another
+thread is safe.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
+
+from hicache_existence.core import _validate, lru
+from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.core.sampler import SamplerType
+from hicache_existence.core.stats import (
+    CLEARED,
+    EVICTED,
+    INVALIDATED,
+    CacheStats,
+    PoolCounters,
+    PoolStats,
+    make_cache_stats,
+)
+
+#: Upstream's default cap per pool (~32M tokens at page size 64).
+HICACHE_EXISTENCE_CACHE_MAX_ENTRIES = 512 * 1024
+
+MissMemoryFactory = Callable[[str], "MissMemory | None"]
+
+
+class PoolBeliefs:
+    """One pool's LRU of page hashes believed stored in L3, plus its refcounted
+    in-flight content (D2H launch to storage ack), with accounting."""
+
+    __slots__ = (
+        "name",
+        "_max_entries",
+        "_entries",
+        "_inflight",
+        "_counters",
+        "_memory",
+        "_missed",
+        "_observer",
+        "_sampler",
+    )
+
+    def __init__(
+        self,
+        max_entries: int = HICACHE_EXISTENCE_CACHE_MAX_ENTRIES,
+        name: str = "kv",
+        *,
+        miss_memory: MissMemory | None = None,
+        observer: BeliefObserver | None = None,
+        advisor: SamplerSource | None = None,
+    ) -> None:
+        self.name = _validate.pool_name(name, "name")
+        self._max_entries = _validate.count(max_entries, "max_entries", 1)
+        # Attribute names match upstream's, for code that peeks at them (the
+        # index supports len(), ``in`` and iteration in LRU order).
+        self._entries: lru.LruIndexType = lru.LruIndex()
+        self._inflight: dict[str, int] = {}
+        self._counters = PoolCounters()
+        self._memory = miss_memory
+        self._missed: list[str] = []
+        self._observer = observer
+        # The advisor's sampler is fed by the index itself; the cache reports
+        # only the walks the index cannot see end (misses, rescues, contains).
+        self._sampler: SamplerType | None = None
+        if advisor is not None:
+            self._sampler = advisor.sampler(self.name, lru.sampler_class(self._entries))
+            self._entries.attach(0, self._sampler)
+
+    # -- configuration -------------------------------------------------------
+    @property
+    def max_entries(self) -> int:
+        """The cap; lowering it takes effect at the next ``add``, as upstream."""
+        return self._max_entries
+
+    @max_entries.setter
+    def max_entries(self, value: int) -> None:
+        self._max_entries = _validate.count(value, "max_entries", 1)
+
+    # -- mutations -----------------------------------------------------------
+    def add(self, hashes: Iterable[str]) -> None:
+        """Insert or refresh every page in order, then evict oldest-first to the cap."""
+        seq = _validate.page_sequence(hashes)
+        entries = self._entries
+        n = len(seq)
+        # Pages already present (or repeated) move to the MRU end, as upstream.
+        inserted = entries.add(seq)
+        c = self._counters
+        c.adds += 1
+        c.inserts += inserted
+        c.refreshes += n - inserted
+        excess = len(entries) - self._max_entries
+        if excess > 0:
+            self._evict(excess)
+        if self._observer is not None:
+            self._observer.added(self.name, seq)
+
+    def _evict(self, excess: int) -> None:
+        """The one eviction path: pop the ``excess`` least recently used entries."""
+        memory = self._memory
+        if memory is None:
+            self._entries.evict(excess)
+        else:
+            if self._missed:
+                self.settle()
+            memory.remember(self._entries.evict_keys(excess).get(0, []), EVICTED)
+        self._counters.evictions += excess
+
+    def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
+        """Drop the beliefs beyond the leading ``keep_pages`` of ``hashes``
+        (absent pages are skipped); the next insert re-writes that span."""
+        keep = _validate.count(keep_pages, "keep_pages")
+        seq = _validate.page_hashes(hashes)
+        gone = self._entries.discard(seq[keep:])
+        c = self._counters
+        c.invalidate_calls += 1
+        c.invalidations += len(gone)
+        if gone and self._memory is not None:
+            if self._missed:
+                self.settle()
+            self._memory.remember(gone, INVALIDATED)
+        if self._observer is not None:
+            self._observer.invalidated(self.name, seq, keep)
+
+    def track_inflight(self, hashes: Iterable[str]) -> None:
+        """One ref per page at its D2H launch (several writes may carry the same page)."""
+        seq = _validate.page_hashes(hashes)
+        refs = self._inflight
+        get = refs.get
+        for h in seq:
+            refs[h] = get(h, 0) + 1
+        self._counters.inflight_tracked += len(seq)
+        if self._observer is not None:
+            self._observer.inflight(self.name, seq, 1)
+
+    def untrack_inflight(self, hashes: Iterable[str]) -> None:
+        """Drop one ref per page at the storage ack (or a failed launch)."""
+        seq = _validate.page_hashes(hashes)
+        refs = self._inflight
+        released = 0
+        for h in seq:
+            n = refs.get(h)
+            if n is None:
+                continue
+            released += 1
+            if n <= 1:
+                del refs[h]
+            else:
+                refs[h] = n - 1
+        self._counters.inflight_released += released
+        if self._observer is not None:
+            self._observer.inflight(self.name, seq, -1)
+
+    def clear(self) -> None:
+        """Forget every belief and in-flight ref (misses that follow are ``cleared``)."""
+        entries = self._entries
+        c = self._counters
+        c.clears += 1
+        c.cleared_pages += len(entries)
+        if entries and self._memory is not None:
+            if self._missed:
+                self.settle()
+            self._memory.remember(entries.keys(), CLEARED)
+        entries.clear()
+        self._inflight.clear()
+        if self._observer is not None:
+            self._observer.cleared(self.name, False)
+
+    def clear_inflight(self) -> None:
+        """Forget in-flight refs only (e.g. after the write pipeline is reset)."""
+        self._inflight.clear()
+        self._counters.inflight_clears += 1
+        if self._observer is not None:
+            self._observer.cleared(self.name, True)
+
+    # -- queries -------------------------------------------------------------
+    def contains(self, page_hash: str) -> bool:
+        """Whether one page is believed stored; a hit is LRU-touched."""
+        _validate.page_hash(page_hash)
+        c = self._counters
+        c.queries += 1
+        c.pages_checked += 1
+        if self._entries.touch(page_hash):
+            c.page_hits += 1
+            c.query_hits += 1
+            if self._sampler is not None:
+                self._sampler.walked((page_hash,), 1)
+            if self._observer is not None:
+                self._observer.touched(self.name, (page_hash,), 1)
+            return True
+        c.query_misses += 1
+        self._count_miss(page_hash, c)
+        if self._sampler is not None:
+            self._sampler.walked((page_hash,), 0)
+        if self._observer is not None:
+            self._observer.touched(self.name, (page_hash,), 0)
+        return False
+
+    def contains_all(self, hashes: Iterable[str]) -> bool:
+        """Whether every page is believed stored.  Stops at the first page that is
+        not; the pages before it are LRU-touched."""
+        return self._walk(_validate.page_sequence(hashes), None)
+
+    def covered(self, hashes: Iterable[str]) -> bool:
+        """Whether every page is believed stored or in flight.  Believed pages are
+        LRU-touched; in-flight-only pages count as rescues."""
+        return self._walk(_validate.page_sequence(hashes), self._inflight or None)
+
+    def _walk(self, seq: Sequence[str], cover: dict[str, int] | None) -> bool:
+        """A chain walk: the believed prefix touched in one C call; the rest
+        only on a miss."""
+        n = len(seq)
+        pos = self._entries.touch_prefix(seq)  # validates seq before any change
+        c = self._counters
+        c.queries += 1
+        if pos != n:
+            return self._walk_rest(seq, pos, cover, c)
+        c.query_hits += 1
+        c.pages_checked += n
+        c.page_hits += n
+        if n and self._observer is not None:
+            self._observer.touched(self.name, seq, n)
+        return True
+
+    def _walk_rest(
+        self,
+        seq: Sequence[str],
+        pos: int,
+        cover: dict[str, int] | None,
+        c: PoolCounters,
+    ) -> bool:
+        """Finish a walk from ``seq[pos]``, the first page not believed; the pages
+        before it were hits.  A Python loop, like upstream's: taken only when a
+        query misses or meets in-flight content."""
+        hits = pos
+        rescues = 0
+        if cover is not None:
+            touch = self._entries.touch
+            for h in islice(seq, pos, None):
+                if touch(h):
+                    hits += 1
+                elif h in cover:
+                    rescues += 1
+                else:
+                    break
+            else:
+                n = len(seq)
+                c.query_hits += 1
+                c.pages_checked += n
+                c.page_hits += hits
+                c.rescues += rescues
+                if self._sampler is not None:
+                    self._sampler.walked(seq, n)
+                if self._observer is not None:
+                    self._observer.touched(self.name, seq, n)
+                return True
+        stop = hits + rescues
+        c.query_misses += 1
+        c.pages_checked += stop + 1
+        c.page_hits += hits
+        c.rescues += rescues
+        self._count_miss(seq[stop], c)
+        if self._sampler is not None:
+            self._sampler.walked(seq, stop)
+        if self._observer is not None:
+            self._observer.touched(self.name, seq, stop)
+        return False
+
+    def _count_miss(self, page_hash: str, c: PoolCounters) -> None:
+        c.page_misses += 1
+        if self._memory is not None:
+            # Classified in a batch later (``settle``): a list append is all a
+            # miss pays for its reason.
+            self._missed.append(page_hash)
+
+    def settle(self) -> None:
+        """Classify the misses recorded since the last call (miss reasons).
+
+        Runs automatically before the miss memory changes, so every miss gets
+        the reason it had when it happened; the per-step hook calls it so that
+        exported reasons lag by at most one step.  Scheduler thread only.
+        """
+        missed = self._missed
+        if not missed or self._memory is None:
+            return
+        self._missed = []
+        counts = self._counters.miss_reasons
+        for reason, n in Counter(self._memory.classify(missed)).items():
+            counts[reason] += n
+
+    # -- introspection -------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (
+            f"PoolBeliefs(name={self.name!r}, entries={len(self._entries)}, "
+            f"max_entries={self._max_entries}, inflight={len(self._inflight)})"
+        )
+
+    def lru_keys(self) -> tuple[str, ...]:
+        """Believed page hashes, least recently used first (O(entries); for tests)."""
+        return tuple(self._entries.keys())
+
+    def inflight_refs(self) -> dict[str, int]:
+        """A copy of the in-flight refcounts."""
+        return dict(self._inflight)
+
+    def stats(self) -> PoolStats:
+        """An immutable snapshot of this pool's accounting, O(1)."""
+        return self._counters.snapshot(
+            self.name, len(self._entries), self._max_entries, len(self._inflight)
+        )
+
+
+#: Upstream's name for the per-pool class.
+PoolExistenceBeliefs = PoolBeliefs
+
+
+class StorageExistenceCache:
+    """The beliefs of every storage pool, each created on first use.
+
+    ``miss_memory`` is a factory ``pool name -> MissMemory`` (or ``None``) used for
+    each new pool; ``observer`` sees every operation of every pool; ``advisor``
+    (the capacity advisor) gives each new pool a sampler its index feeds.  All
+    are off by default, and constructing with no arguments is exactly upstream's
+    call.
+    """
+
+    def __init__(
+        self,
+        max_entries: int = HICACHE_EXISTENCE_CACHE_MAX_ENTRIES,
+        *,
+        miss_memory: MissMemoryFactory | None = None,
+        observer: BeliefObserver | None = None,
+        advisor: SamplerSource | None = None,
+    ) -> None:
+        self._max_entries = _validate.count(max_entries, "max_entries", 1)
+        self._pools: dict[str, PoolBeliefs] = {}
+        self._miss_memory = miss_memory
+        self._observer = observer
+        self._advisor = advisor
+
+    @property
+    def max_entries(self) -> int:
+        """The cap given to pools created from now on (existing pools keep theirs)."""
+        return self._max_entries
+
+    @max_entries.setter
+    def max_entries(self, value: int) -> None:
+        self._max_entries = _validate.count(value, "max_entries", 1)
+
+    def pool(self, name: str) -> PoolBeliefs:
+        """The beliefs of pool ``name``, created on first use."""
+        try:
+            beliefs = self._pools.get(name)
+        except TypeError:  # unhashable: let the validator word the error
+            beliefs = None
+        if beliefs is None:
+            key = _validate.pool_name(name, "name")
+            beliefs = self._pools.get(key)
+            if beliefs is None:
+                memory = self._miss_memory(key) if self._miss_memory else None
+                beliefs = PoolBeliefs(
+                    self._max_entries,
+                    key,
+                    miss_memory=memory,
+                    observer=self._observer,
+                    advisor=self._advisor,
+                )
+                self._pools[key] = beliefs
+        return beliefs
+
+    def pools(self) -> tuple[PoolBeliefs, ...]:
+        """Every pool created so far, in creation order."""
+        return tuple(self._pools.values())
+
+    def pool_names(self) -> tuple[str, ...]:
+        """Names of the pools created so far, in creation order."""
+        return tuple(self._pools)
+
+    def clear(self) -> None:
+        """Clear every pool (beliefs and in-flight refs)."""
+        for beliefs in list(self._pools.values()):
+            beliefs.clear()
+
+    def clear_inflight(self) -> None:
+        """Drop every pool's in-flight refs."""
+        for beliefs in list(self._pools.values()):
+            beliefs.clear_inflight()
+
+    def settle(self) -> None:
+        """Classify every pool's pending misses (see ``PoolBeliefs.settle``)."""
+        for beliefs in list(self._pools.values()):
+            beliefs.settle()
+
+    def __len__(self) -> int:
+        """Entries over all pools."""
+        return sum(len(b) for b in list(self._pools.values()))
+
+    def __repr__(self) -> str:
+        return f"StorageExistenceCache(max_entries={self._max_entries}, pools={list(self._pools)})"
+
+    def stats(self) -> CacheStats:
+        """An immutable snapshot of every pool, O(pools); safe from another thread."""
+        return make_cache_stats(
+            {name: beliefs.stats() for name, beliefs in list(self._pools.items())}
+        )

@@ -1,0 +1,290 @@
+"""The LRU index behind both cache generations, compiled when possible.
+
+Both caches keep their beliefs in an ``LruIndex``: an LRU-ordered set of
+``(tag, page_hash)`` keys, where the tag is a small int naming the pool (the
+seed generation shares one index among pools; the current generation gives each
+pool its own and uses tag 0).  The caches do their accounting around it; the
+index only stores, orders and evicts.
+
+Two implementations with one interface:
+
+* ``hicache_existence.core._lru.LruIndex`` (C, built at install time when a compiler
+  is present): one 8-byte table slot and one 24-byte node per entry, a touch is
+  one probe and one relink.  It is what makes the caches beat the seed's and
+  upstream's ``OrderedDict`` by the factors in ``docs/design.md``.
+* ``PyLruIndex`` (below): the same operations on an ``OrderedDict``, keys ``str``
+  for tag 0 and ``(tag, str)`` otherwise, per-page work inside C iterators.  It is
+  the fallback where the extension is not built, and the reference the
+  extension is tested against.
+
+``HICACHE_EXISTENCE_BACKEND`` (read once, at import) picks one: ``auto`` (the
+default: compiled if importable), ``c`` (compiled or ImportError) or ``python``.
+Every method validates all its input before it changes anything: a non-``str``
+page raises ``TypeError`` naming its index and leaves the index as it was.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import repeat
+from operator import itemgetter
+from types import ModuleType
+from typing import Protocol, cast
+
+from hicache_existence.core import _validate
+from hicache_existence.core.sampler import PySampler, SamplerType
+
+#: Drains an iterator in C without keeping anything (itertools "consume" recipe).
+_exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+_ABSENT = object()
+
+#: Import-time switch between the two implementations (see the module docstring).
+ENV_BACKEND = "HICACHE_EXISTENCE_BACKEND"
+
+
+class LruIndexType(Protocol):
+    """The interface both implementations provide."""
+
+    def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int: ...
+    def touch(self, page_hash: str, tag: int = 0, /) -> bool: ...
+    def contains(self, page_hash: str, tag: int = 0, /) -> bool: ...
+    def add(self, hashes: Sequence[str], tag: int = 0, /) -> int: ...
+    def evict(self, count: int, /) -> dict[int, int]: ...
+    def evict_keys(self, count: int, /) -> dict[int, list[str]]: ...
+    def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]: ...
+    def clear(self) -> None: ...
+    def keys(self) -> list[str]: ...
+    def items(self) -> list[tuple[int, str]]: ...
+    def attach(self, tag: int, sampler: SamplerType | None, /) -> None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, page_hash: object) -> bool: ...
+    def __iter__(self) -> Iterator[str]: ...
+
+
+def _check_key(page_hash: object) -> None:
+    if not isinstance(page_hash, str):
+        raise TypeError(f"page hash must be a str, got {type(page_hash).__name__}")
+
+
+_STR_ONLY = frozenset({str})
+
+
+def _exact(seq: Sequence[str]) -> Sequence[str]:
+    """Exact ``str`` copies of subclass items (stored keys are plain ``str``)."""
+    if {*map(type, seq)} <= _STR_ONLY:  # one C pass
+        return seq
+    return [h if type(h) is str else str.__str__(h) for h in seq]
+
+
+class PyLruIndex:
+    """Pure-Python ``LruIndex``: one ``OrderedDict``; tag-0 keys are the ``str``
+    itself (no tuple to build or hash), other tags ``(tag, str)``.  While no
+    tagged key was added (the current generation never adds one) every key is a
+    ``str`` and evictions and listings skip the per-key sorting by tag."""
+
+    __slots__ = ("_od", "_tagged", "_samplers")
+
+    def __init__(self) -> None:
+        self._od: OrderedDict[str | tuple[int, str], None] = OrderedDict()
+        self._tagged = False
+        self._samplers: dict[int, PySampler] = {}
+
+    def attach(self, tag: int, sampler: SamplerType | None, /) -> None:
+        """Feed ``sampler`` (a ``PySampler``; None detaches) with ``tag``'s complete
+        ``touch_prefix`` walks, adds, discards and clears."""
+        tag = _validate.index_tag(tag)
+        if sampler is None:
+            self._samplers.pop(tag, None)
+            return
+        if not isinstance(sampler, PySampler):
+            raise TypeError(f"sampler must be a PySampler or None, got {type(sampler).__name__}")
+        self._samplers[tag] = sampler
+
+    def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int:
+        tag = _validate.index_batch(hashes, tag)
+        move_to_end = self._od.move_to_end
+        try:
+            if tag == 0:
+                _exhaust(map(move_to_end, hashes))
+            else:
+                _exhaust(map(move_to_end, zip(repeat(tag), hashes)))
+        except KeyError as miss:
+            # Any earlier occurrence of the missing page would have raised there,
+            # so its first index is where the walk stopped.  A tuple key may
+            # arrive as the exception's args tuple itself.
+            key = miss.args[0] if tag == 0 or len(miss.args) == 1 else miss.args
+            return hashes.index(key if tag == 0 else key[1])
+        if self._samplers and hashes:
+            sampler = self._samplers.get(tag)
+            if sampler is not None:
+                sampler._fed(hashes, tag, True)
+        return len(hashes)
+
+    def touch(self, page_hash: str, tag: int = 0, /) -> bool:
+        _check_key(page_hash)
+        tag = _validate.index_tag(tag)
+        key = page_hash if tag == 0 else (tag, page_hash)
+        od = self._od
+        if key in od:
+            od.move_to_end(key)
+            return True
+        return False
+
+    def contains(self, page_hash: str, tag: int = 0, /) -> bool:
+        _check_key(page_hash)
+        tag = _validate.index_tag(tag)
+        return (page_hash if tag == 0 else (tag, page_hash)) in self._od
+
+    def add(self, hashes: Sequence[str], tag: int = 0, /) -> int:
+        tag = _validate.index_batch(hashes, tag)
+        seq = _exact(hashes)
+        if tag:
+            self._tagged = True
+        keys = seq if tag == 0 else list(zip(repeat(tag), seq))
+        od = self._od
+        before = len(od)
+        for key in keys:  # measured faster than OrderedDict.update(zip(...))
+            od[key] = None
+        inserted = len(od) - before
+        if inserted != len(keys):
+            # Some pages were present or repeated: re-touch in order so the last
+            # occurrence of each page decides its LRU position.
+            _exhaust(map(od.move_to_end, keys))
+        if self._samplers:
+            sampler = self._samplers.get(tag)
+            if sampler is not None:
+                sampler._fed(seq, tag, False)
+        return inserted
+
+    def evict(self, count: int, /) -> dict[int, int]:
+        n, pops = self._pops(count)
+        if not self._tagged:  # every key is a tag-0 str: drain in C
+            _exhaust(pops)
+            return {0: n} if n else {}
+        out: dict[int, int] = {}
+        for key, _ in pops:
+            t = 0 if isinstance(key, str) else key[0]
+            out[t] = out.get(t, 0) + 1
+        return out
+
+    def evict_keys(self, count: int, /) -> dict[int, list[str]]:
+        _, pops = self._pops(count)
+        popped = list(map(itemgetter(0), pops))
+        if not self._tagged:
+            return {0: cast("list[str]", popped)} if popped else {}
+        out: dict[int, list[str]] = {}
+        for key in popped:
+            if isinstance(key, str):
+                out.setdefault(0, []).append(key)
+            else:
+                out.setdefault(key[0], []).append(key[1])
+        return out
+
+    def _pops(self, count: int) -> tuple[int, Iterator[tuple[str | tuple[int, str], None]]]:
+        """How many of the oldest entries ``count`` removes, and a lazy iterator
+        that removes them (oldest first) as it is consumed."""
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        od = self._od
+        n = min(count, len(od))
+        return n, map(od.popitem, repeat(False, n))
+
+    def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]:
+        tag = _validate.index_batch(hashes, tag)
+        if self._samplers:
+            sampler = self._samplers.get(tag)
+            if sampler is not None:
+                sampler.removed(hashes, tag)
+        keys = hashes if tag == 0 else list(zip(repeat(tag), hashes))
+        results = list(map(self._od.pop, keys, repeat(_ABSENT)))
+        return [h for h, r in zip(hashes, results) if r is not _ABSENT]
+
+    def clear(self) -> None:
+        for sampler in self._samplers.values():
+            sampler.clear()
+        self._od.clear()
+        self._tagged = False
+
+    def keys(self) -> list[str]:
+        if not self._tagged:
+            return list(self._od)  # type: ignore[arg-type]
+        return [key if isinstance(key, str) else key[1] for key in self._od]
+
+    def items(self) -> list[tuple[int, str]]:
+        if not self._tagged:
+            return list(zip(repeat(0), self._od))  # type: ignore[arg-type]
+        return [(0, key) if isinstance(key, str) else key for key in self._od]
+
+    def __len__(self) -> int:
+        return len(self._od)
+
+    def __contains__(self, page_hash: object) -> bool:
+        return isinstance(page_hash, str) and page_hash in self._od
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __repr__(self) -> str:
+        return f"<PyLruIndex entries={len(self._od)}>"
+
+
+def _choice() -> str:
+    choice = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "c", "python"):
+        raise ValueError(f"{ENV_BACKEND} must be auto, c or python, got {choice!r}")
+    return choice
+
+
+def compiled(name: str) -> ModuleType | None:
+    """The compiled module ``hicache_existence.<name>`` if the backend switch
+    allows it and it is built, else ``None`` (``c`` makes a missing build an
+    ImportError)."""
+    choice = _choice()
+    if choice == "python":
+        return None
+    try:
+        return importlib.import_module(f"hicache_existence.{name}")
+    except ImportError:
+        if choice == "c":
+            raise
+        return None
+
+
+def _select() -> tuple[Callable[[], LruIndexType], Callable[..., SamplerType], str]:
+    module = compiled("_lru")
+    if module is not None:
+        return module.LruIndex, module.Sampler, "c"
+    return PyLruIndex, PySampler, "python"
+
+
+#: The implementation the caches use, its sampler (the one ``attach`` takes:
+#: ``Sampler(threshold, max_keys, half_life=0)``), and its name ("c" or "python").
+LruIndex, Sampler, BACKEND = _select()
+
+#: Bytes one entry costs at full cap (512K entries, CPython 3.11, tracemalloc,
+#: hash strings excluded): the compiled index's 8-byte slot at <= 3/4 load plus
+#: its 24-byte node; an ``OrderedDict`` entry.  Used for the memory estimate
+#: metric and to size the miss-reason memory.
+BYTES_PER_ENTRY = 40.0 if BACKEND == "c" else 77.3
+
+
+def c_index() -> Callable[[], LruIndexType] | None:
+    """The compiled implementation, or ``None`` when it is not built."""
+    try:
+        from hicache_existence.core._lru import LruIndex as CLruIndex
+    except ImportError:
+        return None
+    return CLruIndex  # type: ignore[no-any-return]
+
+
+def sampler_class(index: LruIndexType) -> Callable[..., SamplerType]:
+    """The sampler type ``index.attach`` takes (``PySampler`` for the pure-Python
+    index, the compiled ``Sampler`` for the compiled one)."""
+    if isinstance(index, PyLruIndex):
+        return PySampler
+    from hicache_existence.core._lru import Sampler as CSampler
+
+    return CSampler  # type: ignore[no-any-return]

@@ -1,0 +1,112 @@
+"""The two extension points of the cache core, as protocols.
+
+Both are called once per *operation* with the whole batch, never once per page,
+and only when installed (an ``is not None`` test otherwise), so the core pays
+nothing for features that are off.
+
+* ``MissMemory`` remembers why pages left the belief set (evicted, invalidated,
+  cleared) so that a later miss on the same page can be classified: the answer to
+  "why was this page written to L3 again?".
+* ``BeliefObserver`` sees every mutating or touching operation in order, with the
+  call's inputs.  The TP-divergence digest is one: replicas that saw the same
+  operation stream hold the same state.
+* ``SamplerSource`` hands out one reference-stream ``Sampler`` per pool, which the
+  cache attaches to its LRU index: the capacity advisor.  Unlike an observer it
+  costs the hot path no Python call (``hicache_existence.core.sampler``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from hicache_existence.core.sampler import SamplerType
+
+
+@runtime_checkable
+class MissMemory(Protocol):
+    """Bounded memory of pages that left a pool's belief set, and why."""
+
+    def remember(self, keys: Sequence[str], reason: int) -> None:
+        """Record that ``keys`` left the belief set for ``reason`` (a
+        ``stats.MISS_REASONS`` index other than ``COLD``)."""
+
+    def reason(self, key: str) -> int:
+        """Classify a miss on ``key``: the ``stats.MISS_REASONS`` index."""
+
+    def classify(self, keys: Sequence[str]) -> Iterable[int]:
+        """Classify a batch of misses at once (``reason`` for each key).  The
+        cache defers classification to batch boundaries: a miss only appends
+        its key, and ``classify`` runs before the memory next changes (so the
+        answer is the one the miss would have got) or at the step boundary."""
+
+
+@runtime_checkable
+class BeliefObserver(Protocol):
+    """Receives every state-changing (or LRU-touching) operation of a cache."""
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        """``add`` completed (its evictions included)."""
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        """A lookup of a non-empty ``hashes`` walked ``hashes[:stop]``; believed
+        pages among them were touched (moved to most recent).  ``stop <
+        len(hashes)`` means the lookup missed at ``hashes[stop]`` (``stop == 0``:
+        nothing was touched, the first page missed)."""
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        """``invalidate_beyond(hashes, keep_pages)`` completed."""
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """``track_inflight`` (``delta=+1``) or ``untrack_inflight`` (``-1``)."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        """``clear`` (or ``clear_inflight`` when ``inflight_only``)."""
+
+
+@runtime_checkable
+class SamplerSource(Protocol):
+    """Gives each pool the sampler its index should feed (the capacity advisor)."""
+
+    def sampler(
+        self, pool: str, factory: Callable[..., SamplerType] | None = None
+    ) -> SamplerType:
+        """``pool``'s sampler, made with ``factory`` (what the index takes) if new."""
+
+
+class Tee:
+    """Fans one cache's operation stream out to several observers, in order.
+
+    The cache holds one observer reference; features that each need the stream
+    (TP digest, reconciler) are combined here.
+    """
+
+    __slots__ = ("observers",)
+
+    def __init__(self, *observers: BeliefObserver) -> None:
+        self.observers = tuple(observers)
+
+    def append(self, observer: BeliefObserver) -> None:
+        """Add an observer that needs the cache to exist first (the reconciler):
+        build the ``Tee``, then the cache, then append.  Scheduler thread only."""
+        self.observers = (*self.observers, observer)
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        for o in self.observers:
+            o.added(pool, hashes)
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        for o in self.observers:
+            o.touched(pool, hashes, stop)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        for o in self.observers:
+            o.invalidated(pool, hashes, keep_pages)
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        for o in self.observers:
+            o.inflight(pool, hashes, delta)
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        for o in self.observers:
+            o.cleared(pool, inflight_only)

@@ -1,0 +1,94 @@
+"""Heal policies: how a storage verdict corrects one pool's beliefs.
+
+Same contract as upstream's ``PoolBeliefPolicy`` family, so sglang code that picks
+a policy and calls it on our ``PoolBeliefs`` behaves identically.  The verdict
+inputs (``hit_pages``, ``evidence``) are already MIN-reduced across TP ranks by the
+caller, which is what keeps replicas identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from hicache_existence.core import _validate
+
+
+class _Beliefs(Protocol):
+    def add(self, hashes: Sequence[str]) -> None: ...
+
+    def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None: ...
+
+
+class PoolBeliefPolicy:
+    """How a pool's keys sit on a node's page-hash chain, hence how a rank-agreed
+    hit-query boundary or a transfer's delivered page count heals its beliefs."""
+
+    def heal_from_query(
+        self,
+        beliefs: _Beliefs,
+        chain: Sequence[str],
+        keys: Sequence[str],
+        hit_pages: int,
+        *,
+        evidence: bool,
+    ) -> None:
+        raise NotImplementedError
+
+    def heal_from_transfer(
+        self, beliefs: _Beliefs, keys: Sequence[str], delivered_pages: int
+    ) -> None:
+        """A transfer delivered only ``delivered_pages``: the rest is not stored."""
+        delivered = _validate.count(delivered_pages, "delivered_pages")
+        beliefs.invalidate_beyond(_validate.page_hashes(keys, "keys"), delivered)
+
+
+class ChainPagesPolicy(PoolBeliefPolicy):
+    """One key per chain page (ALL_PAGES): every rank verified the chain up to the
+    agreed boundary, so beyond it is invalidated and, with evidence, up to it is
+    learnt."""
+
+    def heal_from_query(
+        self,
+        beliefs: _Beliefs,
+        chain: Sequence[str],
+        keys: Sequence[str],
+        hit_pages: int,
+        *,
+        evidence: bool,
+    ) -> None:
+        # Validate first: a policy either heals completely or changes nothing.
+        hit = _validate.count(hit_pages, "hit_pages")
+        pages = _validate.page_hashes(chain, "chain")
+        beliefs.invalidate_beyond(pages, hit)
+        if evidence:
+            beliefs.add(pages[:hit])
+
+
+class TrailingWindowPolicy(PoolBeliefPolicy):
+    """Keys are a trailing window of the chain (TRAILING_PAGES, e.g. SWA, Mamba):
+    a rank only verified the window ending at its own boundary, so a query only
+    invalidates; acks and fills teach presence."""
+
+    def heal_from_query(
+        self,
+        beliefs: _Beliefs,
+        chain: Sequence[str],
+        keys: Sequence[str],
+        hit_pages: int,
+        *,
+        evidence: bool,
+    ) -> None:
+        hit = _validate.count(hit_pages, "hit_pages")
+        beliefs.invalidate_beyond(_validate.page_hashes(chain, "chain"), hit)
+
+
+def default_belief_policy(hit_policy: object) -> PoolBeliefPolicy:
+    """The built-in policy for a pool no component claims: trailing-window pools
+    only invalidate, every other hit policy heals as chain pages.
+
+    ``hit_policy`` is sglang's ``PoolHitPolicy`` (a str enum) or its string value.
+    """
+    if hit_policy == "trailing_pages":
+        return TrailingWindowPolicy()
+    return ChainPagesPolicy()

@@ -1,0 +1,488 @@
+"""Every exported metric, once: name, type, help, labels, unit and source.
+
+The standalone Prometheus collector, the multiprocess feeder, the OpenTelemetry
+instruments, ``docs/metrics.md`` and the dashboards all read this table, so a
+metric cannot be exported under two names or documented differently from what
+is exported (``tests/test_catalog.py`` keeps the doc equal to it).
+
+Conventions (Prometheus naming): one prefix ``hicache_existence_``, base units
+(``_bytes``), counters exposed with ``_total``; ratios are left to PromQL.
+Every series carries the deployment labels (``DeploymentLabels``) and ``pool``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from hicache_existence.config import redact_url
+from hicache_existence.core.stats import MISS_REASONS
+
+PREFIX = "hicache_existence_"
+
+#: Label values of ``page_misses``: the classified reasons, plus ``unclassified``
+#: for pools without miss-reason memory (so the reasons always sum to the misses).
+MISS_REASON_LABELS: tuple[str, ...] = (*MISS_REASONS, "unclassified")
+
+#: The label of pools beyond ``metrics.max_pools``.
+OTHER_POOL = "other"
+
+#: Deployment labels, in label order (SGLang's own metric labels).
+DEPLOYMENT_LABELS: tuple[str, ...] = (
+    "model_name",
+    "engine_type",
+    "tp_rank",
+    "dp_rank",
+    "pp_rank",
+    "storage_backend",
+)
+
+#: Gauges are per-process values told apart by the rank labels; ``mostrecent``
+#: keeps one series per label set (no ``pid`` label) and lets a restarted rank's
+#: fresh value replace its dead predecessor's.  See docs/metrics.md.
+GAUGE_MULTIPROCESS_MODE: Literal["mostrecent"] = "mostrecent"
+
+Kind = Literal["counter", "gauge"]
+Source = Literal["cache", "writes", "memory"]
+
+_MAX_LABEL_VALUE = 128
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric family."""
+
+    #: Family name without the ``_total`` suffix of counters.
+    name: str
+    kind: Kind
+    help: str
+    #: Prometheus unit (a name suffix; only base units) or "".
+    unit: str
+    #: What it is read from: a ``PoolStats`` field (``cache``), a
+    #: ``PoolWriteStats`` attribute (``writes``) or the memory estimate.
+    source: Source
+    field: str
+    #: OpenTelemetry unit (UCUM; curly braces for counted things).
+    otel_unit: str
+    #: Labels after the deployment labels and ``pool``.
+    extra_labels: tuple[str, ...] = ()
+
+    @property
+    def exposed_name(self) -> str:
+        """The sample name on ``/metrics``."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return (*DEPLOYMENT_LABELS, "pool", *self.extra_labels)
+
+
+def _c(name: str, help: str, field: str, otel_unit: str, source: Source = "cache") -> MetricSpec:
+    unit = "bytes" if name.endswith("_bytes") else ""
+    return MetricSpec(PREFIX + name, "counter", help, unit, source, field, otel_unit)
+
+
+def _g(name: str, help: str, field: str, otel_unit: str, source: Source = "cache") -> MetricSpec:
+    unit = "bytes" if name.endswith("_bytes") else ""
+    return MetricSpec(PREFIX + name, "gauge", help, unit, source, field, otel_unit)
+
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # -- lookups ---------------------------------------------------------------
+    _c(
+        "queries",
+        "Lookups: contains, contains_all, covered and covers_all calls.",
+        "queries",
+        "{query}",
+    ),
+    _c("query_hits", "Lookups that answered True (every page covered).", "query_hits", "{query}"),
+    _c(
+        "query_misses",
+        "Lookups that answered False (stopped at an uncovered page).",
+        "query_misses",
+        "{query}",
+    ),
+    _c(
+        "pages_checked",
+        "Pages examined by lookups, up to and including the stopping page.",
+        "pages_checked",
+        "{page}",
+    ),
+    _c("page_hits", "Examined pages found believed stored (LRU-touched).", "page_hits", "{page}"),
+    _c(
+        "page_rescues",
+        "Examined pages not believed but covered by an in-flight write (covered) or "
+        "extra_cover (covers_all): extra-cover rescues.",
+        "rescues",
+        "{page}",
+    ),
+    MetricSpec(
+        PREFIX + "page_misses",
+        "counter",
+        "Examined pages not covered (at most one per lookup), by reason: cold (never "
+        "believed), evicted (dropped by the cap), invalidated (dropped by "
+        "invalidate_beyond or a heal), cleared; unclassified without miss-reason memory.",
+        "",
+        "cache",
+        "misses_by_reason",
+        "{page}",
+        ("reason",),
+    ),
+    # -- mutations -------------------------------------------------------------
+    _c("add_calls", "add() calls (storage acks and fill commits).", "adds", "{call}"),
+    _c("page_inserts", "Pages added that were not believed before.", "inserts", "{page}"),
+    _c(
+        "page_refreshes",
+        "Pages added that were already believed (moved to most recent).",
+        "refreshes",
+        "{page}",
+    ),
+    _c(
+        "evictions",
+        "Entries dropped by the cap (least recently used first).",
+        "evictions",
+        "{entry}",
+    ),
+    _c(
+        "invalidate_calls",
+        "invalidate_beyond() calls (heals after a prefetch shortfall).",
+        "invalidate_calls",
+        "{call}",
+    ),
+    _c("invalidations", "Entries dropped by invalidate_beyond().", "invalidations", "{entry}"),
+    _c("clears", "clear() calls that reached the pool.", "clears", "{call}"),
+    _c("cleared_pages", "Entries dropped by clears.", "cleared_pages", "{entry}"),
+    _c("inflight_tracked", "In-flight refs taken at D2H launch.", "inflight_tracked", "{ref}"),
+    _c(
+        "inflight_released", "In-flight refs released at storage ack.", "inflight_released", "{ref}"
+    ),
+    _c(
+        "inflight_clears",
+        "clear_inflight() calls that reached the pool.",
+        "inflight_clears",
+        "{call}",
+    ),
+    # -- state -----------------------------------------------------------------
+    _g("entries", "Page hashes currently believed stored.", "entries", "{entry}"),
+    _g(
+        "capacity_entries",
+        "The cap: per pool (current generation) or the one cap shared by every pool (seed).",
+        "capacity",
+        "{entry}",
+    ),
+    _g("inflight_pages", "Distinct pages with in-flight refs.", "inflight", "{page}"),
+    _g(
+        "memory_bytes",
+        "Estimated memory: entries x measured bytes per entry, plus the miss-reason "
+        "memory's real size.",
+        "memory_bytes",
+        "By",
+        "memory",
+    ),
+    _g(
+        "miss_memory_bytes",
+        "Real size of the miss-reason memory (0 when disabled).",
+        "miss_memory_bytes",
+        "By",
+        "memory",
+    ),
+    # -- write accounting --------------------------------------------------------
+    _c("written_pages", "Pages written to L3 storage.", "written", "{page}", "writes"),
+    _c(
+        "written_bytes",
+        "Bytes written to L3 storage (pages x page size).",
+        "written_bytes",
+        "By",
+        "writes",
+    ),
+    _c(
+        "write_avoided_pages",
+        "Pages admitted without a write because they were believed stored.",
+        "avoided",
+        "{page}",
+        "writes",
+    ),
+    _c(
+        "write_avoided_bytes",
+        "Bytes not written because the pages were believed stored.",
+        "avoided_bytes",
+        "By",
+        "writes",
+    ),
+    _c(
+        "redundant_written_pages",
+        "Written pages that ground truth says were already stored (a subset of written).",
+        "redundant",
+        "{page}",
+        "writes",
+    ),
+    _c("redundant_written_bytes", "Bytes of redundant writes.", "redundant_bytes", "By", "writes"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
+
+
+# ---------------------------------------------------------------------------
+# feature metrics: TP-divergence checks, the reconciler, the capacity advisor
+
+FeatureKind = Literal["counter", "gauge", "histogram"]
+FeatureSource = Literal["divergence", "reconciler", "advisor"]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One metric family of an optional feature.  Its labels follow the
+    deployment labels; a ``pool`` label, where present, is bounded like the cache
+    metrics' (``metrics.max_pools``)."""
+
+    name: str
+    kind: FeatureKind
+    help: str
+    unit: str
+    source: FeatureSource
+    labels: tuple[str, ...]
+    otel_unit: str
+
+    @property
+    def exposed_name(self) -> str:
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return (*DEPLOYMENT_LABELS, *self.labels)
+
+
+def _f(
+    name: str,
+    kind: FeatureKind,
+    source: FeatureSource,
+    help: str,
+    otel_unit: str,
+    labels: tuple[str, ...] = (),
+) -> FeatureSpec:
+    unit = "seconds" if name.endswith("_seconds") else ""
+    return FeatureSpec(PREFIX + name, kind, help, unit, source, labels, otel_unit)
+
+
+FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
+    _f(
+        "divergence_checks",
+        "counter",
+        "divergence",
+        "Cross-rank replica checks completed.",
+        "{check}",
+    ),
+    _f(
+        "divergences",
+        "counter",
+        "divergence",
+        "Checks that found this rank's replica differing from the others (or others from it).",
+        "{check}",
+    ),
+    _f(
+        "divergence_heals",
+        "counter",
+        "divergence",
+        "Heals: pools cleared on every rank at the same step after a divergence.",
+        "{heal}",
+    ),
+    _f(
+        "divergence_check_failures",
+        "counter",
+        "divergence",
+        "Checks whose collective failed (reason: timeout, error); the checker stops after one.",
+        "{check}",
+        ("reason",),
+    ),
+    _f(
+        "divergence_config_mismatches",
+        "counter",
+        "divergence",
+        "Start-up handshakes that found ranks configured differently (checks stay off).",
+        "{check}",
+    ),
+    _f(
+        "divergence_check_seconds",
+        "counter",
+        "divergence",
+        "Seconds spent in checks (with checks_total: the mean check duration).",
+        "s",
+    ),
+    _f(
+        "divergence_last_check_step",
+        "gauge",
+        "divergence",
+        "Scheduler step of the last completed check (0: none yet).",
+        "{step}",
+    ),
+    _f(
+        "divergence_last_detected_step",
+        "gauge",
+        "divergence",
+        "Scheduler step of the last detected divergence (0: none).",
+        "{step}",
+    ),
+    _f(
+        "divergence_active",
+        "gauge",
+        "divergence",
+        "1 while checks run (enabled, handshake passed, no failed collective).",
+        "1",
+    ),
+    _f(
+        "reconciler_queries",
+        "counter",
+        "reconciler",
+        "Ground-truth verifications by result: present (every page in L3), absent (a page "
+        "is missing, trusted), untrusted (a short answer the ledger cannot prove), error, "
+        "timeout, rejected (circuit open), void (the pool was cleared meanwhile).",
+        "{query}",
+        ("pool", "result"),
+    ),
+    _f(
+        "reconciler_stale_positives",
+        "counter",
+        "reconciler",
+        "Verifications that found believed pages missing from L3.",
+        "{query}",
+        ("pool",),
+    ),
+    _f(
+        "reconciler_pages_invalidated",
+        "counter",
+        "reconciler",
+        "Beliefs removed by agreed ground-truth verdicts.",
+        "{page}",
+        ("pool",),
+    ),
+    _f(
+        "reconciler_pages_learnt",
+        "counter",
+        "reconciler",
+        "Pages added to beliefs because L3 holds them (e.g. written by another instance).",
+        "{page}",
+        ("pool",),
+    ),
+    _f(
+        "reconciler_errors",
+        "counter",
+        "reconciler",
+        "Ground-truth errors by kind (never evidence of absence).",
+        "{error}",
+        ("kind",),
+    ),
+    _f(
+        "reconciler_circuit_open",
+        "gauge",
+        "reconciler",
+        "1 while the circuit breaker is open or half-open (queries paused), else 0.",
+        "1",
+    ),
+    _f(
+        "reconciler_outstanding_queries",
+        "gauge",
+        "reconciler",
+        "Verifications queued or in flight.",
+        "{query}",
+    ),
+    _f(
+        "reconciler_query_seconds",
+        "histogram",
+        "reconciler",
+        "Ground-truth query latency, worker side.",
+        "s",
+    ),
+    _f(
+        "advisor_estimated_hit_ratio",
+        "gauge",
+        "advisor",
+        "Estimated page hit ratio if the pool's cap were cap_multiplier x the current cap "
+        "(SHARDS sampling; absent until enough references were seen).",
+        "1",
+        ("pool", "cap_multiplier"),
+    ),
+    _f(
+        "advisor_estimated_lookup_hit_ratio",
+        "gauge",
+        "advisor",
+        "Estimated hit ratio of lookups alone (each lookup's walked pages and its miss page) "
+        "at cap_multiplier x the current cap: the curve to size the cap by in buffer mode, "
+        "where prefetch healing re-teaches beliefs (docs/capacity.md).",
+        "1",
+        ("pool", "cap_multiplier"),
+    ),
+    _f(
+        "advisor_dropped_references",
+        "counter",
+        "advisor",
+        "Sampled page references the advisor could not record (its sampler could not "
+        "allocate memory; the estimate is biased low while this grows).",
+        "{page}",
+    ),
+)
+
+FEATURE_BY_NAME: dict[str, FeatureSpec] = {spec.name: spec for spec in FEATURE_CATALOG}
+
+
+@dataclass(frozen=True)
+class DeploymentLabels:
+    """Labels set once per process from configuration and the runtime (the
+    ranks are known only inside the scheduler process)."""
+
+    model_name: str = ""
+    engine_type: str = "unified"
+    tp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    storage_backend: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_rank"):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{f.name} must be an int, got {type(value).__name__}")
+                if value < 0:
+                    raise ValueError(f"{f.name} must be >= 0, got {value}")
+            else:
+                if not isinstance(value, str):
+                    raise TypeError(f"{f.name} must be a str, got {type(value).__name__}")
+                if len(value) > _MAX_LABEL_VALUE or _CONTROL.search(value):
+                    raise ValueError(
+                        f"{f.name} must be at most {_MAX_LABEL_VALUE} printable characters"
+                    )
+
+    def values(self) -> tuple[str, ...]:
+        """Label values in ``DEPLOYMENT_LABELS`` order; credentials in a URL-like
+        value (a storage backend address) are masked."""
+        return tuple(
+            str(getattr(self, name)) if name.endswith("_rank") else redact_url(getattr(self, name))
+            for name in DEPLOYMENT_LABELS
+        )
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(zip(DEPLOYMENT_LABELS, self.values()))
+
+
+def markdown_table() -> str:
+    """The reference table of docs/metrics.md, generated from ``CATALOG``."""
+    lines = [
+        "| metric | type | unit | labels | help |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for spec in CATALOG:
+        labels = ", ".join(("pool", *spec.extra_labels))
+        if spec.extra_labels == ("reason",):
+            labels += " (" + " / ".join(MISS_REASON_LABELS) + ")"
+        lines.append(
+            f"| `{spec.exposed_name}` | {spec.kind} | {spec.unit or '-'} | {labels} | {spec.help} |"
+        )
+    for fspec in FEATURE_CATALOG:
+        labels = ", ".join(fspec.labels) or "-"
+        lines.append(
+            f"| `{fspec.exposed_name}` | {fspec.kind} | {fspec.unit or '-'} | {labels} | "
+            f"{fspec.help} |"
+        )
+    return "\n".join(lines)

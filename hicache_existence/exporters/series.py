@@ -1,0 +1,204 @@
+"""Catalog values from snapshots: the one computation every exporter shares.
+
+``SeriesReader.sample()`` takes one ``stats()`` snapshot of the cache (and of the
+write accounting), folds pools into bounded labels and returns, for every
+catalog metric, the value of every series.  The standalone collector renders
+it, the multiprocess feeder turns it into deltas and gauge sets, the OTel
+callbacks observe it: same names, same values.  Cost: O(pools x metrics).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from hicache_existence.accounting.ghosts import CACHE_BYTES_PER_ENTRY, GhostFactory
+from hicache_existence.accounting.writes import PoolWriteStats, WriteAccounting, WriteStats
+from hicache_existence.core import _validate
+from hicache_existence.core.stats import MISS_REASONS, CacheStats, PoolStats
+from hicache_existence.exporters.catalog import (
+    CATALOG,
+    MISS_REASON_LABELS,
+    OTHER_POOL,
+    FeatureSpec,
+    MetricSpec,
+)
+from hicache_existence.exporters.features import (
+    FeatureSources,
+    HistogramSamples,
+    sample_features,
+)
+
+#: Series key: (pool label, *extra label values).
+SeriesKey = tuple[str, ...]
+#: metric name -> series -> value.
+Samples = dict[str, dict[SeriesKey, float]]
+
+
+class StatsSource(Protocol):
+    """Either cache generation."""
+
+    def stats(self) -> CacheStats: ...
+
+
+class PoolLabeler:
+    """Bounded ``pool`` label values: the first ``max_pools`` names seen keep
+    their own label, later ones become ``other``.  Assignment is sticky, so a
+    pool's series never move between labels and counters never go backwards."""
+
+    def __init__(self, max_pools: int = 16, initial: Iterable[str] = ("kv",)) -> None:
+        self.max_pools = _validate.count(max_pools, "max_pools", 1)
+        self._labels: dict[str, str] = {}
+        self._order: list[str] = []
+        for pool in initial:
+            self.label(_validate.pool_name(pool, "initial pools"))
+
+    def label(self, pool: str) -> str:
+        label = self._labels.get(pool)
+        if label is None:
+            own = sum(1 for v in self._labels.values() if v != OTHER_POOL)
+            label = pool if own < self.max_pools and pool != OTHER_POOL else OTHER_POOL
+            self._labels[pool] = label
+            if label not in self._order:
+                self._order.append(label)
+        return label
+
+    def labels(self) -> tuple[str, ...]:
+        """Every label value handed out, in first-use order."""
+        return tuple(self._order)
+
+
+def _series_of(spec: MetricSpec, pool_label: str) -> list[SeriesKey]:
+    if spec.extra_labels == ("reason",):
+        return [(pool_label, reason) for reason in MISS_REASON_LABELS]
+    return [(pool_label,)]
+
+
+class SeriesReader:
+    """Computes ``Samples`` from a cache, optional write accounting and optional
+    miss-reason memories.  Thread-safe (one lock around the labeler)."""
+
+    def __init__(
+        self,
+        cache: StatsSource,
+        *,
+        writes: WriteAccounting | None = None,
+        ghosts: GhostFactory | None = None,
+        max_pools: int = 16,
+        initial_pools: Iterable[str] = ("kv",),
+        bytes_per_entry: float = CACHE_BYTES_PER_ENTRY,
+        features: FeatureSources | None = None,
+    ) -> None:
+        if features is not None and not isinstance(features, FeatureSources):
+            raise TypeError(f"features must be FeatureSources, got {type(features).__name__}")
+        if not callable(getattr(cache, "stats", None)):
+            raise TypeError("cache must have a stats() method (either cache generation)")
+        if writes is not None and not isinstance(writes, WriteAccounting):
+            raise TypeError(f"writes must be a WriteAccounting, got {type(writes).__name__}")
+        if ghosts is not None and not isinstance(ghosts, GhostFactory):
+            raise TypeError(f"ghosts must be a GhostFactory, got {type(ghosts).__name__}")
+        if isinstance(bytes_per_entry, bool) or not isinstance(bytes_per_entry, (int, float)):
+            raise TypeError("bytes_per_entry must be a number")
+        if bytes_per_entry < 0:
+            raise ValueError(f"bytes_per_entry must be >= 0, got {bytes_per_entry}")
+        self.cache = cache
+        self.writes = writes
+        self.ghosts = ghosts
+        self.bytes_per_entry = float(bytes_per_entry)
+        self.labeler = PoolLabeler(max_pools, initial_pools)
+        self.features = features or FeatureSources()
+        self._lock = threading.Lock()
+
+    def feature_specs(self) -> tuple[FeatureSpec, ...]:
+        """Feature metric families exported (those whose source is set)."""
+        return self.features.specs()
+
+    def settle(self) -> None:
+        """Classify the cache's pending misses (scheduler thread only)."""
+        settle = getattr(self.cache, "settle", None)
+        if settle is not None:
+            settle()
+
+    def sample(self) -> Samples:
+        """Every scalar metric's series values now (cache, writes, features)."""
+        return self.sample_all()[0]
+
+    def sample_all(self) -> tuple[Samples, HistogramSamples]:
+        """Scalar samples plus the feature histograms, from one set of snapshots."""
+        cache_stats = self.cache.stats()
+        write_stats = self.writes.stats() if self.writes is not None else None
+        memory = self.ghosts.nbytes_by_pool() if self.ghosts is not None else {}
+        with self._lock:
+            out = self._fold(cache_stats, write_stats, memory)
+            scalars, histograms = sample_features(
+                self.features, self.labeler.label, self.labeler.labels()
+            )
+        out.update(scalars)
+        return out, histograms
+
+    def _fold(
+        self,
+        cache_stats: CacheStats,
+        write_stats: WriteStats | None,
+        memory: Mapping[str, int],
+    ) -> Samples:
+        label = self.labeler.label
+        for pool in cache_stats:
+            label(pool)
+        if write_stats is not None:
+            for pool in write_stats:
+                label(pool)
+        out: Samples = {spec.name: {} for spec in CATALOG}
+        for spec in CATALOG:
+            series = out[spec.name]
+            for pool_label in self.labeler.labels():
+                for key in _series_of(spec, pool_label):
+                    series[key] = 0.0
+        shared = cache_stats.shared_capacity
+        for pool, stats in cache_stats.items():
+            self._add_pool(out, label(pool), stats, memory.get(pool), shared)
+        if write_stats is not None:
+            for pool, wstats in write_stats.items():
+                self._add_writes(out, label(pool), wstats)
+        return out
+
+    def _add_pool(
+        self,
+        out: Samples,
+        pool_label: str,
+        stats: PoolStats,
+        miss_memory: int | None,
+        shared_capacity: bool,
+    ) -> None:
+        key = (pool_label,)
+        for spec in CATALOG:
+            if spec.source != "cache":
+                continue
+            series = out[spec.name]
+            if spec.field == "misses_by_reason":
+                if miss_memory is None:
+                    # No classification for this pool: every miss is unclassified
+                    # (the reason counters are all zero, so this stays monotonic).
+                    series[(pool_label, "unclassified")] += stats.page_misses
+                else:
+                    for reason in MISS_REASONS:
+                        series[(pool_label, reason)] += getattr(stats, f"misses_{reason}")
+            elif spec.field == "capacity" and shared_capacity:
+                series[key] = max(series[key], float(stats.capacity))
+            else:
+                series[key] += getattr(stats, spec.field)
+        mem = float(miss_memory or 0)
+        out[_MEMORY][key] += stats.entries * self.bytes_per_entry + mem
+        out[_MISS_MEMORY][key] += mem
+
+    @staticmethod
+    def _add_writes(out: Samples, pool_label: str, stats: PoolWriteStats) -> None:
+        key = (pool_label,)
+        for spec in _WRITE_SPECS:
+            out[spec.name][key] += getattr(stats, spec.field)
+
+
+_MEMORY = "hicache_existence_memory_bytes"
+_MISS_MEMORY = "hicache_existence_miss_memory_bytes"
+_WRITE_SPECS = tuple(spec for spec in CATALOG if spec.source == "writes")

@@ -1,0 +1,293 @@
+"""The hooks themselves: our cache in place of upstream's, and the per-step call.
+
+``replacement_class(generation, upstream)`` returns the class registered with
+``HookType.REPLACE`` on upstream's ``StorageExistenceCache``.  It is a subclass
+of our cache of the matching generation whose metaclass turns construction
+(``StorageExistenceCache()`` in ``UnifiedRadixCache.__init__``) into "build
+this process's ``ExistenceRuntime`` and return its wired cache".  The runtime
+lives in an explicit registry keyed by process id, so a forked child never
+steps its parent's runtime and tests can look it up.
+
+When the process should not be observed (the configuration disables it, the
+scheduler is not in HiCache buffer mode, a second cache in the same process,
+or anything fails), construction returns an instance of upstream's own class:
+that scheduler then runs exactly the code it would have run without us.
+
+``after_check_hicache_events`` is registered AFTER
+``UnifiedRadixCache.check_hicache_events``: scheduler thread, every rank, same
+order.  On its first call it builds the dedicated replica groups (a collective
+over the whole world: every rank reaches this point once), then calls
+``ExistenceRuntime.step()`` every time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+from hicache_existence.config import Config
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.exporters import resolve_mode
+from hicache_existence.integrations.sglang import facts as _facts
+from hicache_existence.integrations.sglang.targets import Generation
+from hicache_existence.integrations.sglang.topology import (
+    DeferredAgreement,
+    DeferredGroup,
+    build,
+    single,
+)
+from hicache_existence.integrations.sglang.truth import TreeCacheGroundTruth
+from hicache_existence.runtime import ExistenceRuntime
+
+logger = logging.getLogger("hicache_existence.integrations.sglang")
+
+
+class ProcessEntry:
+    """The runtime of one scheduler process and what wires it to sglang."""
+
+    def __init__(
+        self,
+        runtime: ExistenceRuntime,
+        facts: _facts.SchedulerFacts,
+        group: DeferredGroup | None,
+        agreement: DeferredAgreement | None,
+        truth: TreeCacheGroundTruth | None,
+    ) -> None:
+        self.pid = os.getpid()
+        self.runtime = runtime
+        self.facts = facts
+        self.group = group
+        self.agreement = agreement
+        self.truth = truth
+        self.steps = 0
+        self.members: tuple[int, ...] = (0,)
+        self._tree: weakref.ReferenceType[Any] | None = None
+
+    @property
+    def cache(self) -> StorageExistenceCache | FlatStorageExistenceCache:
+        return self.runtime.cache
+
+    def owns(self, tree_cache: Any) -> bool:
+        """Whether ``tree_cache`` holds this runtime's cache."""
+        return getattr(tree_cache, "storage_existence_cache", None) is self.runtime.cache
+
+    def first_step(self, tree_cache: Any) -> None:
+        """Bind the tree cache and build the replica groups (once, every rank)."""
+        try:
+            self._tree = weakref.ref(tree_cache)
+        except TypeError:
+            self._tree = None
+        if self.truth is not None:
+            self.truth.bind(tree_cache)
+        if self.group is None and self.agreement is None:
+            return
+        timeout = self.runtime.config.divergence.timeout_s
+        try:
+            groups = build(tree_cache, timeout, agreement=self.agreement is not None)
+        except Exception as exc:
+            logger.warning(
+                "hicache-existence: could not build the replica groups (%r); divergence "
+                "checks and reconciler verdicts stay local to this rank",
+                exc,
+            )
+            groups = single(timeout)
+        self.members = groups.members
+        if self.group is not None:
+            self.group.bind(groups.divergence)
+        if self.agreement is not None:
+            self.agreement.bind(groups.agreement)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.runtime.close()
+
+
+_LOCK = threading.Lock()
+_ENTRIES: dict[int, ProcessEntry] = {}
+_DECLINED: dict[int, str] = {}
+
+
+def current() -> ProcessEntry | None:
+    """This process's entry (``None`` when no cache of ours was built here)."""
+    return _ENTRIES.get(os.getpid())
+
+
+def declined() -> str | None:
+    """Why this process runs upstream's cache although the plugin is enabled."""
+    return _DECLINED.get(os.getpid())
+
+
+def _decline(reason: str, level: int = logging.INFO) -> None:
+    pid = os.getpid()
+    if pid not in _DECLINED:
+        _DECLINED[pid] = reason
+        logger.log(level, "hicache-existence: not observing this process's cache: %s", reason)
+
+
+def load_config(facts: _facts.SchedulerFacts, env: dict[str, str] | None = None) -> Config:
+    """Defaults, ``HICACHE_EXISTENCE_*`` variables, then ``--hicache-existence-config``;
+    ``--enable-hicache-existence`` switches it on."""
+    environ = dict(os.environ) if env is None else env
+    flags = facts.flags
+    config = Config.load(flags.config if flags is not None else None, environ)
+    if flags is not None and flags.enabled and not config.enabled:
+        config = dataclasses.replace(config, enabled=True)
+    return config
+
+
+def _per_rank_port(config: Config, facts: _facts.SchedulerFacts) -> Config:
+    """Standalone export binds ``metrics.port`` + this scheduler's index, so the
+    schedulers of one server never collide (port 0 stays ephemeral)."""
+    section = config.metrics
+    if not section.enabled or section.port == 0:
+        return config
+    if resolve_mode(section.mode) != "standalone":
+        return config
+    port = section.port + facts.process_index
+    if port > 65535:
+        return config
+    return dataclasses.replace(config, metrics=dataclasses.replace(section, port=port))
+
+
+def build_entry(
+    generation: Generation, max_entries: int | None, facts: _facts.SchedulerFacts, config: Config
+) -> ProcessEntry:
+    """The runtime of this process, wired to sglang (not yet registered)."""
+    config = _per_rank_port(config, facts)
+    labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
+    group = DeferredGroup(config.divergence.timeout_s) if config.divergence.enabled else None
+    reconciling = config.reconciler.enabled
+    agreement = DeferredAgreement() if reconciling else None
+    truth = TreeCacheGroundTruth(config.reconciler) if reconciling else None
+    runtime = ExistenceRuntime(
+        config,
+        labels,
+        generation=generation,
+        group=group,
+        truth=truth,
+        agreement=agreement,
+    )
+    if max_entries is not None:
+        runtime.cache.max_entries = max_entries
+    return ProcessEntry(runtime, facts, group, agreement, truth)
+
+
+def _construct(
+    generation: Generation, upstream: type, args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
+    """What ``StorageExistenceCache(...)`` returns once the plugin is enabled."""
+    pid = os.getpid()
+    with _LOCK:
+        if pid in _ENTRIES:
+            _decline("a second existence cache in one process (only the first is observed)")
+            return upstream(*args, **kw)
+        try:
+            max_entries = kw.get("max_entries", args[0] if args else None)
+            facts = _facts.gather()
+            config = load_config(facts)
+            if not config.enabled:
+                _decline("disabled by the configuration")
+                return upstream(*args, **kw)
+            if facts.buffer_mode is False:
+                _decline(
+                    f"HiCache buffer mode is off (host memory mode {facts.host_memory_mode!r}, "
+                    f"engine {facts.engine_type}); the existence cache is used only in "
+                    "--hicache-host-memory-mode buffer_only, on prefill servers"
+                )
+                return upstream(*args, **kw)
+            entry = build_entry(generation, max_entries, facts, config)
+        except Exception as exc:
+            _decline(f"setting up failed ({exc!r}); upstream's cache is used", logging.WARNING)
+            return upstream(*args, **kw)
+        _ENTRIES[pid] = entry
+    try:
+        entry.runtime.start()
+    except Exception as exc:  # a port in use must not stop the scheduler
+        logger.warning(
+            "hicache-existence: metrics endpoint not started (%r); counting continues, set "
+            "metrics.port or run sglang with --enable-metrics",
+            exc,
+        )
+    atexit.register(entry.close)
+    logger.info(
+        "hicache-existence: observing the %s-generation existence cache "
+        "(tp_rank=%d pp_rank=%d dp_rank=%d engine=%s metrics=%s, facts from %s)",
+        generation,
+        facts.tp_rank,
+        facts.pp_rank,
+        facts.dp_rank,
+        facts.engine_type,
+        entry.runtime.telemetry.mode,
+        "+".join(facts.sources) or "defaults",
+    )
+    return entry.cache
+
+
+class _Factory(type):
+    """Metaclass of the replacement: calling the class builds (or declines) the
+    process's runtime; ``isinstance`` accepts what construction can return."""
+
+    _hx_generation: Generation
+    _hx_upstream: type
+    _hx_accepts: tuple[type, ...]
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _construct(cls._hx_generation, cls._hx_upstream, args, kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls._hx_accepts)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return isinstance(sub, type) and issubclass(sub, cls._hx_accepts)
+
+
+def replacement_class(generation: Generation, upstream: type) -> type:
+    """The class REPLACEd for upstream's ``StorageExistenceCache``."""
+    base: type = StorageExistenceCache if generation == "current" else FlatStorageExistenceCache
+    name = "ObservedStorageExistenceCache"
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"hicache-existence's {generation}-generation cache in place of "
+        f"{upstream.__module__}.{upstream.__qualname__}.",
+        "_hx_generation": generation,
+        "_hx_upstream": upstream,
+        "_hx_accepts": (base, upstream),
+    }
+    return _Factory(name, (base,), namespace)
+
+
+def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``UnifiedRadixCache.check_hicache_events(self)``: one runtime step.
+
+    Never raises, except ``DivergenceError`` under the ``abort`` policy."""
+    entry = _ENTRIES.get(os.getpid())
+    if entry is None or not args:
+        return None
+    tree_cache = args[0]
+    if not entry.owns(tree_cache):
+        return None
+    if entry.steps == 0:
+        try:
+            entry.first_step(tree_cache)
+        except Exception as exc:  # never into the scheduler
+            logger.warning("hicache-existence: first-step wiring failed: %r", exc)
+    entry.steps += 1
+    entry.runtime.step()
+    return None
+
+
+def reset_for_tests() -> None:
+    """Forget this process's entry (closing it); tests only."""
+    pid = os.getpid()
+    entry = _ENTRIES.pop(pid, None)
+    _DECLINED.pop(pid, None)
+    if entry is not None:
+        entry.close()

@@ -1,0 +1,181 @@
+"""``hicache-existence launch``: start sglang with the package enabled, without
+sglang's parser knowing our flags.
+
+For an sglang whose parser cannot take ``--enable-hicache-existence`` (the
+plugin then warns), for wrappers that build sglang's command line themselves,
+and as the tested form of the environment route: the launcher takes our two
+flags out of the command line (wherever they are), turns them into the
+environment the plugin reads in every sglang process, and ``exec``s sglang
+with every other argument unchanged, in order.  ``exec`` keeps one process:
+signals and the exit status are sglang's own (PID 1 in a container).
+
+Precedence is the server flag's: the configuration given here is merged over
+``HICACHE_EXISTENCE_CONFIG`` and the ``HICACHE_EXISTENCE_<SECTION>__<KEY>``
+variables, and the child gets the merged result as ``HICACHE_EXISTENCE_CONFIG``
+(per-key variables are folded into it and removed, so they cannot override it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hicache_existence.config import ENV_CONFIG, Config, ConfigError, is_setting_variable
+from hicache_existence.integrations.sglang.flags import (
+    CONFIG_FLAG,
+    ENABLE_FLAG,
+    ENV_ENABLED,
+    read_config_text,
+)
+
+#: sglang entry points the launcher can start.
+ENTRIES: dict[str, tuple[str, ...]] = {
+    "launch_server": ("-m", "sglang.launch_server"),
+    "serve": (
+        "-c",
+        "import sys; from sglang.cli.main import main; sys.argv[0] = 'sglang'; sys.exit(main())",
+        "serve",
+    ),
+}
+
+
+class LaunchError(ValueError):
+    """The launcher's own arguments are wrong (exit status 2, like argparse)."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What would be executed: the argv and the environment changes."""
+
+    argv: tuple[str, ...]
+    forwarded: tuple[str, ...]
+    set_env: dict[str, str] = field(default_factory=dict)
+    unset_env: tuple[str, ...] = ()
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in base.items() if k not in self.unset_env}
+        env.update(self.set_env)
+        return env
+
+
+def split_flags(args: Sequence[str]) -> tuple[bool, str | None, list[str]]:
+    """Take ``--enable-hicache-existence`` and ``--hicache-existence-config
+    VALUE`` (or ``=VALUE``) out of ``args``; everything else, in order, is for
+    sglang (``--`` included: separating the launcher's own options is the
+    command line's job, see ``commands/launch.py``)."""
+    enabled = False
+    config: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == ENABLE_FLAG:
+            enabled = True
+        elif arg == CONFIG_FLAG:
+            if i + 1 >= len(args):
+                raise LaunchError(f"{CONFIG_FLAG} needs a value (JSON, a file or @file)")
+            config = args[i + 1]
+            i += 1
+        elif arg.startswith(CONFIG_FLAG + "="):
+            config = arg[len(CONFIG_FLAG) + 1 :]
+        elif arg.startswith(ENABLE_FLAG + "="):
+            raise LaunchError(f"{ENABLE_FLAG} takes no value")
+        else:
+            rest.append(arg)
+        i += 1
+    return enabled, config, rest
+
+
+def plan(
+    args: Sequence[str],
+    *,
+    entry: str = "launch_server",
+    enable: bool = False,
+    config: str | None = None,
+    env: Mapping[str, str] | None = None,
+    python: str | None = None,
+) -> LaunchPlan:
+    """The launch of sglang ``entry`` with ``args`` (which may contain our flags)."""
+    environ = dict(os.environ if env is None else env)
+    in_args_enable, in_args_config, forwarded = split_flags(args)
+    enable = enable or in_args_enable
+    config = in_args_config if in_args_config is not None else config
+    flag_text: str | None = None
+    if config is not None:
+        try:
+            flag_text = read_config_text(config)
+        except argparse.ArgumentTypeError as exc:
+            raise LaunchError(f"{CONFIG_FLAG}: {exc}") from None
+    try:
+        merged = Config.load(flag_text, environ)
+    except ConfigError as exc:
+        raise LaunchError(f"invalid hicache-existence configuration: {exc}") from None
+    if enable and not merged.enabled:
+        merged = dataclasses.replace(merged, enabled=True)
+    command = _command(entry, python or sys.executable)
+    set_env: dict[str, str] = {}
+    unset: list[str] = []
+    if flag_text is not None or enable:
+        if enable:
+            set_env[ENV_ENABLED] = "1"
+        if flag_text is not None:
+            set_env[ENV_CONFIG] = merged.to_json()
+            unset = [key for key in environ if is_setting_variable(key) and key != ENV_ENABLED]
+            if enable or merged.enabled:
+                set_env[ENV_ENABLED] = "1"
+            else:
+                unset.append(ENV_ENABLED)
+    return LaunchPlan(
+        argv=(*command, *forwarded),
+        forwarded=tuple(forwarded),
+        set_env=set_env,
+        unset_env=tuple(k for k in unset if k not in set_env),
+    )
+
+
+def _command(entry: str, python: str) -> tuple[str, ...]:
+    if entry in ENTRIES:
+        return (python, *ENTRIES[entry])
+    if entry.startswith("module:") and len(entry) > len("module:"):
+        return (python, "-m", entry[len("module:") :])
+    raise LaunchError(
+        f"--sglang-entry must be one of {sorted(ENTRIES)} or module:<name>, got {entry!r}"
+    )
+
+
+def preflight(entry: str) -> list[str]:
+    """Problems that would make the launch pointless (no exec happens with them)."""
+    if entry.startswith("module:"):
+        return []
+    problems: list[str] = []
+    if importlib.util.find_spec("sglang") is None:
+        problems.append("sglang is not installed in this interpreter")
+        return problems
+    if importlib.util.find_spec("sglang.srt.plugins") is None:
+        problems.append(
+            "this sglang has no plugin system (sglang.srt.plugins, sglang >= 0.5.12); "
+            "hicache-existence cannot hook it"
+        )
+    from importlib.metadata import entry_points
+
+    if not any(
+        ep.value.startswith("hicache_existence.") for ep in entry_points(group="sglang.srt.plugins")
+    ):
+        problems.append(
+            "the hicache_existence entry point (group sglang.srt.plugins) is not installed: "
+            "pip install hicache-existence in this interpreter's environment"
+        )
+    return problems
+
+
+def execute(launch: LaunchPlan) -> None:
+    """Replace this process with sglang (never returns on success)."""
+    env = launch.environment(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(launch.argv[0], list(launch.argv), env)

@@ -1,0 +1,167 @@
+"""The sglang plugin: entry point ``hicache_existence`` of group ``sglang.srt.plugins``.
+
+sglang calls ``register()`` in every process it starts (launcher, scheduler,
+detokenizer, DP controller) through ``sglang.srt.plugins.load_plugins()``,
+before the scheduler exists.  What it registers:
+
+* always (installed = the flags are accepted): two AROUND hooks on
+  ``ServerArgs.add_cli_args`` / ``from_cli_args`` that add
+  ``--enable-hicache-existence`` and ``--hicache-existence-config``.  They only
+  add the two options; a command line without them parses exactly as before;
+* only when enabled (``HICACHE_EXISTENCE_ENABLED=1``, ``"enabled": true`` in
+  ``HICACHE_EXISTENCE_CONFIG``, or the flag, which sets the variable for the
+  scheduler processes it launches): REPLACE of upstream's
+  ``StorageExistenceCache`` by ours of the generation the installed class's
+  API shape shows, and AFTER on ``UnifiedRadixCache.check_hicache_events``.
+
+A target the installed sglang lacks, an API shape this package does not know,
+or an invalid configuration produce one warning and no hook of that group:
+sglang then runs exactly as it would without this package.  ``register()``
+itself never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from hicache_existence.config import Config, ConfigError
+from hicache_existence.integrations.sglang import flags as _flags
+from hicache_existence.integrations.sglang import hooks as _hooks
+from hicache_existence.integrations.sglang import targets as _targets
+
+logger = logging.getLogger("hicache_existence.integrations.sglang")
+
+#: The entry point's name (also what ``SGLANG_PLUGINS`` must list to allow it).
+PLUGIN_NAME = "hicache_existence"
+ENTRY_POINT = "hicache_existence.integrations.sglang.plugin:register"
+
+_DONE: dict[int, dict[str, Any]] = {}
+
+
+def register() -> None:
+    """The entry point: register the hooks this process needs (see module doc)."""
+    pid = os.getpid()
+    if pid in _DONE:  # idempotent, like load_plugins itself
+        return
+    report: dict[str, Any] = {"flags": False, "cache": False, "warnings": []}
+    _DONE[pid] = report
+    try:
+        _register(report, os.environ)
+    except Exception as exc:  # the plugin must never stop sglang
+        _warn(report, f"the plugin failed to load ({exc!r}); sglang runs unmodified")
+
+
+def status() -> dict[str, Any]:
+    """What ``register()`` did in this process (tests, diagnostics)."""
+    return dict(_DONE.get(os.getpid(), {}))
+
+
+def _warn(report: dict[str, Any], message: str) -> None:
+    report["warnings"].append(message)
+    logger.warning("hicache-existence: %s", message)
+
+
+def enabled_in(env: Mapping[str, str]) -> bool:
+    """Whether the environment switches the plugin on (raises ``ConfigError``)."""
+    return Config.from_env(env).enabled
+
+
+def _register(report: dict[str, Any], env: Mapping[str, str]) -> None:
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except Exception as exc:
+        _warn(
+            report,
+            f"sglang has no plugin hook registry ({exc!r}); use `hicache-existence launch` "
+            "with an sglang that has one (docs/enable.md)",
+        )
+        return
+
+    missing = _targets.first_missing(_targets.FLAG_TARGETS)
+    if missing is None:
+        _flags.register(HookRegistry, HookType.AROUND)
+        report["flags"] = True
+    else:
+        _warn(
+            report,
+            f"this sglang cannot take {_flags.ENABLE_FLAG} (missing {missing}); enable with "
+            f"HICACHE_EXISTENCE_ENABLED=1 or `hicache-existence launch` instead",
+        )
+
+    try:
+        enabled = enabled_in(env)
+    except ConfigError as exc:
+        _warn(report, f"invalid configuration in the environment ({exc}); staying inactive")
+        return
+    report["enabled"] = enabled
+    if not enabled:
+        logger.debug("hicache-existence: installed, not enabled; no cache hooks registered")
+        return
+    role = _process_role()
+    if role is not None:
+        # It never builds a tree cache; resolving the targets would only import
+        # unified_radix_cache (seconds of start-up) into it.
+        report["skipped"] = role
+        logger.debug("hicache-existence: no cache hooks in the %s process", role)
+        return
+    register_cache_hooks(report, HookRegistry, HookType, Config.from_env(env))
+
+
+#: sglang process entry functions that load plugins but never build a tree cache.
+_NO_CACHE_ENTRIES = {"run_detokenizer_process": "detokenizer"}
+
+
+def _process_role(depth: int = 30) -> str | None:
+    """``detokenizer`` when called from sglang's detokenizer process entry."""
+    frame = sys._getframe(1)
+    seen = 0
+    while frame is not None and seen < depth:
+        role = _NO_CACHE_ENTRIES.get(frame.f_code.co_name)
+        if role is not None:
+            return role
+        frame = frame.f_back  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
+def register_cache_hooks(
+    report: dict[str, Any], registry: Any, hook_type: Any, config: Config
+) -> bool:
+    """The REPLACE and AFTER hooks, all or nothing."""
+    missing = _targets.first_missing(_targets.CACHE_TARGETS)
+    if missing is not None:
+        _warn(
+            report,
+            f"the installed sglang lacks hook target {missing.target} ({missing.reason}); "
+            "the plugin stays inactive and sglang runs unmodified",
+        )
+        return False
+    upstream = _targets.resolve(_targets.CACHE_CLASS)
+    generation = _targets.detect_generation(upstream)
+    if generation is None or not isinstance(upstream, type):
+        _warn(
+            report,
+            f"{_targets.CACHE_CLASS} has an API this package does not know (neither "
+            "pool(name) nor add(pool, hashes)); the plugin stays inactive and sglang runs "
+            "unmodified",
+        )
+        return False
+    forced = config.cache.generation
+    if forced not in ("auto", generation):
+        _warn(
+            report,
+            f"cache.generation is {forced!r} but the installed sglang has the {generation} "
+            "API; the plugin stays inactive and sglang runs unmodified",
+        )
+        return False
+    replacement = _hooks.replacement_class(generation, upstream)
+    registry.register(_targets.CACHE_CLASS, replacement, hook_type.REPLACE)
+    registry.register(_targets.STEP_METHOD, _hooks.after_check_hicache_events, hook_type.AFTER)
+    report["cache"] = True
+    report["generation"] = generation
+    logger.info("hicache-existence: enabled; %s-generation cache hooks registered", generation)
+    return True

@@ -1,0 +1,204 @@
+"""Which ranks hold replicas of this cache, and the dedicated groups over them.
+
+``UnifiedRadixCache.check_hicache_events`` MIN-reduces its queue sizes over
+the attention-CP and attention-TP groups (or the TP group when neither spans
+more than one rank) and, unless buffer mode runs with pipeline parallelism,
+hands the result down the PP group; every rank then applies the same
+mutations.  The ranks connected that way are exactly the replicas whose
+caches must be equal, so the divergence group is that set.
+
+A rank knows only its own groups' members, not the other sets of the
+partition, yet ``new_group`` must be called by every rank for every set in
+the same order.  So the first step all-gathers each rank's neighbours once
+(a W-long 0/1 vector over a temporary gloo group of the whole world), every
+rank computes the same connected components, and each component gets a
+dedicated gloo group for the divergence checks and one for the reconciler's
+agreements: never the NCCL data group, never sglang's own CPU groups, whose
+collective order must stay untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from hicache_existence.reconcile.agreement import Agreement, GlooAgreement
+from hicache_existence.replicas.divergence import CheckGroup, InProcessWorld, TorchGlooGroup
+
+logger = logging.getLogger("hicache_existence.integrations.sglang")
+
+
+def _dist() -> Any:
+    try:
+        import torch.distributed as dist
+    except Exception:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def _group_ranks(dist: Any, group: Any) -> list[int]:
+    if group is None:
+        return []
+    try:
+        if int(dist.get_world_size(group=group)) <= 1:
+            return []
+        return [int(r) for r in dist.get_process_group_ranks(group)]
+    except Exception:
+        return []
+
+
+def replica_neighbours(tree_cache: Any, dist: Any) -> set[int]:
+    """Global ranks this rank's ``check_hicache_events`` reduces with (itself included),
+    following ``UnifiedRadixCache._all_reduce`` / ``_all_reduce_attn_groups``."""
+    me = int(dist.get_rank())
+    out = {me}
+    reduced = False
+    for name in ("attn_cp_group", "attn_tp_group"):
+        ranks = _group_ranks(dist, getattr(tree_cache, name, None))
+        if ranks:
+            out.update(ranks)
+            reduced = True
+    if not reduced and int(getattr(tree_cache, "tp_world_size", 1) or 1) > 1:
+        out.update(_group_ranks(dist, getattr(tree_cache, "tp_group", None)))
+    pp_size = int(getattr(tree_cache, "pp_size", 1) or 1)
+    buffer_only = getattr(tree_cache, "host_memory_mode", "cache") == "buffer_only"
+    if pp_size > 1 and not buffer_only:
+        out.update(_group_ranks(dist, getattr(tree_cache, "pp_group", None)))
+    return out
+
+
+def components(adjacency: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Connected components of the undirected graph ``adjacency[i][j] != 0``,
+    each sorted, in order of their smallest rank (the same on every rank)."""
+    n = len(adjacency)
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, row in enumerate(adjacency):
+        for j, flag in enumerate(row[:n]):
+            if flag:
+                a, b = find(i), find(j)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(find(i), []).append(i)
+    return [tuple(groups[root]) for root in sorted(groups)]
+
+
+@dataclass
+class ReplicaGroups:
+    """The dedicated groups of this rank's replica set."""
+
+    members: tuple[int, ...]
+    divergence: CheckGroup
+    agreement: Agreement | None
+
+
+def single(timeout_s: float) -> ReplicaGroups:
+    """One replica: the checker compares with itself, verdicts need no agreement."""
+    return ReplicaGroups((0,), InProcessWorld(1, timeout_s=timeout_s).group(0), None)
+
+
+def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroups:
+    """Create the groups (collective over the whole default group: every rank
+    must call it at the same point, once)."""
+    dist = _dist()
+    if dist is None or int(dist.get_world_size()) <= 1:
+        return single(timeout_s)
+    import torch
+
+    world = int(dist.get_world_size())
+    me = int(dist.get_rank())
+    timeout = timedelta(seconds=timeout_s)
+    row = [0] * world
+    for rank in replica_neighbours(tree_cache, dist):
+        if 0 <= rank < world:
+            row[rank] = 1
+    scratch = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine, group=scratch)
+        adjacency = [[int(v) for v in r.tolist()] for r in rows]
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(scratch)
+    parts = components(adjacency)
+    own: tuple[int, ...] = (me,)
+    divergence: CheckGroup | None = None
+    agree: Agreement | None = None
+    # Every rank creates every multi-rank set's groups, in the same order.
+    for part in parts:
+        if len(part) < 2:
+            continue
+        group = TorchGlooGroup.create(part, timeout_s=timeout_s)
+        agreement_group = (
+            dist.new_group(ranks=list(part), backend="gloo", timeout=timeout) if agreement else None
+        )
+        if me in part:
+            own = part
+            divergence = group
+            if agreement_group is not None:
+                agree = GlooAgreement(agreement_group)
+    if divergence is None:
+        return single(timeout_s)
+    return ReplicaGroups(own, divergence, agree)
+
+
+class DeferredGroup:
+    """A ``CheckGroup`` whose real group is set on the first step (the checker
+    is built with the cache, before the groups can exist)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.rank = 0
+        self.size = 1
+        self.ranks: tuple[int, ...] = (0,)
+        self.timeout_s = float(timeout_s)
+        self._target: CheckGroup | None = None
+
+    def bind(self, group: CheckGroup) -> None:
+        self._target = group
+        self.rank, self.size, self.ranks = group.rank, group.size, tuple(group.ranks)
+
+    def _group(self) -> CheckGroup:
+        if self._target is None:
+            self.bind(InProcessWorld(1, timeout_s=self.timeout_s).group(0))
+        assert self._target is not None
+        return self._target
+
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        return self._group().all_reduce_max(values)
+
+    def all_gather(self, values: Sequence[int]) -> list[list[int]]:
+        return self._group().all_gather(values)
+
+
+class DeferredAgreement:
+    """An ``Agreement`` whose group is set on the first step; one rank until then."""
+
+    def __init__(self) -> None:
+        self._target: Agreement | None = None
+
+    def bind(self, agreement: Agreement | None) -> None:
+        self._target = agreement
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self._target is None else int(self._target.world_size)
+
+    def min_reduce(self, values: Sequence[int]) -> list[int]:
+        if self._target is None:
+            return list(values)
+        return self._target.min_reduce(values)

@@ -1,0 +1,118 @@
+"""The reconciler's ground truth, found on the running tree cache at first use.
+
+The existence cache (and with it the reconciler) is built inside
+``UnifiedRadixCache.__init__``, before ``init_hicache`` attaches the storage
+backend, and the backend can be attached or detached at run time.  So the
+truth is resolved lazily, on the reconciler's worker thread, from the tree
+cache the per-step hook saw:
+
+1. a ledger-recording backend (``LedgerRecordingStorage``) hands over the very
+   ledger it records into;
+2. else, with ``reconciler.redis_url`` set, the Redis ledger of this rank's
+   shard (named from the backend's storage config, like the file backend);
+3. else the backend's own ``batch_exists``.
+
+Until a backend exists every query fails with ``TruthUnavailable``, which the
+reconciler counts as an error and never as evidence of absence.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from hicache_existence.config import ReconcilerSection, redact_url
+from hicache_existence.reconcile.truth import GroundTruth, TruthUnavailable, absence_is_evidence
+
+logger = logging.getLogger("hicache_existence.integrations.sglang")
+
+
+class TreeCacheGroundTruth:
+    """A ``GroundTruth`` that delegates to the truth of the tree cache's backend."""
+
+    def __init__(self, section: ReconcilerSection) -> None:
+        self._section = section
+        self._tree: weakref.ReferenceType[Any] | None = None
+        self._lock = threading.Lock()
+        self._backend: Any = None
+        self._truth: GroundTruth | None = None
+        self._logged = False
+
+    def bind(self, tree_cache: Any) -> None:
+        """The tree cache whose storage backend holds the truth (scheduler thread)."""
+        try:
+            self._tree = weakref.ref(tree_cache)
+        except TypeError:
+            self._tree = lambda: tree_cache  # type: ignore[assignment]
+
+    def _current_backend(self) -> Any:
+        tree = self._tree() if self._tree is not None else None
+        controller = getattr(tree, "cache_controller", None) if tree is not None else None
+        return getattr(controller, "storage_backend", None), controller
+
+    def resolve(self) -> GroundTruth:
+        """The truth of the backend attached now (rebuilt when it changes)."""
+        backend, controller = self._current_backend()
+        if backend is None:
+            raise TruthUnavailable("no HiCache storage backend is attached yet")
+        with self._lock:
+            if backend is self._backend and self._truth is not None:
+                return self._truth
+            truth = self._build(backend, controller)
+            self._backend, self._truth = backend, truth
+            logger.info("hicache-existence: reconciler ground truth: %s", self.describe())
+            return truth
+
+    def _build(self, backend: Any, controller: Any) -> GroundTruth:
+        ledger = getattr(backend, "ledger_ground_truth", None)
+        if callable(ledger):
+            truth = ledger()
+            if truth is not None:
+                return truth  # type: ignore[no-any-return]
+        if self._section.redis_url:
+            from hicache_existence.reconcile.redis_truth import (
+                ledger_from_section,
+                shard_from_storage_config,
+            )
+
+            config = getattr(controller, "storage_config", None) or getattr(
+                backend, "storage_config", None
+            )
+            shard = shard_from_storage_config(config) if config is not None else "default"
+            return ledger_from_section(self._section, shard)
+        from hicache_existence.reconcile.storage_adapters import BackendGroundTruth
+
+        return BackendGroundTruth(backend)
+
+    def describe(self) -> str:
+        truth = self._truth
+        if truth is None:
+            return "unresolved"
+        if self._section.redis_url and type(truth).__name__ == "RedisLedger":
+            return f"redis ledger at {redact_url(self._section.redis_url)}"
+        return type(truth).__name__
+
+    def _truth_or_raise(self) -> GroundTruth:
+        try:
+            return self.resolve()
+        except TruthUnavailable:
+            raise
+        except Exception as exc:
+            if not self._logged:
+                self._logged = True
+                logger.warning("hicache-existence: reconciler ground truth unavailable: %s", exc)
+            raise TruthUnavailable(f"ground truth could not be built: {exc}") from None
+
+    # -- GroundTruth -----------------------------------------------------------------
+    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        return self._truth_or_raise().leading_present(pool, hashes)
+
+    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        return self._truth_or_raise().present(pool, hashes)
+
+    def absence_is_evidence(self) -> bool:
+        truth = self._truth
+        return True if truth is None else absence_is_evidence(truth)

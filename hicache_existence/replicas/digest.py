@@ -1,0 +1,380 @@
+"""Deterministic digests of one cache replica, for cross-rank divergence checks.
+
+Every TP / attention-TP / PP rank holds its own replica, and replicas stay equal
+only if every rank applies the same operations in the same order from the same
+start (docs/tp-divergence.md).  ``ReplicaDigest`` is a ``BeliefObserver`` that
+folds each pool's operation stream into a running digest as it happens, so a
+check compares a few 63-bit words per pool instead of the caches themselves.
+
+Per pool, incrementally (once per operation, never once per page in Python):
+
+* ``crc``: CRC-32 chained over the operation stream, one self-delimiting record
+  per operation.  ``add`` / ``invalidate_beyond`` / in-flight batches contribute
+  every page (one ``"\\0".join`` + ``zlib.crc32`` in C); a lookup contributes
+  only ``(stop, hashes[0], hashes[stop-1])``, O(1) per call: SGLang page hashes
+  are chained SHA-256, so the last page names the whole walked prefix.
+  (``SharedLruDigest``, for the seed generation's shared LRU, also folds each
+  operation's global index, so the interleaving of pools counts too.)
+* ``ops`` / ``pages``: exact counts of operations and of pages in batches, so a
+  missing or extra operation is caught with certainty, not with 1 - 2**-32.
+
+At check time only (O(pools)): the state sizes (entries, distinct in-flight
+pages, capacity) from ``stats()``; and, when asked, an exact *audit* of the
+membership itself (believed pages and in-flight refcounts, O(entries) in C)
+which closes what the operation digest cannot see (lookups over non-chained
+hashes whose middle pages differ, once that changes an eviction; state changed
+behind the API's back).
+
+Only deterministic functions are used (CRC-32, BLAKE2b, decimal formatting):
+never ``hash()`` of a ``str``, which Python randomises per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hicache_existence.core.cache import PoolBeliefs, StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+
+#: Bumped whenever the serialisation changes; ranks compare it at start-up.
+DIGEST_VERSION = 1
+
+#: Digest words are 63-bit so that a word and its negation both fit an int64.
+MASK63 = (1 << 63) - 1
+
+#: Pages per ``join`` while auditing a large pool (bounds the transient copy).
+_AUDIT_CHUNK = 8192
+
+_crc32 = zlib.crc32
+# Page hashes are ASCII in practice (the encoder then only copies); any str,
+# lone surrogates included, still encodes instead of raising.
+_ENC = "utf-8"
+_ERR = "surrogatepass"
+
+AnyCache = StorageExistenceCache | FlatStorageExistenceCache
+
+
+class _Stream:
+    """One pool's running operation digest (mutable, scheduler thread only)."""
+
+    __slots__ = ("crc", "ops", "pages")
+
+    def __init__(self) -> None:
+        self.crc = 0
+        self.ops = 0
+        self.pages = 0
+
+
+@dataclass(frozen=True)
+class PoolDigest:
+    """One pool's digest word and the sizes that went into it."""
+
+    pool: str
+    #: 63-bit digest of the operation stream, the sizes and the last audit.
+    digest: int
+    entries: int
+    #: Distinct pages with an in-flight ref.
+    inflight: int
+    capacity: int
+    #: Operations folded since the pool's start (or its last reset).
+    ops: int
+
+
+def mix(*parts: object) -> int:
+    """A deterministic 63-bit value of ``parts`` (their decimal/str forms)."""
+    text = "\x1f".join(map(str, parts)).encode(_ENC, _ERR)
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & MASK63
+
+
+def slot_of(pool: str, slots: int) -> int:
+    """The fixed slot of ``pool`` among ``slots``: the same on every rank and process."""
+    return _crc32(pool.encode(_ENC, _ERR)) % slots
+
+
+class ReplicaDigest:
+    """A ``BeliefObserver`` keeping per-pool incremental digests of one replica.
+
+    Install it as the cache's ``observer`` (or inside a ``Tee``) before the first
+    operation; a replica is then summarised by ``pool_digests(cache)``.  Equal
+    operation streams give equal digests in every process; see the module doc for
+    what each part covers.
+    """
+
+    __slots__ = ("_streams", "_audits", "errors")
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        # pool (or "" for a flat cache's one global LRU) -> (stream key, audit)
+        self._audits: dict[str, tuple[object, int]] = {}
+        #: Observer calls that failed (each also poisons that pool's digest).
+        self.errors = 0
+
+    # -- BeliefObserver ------------------------------------------------------
+    def _stream(self, pool: str) -> _Stream:
+        s = self._streams.get(pool)
+        if s is None:
+            s = self._streams[pool] = _Stream()
+        return s
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        try:
+            s = self._stream(pool)
+            n = len(hashes)
+            crc = _crc32(b"\0A%d\0" % n, s.crc)
+            s.crc = _crc32("\0".join(hashes).encode(_ENC, _ERR), crc)
+            s.ops += 1
+            s.pages += n
+        except Exception:  # never raise into the scheduler
+            self._poison(pool)
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        # The hot path: O(1) per call whatever the chain length.  ``stop`` enters
+        # through the CRC's initial value (an injective step), which saves
+        # formatting an int; a pool's first touch takes the slow path.
+        try:
+            s = self._streams[pool]
+            s.crc = _crc32(f"\0T{hashes[0]}\0{hashes[stop - 1]}".encode(), s.crc ^ stop)
+            s.ops += 1
+        except Exception:
+            self._touched_slow(pool, hashes, stop)
+
+    def _touched_slow(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        """A pool's first touch, or pages that are not valid UTF-8 (same bytes as
+        the fast path would produce for valid ones)."""
+        try:
+            s = self._stream(pool)
+            data = f"\0T{hashes[0]}\0{hashes[stop - 1]}".encode(_ENC, _ERR)
+            s.crc = _crc32(data, s.crc ^ stop)
+            s.ops += 1
+        except Exception:
+            self._poison(pool)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        # Only the tail decides the effect (absent pages are skipped).
+        try:
+            s = self._stream(pool)
+            tail = hashes[keep_pages:]
+            crc = _crc32(b"\0V%d\0" % len(tail), s.crc)
+            s.crc = _crc32("\0".join(tail).encode(_ENC, _ERR), crc)
+            s.ops += 1
+            s.pages += len(tail)
+        except Exception:
+            self._poison(pool)
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        try:
+            s = self._stream(pool)
+            crc = _crc32(b"\0I%+d\0%d\0" % (delta, len(hashes)), s.crc)
+            s.crc = _crc32("\0".join(hashes).encode(_ENC, _ERR), crc)
+            s.ops += 1
+            s.pages += len(hashes)
+        except Exception:
+            self._poison(pool)
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        try:
+            s = self._stream(pool)
+            s.crc = _crc32(b"\0F" if inflight_only else b"\0C", s.crc)
+            s.ops += 1
+        except Exception:
+            self._poison(pool)
+
+    def _poison(self, pool: object) -> None:
+        """Record a failed fold so that this replica reads as diverged, not equal."""
+        self.errors += 1
+        try:
+            s = self._stream(str(pool))
+            s.crc = _crc32(b"\0E", s.crc)
+            s.ops += 1
+        except Exception:  # pragma: no cover - str() of a pool name failed
+            pass
+
+    # -- lifecycle -----------------------------------------------------------
+    def reset(self, pool: str) -> None:
+        """Forget ``pool``'s history: call right after clearing that pool on every
+        rank (an empty pool with no history is the common start state)."""
+        self._streams.pop(pool, None)
+        self._audits.pop(pool, None)
+        self._audits.pop("", None)
+
+    def reset_all(self) -> None:
+        """Forget every pool's history (after clearing the whole cache on every rank)."""
+        self._streams.clear()
+        self._audits.clear()
+
+    def pools(self) -> tuple[str, ...]:
+        """Pools with a history, in first-seen order."""
+        return tuple(self._streams)
+
+    def stream(self, pool: str) -> tuple[int, int, int]:
+        """``(crc, ops, pages)`` of ``pool``'s operation digest (zeros if unseen)."""
+        s = self._streams.get(pool)
+        return (0, 0, 0) if s is None else (s.crc, s.ops, s.pages)
+
+    # -- digests -------------------------------------------------------------
+    def pool_digests(
+        self, cache: AnyCache | None = None, *, audit: bool = False
+    ) -> dict[str, PoolDigest]:
+        """Each pool's digest word, O(pools) (plus O(entries) when ``audit``).
+
+        With ``cache``, the state sizes are folded in and every pool of the cache
+        is included; a pool with no history, no entries and nothing in flight is
+        left out, so a pool created but unused on one rank equals an absent one.
+        ``audit`` recomputes the exact state audit of pools whose operation digest
+        changed since their last audit; otherwise the last audit value is reused
+        (the same rule on every rank, so equal replicas stay equal).
+        """
+        stats = cache.stats() if cache is not None else {}
+        names = list(self._streams)
+        names.extend(name for name in stats if name not in self._streams)
+        flat_audit = 0
+        if audit and isinstance(cache, FlatStorageExistenceCache):
+            flat_audit = self._flat_audit(cache)
+        elif isinstance(cache, FlatStorageExistenceCache):
+            cached = self._audits.get("")
+            flat_audit = cached[1] if cached else 0
+        out: dict[str, PoolDigest] = {}
+        for name in sorted(names):
+            crc, ops, pages = self.stream(name)
+            st = stats.get(name)
+            entries = st.entries if st is not None else 0
+            inflight = st.inflight if st is not None else 0
+            capacity = st.capacity if st is not None else 0
+            if not ops and not entries and not inflight:
+                continue
+            if isinstance(cache, StorageExistenceCache):
+                audit_value = self._pool_audit(cache, name, audit)
+            else:
+                audit_value = flat_audit
+            word = mix(
+                DIGEST_VERSION, name, crc, ops, pages, entries, inflight, capacity, audit_value
+            )
+            out[name] = PoolDigest(name, word, entries, inflight, capacity, ops)
+        return out
+
+    def _pool_audit(self, cache: StorageExistenceCache, name: str, audit: bool) -> int:
+        cached = self._audits.get(name)
+        key = self.stream(name)
+        if not audit or name not in cache.pool_names():
+            return cached[1] if cached is not None else 0
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        value = audit_pool(cache.pool(name))
+        self._audits[name] = (key, value)
+        return value
+
+    def _flat_audit(self, cache: FlatStorageExistenceCache) -> int:
+        # One LRU is shared by every pool: any pool's operations can evict from
+        # another, so the audit is global and keyed on every pool's stream.
+        key = tuple(sorted((name, self.stream(name)) for name in self._streams))
+        cached = self._audits.get("")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        value = audit_flat(cache)
+        self._audits[""] = (key, value)
+        return value
+
+
+class SharedLruDigest(ReplicaDigest):
+    """The digest for the seed generation (``FlatStorageExistenceCache``).
+
+    There one LRU is shared by every pool, so the *interleaving* of operations
+    across pools decides evictions too.  Each operation therefore also folds its
+    global index into its pool's stream (one more CRC update per call).  The
+    current generation does not need this: its pools are independent LRUs, and
+    two ranks that interleave pools differently still hold equal state.
+    """
+
+    __slots__ = ("_seq",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seq = 0
+
+    def _order(self, pool: str) -> None:
+        self._seq += 1
+        s = self._streams.get(pool) or self._stream(pool)
+        s.crc = _crc32(b"\0#%d" % self._seq, s.crc)
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        self._order(pool)
+        super().added(pool, hashes)
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        # Inlined (the hot path): the global index joins the lookup's record.
+        self._seq = seq = self._seq + 1
+        try:
+            s = self._streams[pool]
+            data = f"\0#{seq}\0T{hashes[0]}\0{hashes[stop - 1]}".encode()
+            s.crc = _crc32(data, s.crc ^ stop)
+            s.ops += 1
+        except Exception:  # first touch of the pool, or pages not valid UTF-8
+            try:
+                s = self._stream(pool)
+                data = f"\0#{seq}\0T{hashes[0]}\0{hashes[stop - 1]}".encode(_ENC, _ERR)
+                s.crc = _crc32(data, s.crc ^ stop)
+                s.ops += 1
+            except Exception:
+                self._poison(pool)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        self._order(pool)
+        super().invalidated(pool, hashes, keep_pages)
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        self._order(pool)
+        super().inflight(pool, hashes, delta)
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        self._order(pool)
+        super().cleared(pool, inflight_only)
+
+    def reset_all(self) -> None:
+        super().reset_all()
+        self._seq = 0
+
+
+def _crc_strings(items: Sequence[str], crc: int) -> int:
+    """CRC-32 of ``items``, each followed by NUL, in C, in bounded chunks."""
+    for start in range(0, len(items), _AUDIT_CHUNK):
+        chunk = items[start : start + _AUDIT_CHUNK]
+        crc = _crc32("\0".join(chunk).encode(_ENC, _ERR), crc)
+        crc = _crc32(b"\0", crc)
+    return crc
+
+
+def audit_pool(pool: PoolBeliefs) -> int:
+    """An exact 63-bit digest of a current-generation pool's *membership*: the
+    believed pages, the in-flight refcounts and the cap.  O(entries), in C.
+
+    Pages are read in LRU order, which both index implementations give
+    identically (the compiled one walks its node list in C, ~10 ns a page at
+    512K entries), so equal histories give equal audits whatever backend each
+    rank runs.
+    """
+    keys = pool._entries.keys()
+    crc = _crc_strings(keys, 0)
+    items = sorted(pool._inflight.items())
+    crc2 = _crc_strings([k for k, _ in items], 0)
+    counts = ",".join([str(v) for _, v in items])
+    return mix("pool", crc, len(keys), crc2, counts, len(items), pool.max_entries)
+
+
+def audit_flat(cache: FlatStorageExistenceCache) -> int:
+    """An exact 63-bit digest of a seed-generation cache's membership over every
+    pool (LRU order, as ``audit_pool``) and the shared cap."""
+    names = {rec.tag: rec.name for rec in cache._pools.values()}
+    keys = [f"{names[tag]}\x01{key}" if tag else key for tag, key in cache._entries.items()]
+    crc = _crc_strings(keys, 0)
+    return mix("flat", crc, len(keys), cache.max_entries)
+
+
+def combine(digests: Mapping[str, PoolDigest]) -> int:
+    """One 63-bit word for the whole replica (order of pools does not matter)."""
+    total = 0
+    for d in digests.values():
+        total = (total + d.digest) & MASK63
+    return mix("replica", total, len(digests))

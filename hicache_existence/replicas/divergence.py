@@ -1,0 +1,717 @@
+"""Cross-rank divergence checks of cache replicas (TP / attention-TP / PP).
+
+Every rank calls ``DivergenceChecker.on_step()`` once per scheduler step at a
+lockstep point (in SGLang: right after ``check_hicache_events``).  Every
+``interval_steps`` steps the checker folds its step and the replica's digest
+(``digest.ReplicaDigest``: one 63-bit word over every pool) into one word ``w``
+and all-reduces ``[w, -w]`` with MAX over a dedicated CPU group, which yields
+both the maximum and the minimum: equal replicas cost one collective of two
+int64 and no traffic proportional to the cache.  Only when the words differ
+does it all-gather a fixed-size vector (per-slot pool words and sizes) to name
+the ranks and pools that differ, then applies the policy: ``log`` (an error
+event and counters), ``heal`` (every rank clears the affected pools at the same
+step), or ``abort`` (raise, for canaries and CI).
+
+A healthy job is never hung by it: collectives run only at the lockstep point,
+the group has a timeout and a rank that times out stops checking; a start-up
+handshake compares the settings that decide when collectives happen (enabled,
+interval, policy, ...) so that ranks that would disagree never start.
+
+``torch`` is imported only by ``TorchGlooGroup``; ``InProcessWorld`` runs the
+same checker over threads for fast tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from hicache_existence import logs
+from hicache_existence.config import DivergenceSection
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.replicas.digest import (
+    DIGEST_VERSION,
+    MASK63,
+    AnyCache,
+    PoolDigest,
+    ReplicaDigest,
+    SharedLruDigest,
+    combine,
+    mix,
+    slot_of,
+)
+
+logger = logging.getLogger(__name__)
+_events = logs.get_logger(__name__)
+
+POLICIES: tuple[str, ...] = ("log", "heal", "abort")
+
+#: Names of the structured events (``logs.EventLogger``; also passed to ``on_event``).
+EVENT_STARTED = "hicache_existence.replicas.divergence.started"
+EVENT_CONFIG_MISMATCH = "hicache_existence.replicas.divergence.config_mismatch"
+EVENT_DETECTED = "hicache_existence.replicas.divergence.detected"
+EVENT_CHECK_FAILED = "hicache_existence.replicas.divergence.check_failed"
+
+#: Layout of the check vector: header words, then three blocks of ``slots`` words.
+_STEP, _STATUS, _REPLICA = 0, 1, 2
+_HEADER = 3
+
+#: The settings ranks must agree on, in handshake-vector order.
+_HANDSHAKE_FIELDS: tuple[str, ...] = (
+    "digest_version",
+    "enabled",
+    "interval_steps",
+    "policy",
+    "audit_every_checks",
+    "pool_slots",
+    "timeout_ms",
+)
+
+
+# ---------------------------------------------------------------------------
+# errors
+
+
+class GroupError(RuntimeError):
+    """A collective failed (a peer is gone, the transport broke)."""
+
+
+class GroupTimeout(GroupError):
+    """A collective did not complete within the group's timeout."""
+
+
+class DivergenceError(RuntimeError):
+    """Raised only under the ``abort`` policy; ``event`` is the structured report."""
+
+    def __init__(self, message: str, event: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.event = event
+
+
+class DivergenceTimeoutError(DivergenceError):
+    """``abort`` policy: a check (or the start-up handshake) timed out or failed."""
+
+
+class DivergenceConfigError(DivergenceError):
+    """``abort`` policy: ranks disagree on the divergence settings."""
+
+
+# ---------------------------------------------------------------------------
+# groups
+
+
+@runtime_checkable
+class CheckGroup(Protocol):
+    """The collectives the checker needs, over fixed-size lists of int64 values.
+
+    Every member must call each collective at the same point, with lists of the
+    same length; a collective that cannot complete within ``timeout_s`` raises
+    ``GroupTimeout``, any other failure ``GroupError``.
+    """
+
+    #: This member's index in the group.
+    rank: int
+    size: int
+    #: Global ranks of the members (what reports name), by group index.
+    ranks: tuple[int, ...]
+    timeout_s: float
+
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        """Element-wise maximum over the group."""
+
+    def all_gather(self, values: Sequence[int]) -> list[list[int]]:
+        """Every member's ``values``, by group index."""
+
+
+class TorchGlooGroup:
+    """A ``torch.distributed`` gloo (CPU) group.
+
+    Use a *dedicated* group (``create``): the checker's collectives then never
+    interleave with the job's own, and the group's timeout (set at creation,
+    gloo's per-operation timeout) bounds how long a check can wait for a rank
+    that does not come.  Never a NCCL group: the check must stay off the GPU.
+    """
+
+    def __init__(self, group: Any = None, *, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised (init_process_group first)")
+        backend = str(dist.get_backend(group))
+        if backend != "gloo":
+            raise ValueError(f"group must be a gloo (CPU) group, got backend {backend!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self._dist = dist
+        self._group = group
+        self.rank = int(dist.get_rank(group))
+        self.size = int(dist.get_world_size(group))
+        if group is None:
+            self.ranks = tuple(range(self.size))
+        else:
+            self.ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+        self.timeout_s = float(timeout_s)
+
+    @classmethod
+    def create(
+        cls, ranks: Sequence[int] | None = None, *, timeout_s: float
+    ) -> TorchGlooGroup | None:
+        """A new dedicated gloo group with a ``timeout_s`` per operation.
+
+        Like every ``new_group``, call it on *every* rank of the default group,
+        in the same order; ranks outside ``ranks`` get ``None``.
+        """
+        import torch.distributed as dist
+
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        group = dist.new_group(
+            ranks=list(ranks) if ranks is not None else None,
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_s),
+        )
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            return None
+        return cls(group, timeout_s=timeout_s)
+
+    def _run(self, what: str, fn: Callable[[], object]) -> None:
+        start = time.monotonic()
+        try:
+            fn()
+        except RuntimeError as exc:  # DistBackendError is a RuntimeError
+            elapsed = time.monotonic() - start
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise GroupTimeout(
+                    f"{what} on the divergence-check gloo group timed out after {elapsed:.1f}s "
+                    f"(timeout {self.timeout_s:g}s): a rank did not reach the check ({text})"
+                ) from exc
+            raise GroupError(
+                f"{what} on the divergence-check gloo group failed after {elapsed:.1f}s: {text}"
+            ) from exc
+
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        import torch
+
+        dist = self._dist
+        t = torch.tensor(list(values), dtype=torch.int64)
+        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group))
+        return [int(v) for v in t.tolist()]
+
+    def all_gather(self, values: Sequence[int]) -> list[list[int]]:
+        import torch
+
+        dist = self._dist
+        t = torch.tensor(list(values), dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self._run("all_gather", lambda: dist.all_gather(out, t, group=self._group))
+        return [[int(v) for v in o.tolist()] for o in out]
+
+
+class InProcessWorld:
+    """``size`` group members living in threads of one process (fast tests).
+
+    Collectives meet at a ``threading.Barrier`` with ``timeout_s``; a member
+    that does not arrive breaks the barrier for everyone, as a lost rank breaks
+    a gloo group.
+    """
+
+    def __init__(self, size: int, timeout_s: float = 5.0) -> None:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"size must be an int, got {type(size).__name__}")
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.size = size
+        self.timeout_s = float(timeout_s)
+        self._barrier = threading.Barrier(size, timeout=self.timeout_s)
+        self._slots: list[list[int]] = [[] for _ in range(size)]
+
+    def group(self, rank: int) -> InProcessGroup:
+        """The handle of member ``rank``."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank must be within [0, {self.size}), got {rank}")
+        return InProcessGroup(self, rank)
+
+    def _exchange(self, rank: int, values: Sequence[int], what: str) -> list[list[int]]:
+        start = time.monotonic()
+        try:
+            self._slots[rank] = [int(v) for v in values]
+            self._barrier.wait()
+            out = [list(s) for s in self._slots]
+            self._barrier.wait()  # nobody overwrites a slot before all have read
+        except threading.BrokenBarrierError:
+            elapsed = time.monotonic() - start
+            if elapsed >= self.timeout_s * 0.99:
+                raise GroupTimeout(
+                    f"{what} on the in-process group timed out after {elapsed:.1f}s "
+                    f"(timeout {self.timeout_s:g}s): a rank did not reach the check"
+                ) from None
+            raise GroupError(
+                f"{what} on the in-process group failed: broken by another rank"
+            ) from None
+        if len({len(s) for s in out}) != 1:
+            raise GroupError(f"{what}: members passed vectors of different lengths")
+        return out
+
+
+class InProcessGroup:
+    """One member of an ``InProcessWorld``."""
+
+    def __init__(self, world: InProcessWorld, rank: int) -> None:
+        self._world = world
+        self.rank = rank
+        self.size = world.size
+        self.ranks = tuple(range(world.size))
+        self.timeout_s = world.timeout_s
+
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        out = self._world._exchange(self.rank, values, "all_reduce")
+        return [max(column) for column in zip(*out)]
+
+    def all_gather(self, values: Sequence[int]) -> list[list[int]]:
+        return self._world._exchange(self.rank, values, "all_gather")
+
+
+# ---------------------------------------------------------------------------
+# results and counters
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What one check found."""
+
+    step: int
+    #: ``ok``: every rank equal; ``diverged``: some differ (see ``event``);
+    #: ``failed``: the collective failed or timed out, the checker stopped.
+    status: Literal["ok", "diverged", "failed"]
+    duration_s: float
+    event: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class DivergenceStats:
+    """A snapshot of the checker's counters, for exporters (see docs/tp-divergence.md)."""
+
+    #: Configured on (``divergence.enabled``).
+    enabled: bool
+    #: Still checking: enabled, handshake passed, no failure since.
+    active: bool
+    steps: int
+    checks: int
+    divergences: int
+    heals: int
+    #: Checks (or handshakes) whose collective failed, timeouts included.
+    failures: int
+    timeouts: int
+    config_mismatches: int
+    #: Step of the last completed check / the last detected divergence (0: none).
+    last_check_step: int
+    last_divergence_step: int
+    check_seconds: float
+    #: Divergences by pool name (names seen locally in a diverged slot).
+    divergences_by_pool: MappingProxyType[str, int] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+
+# ---------------------------------------------------------------------------
+# the checker
+
+
+class DivergenceChecker:
+    """Compares this rank's replica digest with every other member of ``group``.
+
+    ``digest`` must be the observer of ``cache`` (or inside its ``Tee``);
+    ``cache`` supplies state sizes and audits, and is what ``heal`` clears.
+    ``on_event`` receives every structured event (besides the log record).
+    """
+
+    def __init__(
+        self,
+        digest: ReplicaDigest,
+        group: CheckGroup,
+        config: DivergenceSection | None = None,
+        *,
+        cache: AnyCache | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(digest, ReplicaDigest):
+            raise TypeError(f"digest must be a ReplicaDigest, got {type(digest).__name__}")
+        for attr in ("rank", "size", "ranks", "timeout_s", "all_reduce_max", "all_gather"):
+            if not hasattr(group, attr):
+                raise TypeError(f"group must provide {attr!r} (see CheckGroup)")
+        config = DivergenceSection() if config is None else config
+        if not isinstance(config, DivergenceSection):
+            raise TypeError(f"config must be a DivergenceSection, got {type(config).__name__}")
+        if config.policy == "heal" and cache is None:
+            raise ValueError("cache is required with policy 'heal' (it is what gets cleared)")
+        if isinstance(cache, FlatStorageExistenceCache) and not isinstance(digest, SharedLruDigest):
+            raise TypeError(
+                "digest must be a SharedLruDigest for a FlatStorageExistenceCache "
+                "(its pools share one LRU, so their interleaving matters)"
+            )
+        self._digest = digest
+        self._group = group
+        self._config = config
+        self._cache = cache
+        self._on_event = on_event
+        self._clock = clock
+        self._slots = config.pool_slots
+        self._interval = config.interval_steps
+        self._step = 0
+        self._started = False
+        self._active = False
+        self._check_index = 0
+        self._checks = 0
+        self._divergences = 0
+        self._heals = 0
+        self._failures = 0
+        self._timeouts = 0
+        self._config_mismatches = 0
+        self._last_check_step = 0
+        self._last_divergence_step = 0
+        self._check_seconds = 0.0
+        self._by_pool: dict[str, int] = {}
+        self._failure_event: dict[str, Any] | None = None
+
+    # -- the per-step hook ---------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Steps counted so far (calls of ``on_step``)."""
+        return self._step
+
+    def on_step(self) -> CheckResult | None:
+        """Count one scheduler step; run the check when it is due.
+
+        Call it on every rank at the same lockstep point of every step.  The
+        first call runs the start-up handshake (unless ``start`` did).  Raises
+        only under the ``abort`` policy; otherwise problems become events.
+        """
+        self._step += 1
+        if self._active:
+            if self._step % self._interval:
+                return None
+        elif self._started:
+            return None
+        try:
+            if not self._started and not self.start():
+                return None
+            if self._step % self._interval:
+                return None
+            return self.check()
+        except DivergenceError:
+            raise
+        except Exception:  # never raise into the scheduler for observability
+            logger.exception("hicache-existence: divergence check failed unexpectedly")
+            return None
+
+    # -- start-up ------------------------------------------------------------
+    def _handshake_values(self) -> list[int]:
+        c = self._config
+        return [
+            DIGEST_VERSION,
+            int(c.enabled),
+            c.interval_steps,
+            POLICIES.index(c.policy),
+            c.audit_every_checks,
+            c.pool_slots,
+            round(c.timeout_s * 1000),
+        ]
+
+    def start(self) -> bool:
+        """The one start-up handshake (idempotent): every rank must call it, enabled
+        or not, so that ranks whose settings differ all stay inactive (a disabled
+        rank would otherwise leave the others waiting at every check)."""
+        if self._started:
+            return self._active
+        self._started = True
+        values = self._handshake_values()
+        n = len(values)
+        try:
+            reduced = self._group.all_reduce_max(values + [-v for v in values])
+        except GroupError as exc:
+            self._record_failure(0, exc, "handshake")
+            return False
+        hi, lo = reduced[:n], [-v for v in reduced[n:]]
+        if hi != lo:
+            self._config_mismatches += 1
+            differing = {
+                name: {"min": lo[i], "max": hi[i], "local": values[i]}
+                for i, name in enumerate(_HANDSHAKE_FIELDS)
+                if hi[i] != lo[i]
+            }
+            event = {
+                "event": EVENT_CONFIG_MISMATCH,
+                "rank": self._group.ranks[self._group.rank],
+                "ranks": list(self._group.ranks),
+                "policy": self._config.policy,
+                "differing": differing,
+                "action": "checks disabled on every rank",
+            }
+            self._emit(logging.ERROR, event)
+            if self._config.policy == "abort":
+                raise DivergenceConfigError(
+                    "hicache-existence divergence settings differ between ranks: "
+                    + ", ".join(sorted(differing)),
+                    event,
+                )
+            return False
+        self._active = self._config.enabled
+        if self._active:
+            self._emit(
+                logging.INFO,
+                {
+                    "event": EVENT_STARTED,
+                    "rank": self._group.ranks[self._group.rank],
+                    "ranks": list(self._group.ranks),
+                    "interval_steps": self._interval,
+                    "policy": self._config.policy,
+                    "audit_every_checks": self._config.audit_every_checks,
+                    "timeout_s": self._config.timeout_s,
+                },
+            )
+        return self._active
+
+    # -- one check -----------------------------------------------------------
+    def check(self) -> CheckResult:
+        """Compare replicas now, at the current step.  Every rank must call it at
+        the same point (``on_step`` does, every ``interval_steps`` steps)."""
+        step = self._step
+        t0 = self._clock()
+        self._check_index += 1
+        audit_every = self._config.audit_every_checks
+        audit = bool(audit_every) and self._check_index % audit_every == 0
+        digests: dict[str, PoolDigest] = {}
+        try:
+            digests = self._digest.pool_digests(self._cache, audit=audit)
+            vector = self._vector(step, digests)
+        except Exception:  # still take part, or every other rank would wait
+            logger.exception("hicache-existence: computing the replica digest failed")
+            vector = [0] * (_HEADER + 3 * self._slots)
+            vector[_STEP], vector[_STATUS] = step, 1
+        # A healthy check moves one word, folded from the header (step, status,
+        # replica word), as [w, -w]: two int64, the cheapest all-reduce gloo has
+        # (on 4 ranks, 6 words cost several times 2).  Slot words and sizes
+        # travel in the gather, which runs only when the words differ.
+        word = mix("check", *vector[:_HEADER])
+        try:
+            reduced = self._group.all_reduce_max([word, -word])
+            gathered = self._group.all_gather(vector) if reduced[0] != -reduced[1] else None
+        except GroupError as exc:
+            self._record_failure(step, exc, "check")
+            return CheckResult(step, "failed", self._clock() - t0, self._failure_event)
+        self._checks += 1
+        self._last_check_step = step
+        if gathered is None:
+            duration = self._clock() - t0
+            self._check_seconds += duration
+            return CheckResult(step, "ok", duration)
+        event = self._diverged(step, gathered, digests)
+        duration = self._clock() - t0
+        self._check_seconds += duration
+        event["check_duration_s"] = round(duration, 6)
+        self._emit(logging.ERROR, event)
+        if self._config.policy == "abort":
+            raise DivergenceError(
+                f"hicache-existence replicas diverged at step {step}: ranks "
+                f"{event['diverged_ranks']} differ from {event['reference_ranks']} "
+                f"(pools {event['diverged_pools']}, kinds {event['kinds']})",
+                event,
+            )
+        return CheckResult(step, "diverged", duration, event)
+
+    def _vector(self, step: int, digests: dict[str, PoolDigest]) -> list[int]:
+        k = self._slots
+        vector = [0] * (_HEADER + 3 * k)
+        vector[_STEP] = step
+        vector[_REPLICA] = combine(digests)
+        for name, d in digests.items():
+            s = slot_of(name, k)
+            vector[_HEADER + s] = (vector[_HEADER + s] + d.digest) & MASK63
+            vector[_HEADER + k + s] += d.entries
+            vector[_HEADER + 2 * k + s] += d.inflight
+        return vector
+
+    def _local_pools(self) -> list[str]:
+        names = set(self._digest.pools())
+        if self._cache is not None:
+            names.update(self._cache.stats())
+        return sorted(names)
+
+    def _diverged(
+        self,
+        step: int,
+        gathered: list[list[int]],
+        digests: dict[str, PoolDigest],
+    ) -> dict[str, Any]:
+        k = self._slots
+        group = self._group
+
+        def differs(index: int) -> bool:
+            return len({vec[index] for vec in gathered}) > 1
+
+        # Every rank holds the same gathered vectors, so every rank derives the
+        # same diverged slots (what ``heal`` clears) and the same groups of ranks.
+        slots = [s for s in range(k) if differs(_HEADER + s)]
+        kinds = []
+        if differs(_STATUS):
+            kinds.append("digest_error")
+        if slots or differs(_REPLICA):
+            kinds.append("state")
+        if differs(_STEP):
+            kinds.append("step")
+        # Ranks grouped by identical vectors; steps aside, unless only they differ.
+        only_steps = kinds == ["step"]
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for index, vec in enumerate(gathered):
+            key = tuple(vec[:1]) if only_steps else tuple(vec[_STATUS:])
+            buckets.setdefault(key, []).append(index)
+        ordered = sorted(buckets.values(), key=lambda idx: (-len(idx), min(idx)))
+        reference = ordered[0]
+        diverged = sorted(i for idx in ordered[1:] for i in idx)
+        slot_set = set(slots)
+        pools = [name for name in self._local_pools() if slot_of(name, k) in slot_set]
+        replicas = []
+        for idx in ordered:
+            vec = gathered[idx[0]]
+            replicas.append(
+                {
+                    "ranks": [group.ranks[i] for i in idx],
+                    "steps": sorted({gathered[i][_STEP] for i in idx}),
+                    "digest": f"{vec[_REPLICA]:016x}",
+                    "digest_error": bool(vec[_STATUS]),
+                    "slots": {
+                        str(s): {
+                            "digest": f"{vec[_HEADER + s]:016x}",
+                            "entries": vec[_HEADER + k + s],
+                            "inflight": vec[_HEADER + 2 * k + s],
+                        }
+                        for s in slots
+                    },
+                }
+            )
+        self._divergences += 1
+        self._last_divergence_step = step
+        for name in pools:
+            self._by_pool[name] = self._by_pool.get(name, 0) + 1
+        action = {"log": "logged", "heal": "none", "abort": "aborted"}[self._config.policy]
+        if self._config.policy == "heal" and slots:
+            self._heal(slot_set)
+            self._heals += 1
+            action = "healed: cleared " + (", ".join(pools) if pools else "no local pool")
+        return {
+            "event": EVENT_DETECTED,
+            "step": step,
+            "policy": self._config.policy,
+            "action": action,
+            "kinds": kinds,
+            "rank": group.ranks[group.rank],
+            "ranks": list(group.ranks),
+            "reference_ranks": [group.ranks[i] for i in reference],
+            "diverged_ranks": [group.ranks[i] for i in diverged],
+            "diverged_slots": slots,
+            "diverged_pools": pools,
+            "replicas": replicas,
+            "local": {
+                name: {
+                    "slot": slot_of(name, k),
+                    "digest": f"{d.digest:016x}",
+                    "entries": d.entries,
+                    "inflight": d.inflight,
+                    "capacity": d.capacity,
+                    "ops": d.ops,
+                }
+                for name, d in digests.items()
+                if slot_of(name, k) in slot_set
+            },
+            "digest_errors": self._digest.errors,
+        }
+
+    def _heal(self, slots: set[int]) -> None:
+        """Clear every local pool of the diverged slots and restart their digests.
+
+        Every rank derives ``slots`` from the same reduced words, so every rank
+        clears the same pools at the same step; beliefs are advisory, so the cost
+        is redundant writes (those misses count as ``cleared``).
+        """
+        cache = self._cache
+        names = [n for n in self._local_pools() if slot_of(n, self._slots) in slots]
+        if isinstance(cache, FlatStorageExistenceCache):
+            # One shared LRU: a divergence in one pool moves every pool's
+            # evictions, and the seed API can only clear everything.
+            cache.clear()
+            self._digest.reset_all()
+            return
+        if cache is not None:
+            existing = set(cache.pool_names())
+            for name in names:
+                if name in existing:
+                    cache.pool(name).clear()
+        for name in names:
+            self._digest.reset(name)
+
+    # -- failures and events -------------------------------------------------
+    def _record_failure(self, step: int, exc: GroupError, what: str) -> None:
+        self._active = False
+        self._failures += 1
+        timed_out = isinstance(exc, GroupTimeout)
+        if timed_out:
+            self._timeouts += 1
+        event = {
+            "event": EVENT_CHECK_FAILED,
+            "step": step,
+            "stage": what,
+            "rank": self._group.ranks[self._group.rank],
+            "ranks": list(self._group.ranks),
+            "timeout": timed_out,
+            "timeout_s": self._group.timeout_s,
+            "error": str(exc),
+            "action": "checks stopped on this rank",
+        }
+        self._failure_event = event
+        self._emit(logging.ERROR, event)
+        if self._config.policy == "abort":
+            raise DivergenceTimeoutError(str(exc), event) from exc
+
+    def _emit(self, level: int, event: dict[str, Any]) -> None:
+        """One structured event: to the package's event logger, then ``on_event``."""
+        try:
+            fields = {k: v for k, v in event.items() if k != "event"}
+            if level >= logging.ERROR:
+                _events.error(event["event"], **fields)
+            else:
+                _events.info(event["event"], **fields)
+            if self._on_event is not None:
+                self._on_event(event)
+        except Exception:  # a broken sink must not break the scheduler
+            logger.debug("hicache-existence: divergence event sink failed", exc_info=True)
+
+    # -- reporting -----------------------------------------------------------
+    def stats(self) -> DivergenceStats:
+        """An immutable snapshot of the counters; safe from another thread."""
+        return DivergenceStats(
+            enabled=self._config.enabled,
+            active=self._active,
+            steps=self._step,
+            checks=self._checks,
+            divergences=self._divergences,
+            heals=self._heals,
+            failures=self._failures,
+            timeouts=self._timeouts,
+            config_mismatches=self._config_mismatches,
+            last_check_step=self._last_check_step,
+            last_divergence_step=self._last_divergence_step,
+            check_seconds=self._check_seconds,
+            divergences_by_pool=MappingProxyType(dict(self._by_pool)),
+        )
