@@ -1,19 +1,22 @@
-"""Build the Grafana dashboard and the Prometheus rules from one source.
+"""Every generated file of the repository, from the one place each fact lives.
 
-    python dashboards/build.py          # writes both files below
+    python dashboards/build.py          # regenerates every file below
     python dashboards/build.py --check  # exits 1 when a committed file differs
 
 Outputs: ``dashboards/hicache-existence-dashboard.json`` (Grafana classic model,
-schemaVersion 41, like SGLang's own dashboard) and
-``integrations/prometheus/rules.yml`` (recording and alerting rules).  Both are
-committed; ``tests/test_dashboards.py`` fails when they differ from this build,
-as kubernetes-mixin does, so the dashboard, the rules and their tests cannot
-drift apart.
+schemaVersion 41, like SGLang's own dashboard), ``integrations/prometheus/rules.yml``
+(recording and alerting rules), ``integrations/kubernetes/prometheusrule.yaml``
+(the same rules as a PrometheusRule), and the generated tables of
+``docs/metrics.md`` (every metric) and ``docs/enable.md`` (every configuration
+key).  All are committed; the test suite runs ``--check``, as kubernetes-mixin
+does, so none of them can drift from its source.
 
-Every metric name is spelt once, in the table below (``METRICS``): a rename is
-one edit here.  Names not yet in ``hicache_existence.exporters.catalog`` are listed in
-``PENDING_METRICS``; the tests accept a name only if it is in one of the two.
-Thresholds and the runbook location live in ``Settings``.
+Metric names, kinds and labels are spelt once, in
+``hicache_existence.exporters.catalog``: ``family(name)`` looks a family up and
+fails the build for a name the catalog does not export.  Panel ids derive from
+each panel's key (its title unless given), so adding or moving a panel leaves
+every other id, and so every ``viewPanel=`` link, unchanged.  Thresholds and the
+runbook location live in ``Settings``.
 """
 
 from __future__ import annotations
@@ -22,13 +25,22 @@ import argparse
 import json
 import re
 import sys
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from hicache_existence import reference  # noqa: E402
+from hicache_existence.exporters import catalog  # noqa: E402
+
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
+METRICS_DOC_PATH = ROOT / "docs" / "metrics.md"
+CONFIG_DOC_PATH = ROOT / "docs" / "enable.md"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
 PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
 #: The renderer of the PrometheusRule (located from this file, not ``ROOT``).
@@ -38,7 +50,7 @@ _RENDER_SCRIPT = (
 
 Kind = Literal["counter", "gauge", "histogram"]
 
-# -- metrics: the one place their names are spelt --------------------------------
+# -- metrics: looked up in the catalog, where their names are spelt ---------------
 
 
 @dataclass(frozen=True)
@@ -68,77 +80,72 @@ class Metric:
         return (self.sample,)
 
 
-P = "hicache_existence_"
-POOL = ("pool",)
+P = catalog.PREFIX
+
+#: Every family the package exports, in catalog order, with kind and labels as the
+#: catalog declares them.
+METRICS: tuple[Metric, ...] = (
+    *(Metric(s.name, s.kind, ("pool", *s.extra_labels)) for s in catalog.CATALOG),
+    *(Metric(s.name, s.kind, s.labels) for s in catalog.FEATURE_CATALOG),
+)
+_BY_NAME = {m.name: m for m in METRICS}
 
 
-_TABLE: list[Metric] = []
+def family(name: str) -> Metric:
+    """The exported family ``hicache_existence_<name>``; a name the catalog does not
+    export fails the build here (names, kinds and labels are spelt only there)."""
+    try:
+        return _BY_NAME[P + name]
+    except KeyError:
+        raise KeyError(f"{P + name} is not in hicache_existence.exporters.catalog") from None
 
 
-def _m(name: str, kind: Kind, labels: tuple[str, ...] = POOL) -> Metric:
-    metric = Metric(P + name, kind, labels)
-    _TABLE.append(metric)
-    return metric
-
-
-# Cache accounting (hicache_existence.exporters.catalog).
-QUERIES = _m("queries", "counter")
-QUERY_HITS = _m("query_hits", "counter")
-PAGES_CHECKED = _m("pages_checked", "counter")
-PAGE_HITS = _m("page_hits", "counter")
-PAGE_RESCUES = _m("page_rescues", "counter")
-PAGE_MISSES = _m("page_misses", "counter", ("pool", "reason"))
-PAGE_INSERTS = _m("page_inserts", "counter")
-PAGE_REFRESHES = _m("page_refreshes", "counter")
-EVICTIONS = _m("evictions", "counter")
-INVALIDATIONS = _m("invalidations", "counter")
-CLEARED_PAGES = _m("cleared_pages", "counter")
-ENTRIES = _m("entries", "gauge")
-CAPACITY = _m("capacity_entries", "gauge")
-INFLIGHT = _m("inflight_pages", "gauge")
-MEMORY = _m("memory_bytes", "gauge")
-MISS_MEMORY = _m("miss_memory_bytes", "gauge")
-WRITTEN_PAGES = _m("written_pages", "counter")
-WRITTEN_BYTES = _m("written_bytes", "counter")
-AVOIDED_PAGES = _m("write_avoided_pages", "counter")
-AVOIDED_BYTES = _m("write_avoided_bytes", "counter")
-REDUNDANT_PAGES = _m("redundant_written_pages", "counter")
-REDUNDANT_BYTES = _m("redundant_written_bytes", "counter")
-# TP-replica divergence checks (no pool: one checker per rank).
-DIV_CHECKS = _m("divergence_checks", "counter", ())
-DIVERGENCES = _m("divergences", "counter", ())
-DIV_HEALS = _m("divergence_heals", "counter", ())
-DIV_FAILURES = _m("divergence_check_failures", "counter", ("reason",))
-DIV_MISMATCHES = _m("divergence_config_mismatches", "counter", ())
+# The families the expressions below use (references into the catalog).
+QUERIES = family("queries")
+QUERY_HITS = family("query_hits")
+PAGES_CHECKED = family("pages_checked")
+PAGE_HITS = family("page_hits")
+PAGE_RESCUES = family("page_rescues")
+PAGE_MISSES = family("page_misses")
+PAGE_INSERTS = family("page_inserts")
+PAGE_REFRESHES = family("page_refreshes")
+EVICTIONS = family("evictions")
+INVALIDATIONS = family("invalidations")
+CLEARED_PAGES = family("cleared_pages")
+ENTRIES = family("entries")
+CAPACITY = family("capacity_entries")
+INFLIGHT = family("inflight_pages")
+MEMORY = family("memory_bytes")
+MISS_MEMORY = family("miss_memory_bytes")
+WRITTEN_PAGES = family("written_pages")
+WRITTEN_BYTES = family("written_bytes")
+AVOIDED_PAGES = family("write_avoided_pages")
+AVOIDED_BYTES = family("write_avoided_bytes")
+REDUNDANT_PAGES = family("redundant_written_pages")
+REDUNDANT_BYTES = family("redundant_written_bytes")
+DIV_CHECKS = family("divergence_checks")
+DIVERGENCES = family("divergences")
+DIV_HEALS = family("divergence_heals")
+DIV_FAILURES = family("divergence_check_failures")
+DIV_MISMATCHES = family("divergence_config_mismatches")
 #: A counter of seconds: with DIV_CHECKS it gives the mean check duration.
-DIV_SECONDS = _m("divergence_check_seconds", "counter", ())
-DIV_LAST_STEP = _m("divergence_last_check_step", "gauge", ())
-DIV_DETECTED_STEP = _m("divergence_last_detected_step", "gauge", ())
-DIV_ACTIVE = _m("divergence_active", "gauge", ())
-# Reconciler (ground truth).
-REC_QUERIES = _m("reconciler_queries", "counter", ("pool", "result"))
-REC_STALE = _m("reconciler_stale_positives", "counter")
-REC_INVALIDATED = _m("reconciler_pages_invalidated", "counter")
-REC_LEARNT = _m("reconciler_pages_learnt", "counter")
-REC_ERRORS = _m("reconciler_errors", "counter", ("kind",))
-REC_CIRCUIT = _m("reconciler_circuit_open", "gauge", ())
-REC_OUTSTANDING = _m("reconciler_outstanding_queries", "gauge", ())
-REC_SECONDS = _m("reconciler_query_seconds", "histogram", ())
+DIV_SECONDS = family("divergence_check_seconds")
+DIV_LAST_STEP = family("divergence_last_check_step")
+DIV_DETECTED_STEP = family("divergence_last_detected_step")
+DIV_ACTIVE = family("divergence_active")
+REC_QUERIES = family("reconciler_queries")
+REC_STALE = family("reconciler_stale_positives")
+REC_INVALIDATED = family("reconciler_pages_invalidated")
+REC_LEARNT = family("reconciler_pages_learnt")
+REC_ERRORS = family("reconciler_errors")
+REC_CIRCUIT = family("reconciler_circuit_open")
+REC_OUTSTANDING = family("reconciler_outstanding_queries")
+REC_SECONDS = family("reconciler_query_seconds")
 # Capacity advisor: the reference-stream curve, and the lookup curve (the one to
 # size the cap by in buffer mode, docs/capacity.md).
-ADVISOR = _m("advisor_estimated_hit_ratio", "gauge", ("pool", "cap_multiplier"))
-ADVISOR_LOOKUP = _m("advisor_estimated_lookup_hit_ratio", "gauge", ("pool", "cap_multiplier"))
-ADVISOR_DROPPED = _m("advisor_dropped_references", "counter", ())
-
-#: Every family the dashboard and the rules use.
-METRICS: tuple[Metric, ...] = tuple(_TABLE)
-
-#: Families used here that ``hicache_existence.exporters.catalog`` does not export yet
-#: (catalog names: counters without ``_total``).  Add a name here when a panel
-#: or rule needs a metric before its feature exports it, and remove it when the
-#: catalog has it; the tests fail if a name is in both or in neither, and the
-#: end-to-end test checks queries over pending names for validity only.
-PENDING_METRICS: tuple[str, ...] = ()
+ADVISOR = family("advisor_estimated_hit_ratio")
+ADVISOR_LOOKUP = family("advisor_estimated_lookup_hit_ratio")
+ADVISOR_DROPPED = family("advisor_dropped_references")
 
 #: Label values the expressions rely on (one place, like the names;
 #: tests/test_dashboards.py checks them against the package's own tuples).
@@ -309,12 +316,29 @@ class Panel:
     mappings: tuple[dict[str, Any], ...] = ()
     #: Threshold steps (value, colour) for stat panels.
     steps: tuple[tuple[float | None, str], ...] = ()
+    #: What the panel id derives from (default: the title).  Give the old title
+    #: here when renaming a panel, to keep its id and the links to it.
+    key: str = ""
+
+    @property
+    def id(self) -> int:
+        return stable_id("panel:" + (self.key or self.title))
 
 
 @dataclass(frozen=True)
 class Row:
     title: str
     panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+    @property
+    def id(self) -> int:
+        return stable_id("row:" + self.title)
+
+
+def stable_id(key: str) -> int:
+    """A panel id from a stable key (CRC-32, 24 bits: small JSON numbers; the
+    tests check that no two panels collide)."""
+    return 1 + (zlib.crc32(key.encode("utf-8")) & 0xFFFFFF)
 
 
 def _t(expr: str, legend: str) -> Target:
@@ -746,7 +770,45 @@ def rows() -> tuple[Row, ...]:
             ),
         ),
     )
-    return (overview, churn, tp, reconciler, advice)
+    return (overview, churn, tp, reconciler, advice, every_family())
+
+
+def every_family() -> Row:
+    """One small panel per exported family, built from the catalog alone: a new
+    metric is on the dashboard the moment it is declared (its curated panels, if
+    any, live in the rows above)."""
+    helps = {s.name: s.help for s in (*catalog.CATALOG, *catalog.FEATURE_CATALOG)}
+    panels = []
+    for m in METRICS:
+        group = tuple(label for label in m.labels)
+        if m.kind == "counter":
+            expr = rate(m, group)
+            unit = "binBps" if m.name.endswith("_bytes") else "short"
+            if m.name.endswith("_seconds"):
+                unit = "percentunit"  # seconds per second: the share of time spent
+            what = "per-second rate"
+        elif m.kind == "gauge":
+            expr = f"max {by(group)}({selector(m)})"
+            unit = "bytes" if m.name.endswith("_bytes") else "short"
+            what = "value (max over ranks)"
+        else:
+            expr = quantile(0.99, m)
+            unit, what = "s", "99th percentile"
+        legend = " ".join("{{" + label + "}}" for label in group) or m.name
+        # Four to a line; the last line's panels share its width (no stray panel).
+        last = len(METRICS) % 4 or 4
+        width = 6 if len(panels) < len(METRICS) - last else 24 // last
+        panels.append(
+            Panel(
+                m.sample,
+                f"{helps[m.name]} ({what}; generated from the catalog)",
+                unit,
+                (_t(expr, legend),),
+                width=width,
+                height=6,
+            )
+        )
+    return Row("Every exported family", tuple(panels))
 
 
 # -- dashboard JSON --------------------------------------------------------------
@@ -872,23 +934,23 @@ def _panel_json(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
 
 
 def _layout(all_rows: Sequence[Row]) -> Iterator[dict[str, Any]]:
-    pid, y = 1, 0
+    y = 0
     for row in all_rows:
         yield {
-            "id": pid,
+            "id": row.id,
             "type": "row",
             "title": row.title,
             "collapsed": False,
             "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
             "panels": [],
         }
-        pid, y, x, line = pid + 1, y + 1, 0, 0
+        y, x, line = y + 1, 0, 0
         for panel in row.panels:
             if x + panel.width > 24:
                 x, y = 0, y + line
                 line = 0
-            yield _panel_json(panel, pid, x, y)
-            pid, x, line = pid + 1, x + panel.width, max(line, panel.height)
+            yield _panel_json(panel, panel.id, x, y)
+            x, line = x + panel.width, max(line, panel.height)
         y += line
 
 
@@ -1185,11 +1247,18 @@ def rules_text() -> str:
 
 
 def outputs() -> dict[Path, str]:
+    """Every generated file and its content as built now."""
     rules = rules_text()
     return {
         DASHBOARD_PATH: dashboard_text(),
         RULES_PATH: rules,
         PROMETHEUSRULE_PATH: _prometheusrule(rules),
+        METRICS_DOC_PATH: reference.replace_between(
+            METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", reference.metrics_table()
+        ),
+        CONFIG_DOC_PATH: reference.replace_between(
+            CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", reference.config_table()
+        ),
     }
 
 
@@ -1220,7 +1289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.write_text(text, encoding="utf-8")
             print(f"wrote {path.relative_to(ROOT)}")
     for path in stale:
-        print(f"{path.relative_to(ROOT)} differs from the build; run python dashboards/build.py")
+        print(f"{path.relative_to(ROOT)} differs from its sources; run python dashboards/build.py")
     return 1 if stale else 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hicache_existence import reference
 from hicache_existence.accounting.writes import PoolWriteStats
 from hicache_existence.core.stats import PoolStats
 from hicache_existence.exporters import catalog
@@ -18,12 +19,11 @@ BEGIN, END = "<!-- catalog:begin -->", "<!-- catalog:end -->"
 
 
 def test_docs_reference_table_equals_the_catalog():
-    """docs/metrics.md holds exactly catalog.markdown_table() between its markers
-    (regenerate with: python -c 'from hicache_existence import catalog;
-    print(catalog.markdown_table())')."""
+    """docs/metrics.md holds exactly reference.metrics_table() between its markers
+    (regenerate with: python dashboards/build.py)."""
     text = DOC.read_text(encoding="utf-8")
     block = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert block == catalog.markdown_table()
+    assert block == reference.metrics_table()
 
 
 def test_every_exposed_name_is_documented_once():

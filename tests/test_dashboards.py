@@ -172,17 +172,67 @@ def test_committed_files_equal_the_build_output():
 
 
 def test_check_mode_reports_and_write_mode_fixes_a_stale_file(tmp_path, monkeypatch):
-    """`build.py --check` exits 1 on a differing file and the plain run rewrites it."""
-    dashboard, rules = tmp_path / "d.json", tmp_path / "r.yml"
-    monkeypatch.setattr(build, "DASHBOARD_PATH", dashboard)
-    monkeypatch.setattr(build, "RULES_PATH", rules)
+    """`build.py --check` exits 1 on any differing generated file (the dashboard,
+    a doc table) and the plain run rewrites each of them."""
+    names = ("DASHBOARD_PATH", "RULES_PATH", "PROMETHEUSRULE_PATH", "METRICS_DOC_PATH",
+             "CONFIG_DOC_PATH")
+    for name in names:
+        original = getattr(build, name)
+        copy_ = tmp_path / original.name
+        copy_.write_text(original.read_text(encoding="utf-8"), encoding="utf-8")
+        monkeypatch.setattr(build, name, copy_)
     monkeypatch.setattr(build, "ROOT", tmp_path)
-    dashboard.write_text("{}", encoding="utf-8")
+    assert build.main(["--check"]) == 0
+    build.DASHBOARD_PATH.write_text("{}", encoding="utf-8")
+    doc = build.METRICS_DOC_PATH
+    doc.write_text(doc.read_text(encoding="utf-8").replace("| `hicache_existence_queries_total`",
+                                                           "| `stale`"), encoding="utf-8")
     assert build.main(["--check"]) == 1
-    assert dashboard.read_text(encoding="utf-8") == "{}"
+    assert build.DASHBOARD_PATH.read_text(encoding="utf-8") == "{}"
     assert build.main([]) == 0
     assert build.main(["--check"]) == 0
-    assert json.loads(dashboard.read_text(encoding="utf-8"))["schemaVersion"] == 41
+    assert json.loads(build.DASHBOARD_PATH.read_text(encoding="utf-8"))["schemaVersion"] == 41
+    assert "| `hicache_existence_queries_total`" in doc.read_text(encoding="utf-8")
+
+
+def test_panel_ids_are_unique_and_survive_adding_and_moving_panels(monkeypatch):
+    """Ids derive from each panel's key: all distinct; a new panel inserted at the
+    top of the first row, and a panel moved to another row, leave every other
+    id unchanged (Grafana links such as viewPanel= keep working)."""
+    before = {p["title"]: p["id"] for p in build.dashboard()["panels"]}
+    ids = [p["id"] for p in build.dashboard()["panels"]]
+    assert len(ids) == len(set(ids))
+    original = build.rows
+
+    def edited() -> tuple[build.Row, ...]:
+        rows = list(original())
+        new = build.Panel("A new panel", "d", "short", (build._t("vector(1)", "x"),))
+        moved = rows[0].panels[-1]
+        rows[0] = build.Row(rows[0].title, (new, *rows[0].panels[:-1]))
+        rows[1] = build.Row(rows[1].title, (*rows[1].panels, moved))
+        return tuple(rows)
+
+    monkeypatch.setattr(build, "rows", edited)
+    after = {p["title"]: p["id"] for p in build.dashboard()["panels"]}
+    assert set(after) == set(before) | {"A new panel"}
+    assert {t: after[t] for t in before} == before
+
+
+def test_every_row_fills_its_lines():
+    """No stray panels: within every row, each line of panels spans the full
+    24-column width (a lone half-width panel is a layout mistake)."""
+    problems = []
+    row = None
+    lines: dict[int, int] = {}
+    for p in [*build.dashboard()["panels"], {"type": "row", "title": None, "gridPos": {}}]:
+        if p["type"] == "row":
+            problems += [f"row {row!r}: a line at y={y} spans {w}" for y, w in lines.items()
+                         if w != 24]
+            row, lines = p["title"], {}
+            continue
+        g = p["gridPos"]
+        lines[g["y"]] = lines.get(g["y"], 0) + g["w"]
+    assert problems == []
 
 
 def test_dashboard_passes_the_lint():
@@ -209,11 +259,18 @@ def test_dashboard_lint_catches_each_violation():
 
 
 def test_dashboard_has_every_row_with_panels():
-    """Rows overview, churn, TP health, reconciler and capacity advice, in that
-    order, each with panels."""
+    """Rows overview, churn, TP health, reconciler, capacity advice and the
+    generated one-panel-per-family row, in that order, each with panels."""
     d = committed_dashboard()
     titles = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert titles == ["Overview", "Churn", "TP health", "Reconciler", "Capacity advice"]
+    assert titles == [
+        "Overview",
+        "Churn",
+        "TP health",
+        "Reconciler",
+        "Capacity advice",
+        "Every exported family",
+    ]
     counts = dict.fromkeys(titles, 0)
     row = None
     for p in d["panels"]:
@@ -365,12 +422,9 @@ KNOWN: dict[str, catalog.MetricSpec | catalog.FeatureSpec] = {
 def metric_problems(
     exprs: list[str], known: dict[str, catalog.MetricSpec | catalog.FeatureSpec]
 ) -> list[str]:
-    """Names or labels used in ``exprs`` that neither ``known`` (the catalog) nor
-    ``build.PENDING_METRICS`` accounts for, one line each."""
+    """Names or labels used in ``exprs`` that ``known`` (the catalog) does not
+    account for, one line each."""
     problems: list[str] = []
-    pending = set(build.PENDING_METRICS)
-    for name in sorted(pending & set(known)):
-        problems.append(f"{name} is in the catalog now: remove it from PENDING_METRICS")
     for expr in exprs:
         for used in sorted(build.names_in(expr)):
             if ":" in used:
@@ -380,14 +434,14 @@ def metric_problems(
                 problems.append(f"{used} is not a sample of any metric in build.METRICS")
                 continue
             spec = known.get(family.name)
-            if spec is not None:
-                if spec.kind != family.kind:
-                    problems.append(f"{family.name} is a {spec.kind} in the catalog")
-                missing = set(family.labels) - set(spec.label_names)
-                if missing:
-                    problems.append(f"{family.name} has no label(s) {sorted(missing)}")
-            elif family.name not in pending:
-                problems.append(f"{family.name} is neither in the catalog nor pending")
+            if spec is None:
+                problems.append(f"{family.name} is not in the catalog")
+                continue
+            if spec.kind != family.kind:
+                problems.append(f"{family.name} is a {spec.kind} in the catalog")
+            missing = set(family.labels) - set(spec.label_names)
+            if missing:
+                problems.append(f"{family.name} has no label(s) {sorted(missing)}")
         for name, matchers in _SELECTOR.findall(expr):
             family = build.metric_of(name)
             if family is None:
@@ -410,23 +464,27 @@ def used_expressions() -> list[str]:
     return exprs
 
 
-def test_every_metric_used_is_in_the_catalog_or_pending():
+def test_every_metric_used_is_in_the_catalog():
     """Every metric the dashboard and the rules query is exported by the catalog
-    (cache or feature metrics; right kind, labels it has) or listed in
-    build.PENDING_METRICS, never both."""
+    (cache or feature metrics; right kind, labels it has)."""
     assert metric_problems(used_expressions(), KNOWN) == []
 
 
-def test_no_metric_is_pending_now_that_every_feature_exports():
-    """TP-divergence, reconciler and advisor metrics are all in the catalog, so
-    nothing is pending (every dashboard query is asserted end to end)."""
-    assert build.PENDING_METRICS == ()
+def test_build_takes_every_name_kind_and_label_from_the_catalog():
+    """build.METRICS is the catalog's families with the catalog's kinds and labels,
+    and looking up a name the catalog does not export fails the build."""
+    assert {m.name for m in build.METRICS} == set(KNOWN)
+    for m in build.METRICS:
+        spec = KNOWN[m.name]
+        assert m.kind == spec.kind
+        assert (*catalog.DEPLOYMENT_LABELS, *m.labels) == spec.label_names
+    with pytest.raises(KeyError, match=r"not in hicache_existence\.exporters\.catalog"):
+        build.family("querys")
 
 
-def test_metric_check_rejects_unknown_names_labels_and_stale_pending_entries(monkeypatch):
-    """A misspelt name, an unknown label, a name neither exported nor pending, and
-    a pending name that the catalog now exports are each reported; a pending name
-    the catalog lacks is accepted."""
+def test_metric_check_rejects_unknown_names_and_labels():
+    """A misspelt name, an unknown label and a family the catalog lacks are each
+    reported."""
     exprs = [
         'rate(hicache_existence_querys_total{job=~"$job"}[5m])',
         'rate(hicache_existence_queries_total{poool="kv"}[5m])',
@@ -436,11 +494,7 @@ def test_metric_check_rejects_unknown_names_labels_and_stale_pending_entries(mon
     problems = "\n".join(metric_problems(exprs, without))
     assert "hicache_existence_querys_total is not a sample" in problems
     assert "hicache_existence_queries_total has no label 'poool'" in problems
-    assert f"{build.DIV_CHECKS.name} is neither in the catalog nor pending" in problems
-    monkeypatch.setattr(build, "PENDING_METRICS", (build.DIV_CHECKS.name, build.QUERIES.name))
-    problems = "\n".join(metric_problems(exprs, without))
-    assert f"{build.QUERIES.name} is in the catalog now" in problems
-    assert build.DIV_CHECKS.name not in problems
+    assert f"{build.DIV_CHECKS.name} is not in the catalog" in problems
 
 
 def test_metric_check_rejects_a_wrong_kind_or_a_label_the_catalog_lacks():
@@ -454,9 +508,9 @@ def test_metric_check_rejects_a_wrong_kind_or_a_label_the_catalog_lacks():
     assert f"{build.ADVISOR.name} has no label(s) ['cap_multiplier', 'pool']" in problems
 
 
-def test_every_metric_in_the_table_is_used():
-    """build.METRICS holds no name the dashboard and rules do not use (one place,
-    no dead entries)."""
+def test_every_exported_family_is_on_the_dashboard():
+    """Every family of the catalog is queried by some panel or rule (the generated
+    "Every exported family" row guarantees a new metric its panel)."""
     used = {build.metric_of(n) for e in used_expressions() for n in build.names_in(e)}
     assert set(build.METRICS) <= used
 
@@ -505,14 +559,13 @@ def test_selector_rejects_a_label_the_metric_lacks():
 
 def test_runbooks_name_only_metrics_that_exist():
     """Every metric or recorded series docs/runbooks.md names is exported by the
-    catalog, pending, or recorded by rules.yml (a runbook query must work)."""
+    catalog or recorded by rules.yml (a runbook query must work)."""
     known = {spec.exposed_name for spec in catalog.CATALOG}
     for fspec in catalog.FEATURE_CATALOG:
         if fspec.kind == "histogram":
             known |= {fspec.name + suffix for suffix in ("_bucket", "_count", "_sum")}
         else:
             known.add(fspec.exposed_name)
-    known |= {s for m in build.METRICS if m.name in build.PENDING_METRICS for s in m.sample_names()}
     known |= {r["record"] for r in recording_rules(committed_rules())}
     named = build.names_in(RUNBOOKS.read_text(encoding="utf-8"))
     assert named, "the runbooks name no metric"

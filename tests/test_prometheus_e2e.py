@@ -10,9 +10,8 @@ over the bundled Mooncake trace.  A small cap and a small, lossy L3 make
 evictions, every classified miss reason, stale positives and divergence checks
 move within seconds.
 
-Queries over metrics in ``build.PENDING_METRICS`` (none today) are collected
-apart: they must be valid PromQL and fail the run if they return data (the
-metric is exported then and must leave the list).
+Every name the dashboard and rules use comes from the metric catalog
+(``dashboards/build.py``), so every query is asserted: nothing is exempt.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,31 +175,6 @@ def checks() -> list[Check]:
                 seen.add(s)
                 out.append(Check(f"selector {s} (from {check.what})", s))
     return out
-
-
-def pending_records(rules: dict[str, Any]) -> set[str]:
-    """Recorded series that depend, directly or through other records, on a
-    pending metric."""
-    pending: set[str] = set()
-    records = [r for g in rules["groups"] for r in g["rules"] if "record" in r]
-    changed = True
-    while changed:
-        changed = False
-        for r in records:
-            if r["record"] not in pending and uses_pending(r["expr"], pending):
-                pending.add(r["record"])
-                changed = True
-    return pending
-
-
-def uses_pending(expr: str, records: set[str]) -> bool:
-    for name in build.names_in(expr):
-        if name in records:
-            return True
-        family = build.metric_of(name)
-        if family is not None and family.name in build.PENDING_METRICS:
-            return True
-    return False
 
 
 # -- the stack: the runtime under a simulated scheduler, and Prometheus -------------------
@@ -386,15 +359,6 @@ def has_data(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in result)
 
 
-def partition() -> tuple[list[Check], list[Check]]:
-    rules = yaml.safe_load(build.RULES_PATH.read_text(encoding="utf-8"))
-    records = pending_records(rules)
-    live, pending = [], []
-    for check in checks():
-        (pending if uses_pending(check.query, records) else live).append(check)
-    return live, pending
-
-
 def failures(stack: Stack, todo: list[Check]) -> list[str]:
     out = []
     for check in todo:
@@ -421,9 +385,8 @@ def test_every_dashboard_query_and_rule_expression_returns_data(stack):
     """After a few scrapes of the live runtime, every dashboard target and
     variable, every recording rule and every selector of every alert (feature
     metrics included) returns finite data, and every alert expression is valid
-    PromQL; nothing is exempt unless its metric is listed as pending."""
-    live, pending = partition()
-    assert bool(pending) == bool(build.PENDING_METRICS)
+    PromQL; nothing is exempt."""
+    live = checks()
     assert len(live) > 100
     failed = poll(stack, lambda: failures(stack, live))
     assert not failed, "\n".join(failed) + f"\nprometheus log:\n{stack.log_tail()}"
@@ -516,41 +479,3 @@ def test_prometheus_loaded_and_evaluates_every_rule_without_error(stack):
     assert set(loaded) == want
     unhealthy = {n: r.get("lastError") for n, r in loaded.items() if r["health"] != "ok"}
     assert not unhealthy
-
-
-def exported_pending(stack: Stack, pending: list[Check]) -> list[str]:
-    """Pending queries that return data (their metric is exported after all);
-    invalid PromQL fails the test."""
-    exported = []
-    for check in pending:
-        status, result, error = stack.query(check.query)
-        assert status == "success", f"{check.what}: {error}\n    {check.query}"
-        if has_data(result):
-            exported.append(check.what)
-    return exported
-
-
-def test_pending_metric_queries_are_valid_and_an_exported_one_is_reported(stack, monkeypatch):
-    """Queries over build.PENDING_METRICS are valid PromQL and return nothing (a
-    pending metric that returns data must leave the list); planting an exported
-    metric (the advisor's lookup curve) in the list moves its queries out of the
-    asserted set and gets them reported as exported."""
-    _, pending = partition()
-    exported = exported_pending(stack, pending)
-    assert not exported, f"pending metrics return data (remove them from the list): {exported}"
-    if pending:
-        warnings.warn(
-            f"{len(pending)} queries over {len(build.PENDING_METRICS)} pending metrics "
-            "were checked for validity only: " + "; ".join(c.what for c in pending),
-            stacklevel=1,
-        )
-    planted_name = build.ADVISOR_LOOKUP.name
-    monkeypatch.setattr(build, "PENDING_METRICS", (planted_name,))
-    live, planted = partition()
-    assert planted and all(planted_name in c.query for c in planted)
-    assert not any(planted_name in c.query for c in live)
-    titles = {c.what for c in planted}
-    assert "panel 'Recommended cap (entries)' target B" in titles
-    assert "panel 'Recommended cap (entries)' target A" not in titles  # the cap alone
-    reported = poll(stack, lambda: sorted(titles - set(exported_pending(stack, planted))))
-    assert not reported, f"not reported as exported: {reported}"

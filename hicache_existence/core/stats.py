@@ -6,96 +6,45 @@ more than the page lookup it would count).  Reporting is an immutable snapshot
 with derived ratios, modelled on Caffeine's ``CacheStats``: ratios are 1.0 when
 nothing was asked, and snapshots subtract to deltas so exporters and tests can
 reason about an interval.
+
+One declaration: the fields of ``PoolStats``, each marked ``counter()``,
+``gauge()`` or ``miss_reason()``.  From it come ``COUNTER_FIELDS`` /
+``GAUGE_FIELDS``, the live ``PoolCounters`` class (one slot per counter) and its
+``snapshot()`` (by keyword), so a new counter is one field here, its increments
+in the cache, and its catalog entry (``exporters/catalog.py``); the tests check
+that the catalog and the reference models cover exactly these fields.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
 
 #: Why a page missed.  Index order is the order of ``PoolCounters.miss_reasons``.
 MISS_REASONS: tuple[str, ...] = ("cold", "evicted", "invalidated", "cleared")
 COLD, EVICTED, INVALIDATED, CLEARED = range(4)
 
-#: Monotonic counters, in snapshot field order.
-COUNTER_FIELDS: tuple[str, ...] = (
-    "queries",
-    "query_hits",
-    "query_misses",
-    "pages_checked",
-    "page_hits",
-    "rescues",
-    "page_misses",
-    "adds",
-    "inserts",
-    "refreshes",
-    "evictions",
-    "invalidate_calls",
-    "invalidations",
-    "clears",
-    "cleared_pages",
-    "inflight_tracked",
-    "inflight_released",
-    "inflight_clears",
-)
-#: Point-in-time values.
-GAUGE_FIELDS: tuple[str, ...] = ("entries", "capacity", "inflight")
+Kind = Literal["counter", "gauge", "miss_reason"]
 
 
-class PoolCounters:
-    """The live counters of one pool.  Owned and mutated by the cache only."""
+def counter() -> Any:
+    """A monotonic counter of ``PoolStats``: live in ``PoolCounters``, bumped by
+    the cache, subtracted by ``-`` (deltas)."""
+    return field(default=0, metadata={"kind": "counter"})
 
-    __slots__ = (*COUNTER_FIELDS, "miss_reasons")
 
-    def __init__(self) -> None:
-        self.queries: int = 0
-        self.query_hits: int = 0
-        self.query_misses: int = 0
-        self.pages_checked: int = 0
-        self.page_hits: int = 0
-        self.rescues: int = 0
-        self.page_misses: int = 0
-        self.adds: int = 0
-        self.inserts: int = 0
-        self.refreshes: int = 0
-        self.evictions: int = 0
-        self.invalidate_calls: int = 0
-        self.invalidations: int = 0
-        self.clears: int = 0
-        self.cleared_pages: int = 0
-        self.inflight_tracked: int = 0
-        self.inflight_released: int = 0
-        self.inflight_clears: int = 0
-        self.miss_reasons: list[int] = [0, 0, 0, 0]
+def gauge() -> Any:
+    """A point-in-time value of ``PoolStats``, read from the pool at snapshot time
+    (kept, not subtracted, by ``-``)."""
+    return field(default=0, metadata={"kind": "gauge"})
 
-    def snapshot(self, pool: str, entries: int, capacity: int, inflight: int) -> PoolStats:
-        """Freeze the counters together with the pool's current gauges."""
-        return PoolStats(
-            pool,
-            self.queries,
-            self.query_hits,
-            self.query_misses,
-            self.pages_checked,
-            self.page_hits,
-            self.rescues,
-            self.page_misses,
-            self.adds,
-            self.inserts,
-            self.refreshes,
-            self.evictions,
-            self.invalidate_calls,
-            self.invalidations,
-            self.clears,
-            self.cleared_pages,
-            self.inflight_tracked,
-            self.inflight_released,
-            self.inflight_clears,
-            entries,
-            capacity,
-            inflight,
-            *self.miss_reasons,
-        )
+
+def miss_reason() -> Any:
+    """A classified-miss counter ``misses_<reason>`` (one per ``MISS_REASONS``),
+    kept in ``PoolCounters.miss_reasons``."""
+    return field(default=0, metadata={"kind": "miss_reason"})
 
 
 def _ratio(part: int, whole: int) -> float:
@@ -113,31 +62,52 @@ class PoolStats:
     """
 
     pool: str
-    queries: int = 0
-    query_hits: int = 0
-    query_misses: int = 0
-    pages_checked: int = 0
-    page_hits: int = 0
-    rescues: int = 0
-    page_misses: int = 0
-    adds: int = 0
-    inserts: int = 0
-    refreshes: int = 0
-    evictions: int = 0
-    invalidate_calls: int = 0
-    invalidations: int = 0
-    clears: int = 0
-    cleared_pages: int = 0
-    inflight_tracked: int = 0
-    inflight_released: int = 0
-    inflight_clears: int = 0
-    entries: int = 0
-    capacity: int = 0
-    inflight: int = 0
-    misses_cold: int = 0
-    misses_evicted: int = 0
-    misses_invalidated: int = 0
-    misses_cleared: int = 0
+    #: Lookups: contains, contains_all, covered and covers_all calls.
+    queries: int = counter()
+    #: Lookups that answered True (every page covered).
+    query_hits: int = counter()
+    #: Lookups that answered False (stopped at an uncovered page).
+    query_misses: int = counter()
+    #: Pages examined by lookups, up to and including the stopping page.
+    pages_checked: int = counter()
+    #: Examined pages found believed stored (LRU-touched).
+    page_hits: int = counter()
+    #: Examined pages not believed but covered by in-flight refs / ``extra_cover``.
+    rescues: int = counter()
+    #: Examined pages not covered (at most one per lookup).
+    page_misses: int = counter()
+    #: ``add()`` calls.
+    adds: int = counter()
+    #: Pages added that were not believed before.
+    inserts: int = counter()
+    #: Pages added that were already believed (moved to most recent).
+    refreshes: int = counter()
+    #: Entries dropped by the cap.
+    evictions: int = counter()
+    #: ``invalidate_beyond()`` calls.
+    invalidate_calls: int = counter()
+    #: Entries dropped by ``invalidate_beyond()``.
+    invalidations: int = counter()
+    #: ``clear()`` calls that reached the pool.
+    clears: int = counter()
+    #: Entries dropped by clears.
+    cleared_pages: int = counter()
+    #: In-flight refs taken.
+    inflight_tracked: int = counter()
+    #: In-flight refs released.
+    inflight_released: int = counter()
+    #: ``clear_inflight()`` calls that reached the pool.
+    inflight_clears: int = counter()
+    #: Entries believed now.
+    entries: int = gauge()
+    #: The cap (per pool, or the one shared cap of the seed generation).
+    capacity: int = gauge()
+    #: Distinct pages with in-flight refs now.
+    inflight: int = gauge()
+    misses_cold: int = miss_reason()
+    misses_evicted: int = miss_reason()
+    misses_invalidated: int = miss_reason()
+    misses_cleared: int = miss_reason()
 
     # -- derived ratios (1.0 when there was nothing to measure, like Caffeine) --
     @property
@@ -171,14 +141,7 @@ class PoolStats:
         ``page_misses`` once the cache has settled (``settle()``, which the
         per-step hook calls; a miss only records its page, classification is
         batched); without it they are all zero."""
-        return MappingProxyType(
-            {
-                "cold": self.misses_cold,
-                "evicted": self.misses_evicted,
-                "invalidated": self.misses_invalidated,
-                "cleared": self.misses_cleared,
-            }
-        )
+        return MappingProxyType({r: getattr(self, f"misses_{r}") for r in MISS_REASONS})
 
     def __sub__(self, other: PoolStats) -> PoolStats:
         """Counters become deltas; gauges keep this (the newer) snapshot's value.
@@ -193,7 +156,7 @@ class PoolStats:
         for f in fields(self):
             name = f.name
             mine = getattr(self, name)
-            if name == "pool" or name in GAUGE_FIELDS:
+            if name == "pool" or name in _GAUGES:
                 values[name] = mine
             else:
                 values[name] = mine - getattr(other, name)
@@ -221,6 +184,69 @@ class PoolStats:
             fill_ratio=self.fill_ratio,
         )
         return out
+
+
+def _of_kind(kind: Kind) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(PoolStats) if f.metadata.get("kind") == kind)
+
+
+#: Monotonic counters, in ``PoolStats`` field order (derived: declare in ``PoolStats``).
+COUNTER_FIELDS: tuple[str, ...] = _of_kind("counter")
+#: Point-in-time values.
+GAUGE_FIELDS: tuple[str, ...] = _of_kind("gauge")
+_GAUGES = frozenset(GAUGE_FIELDS)
+_REASON_FIELDS = _of_kind("miss_reason")
+if tuple(f"misses_{r}" for r in MISS_REASONS) != _REASON_FIELDS:  # pragma: no cover
+    raise AssertionError(f"PoolStats miss-reason fields {_REASON_FIELDS} != MISS_REASONS")
+
+
+def _counters_class() -> type:
+    """``PoolCounters``, built from ``PoolStats``'s counter fields: a slotted
+    object of plain ints (a slot increment is the cheapest counter Python has)."""
+    names = COUNTER_FIELDS
+
+    def __init__(self: Any) -> None:
+        for name in names:
+            setattr(self, name, 0)
+        self.miss_reasons = [0] * len(MISS_REASONS)
+
+    def snapshot(self: Any, pool: str, entries: int, capacity: int, inflight: int) -> PoolStats:
+        """Freeze the counters together with the pool's current gauges."""
+        values = {name: getattr(self, name) for name in names}
+        values.update(zip(_REASON_FIELDS, self.miss_reasons))
+        return PoolStats(
+            pool=pool, entries=entries, capacity=capacity, inflight=inflight, **values
+        )
+
+    return type(
+        "PoolCounters",
+        (),
+        {
+            "__slots__": (*names, "miss_reasons"),
+            "__module__": __name__,
+            "__doc__": "The live counters of one pool (one int slot per ``PoolStats`` "
+            "counter).  Owned and mutated by the cache only.",
+            "__init__": __init__,
+            "snapshot": snapshot,
+        },
+    )
+
+
+if TYPE_CHECKING:
+
+    class PoolCounters:
+        """Typing view of the generated class: every counter is an ``int`` slot."""
+
+        miss_reasons: list[int]
+
+        def __getattr__(self, name: str) -> int: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
+        def snapshot(
+            self, pool: str, entries: int, capacity: int, inflight: int
+        ) -> PoolStats: ...
+
+else:
+    PoolCounters = _counters_class()
 
 
 @dataclass(frozen=True, slots=True)

@@ -464,25 +464,3 @@ class DeploymentLabels:
 
     def as_dict(self) -> dict[str, str]:
         return dict(zip(DEPLOYMENT_LABELS, self.values()))
-
-
-def markdown_table() -> str:
-    """The reference table of docs/metrics.md, generated from ``CATALOG``."""
-    lines = [
-        "| metric | type | unit | labels | help |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for spec in CATALOG:
-        labels = ", ".join(("pool", *spec.extra_labels))
-        if spec.extra_labels == ("reason",):
-            labels += " (" + " / ".join(MISS_REASON_LABELS) + ")"
-        lines.append(
-            f"| `{spec.exposed_name}` | {spec.kind} | {spec.unit or '-'} | {labels} | {spec.help} |"
-        )
-    for fspec in FEATURE_CATALOG:
-        labels = ", ".join(fspec.labels) or "-"
-        lines.append(
-            f"| `{fspec.exposed_name}` | {fspec.kind} | {fspec.unit or '-'} | {labels} | "
-            f"{fspec.help} |"
-        )
-    return "\n".join(lines)

@@ -2,17 +2,13 @@
 dataclasses (types, defaults and the ``#:`` comments above each field), so a new
 or renamed key cannot go undocumented.
 
-    python tests/sglang_integration/test_enable_doc.py --write   # regenerate the table in place
+    python dashboards/build.py          # regenerates it (with every other generated file)
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import sys
-import typing
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "enable.md"
@@ -20,106 +16,8 @@ BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"
 
 sys.path.insert(0, str(REPO))
 
-from hicache_existence import config as config_module  # noqa: E402
-from hicache_existence.config import ENV_PREFIX, Config  # noqa: E402
-
-
-def _field_comments() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the ``#:`` comment lines right above the field."""
-    source = Path(config_module.__file__).read_text(encoding="utf-8")
-    lines = source.splitlines()
-    out: dict[tuple[str, str], str] = {}
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        previous: ast.AnnAssign | None = None
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                comment: list[str] = []
-                i = stmt.lineno - 2
-                while i >= 0 and lines[i].strip().startswith("#:"):
-                    comment.insert(0, lines[i].strip()[2:].strip())
-                    i -= 1
-                text = " ".join(comment)
-                # A field right below a commented one may share its comment
-                # (used when FALLBACK has nothing better).
-                if not text and previous is not None and previous.end_lineno == stmt.lineno - 1:
-                    assert isinstance(previous.target, ast.Name)
-                    shared = out.get((node.name, previous.target.id), "")
-                    text = "~" + shared.lstrip("~") if shared else ""
-                out[(node.name, stmt.target.id)] = text
-                previous = stmt
-            else:
-                previous = None
-    return out
-
-
-#: Meanings of fields that have no ``#:`` comment in config.py.
-FALLBACK = {
-    "enabled": "turn this feature on (`true`) or off",
-    "metrics.host": "address the standalone `/metrics` binds (SGLang without `--enable-metrics`)",
-    "metrics.port": "first standalone port; each scheduler process adds its index (0: any port)",
-    "metrics.model_name": "`model_name` label; empty: SGLang's served model name",
-    "metrics.storage_backend": "`storage_backend` label; empty: `--hicache-storage-backend`",
-    "logging.level": "log level of the `hicache-existence` command line",
-    "logging.json": "JSON log lines from the `hicache-existence` command line",
-}
-
-
-def _md(text: str) -> str:
-    return " ".join(text.replace("``", "`").split()).replace("|", "\\|")
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) is typing.Literal:
-        return " / ".join(f"`{a}`" for a in typing.get_args(hint))
-    return getattr(hint, "__name__", str(hint))
-
-
-def _default(value: Any) -> str:
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, str):
-        return f'`"{value}"`'
-    return f"`{value}`"
-
-
-def config_table() -> str:
-    """The markdown table of every key of ``Config``."""
-    comments = _field_comments()
-    defaults = Config()
-    rows = [
-        "| key | type | default | environment variable | meaning |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    hints = typing.get_type_hints(Config)
-    for top in dataclasses.fields(Config):
-        value = getattr(defaults, top.name)
-        if not dataclasses.is_dataclass(value):
-            rows.append(
-                f"| `{top.name}` | {_type_name(hints[top.name])} | {_default(value)} | "
-                f"`{ENV_PREFIX}{top.name.upper()}` | switch the package on |"
-            )
-            continue
-        section = type(value)
-        section_hints = typing.get_type_hints(section)
-        doc = _md((section.__doc__ or "").strip().split("\n\n")[0])
-        rows.append(f"| **`{top.name}`** | | | | {doc} |")
-        for f in dataclasses.fields(section):
-            env = f"{ENV_PREFIX}{top.name.upper()}__{f.name.upper()}"
-            own = comments.get((section.__name__, f.name), "")
-            meaning = _md(
-                (own if not own.startswith("~") else "")
-                or FALLBACK.get(f"{top.name}.{f.name}", "")
-                or FALLBACK.get(f.name, "")
-                or own.lstrip("~")
-            )
-            assert meaning, f"{top.name}.{f.name} has no #: comment in config.py"
-            rows.append(
-                f"| `{top.name}.{f.name}` | {_type_name(section_hints[f.name])} | "
-                f"{_default(getattr(value, f.name))} | `{env}` | {meaning} |"
-            )
-    return "\n".join(rows)
+from hicache_existence.config import Config  # noqa: E402
+from hicache_existence.reference import config_table  # noqa: E402
 
 
 def _current() -> str:
@@ -130,10 +28,10 @@ def _current() -> str:
 
 def test_config_reference_matches_the_dataclasses() -> None:
     """The table in docs/enable.md lists every key of Config with its type,
-    default, variable and comment (regenerate: this file with --write)."""
+    default, variable and comment (regenerate: python dashboards/build.py)."""
     assert _current() == config_table(), (
         "docs/enable.md's configuration table is stale: "
-        "python tests/sglang_integration/test_enable_doc.py --write"
+        "python dashboards/build.py"
     )
 
 
@@ -144,13 +42,3 @@ def test_every_key_is_in_the_table() -> None:
         if isinstance(values, dict):
             for key in values:
                 assert f"`{section}.{key}`" in table
-
-
-if __name__ == "__main__":
-    if "--write" in sys.argv:
-        text = DOC.read_text(encoding="utf-8")
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        DOC.write_text(f"{head}{BEGIN}\n{config_table()}\n{END}{tail}", encoding="utf-8")
-    else:
-        print(config_table())

@@ -1,0 +1,155 @@
+"""The generated reference tables of docs/, from the one place each fact lives.
+
+* ``metrics_table()``: every exported family (``exporters.catalog``), for
+  docs/metrics.md;
+* ``config_table()``: every configuration key with its type, default,
+  environment variable and meaning (``Config``'s dataclasses and the ``#:``
+  comment above each field in config.py), for docs/enable.md.
+
+``dashboards/build.py`` writes them between the docs' ``<!-- NAME:begin -->`` /
+``<!-- NAME:end -->`` markers, together with the dashboard and the rules, and
+``--check`` fails when a committed file differs.  No runtime code imports this.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+from hicache_existence import config as config_module
+from hicache_existence.config import ENV_PREFIX, Config
+from hicache_existence.exporters.catalog import CATALOG, FEATURE_CATALOG, MISS_REASON_LABELS
+
+
+def metrics_table() -> str:
+    """The reference table of docs/metrics.md, from the catalog."""
+    lines = [
+        "| metric | type | unit | labels | help |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for spec in CATALOG:
+        labels = ", ".join(("pool", *spec.extra_labels))
+        if spec.extra_labels == ("reason",):
+            labels += " (" + " / ".join(MISS_REASON_LABELS) + ")"
+        lines.append(
+            f"| `{spec.exposed_name}` | {spec.kind} | {spec.unit or '-'} | {labels} | {spec.help} |"
+        )
+    for fspec in FEATURE_CATALOG:
+        labels = ", ".join(fspec.labels) or "-"
+        lines.append(
+            f"| `{fspec.exposed_name}` | {fspec.kind} | {fspec.unit or '-'} | {labels} | "
+            f"{fspec.help} |"
+        )
+    return "\n".join(lines)
+
+
+def _field_comments() -> dict[tuple[str, str], str]:
+    """(class name, field) -> the ``#:`` comment lines right above the field."""
+    source = Path(config_module.__file__).read_text(encoding="utf-8")
+    lines = source.splitlines()
+    out: dict[tuple[str, str], str] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        previous: ast.AnnAssign | None = None
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                comment: list[str] = []
+                i = stmt.lineno - 2
+                while i >= 0 and lines[i].strip().startswith("#:"):
+                    comment.insert(0, lines[i].strip()[2:].strip())
+                    i -= 1
+                text = " ".join(comment)
+                # A field right below a commented one may share its comment
+                # (used when FALLBACK has nothing better).
+                if not text and previous is not None and previous.end_lineno == stmt.lineno - 1:
+                    assert isinstance(previous.target, ast.Name)
+                    shared = out.get((node.name, previous.target.id), "")
+                    text = "~" + shared.lstrip("~") if shared else ""
+                out[(node.name, stmt.target.id)] = text
+                previous = stmt
+            else:
+                previous = None
+    return out
+
+
+#: Meanings of fields that have no ``#:`` comment in config.py.
+FALLBACK = {
+    "enabled": "turn this feature on (`true`) or off",
+    "metrics.host": "address the standalone `/metrics` binds (SGLang without `--enable-metrics`)",
+    "metrics.port": "first standalone port; each scheduler process adds its index (0: any port)",
+    "metrics.model_name": "`model_name` label; empty: SGLang's served model name",
+    "metrics.storage_backend": "`storage_backend` label; empty: `--hicache-storage-backend`",
+    "logging.level": "log level of the `hicache-existence` command line",
+    "logging.json": "JSON log lines from the `hicache-existence` command line",
+}
+
+
+def _md(text: str) -> str:
+    return " ".join(text.replace("``", "`").split()).replace("|", "\\|")
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return " / ".join(f"`{a}`" for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def _default(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value}`"
+
+
+def config_table() -> str:
+    """The markdown table of every key of ``Config``."""
+    comments = _field_comments()
+    defaults = Config()
+    rows = [
+        "| key | type | default | environment variable | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    hints = typing.get_type_hints(Config)
+    for top in dataclasses.fields(Config):
+        value = getattr(defaults, top.name)
+        if not dataclasses.is_dataclass(value):
+            rows.append(
+                f"| `{top.name}` | {_type_name(hints[top.name])} | {_default(value)} | "
+                f"`{ENV_PREFIX}{top.name.upper()}` | switch the package on |"
+            )
+            continue
+        section = type(value)
+        section_hints = typing.get_type_hints(section)
+        doc = _md((section.__doc__ or "").strip().split("\n\n")[0])
+        rows.append(f"| **`{top.name}`** | | | | {doc} |")
+        for f in dataclasses.fields(section):
+            env = f"{ENV_PREFIX}{top.name.upper()}__{f.name.upper()}"
+            own = comments.get((section.__name__, f.name), "")
+            meaning = _md(
+                (own if not own.startswith("~") else "")
+                or FALLBACK.get(f"{top.name}.{f.name}", "")
+                or FALLBACK.get(f.name, "")
+                or own.lstrip("~")
+            )
+            assert meaning, f"{top.name}.{f.name} has no #: comment in config.py"
+            rows.append(
+                f"| `{top.name}.{f.name}` | {_type_name(section_hints[f.name])} | "
+                f"{_default(getattr(value, f.name))} | `{env}` | {meaning} |"
+            )
+    return "\n".join(rows)
+
+
+def replace_between(text: str, name: str, block: str) -> str:
+    """``text`` with the lines between ``<!-- name:begin -->`` and
+    ``<!-- name:end -->`` replaced by ``block``."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin not in text or end not in text:
+        raise ValueError(f"markers {begin} / {end} not found")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{block}\n{end}{tail}"

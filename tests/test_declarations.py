@@ -1,0 +1,74 @@
+"""One fact, one place: the counter set is declared once (``PoolStats``'s
+fields), and the three things that must follow it — the live counters, the
+catalog and the reference models — cover it exactly, so a counter missing from
+any of them fails here instead of going unchecked."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import reference_models
+
+from hicache_existence.core import stats
+from hicache_existence.core.stats import PoolCounters, PoolStats
+from hicache_existence.exporters.catalog import CATALOG
+
+#: The catalog field that stands for ``page_misses`` split by classified reason.
+_BY_REASON = "misses_by_reason"
+
+
+def _exported_cache_fields() -> set[str]:
+    out: set[str] = set()
+    for spec in CATALOG:
+        if spec.source != "cache":
+            continue
+        if spec.field == _BY_REASON:
+            out.add("page_misses")
+            out.update(f"misses_{r}" for r in stats.MISS_REASONS)
+        else:
+            out.add(spec.field)
+    return out
+
+
+def test_counter_and_gauge_fields_come_from_the_snapshot_declaration():
+    """COUNTER_FIELDS / GAUGE_FIELDS are exactly PoolStats's fields of each kind, in order."""
+    kinds = {f.name: f.metadata.get("kind") for f in dataclasses.fields(PoolStats)}
+    assert tuple(n for n, k in kinds.items() if k == "counter") == stats.COUNTER_FIELDS
+    assert tuple(n for n, k in kinds.items() if k == "gauge") == stats.GAUGE_FIELDS
+    unmarked = [n for n, k in kinds.items() if k is None and n != "pool"]
+    assert not unmarked, f"PoolStats fields without counter()/gauge()/miss_reason(): {unmarked}"
+
+
+def test_live_counters_have_one_slot_per_declared_counter_and_snapshot_by_keyword():
+    """PoolCounters holds exactly the declared counters, and snapshot() carries each
+    one into the field of the same name (a distinct value per counter proves no
+    positional shift)."""
+    c = PoolCounters()
+    assert set(type(c).__slots__) == {*stats.COUNTER_FIELDS, "miss_reasons"}
+    for i, name in enumerate(stats.COUNTER_FIELDS):
+        assert getattr(c, name) == 0
+        setattr(c, name, 100 + i)
+    c.miss_reasons[:] = [7, 8, 9, 10]
+    snap = c.snapshot("kv", entries=1, capacity=2, inflight=3)
+    for i, name in enumerate(stats.COUNTER_FIELDS):
+        assert getattr(snap, name) == 100 + i, name
+    assert (snap.entries, snap.capacity, snap.inflight) == (1, 2, 3)
+    assert dict(snap.misses_by_reason) == dict(zip(stats.MISS_REASONS, [7, 8, 9, 10]))
+
+
+def test_reference_models_count_exactly_the_declared_counters():
+    """tests/reference_models.py keeps its own lists (it is independent of the
+    package); they must name exactly the declared counters, gauges and reasons."""
+    assert set(reference_models.COUNTERS) == set(stats.COUNTER_FIELDS)
+    assert len(reference_models.COUNTERS) == len(set(reference_models.COUNTERS))
+    assert set(reference_models.GAUGES) == set(stats.GAUGE_FIELDS)
+    assert tuple(reference_models.MISS_REASONS) == stats.MISS_REASONS
+
+
+def test_catalog_exports_exactly_the_declared_fields():
+    """Every declared counter, gauge and miss reason is exported by the catalog,
+    and the catalog reads no cache field that is not declared."""
+    declared = {
+        f.name for f in dataclasses.fields(PoolStats) if f.name != "pool"
+    }
+    assert _exported_cache_fields() == declared
