@@ -30,6 +30,7 @@ COUNTERS = (
     "inflight_tracked",
     "inflight_released",
     "inflight_clears",
+    "inflight_unmatched",
 )
 GAUGES = ("entries", "capacity", "inflight")
 FIELDS = COUNTERS + GAUGES
@@ -150,7 +151,8 @@ class RefPool:
     def untrack_inflight(self, hashes):
         for h in hashes:
             if h not in self.refs:
-                continue  # absent: no-op, nothing released
+                self.counters["inflight_unmatched"] += 1
+                continue  # absent: nothing released
             self.refs[h] -= 1
             self.counters["inflight_released"] += 1
             if self.refs[h] == 0:

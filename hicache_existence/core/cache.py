@@ -151,10 +151,11 @@ class PoolBeliefs:
         """Drop one ref per page at the storage ack (or a failed launch)."""
         seq = _validate.page_hashes(hashes)
         refs = self._inflight
-        released = 0
+        released = unmatched = 0
         for h in seq:
             n = refs.get(h)
             if n is None:
+                unmatched += 1
                 continue
             released += 1
             if n <= 1:
@@ -162,6 +163,7 @@ class PoolBeliefs:
             else:
                 refs[h] = n - 1
         self._counters.inflight_released += released
+        self._counters.inflight_unmatched += unmatched
         if self._observer is not None:
             self._observer.inflight(self.name, seq, -1)
 

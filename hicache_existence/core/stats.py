@@ -98,6 +98,8 @@ class PoolStats:
     inflight_released: int = counter()
     #: ``clear_inflight()`` calls that reached the pool.
     inflight_clears: int = counter()
+    #: Pages passed to ``untrack_inflight()`` that held no in-flight ref.
+    inflight_unmatched: int = counter()
     #: Entries believed now.
     entries: int = gauge()
     #: The cap (per pool, or the one shared cap of the seed generation).

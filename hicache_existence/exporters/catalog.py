@@ -159,6 +159,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         "inflight_released", "In-flight refs released at storage ack.", "inflight_released", "{ref}"
     ),
     _c(
+        "inflight_unmatched",
+        "Pages acknowledged by untrack_inflight() that held no in-flight ref (an ack after "
+        "clear_inflight, or a second ack of one launch).",
+        "inflight_unmatched",
+        "{page}",
+    ),
+    _c(
         "inflight_clears",
         "clear_inflight() calls that reached the pool.",
         "inflight_clears",
