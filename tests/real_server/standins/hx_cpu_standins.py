@@ -24,6 +24,14 @@ one off):
     (same index semantics: token indices on both sides, host pages of ``page_size``
     tokens), so the file backend writes the real KV bytes to L3 and a prefix loaded
     back from L3 yields the same tokens.
+``dummy_page``
+    ``get_dummy_flat_data_page`` of the host pools in ``pool_host.mha``: the L3 read
+    path (``cache_controller``'s prefetch) allocates each target page with
+    ``torch.zeros(..., pin_memory=True)``; pinning needs a CUDA driver, so every
+    prefetch from L3 fails ("Found no NVIDIA driver", counted by sglang as
+    ``storage_prefetch_unfulfilled_tokens_total{reason="storage_transfer"}``) and
+    nothing is ever loaded back. The stand-in calls the original with the pool's
+    ``pin_memory`` off for that call: the same zeroed page, unpinned.
 """
 
 from __future__ import annotations
@@ -115,15 +123,47 @@ def _patch_host_mha(mod: ModuleType) -> None:
     APPLIED.append("d2h_copy")
 
 
-PATCHES: dict[str, Callable[[ModuleType], None]] = {
-    "torch": _patch_torch,
-    "sglang.srt.mem_cache.pool_host.common": _patch_host_common,
-    "sglang.srt.mem_cache.pool_host.mha": _patch_host_mha,
+def _patch_dummy_page(mod: ModuleType) -> None:
+    if _off("dummy_page"):
+        return
+    for cls in list(vars(mod).values()):
+        if not isinstance(cls, type) or "get_dummy_flat_data_page" not in vars(cls):
+            continue
+        original = vars(cls)["get_dummy_flat_data_page"]
+
+        def unpinned(self: Any, _original: Any = original) -> Any:
+            pinned = self.pin_memory
+            self.pin_memory = False
+            try:
+                return _original(self)
+            finally:
+                self.pin_memory = pinned
+
+        cls.get_dummy_flat_data_page = unpinned
+    APPLIED.append("dummy_page")
+
+
+PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
+    "torch": [_patch_torch],
+    "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
+    "sglang.srt.mem_cache.pool_host.mha": [_patch_host_mha, _patch_dummy_page],
 }
 
 
+def on_import(name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Run ``patch(module)`` right after ``name`` is imported (now if it already is)."""
+    PATCHES.setdefault(name, []).append(patch)
+    if name in sys.modules:
+        patch(sys.modules[name])
+
+
+def _run(patches: list[Callable[[ModuleType], None]], module: ModuleType) -> None:
+    for patch in patches:
+        patch(module)
+
+
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, patch: Callable[[ModuleType], None]):
+    def __init__(self, inner: importlib.abc.Loader, patch: list[Callable[[ModuleType], None]]):
         self._inner = inner
         self._patch = patch
 
@@ -132,7 +172,7 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        self._patch(module)
+        _run(self._patch, module)
 
     def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, ...
         return getattr(self._inner, name)
@@ -157,8 +197,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Patch what is already imported, and the rest as sglang imports it."""
-    for name, patch in PATCHES.items():
+    for name, patches in PATCHES.items():
         if name in sys.modules:
-            patch(sys.modules[name])
+            _run(patches, sys.modules[name])
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
