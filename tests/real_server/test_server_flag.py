@@ -66,9 +66,7 @@ def disabled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def our_samples(srv: Server) -> list[tuple[str, dict[str, str], float]]:
-    return [
-        s for fam in srv.metrics().values() for s in fam.samples if s[0].startswith("hicache_")
-    ]
+    return [s for fam in srv.metrics().values() for s in fam.samples if s[0].startswith("hicache_")]
 
 
 def test_flag_puts_our_series_on_sglangs_metrics_with_the_servers_labels(enabled: Served) -> None:
