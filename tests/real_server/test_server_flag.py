@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from harness import Server, ServerSpec, TraceRequest, launch, trace_requests
 
 pytestmark = pytest.mark.real_server

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import REPO, Server, ServerSpec, launch, trace_requests
 
 sys.path.insert(0, str(REPO / "tests"))
-from reconcile_redis_server import RedisServer  # noqa: E402
+from reconcile_redis_server import RedisServer
 
 pytestmark = [pytest.mark.real_server, pytest.mark.redis, pytest.mark.prometheus]
 
@@ -143,7 +142,7 @@ def test_prometheus_scrapes_the_server_and_every_panel_and_rule_returns_data(
     prom = _Prom(port, proc, log)
     try:
         prom.wait_ready()
-        live, pending = e2e.partition()
+        live, _pending = e2e.partition()
         reqs = trace_requests(limit=60, max_blocks=10)
         i = 0
 

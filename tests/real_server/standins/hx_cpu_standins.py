@@ -32,6 +32,12 @@ one off):
     ``storage_prefetch_unfulfilled_tokens_total{reason="storage_transfer"}``) and
     nothing is ever loaded back. The stand-in calls the original with the pool's
     ``pin_memory`` off for that call: the same zeroed page, unpinned.
+``tp_gloo``
+    ``distributed.parallel_state.init_model_parallel_group``: off NPU/XPU it
+    defaults ``use_pynccl`` to true, and a TP group on CPU then dies in
+    ``PyNcclCommunicator`` ("Expected a cuda device, but got: cpu"). The stand-in
+    only changes that default to false when the caller left it unset, so TP
+    collectives run on the group's torch.distributed (gloo) backend.
 """
 
 from __future__ import annotations
@@ -143,8 +149,21 @@ def _patch_dummy_page(mod: ModuleType) -> None:
     APPLIED.append("dummy_page")
 
 
+def _patch_parallel_state(mod: ModuleType) -> None:
+    if _off("tp_gloo"):
+        return
+    original = mod.init_model_parallel_group
+
+    def init_model_parallel_group(*args: Any, use_pynccl: Any = None, **kwargs: Any) -> Any:
+        return original(*args, use_pynccl=False if use_pynccl is None else use_pynccl, **kwargs)
+
+    mod.init_model_parallel_group = init_model_parallel_group
+    APPLIED.append("tp_gloo")
+
+
 PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
     "torch": [_patch_torch],
+    "sglang.srt.distributed.parallel_state": [_patch_parallel_state],
     "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
     "sglang.srt.mem_cache.pool_host.mha": [_patch_host_mha, _patch_dummy_page],
 }

@@ -8,6 +8,11 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
     ``storage_existence_cache``, so a test sees which implementation the real
     server built (ours with the flag, upstream's without).
 
+``diverge`` (only with ``HX_PROBE_DIVERGE_FILE`` set)
+    Before each per-step hook call: once that file exists and holds this process's
+    TP rank, add one made-up page hash to this rank's ``kv`` beliefs, once: a
+    replica divergence injected in one rank, for the next check to report.
+
 ``cost`` (only with ``HX_PROBE_COST_DIR`` set; for ``benchmarks/real_server_cost.py``)
     In each scheduler process: the CPU time of the scheduler thread (its
     ``pthread_getcpuclockid`` clock, read from a helper thread) and the wall time
@@ -138,9 +143,31 @@ def _probe_cost_scheduler(mod: ModuleType) -> None:
     cls.__init__ = __init__
 
 
+def _probe_diverge(mod: ModuleType) -> None:
+    trigger = os.environ["HX_PROBE_DIVERGE_FILE"]
+    step = mod.after_check_hicache_events
+    done = []
+
+    def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
+        if not done and os.path.exists(trigger):
+            entry = mod.current()
+            rank = getattr(getattr(entry, "facts", None), "tp_rank", None)
+            with open(trigger) as f:
+                wanted = f.read().strip()
+            if entry is not None and str(rank) == wanted:
+                entry.cache.pool("kv").add(["f" * 64])
+                emit("diverge", tp_rank=rank, page="f" * 64)
+            done.append(True)
+        return step(result, *args, **kwargs)
+
+    mod.after_check_hicache_events = after_check_hicache_events
+
+
 def install() -> None:
     hx_cpu_standins.on_import("sglang.srt.mem_cache.unified_radix_cache", _probe_tree)
     if os.environ.get("HX_PROBE_COST_DIR"):
         hx_cpu_standins.on_import("hicache_existence.core.cache", _probe_cost_cache)
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
+    if os.environ.get("HX_PROBE_DIVERGE_FILE"):
+        hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_diverge)
