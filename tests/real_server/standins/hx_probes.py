@@ -1,0 +1,173 @@
+"""Test-only probes in the server processes (not stand-ins: nothing fails without them).
+
+Enabled by the harness with ``HX_PROBES=1``; each writes one ``HX-PROBE {json}`` line
+to the process's stderr (the server log), which ``Server.probes()`` reads back.
+
+``tree``
+    After ``UnifiedRadixCache.__init__``: the class of the tree's
+    ``storage_existence_cache``, so a test sees which implementation the real
+    server built (ours with the flag, upstream's without).
+
+``diverge`` (only with ``HX_PROBE_DIVERGE_FILE`` set)
+    Before each per-step hook call: once that file exists and holds this process's
+    TP rank, add one made-up page hash to this rank's ``kv`` beliefs, once: a
+    replica divergence injected in one rank, for the next check to report.
+
+``cost`` (only with ``HX_PROBE_COST_DIR`` set; for ``benchmarks/real_server_cost.py``)
+    In each scheduler process: the CPU time of the scheduler thread (its
+    ``pthread_getcpuclockid`` clock, read from a helper thread) and the wall time
+    spent inside the package on that thread (every method of the current
+    generation's ``PoolBeliefs`` and ``StorageExistenceCache``, and the per-step hook
+    ``after_check_hicache_events``; nested calls counted once). Written every 0.5 s
+    to ``cost-<pid>.json`` in that directory. The timers add ~0.2 us per call, which
+    is counted as the package's: the share is an upper bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import hx_cpu_standins
+
+
+def emit(kind: str, **fields: Any) -> None:
+    rec = {"kind": kind, "pid": os.getpid(), **fields}
+    sys.stderr.write("HX-PROBE " + json.dumps(rec, sort_keys=True) + "\n")
+    sys.stderr.flush()
+
+
+def _probe_tree(mod: ModuleType) -> None:
+    cls = mod.UnifiedRadixCache
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        cache = getattr(self, "storage_existence_cache", None)
+        kind = type(cache)
+        emit("tree", cache_class=f"{kind.__module__}.{kind.__qualname__}")
+
+    cls.__init__ = __init__
+
+
+class _Cost:
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+        self.depth = 0
+        self.main: int | None = None
+        self.pid = os.getpid()
+
+
+_COST = _Cost()
+
+
+def _timed(fn: Any) -> Any:
+    import threading
+    import time
+
+    perf = time.perf_counter_ns
+    get_ident = threading.get_ident
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _COST.depth or get_ident() != _COST.main:
+            return fn(*args, **kwargs)
+        _COST.depth = 1
+        t0 = perf()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _COST.ns += perf() - t0
+            _COST.calls += 1
+            _COST.depth = 0
+
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_class(cls: type) -> None:
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("__") and not isinstance(value, type):
+            setattr(cls, name, _timed(value))
+
+
+def _probe_cost_cache(mod: ModuleType) -> None:
+    _wrap_class(mod.PoolBeliefs)
+    _wrap_class(mod.StorageExistenceCache)
+
+
+def _probe_cost_hooks(mod: ModuleType) -> None:
+    mod.after_check_hicache_events = _timed(mod.after_check_hicache_events)
+
+
+def _cost_writer(out_dir: str) -> None:
+    import threading
+    import time
+
+    main = threading.get_ident()
+    _COST.main = main
+    clock = time.pthread_getcpuclockid(main)
+
+    def run() -> None:
+        path = os.path.join(out_dir, f"cost-{os.getpid()}.json")
+        while True:
+            rec = {
+                "pid": os.getpid(),
+                "sched_cpu_ns": time.clock_gettime_ns(clock),
+                "pkg_ns": _COST.ns,
+                "pkg_calls": _COST.calls,
+                "t": time.time(),
+            }
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, path)
+            time.sleep(0.5)
+
+    threading.Thread(target=run, name="hx-cost-probe", daemon=True).start()
+
+
+def _probe_cost_scheduler(mod: ModuleType) -> None:
+    out_dir = os.environ["HX_PROBE_COST_DIR"]
+    cls = mod.Scheduler
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _cost_writer(out_dir)
+
+    cls.__init__ = __init__
+
+
+def _probe_diverge(mod: ModuleType) -> None:
+    trigger = os.environ["HX_PROBE_DIVERGE_FILE"]
+    step = mod.after_check_hicache_events
+    done = []
+
+    def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
+        if not done and os.path.exists(trigger):
+            entry = mod.current()
+            rank = getattr(getattr(entry, "facts", None), "tp_rank", None)
+            with open(trigger) as f:
+                wanted = f.read().strip()
+            if entry is not None and str(rank) == wanted:
+                entry.cache.pool("kv").add(["f" * 64])
+                emit("diverge", tp_rank=rank, page="f" * 64)
+            done.append(True)
+        return step(result, *args, **kwargs)
+
+    mod.after_check_hicache_events = after_check_hicache_events
+
+
+def install() -> None:
+    hx_cpu_standins.on_import("sglang.srt.mem_cache.unified_radix_cache", _probe_tree)
+    if os.environ.get("HX_PROBE_COST_DIR"):
+        hx_cpu_standins.on_import("hicache_existence.core.cache", _probe_cost_cache)
+        hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
+        hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
+    if os.environ.get("HX_PROBE_DIVERGE_FILE"):
+        hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_diverge)
