@@ -239,7 +239,9 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
         ),
         "buffer_writes": lambda: s.run("buffer_writes", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
         "buffer_writes_capped": lambda: s.run(
-            "buffer_writes", "1", env=s.env(HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_CACHE__MAX_ENTRIES="8")
+            "buffer_writes",
+            "1",
+            env=s.env(HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_CACHE__MAX_ENTRIES="8"),
         ),
         "disabled": lambda: s.run("disabled", argv),
         "no_plugin": lambda: s.run("disabled", argv, env=s.env(SGLANG_PLUGINS="some_other_plugin")),

@@ -529,6 +529,7 @@ def disabled(argv_json: str = '["--model-path", "dummy"]') -> dict[str, Any]:
     methods and parse results are untouched."""
     logs, out = loaded_plugins()
     from hicache_existence.integrations.sglang import hooks
+
     publish(server_args())
     tree = build_tree()
     for _ in range(3):

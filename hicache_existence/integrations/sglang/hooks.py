@@ -36,6 +36,7 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
+from hicache_existence.integrations.sglang import write_path as _write_path
 from hicache_existence.integrations.sglang.targets import Generation
 from hicache_existence.integrations.sglang.topology import (
     DeferredAgreement,
@@ -44,7 +45,6 @@ from hicache_existence.integrations.sglang.topology import (
     single,
 )
 from hicache_existence.integrations.sglang.truth import TreeCacheGroundTruth
-from hicache_existence.integrations.sglang import write_path as _write_path
 from hicache_existence.runtime import ExistenceRuntime
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")

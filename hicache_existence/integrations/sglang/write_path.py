@@ -248,7 +248,9 @@ def _guard(feed: WritePath, fn: Callable[[], None]) -> None:
 
 
 # -- hooks: admission ------------------------------------------------------------------
-def around_enqueue_backup_intent(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
+def around_enqueue_backup_intent(
+    original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any
+) -> Any:
     """AROUND ``enqueue_backup_intent``: marks an admission decision."""
     feed = _owned(pipeline)
     if feed is None:
@@ -307,12 +309,12 @@ def around_flat_covers_all(original: Callable[..., Any], cache: Any, *a: Any, **
     """AROUND our flat cache's ``covers_all``: True inside an admission is avoided."""
     covered = original(cache, *a, **kw)
     feed = _FEEDS.get(os.getpid())
-    if covered and feed is not None and feed._admitting and feed._count_cover:
-        if cache is feed.cache:
-            feed._count_cover = False
-            pool = a[0] if a else kw.get("pool")
-            hashes = a[1] if len(a) > 1 else kw.get("hashes", ())
-            _guard(feed, lambda: feed.writes.avoided(_name(pool), len(hashes)))
+    counting = feed is not None and feed._admitting and feed._count_cover
+    if covered and counting and feed is not None and cache is feed.cache:
+        feed._count_cover = False
+        pool = a[0] if a else kw.get("pool")
+        hashes = a[1] if len(a) > 1 else kw.get("hashes", ())
+        _guard(feed, lambda: feed.writes.avoided(_name(pool), len(hashes)))
     return covered
 
 
@@ -336,20 +338,25 @@ def after_stage_backup_intent(result: Any, pipeline: Any, *a: Any, **kw: Any) ->
     feed = _owned(pipeline)
     if feed is None:
         return None
-    intent = a[0] if a else kw.get("intent")
-    keys_by_pool = a[3] if len(a) > 3 else kw.get("keys_by_pool")
-    if not isinstance(keys_by_pool, Mapping):  # flat generation
-        keys_by_pool = {"kv": intent.snapshot.hash_values}
-    _guard(feed, lambda: feed.launched(pipeline, intent, keys_by_pool))
+    intent: Any = a[0] if a else kw.get("intent")
+    keys: Any = a[3] if len(a) > 3 else kw.get("keys_by_pool")
+
+    def launched() -> None:
+        by_pool = keys if isinstance(keys, Mapping) else {"kv": intent.snapshot.hash_values}
+        feed.launched(pipeline, intent, by_pool)  # flat generation: the node's KV pages
+
+    _guard(feed, launched)
     return None
 
 
-def around_storage_write_ack(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
+def around_storage_write_ack(
+    original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any
+) -> Any:
     """AROUND ``finish_storage_write_ack``: this rank's outcome of the write."""
     feed = _owned(pipeline)
     if feed is None:
         return original(pipeline, *a, **kw)
-    op_id = a[0] if a else kw.get("operation_id")
+    op_id: Any = a[0] if a else kw.get("operation_id")
     entry = None
     outcome = None
     try:
@@ -364,7 +371,9 @@ def around_storage_write_ack(original: Callable[..., Any], pipeline: Any, *a: An
 
 
 # -- hooks: the backup thread -------------------------------------------------------------------
-def around_page_backup(original: Callable[..., Any], controller: Any, operation: Any, *a: Any, **kw: Any) -> Any:
+def around_page_backup(
+    original: Callable[..., Any], controller: Any, operation: Any, *a: Any, **kw: Any
+) -> Any:
     """AROUND ``_page_backup`` (backup thread): collect the backend's existence
     answers during the write, then hand this rank's outcome to the scheduler."""
     feed = _FEEDS.get(os.getpid())
@@ -378,7 +387,9 @@ def around_page_backup(original: Callable[..., Any], controller: Any, operation:
         _guard(feed, lambda: feed.finished(controller, operation, collect))
 
 
-def around_file_set(original: Callable[..., Any], backend: Any, key: Any, *a: Any, **kw: Any) -> Any:
+def around_file_set(
+    original: Callable[..., Any], backend: Any, key: Any, *a: Any, **kw: Any
+) -> Any:
     """AROUND ``HiCacheFile.set``: it asks ``exists`` first and skips a stored page."""
     collect = getattr(_TLS, "collect", None)
     if collect is None or not isinstance(key, str):
@@ -393,7 +404,9 @@ def around_file_set(original: Callable[..., Any], backend: Any, key: Any, *a: An
     return ok
 
 
-def around_file_exists(original: Callable[..., Any], backend: Any, key: Any, *a: Any, **kw: Any) -> Any:
+def around_file_exists(
+    original: Callable[..., Any], backend: Any, key: Any, *a: Any, **kw: Any
+) -> Any:
     """AROUND ``HiCacheFile.exists``: the answer ``set`` acts on."""
     answer = original(backend, key, *a, **kw)
     collect = getattr(_TLS, "collect", None)
@@ -423,9 +436,9 @@ def around_mooncake_batch_exist(
     """AROUND ``MooncakeStore._batch_exist``: a page existed when all of its
     objects did (objects are laid out page by page)."""
     answer = original(backend, key_strs, *a, **kw)
-    collect = getattr(_TLS, "collect", None)
+    collect: _Collect | None = getattr(_TLS, "collect", None)
     pages = collect.batch_pages if collect is not None else None
-    if pages:
+    if collect is not None and pages:
         collect.batch_pages = None  # only the write's own query
         try:
             per = len(answer) // len(pages)
@@ -439,20 +452,40 @@ def around_mooncake_batch_exist(
 
 #: (target, hook, hook type name, generations): what ``register`` installs.
 HOOKS: tuple[tuple[str, Callable[..., Any], str, tuple[str, ...]], ...] = (
-    (f"{PIPELINE}.enqueue_backup_intent", around_enqueue_backup_intent, "AROUND", ("current", "flat")),
+    (
+        f"{PIPELINE}.enqueue_backup_intent",
+        around_enqueue_backup_intent,
+        "AROUND",
+        ("current", "flat"),
+    ),
     (f"{PIPELINE}._backup_pool_keys", after_backup_pool_keys, "AFTER", ("current",)),
     (f"{PIPELINE}._write_intents", around_write_intents, "AROUND", ("current",)),
     (f"{PIPELINE}._drop_queue_head", around_drop_queue_head, "AROUND", ("current",)),
     (FLAT_COVERS_ALL, around_flat_covers_all, "AROUND", ("flat",)),
     (f"{TREE}.insert", around_tree_insert, "AROUND", ("flat",)),
     (f"{PIPELINE}._stage_backup_intent", after_stage_backup_intent, "AFTER", ("current", "flat")),
-    (f"{PIPELINE}.finish_storage_write_ack", around_storage_write_ack, "AROUND", ("current", "flat")),
+    (
+        f"{PIPELINE}.finish_storage_write_ack",
+        around_storage_write_ack,
+        "AROUND",
+        ("current", "flat"),
+    ),
     (f"{CONTROLLER}._page_backup", around_page_backup, "AROUND", ("current", "flat")),
     (f"{HYBRID_CONTROLLER}._page_backup", around_page_backup, "AROUND", ("current", "flat")),
     (f"{FILE_BACKEND}.set", around_file_set, "AROUND", ("current", "flat")),
     (f"{FILE_BACKEND}.exists", around_file_exists, "AROUND", ("current", "flat")),
-    (f"{MOONCAKE_BACKEND}.batch_set_v1", around_mooncake_batch_set_v1, "AROUND", ("current", "flat")),
-    (f"{MOONCAKE_BACKEND}._batch_exist", around_mooncake_batch_exist, "AROUND", ("current", "flat")),
+    (
+        f"{MOONCAKE_BACKEND}.batch_set_v1",
+        around_mooncake_batch_set_v1,
+        "AROUND",
+        ("current", "flat"),
+    ),
+    (
+        f"{MOONCAKE_BACKEND}._batch_exist",
+        around_mooncake_batch_exist,
+        "AROUND",
+        ("current", "flat"),
+    ),
 )
 
 #: Targets without which nothing is counted (the rest are per backend or per shape).
@@ -465,7 +498,9 @@ REQUIRED: frozenset[str] = frozenset(
 )
 
 
-def register(registry: Any, hook_type: Any, generation: str, resolve: Callable[[str], object]) -> list[str]:
+def register(
+    registry: Any, hook_type: Any, generation: str, resolve: Callable[[str], object]
+) -> list[str]:
     """Register the write-path hooks the installed sglang has, for ``generation``.
 
     Returns the targets registered; none when a required one is missing (the
