@@ -10,4 +10,6 @@ run "$PYTHON" -m sglang.launch_server \
   --disaggregation-mode decode \
   --disaggregation-transfer-backend "$TRANSFER_BACKEND" \
   --page-size "$PAGE_SIZE" \
-  --enable-metrics
+  --enable-metrics \
+  ${SGLANG_EXTRA[@]+"${SGLANG_EXTRA[@]}"} \
+  ${DECODE_EXTRA[@]+"${DECODE_EXTRA[@]}"}

@@ -9,6 +9,7 @@ SGLANG_ARGS=(
   --model-path "$MODEL" --host "$HOST" --port "$PREFILL_PORT" --tp "$TP"
   --disaggregation-mode prefill
   --disaggregation-transfer-backend "$TRANSFER_BACKEND"
+  --disaggregation-bootstrap-port "$BOOTSTRAP_PORT"
   --page-size "$PAGE_SIZE"
   --enable-hierarchical-cache
   --hicache-host-memory-mode buffer_only
@@ -16,6 +17,8 @@ SGLANG_ARGS=(
   --hicache-storage-backend "$L3_BACKEND"
   --hicache-storage-backend-extra-config "$L3_EXTRA_CONFIG"
   --enable-metrics
+  ${SGLANG_EXTRA[@]+"${SGLANG_EXTRA[@]}"}
+  ${PREFILL_EXTRA[@]+"${PREFILL_EXTRA[@]}"}
 )
 
 case "$HX_ROUTE" in

@@ -38,6 +38,33 @@ one off):
     ``PyNcclCommunicator`` ("Expected a cuda device, but got: cpu"). The stand-in
     only changes that default to false when the caller left it unset, so TP
     collectives run on the group's torch.distributed (gloo) backend.
+``pd_host_indices``
+    ``disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices``
+    (a class attribute, true upstream). When a sender supports host tensor indices,
+    ``disaggregation/prefill.py:_send_kv_chunk`` copies each chunk's page indices into
+    a pinned host tensor (``torch.empty(..., pin_memory=True)``) and records a
+    ``torch.cuda.Event`` so the transfer worker waits for that copy instead of the
+    scheduler. Pinning needs a CUDA driver: the first request through a PD prefill
+    server kills its scheduler ("Found no NVIDIA driver on your system", raised from
+    ``_send_kv_chunk``). The stand-in sets the attribute to false, so
+    ``_send_kv_chunk`` takes upstream's other branch (``kv_to_page_indices``: the
+    same page indices computed on the scheduler thread). On CPU the KV indices are
+    host tensors already, so the sender gets the same pages and nothing is
+    overlapped that could have been.
+``pd_early_send_event``
+    ``disaggregation/prefill.py``'s ``maybe_send_cached_prefix_chunk`` (on by
+    default upstream: ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX``): a request
+    whose prefix is already on the device has that prefix sent to decode before its
+    forward runs, and under overlap scheduling (the default) the scheduler records a
+    ``torch.cuda.Event`` on its forward stream so the transfer worker waits for the
+    previous forward's KV writes. On CPU the forward stream is a ``torch.cpu.Stream``
+    and the first request with a device prefix hit kills the prefill scheduler
+    ("expected stream to be a torch.Stream or torch.cuda.Stream object", from
+    ``Event.record``). The stand-in runs that method with the scheduler's
+    ``enable_overlap`` read as false (the only place the method reads it is that
+    event), so the same prefix is sent without an event. On CPU the forward runs
+    eagerly on the scheduler thread: the previous forward's writes are complete
+    before the next batch is scheduled, so there is nothing to wait for.
 """
 
 from __future__ import annotations
@@ -161,11 +188,40 @@ def _patch_parallel_state(mod: ModuleType) -> None:
     APPLIED.append("tp_gloo")
 
 
+def _patch_mooncake_conn(mod: ModuleType) -> None:
+    if _off("pd_host_indices"):
+        return
+    mod.MooncakeKVSender.supports_host_tensor_indices = False
+    APPLIED.append("pd_host_indices")
+
+
+def _patch_prefill(mod: ModuleType) -> None:
+    if _off("pd_early_send_event"):
+        return
+    for cls in list(vars(mod).values()):
+        if not isinstance(cls, type) or "maybe_send_cached_prefix_chunk" not in vars(cls):
+            continue
+        original = vars(cls)["maybe_send_cached_prefix_chunk"]
+
+        def without_event(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            overlap = self.enable_overlap
+            self.enable_overlap = False
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                self.enable_overlap = overlap
+
+        cls.maybe_send_cached_prefix_chunk = without_event
+    APPLIED.append("pd_early_send_event")
+
+
 PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
     "torch": [_patch_torch],
     "sglang.srt.distributed.parallel_state": [_patch_parallel_state],
     "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
     "sglang.srt.mem_cache.pool_host.mha": [_patch_host_mha, _patch_dummy_page],
+    "sglang.srt.disaggregation.mooncake.conn": [_patch_mooncake_conn],
+    "sglang.srt.disaggregation.prefill": [_patch_prefill],
 }
 
 

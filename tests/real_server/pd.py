@@ -1,0 +1,267 @@
+"""A PD deployment on CPU for tests, started by the repository's own recipes.
+
+The prefill servers, the decode server and the router are the scripts of
+``integrations/sglang/`` (``prefill.sh``, ``decode.sh``, ``router.sh``), run with
+``bash`` and configured only through the environment variables they document, so a
+recipe that stops working breaks these tests. The machine-specific part (CPU engine,
+tiny random-weight model, token-id requests) goes in through ``SGLANG_EXTRA_ARGS``;
+the CPU stand-ins reach every server process as in ``harness.py``.
+
+KV moves from prefill to decode over the Mooncake transfer engine on TCP
+(``MOONCAKE_PROTOCOL=tcp``: peer-to-peer handshake, no master needed); the router is
+SGLang's Model Gateway (``smg``)::
+
+    with PDStack(workdir, prefills=[PrefillSpec(...), ...]) as pd:
+        pd.router.generate(ids, max_new_tokens=2)     # through the router
+        pd.prefills[0].metrics()                     # a prefill server's /metrics
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import REPO, Server, ServerSpec, free_port, server_env, write_model
+
+RECIPES = REPO / "integrations" / "sglang"
+SERVED_MODEL = "tiny-llama"
+PAGE_SIZE = 16
+
+
+def cpu_args(max_total_tokens: int = 65536) -> list[str]:
+    """What every sglang server of the stack needs on this machine (design notes §8)."""
+    return [
+        "--device",
+        "cpu",
+        "--disable-cuda-graph",
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--random-seed",
+        "1234",
+        "--served-model-name",
+        SERVED_MODEL,
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--log-level",
+        "info",
+    ]
+
+
+@dataclass
+class PrefillSpec:
+    """One prefill server: its hicache-existence configuration and L3."""
+
+    config: Mapping[str, Any] = field(default_factory=dict)
+    l3_backend: str = "file"
+    l3_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+class RecipeProcess(Server):
+    """A server started by one of the recipe scripts (``bash <script>``); the rest
+    (readiness, HTTP, metrics, stop) is ``harness.Server``'s."""
+
+    def __init__(
+        self,
+        script: str,
+        workdir: Path,
+        port: int,
+        recipe_env: Mapping[str, str],
+        l3_dir: Path,
+        health: str = "/health",
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        super().__init__(ServerSpec(), workdir, l3_dir, port)
+        self.script = script
+        self.health = health
+        self.args = ["bash", str(RECIPES / script)]
+        self.env = {**server_env(ServerSpec(), l3_dir), **recipe_env}
+        # The file backend reads its directory from this variable before its extra
+        # config; the recipes say where L3 is through L3_EXTRA_CONFIG instead.
+        self.env.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
+
+    def start_async(self) -> None:
+        """Spawn the script without waiting for readiness (``wait_started``)."""
+        self._t0 = time.monotonic()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.args,
+                env=self.env,
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def wait_started(self) -> None:
+        self._wait_ready(self._t0)
+
+    def _wait_ready(self, t0: float) -> Server:
+        from harness import START_TIMEOUT_S
+
+        deadline = t0 + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.url + self.health, timeout=5) as r:
+                    if r.status == 200:
+                        self.start_s = time.monotonic() - t0
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{self.script} not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
+
+
+class PDStack:
+    """Prefill servers, one decode server and the router, each from its recipe."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        prefills: Sequence[PrefillSpec],
+        prefill_policy: str = "cache_aware",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.model = write_model(workdir / "model")  # one path: L3 keys carry it
+        self.specs = list(prefills)
+        self.prefill_policy = prefill_policy
+        self.extra_env = dict(env or {})
+        self.prefills: list[RecipeProcess] = []
+        self.decode: RecipeProcess | None = None
+        self.router: RecipeProcess | None = None
+        self._bootstrap: list[int] = []
+
+    def common_env(self) -> dict[str, str]:
+        return {
+            "PYTHON": sys.executable,
+            "MODEL": str(self.model),
+            "HOST": "127.0.0.1",
+            "TP": "1",
+            "PAGE_SIZE": str(PAGE_SIZE),
+            "TRANSFER_BACKEND": "mooncake",
+            "MOONCAKE_PROTOCOL": "tcp",
+            "SGLANG_EXTRA_ARGS": " ".join(cpu_args()),
+            **self.extra_env,
+        }
+
+    def start(self) -> PDStack:
+        try:
+            for i, spec in enumerate(self.specs):
+                self.prefills.append(self._prefill(i, spec))
+            port = free_port()
+            self.decode = RecipeProcess(
+                "decode.sh",
+                self.workdir / "decode",
+                port,
+                {**self.common_env(), "DECODE_PORT": str(port)},
+                self.workdir / "decode" / "l3",
+            )
+            # Start every server first, then wait: their start-ups overlap.
+            procs = [*self.prefills, self.decode]
+            for p in procs:
+                p.start_async()
+            for p in procs:
+                p.wait_started()
+            self.router = self._router()
+            self.router.start()
+            self.wait_routable()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _prefill(self, i: int, spec: PrefillSpec) -> RecipeProcess:
+        port, bootstrap = free_port(), free_port()
+        self._bootstrap.append(bootstrap)
+        wd = self.workdir / f"prefill{i}"
+        wd.mkdir(parents=True, exist_ok=True)
+        config_path = wd / "hicache-existence.json"
+        config_path.write_text(json.dumps(spec.config))
+        extra = dict(spec.l3_extra_config)
+        l3 = Path(extra.get("file_storage_path", wd / "l3"))
+        l3.mkdir(parents=True, exist_ok=True)
+        if spec.l3_backend == "file":
+            extra.setdefault("file_storage_path", str(l3))
+        env = {
+            **self.common_env(),
+            "PREFILL_PORT": str(port),
+            "BOOTSTRAP_PORT": str(bootstrap),
+            "L3_BACKEND": spec.l3_backend,
+            "L3_EXTRA_CONFIG": json.dumps(extra),
+            "HX_CONFIG": str(config_path),
+            # buffer mode's host pool layout for the CPU copy stand-ins (harness.py)
+            "PREFILL_EXTRA_ARGS": "--hicache-io-backend direct --hicache-mem-layout page_first_direct",
+            **spec.env,
+        }
+        return RecipeProcess("prefill.sh", wd, port, env, l3)
+
+    def _router(self) -> RecipeProcess:
+        assert self.decode is not None
+        port = free_port()
+        prefill_urls = " ".join(
+            f"{p.url},{b}" for p, b in zip(self.prefills, self._bootstrap, strict=True)
+        )
+        env = {
+            **self.common_env(),
+            "ROUTER_PORT": str(port),
+            "PREFILL_URLS": prefill_urls,
+            "DECODE_URLS": self.decode.url,
+            "PREFILL_POLICY": self.prefill_policy,
+            "ROUTER_EXTRA_ARGS": "--log-level info",
+        }
+        return RecipeProcess("router.sh", self.workdir / "router", port, env, self.workdir / "l3")
+
+    def wait_routable(self, timeout_s: float = 120.0) -> None:
+        """Until the router answers a request end to end (it health-checks its
+        workers before routing to them)."""
+        assert self.router is not None
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            for p in self.processes():
+                p.check_alive()
+            try:
+                self.router.generate([5, 6, 7, 8], max_new_tokens=1)
+                return
+            except (RuntimeError, OSError) as exc:
+                last = str(exc)
+            time.sleep(1.0)
+        raise TimeoutError(f"router not routing in {timeout_s}s: {last}\n{self.router.tail()}")
+
+    def processes(self) -> list[RecipeProcess]:
+        out = list(self.prefills)
+        if self.decode is not None:
+            out.append(self.decode)
+        if self.router is not None:
+            out.append(self.router)
+        return out
+
+    def stop(self) -> None:
+        for p in reversed(self.processes()):
+            with contextlib.suppress(Exception):
+                p.stop(grace_s=5.0)
+
+    def __enter__(self) -> PDStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") == "1"
