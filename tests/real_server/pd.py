@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import REPO, Server, ServerSpec, free_port, server_env, write_model
+from harness import REPO, Server, ServerDied, ServerSpec, free_port, server_env, write_model
 
 RECIPES = REPO / "integrations" / "sglang"
 SERVED_MODEL = "tiny-llama"
@@ -126,25 +125,78 @@ class RecipeProcess(Server):
         raise TimeoutError(f"{self.script} not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
 
 
+HOST_MEMORY = ("Not enough host memory available", "No host memory is left for HiCache")
+
+
+def short_of_memory(proc: RecipeProcess) -> bool:
+    tail = proc.tail(400)
+    return any(m in tail for m in HOST_MEMORY)
+
+
+def start_retrying(proc: RecipeProcess, attempts: int = 3, pause_s: float = 10.0) -> None:
+    """Start ``proc``; again (after a pause) when sglang refused for host memory.
+
+    SGLang keeps 10 GB of host memory free before it allocates a HiCache pool
+    (``pool_host/base.py``, measured against the whole machine's available memory),
+    so on a shared machine a start can fail for other processes' memory."""
+    for attempt in range(attempts):
+        proc.start_async()
+        try:
+            proc.wait_started()
+            return
+        except (ServerDied, TimeoutError):
+            if attempt == attempts - 1 or not short_of_memory(proc):
+                raise
+            proc.stop()
+            time.sleep(pause_s)
+
+
+def start_all(procs: Sequence[RecipeProcess]) -> None:
+    """Spawn every process, then wait for each: their start-ups overlap."""
+    for p in procs:
+        p.start_async()
+    for p in procs:
+        try:
+            p.wait_started()
+        except ServerDied:
+            if not short_of_memory(p):
+                raise
+            p.stop()
+            start_retrying(p)
+
+
+@dataclass
+class RouterSpec:
+    """One router over some of the stack's prefill servers (all decode servers)."""
+
+    prefills: Sequence[int]
+    policy: str = "cache_aware"
+
+
 class PDStack:
-    """Prefill servers, one decode server and the router, each from its recipe."""
+    """Prefill servers, one decode server and one or more routers, each from its
+    recipe. Every server starts at once (their start-ups overlap), then the routers."""
 
     def __init__(
         self,
         workdir: Path,
         prefills: Sequence[PrefillSpec],
-        prefill_policy: str = "cache_aware",
+        routers: Sequence[RouterSpec] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.workdir = workdir
         self.model = write_model(workdir / "model")  # one path: L3 keys carry it
         self.specs = list(prefills)
-        self.prefill_policy = prefill_policy
+        self.router_specs = list(routers or [RouterSpec(range(len(self.specs)))])
         self.extra_env = dict(env or {})
         self.prefills: list[RecipeProcess] = []
         self.decode: RecipeProcess | None = None
-        self.router: RecipeProcess | None = None
+        self.routers: list[RecipeProcess] = []
         self._bootstrap: list[int] = []
+
+    @property
+    def router(self) -> RecipeProcess:
+        return self.routers[0]
 
     def common_env(self) -> dict[str, str]:
         return {
@@ -171,24 +223,52 @@ class PDStack:
                 {**self.common_env(), "DECODE_PORT": str(port)},
                 self.workdir / "decode" / "l3",
             )
-            # Start every server first, then wait: their start-ups overlap.
-            procs = [*self.prefills, self.decode]
-            for p in procs:
-                p.start_async()
-            for p in procs:
-                p.wait_started()
-            self.router = self._router()
-            self.router.start()
-            self.wait_routable()
+            start_all([*self.prefills, self.decode])
+            self._start_routers()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _prefill(self, i: int, spec: PrefillSpec) -> RecipeProcess:
-        port, bootstrap = free_port(), free_port()
-        self._bootstrap.append(bootstrap)
-        wd = self.workdir / f"prefill{i}"
+    def replace_prefills(self, specs: Sequence[PrefillSpec], tag: str) -> None:
+        """Stop every prefill server and start new ones from ``specs`` on the same
+        ports (the decode server stays; the routers are started anew), e.g. another
+        configuration."""
+        assert len(specs) == len(self.prefills)
+        for p in self.prefills:
+            p.stop(grace_s=5.0)
+        self.specs = list(specs)
+        self.prefills = [
+            self._prefill(i, spec, port=p.port, bootstrap=self._bootstrap[i], tag=tag)
+            for i, (spec, p) in enumerate(zip(specs, self.prefills, strict=True))
+        ]
+        start_all(self.prefills)
+        # New routers: a router that saw a prefill server go away routes around it
+        # for a while, which would put every turn on the other one.
+        for router in self.routers:
+            router.stop(grace_s=5.0)
+        self.routers = []
+        self._start_routers()
+
+    def _start_routers(self) -> None:
+        for i, rspec in enumerate(self.router_specs):
+            self.routers.append(self._router(i, rspec))
+            self.routers[-1].start()
+        for router in self.routers:
+            self.wait_routable(router)
+
+    def _prefill(
+        self,
+        i: int,
+        spec: PrefillSpec,
+        port: int | None = None,
+        bootstrap: int | None = None,
+        tag: str = "",
+    ) -> RecipeProcess:
+        if port is None or bootstrap is None:
+            port, bootstrap = free_port(), free_port()
+            self._bootstrap.append(bootstrap)
+        wd = self.workdir / f"prefill{i}{tag}"
         wd.mkdir(parents=True, exist_ok=True)
         config_path = wd / "hicache-existence.json"
         config_path.write_text(json.dumps(spec.config))
@@ -205,51 +285,50 @@ class PDStack:
             "L3_EXTRA_CONFIG": json.dumps(extra),
             "HX_CONFIG": str(config_path),
             # buffer mode's host pool layout for the CPU copy stand-ins (harness.py)
-            "PREFILL_EXTRA_ARGS": "--hicache-io-backend direct --hicache-mem-layout page_first_direct",
+            "PREFILL_EXTRA_ARGS": "--hicache-io-backend direct "
+            "--hicache-mem-layout page_first_direct",
             **spec.env,
         }
         return RecipeProcess("prefill.sh", wd, port, env, l3)
 
-    def _router(self) -> RecipeProcess:
+    def _router(self, index: int, spec: RouterSpec) -> RecipeProcess:
         assert self.decode is not None
         port = free_port()
         prefill_urls = " ".join(
-            f"{p.url},{b}" for p, b in zip(self.prefills, self._bootstrap, strict=True)
+            f"{self.prefills[i].url},{self._bootstrap[i]}" for i in spec.prefills
         )
         env = {
             **self.common_env(),
             "ROUTER_PORT": str(port),
             "PREFILL_URLS": prefill_urls,
             "DECODE_URLS": self.decode.url,
-            "PREFILL_POLICY": self.prefill_policy,
+            "PREFILL_POLICY": spec.policy,
             "ROUTER_EXTRA_ARGS": "--log-level info",
         }
-        return RecipeProcess("router.sh", self.workdir / "router", port, env, self.workdir / "l3")
+        wd = self.workdir / f"router{index}"
+        return RecipeProcess("router.sh", wd, port, env, wd / "l3")
 
-    def wait_routable(self, timeout_s: float = 120.0) -> None:
+    def wait_routable(self, router: RecipeProcess, timeout_s: float = 120.0) -> None:
         """Until the router answers a request end to end (it health-checks its
         workers before routing to them)."""
-        assert self.router is not None
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
             for p in self.processes():
                 p.check_alive()
             try:
-                self.router.generate([5, 6, 7, 8], max_new_tokens=1)
+                router.generate([5, 6, 7, 8], max_new_tokens=1)
                 return
             except (RuntimeError, OSError) as exc:
                 last = str(exc)
             time.sleep(1.0)
-        raise TimeoutError(f"router not routing in {timeout_s}s: {last}\n{self.router.tail()}")
+        raise TimeoutError(f"router not routing in {timeout_s}s: {last}\n{router.tail()}")
 
     def processes(self) -> list[RecipeProcess]:
         out = list(self.prefills)
         if self.decode is not None:
             out.append(self.decode)
-        if self.router is not None:
-            out.append(self.router)
-        return out
+        return out + self.routers
 
     def stop(self) -> None:
         for p in reversed(self.processes()):
@@ -261,7 +340,3 @@ class PDStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") == "1"
