@@ -218,6 +218,12 @@ class Settings:
     redundant_ratio: float = 0.05
     redundant_offset: str = "1h"
     redundant_for: str = "30m"
+    #: Fleet-wide redundant written pages over written pages, below the cap (instances
+    #: sharing one L3 rewriting each other's pages), with more than one instance.
+    fleet_redundant_ratio: float = 0.1
+    fleet_redundant_for: str = "30m"
+    #: Written pages per second (fleet) below which the fleet ratio is noise.
+    fleet_min_written_per_s: float = 1.0
     #: The recommended cap is the smallest multiple of the cap whose estimated hit
     #: ratio is within this of the best estimate (as ``hicache-existence demo``
     #: recommends).
@@ -243,6 +249,19 @@ def selector(metric: Metric, sample: str | None = None, **matchers: str) -> str:
         op, value = ("=~", value[1:]) if value.startswith("~") else ("=", value)
         parts.append(f'{label}{op}"{value}"')
     return f"{sample or metric.sample}{{{', '.join(parts)}}}"
+
+
+def fleet_selector(metric: Metric) -> str:
+    """``sample{...}`` over every instance and rank of the selected deployment (job,
+    model, pool): the fleet, whatever ``$instance`` and ``$tp_rank`` select."""
+    parts = [f'{v}=~"${v}"' for v in ("job", "model_name")]
+    if "pool" in metric.labels:
+        parts.append('pool=~"$pool"')
+    return f"{metric.sample}{{{', '.join(parts)}}}"
+
+
+def fleet_rate(metric: Metric, group: Sequence[str] = ()) -> str:
+    return f"sum {by(group)}(rate({fleet_selector(metric)}[$__rate_interval]))"
 
 
 def by(labels: Sequence[str]) -> str:
@@ -667,6 +686,59 @@ def rows() -> tuple[Row, ...]:
             ),
         ),
     )
+    fleet = Row(
+        "Fleet (every prefill instance of the deployment)",
+        (
+            Panel(
+                "Fleet L3 writes (pages/s)",
+                "Summed over every instance and rank of the selected job and model, whatever "
+                "the instance and rank variables select: pages written to the shared L3, the "
+                "redundant ones among them (L3 already held the page: another instance, or "
+                "this one, wrote it before) and the writes the beliefs avoided.",
+                "ops",
+                (
+                    _t(fleet_rate(WRITTEN_PAGES), "written"),
+                    _t(fleet_rate(REDUNDANT_PAGES), "redundant"),
+                    _t(fleet_rate(AVOIDED_PAGES), "avoided"),
+                ),
+            ),
+            Panel(
+                "Fleet redundant write ratio",
+                "Redundant written pages over written pages, fleet-wide. Instances sharing one "
+                "L3 write each other's pages again when a request lands on an instance that "
+                "does not believe them stored (round-robin routing spreads a conversation over "
+                "instances). The line is the alert threshold "
+                f"({s.fleet_redundant_ratio:.0%} for {s.fleet_redundant_for}).",
+                "percentunit",
+                (_t(_ratio(fleet_rate(REDUNDANT_PAGES), fleet_rate(WRITTEN_PAGES)), "fleet"),),
+                ratio=True,
+                threshold=s.fleet_redundant_ratio,
+            ),
+            Panel(
+                "Share of the fleet's redundant writes by instance",
+                "Each instance's redundant written pages over the fleet's: an even split means "
+                "the cause is fleet-wide (routing, no shared ledger learning); one instance "
+                "far above 1/N points at that instance (a small cap, restarts, a cleared cache).",
+                "percentunit",
+                (
+                    _t(
+                        f"{fleet_rate(REDUNDANT_PAGES, ('instance',))}\n"
+                        f"/ ignoring (instance) group_left\n{fleet_rate(REDUNDANT_PAGES)}",
+                        "{{instance}}",
+                    ),
+                ),
+                ratio=True,
+            ),
+            Panel(
+                "Pages learnt from the shared ledger by instance (pages/s)",
+                "Pages the reconciler added to an instance's beliefs because L3 (the ledger) "
+                "holds them: with reconciler.learn on, what other instances wrote.",
+                "ops",
+                (_t(fleet_rate(REC_LEARNT, ("instance",)), "{{instance}}"),),
+                width=24,
+            ),
+        ),
+    )
     advice = Row(
         "Capacity advice",
         (
@@ -770,7 +842,7 @@ def rows() -> tuple[Row, ...]:
             ),
         ),
     )
-    return (overview, churn, tp, reconciler, advice, every_family())
+    return (overview, churn, tp, reconciler, fleet, advice, every_family())
 
 
 def every_family() -> Row:
@@ -1180,6 +1252,22 @@ def alerts() -> tuple[Alert, ...]:
             f"The cache is at its cap and for {s.redundant_for} more than "
             f"{s.redundant_ratio:.0%} of written pages were already in L3, a higher share than "
             f"{s.redundant_offset} earlier: evictions make the cache forget pages L3 still holds.",
+        ),
+        Alert(
+            "HicacheExistenceFleetRedundantWrites",
+            f"{REDUNDANT_RATIO} > {s.fleet_redundant_ratio}\n"
+            f"and\n{FILL_RATIO} < {s.at_cap_fill}\n"
+            f"and\n{_rec(WRITTEN_PAGES)} > {s.fleet_min_written_per_s}\n"
+            f"and\ncount by ({', '.join(s.keep)}) "
+            f"(count by ({', '.join(s.keep)}, instance) ({WRITTEN_PAGES.sample})) > 1",
+            s.fleet_redundant_for,
+            "warning",
+            "{{ $value | humanizePercentage }} of the fleet's L3 writes were already stored, "
+            "below the cap, in " + _WHERE + ".",
+            f"For {s.fleet_redundant_for} more than {s.fleet_redundant_ratio:.0%} of the pages "
+            "the prefill instances sharing this L3 wrote were already there, while no instance "
+            "is at its cap: instances are writing each other's pages again (requests of one "
+            "conversation spread over instances that do not learn what the others stored).",
         ),
     )
 

@@ -35,6 +35,11 @@ pytestmark = [pytest.mark.real_server, pytest.mark.redis]
 
 P = "hicache_existence_"
 WRITE_COUNTERS = ("written_pages", "redundant_written_pages", "write_avoided_pages")
+RECONCILER_COUNTERS = (
+    "reconciler_pages_learnt",
+    "reconciler_pages_invalidated",
+    "reconciler_stale_positives",
+)
 FLEETS = {"off": False, "on": True}
 CONVERSATIONS = 6
 TURNS = 5
@@ -157,8 +162,7 @@ def counter(srv: Server, name: str) -> float:
 
 def fleet_figures(fleet: Fleet) -> dict[str, Any]:
     per = [
-        {c: counter(p, c) for c in (*WRITE_COUNTERS, "reconciler_pages_learnt")}
-        for p in fleet.prefills
+        {c: counter(p, c) for c in (*WRITE_COUNTERS, *RECONCILER_COUNTERS)} for p in fleet.prefills
     ]
     total = {c: sum(x[c] for x in per) for c in per[0]}
     red = total["redundant_written_pages"]
