@@ -251,19 +251,6 @@ def selector(metric: Metric, sample: str | None = None, **matchers: str) -> str:
     return f"{sample or metric.sample}{{{', '.join(parts)}}}"
 
 
-def fleet_selector(metric: Metric) -> str:
-    """``sample{...}`` over every instance and rank of the selected deployment (job,
-    model, pool): the fleet, whatever ``$instance`` and ``$tp_rank`` select."""
-    parts = [f'{v}=~"${v}"' for v in ("job", "model_name")]
-    if "pool" in metric.labels:
-        parts.append('pool=~"$pool"')
-    return f"{metric.sample}{{{', '.join(parts)}}}"
-
-
-def fleet_rate(metric: Metric, group: Sequence[str] = ()) -> str:
-    return f"sum {by(group)}(rate({fleet_selector(metric)}[$__rate_interval]))"
-
-
 def by(labels: Sequence[str]) -> str:
     return f"by ({', '.join(labels)}) " if labels else ""
 
@@ -687,19 +674,19 @@ def rows() -> tuple[Row, ...]:
         ),
     )
     fleet = Row(
-        "Fleet (every prefill instance of the deployment)",
+        "Fleet",
         (
             Panel(
                 "Fleet L3 writes (pages/s)",
-                "Summed over every instance and rank of the selected job and model, whatever "
-                "the instance and rank variables select: pages written to the shared L3, the "
+                "Summed over the selected instances and ranks (the instance variable at All: "
+                "every prefill instance of the deployment): pages written to the shared L3, the "
                 "redundant ones among them (L3 already held the page: another instance, or "
                 "this one, wrote it before) and the writes the beliefs avoided.",
                 "ops",
                 (
-                    _t(fleet_rate(WRITTEN_PAGES), "written"),
-                    _t(fleet_rate(REDUNDANT_PAGES), "redundant"),
-                    _t(fleet_rate(AVOIDED_PAGES), "avoided"),
+                    _t(rate(WRITTEN_PAGES, ()), "written"),
+                    _t(rate(REDUNDANT_PAGES, ()), "redundant"),
+                    _t(rate(AVOIDED_PAGES, ()), "avoided"),
                 ),
             ),
             Panel(
@@ -710,20 +697,20 @@ def rows() -> tuple[Row, ...]:
                 "instances). The line is the alert threshold "
                 f"({s.fleet_redundant_ratio:.0%} for {s.fleet_redundant_for}).",
                 "percentunit",
-                (_t(_ratio(fleet_rate(REDUNDANT_PAGES), fleet_rate(WRITTEN_PAGES)), "fleet"),),
+                (_t(_ratio(rate(REDUNDANT_PAGES, ()), rate(WRITTEN_PAGES, ())), "fleet"),),
                 ratio=True,
                 threshold=s.fleet_redundant_ratio,
             ),
             Panel(
                 "Share of the fleet's redundant writes by instance",
                 "Each instance's redundant written pages over the fleet's: an even split means "
-                "the cause is fleet-wide (routing, no shared ledger learning); one instance "
+                "the cause is fleet-wide (routing); one instance "
                 "far above 1/N points at that instance (a small cap, restarts, a cleared cache).",
                 "percentunit",
                 (
                     _t(
-                        f"{fleet_rate(REDUNDANT_PAGES, ('instance',))}\n"
-                        f"/ ignoring (instance) group_left\n{fleet_rate(REDUNDANT_PAGES)}",
+                        f"{rate(REDUNDANT_PAGES, ('instance',))}\n"
+                        f"/ ignoring (instance) group_left\n{rate(REDUNDANT_PAGES, ())}",
                         "{{instance}}",
                     ),
                 ),
@@ -734,7 +721,7 @@ def rows() -> tuple[Row, ...]:
                 "Pages the reconciler added to an instance's beliefs because L3 (the ledger) "
                 "holds them: with reconciler.learn on, what other instances wrote.",
                 "ops",
-                (_t(fleet_rate(REC_LEARNT, ("instance",)), "{{instance}}"),),
+                (_t(rate(REC_LEARNT, ("instance",)), "{{instance}}"),),
                 width=24,
             ),
         ),

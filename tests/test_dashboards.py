@@ -259,7 +259,7 @@ def test_dashboard_lint_catches_each_violation():
 
 
 def test_dashboard_has_every_row_with_panels():
-    """Rows overview, churn, TP health, reconciler, capacity advice and the
+    """Rows overview, churn, TP health, reconciler, fleet, capacity advice and the
     generated one-panel-per-family row, in that order, each with panels."""
     d = committed_dashboard()
     titles = [p["title"] for p in d["panels"] if p["type"] == "row"]
@@ -268,6 +268,7 @@ def test_dashboard_has_every_row_with_panels():
         "Churn",
         "TP health",
         "Reconciler",
+        "Fleet",
         "Capacity advice",
         "Every exported family",
     ]
@@ -279,6 +280,19 @@ def test_dashboard_has_every_row_with_panels():
         else:
             counts[row] += 1
     assert all(n >= 3 for n in counts.values()), counts
+
+
+def test_fleet_row_sums_over_instances_and_shares_redundant_writes():
+    """The fleet row sums the write counters over instances (no per-instance
+    grouping) and divides each instance's redundant writes by the fleet's."""
+    fleet = {p["title"]: p for p in panels(committed_dashboard()) if "leet" in p["title"]}
+    writes = fleet["Fleet L3 writes (pages/s)"]["targets"]
+    assert [t["legendFormat"] for t in writes] == ["written", "redundant", "avoided"]
+    assert all(t["expr"].startswith("sum (rate(hicache_existence_") for t in writes)
+    (share,) = fleet["Share of the fleet's redundant writes by instance"]["targets"]
+    per, total = share["expr"].split("/ ignoring (instance) group_left")
+    assert per.startswith("sum by (instance) (rate(hicache_existence_redundant_written_pages")
+    assert total.strip().startswith("sum (rate(hicache_existence_redundant_written_pages")
 
 
 def test_overview_hit_ratio_is_computed_from_counters():
@@ -317,7 +331,7 @@ def test_rules_lint_catches_each_violation():
 def test_the_alerts_the_issue_asks_for_exist():
     """Churn, hit-ratio collapse, TP divergence (critical), TP checks stopped,
     reconciler down, circuit open, stale positives, at cap with redundant writes
-    rising."""
+    rising, fleet-wide redundant writes below the cap."""
     severity = {r["alert"]: r["labels"]["severity"] for r in alert_rules(committed_rules())}
     assert severity == {
         "HicacheExistenceEvictionChurn": "warning",
@@ -328,6 +342,7 @@ def test_the_alerts_the_issue_asks_for_exist():
         "HicacheExistenceReconcilerCircuitOpen": "warning",
         "HicacheExistenceStalePositivesHigh": "warning",
         "HicacheExistenceAtCapRedundantWritesRising": "info",
+        "HicacheExistenceFleetRedundantWrites": "warning",
     }
 
 
@@ -362,6 +377,11 @@ def test_every_alert_has_a_runbook_section_with_meaning_confirmation_and_action(
             f"{s.redundant_ratio:.0%}",
             f"{s.at_cap_fill:.0%}",
             s.redundant_for,
+        ],
+        "HicacheExistenceFleetRedundantWrites": [
+            f"{s.fleet_redundant_ratio:.0%}",
+            f"{s.at_cap_fill:.0%}",
+            s.fleet_redundant_for,
         ],
     }
     for rule in alert_rules(committed_rules()):
