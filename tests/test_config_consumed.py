@@ -1,7 +1,7 @@
 """No configuration field is decorative: each one is read by runtime code.
 
 An AST scan over the package (``config.py`` itself, the benchmarks and the demo
-excluded) finds, per section, the expressions that hold that section: an
+excluded; the benchmarks live outside the package) finds, per section, the expressions that hold that section: an
 attribute ``<anything>.<section>`` (``config.reconciler``), a variable or
 ``self`` attribute assigned from one, or a parameter annotated with the section's
 class.  A field counts as consumed when one of those is read as
@@ -21,7 +21,7 @@ from hicache_existence import config
 PACKAGE = Path(config.__file__).resolve().parent
 #: Not runtime code: the configuration itself, benchmarks, the demo's scripts.
 EXCLUDED = {PACKAGE / "config.py"}
-EXCLUDED_DIRS = {PACKAGE / "bench", PACKAGE / "demo"}
+EXCLUDED_DIRS = {PACKAGE / "demo"}
 
 
 def _sections() -> dict[str, tuple[str, set[str]]]:

@@ -34,9 +34,10 @@ import pytest
 import yaml
 
 import hicache_existence as he
-from hicache_existence import catalog, config
+from hicache_existence import config
 from hicache_existence.cli import build_parser
-from hicache_existence.sglang import flags as sglang_flags
+from hicache_existence.exporters import catalog
+from hicache_existence.integrations.sglang import flags as sglang_flags
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [
@@ -438,10 +439,10 @@ def test_figures_name_their_source() -> None:
         ("benchmarks/results/none.json", False),
         ("tests/test_ghosts.py::test_memory_is_at_most_ten_percent_of_the_cache_at_full_cap", True),
         ("tests/test_ghosts.py::test_missing", False),
-        ('python -c "from hicache_existence.bench import digest as d; print(d.run_digest)"', True),
-        ('python -c "from hicache_existence.bench import digest as d; print(d.nothing())"', False),
-        ("python -m hicache_existence.bench.digest", True),
-        ("python -m hicache_existence.bench.nothing", False),
+        ('python -c "from hicache_existence_bench import digest as d; print(d.run_digest)"', True),
+        ('python -c "from hicache_existence_bench import digest as d; print(d.nothing())"', False),
+        ("python -m hicache_existence_bench.digest", True),
+        ("python -m hicache_existence_bench.nothing", False),
     ],
 )
 def test_the_reference_check_can_fail(ref: str, ok: bool) -> None:

@@ -439,7 +439,7 @@ def sampler_memory(max_sampled_pages: int = 131072, passes: int = 20, seed: int 
     bitmap has grown and been renumbered as on a long-running server."""
     import random
 
-    from hicache_existence import lru
+    from hicache_existence.core import lru
 
     if lru.BACKEND != "c":
         return "the compiled index is not in use: no compiled sampler to measure"

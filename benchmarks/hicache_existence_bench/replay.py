@@ -38,7 +38,9 @@ _REPO_TRACE = (
     Path(__file__).resolve().parents[2] / "tests/data/traces/mooncake_synthetic_trace.jsonl"
 )
 #: The sample the demo bundles (a slice of the same trace, with its licence).
-_BUNDLED_SAMPLE = Path(__file__).resolve().parents[1] / "demo/data/mooncake_sample.jsonl"
+_BUNDLED_SAMPLE = (
+    Path(__file__).resolve().parents[2] / "hicache_existence/demo/data/mooncake_sample.jsonl"
+)
 
 
 def default_trace(progress: Progress = lambda _msg: None) -> Trace | PageTrace:
