@@ -125,7 +125,7 @@ def config_table() -> str:
         section_hints = typing.get_type_hints(section)
         doc = _md((section.__doc__ or "").strip().split("\n\n")[0])
         rows.append(f"| **`{top.name}`** | | | | {doc} |")
-        for f in dataclasses.fields(section):
+        for f in dataclasses.fields(value):
             env = f"{ENV_PREFIX}{top.name.upper()}__{f.name.upper()}"
             own = comments.get((section.__name__, f.name), "")
             meaning = _md(

@@ -1,7 +1,7 @@
 """No configuration field is decorative: each one is read by runtime code.
 
-An AST scan over the package (``config.py`` itself, the benchmarks and the demo
-excluded; the benchmarks live outside the package) finds, per section, the expressions that hold that section: an
+An AST scan over the package (``config.py`` itself and the demo excluded; the
+benchmarks live outside it) finds, per section, the expressions holding it: an
 attribute ``<anything>.<section>`` (``config.reconciler``), a variable or
 ``self`` attribute assigned from one, or a parameter annotated with the section's
 class.  A field counts as consumed when one of those is read as
