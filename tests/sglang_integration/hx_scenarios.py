@@ -499,7 +499,7 @@ def detokenizer() -> dict[str, Any]:
     no cache hooks.  The entry fails right after (no server args), by design."""
     from sglang.srt.managers import detokenizer_manager
 
-    from hicache_existence.sglang import plugin
+    from hicache_existence.integrations.sglang import plugin
 
     failed_after = None
     try:
