@@ -114,6 +114,7 @@ CACHE_COUNTERS = {
     "hicache_existence_inflight_tracked_total": "inflight_tracked",
     "hicache_existence_inflight_released_total": "inflight_released",
     "hicache_existence_inflight_clears_total": "inflight_clears",
+    "hicache_existence_inflight_unmatched_total": "inflight_unmatched",
 }
 #: Exposed write counter -> (the child's own tally, bytes per page or 1).
 WRITE_COUNTERS = {
