@@ -223,6 +223,13 @@ def test_measured_false_classification_rates():
     assert {a for a, _ in result.pairs} >= {"cold", "evicted", "invalidated", "cleared"}
 
 
+def test_accuracy_runs_refuse_a_missing_trace(tmp_path):
+    """A trace path that does not exist raises (it used to drop the Mooncake rows
+    silently, so a wrong path printed a shorter table that looked complete)."""
+    with pytest.raises(FileNotFoundError, match="Mooncake trace not found"):
+        observability.default_accuracy_runs(tmp_path / "traces" / "missing.jsonl", quick=True)
+
+
 def test_sampled_debug_event_is_rate_limited(caplog):
     """Every sample_every-th miss may emit one debug event (pool, reason, hash
     prefix), at most debug_events_per_s per second."""
