@@ -11,6 +11,7 @@ Checked over ``docs/*.md``, ``README.md`` and ``integrations/*/README.md``:
 * every ``hicache-existence`` command line in code names a real sub-command and
   only its real flags, and every sglang flag of the plugin is the plugin's;
 * every alert name (``HicacheExistence*``) is an alert of the shipped rules;
+* every repository path in code font exists (a test named with ``::`` too);
 * the figure convention: a section (text under one heading) that states measured
   figures (durations, sizes per entry, MiB, overhead percentages, speed-ups)
   carries a line starting ``Command:`` or ``Record:`` naming where they come
@@ -263,6 +264,28 @@ def test_alert_names_and_runbook_anchors_exist() -> None:
             if m.group(1) not in anchors:
                 wrong.append(f"{_rel(path)}:{_line_of(text, m.start())}: anchor {m.group(1)}")
     assert not wrong, "alerts that do not exist:\n" + "\n".join(wrong)
+
+
+# -- repository paths ----------------------------------------------------------------
+REPO_PATH = re.compile(
+    r"`((?:hicache_existence|tests|docs|benchmarks|integrations|dashboards)/[^`\s]*)`"
+)
+
+
+def test_repository_paths_exist() -> None:
+    """Every repository path written in code font (`hicache_existence/core/lru.py`,
+    `tests/test_x.py::test_y`, `benchmarks/results/x.json`) exists, so a moved
+    module or a renamed test cannot leave the docs pointing at nothing."""
+    wrong = []
+    for path, text in _texts():
+        for m in REPO_PATH.finditer(text):
+            ref = m.group(1).rstrip(",;:")
+            if "*" in ref or "<" in ref:
+                continue  # a pattern or a placeholder
+            problem = check_reference(ref)
+            if problem:
+                wrong.append(f"{_rel(path)}:{_line_of(text, m.start())}: {problem}")
+    assert not wrong, "paths that do not exist:\n" + "\n".join(wrong)
 
 
 # -- figures -------------------------------------------------------------------------
