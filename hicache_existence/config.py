@@ -137,7 +137,9 @@ class ReconcilerSection:
     """Ground-truth reconciliation against L3 (Redis ledger); docs/reconciler.md."""
 
     enabled: bool = False
-    #: redis://[user:password@]host:port/db, rediss:// (TLS) or unix://; secret.
+    #: redis://[user:password@]host:port/db, rediss:// (TLS) or unix://; a Redis
+    #: Cluster as redis+cluster://[user:password@]host:port[,host:port...]
+    #: (rediss+cluster:// for TLS); secret.
     redis_url: str = ""
     #: First component of every ledger key (deployments sharing one Redis).
     namespace: str = "hicache"
@@ -176,9 +178,10 @@ class ReconcilerSection:
     def __post_init__(self) -> None:
         if self.redis_url:
             scheme = self.redis_url.split("://", 1)[0] if "://" in self.redis_url else ""
-            if scheme not in ("redis", "rediss", "unix"):
+            if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
                 raise ConfigError(
-                    "reconciler.redis_url must be a redis://, rediss:// or unix:// URL, "
+                    "reconciler.redis_url must be a redis://, rediss://, unix://, "
+                    "redis+cluster:// or rediss+cluster:// URL, "
                     f"got {redact_url(self.redis_url)!r}"
                 )
         if not self.breaker_backoff_s > 0:

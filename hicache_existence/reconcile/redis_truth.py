@@ -4,7 +4,8 @@ Prefill instances that share one L3 record every page they store (see
 ``storage_adapters.LedgerRecordingStorage``); the reconciler asks the ledger
 which pages are present.  redis-py is imported only when a ledger is built.
 
-Key schema (one Redis database, standalone or Sentinel; not Redis Cluster)::
+Key schema (one Redis database, standalone or Sentinel; Redis Cluster uses
+hash-tagged keys instead, see ``redis_cluster``)::
 
     <namespace>:epoch                          "<token> <unix seconds>", no TTL
     <namespace>:<shard>:<pool>:<page hash>     "1", optional TTL (ttl_s)
@@ -40,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from hicache_existence.config import ConfigError, ReconcilerSection, redact_url
 from hicache_existence.reconcile.truth import (
@@ -56,6 +57,9 @@ from hicache_existence.reconcile.truth import (
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("redis", "rediss", "unix")
+#: Schemes of a Redis Cluster URL: ``redis+cluster://[user:password@]host:port[,host:port...]``
+#: (every listed node is a seed for discovering the cluster).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 #: Walks ``ARGV[2]`` (page hashes joined by newlines) under prefix ``ARGV[1]`` and
 #: stops at the first absent page.  Returns {epoch or nil, leading count}.
@@ -83,6 +87,9 @@ def validate_redis_url(url: str, arg: str = "redis_url") -> str:
         raise ConfigError(f"{arg} must be a string, got {type(url).__name__}")
     if not url:
         raise ConfigError(f"{arg} is empty")
+    if url.split("://", 1)[0] in CLUSTER_SCHEMES:
+        cluster_seeds(url, arg)
+        return url
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -90,11 +97,56 @@ def validate_redis_url(url: str, arg: str = "redis_url") -> str:
         raise ConfigError(f"{arg} is not a valid URL ({redact_url(url)}): {exc}") from None
     if parts.scheme not in SCHEMES:
         raise ConfigError(
-            f"{arg} must use one of {list(SCHEMES)}, got {parts.scheme!r} ({redact_url(url)})"
+            f"{arg} must use one of {list(SCHEMES + CLUSTER_SCHEMES)}, got {parts.scheme!r} "
+            f"({redact_url(url)})"
         )
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigError(f"{arg} has no host ({redact_url(url)})")
     return url
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://`` or ``rediss+cluster://``)."""
+    return isinstance(url, str) and url.split("://", 1)[0] in CLUSTER_SCHEMES
+
+
+def cluster_seeds(url: str, arg: str = "redis_url") -> list[tuple[str, int]]:
+    """The ``(host, port)`` seeds of a cluster URL (port 6379 when omitted), or
+    ``ConfigError`` naming ``arg`` (the message never shows the password).
+
+    The netloc is ``[user[:password]@]host[:port][,host[:port]...]`` (IPv6 hosts
+    in brackets); the path may only be empty, ``/`` or ``/0`` (a cluster has one
+    database); query parameters (``ssl_ca_certs``, ...) pass to every node."""
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(f"{arg} is not a valid URL ({shown}): {exc}") from None
+    if parts.scheme not in CLUSTER_SCHEMES:
+        raise ConfigError(f"{arg} is not a cluster URL ({shown})")
+    if parts.path not in ("", "/", "/0") or parse_qs(parts.query).get("db", ["0"]) != ["0"]:
+        raise ConfigError(f"{arg}: a Redis Cluster has only database 0 ({shown})")
+    hosts = parts.netloc.rpartition("@")[2]
+    seeds: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        item = item.strip()
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+            if rest and not rest.startswith(":"):
+                host = ""
+        else:
+            host, _, port_text = item.partition(":")
+        if not host:
+            raise ConfigError(f"{arg} has an empty host in its node list ({shown})")
+        try:
+            port = int(port_text) if port_text else 6379
+        except ValueError:
+            port = -1
+        if not 0 < port < 65536:
+            raise ConfigError(f"{arg} has a bad port {port_text!r} ({shown})")
+        seeds.append((host, port))
+    return seeds
 
 
 def _label(text: str, arg: str) -> str:
@@ -227,6 +279,12 @@ def map_error(exc: BaseException) -> GroundTruthError:
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, rx.TimeoutError | TimeoutError):
         return TruthTimeout(text)
+    # Redis Cluster: a failover or resharding in progress, or no node reachable.
+    if isinstance(
+        exc,
+        rx.ClusterError | rx.TryAgainError | rx.AskError | rx.RedisClusterException,
+    ):
+        return TruthUnavailable(text)
     if isinstance(exc, rx.InvalidResponse):
         return GarbageAnswer(text)
     if isinstance(exc, rx.ConnectionError | ConnectionError | OSError):
@@ -261,7 +319,8 @@ class RedisLedger:
         self._epoch_key = f"{settings.namespace}:epoch"
         self._shard_prefix = f"{settings.namespace}:{settings.shard}:"
         self._lock = threading.Lock()
-        self._epoch: bytes | None = None
+        #: The epoch seen last, per epoch key (one key per namespace here).
+        self._epochs: dict[str, bytes] = {}
         self._distrust_until = 0.0
         #: Ledger resets this reader observed (epoch changed under it).
         self.resets = 0
@@ -289,7 +348,7 @@ class RedisLedger:
         blob = _joined(seq)
         try:
             if self.settings.method == "lua":
-                reply = self._script(keys=[self._epoch_key], args=[self.prefix(name), blob])
+                reply = self._script(keys=[self.epoch_key(name)], args=[self.prefix(name), blob])
                 epoch, count = _pair(reply)
             else:
                 epoch, flags = self._mget(name, seq)
@@ -298,7 +357,7 @@ class RedisLedger:
             raise
         except Exception as exc:
             raise map_error(exc) from None
-        self._see_epoch(epoch)
+        self._see_epoch(epoch, name)
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(seq):
             raise GarbageAnswer(f"leading count {count!r} outside [0, {len(seq)}]")
         return count
@@ -314,13 +373,13 @@ class RedisLedger:
             raise
         except Exception as exc:
             raise map_error(exc) from None
-        self._see_epoch(epoch)
+        self._see_epoch(epoch, name)
         return flags
 
     def _mget(self, pool: str, seq: Sequence[str]) -> tuple[Any, list[bool]]:
         prefix = self.prefix(pool)
         pipe = self._client.pipeline(transaction=False)
-        pipe.get(self._epoch_key)
+        pipe.get(self.epoch_key(pool))
         for i in range(0, len(seq), _CHUNK):
             pipe.mget([prefix + h for h in seq[i : i + _CHUNK]])
         replies = pipe.execute()
@@ -335,19 +394,25 @@ class RedisLedger:
             raise GarbageAnswer(f"MGET returned {len(flags)} values for {len(seq)} keys")
         return replies[0], flags
 
-    def _see_epoch(self, epoch: Any) -> None:
+    def epoch_key(self, pool: str) -> str:
+        """The epoch key that vouches for ``pool``'s entries (one per namespace here)."""
+        return self._epoch_key
+
+    def _see_epoch(self, epoch: Any, pool: str) -> None:
+        key = self.epoch_key(pool)
         if epoch is None:
-            raise LedgerEmpty(f"no {self._epoch_key!r} in the ledger")
+            raise LedgerEmpty(f"no {key!r} in the ledger")
         if not isinstance(epoch, bytes | str):
             raise GarbageAnswer(f"epoch of type {type(epoch).__name__}")
         value = epoch.encode() if isinstance(epoch, str) else epoch
         with self._lock:
-            if self._epoch is None:
-                self._epoch = value
+            known = self._epochs.get(key)
+            if known is None:
+                self._epochs[key] = value
                 return
-            if value == self._epoch:
+            if value == known:
                 return
-            self._epoch = value
+            self._epochs[key] = value
             self.resets += 1
             self._distrust_until = self._clock() + self._reset_distrust
         logger.warning(
@@ -376,7 +441,7 @@ class RedisLedger:
             for start in range(0, len(seq), batch):
                 chunk = seq[start : start + batch]
                 pipe = self._client.pipeline(transaction=False)
-                pipe.set(self._epoch_key, _new_epoch(), nx=True)
+                pipe.set(self.epoch_key(name), _new_epoch(), nx=True)
                 if ttl > 0:
                     px = max(1, int(ttl * 1000))
                     for h in chunk:
@@ -462,7 +527,17 @@ def _new_epoch() -> str:
     return f"{secrets.token_hex(8)} {int(time.time())}"
 
 
+def open_ledger(settings: LedgerSettings) -> RedisLedger:
+    """The ledger ``settings.url`` names: ``RedisLedger`` for a standalone or
+    Sentinel-managed server, ``RedisClusterLedger`` for a ``redis+cluster://`` URL."""
+    if is_cluster_url(settings.url):
+        from hicache_existence.reconcile.redis_cluster import RedisClusterLedger
+
+        return RedisClusterLedger(settings)
+    return RedisLedger(settings)
+
+
 def ledger_from_section(section: ReconcilerSection, shard: str = "default") -> RedisLedger:
     """A ledger configured by the ``reconciler`` section (``redis_url`` required)."""
     validate_redis_url(section.redis_url, "reconciler.redis_url")
-    return RedisLedger(LedgerSettings.from_section(section, shard))
+    return open_ledger(LedgerSettings.from_section(section, shard))

@@ -24,7 +24,7 @@ from hicache_existence.core import _validate
 from hicache_existence.reconcile.ledger_writer import LedgerWriter
 from hicache_existence.reconcile.redis_truth import (
     LedgerSettings,
-    RedisLedger,
+    open_ledger,
     shard_from_storage_config,
 )
 from hicache_existence.reconcile.truth import (
@@ -171,7 +171,7 @@ class _LedgerRecordingMixin:
                 ttl_s=self._ttl,
             )
             shard = str(extra.get("ledger_shard") or shard_from_storage_config(storage_config))
-            ledger = RedisLedger(LedgerSettings.from_section(section, shard))
+            ledger = open_ledger(LedgerSettings.from_section(section, shard))
         self._ledger = ledger
         self._writer = LedgerWriter(
             ledger, batch_pages=getattr(getattr(ledger, "settings", None), "write_batch", 512)

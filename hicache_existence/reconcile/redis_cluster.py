@@ -1,0 +1,386 @@
+"""The ledger on Redis Cluster: hash-tagged keys, one slot per (shard, pool).
+
+Key schema (``redis+cluster://`` URLs; the standalone schema is unchanged)::
+
+    {<namespace>:<shard>:<pool>}                "<token> <unix seconds>"  the epoch
+    {<namespace>:<shard>:<pool>}:<page hash>    "1", optional TTL
+
+Every key of one (shard, pool) carries the same hash tag, so it lives in one
+slot on one primary.  That keeps the chain query at one round trip to one node
+(the same Lua script as standalone, stopping at the first absent page) and puts
+the epoch beside the pages it vouches for: a primary that comes back empty, or a
+replica promoted without them, loses the epoch together with the pages, so its
+answers become ``ledger_empty`` errors instead of false absences.  The other
+way, keys spread over every slot and queried in per-node batches, was measured
+slower on every chain length (docs/reconciler.md, ``benchmarks/ledger_cluster.py``)
+and cannot stop at the first absent page.  The cost: one (shard, pool) is not
+spread over the cluster's primaries; a deployment's shards are (one per TP rank
+and pool).
+
+A failover can lose the last writes a primary acknowledged before it died
+(replication is asynchronous), so after the primary serving a tag changes under
+a reader, and after any error reading it, absence is not evidence for
+``failover_distrust_s`` seconds (presence still teaches).  The cluster client is
+built on first use: a cluster that is down at start is an error to count, not a
+crash of the storage backend that records into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from hicache_existence.reconcile.redis_truth import (
+    LUA_LEADING_PRESENT,
+    LedgerSettings,
+    RedisLedger,
+    _joined,
+    _new_epoch,
+    _pair,
+    cluster_seeds,
+    is_cluster_url,
+    map_error,
+)
+from hicache_existence.reconcile.truth import (
+    GarbageAnswer,
+    GroundTruthError,
+    TruthUnavailable,
+    check_chain,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Records ``ARGV[4]`` (page hashes joined by newlines) under prefix ``ARGV[2]``
+#: with a TTL of ``ARGV[3]`` ms (0: none) and creates the epoch ``KEYS[1]`` if
+#: missing; every key shares the epoch's hash tag, so one node runs it.
+LUA_RECORD = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+local prefix = ARGV[2]
+local px = tonumber(ARGV[3])
+local n = 0
+for h in string.gmatch(ARGV[4], '[^\\n]+') do
+  if px > 0 then
+    redis.call('SET', prefix .. h, '1', 'PX', px)
+  else
+    redis.call('SET', prefix .. h, '1')
+  end
+  n = n + 1
+end
+return n
+"""
+
+#: Presence of every page of ``ARGV[2]`` under prefix ``ARGV[1]``: {epoch or
+#: nil, {0|1, ...}} (redis-py refuses MGET in a cluster pipeline; one round trip).
+LUA_PRESENT = """
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then return {false, {}} end
+local prefix = ARGV[1]
+local flags = {}
+for h in string.gmatch(ARGV[2], '[^\\n]+') do
+  flags[#flags + 1] = redis.call('EXISTS', prefix .. h)
+end
+return {epoch, flags}
+"""
+
+#: Seconds absence is not evidence after a failover (or an error) was seen for a tag.
+DEFAULT_FAILOVER_DISTRUST_S = 30.0
+_CHUNK = 1024
+
+
+def build_cluster_client(settings: LedgerSettings) -> Any:
+    """A ``redis.cluster.RedisCluster`` for a ``redis+cluster://`` URL: every
+    listed node is a seed; credentials, TLS and query parameters apply to every
+    node; explicit timeouts; bounded cluster-level retry.  Connects (it reads the
+    slot map), so it raises when no seed answers."""
+    import redis.cluster
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    seeds = cluster_seeds(settings.url, "url")
+    scheme, rest = settings.url.split("://", 1)
+    base = "rediss" if scheme.startswith("rediss") else "redis"
+    netloc, sep, tail = rest.partition("/")
+    if "?" in netloc:  # a query without a path: host:port?ssl_...
+        netloc, _, query = netloc.partition("?")
+        tail = "?" + query
+        sep = "/"
+    userinfo = netloc.rpartition("@")[0]
+    host, port = seeds[0]
+    shown = f"[{host}]" if ":" in host else host
+    first = f"{base}://{userinfo + '@' if userinfo else ''}{shown}:{port}{sep}{tail}"
+    retry = Retry(
+        ExponentialBackoff(cap=settings.retry_backoff_max_s, base=settings.retry_backoff_s),
+        settings.retries,
+    )
+    return redis.cluster.RedisCluster.from_url(
+        first,
+        startup_nodes=[
+            redis.cluster.ClusterNode(h, p)  # type: ignore[no-untyped-call]
+            for h, p in seeds[1:]
+        ],
+        socket_timeout=settings.socket_timeout_s or None,
+        socket_connect_timeout=settings.connect_timeout_s or None,
+        retry=retry,
+        client_name="hicache-existence",
+    )
+
+
+class _LazyCluster:
+    """Builds the cluster client on first use (and again after a failed build)."""
+
+    def __init__(self, settings: LedgerSettings, factory: Callable[[], Any] | None) -> None:
+        self._settings = settings
+        self._factory = factory or (lambda: build_cluster_client(settings))
+        self._lock = threading.Lock()
+        self._client: Any = None
+
+    def get(self) -> Any:
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = self._factory()
+                except GroundTruthError:
+                    raise
+                except Exception as exc:
+                    raise TruthUnavailable(
+                        f"cluster at {self._settings.redacted_url()} unreachable: {map_error(exc)}"
+                    ) from None
+            return self._client
+
+    def built(self) -> Any:
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+    def register_script(self, script: str) -> Callable[..., Any]:
+        holder: list[Any] = []
+
+        def call(keys: Sequence[str], args: Sequence[Any]) -> Any:
+            if not holder:
+                holder.append(self.get().register_script(script))
+            return holder[0](keys=keys, args=args)
+
+        return call
+
+
+class RedisClusterLedger(RedisLedger):
+    """``RedisLedger`` on a Redis Cluster (``redis+cluster://`` URL): hash-tagged
+    keys per (shard, pool), an epoch per tag, failover-aware trust."""
+
+    def __init__(
+        self,
+        settings: LedgerSettings,
+        *,
+        client: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        failover_distrust_s: float = DEFAULT_FAILOVER_DISTRUST_S,
+    ) -> None:
+        if not isinstance(settings, LedgerSettings):
+            raise TypeError(f"settings must be LedgerSettings, got {type(settings).__name__}")
+        if not is_cluster_url(settings.url):
+            raise ValueError(
+                f"RedisClusterLedger needs a redis+cluster:// URL, got {settings.redacted_url()}"
+            )
+        for arg in ("namespace", "shard"):
+            if any(c in getattr(settings, arg) for c in "{}"):
+                raise ValueError(f"{arg} must not contain '{{' or '}}' on Redis Cluster")
+        if not failover_distrust_s >= 0:
+            raise ValueError(f"failover_distrust_s must be >= 0, got {failover_distrust_s}")
+        self._lazy = _LazyCluster(settings, (lambda: client) if client is not None else None)
+        super().__init__(settings, client=self._lazy, clock=clock)
+        self._record = self._lazy.register_script(LUA_RECORD)
+        self._presence = self._lazy.register_script(LUA_PRESENT)
+        self.failover_distrust_s = float(failover_distrust_s)
+        #: Primary (host:port) last seen serving each tag.
+        self._owners: dict[str, str] = {}
+        #: Failovers (a tag's primary changed) this reader observed.
+        self.failovers = 0
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (
+            f"RedisClusterLedger(url={s.redacted_url()!r}, namespace={s.namespace!r}, "
+            f"shard={s.shard!r}, method={s.method!r})"
+        )
+
+    def tag(self, pool: str) -> str:
+        """``{<namespace>:<shard>:<pool>}``: the hash tag (and epoch key) of a pool."""
+        return f"{{{self._shard_prefix}{pool}}}"
+
+    def prefix(self, pool: str) -> str:
+        return f"{self.tag(pool)}:"
+
+    def epoch_key(self, pool: str) -> str:
+        return self.tag(pool)
+
+    # -- reads: the base's, plus failover detection --------------------------------
+    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        try:
+            count = super().leading_present(pool, hashes)
+        except GroundTruthError:
+            self._distrust(pool, "error")
+            raise
+        self._check_owner(pool)
+        return count
+
+    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        try:
+            flags = super().present(pool, hashes)
+        except GroundTruthError:
+            self._distrust(pool, "error")
+            raise
+        self._check_owner(pool)
+        return flags
+
+    def _mget(self, pool: str, seq: Sequence[str]) -> tuple[Any, list[bool]]:
+        reply = self._presence(keys=[self.epoch_key(pool)], args=[self.prefix(pool), _joined(seq)])
+        epoch, flags = _pair(reply)
+        if epoch is None:
+            return None, []
+        if not isinstance(flags, list) or len(flags) != len(seq):
+            raise GarbageAnswer(f"presence reply for {len(seq)} pages is {type(flags).__name__}")
+        if any(f not in (0, 1) for f in flags):
+            raise GarbageAnswer("presence flags outside {0, 1}")
+        return epoch, [f == 1 for f in flags]
+
+    def _check_owner(self, pool: str) -> None:
+        """A local lookup in the client's slot map (no I/O): a different primary
+        serving the tag means a failover happened since the last read."""
+        key = self.tag(pool)
+        client = self._lazy.built()
+        try:
+            node = client.get_node_from_key(key)
+            owner = f"{node.host}:{node.port}"
+        except Exception:
+            return
+        with self._lock:
+            seen = self._owners.get(key)
+            self._owners[key] = owner
+        if seen is not None and seen != owner:
+            self.failovers += 1
+            self._distrust(pool, "failover")
+
+    def _distrust(self, pool: str, why: str) -> None:
+        if self.failover_distrust_s <= 0:
+            return
+        until = self._clock() + self.failover_distrust_s
+        with self._lock:
+            if until > self._distrust_until:
+                self._distrust_until = until
+        if why == "failover":
+            logger.warning(
+                "hicache-existence ledger %s: the primary of %s changed (failover): "
+                "absence is not evidence for %.0f s",
+                self.settings.redacted_url(),
+                self.tag(pool),
+                self.failover_distrust_s,
+            )
+
+    # -- writes ----------------------------------------------------------------------
+    def record_stored(self, pool: str, hashes: Iterable[str]) -> int:
+        """Record pages written to L3: one script call per ``write_batch`` pages
+        (redis-py refuses MSET in a cluster pipeline; the script also sets the
+        TTL server-side); returns the pages recorded."""
+        name, seq = check_chain(pool, hashes)
+        if not seq:
+            return 0
+        px = max(1, int(self.settings.ttl_s * 1000)) if self.settings.ttl_s > 0 else 0
+        batch = self.settings.write_batch
+        keys = [self.epoch_key(name)]
+        prefix = self.prefix(name)
+        try:
+            for start in range(0, len(seq), batch):
+                blob = _joined(seq[start : start + batch])
+                self._record(keys=keys, args=[_new_epoch(), prefix, px, blob])
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+        return len(seq)
+
+    def record_removed(self, pool: str, hashes: Iterable[str]) -> int:
+        """Record pages that left L3 (one UNLINK per batch: the keys share a slot)."""
+        name, seq = check_chain(pool, hashes)
+        if not seq:
+            return 0
+        prefix = self.prefix(name)
+        removed = 0
+        try:
+            client = self._lazy.get()
+            for start in range(0, len(seq), self.settings.write_batch):
+                chunk = seq[start : start + self.settings.write_batch]
+                removed += int(client.unlink(*[prefix + h for h in chunk]))
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+        return removed
+
+    def clear_shard(self) -> int:
+        """Forget every page of this shard on every primary (epochs stay: the
+        ledger still knows this shard's history, which is now "nothing")."""
+        removed = 0
+        try:
+            client = self._lazy.get()
+            batch: list[Any] = []
+            for key in client.scan_iter(match=_escape_glob(self._shard_prefix), count=1000):
+                batch.append(key)
+                if len(batch) >= _CHUNK:
+                    removed += int(client.unlink(*batch))
+                    batch = []
+            if batch:
+                removed += int(client.unlink(*batch))
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+        return removed
+
+    def ensure_epoch(self, pools: Sequence[str] = ("kv",)) -> None:
+        """Create the epochs of ``pools`` if missing (writers call this at start)."""
+        try:
+            client = self._lazy.get()
+            for pool in pools:
+                client.set(self.epoch_key(pool), _new_epoch(), nx=True)
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise map_error(exc) from None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._lazy.get().ping())
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        client = self._lazy.built()
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                logger.debug("closing the cluster client failed", exc_info=True)
+
+
+def _escape_glob(shard_prefix: str) -> str:
+    """``{<shard prefix>*}:*`` with the prefix's glob characters escaped: every
+    page key of the shard, never an epoch key."""
+    escaped = "".join("\\" + c if c in "\\*?[]" else c for c in shard_prefix)
+    return "{" + escaped + "*}:*"
+
+
+__all__ = [
+    "DEFAULT_FAILOVER_DISTRUST_S",
+    "LUA_LEADING_PRESENT",
+    "LUA_PRESENT",
+    "LUA_RECORD",
+    "RedisClusterLedger",
+    "build_cluster_client",
+]
