@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 NAME = "replay"
 HELP = "replay a request trace and report hit ratio and writes for a sweep of caps"
@@ -51,6 +52,42 @@ def _count(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    from hicache_existence.replay.fleet import MAX_INSTANCES
+
+    out: set[int] = set()
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an instance count: {part!r}") from None
+        if not 1 <= value <= MAX_INSTANCES:
+            raise argparse.ArgumentTypeError(f"instance counts must be 1..{MAX_INSTANCES}")
+        out.add(value)
+    if not out:
+        raise argparse.ArgumentTypeError("no instance count given")
+    return tuple(sorted(out))
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    out: set[float] = set()
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a rate: {part!r}") from None
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"rates must be within [0, 1], got {part}")
+        out.add(value)
+    if not out:
+        raise argparse.ArgumentTypeError("no rate given")
+    return tuple(sorted(out))
 
 
 def _millis(text: str) -> float:
@@ -157,6 +194,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes for the model runs (default: the usable CPUs)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    fleet = parser.add_argument_group(
+        "fleet mode", "N prefill instances behind a router sharing one L3 (docs/replay.md)"
+    )
+    fleet.add_argument(
+        "--fleet",
+        type=_counts,
+        default=None,
+        metavar="N[,N...]",
+        help="replay as fleets of these instance counts (e.g. 1,2,4,8,16,32,64) instead "
+        "of a cap sweep",
+    )
+    fleet.add_argument(
+        "--router",
+        choices=("round-robin", "prefix-affinity", "both"),
+        default="both",
+        help="how requests are spread over instances (default: both, one row each)",
+    )
+    fleet.add_argument(
+        "--learn-rate",
+        type=_rates,
+        default=(0.0, 0.01),
+        metavar="R[,R...]",
+        help="ledger learning: fraction of lookups verified against the shared ledger "
+        "(default 0,0.01: off, and the reconciler's default rate)",
+    )
+    fleet.add_argument(
+        "--instance-cap",
+        type=_cap,
+        default=None,
+        help="existence-cache cap of every instance (default 512K)",
+    )
+    fleet.add_argument(
+        "--affinity-pages",
+        type=_count(1),
+        default=8,
+        help="leading pages that pick the instance under prefix-affinity (default 8)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,8 +249,8 @@ def run(args: argparse.Namespace) -> int:
     current = args.current_cap or DEFAULT_CURRENT_CAP
     # The current cap always gets a row: it is the one the table and plot compare against.
     caps = tuple(sorted({*(args.caps or DEFAULT_CAPS), current}))
-    json_path = args.json or args.out / "replay.json"
-    plot_path = None if args.no_plot else (args.plot or args.out / "replay.png")
+    json_path = args.json or args.out / ("fleet.json" if args.fleet else "replay.json")
+    plot_path = None if args.no_plot or args.fleet else (args.plot or args.out / "replay.png")
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None and (path.is_dir() or _blocked(path.parent)):
             print(f"error: {flag} {path}: not a writable file location", file=sys.stderr)
@@ -205,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
         prefetch_threshold_tokens=args.prefetch_threshold,
         heal=not args.no_heal,
     )
+    if args.fleet:
+        return _run_fleet(args, pages, config, json_path, progress)
     result = sweep(
         pages,
         caps,
@@ -225,6 +301,41 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {problem}", file=sys.stderr)
             else:
                 print(f"wrote {plot_path}")
+    except OSError as exc:
+        print(f"error: cannot write the report: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_fleet(
+    args: argparse.Namespace,
+    pages: Any,
+    config: Any,
+    json_path: Path,
+    progress: Callable[[str], None],
+) -> int:
+    from hicache_existence.replay import report
+    from hicache_existence.replay.fleet import ROUTERS, FleetConfig, run_fleet
+    from hicache_existence.replay.sweep import DEFAULT_CURRENT_CAP
+
+    cap = args.instance_cap or DEFAULT_CURRENT_CAP
+    routers = ROUTERS if args.router == "both" else (args.router,)
+    results = []
+    for router in routers:
+        for rate in args.learn_rate:
+            for n in args.fleet:
+                fleet = FleetConfig(
+                    instances=n,
+                    router=router,
+                    learn_rate=rate,
+                    affinity_pages=args.affinity_pages,
+                )
+                progress(f"fleet: {n} x cap {cap}, {router}, learn rate {rate:g}")
+                results.append(run_fleet(pages, cap, config, fleet))
+    print(report.format_fleet_table(results, config))
+    try:
+        report.write_fleet_json(results, config, json_path)
+        print(f"wrote {json_path}")
     except OSError as exc:
         print(f"error: cannot write the report: {exc}", file=sys.stderr)
         return 1

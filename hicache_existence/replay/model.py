@@ -202,14 +202,24 @@ _Ack = tuple[float, "_PoolRun", Sequence[str]]
 class _PoolRun:
     """One pool's model state around the real ``PoolBeliefs``."""
 
-    def __init__(self, beliefs: PoolBeliefs, config: ModelConfig, page_size: int) -> None:
+    def __init__(
+        self,
+        beliefs: PoolBeliefs,
+        config: ModelConfig,
+        page_size: int,
+        *,
+        store: _Store | None = None,
+        writing: dict[str, int] | None = None,
+    ) -> None:
         self.beliefs = beliefs
         self.config = config
         self.page_size = page_size
         self.device = _Device(config.device_pages)
-        self.store = _Store(config.l3_pages)
-        #: Pages with a write launched and not yet landed (ground truth, refcounted).
-        self.writing: dict[str, int] = {}
+        #: L3 (shared by the instances of a fleet, see ``replay.fleet``).
+        self.store = store if store is not None else _Store(config.l3_pages)
+        #: Pages with a write launched and not yet landed (ground truth, refcounted;
+        #: shared by a fleet's instances like the store).
+        self.writing: dict[str, int] = writing if writing is not None else {}
         #: Nodes (by last page) with a write not yet acked: they vouch for children.
         self.pending_nodes: dict[str, int] = {}
 

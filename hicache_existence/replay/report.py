@@ -12,12 +12,15 @@ import json
 import os
 import platform
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache_existence.replay.sweep import SweepResult, format_cap
+
+if TYPE_CHECKING:
+    from hicache_existence.replay.fleet import FleetResult
 
 JSON_SCHEMA = "hicache-existence-replay/1"
 NO_MATPLOTLIB = (
@@ -251,3 +254,58 @@ def write_plot(result: SweepResult, path: Path) -> str | None:
     fig.tight_layout()
     _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     return None
+
+
+FLEET_JSON_SCHEMA = "hicache-existence-replay-fleet/1"
+
+
+def format_fleet_table(results: Sequence[FleetResult], config: Any) -> str:
+    """Fleet runs as one aligned table: writes, redundant writes, learning and
+    ledger traffic per instance per second of trace time."""
+    if not results:
+        return "no fleet runs"
+    first = results[0]
+    l3 = f"{config.l3_pages:,} pages" if config.l3_pages else "unbounded"
+    out = [
+        f"fleet replay: {first.model.requests:,} requests over {first.span_s:,.0f} s of trace "
+        f"time, cap {format_cap(first.cap)} per instance, device {config.device_pages:,} "
+        f"pages per instance, L3 {l3}, ack latency {config.ack_latency_ms:g} ms",
+        "",
+        f"{'router':>15} {'learn':>6} {'N':>3} {'writes':>9} {'redundant':>9} {'red %':>6} "
+        f"{'avoided':>9} {'learnt':>8} {'rec/s/i':>8} {'pages/s/i':>9} {'q/s/i':>7} "
+        f"{'max red share':>13}",
+    ]
+    for r in results:
+        m = r.model
+        ops = r.ledger_ops_per_s_per_instance()
+        share = max(r.redundant_share(), default=0.0)
+        red = 100.0 * m.redundant_writes / m.writes_issued if m.writes_issued else 0.0
+        out.append(
+            f"{r.config.router:>15} {r.config.learn_rate:>6g} {r.config.instances:>3} "
+            f"{m.writes_issued:>9,} {m.redundant_writes:>9,} {red:>6.2f} {m.writes_avoided:>9,} "
+            f"{r.pages_learnt:>8,} {ops['record_calls']:>8.2f} {ops['record_pages']:>9.1f} "
+            f"{ops['queries']:>7.3f} {share:>13.2f}"
+        )
+    out.append("")
+    out.append(
+        "rec/s/i: ledger record round trips per instance per second; pages/s/i: pages "
+        "recorded; q/s/i: verification queries (learning); max red share: the largest "
+        "instance's share of the fleet's redundant writes"
+    )
+    return "\n".join(out)
+
+
+def write_fleet_json(results: Sequence[FleetResult], config: Any, path: Path) -> None:
+    """Every fleet run with its per-instance shares, atomically."""
+    doc = {
+        "schema": FLEET_JSON_SCHEMA,
+        "model_config": asdict(config),
+        "runs": [r.as_dict() for r in results],
+        "environment": {"python": platform.python_version()},
+    }
+    text = json.dumps(doc, indent=2) + "\n"
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    _atomic_write(path, write)

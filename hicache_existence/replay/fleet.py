@@ -1,0 +1,412 @@
+"""Fleet replay: N prefill instances behind a router, sharing one L3 and a ledger.
+
+Each instance is the single-instance write-path model (``replay.model``): its own
+``StorageExistenceCache`` at the cap, its own device prefix cache and its own
+pending writes; the L3 store (and the set of pages being written) is one for the
+fleet, so a page one instance wrote is redundant when another writes it again.
+A router sends each request of the trace to one instance:
+
+* ``round-robin``: request ``i`` goes to instance ``i mod N``;
+* ``prefix-affinity``: the request's first ``affinity_pages`` pages (a Mooncake
+  block at 64 tokens per page) pick the instance, so requests sharing that
+  prefix meet on one instance, as a cache-aware router aims for.
+
+Optional **ledger learning** models the reconciler (docs/reconciler.md): every
+instance records the pages it writes into the shared ledger, and a sampled
+fraction ``learn_rate`` of its cache lookups (picked with the reconciler's gap
+sequence, through the cache's real observer interface) is verified against the
+ledger at the instance's next step; the verdict invalidates believed pages the
+ledger lacks and adds the leading pages it holds (``pages_learnt``: mostly
+pages other instances wrote).  The ledger here is exact (it holds what L3
+holds); errors, budgets and latency of the real one are not modelled.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from typing import Any, Literal
+
+from hicache_existence.cache import StorageExistenceCache
+from hicache_existence.replay.model import (
+    ModelConfig,
+    ModelResult,
+    _Ack,
+    _PoolRun,
+    _Store,
+    bytes_per_entry,
+)
+from hicache_existence.replay.pages import PageRequest, PageTrace
+
+Router = Literal["round-robin", "prefix-affinity"]
+ROUTERS: tuple[Router, ...] = ("round-robin", "prefix-affinity")
+#: The reconciler's sampling seed (every instance draws the same gap sequence).
+_SEED = 0x68696361636865
+MAX_INSTANCES = 4096
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The fleet around the per-instance model."""
+
+    instances: int = 1
+    router: Router = "round-robin"
+    #: Leading pages that pick the instance under ``prefix-affinity``.
+    affinity_pages: int = 8
+    #: Fraction of cache lookups verified against the ledger (0: no learning).
+    learn_rate: float = 0.0
+    #: Leading pages of a looked-up chain one verification covers.
+    pages_per_query: int = 1024
+    #: Pages per ledger record round trip (``reconciler.write_batch``).
+    write_batch: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("instances", "affinity_pages", "pages_per_query", "write_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.instances > MAX_INSTANCES:
+            raise ValueError(f"instances must be <= {MAX_INSTANCES}, got {self.instances}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {list(ROUTERS)}, got {self.router!r}")
+        rate = self.learn_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ValueError(f"learn_rate must be a number within [0, 1], got {rate!r}")
+
+
+@dataclass
+class InstanceResult:
+    """One instance's share (pages unless named otherwise)."""
+
+    requests: int = 0
+    writes_issued: int = 0
+    redundant_writes: int = 0
+    writes_avoided: int = 0
+    #: Ledger learning: verifications, pages added because the ledger held them,
+    #: beliefs dropped because it did not.
+    verifications: int = 0
+    pages_learnt: int = 0
+    pages_invalidated: int = 0
+    #: Ledger record round trips (``write_batch`` pages each, per landed write).
+    ledger_record_calls: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class FleetResult:
+    """Fleet totals (``model``, summed over instances) and each instance's share."""
+
+    cap: int
+    config: FleetConfig
+    model: ModelResult
+    instances: list[InstanceResult] = field(default_factory=list)
+    #: Seconds the trace spans (first to last timestamp; 1 s at least).
+    span_s: float = 1.0
+    #: Pages the shared L3 holds at the end, over all pools.
+    l3_pages_held: int = 0
+
+    @property
+    def pages_learnt(self) -> int:
+        return sum(i.pages_learnt for i in self.instances)
+
+    @property
+    def verifications(self) -> int:
+        return sum(i.verifications for i in self.instances)
+
+    def ledger_ops_per_s_per_instance(self) -> dict[str, float]:
+        """Ledger traffic per instance per second of trace time: record round trips,
+        recorded pages, verification queries (mean and busiest instance)."""
+        n = len(self.instances) or 1
+        calls = [i.ledger_record_calls for i in self.instances]
+        pages = [i.writes_issued for i in self.instances]
+        queries = [i.verifications for i in self.instances]
+        return {
+            "record_calls": sum(calls) / n / self.span_s,
+            "record_calls_max": max(calls, default=0) / self.span_s,
+            "record_pages": sum(pages) / n / self.span_s,
+            "queries": sum(queries) / n / self.span_s,
+            "queries_max": max(queries, default=0) / self.span_s,
+        }
+
+    def redundant_share(self) -> list[float]:
+        """Each instance's share of the fleet's redundant writes."""
+        total = self.model.redundant_writes
+        return [i.redundant_writes / total if total else 0.0 for i in self.instances]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cap": self.cap,
+            "config": asdict(self.config),
+            "fleet": self.model.as_dict(),
+            "pages_learnt": self.pages_learnt,
+            "verifications": self.verifications,
+            "span_s": self.span_s,
+            "l3_pages_held": self.l3_pages_held,
+            "ledger_ops_per_s_per_instance": self.ledger_ops_per_s_per_instance(),
+            "instances": [i.as_dict() for i in self.instances],
+        }
+
+
+class _Learner:
+    """The reconciler's sampling as a cache observer: picks looked-up chains
+    with its gap sequence; the fleet verifies them at the instance's next step."""
+
+    def __init__(self, rate: float, pages_per_query: int) -> None:
+        self._span = max(1, round(2.0 / rate) - 1) if rate > 0 else 0
+        self._rng = random.Random(_SEED)
+        self._pages = pages_per_query
+        self._countdown = self._gap()
+        self.picked: list[tuple[str, tuple[str, ...]]] = []
+        self._pending: set[tuple[str, str]] = set()
+
+    def _gap(self) -> int:
+        if self._span <= 0:
+            return 1 << 62
+        return 1 + ((self._rng.getrandbits(32) * self._span) >> 32)
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        self._countdown -= 1
+        if self._countdown > 0:
+            return
+        self._countdown = self._gap()
+        n = min(len(hashes), self._pages)
+        if n and (pool, hashes[n - 1]) not in self._pending:
+            self._pending.add((pool, hashes[n - 1]))
+            self.picked.append((pool, tuple(islice(hashes, n))))
+
+    def take(self) -> list[tuple[str, tuple[str, ...]]]:
+        picked, self.picked = self.picked, []
+        self._pending.clear()
+        return picked
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        """Nothing to do."""
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        """Nothing to do."""
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """Nothing to do."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        """Nothing to do."""
+
+
+class _Instance:
+    def __init__(
+        self,
+        cap: int,
+        config: ModelConfig,
+        fleet: FleetConfig,
+        page_size: int,
+        stores: dict[str, _Store],
+        writing: dict[str, dict[str, int]],
+    ) -> None:
+        self.learner = (
+            _Learner(fleet.learn_rate, fleet.pages_per_query) if fleet.learn_rate else None
+        )
+        self.cache = StorageExistenceCache(cap, observer=self.learner)
+        self.config = config
+        self.page_size = page_size
+        self.stores = stores
+        self.writing = writing
+        self.runs: dict[str, _PoolRun] = {}
+        self.result = ModelResult(cap=cap)
+        self.share = InstanceResult()
+        self.batch = fleet.write_batch
+
+    def run(self, pool: str) -> _PoolRun:
+        run = self.runs.get(pool)
+        if run is None:
+            store = self.stores.get(pool)
+            if store is None:
+                store = self.stores[pool] = _Store(self.config.l3_pages)
+            run = self.runs[pool] = _PoolRun(
+                self.cache.pool(pool),
+                self.config,
+                self.page_size,
+                store=store,
+                writing=self.writing.setdefault(pool, {}),
+            )
+        return run
+
+    def entries(self) -> int:
+        """Beliefs held now, over all pools."""
+        return sum(len(r.beliefs) for r in self.runs.values())
+
+    def verify(self) -> None:
+        """Apply the verdicts of the chains picked since the last step."""
+        if self.learner is None or not self.learner.picked:
+            return
+        share = self.share
+        for pool, chain in self.learner.take():
+            held = self.stores[pool].pages
+            leading = next((i for i, h in enumerate(chain) if h not in held), len(chain))
+            share.verifications += 1
+            beliefs = self.cache.pool(pool)
+            if leading < len(chain):
+                before = beliefs.stats().invalidations
+                beliefs.invalidate_beyond(chain, leading)
+                share.pages_invalidated += beliefs.stats().invalidations - before
+            if leading:
+                before = beliefs.stats().inserts
+                beliefs.add(chain[:leading])
+                share.pages_learnt += beliefs.stats().inserts - before
+
+
+def route(req: PageRequest, number: int, fleet: FleetConfig) -> int:
+    """The instance a request goes to (``number`` is its 0-based position)."""
+    n = fleet.instances
+    if n == 1:
+        return 0
+    if fleet.router == "round-robin" or not req.pages:
+        return number % n
+    key = req.pages[min(fleet.affinity_pages, len(req.pages)) - 1]
+    try:
+        return int(key[:16], 16) % n
+    except ValueError:  # page traces may carry non-hex hashes
+        import zlib
+
+        return zlib.crc32(key.encode()) % n
+
+
+def run_fleet(
+    trace: PageTrace,
+    cap: int,
+    config: ModelConfig | None = None,
+    fleet: FleetConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> FleetResult:
+    """Replay ``trace`` through ``fleet.instances`` instances at ``cap`` each."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+    config = config or ModelConfig()
+    fleet = fleet or FleetConfig()
+    stores: dict[str, _Store] = {}
+    writing: dict[str, dict[str, int]] = {}
+    instances = [
+        _Instance(cap, config, fleet, trace.page_size, stores, writing)
+        for _ in range(fleet.instances)
+    ]
+    owner: dict[int, _Instance] = {}
+    acks: deque[_Ack] = deque()
+    total = len(trace.requests)
+    step = max(1, total // 20)
+    started = time.perf_counter()
+    peak = 0
+
+    def land(until: float | None) -> int:
+        """Land the acks due by ``until`` (all when None); returns the largest
+        entry count of an instance that landed something."""
+        landed: dict[int, _Instance] = {}
+        while acks and (until is None or acks[0][0] <= until):
+            _, run, keys = acks.popleft()
+            inst = owner[id(run)]
+            before = inst.result.redundant_writes
+            run.land(keys, inst.result)
+            inst.share.redundant_writes += inst.result.redundant_writes - before
+            inst.share.ledger_record_calls += -(-len(keys) // inst.batch)
+            landed[id(inst)] = inst
+        return max((i.entries() for i in landed.values()), default=0)
+
+    learning = fleet.learn_rate > 0
+    for number, req in enumerate(trace.requests):
+        # Acks only add; the request's heal may then remove: look before it.
+        peak = max(peak, land(req.timestamp_ms))
+        if learning:
+            # Verdicts of earlier picks arrive before this request, on every
+            # instance (the reconciler applies them within a few steps).
+            for other in instances:
+                other.verify()
+        inst = instances[route(req, number, fleet)]
+        run = inst.run(req.pool)
+        owner.setdefault(id(run), inst)
+        r = inst.result
+        before = (r.writes_issued, r.writes_avoided)
+        run.request(req, r, acks)
+        inst.share.requests += 1
+        inst.share.writes_issued += r.writes_issued - before[0]
+        inst.share.writes_avoided += r.writes_avoided - before[1]
+        r.requests += 1
+        r.page_references += len(req.pages)
+        entries = inst.entries()
+        if entries > peak:
+            peak = entries
+        if progress is not None and (number + 1) % step == 0:
+            progress(number + 1, total)
+    peak = max(peak, land(None))
+    for inst in instances:
+        inst.verify()
+    fleet_result = _sum(cap, instances, stores, peak)
+    fleet_result.elapsed_s = time.perf_counter() - started
+    times = [r.timestamp_ms for r in trace.requests]
+    span = (max(times) - min(times)) / 1000.0 if times else 0.0
+    return FleetResult(
+        cap=cap,
+        config=fleet,
+        model=fleet_result,
+        instances=[i.share for i in instances],
+        span_s=max(span, 1.0),
+        l3_pages_held=sum(len(s.pages) for s in stores.values()),
+    )
+
+
+_SUMMED = (
+    "requests",
+    "page_references",
+    "writes_issued",
+    "redundant_writes",
+    "writes_avoided",
+    "stale_skips",
+    "dropped_writes",
+    "device_hit_pages",
+    "l3_hit_pages",
+)
+_STATS = (
+    "queries",
+    "pages_checked",
+    "page_hits",
+    "rescues",
+    "page_misses",
+    "adds",
+    "inserts",
+    "refreshes",
+    "evictions",
+    "invalidations",
+    "inflight_tracked",
+    "inflight_released",
+)
+
+
+def _sum(cap: int, instances: list[_Instance], stores: dict[str, _Store], peak: int) -> ModelResult:
+    """Fleet totals in a ``ModelResult``: counters summed over instances; the
+    cache's counters summed too; ``peak_entries`` is the largest instance's."""
+    total = ModelResult(cap=cap)
+    for name in _SUMMED:
+        setattr(total, name, sum(getattr(i.result, name) for i in instances))
+    stats = {name: 0 for name in _STATS}
+    for inst in instances:
+        s = inst.cache.stats().total
+        for name in _STATS:
+            stats[name] += getattr(s, name)
+    total.cache_stats = stats
+    checked = stats["pages_checked"]
+    total.belief_hit_ratio = stats["page_hits"] / checked if checked else 1.0
+    total.evictions = stats["evictions"]
+    # Invalidations by ledger verdicts are counted apart (pages_invalidated).
+    total.heal_invalidations = stats["invalidations"] - sum(
+        i.share.pages_invalidated for i in instances
+    )
+    total.l3_evictions = sum(s.evictions for s in stores.values())
+    total.peak_entries = max(peak, *(i.entries() for i in instances))
+    total.memory_bytes = int(total.peak_entries * bytes_per_entry())
+    return total
+
+
+__all__ = ["ROUTERS", "FleetConfig", "FleetResult", "InstanceResult", "route", "run_fleet"]
