@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any, Literal
 
-from hicache_existence.cache import StorageExistenceCache
+from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.replay.model import (
     ModelConfig,
     ModelResult,
