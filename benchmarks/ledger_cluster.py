@@ -68,10 +68,13 @@ def median_us(samples: list[float]) -> float:
 
 
 def interleaved(ways: dict[str, Callable[[], int]], reps: int) -> dict[str, float]:
-    """Median wall time (µs) of each way, called in turn ``reps`` times."""
+    """Median wall time (µs) of each way, called in turn ``reps`` times (the
+    order rotates every round, so no way always follows the same one)."""
     wall: dict[str, list[float]] = {w: [] for w in ways}
-    for _ in range(reps):
-        for name, call in ways.items():
+    names = list(ways)
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            call = ways[name]
             t0 = time.perf_counter()
             call()
             wall[name].append(time.perf_counter() - t0)
@@ -155,13 +158,17 @@ def throughput(standalone_url: str, cluster_url: str, reps: int) -> list[dict[st
         pages = 4096
         rec: dict[str, list[float]] = {k: [] for k in ledgers}
         ver: dict[str, list[float]] = {k: [] for k in ledgers}
-        for r in range(max(3, reps // 5)):
+        names = list(ledgers)
+        for r in range(max(4, reps // 2)):
             c = chain(f"t{ttl}:{r}", pages)
-            for name, led in ledgers.items():
+            order = names if r % 2 else names[::-1]  # neither always goes first
+            for name in order:
+                led = ledgers[name]
                 t0 = time.perf_counter()
                 led.record_stored("kv", c)
                 rec[name].append(time.perf_counter() - t0)
-            for name, led in ledgers.items():
+            for name in order:
+                led = ledgers[name]
                 t0 = time.perf_counter()
                 for start in range(0, pages, 1024):
                     assert led.leading_present("kv", c[start : start + 1024]) == 1024

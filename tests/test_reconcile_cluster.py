@@ -122,6 +122,27 @@ def test_cluster_url_opens_the_cluster_ledger_and_standalone_stays() -> None:
         RedisClusterLedger(LedgerSettings("redis+cluster://127.0.0.1:1", namespace="a{b}"))
 
 
+def test_cluster_errors_map_to_unavailable() -> None:
+    """What redis-py raises while a cluster fails over or reshards is a
+    ``connection`` error (never an answer); standalone mappings are unchanged."""
+    import redis.exceptions as rx
+
+    from hicache_existence.reconcile.redis_truth import map_error
+    from hicache_existence.reconcile.truth import ServerError, TruthTimeout
+
+    for exc in (
+        rx.ClusterDownError("CLUSTERDOWN The cluster is down"),
+        rx.MasterDownError("MASTERDOWN"),
+        rx.TryAgainError("TRYAGAIN"),
+        rx.MovedError("3999 127.0.0.1:6381"),
+        rx.SlotNotCoveredError("slot 12 is not covered"),
+        rx.RedisClusterException("Redis Cluster cannot be connected"),
+    ):
+        assert type(map_error(exc)) is TruthUnavailable, exc
+    assert type(map_error(rx.TimeoutError("t"))) is TruthTimeout
+    assert type(map_error(rx.ResponseError("ERR x"))) is ServerError
+
+
 def test_cluster_down_at_start_is_an_error_not_a_crash() -> None:
     """No node answers: building the ledger does no I/O; every read and write
     raises TruthUnavailable (never an absence), and ping says False."""
