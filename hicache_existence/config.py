@@ -174,6 +174,9 @@ class ReconcilerSection:
     write_batch: int = 512
     #: ``lua`` (one script, stops at the first absent page) or ``pipeline``.
     method: Literal["lua", "pipeline"] = "lua"
+    #: Redis Cluster: seconds absence is not evidence after a failed read or a
+    #: failover (the new primary may lack the last records).
+    failover_distrust_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.redis_url:
@@ -425,6 +428,7 @@ _NON_NEGATIVE = {
     "reconciler.retry_backoff_ms",
     "reconciler.breaker_backoff_s",
     "reconciler.breaker_backoff_max_s",
+    "reconciler.failover_distrust_s",
     "advisor.half_life_references",
 }
 _FRACTIONS = {"miss_reasons.memory_fraction", "reconciler.sampling_rate", "advisor.sampling_rate"}

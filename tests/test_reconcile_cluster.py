@@ -76,11 +76,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
 def cluster_ledger(url: str, shard: str = "s0", **kw: Any) -> RedisClusterLedger:
     kw.setdefault("socket_timeout_s", 0.2)
     kw.setdefault("connect_timeout_s", 0.2)
-    distrust = kw.pop("failover_distrust_s", 30.0)
-    led = RedisClusterLedger(
-        LedgerSettings(url, namespace="t", shard=shard, **kw), failover_distrust_s=distrust
-    )
-    return led
+    return RedisClusterLedger(LedgerSettings(url, namespace="t", shard=shard, **kw))
 
 
 # -- configuration (no server) -------------------------------------------------------
@@ -269,9 +265,12 @@ def test_instances_learn_through_the_cluster(cluster: RedisCluster) -> None:
 
 def test_reconciler_section_builds_the_cluster_ledger(cluster: RedisCluster) -> None:
     """The one configuration (``reconciler.redis_url``) is all it takes."""
-    config = Config.from_mapping({"reconciler": {"redis_url": cluster.url, "namespace": "cfg"}})
+    config = Config.from_mapping(
+        {"reconciler": {"redis_url": cluster.url, "namespace": "cfg", "failover_distrust_s": 5}}
+    )
     led = ledger_from_section(config.reconciler, "m_0_1")
     assert isinstance(led, RedisClusterLedger)
+    assert led.failover_distrust_s == 5.0
     led.record_stored("kv", chain("cfg", 3))
     assert led.leading_present("kv", chain("cfg", 5)) == 3
     led.clear_shard()

@@ -20,7 +20,8 @@ and pool).
 A failover can lose the last writes a primary acknowledged before it died
 (replication is asynchronous), so after the primary serving a tag changes under
 a reader, and after any error reading it, absence is not evidence for
-``failover_distrust_s`` seconds (presence still teaches).  The cluster client is
+``failover_distrust_s`` seconds (``reconciler.failover_distrust_s``, default 30;
+presence still teaches).  The cluster client is
 built on first use: a cluster that is down at start is an error to count, not a
 crash of the storage backend that records into it.
 """
@@ -85,8 +86,6 @@ end
 return {epoch, flags}
 """
 
-#: Seconds absence is not evidence after a failover (or an error) was seen for a tag.
-DEFAULT_FAILOVER_DISTRUST_S = 30.0
 _CHUNK = 1024
 
 
@@ -180,7 +179,7 @@ class RedisClusterLedger(RedisLedger):
         *,
         client: Any = None,
         clock: Callable[[], float] = time.monotonic,
-        failover_distrust_s: float = DEFAULT_FAILOVER_DISTRUST_S,
+        failover_distrust_s: float | None = None,
     ) -> None:
         if not isinstance(settings, LedgerSettings):
             raise TypeError(f"settings must be LedgerSettings, got {type(settings).__name__}")
@@ -191,6 +190,8 @@ class RedisClusterLedger(RedisLedger):
         for arg in ("namespace", "shard"):
             if any(c in getattr(settings, arg) for c in "{}"):
                 raise ValueError(f"{arg} must not contain '{{' or '}}' on Redis Cluster")
+        if failover_distrust_s is None:
+            failover_distrust_s = settings.failover_distrust_s
         if not failover_distrust_s >= 0:
             raise ValueError(f"failover_distrust_s must be >= 0, got {failover_distrust_s}")
         self._lazy = _LazyCluster(settings, (lambda: client) if client is not None else None)
@@ -377,7 +378,6 @@ def _escape_glob(shard_prefix: str) -> str:
 
 
 __all__ = [
-    "DEFAULT_FAILOVER_DISTRUST_S",
     "LUA_LEADING_PRESENT",
     "LUA_PRESENT",
     "LUA_RECORD",

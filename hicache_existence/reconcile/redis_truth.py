@@ -212,12 +212,21 @@ class LedgerSettings:
     #: Seconds after an observed ledger reset during which absence is not
     #: evidence; ``None``: ``ttl_s`` when set, else forever.
     trust_after_reset_s: float | None = None
+    #: Redis Cluster only: seconds absence is not evidence after a failed read
+    #: or a failover seen by this reader.
+    failover_distrust_s: float = 30.0
 
     def __post_init__(self) -> None:
         validate_redis_url(self.url, "url")
         _label(self.namespace, "namespace")
         _label(self.shard, "shard")
-        for name in ("ttl_s", "socket_timeout_s", "connect_timeout_s", "retry_backoff_s"):
+        for name in (
+            "ttl_s",
+            "socket_timeout_s",
+            "connect_timeout_s",
+            "retry_backoff_s",
+            "failover_distrust_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
@@ -245,6 +254,7 @@ class LedgerSettings:
             retry_backoff_max_s=max(section.retry_backoff_ms / 1000.0, 0.1),
             write_batch=section.write_batch,
             method=section.method,
+            failover_distrust_s=section.failover_distrust_s,
         )
 
     def redacted_url(self) -> str:
