@@ -83,8 +83,15 @@ class TreeCacheGroundTruth:
             )
             shard = shard_from_storage_config(config) if config is not None else "default"
             return ledger_from_section(self._section, shard)
+        from hicache_existence.reconcile.mooncake_truth import (
+            MooncakeGroundTruth,
+            is_mooncake_backend,
+        )
         from hicache_existence.reconcile.storage_adapters import BackendGroundTruth
 
+        if is_mooncake_backend(backend):
+            # Its batch_exists reads client errors (master down) as absence.
+            return MooncakeGroundTruth(backend)
         return BackendGroundTruth(backend)
 
     def describe(self) -> str:

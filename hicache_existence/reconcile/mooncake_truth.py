@@ -1,0 +1,101 @@
+"""Ground truth from a Mooncake store, reading its raw existence codes.
+
+SGLang's ``MooncakeStore.batch_exists`` counts leading pages whose objects the
+store client reports with code 1, and treats every other code as absent.  The
+client answers ``batch_is_exist`` with a negative error code per key when it
+cannot reach the master (measured with mooncake-transfer-engine-non-cuda
+0.3.13.post1: -900 for every key while ``mooncake_master`` is down, after up to
+~9 s of reconnect attempts), so through ``batch_exists`` an outage reads as "no
+page is stored".  Ground truth must never take an error for absence, so this
+adapter asks the store client itself and raises ``TruthUnavailable`` on any code
+other than 0 (absent) or 1 (present).
+
+Keys are derived from the backend's own attributes (its tenant/model prefix,
+the per-rank suffix, MLA or MHA layout, split heads), the way SGLang names a
+KV page's objects: ``<prefix>_<page hash>_<suffix>_k`` (and ``_v`` for MHA).
+Only the KV pool is answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hicache_existence.reconcile.truth import (
+    GarbageAnswer,
+    GroundTruthError,
+    TruthUnavailable,
+    UnsupportedPool,
+    check_chain,
+)
+
+KV = "kv"
+
+
+def is_mooncake_backend(backend: Any) -> bool:
+    """Whether ``backend`` looks like SGLang's ``MooncakeStore`` (a store client
+    with ``batch_is_exist`` and the key-layout attributes)."""
+    client = getattr(backend, "store", None)
+    return (
+        callable(getattr(client, "batch_is_exist", None))
+        and callable(getattr(backend, "_tag_keys", None))
+        and hasattr(backend, "mha_suffix")
+    )
+
+
+class MooncakeGroundTruth:
+    """``leading_present`` / ``present`` of KV pages in a Mooncake store; errors
+    of the store client raise instead of reading as absent."""
+
+    def __init__(self, backend: Any) -> None:
+        if not is_mooncake_backend(backend):
+            raise TypeError(
+                f"backend must be an SGLang MooncakeStore, got {type(backend).__name__}"
+            )
+        self._backend = backend
+
+    def _objects(self, hashes: Sequence[str]) -> tuple[list[str], int]:
+        """The store keys of ``hashes`` in page order and how many each page has."""
+        b = self._backend
+        tagged = b._tag_keys(list(hashes))
+        if getattr(b, "is_mla_backend", False):
+            return [f"{key}_{b.mla_suffix}_k" for key in tagged], 1
+        suffixes = b.mha_suffix if getattr(b, "should_split_heads", False) else [b.mha_suffix]
+        keys = [f"{key}_{suffix}_{kv}" for key in tagged for suffix in suffixes for kv in "kv"]
+        return keys, 2 * len(suffixes)
+
+    def _codes(self, pool: str, hashes: Sequence[str]) -> tuple[list[int], int]:
+        name, seq = check_chain(pool, hashes)
+        if name != KV:
+            raise UnsupportedPool(f"Mooncake ground truth answers the kv pool only, not {name!r}")
+        if not seq:
+            return [], 1
+        keys, per_page = self._objects(seq)
+        try:
+            codes = self._backend.store.batch_is_exist(keys)
+        except GroundTruthError:
+            raise
+        except Exception as exc:
+            raise TruthUnavailable(f"batch_is_exist raised {type(exc).__name__}: {exc}") from None
+        if not isinstance(codes, list | tuple) or len(codes) != len(keys):
+            raise GarbageAnswer(
+                f"batch_is_exist answered {type(codes).__name__} for {len(keys)} keys"
+            )
+        bad = next((c for c in codes if c not in (0, 1) or isinstance(c, bool)), None)
+        if bad is not None:
+            raise TruthUnavailable(f"Mooncake store client error code {bad!r}")
+        return list(codes), per_page
+
+    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        codes, per_page = self._codes(pool, hashes)
+        first_absent = next((i for i, c in enumerate(codes) if c != 1), len(codes))
+        return first_absent // per_page
+
+    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        codes, per_page = self._codes(pool, hashes)
+        return [
+            all(c == 1 for c in codes[i : i + per_page]) for i in range(0, len(codes), per_page)
+        ]
+
+
+__all__ = ["MooncakeGroundTruth", "is_mooncake_backend"]

@@ -1,0 +1,124 @@
+"""A real ``mooncake_master`` (with its HTTP metadata server) that a test starts
+itself on free loopback ports, and SGLang's own ``MooncakeStore`` connected to
+it over TCP (no SGLang server)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from reconcile_redis_server import REQUIRE_ALL, free_port
+
+
+def need_mooncake() -> str:
+    """The ``mooncake_master`` beside this interpreter (the non-CUDA wheel) and an
+    importable store client; fails under HICACHE_EXISTENCE_REQUIRE_ALL=1, else skips."""
+    path = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    path = path if os.access(path, os.X_OK) else (shutil.which("mooncake_master") or "")
+    problem = ""
+    if not path:
+        problem = "mooncake_master is not installed"
+    else:
+        try:
+            import mooncake.store  # noqa: F401
+        except Exception as exc:  # ImportError, or libibverbs missing (OSError)
+            problem = f"the Mooncake store client does not import: {exc}"
+    if problem:
+        message = (
+            f"{problem} (pip install mooncake-transfer-engine-non-cuda==0.3.13.post1; "
+            "apt-get install -y libibverbs1)"
+        )
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+class MooncakeMaster:
+    """One ``mooncake_master`` process; ``restart`` keeps its ports (and loses
+    its metadata: objects stored before are unknown to the new master)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.binary = need_mooncake()
+        self.workdir = workdir
+        self.port = free_port()
+        self.metadata_port = free_port()
+        self.metrics_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 15.0) -> MooncakeMaster:
+        log = (self.workdir / "mooncake_master.log").open("ab")
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                f"--port={self.port}",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.metadata_port}",
+                f"--metrics_port={self.metrics_port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        import socket
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("mooncake_master did not listen")
+
+    def extra_config(self) -> dict[str, Any]:
+        """SGLang's ``--hicache-storage-backend-extra-config`` for this master."""
+        return {
+            "master_server_address": f"127.0.0.1:{self.port}",
+            "metadata_server": f"http://127.0.0.1:{self.metadata_port}/metadata",
+            "protocol": "tcp",
+            "global_segment_size": 64 << 20,
+            "local_hostname": "127.0.0.1",
+        }
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.kill()
+
+
+def sglang_mooncake_store(master: MooncakeMaster, model: str = "tiny") -> Any:
+    """SGLang's real ``MooncakeStore`` (TP 1, MHA) on ``master``, no host pool."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        enable_storage_metrics=False,
+        is_mla_model=False,
+        is_page_first_layout=True,
+        model_name=model,
+        extra_config=master.extra_config(),
+    )
+    return MooncakeStore(config, None)

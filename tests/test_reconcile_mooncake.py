@@ -1,0 +1,117 @@
+"""The reconciler's backend ground truth over a real Mooncake store: a real
+``mooncake_master`` on loopback and SGLang's own ``MooncakeStore`` (no server).
+Our key derivation agrees with SGLang's ``batch_exists`` while the master is up;
+with the master killed, SGLang's ``batch_exists`` answers 0 (the client's error
+codes read as absence) while ``MooncakeGroundTruth`` raises, so the reconciler
+invalidates nothing; after the master restarts empty the lost pages really are
+gone and the reconciler drops those beliefs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from mooncake_master import MooncakeMaster, need_mooncake, sglang_mooncake_store
+from reconcile_helpers import chain, step_until_idle, wired
+
+from hicache_existence.reconcile.breaker import CircuitBreaker
+from hicache_existence.reconcile.mooncake_truth import MooncakeGroundTruth, is_mooncake_backend
+from hicache_existence.reconcile.truth import TruthUnavailable, UnsupportedPool
+
+pytest.importorskip("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store")
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    need_mooncake()
+    m = MooncakeMaster(tmp_path).start()
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def store_pages(store: Any, truth: MooncakeGroundTruth, pages: list[str]) -> None:
+    """Put every object of ``pages`` the way the backend names them."""
+    keys, _ = truth._objects(pages)
+    for key in keys:
+        assert store.store.put(key, b"\x01" * 64) == 0
+
+
+def test_truth_agrees_with_sglang_batch_exists(master: MooncakeMaster) -> None:
+    """Master up: leading counts and presence match SGLang's own batch_exists on
+    chains with gaps at every position; other pools are refused, not guessed."""
+    store = sglang_mooncake_store(master)
+    truth = MooncakeGroundTruth(store)
+    assert is_mooncake_backend(store)
+    full = chain("agree", 12)
+    store_pages(store, truth, full[:5] + full[6:9])
+    for start in range(0, 12):
+        c = full[start:]
+        assert truth.leading_present("kv", c) == store.batch_exists(c), start
+    assert truth.present("kv", full) == [i < 5 or 6 <= i < 9 for i in range(12)]
+    assert truth.leading_present("kv", []) == 0
+    with pytest.raises(UnsupportedPool):
+        truth.leading_present("swa", full)
+    store.store.close()  # while the master is up: closing is quick then
+
+
+def test_master_down_is_an_error_and_a_restart_heals(master: MooncakeMaster) -> None:
+    """Master killed: SGLang's batch_exists answers 0 for stored pages, our truth
+    raises and the reconciler invalidates nothing; master restarted (empty): the
+    pages are gone for real and the reconciler drops exactly those beliefs."""
+    store = sglang_mooncake_store(master)
+    truth = MooncakeGroundTruth(store)
+    chains = [chain(("mc", i), 8) for i in range(6)]
+    for c in chains:
+        store_pages(store, truth, c)
+    assert [truth.leading_present("kv", c) for c in chains] == [8] * 6
+    cache, rec = wired(
+        truth,
+        timeout_s=0.3,
+        breaker=CircuitBreaker(failures=2, backoff_s=0.2, backoff_max_s=1.0),
+    )
+    kv = cache.pool("kv")
+    for c in chains:
+        kv.add(c)
+
+    master.kill()
+    assert store.batch_exists(chains[0]) == 0  # upstream: the outage reads as absence
+    t0 = time.monotonic()
+    with pytest.raises(TruthUnavailable, match="error code"):
+        truth.leading_present("kv", chains[0])
+    down_call_s = time.monotonic() - t0
+    for step in range(40):
+        kv.contains_all(chains[step % len(chains)])
+        rec.apply(step)
+        time.sleep(0.02)
+    snap = rec.snapshot()
+    assert snap.pages_invalidated == {} and snap.queries.get(("kv", "absent"), 0) == 0
+    assert sum(snap.errors.values()) + snap.queries.get(("kv", "timeout"), 0) > 0
+
+    master.restart()
+    deadline = time.monotonic() + 60
+    step = 100
+    while time.monotonic() < deadline and rec.snapshot().pages_invalidated.get("kv", 0) < 48:
+        kv.contains_all(chains[step % len(chains)])
+        rec.apply(step)
+        step += 1
+        time.sleep(0.02)
+    step_until_idle(rec, max_steps=3000, pause_s=0.01)
+    snap = rec.snapshot()
+    assert snap.pages_invalidated == {"kv": 48}, snap
+    assert snap.stale_positives == {"kv": 6}
+    assert not set(kv.lru_keys()) & {h for c in chains for h in c}
+    print(
+        f"\nmooncake: a query with the master down took {down_call_s:.2f} s; errors {snap.errors}"
+    )
+    rec.close()
+    store.store.close()
