@@ -115,3 +115,37 @@ def test_master_down_is_an_error_and_a_restart_heals(master: MooncakeMaster) -> 
     )
     rec.close()
     store.store.close()
+
+
+def test_ledger_wrapper_does_not_learn_absence_from_a_mooncake_outage(
+    master: MooncakeMaster,
+) -> None:
+    """The recording backend around SGLang's MooncakeStore: a batch_exists
+    shortfall while the master is down (0 for stored pages) removes nothing from
+    the ledger by default; other backends keep learning absence."""
+    from types import SimpleNamespace
+
+    from hicache_existence.reconcile import storage_adapters
+    from hicache_existence.reconcile.truth import InMemoryGroundTruth
+
+    store = sglang_mooncake_store(master)
+    truth = MooncakeGroundTruth(store)
+    pages = chain("wrapped", 4)
+    store_pages(store, truth, pages)
+    ledger = InMemoryGroundTruth()
+    ledger.record_stored("kv", pages)
+    cls = storage_adapters.LedgerRecordingStorage
+    wrapper = cls(SimpleNamespace(extra_config={}), inner=store, ledger=ledger)
+    assert wrapper.batch_exists(pages) == 4
+    master.kill()
+    assert wrapper.batch_exists(pages) == 0  # SGLang's answer while the master is down
+    assert wrapper.flush_ledger(5)
+    assert ledger.leading_present("kv", pages) == 4
+    assert wrapper.ledger_counts()["pages"].get("removed/ok", 0) == 0
+    explicit = cls(
+        SimpleNamespace(extra_config={"ledger_learn_absence": True}), inner=store, ledger=ledger
+    )
+    assert explicit._learns_absence(store) and not wrapper._learns_absence(store)
+    assert wrapper._learns_absence(SimpleNamespace(batch_exists=lambda k, e=None: 0))
+    master.restart()  # closing the client is quick while a master answers
+    store.store.close()

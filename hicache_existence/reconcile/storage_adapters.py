@@ -137,7 +137,7 @@ class _LedgerRecordingMixin:
     _writer: LedgerWriter | None
     _ledger: Any
     _ttl: float
-    _learn_absence: bool
+    _learn_absence: bool | None
 
     def __init__(
         self,
@@ -155,7 +155,9 @@ class _LedgerRecordingMixin:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         section = _reconciler_section_from_env()
         self._ttl = float(extra.get("ledger_ttl_s", section.ttl_s))
-        self._learn_absence = bool(extra.get("ledger_learn_absence", True))
+        learn = extra.get("ledger_learn_absence")
+        #: None: on, except for backends whose batch_exists reads errors as absence.
+        self._learn_absence = None if learn is None else bool(learn)
         if ledger is None:
             url = str(extra.get("ledger_redis_url") or section.redis_url)
             if not url:
@@ -323,9 +325,10 @@ class _LedgerRecordingMixin:
         return self._backend().exists(key)
 
     def batch_exists(self, keys: Any, extra_info: Any = None) -> Any:
-        count = self._backend().batch_exists(keys, extra_info)
+        inner = self._backend()
+        count = inner.batch_exists(keys, extra_info)
         if (
-            self._learn_absence
+            self._learns_absence(inner)
             and isinstance(count, int)
             and not isinstance(count, bool)
             and 0 <= count < len(keys)
@@ -333,6 +336,16 @@ class _LedgerRecordingMixin:
             # The real backend just said this page is absent: teach the ledger.
             self._removed(KV, [keys[count]])
         return count
+
+    def _learns_absence(self, inner: Any) -> bool:
+        """Whether a ``batch_exists`` shortfall may remove a page from the ledger:
+        as configured, else yes except for a Mooncake store, whose
+        ``batch_exists`` answers 0 while its master is down."""
+        if self._learn_absence is not None:
+            return self._learn_absence
+        from hicache_existence.reconcile.mooncake_truth import is_mooncake_backend
+
+        return not is_mooncake_backend(inner)
 
     def clear(self) -> Any:
         result = self._backend().clear()
