@@ -1,7 +1,9 @@
 """The ``hicache-existence`` command line.
 
-This is the only module that configures logging: the library itself only asks
-for loggers (see ``hicache_existence.logs``), applications decide where they go.
+This is the only module that configures the process's logging: the library
+itself only asks for loggers (see ``hicache_existence.logs``), applications
+decide where they go.  Inside SGLang the plugin sets only the package's own
+logger (``logs.configure_package_logging``) from the ``logging`` section.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "--log-level",
-        default="warning",
+        default=None,
         choices=("debug", "info", "warning", "error"),
-        help="library log events at or above this level go to stderr (default warning)",
+        help="library log events at or above this level go to stderr (default: "
+        "logging.level from HICACHE_EXISTENCE_* configuration, else warning)",
     )
-    parser.add_argument("--log-json", action="store_true", help="log events as JSON lines")
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=None,
+        help="log events as JSON lines (default: logging.json from the configuration)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
@@ -50,9 +58,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from hicache_existence.config import Config, ConfigError
     from hicache_existence.logs import configure_logging
 
-    configure_logging(args.log_level, json_output=args.log_json)
+    try:
+        section = Config.from_env().logging
+    except ConfigError as exc:
+        print(
+            f"hicache-existence: invalid configuration in the environment: {exc}", file=sys.stderr
+        )
+        return 2
+    configure_logging(
+        args.log_level or section.level or "warning",
+        json_output=section.json if args.log_json is None else args.log_json,
+    )
     try:
         return int(args._run(args))
     except KeyboardInterrupt:

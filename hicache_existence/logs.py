@@ -9,6 +9,9 @@ through structlog; otherwise it goes to the stdlib logger of the same name as
 show it.  structlog is an optional extra; nothing here needs it.
 
 ``configure_logging`` is for the CLI only (``hicache_existence.cli``).
+``configure_package_logging`` applies the operator's ``logging`` settings to the
+package's own logger inside a host application (the SGLang plugin): a level and
+optionally a JSON handler on ``hicache_existence``, never the root logger.
 """
 
 from __future__ import annotations
@@ -239,6 +242,42 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(numeric)
     return handler
+
+
+#: The logger every event of the package descends from.
+PACKAGE_LOGGER = "hicache_existence"
+
+
+class _PackageHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The JSON handler ``configure_package_logging`` owns (found again by type)."""
+
+
+def configure_package_logging(
+    level: str = "", *, json_output: bool = False, stream: IO[str] | None = None
+) -> None:
+    """Apply the ``logging`` section to the ``hicache_existence`` logger only.
+
+    For integrations running inside someone else's process (SGLang): ``level``
+    sets the package logger's level ("" leaves it to the application's root
+    level); ``json_output`` gives the package its own JSON-lines handler on
+    ``stream`` (stderr) and stops its records from also reaching the
+    application's handlers (each event printed once).  Other loggers, the root
+    logger and structlog's global configuration are left alone.  Idempotent: a
+    second call replaces what the first set.
+    """
+    if not isinstance(level, str) or (level and level.lower() not in _LEVELS):
+        raise ValueError(f"level must be '' or one of {sorted(_LEVELS)}, got {level!r}")
+    logger = logging.getLogger(PACKAGE_LOGGER)
+    logger.setLevel(_LEVELS[level.lower()] if level else logging.NOTSET)
+    for old in [h for h in logger.handlers if isinstance(h, _PackageHandler)]:
+        logger.removeHandler(old)
+    if json_output:
+        handler = _PackageHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(JsonFormatter())
+        logger.addHandler(handler)
+        logger.propagate = False
+    else:
+        logger.propagate = True
 
 
 def _hoist_stdlib_fields(

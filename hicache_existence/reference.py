@@ -83,8 +83,6 @@ FALLBACK = {
     "metrics.port": "first standalone port; each scheduler process adds its index (0: any port)",
     "metrics.model_name": "`model_name` label; empty: SGLang's served model name",
     "metrics.storage_backend": "`storage_backend` label; empty: `--hicache-storage-backend`",
-    "logging.level": "log level of the `hicache-existence` command line",
-    "logging.json": "JSON log lines from the `hicache-existence` command line",
 }
 
 
@@ -94,7 +92,7 @@ def _md(text: str) -> str:
 
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is typing.Literal:
-        return " / ".join(f"`{a}`" for a in typing.get_args(hint))
+        return " / ".join(f"`{a}`" if a != "" else '`""`' for a in typing.get_args(hint))
     return getattr(hint, "__name__", str(hint))
 
 
@@ -127,7 +125,7 @@ def config_table() -> str:
         section_hints = typing.get_type_hints(section)
         doc = _md((section.__doc__ or "").strip().split("\n\n")[0])
         rows.append(f"| **`{top.name}`** | | | | {doc} |")
-        for f in dataclasses.fields(section):
+        for f in dataclasses.fields(value):
             env = f"{ENV_PREFIX}{top.name.upper()}__{f.name.upper()}"
             own = comments.get((section.__name__, f.name), "")
             meaning = _md(

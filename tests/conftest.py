@@ -27,3 +27,27 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             red=True,
         )
         session.exitstatus = 1
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """Undo what a test's ``cli.main()`` call configured: the CLI sets up the
+    process's logging (root handlers, level, structlog), which would otherwise
+    change how later tests' log records look (order-dependent failures)."""
+    import logging
+
+    root = logging.getLogger()
+    package = logging.getLogger("hicache_existence")
+    saved = (list(root.handlers), root.level, list(package.handlers), package.level)
+    saved_propagate = package.propagate
+    yield
+    root.handlers[:], package.handlers[:] = saved[0], saved[2]
+    root.setLevel(saved[1])
+    package.setLevel(saved[3])
+    package.propagate = saved_propagate
+    try:
+        import structlog
+    except ImportError:  # pragma: no cover - the bare environment
+        return
+    if structlog.is_configured():
+        structlog.reset_defaults()

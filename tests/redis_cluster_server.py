@@ -59,6 +59,14 @@ class RedisCluster:
         return f"redis+cluster://{seeds}"
 
     def start(self, timeout_s: float = 30.0) -> RedisCluster:
+        """Start and join every node; on any failure, stop the nodes started."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, timeout_s: float) -> RedisCluster:
         for node in self.nodes:
             node.start()
         addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]

@@ -442,6 +442,7 @@ def test_from_config_and_bad_arguments() -> None:
 
 def test_advisor_module_stays_in_the_accounting_layer() -> None:
     """advisor.py imports nothing from replay, exporters, sglang or the CLI."""
-    source = (Path(__file__).resolve().parents[1] / "hicache_existence" / "advisor.py").read_text()
+    package = Path(__file__).resolve().parents[1] / "hicache_existence"
+    source = (package / "accounting" / "advisor.py").read_text()
     for forbidden in ("hicache_existence.replay", "hicache_existence.exporters", "sglang", "cli"):
         assert f"import {forbidden}" not in source and f"from {forbidden}" not in source

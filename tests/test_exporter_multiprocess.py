@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -21,11 +22,17 @@ from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels
 from hicache_existence.exporters.multiprocess import MultiprocessFeeder, multiprocess_active
 from hicache_existence.exporters.series import SeriesReader
 
-#: One scheduler process: a workload in steps, a flush per step, then its own
-#: accounting (what the aggregation must add up to) as JSON on stdout.
+TESTS = str(Path(__file__).resolve().parent)
+
+#: One scheduler process: a workload in steps, a flush per step, then what must
+#: add up: a plain reference model's counters driven by the same calls
+#: (tests/reference_models.py, exact miss reasons), the write calls the child
+#: made, tallied by the child itself, and the gauges' final values.
 CHILD = textwrap.dedent(
     """
     import json, random, sys
+    sys.path.insert(0, sys.argv[4])
+    from reference_models import ExactMissMemory, RefCache
     from hicache_existence import StorageExistenceCache
     from hicache_existence_bench import workload
     from hicache_existence.exporters.catalog import DeploymentLabels
@@ -37,41 +44,95 @@ CHILD = textwrap.dedent(
     rank, seed, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     assert multiprocess_active(), "prometheus_client is not in multiprocess mode"
     rng = random.Random(seed)
-    ghosts = GhostFactory(300)
-    cache = StorageExistenceCache(300, miss_memory=ghosts)
+    ghosts = GhostFactory(300)  # only for the miss-memory gauge
+    ghosts("kv"), ghosts("swa")
+    cache = StorageExistenceCache(300, miss_memory=lambda pool: ExactMissMemory())
+    ref = RefCache(300)
     writes = WriteAccounting(page_size_bytes=512)
+    tally = {}
+    def count(pool, what, n):
+        tally.setdefault(pool, {"written": 0, "avoided": 0, "redundant": 0})[what] += n
     feeder = MultiprocessFeeder(
         SeriesReader(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa")),
         DeploymentLabels(model_name="m", engine_type="prefill", tp_rank=rank),
         flush_interval_s=0.0,
     )
     chains = workload.chains(12, 40, f"mp{seed}")
+    def both(name, pool, *args):
+        getattr(ref.pool(pool), name)(*args)
+        return getattr(cache.pool(pool), name)(*args)
     for step in range(steps):
         for _ in range(5):
             chain = rng.choice(chains)
-            pool = cache.pool(rng.choice(["kv", "kv", "swa"]))
-            if not pool.covered(chain):
-                pool.add(chain)
-                writes.written(pool.name, len(chain), already_stored=rng.randrange(3))
+            pool = rng.choice(["kv", "kv", "swa"])
+            if rng.random() < 0.2:
+                both("track_inflight", pool, chain)  # unbelieved pages get rescued
+            if not both("covered", pool, chain):
+                both("add", pool, chain)
+                already = rng.randrange(3)
+                writes.written(pool, len(chain), already_stored=already)
+                count(pool, "written", len(chain))
+                count(pool, "redundant", already)
             else:
-                writes.avoided(pool.name, len(chain))
+                writes.avoided(pool, len(chain))
+                count(pool, "avoided", len(chain))
+            both("contains_all", pool, chain[:20])
+            if rng.random() < 0.3:
+                both("untrack_inflight", pool, chain)
             if rng.random() < 0.1:
-                pool.invalidate_beyond(chain, 10)
+                both("invalidate_beyond", pool, chain, 10)
         if step == steps // 2:
-            cache.pool("kv").clear()
+            both("clear", "kv")
+            both("clear_inflight", "swa")
         assert feeder.flush()
-    out = {"cache": cache.stats().as_dict()["pools"], "writes": writes.stats().as_dict(),
+    out = {"ref": ref.stats(),
+           "reasons": {name: p.miss_reasons for name, p in ref.pools.items()},
+           "tally": tally,
+           "entries": {name: len(cache.pool(name)) for name in ("kv", "swa")},
            "miss_memory": ghosts.nbytes_by_pool()}
     print(json.dumps(out))
     """
 )
+
+#: Exposed counter name -> the reference model's counter it must equal (written
+#: out here, not read from the catalog, so a catalog mapping error shows).
+CACHE_COUNTERS = {
+    "hicache_existence_queries_total": "queries",
+    "hicache_existence_query_hits_total": "query_hits",
+    "hicache_existence_query_misses_total": "query_misses",
+    "hicache_existence_pages_checked_total": "pages_checked",
+    "hicache_existence_page_hits_total": "page_hits",
+    "hicache_existence_page_rescues_total": "rescues",
+    "hicache_existence_add_calls_total": "adds",
+    "hicache_existence_page_inserts_total": "inserts",
+    "hicache_existence_page_refreshes_total": "refreshes",
+    "hicache_existence_evictions_total": "evictions",
+    "hicache_existence_invalidate_calls_total": "invalidate_calls",
+    "hicache_existence_invalidations_total": "invalidations",
+    "hicache_existence_clears_total": "clears",
+    "hicache_existence_cleared_pages_total": "cleared_pages",
+    "hicache_existence_inflight_tracked_total": "inflight_tracked",
+    "hicache_existence_inflight_released_total": "inflight_released",
+    "hicache_existence_inflight_clears_total": "inflight_clears",
+    "hicache_existence_inflight_unmatched_total": "inflight_unmatched",
+}
+#: Exposed write counter -> (the child's own tally, bytes per page or 1).
+WRITE_COUNTERS = {
+    "hicache_existence_written_pages_total": ("written", 1),
+    "hicache_existence_written_bytes_total": ("written", 512),
+    "hicache_existence_write_avoided_pages_total": ("avoided", 1),
+    "hicache_existence_write_avoided_bytes_total": ("avoided", 512),
+    "hicache_existence_redundant_written_pages_total": ("redundant", 1),
+    "hicache_existence_redundant_written_bytes_total": ("redundant", 512),
+}
+REASONS = ("cold", "evicted", "invalidated", "cleared")
 
 
 def run_child(tmp_path, rank, seed, steps=20):
     """Run one worker process in multiprocess mode; return its own accounting."""
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(rank), str(seed), str(steps)],
+        [sys.executable, "-c", CHILD, str(rank), str(seed), str(steps), TESTS],
         capture_output=True,
         text=True,
         timeout=120,
@@ -104,37 +165,44 @@ def series(samples, name, **labels):
 
 @pytest.mark.multiprocess
 def test_aggregated_totals_equal_the_sum_of_processes(tmp_path):
-    """Three worker processes (tp_rank 0..2); every counter's aggregated value per
-    pool equals the sum of the processes' own accounting, and each rank's gauges
-    equal that rank's final values."""
+    """Three worker processes (tp_rank 0..2): every aggregated counter per pool
+    equals the sum of an independent reference model's counters (or the child's
+    own write tally), every miss reason was exercised and adds up, and each
+    rank's gauges equal that rank's final values."""
     children = [run_child(tmp_path, rank, seed=100 + rank) for rank in range(3)]
     agg = aggregate(tmp_path)
-    for spec in CATALOG:
-        if spec.source == "memory" or spec.kind == "gauge":
-            continue
-        for pool in ("kv", "swa"):
-            if spec.source == "writes":
-                want = sum(c["writes"].get(pool, {}).get(spec.field, 0) for c in children)
-            elif spec.field == "misses_by_reason":
-                for reason in ("cold", "evicted", "invalidated", "cleared"):
-                    want = sum(c["cache"][pool][f"misses_{reason}"] for c in children)
-                    got = sum(series(agg, spec.exposed_name, pool=pool, reason=reason))
-                    assert got == want, (spec.name, pool, reason)
-                continue
-            else:
-                want = sum(c["cache"][pool][spec.field] for c in children)
-            got = sum(series(agg, spec.exposed_name, pool=pool))
-            assert got == want, (spec.name, pool, got, want)
+    counters = {s.exposed_name for s in CATALOG if s.kind == "counter"}
+    covered = {*CACHE_COUNTERS, *WRITE_COUNTERS, "hicache_existence_page_misses_total"}
+    assert counters == covered, "a catalog counter has no independent expectation here"
+    for pool in ("kv", "swa"):
+        for name, field in CACHE_COUNTERS.items():
+            want = sum(c["ref"][pool][field] for c in children)
+            got = sum(series(agg, name, pool=pool))
+            assert got == want, (name, pool, got, want)
+        for name, (field, scale) in WRITE_COUNTERS.items():
+            want = scale * sum(c["tally"].get(pool, {}).get(field, 0) for c in children)
+            got = sum(series(agg, name, pool=pool))
+            assert got == want, (name, pool, got, want)
+        for reason in (*REASONS, "unclassified"):
+            want = sum(c["reasons"][pool].get(reason, 0) for c in children)
+            got = sum(series(agg, "hicache_existence_page_misses_total", pool=pool, reason=reason))
+            assert got == want, (pool, reason, got, want)
+        misses = sum(c["ref"][pool]["page_misses"] for c in children)
+        assert sum(series(agg, "hicache_existence_page_misses_total", pool=pool)) == misses
+    for reason in REASONS:  # the workload exercised every reason
+        assert sum(series(agg, "hicache_existence_page_misses_total", reason=reason)) > 0, reason
+    for name in (*CACHE_COUNTERS, *WRITE_COUNTERS):  # and every counter
+        assert sum(series(agg, name)) > 0, name
     for rank, child in enumerate(children):
         for pool in ("kv", "swa"):
             (entries,) = series(agg, "hicache_existence_entries", pool=pool, tp_rank=rank)
-            assert entries == child["cache"][pool]["entries"]
+            assert entries == child["ref"][pool]["entries"] == child["entries"][pool]
+            (inflight,) = series(agg, "hicache_existence_inflight_pages", pool=pool, tp_rank=rank)
+            assert inflight == child["ref"][pool]["inflight"]
+            (cap,) = series(agg, "hicache_existence_capacity_entries", pool=pool, tp_rank=rank)
+            assert cap == 300
             (mem,) = series(agg, "hicache_existence_miss_memory_bytes", pool=pool, tp_rank=rank)
             assert mem == child["miss_memory"][pool]
-    # Sanity: the workload exercised evictions, every reason and redundant writes.
-    assert sum(series(agg, "hicache_existence_evictions_total")) > 0
-    assert sum(series(agg, "hicache_existence_page_misses_total", reason="evicted")) > 0
-    assert sum(series(agg, "hicache_existence_redundant_written_pages_total")) > 0
     # No pid label: gauges are aggregated per label set (mostrecent).
     assert not any("pid" in dict(ls) for (_, ls) in agg)
 
@@ -147,9 +215,9 @@ def test_restarted_rank_counters_add_and_gauges_take_the_newest(tmp_path):
     second = run_child(tmp_path, 0, seed=8, steps=6)
     agg = aggregate(tmp_path)
     (adds,) = series(agg, "hicache_existence_add_calls_total", pool="kv")
-    assert adds == first["cache"]["kv"]["adds"] + second["cache"]["kv"]["adds"]
+    assert adds == first["ref"]["kv"]["adds"] + second["ref"]["kv"]["adds"]
     (entries,) = series(agg, "hicache_existence_entries", pool="kv")
-    assert entries == second["cache"]["kv"]["entries"]
+    assert entries == second["ref"]["kv"]["entries"]
 
 
 def test_flush_is_rate_limited_and_applies_deltas():

@@ -103,3 +103,29 @@ def test_bad_arguments_name_themselves():
         otel.OTelExporter(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="labels"):
         otel.OTelExporter(SeriesReader(he.StorageExistenceCache(1)), {"tp_rank": 0})  # type: ignore[arg-type]
+
+
+def test_every_family_but_histograms_is_an_instrument_and_the_doc_says_so():
+    """With every feature on, OTel has one instrument per catalog family except the
+    histograms, and docs/metrics.md names each histogram as Prometheus-only."""
+    from pathlib import Path
+
+    from hicache_existence.exporters.catalog import FEATURE_CATALOG
+    from hicache_existence.exporters.features import FeatureSources
+
+    def unused():  # no reader is attached, so no callback ever runs
+        raise AssertionError("collected")
+
+    sources = FeatureSources(divergence=unused, reconciler=unused, advisor=unused)
+    cache = he.StorageExistenceCache(10)
+    reader = SeriesReader(cache, features=sources)
+    exporter = otel.OTelExporter(reader, meter_provider=MeterProvider())
+    names = {instrument.name for instrument in exporter.instruments}
+    histograms = {f.name for f in FEATURE_CATALOG if f.kind == "histogram"}
+    assert histograms, "the catalog has a histogram family"
+    expected = {s.name for s in CATALOG} | {f.name for f in FEATURE_CATALOG} - histograms
+    assert names == expected
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    intro = doc.split("## Labels", 1)[0]
+    for name in histograms:
+        assert f"`{name}` is exported through Prometheus only" in intro, name

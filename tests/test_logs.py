@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -142,3 +143,81 @@ def test_monitor_at_capacity_once_clears_and_bursts(caplog):
     burst = caplog.records[1].hicache_fields
     assert burst["pool"] == "kv" and burst["evictions"] == 10 and burst["capacity"] == 10
     assert caplog.records[2].hicache_fields["cleared_pages"] == 10
+
+
+@pytest.fixture
+def package_logger_restored():
+    """Restore the package logger's level, handlers and propagation."""
+    package = logging.getLogger(logs.PACKAGE_LOGGER)
+    saved = (package.level, list(package.handlers), package.propagate)
+    yield package
+    package.setLevel(saved[0])
+    package.handlers[:] = saved[1]
+    package.propagate = saved[2]
+
+
+def test_package_logging_sets_the_package_logger_only(package_logger_restored):
+    """configure_package_logging("debug", json_output=True) lets the package's
+    debug events out as JSON lines and touches no other logger; called again with
+    the defaults it undoes itself; a bad level changes nothing."""
+    package = package_logger_restored
+    root = logging.getLogger()
+    root_before = (root.level, list(root.handlers))
+    stream = io.StringIO()
+    logs.configure_package_logging("debug", json_output=True, stream=stream)
+    logs.get_logger("hicache_existence.x").debug(logs.MISS_TRACED, pool="kv")
+    logging.getLogger("other.library").debug("not ours")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(x["event"], x["level"], x["pool"]) for x in lines] == [
+        (logs.MISS_TRACED, "debug", "kv")
+    ]
+    assert (root.level, list(root.handlers)) == root_before
+    assert package.propagate is False and package.level == logging.DEBUG
+    logs.configure_package_logging("debug", json_output=True, stream=stream)
+    assert [type(h).__name__ for h in package.handlers] == ["_PackageHandler"]  # replaced
+    with pytest.raises(ValueError, match="level"):
+        logs.configure_package_logging("loud")
+    assert package.level == logging.DEBUG
+    logs.configure_package_logging("")
+    assert package.level == logging.NOTSET and package.propagate is True
+    assert not [h for h in package.handlers if isinstance(h, logging.StreamHandler)]
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "expected"),
+    [
+        ({}, [], ("warning", False)),
+        ({"HICACHE_EXISTENCE_LOGGING__LEVEL": "debug"}, [], ("debug", False)),
+        ({"HICACHE_EXISTENCE_LOGGING__JSON": "1"}, [], ("warning", True)),
+        ({"HICACHE_EXISTENCE_LOGGING__LEVEL": "debug"}, ["--log-level", "error"], ("error", False)),
+        ({"HICACHE_EXISTENCE_LOGGING__JSON": "0"}, ["--log-json"], ("warning", True)),
+    ],
+)
+def test_cli_logging_follows_the_configuration_and_flags_win(
+    monkeypatch, tmp_path, env, argv, expected
+):
+    """The CLI configures logging from logging.level / logging.json in the
+    environment; --log-level / --log-json override them."""
+    from hicache_existence import cli
+
+    for key in [k for k in os.environ if k.startswith("HICACHE_EXISTENCE_LOGGING")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    seen = []
+    def record(level, json_output=False):
+        seen.append((level, json_output))
+
+    monkeypatch.setattr(logs, "configure_logging", record)
+    code = cli.main([*argv, "replay", "--quiet", "--out", str(tmp_path), str(tmp_path / "none")])
+    assert code == 2 and seen == [expected]
+
+
+def test_cli_refuses_an_invalid_logging_setting(monkeypatch, capsys):
+    """A logging.level the configuration does not allow stops the CLI with a
+    message naming the key, before any command runs."""
+    from hicache_existence import cli
+
+    monkeypatch.setenv("HICACHE_EXISTENCE_LOGGING__LEVEL", "loud")
+    assert cli.main(["replay", "missing.jsonl"]) == 2
+    assert "logging.level" in capsys.readouterr().err

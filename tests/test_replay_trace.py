@@ -273,3 +273,18 @@ def test_shared_mooncake_trace_has_the_published_shape() -> None:
     assert len(trace.requests) == 3993
     assert sum(len(r.hash_ids) for r in trace.requests) == 121877
     assert len({b for r in trace.requests for b in r.hash_ids}) == 43924
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", ""])
+def test_json_error_reports_the_column_on_its_own_line(tmp_path: Path, ending: str) -> None:
+    """A truncated line reports the column where it ends, a stray character its own
+    column, whatever the line ending (never column 1 of a following line)."""
+    truncated = mooncake()[:-7]
+    stray = '{"timestamp": 0 x}'
+    for bad, column in ((truncated, len(truncated) + 1), (stray, stray.index("x") + 1)):
+        path = tmp_path / "t.jsonl"
+        path.write_bytes((GOOD + "\n" + bad + ending).encode())
+        with pytest.raises(TraceError) as info:
+            read_trace(path)
+        assert info.value.line == 2
+        assert f"(column {column})" in str(info.value), str(info.value)

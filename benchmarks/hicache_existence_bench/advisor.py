@@ -432,6 +432,30 @@ def salt_errors(workload_name: str, sampling_rate: float) -> dict[str, Any]:
     return {"caps": caps, "errors": errors}
 
 
+def sampler_memory(max_sampled_pages: int = 131072, passes: int = 20, seed: int = 1) -> str:
+    """Bytes a full compiled sampler holds per tracked page (``__sizeof__``: map,
+    owners, bitmap, Fenwick tree, both histograms), after ``passes x
+    max_sampled_pages`` references drawn from 4 x that many distinct pages, so the
+    bitmap has grown and been renumbered as on a long-running server."""
+    import random
+
+    from hicache_existence.core import lru
+
+    if lru.BACKEND != "c":
+        return "the compiled index is not in use: no compiled sampler to measure"
+    sampler = lru.Sampler(1 << 64, max_sampled_pages)
+    rng = random.Random(seed)
+    peak = 0
+    for _ in range(passes * max_sampled_pages // 1000):
+        sampler.added([f"k{rng.randrange(4 * max_sampled_pages)}" for _ in range(1000)])
+        peak = max(peak, sampler.__sizeof__())
+    tracked = sampler.counts()["tracked"]
+    return (
+        f"{tracked} tracked pages: {peak / tracked:.1f} B per page at peak, "
+        f"{peak / 1e6:.1f} MB ({peak / 2**20:.1f} MiB)"
+    )
+
+
 def accuracy_over_salts(
     salts: int, sampling_rate: float, progress: Progress = lambda _msg: None
 ) -> dict[str, Any]:

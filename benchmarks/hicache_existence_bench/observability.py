@@ -478,7 +478,10 @@ def run_accuracy(
 
 
 def default_accuracy_runs(trace: Path | None = None, quick: bool = False) -> list[AccuracyResult]:
-    """The runs reported in docs/metrics.md."""
+    """The runs reported in docs/metrics.md.  A ``trace`` that is not a readable
+    file raises instead of silently dropping the Mooncake rows."""
+    if trace is not None and not trace.is_file():
+        raise FileNotFoundError(f"Mooncake trace not found: {trace}")
     runs = []
     conversations, pages, requests = (400, 64, 4000) if quick else (4000, 128, 60000)
     capacity = conversations * pages // 4
@@ -490,7 +493,7 @@ def default_accuracy_runs(trace: Path | None = None, quick: bool = False) -> lis
             clear_at=requests // 2,
         )
     )
-    if trace is not None and trace.is_file():
+    if trace is not None:
         chains = list(mooncake_requests(trace, 800 if quick else None))
         distinct = len({p for c in chains for p in c})
         for divisor in (4, 8):

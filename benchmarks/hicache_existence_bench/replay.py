@@ -33,19 +33,23 @@ from hicache_existence.replay.trace import Trace, read_trace
 Progress = Callable[[str], None]
 #: Issue #8: belief-only replay throughput per core.
 TARGET_BELIEF_ONLY_REFS_PER_S = 500_000.0
-#: Where the shared Mooncake trace lies next to a source checkout (``../shared/traces``).
-_SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_synthetic_trace.jsonl"
+#: The Mooncake trace in a source checkout (``tests/data/traces``, with its licence).
+_REPO_TRACE = (
+    Path(__file__).resolve().parents[2] / "tests/data/traces/mooncake_synthetic_trace.jsonl"
+)
 #: The sample the demo bundles (a slice of the same trace, with its licence).
-_BUNDLED_SAMPLE = Path(__file__).resolve().parents[1] / "demo/data/mooncake_sample.jsonl"
+_BUNDLED_SAMPLE = (
+    Path(__file__).resolve().parents[2] / "hicache_existence/demo/data/mooncake_sample.jsonl"
+)
 
 
 def default_trace(progress: Progress = lambda _msg: None) -> Trace | PageTrace:
     """The trace the figures are taken on: ``$HICACHE_EXISTENCE_MOONCAKE_TRACE``, else the
-    shared Mooncake trace next to a source checkout, else the demo's bundled sample,
+    Mooncake trace of a source checkout (tests/data/traces), else the demo's bundled sample,
     else the synthetic long-context workload."""
     candidates = [
         os.environ.get("HICACHE_EXISTENCE_MOONCAKE_TRACE"),
-        _SHARED_TRACE,
+        _REPO_TRACE,
         _BUNDLED_SAMPLE,
     ]
     for candidate in candidates:

@@ -46,7 +46,7 @@ from hicache_existence.core.stats import CLEARED, COLD, EVICTED, INVALIDATED, MI
 CACHE_BYTES_PER_ENTRY = lru.BYTES_PER_ENTRY
 
 #: The compiled scatter/gather (hicache_existence/accounting/_ghosts.c), or None.
-_native = lru.compiled("_ghosts")
+_native = lru.compiled("accounting._ghosts")
 
 #: Smallest table: below this, collisions make the classification meaningless.
 MIN_SLOTS = 64

@@ -56,7 +56,12 @@ def _spawn(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 
 def run(args: argparse.Namespace) -> int:
     from hicache_existence.config import ConfigError, redact_url
-    from hicache_existence.reconcile.measure import format_rows, measure_reads, measure_writes
+    from hicache_existence.reconcile.measure import (
+        format_rows,
+        measure_memory,
+        measure_reads,
+        measure_writes,
+    )
     from hicache_existence.reconcile.redis_truth import validate_redis_url
     from hicache_existence.reconcile.truth import GroundTruthError
 
@@ -85,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             writes: dict[str, Any] = {
                 "record_stored_pages_per_s": measure_writes(url),
                 "record_stored_ttl_pages_per_s": measure_writes(url, ttl_s=60.0),
+                "ledger_bytes_per_page": measure_memory(url),
+                "ledger_bytes_per_page_ttl": measure_memory(url, ttl_s=3600.0),
             }
         except GroundTruthError as exc:
             print(f"error: {redact_url(url)}: {exc.kind}: {exc}", file=sys.stderr)

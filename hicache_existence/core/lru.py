@@ -239,7 +239,8 @@ def _choice() -> str:
 
 
 def compiled(name: str) -> ModuleType | None:
-    """The compiled module ``hicache_existence.<name>`` if the backend switch
+    """The compiled module ``hicache_existence.<name>`` (``core._lru``,
+    ``accounting._ghosts``: where setup.py builds them) if the backend switch
     allows it and it is built, else ``None`` (``c`` makes a missing build an
     ImportError)."""
     choice = _choice()
@@ -254,7 +255,7 @@ def compiled(name: str) -> ModuleType | None:
 
 
 def _select() -> tuple[Callable[[], LruIndexType], Callable[..., SamplerType], str]:
-    module = compiled("_lru")
+    module = compiled("core._lru")
     if module is not None:
         return module.LruIndex, module.Sampler, "c"
     return PyLruIndex, PySampler, "python"

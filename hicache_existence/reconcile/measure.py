@@ -110,6 +110,26 @@ def measure_writes(
         led.close()
 
 
+def measure_memory(
+    url: str,
+    pages: int = 100_000,
+    ttl_s: float = 0.0,
+    shard: str = "llama-70b_3_8",
+    namespace: str = "hicache-measure",
+) -> float:
+    """Redis ``used_memory`` bytes per ledger page entry (records ``pages`` pages
+    in one shard, reads INFO before and after, then removes them)."""
+    led = RedisLedger(LedgerSettings(url, namespace=namespace, shard=shard, ttl_s=ttl_s))
+    try:
+        before = int(led._client.info("memory")["used_memory"])
+        led.record_stored("kv", _chain(f"m{ttl_s}", pages))
+        after = int(led._client.info("memory")["used_memory"])
+        led.clear_shard()
+        return (after - before) / pages
+    finally:
+        led.close()
+
+
 def wait_ready(url: str, timeout_s: float) -> bool:
     """Whether the Redis at ``url`` answers PING within ``timeout_s``."""
     led = RedisLedger(LedgerSettings(url, socket_timeout_s=0.5, connect_timeout_s=0.5))

@@ -103,11 +103,14 @@ def _lines(path: Path, source: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise TraceError(source, number, f"not UTF-8 text ({exc.reason})") from None
             if not text.strip():
                 continue
+            # Without its line break, so an error at the end of a truncated line
+            # reports that line's column, not column 1 of a line after it.
+            text = text.rstrip("\r\n")
             try:
                 obj = json.loads(text, parse_constant=_reject_constant)
             except json.JSONDecodeError as exc:
                 raise TraceError(
-                    source, number, f"invalid JSON: {exc.msg} (column {exc.colno})"
+                    source, number, f"invalid JSON: {exc.msg} (column {exc.pos + 1})"
                 ) from None
             except (ValueError, RecursionError) as exc:
                 raise TraceError(source, number, f"invalid JSON: {exc}") from None

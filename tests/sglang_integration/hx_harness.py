@@ -248,6 +248,16 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
         "missing_target": lambda: s.run("missing_target", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
         "unknown_shape": lambda: s.run("unknown_shape", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
         "flags": lambda: s.run("flags"),
+        "detokenizer": lambda: s.run("detokenizer", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
+        "logging_settings": lambda: s.run(
+            "logging_settings",
+            env=s.env(
+                HICACHE_EXISTENCE_ENABLED="1",
+                HICACHE_EXISTENCE_LOGGING__LEVEL="debug",
+                HICACHE_EXISTENCE_LOGGING__JSON="1",
+                HICACHE_EXISTENCE_METRICS__MODE="off",
+            ),
+        ),
         "multirank": lambda: multirank_pair(s, diverge_at=5),
         "metrics_multiprocess": lambda: s.run(
             "metrics_multiprocess",

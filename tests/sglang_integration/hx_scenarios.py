@@ -31,6 +31,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {}
 
 #: The deployment the scenarios publish, as a PD prefill server would be launched.
 SERVED_MODEL = "org/model-7b"
+#: The upstream class the plugin REPLACEs (its key in sglang's hook registry).
+CACHE_CLASS_NAME = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache.StorageExistenceCache"
 
 
 def scenario(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
@@ -550,6 +552,53 @@ def parse_repr(argv: list[str]) -> dict[str, Any]:
     return {
         "repr": repr(args),
         "extras": sorted(k for k in vars(args) if k.startswith("_hicache")),
+    }
+
+
+@scenario
+def detokenizer() -> dict[str, Any]:
+    """sglang's real detokenizer entry (``run_detokenizer_process``) loads plugins
+    itself; with the plugin enabled, it must recognise the process and register
+    no cache hooks.  The entry fails right after (no server args), by design."""
+    from sglang.srt.managers import detokenizer_manager
+
+    from hicache_existence.integrations.sglang import plugin
+
+    failed_after = None
+    try:
+        detokenizer_manager.run_detokenizer_process(None, None)
+    except Exception as exc:  # configure_logger(None), after load_plugins()
+        failed_after = type(exc).__name__
+    registry = registry_state()
+    return {
+        "status": plugin.status(),
+        "failed_after": failed_after,
+        "cache_hooked": CACHE_CLASS_NAME in registry,
+        "role_here": plugin._process_role(),
+    }
+
+
+@scenario
+def logging_settings() -> dict[str, Any]:
+    """``logging.level`` / ``logging.json`` from the environment configure the
+    package's logger in the scheduler process (not the root logger)."""
+    root_before = (logging.getLogger().level, len(logging.getLogger().handlers))
+    load_plugins()
+    publish(server_args())
+    tree = build_tree()
+    for _ in range(2):
+        tree.check_hicache_events()
+    package = logging.getLogger("hicache_existence")
+    from hicache_existence import logs
+
+    logs.get_logger("hicache_existence.runtime").debug("hicache_existence.test_probe", probe=1)
+    sys.stderr.flush()
+    return {
+        "level": logging.getLevelName(package.level),
+        "propagate": package.propagate,
+        "handlers": [type(h).__name__ for h in package.handlers],
+        "root_unchanged": root_before
+        == (logging.getLogger().level, len(logging.getLogger().handlers)),
     }
 
 

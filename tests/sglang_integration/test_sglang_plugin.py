@@ -6,6 +6,7 @@ leave sglang untouched."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -153,3 +154,28 @@ def test_unknown_api_shape_one_warning_and_untouched(scenarios: Scenarios) -> No
     assert len(r["warnings"]) == 1 and "API this package does not know" in r["warnings"][0]
     assert set(r["registry"]) == {ADD, FROM}
     assert r["still_unknown"] is True
+
+
+def test_real_detokenizer_entry_gets_no_cache_hooks(scenarios: Scenarios) -> None:
+    """sglang's own run_detokenizer_process loads the enabled plugin, which
+    recognises the detokenizer by its real entry function and registers the
+    parser hooks but no cache hooks (a renamed upstream entry fails this)."""
+    r = scenarios.get("detokenizer").value()
+    assert r["failed_after"] is not None  # the entry ran on past load_plugins()
+    assert r["status"]["enabled"] is True and r["status"]["flags"] is True
+    assert r["status"]["skipped"] == "detokenizer"
+    assert r["status"]["cache"] is False and r["cache_hooked"] is False
+    assert r["role_here"] is None  # outside that entry, no role is detected
+
+
+def test_logging_settings_configure_the_package_logger(scenarios: Scenarios) -> None:
+    """HICACHE_EXISTENCE_LOGGING__LEVEL=debug and __JSON=1 set the package
+    logger's level and JSON handler in the scheduler process, leave the root
+    logger alone, and a debug event comes out as one JSON line on stderr."""
+    outcome = scenarios.get("logging_settings")
+    r = outcome.value()
+    assert r["level"] == "DEBUG" and r["propagate"] is False
+    assert r["handlers"] == ["_PackageHandler"] and r["root_unchanged"] is True
+    lines = [json.loads(x) for x in outcome.stderr.splitlines() if x.startswith("{")]
+    probe = [x for x in lines if x.get("event") == "hicache_existence.test_probe"]
+    assert probe and probe[0]["level"] == "debug" and probe[0]["probe"] == 1

@@ -261,14 +261,3 @@ def test_plugin_without_hook_registry_warns_once(
         plugin.register()  # idempotent
     assert len(caplog.records) == 1 and "no plugin hook registry" in caplog.records[0].getMessage()
     assert plugin.status()["flags"] is False and plugin.status()["cache"] is False
-
-
-def test_detokenizer_process_gets_no_cache_hooks() -> None:
-    """Called from sglang's detokenizer entry function, the plugin recognises a
-    process that never builds a tree cache; elsewhere it does not."""
-
-    def run_detokenizer_process() -> str | None:
-        return plugin._process_role()
-
-    assert run_detokenizer_process() == "detokenizer"
-    assert plugin._process_role() is None

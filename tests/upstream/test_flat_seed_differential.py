@@ -14,8 +14,9 @@ runs everywhere (no ``sglang`` mark).
 from __future__ import annotations
 
 import random
+from collections import Counter
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,11 +26,13 @@ from upstream_support import (
     ALPHABET,
     Divergence,
     Op,
+    assert_every_kind_ran,
     fail_with,
     fresh_iterable,
     fresh_sequence,
     page_ids,
     pages,
+    raised,
     seed_baseline,
 )
 
@@ -65,9 +68,14 @@ class FlatPair:
         self.setup = {"max_entries": cap, "primary_pool": primary}
         self.seed = seed_baseline().SeedStorageExistenceCache(cap)
         self.mine = ours.FlatStorageExistenceCache(cap, primary_pool=primary)
+        #: op kind -> operations of that kind that returned on both sides.
+        self.ran: Counter[str] = Counter()
 
     def apply(self, op: Op) -> tuple[object, object]:
-        return _outcome(self.seed, op), _outcome(self.mine, op)
+        outcomes = (_outcome(self.seed, op), _outcome(self.mine, op))
+        if not any(raised(o) for o in outcomes):
+            self.ran[op[0]] += 1
+        return outcomes
 
     def check(self, program: list[Op], step: int, outcomes: tuple[object, object]) -> None:
         """Compare after ``program[step]``; raise ``Divergence`` on any difference."""
@@ -169,6 +177,10 @@ CLEAR_OR_CAP = st.one_of(st.tuples(st.just("clear")), st.tuples(st.just("cap"), 
 class FlatMachine(RuleBasedStateMachine):
     """Stateful search (long runs, step deletion when shrinking) over flat programs."""
 
+    #: Across all examples: kinds generated, and kinds that ran without raising.
+    kinds: ClassVar[set[str]] = set()
+    ran: ClassVar[Counter[str]] = Counter()
+
     def __init__(self) -> None:
         super().__init__()
         self.program: list[Op] = []
@@ -182,6 +194,9 @@ class FlatMachine(RuleBasedStateMachine):
         assert self.pair is not None
         self.program.append(op)
         self.pair.check(self.program, len(self.program) - 1, self.pair.apply(op))
+        FlatMachine.kinds.add(op[0])
+        if self.pair.ran[op[0]]:
+            FlatMachine.ran[op[0]] += 1
 
     @rule(op=ADD)
     def add(self, op: Op) -> None:
@@ -207,6 +222,7 @@ class FlatMachine(RuleBasedStateMachine):
 def test_random_programs_match_seed() -> None:
     """Hypothesis programs: after every operation, results, the global LRU order over
     (pool, hash), len and max_entries equal the seed's, for any primary pool."""
+    FlatMachine.kinds, FlatMachine.ran = set(), Counter()
     try:
         run_state_machine_as_test(
             FlatMachine,
@@ -219,6 +235,8 @@ def test_random_programs_match_seed() -> None:
         )
     except Divergence as found:
         report(found)
+    assert len(FlatMachine.kinds) == 7, sorted(FlatMachine.kinds)
+    assert_every_kind_ran(FlatMachine.ran, FlatMachine.kinds)
 
 
 # -- seeded replay ---------------------------------------------------------------------
@@ -271,6 +289,7 @@ def test_seeded_long_replay_matches_seed(primary: str) -> None:
         "clear",
         "cap",
     }
+    assert_every_kind_ran(pair.ran, {op[0] for op in program})
     assert {pool for pool, _ in pair.mine.lru_keys()} <= {"kv", "swa", "mamba", "draft_kv"}
 
 

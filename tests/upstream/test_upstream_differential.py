@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from collections import Counter
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,11 +29,13 @@ from upstream_support import (
     Divergence,
     Op,
     Upstream,
+    assert_every_kind_ran,
     fail_with,
     fresh_iterable,
     fresh_sequence,
     page_ids,
     pages,
+    raised,
     require_upstream,
 )
 
@@ -104,6 +107,8 @@ class Pair:
         self.up = up
         self.cap = cap
         self.label = "PoolExistenceBeliefs" if bare_pools else "StorageExistenceCache"
+        #: op kind -> operations of that kind that returned on both sides.
+        self.ran: Counter[str] = Counter()
         if bare_pools:
             self.theirs: Any = BarePool(up.PoolExistenceBeliefs(cap))
             self.mine: Any = BarePool(ours.PoolExistenceBeliefs(cap))
@@ -112,8 +117,15 @@ class Pair:
             self.mine = ours.StorageExistenceCache(cap)
 
     def apply(self, op: Op) -> tuple[object, object]:
-        """Run ``op`` on both caches; return (upstream outcome, our outcome)."""
-        return _outcome(self._run, self.theirs, op, True), _outcome(self._run, self.mine, op, False)
+        """Run ``op`` on both caches; return (upstream outcome, our outcome).  Kinds
+        of operation that ran on both without raising are counted in ``ran``."""
+        outcomes = (
+            _outcome(self._run, self.theirs, op, True),
+            _outcome(self._run, self.mine, op, False),
+        )
+        if not any(raised(o) for o in outcomes):
+            self.ran[op[0]] += 1
+        return outcomes
 
     def _run(self, cache: Any, op: Op, upstream: bool) -> object:
         name = op[0]
@@ -282,6 +294,9 @@ class ProgramMachine(RuleBasedStateMachine):
     keeping first occurrences, invalidate off by one) were all found this way."""
 
     upstream: Upstream | None = None
+    #: Across all examples: kinds generated, and kinds that ran without raising.
+    kinds: ClassVar[set[str]] = set()
+    ran: ClassVar[Counter[str]] = Counter()
 
     def __init__(self) -> None:
         super().__init__()
@@ -297,6 +312,9 @@ class ProgramMachine(RuleBasedStateMachine):
         assert self.pair is not None
         self.program.append(op)
         self.pair.check(self.program, len(self.program) - 1, self.pair.apply(op))
+        ProgramMachine.kinds.add(op[0])
+        if self.pair.ran[op[0]]:
+            ProgramMachine.ran[op[0]] += 1
 
     @rule(op=ADD)
     def add(self, op: Op) -> None:
@@ -351,6 +369,7 @@ def test_random_programs_match_upstream() -> None:
     """Hypothesis programs: after every operation, results and every pool's LRU order,
     in-flight refs, length and caps equal upstream's."""
     up = ProgramMachine.upstream = require_upstream()
+    ProgramMachine.kinds, ProgramMachine.ran = set(), Counter()
     try:
         run_state_machine_as_test(
             ProgramMachine,
@@ -363,6 +382,8 @@ def test_random_programs_match_upstream() -> None:
         )
     except Divergence as found:
         report(up, found)
+    assert len(ProgramMachine.kinds) >= 12, sorted(ProgramMachine.kinds)
+    assert_every_kind_ran(ProgramMachine.ran, ProgramMachine.kinds)
 
 
 # -- a long seeded replay ----------------------------------------------------------------
@@ -455,6 +476,7 @@ def test_seeded_long_replay_matches_upstream(seed: int) -> None:
         "pool_cap",
         "cache_cap",
     }
+    assert_every_kind_ran(pair.ran, {op[0] for op in program})
     assert len(pair.mine.pool_names()) == 4  # kv (two spellings), swa, mamba, draft_kv
 
 
@@ -466,9 +488,10 @@ def test_seeded_replay_on_bare_pools_matches_upstream() -> None:
     cap = rng.randint(1, 8)
     program = [random_op(rng) for _ in range(10_000)]
     try:
-        run_program(up, cap, program, bare_pools=True)
+        pair = run_program(up, cap, program, bare_pools=True)
     except Divergence as found:
         fail_with(lambda p: run_program(up, cap, p, bare_pools=True), found, f"sglang {up.version}")
+    assert_every_kind_ran(pair.ran, {op[0] for op in program})
 
 
 # -- smaller contracts ------------------------------------------------------------------

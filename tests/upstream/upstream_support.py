@@ -18,6 +18,7 @@ import functools
 import hashlib
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,3 +187,15 @@ def fail_with(replay: Callable[[list[Op]], object], found: Divergence, against: 
         f"page i = ALPHABET[i]):\n{small}",
         pytrace=False,
     )
+
+
+def raised(outcome: object) -> bool:
+    """Whether a differential outcome is ``("raised", exception type name)``."""
+    return isinstance(outcome, tuple) and len(outcome) == 2 and outcome[0] == "raised"
+
+
+def assert_every_kind_ran(ran: Counter[str], kinds: Iterable[str]) -> None:
+    """Agreement by raising the same exception proves little: every kind of
+    operation in the program must also have run on both caches without raising."""
+    missing = sorted(k for k in set(kinds) if ran[k] == 0)
+    assert not missing, f"operations that never ran without raising on both: {missing}"

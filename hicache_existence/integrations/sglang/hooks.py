@@ -31,6 +31,7 @@ import threading
 import weakref
 from typing import Any
 
+from hicache_existence import logs
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
@@ -164,6 +165,7 @@ def build_entry(
 ) -> ProcessEntry:
     """The runtime of this process, wired to sglang (not yet registered)."""
     config = _per_rank_port(config, facts)
+    logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
     group = DeferredGroup(config.divergence.timeout_s) if config.divergence.enabled else None
     reconciling = config.reconciler.enabled

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from hicache_existence import logs
 from hicache_existence.config import Config, ConfigError
 from hicache_existence.integrations.sglang import flags as _flags
 from hicache_existence.integrations.sglang import hooks as _hooks
@@ -67,11 +68,6 @@ def _warn(report: dict[str, Any], message: str) -> None:
     logger.warning("hicache-existence: %s", message)
 
 
-def enabled_in(env: Mapping[str, str]) -> bool:
-    """Whether the environment switches the plugin on (raises ``ConfigError``)."""
-    return Config.from_env(env).enabled
-
-
 def _register(report: dict[str, Any], env: Mapping[str, str]) -> None:
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -95,11 +91,14 @@ def _register(report: dict[str, Any], env: Mapping[str, str]) -> None:
         )
 
     try:
-        enabled = enabled_in(env)
+        config = Config.from_env(env)
     except ConfigError as exc:
         _warn(report, f"invalid configuration in the environment ({exc}); staying inactive")
         return
+    enabled = config.enabled
     report["enabled"] = enabled
+    if enabled:
+        logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     if not enabled:
         logger.debug("hicache-existence: installed, not enabled; no cache hooks registered")
         return
@@ -110,7 +109,7 @@ def _register(report: dict[str, Any], env: Mapping[str, str]) -> None:
         report["skipped"] = role
         logger.debug("hicache-existence: no cache hooks in the %s process", role)
         return
-    register_cache_hooks(report, HookRegistry, HookType, Config.from_env(env))
+    register_cache_hooks(report, HookRegistry, HookType, config)
 
 
 #: sglang process entry functions that load plugins but never build a tree cache.
