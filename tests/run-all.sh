@@ -17,6 +17,8 @@ need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+# The Mooncake wheel (store client, transfer engine of the PD tests) links libibverbs.
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || need_apt+=(libibverbs1)
 if ((${#need_apt[@]})); then
   log "installing Debian packages: ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
