@@ -303,7 +303,9 @@ class PDStack:
             "PREFILL_URLS": prefill_urls,
             "DECODE_URLS": self.decode.url,
             "PREFILL_POLICY": spec.policy,
-            "ROUTER_EXTRA_ARGS": "--log-level info",
+            # the router's own /metrics listens on 0.0.0.0:29000 by default: one per host
+            "ROUTER_EXTRA_ARGS": f"--log-level info --prometheus-host 127.0.0.1 "
+            f"--prometheus-port {free_port()}",
         }
         wd = self.workdir / f"router{index}"
         return RecipeProcess("router.sh", wd, port, env, wd / "l3")
