@@ -194,6 +194,10 @@ def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
     wp.around_tree_insert(insert, tree, None)  # the next walk decides again
     assert feed.writes.stats()["kv"].avoided == 10
 
+    queries = cache.stats()["kv"].queries
+    assert cache.believed("kv", [a[1], *pages("0", 1)]) == [a[1]]
+    assert cache.believed("swa", a) == [] and cache.stats()["kv"].queries == queries
+
     b = pages("9", 3)
     intent = NS(snapshot=NS(hash_values=b))
     wp.after_stage_backup_intent(True, p, intent, None, {})  # flat signature

@@ -147,8 +147,8 @@ class WritePath:
 
     def _believed_keys(self, pool: str, keys: list[str]) -> set[str]:
         pool_of = getattr(self.cache, "pool", None)
-        if pool_of is None:  # flat generation: no per-pool index to read
-            return set()
+        if pool_of is None:  # flat generation: one index, tagged by pool
+            return set(self.cache.believed(pool, keys))
         return set(pool_of(pool).believed(keys))
 
     def _size(self, pool: str) -> None:
