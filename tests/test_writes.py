@@ -97,3 +97,47 @@ def test_snapshot_from_another_thread_never_goes_backwards():
     t.join()
     assert seen == sorted(seen)
     assert w.stats()["kv"].written == 20000
+
+
+def test_acks_count_stored_failed_and_redundant_with_causes():
+    """acked() adds stored/failed pages and the redundant ones (believed ones a
+    subset); set_page_size gives a pool its measured page bytes."""
+    w = WriteAccounting(page_size_bytes=10)
+    w.written("kv", 10)
+    w.acked("kv", 8, failed=2, already_stored=5, believed=3)
+    w.set_page_size("kv", 4096)
+    s = w.stats()["kv"]
+    assert (s.written, s.acknowledged, s.failed, s.redundant, s.redundant_believed) == (
+        10,
+        8,
+        2,
+        5,
+        3,
+    )
+    assert (s.acknowledged_bytes, s.failed_bytes, s.redundant_bytes) == (
+        8 * 4096,
+        2 * 4096,
+        5 * 4096,
+    )
+    assert (w.stats() - w.stats())["kv"].acknowledged == 0
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda w: w.acked("kv", 2, already_stored=3), ValueError, "already_stored"),
+        (lambda w: w.acked("kv", 5, already_stored=1, believed=2), ValueError, "believed"),
+        (lambda w: w.acked("kv", -1), ValueError, "stored"),
+        (lambda w: w.acked("kv", 1, failed=1.0), TypeError, "failed"),
+        (lambda w: w.set_page_size("kv", -5), ValueError, "size"),
+        (lambda w: w.set_page_size("", 5), ValueError, "pool"),
+    ],
+)
+def test_bad_acks_raise_and_change_nothing(call, exc, match):
+    """Inconsistent ack counts raise naming the argument; nothing changes."""
+    w = WriteAccounting(page_size_bytes=8)
+    w.written("kv", 5)
+    before = w.stats()
+    with pytest.raises(exc, match=match):
+        call(w)
+    assert w.stats() == before

@@ -1,13 +1,19 @@
 """Write accounting: what the beliefs saved and what they failed to save.
 
-The write path (SGLang's buffer-mode backup) calls one method per decision with
-page *counts*, never once per page:
+The write path (SGLang's buffer-mode backup, fed by
+``hicache_existence.integrations.sglang.write_path``) calls one method per decision with page
+*counts*, never once per page:
 
-* ``written(pool, pages, already_stored=0)``: ``pages`` pages were written to L3;
-  ``already_stored`` of them were already there according to ground truth (the
-  reconciler), i.e. redundant writes the beliefs failed to prevent;
-* ``avoided(pool, pages)``: ``pages`` pages were admitted without a write because
-  they were believed stored (the cache's whole purpose);
+* ``written(pool, pages, already_stored=0)``: the L3 write of ``pages`` pages was
+  launched; ``already_stored`` of them were already there according to ground
+  truth, i.e. redundant writes the beliefs failed to prevent;
+* ``avoided(pool, pages)``: ``pages`` pages of a write intent were skipped because
+  they were believed stored or in flight (the cache's whole purpose);
+* ``acked(pool, stored, failed, already_stored, believed)``: this rank's storage
+  write of earlier written pages finished: ``stored`` pages stored, ``failed``
+  not, ``already_stored`` of them the backend already held (redundant), and
+  ``believed`` of those redundant pages were believed stored when the write
+  launched (a node is written whole when any of its pages is not covered);
 * ``redundant(pool, pages)``: ground truth learned later that ``pages`` written
   pages were already stored.
 
@@ -24,7 +30,14 @@ from types import MappingProxyType
 from hicache_existence.core import _validate
 
 #: Counters of one pool, in snapshot order.
-WRITE_FIELDS: tuple[str, ...] = ("written", "avoided", "redundant")
+WRITE_FIELDS: tuple[str, ...] = (
+    "written",
+    "avoided",
+    "redundant",
+    "acknowledged",
+    "failed",
+    "redundant_believed",
+)
 
 
 class _PoolWrites:
@@ -34,6 +47,9 @@ class _PoolWrites:
         self.written = 0
         self.avoided = 0
         self.redundant = 0
+        self.acknowledged = 0
+        self.failed = 0
+        self.redundant_believed = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +61,11 @@ class PoolWriteStats:
     avoided: int = 0
     redundant: int = 0
     page_size_bytes: int = 0
+    #: Written pages this rank's storage write reported stored / not stored.
+    acknowledged: int = 0
+    failed: int = 0
+    #: Redundant pages that were believed stored when their write launched.
+    redundant_believed: int = 0
 
     @property
     def written_bytes(self) -> int:
@@ -57,6 +78,14 @@ class PoolWriteStats:
     @property
     def redundant_bytes(self) -> int:
         return self.redundant * self.page_size_bytes
+
+    @property
+    def acknowledged_bytes(self) -> int:
+        return self.acknowledged * self.page_size_bytes
+
+    @property
+    def failed_bytes(self) -> int:
+        return self.failed * self.page_size_bytes
 
     @property
     def avoided_ratio(self) -> float:
@@ -73,6 +102,9 @@ class PoolWriteStats:
             self.avoided - other.avoided,
             self.redundant - other.redundant,
             self.page_size_bytes,
+            self.acknowledged - other.acknowledged,
+            self.failed - other.failed,
+            self.redundant_believed - other.redundant_believed,
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -81,10 +113,15 @@ class PoolWriteStats:
             "written": self.written,
             "avoided": self.avoided,
             "redundant": self.redundant,
+            "acknowledged": self.acknowledged,
+            "failed": self.failed,
+            "redundant_believed": self.redundant_believed,
             "page_size_bytes": self.page_size_bytes,
             "written_bytes": self.written_bytes,
             "avoided_bytes": self.avoided_bytes,
             "redundant_bytes": self.redundant_bytes,
+            "acknowledged_bytes": self.acknowledged_bytes,
+            "failed_bytes": self.failed_bytes,
         }
 
 
@@ -124,7 +161,8 @@ class WriteAccounting:
     """Per-pool write counters fed by the write path.
 
     ``page_size_bytes`` is the L3 size of one page (all layers); ``page_sizes``
-    overrides it per pool (a Mamba state page differs from a KV page).
+    overrides it per pool (a Mamba state page differs from a KV page), and
+    ``set_page_size`` sets it later, once the running server's KV layout is known.
     Bad input raises before any counter changes.
     """
 
@@ -167,6 +205,42 @@ class WriteAccounting:
         pages = _validate.count(pages, "pages")
         self._pool(pool).avoided += pages
 
+    def acked(
+        self,
+        pool: str,
+        stored: int,
+        failed: int = 0,
+        already_stored: int = 0,
+        believed: int = 0,
+    ) -> None:
+        """This rank's storage write of ``stored + failed`` written pages of
+        ``pool`` finished; ``already_stored`` of the stored pages were already in
+        L3 (the backend said so), ``believed`` of those were believed stored
+        when the write launched."""
+        stored = _validate.count(stored, "stored")
+        failed = _validate.count(failed, "failed")
+        already = _validate.count(already_stored, "already_stored")
+        believed = _validate.count(believed, "believed")
+        if already > stored:
+            raise ValueError(
+                f"already_stored must be <= stored, got already_stored={already}, stored={stored}"
+            )
+        if believed > already:
+            raise ValueError(
+                f"believed must be <= already_stored, got believed={believed}, "
+                f"already_stored={already}"
+            )
+        rec = self._pool(pool)
+        rec.acknowledged += stored
+        rec.failed += failed
+        rec.redundant += already
+        rec.redundant_believed += believed
+
+    def set_page_size(self, pool: str, size: int) -> None:
+        """Bytes of one page of ``pool`` (read from the server's KV layout)."""
+        name = _validate.pool_name(pool, "pool")
+        self._sizes[name] = _validate.count(size, "size")
+
     def redundant(self, pool: str, pages: int) -> None:
         """Ground truth found ``pages`` already-written pages of ``pool`` had
         been stored before their write (learned after ``written``)."""
@@ -193,7 +267,14 @@ class WriteAccounting:
             MappingProxyType(
                 {
                     name: PoolWriteStats(
-                        name, rec.written, rec.avoided, rec.redundant, self.page_size(name)
+                        name,
+                        rec.written,
+                        rec.avoided,
+                        rec.redundant,
+                        self.page_size(name),
+                        rec.acknowledged,
+                        rec.failed,
+                        rec.redundant_believed,
                     )
                     for name, rec in list(self._pools.items())
                 }

@@ -212,6 +212,12 @@ class PoolBeliefs:
             self._observer.touched(self.name, (page_hash,), 0)
         return False
 
+    def believed(self, hashes: Iterable[str]) -> list[str]:
+        """The pages of ``hashes`` believed stored, neither touched nor counted:
+        a read for accounting (was a written page believed when it launched?)."""
+        entries = self._entries
+        return [h for h in hashes if h in entries]
+
     def contains_all(self, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored.  Stops at the first page that is
         not; the pages before it are LRU-touched."""

@@ -196,36 +196,80 @@ CATALOG: tuple[MetricSpec, ...] = (
         "memory",
     ),
     # -- write accounting --------------------------------------------------------
-    _c("written_pages", "Pages written to L3 storage.", "written", "{page}", "writes"),
+    _c(
+        "written_pages",
+        "Pages whose L3 write the write path launched (counted at the D2H launch).",
+        "written",
+        "{page}",
+        "writes",
+    ),
     _c(
         "written_bytes",
-        "Bytes written to L3 storage (pages x page size).",
+        "Bytes of launched L3 writes (pages x this rank's page size).",
         "written_bytes",
         "By",
         "writes",
     ),
     _c(
         "write_avoided_pages",
-        "Pages admitted without a write because they were believed stored.",
+        "Pages of a write intent skipped because they were believed stored or in flight "
+        "(once per admission decision).",
         "avoided",
         "{page}",
         "writes",
     ),
     _c(
         "write_avoided_bytes",
-        "Bytes not written because the pages were believed stored.",
+        "Bytes not written because the pages were believed stored or in flight.",
         "avoided_bytes",
         "By",
         "writes",
     ),
     _c(
         "redundant_written_pages",
-        "Written pages that ground truth says were already stored (a subset of written).",
+        "Written pages the L3 already held, by the storage backend's own answer "
+        "(a subset of write_acknowledged; see docs/metrics.md for which backends answer).",
         "redundant",
         "{page}",
         "writes",
     ),
     _c("redundant_written_bytes", "Bytes of redundant writes.", "redundant_bytes", "By", "writes"),
+    _c(
+        "write_acknowledged_pages",
+        "Written pages this rank's storage write reported stored (at the storage ack).",
+        "acknowledged",
+        "{page}",
+        "writes",
+    ),
+    _c(
+        "write_acknowledged_bytes",
+        "Bytes of written pages this rank's storage write reported stored.",
+        "acknowledged_bytes",
+        "By",
+        "writes",
+    ),
+    _c(
+        "write_failed_pages",
+        "Written pages this rank's storage write reported not stored (failed or not attempted).",
+        "failed",
+        "{page}",
+        "writes",
+    ),
+    _c(
+        "write_failed_bytes",
+        "Bytes of written pages this rank's storage write reported not stored.",
+        "failed_bytes",
+        "By",
+        "writes",
+    ),
+    _c(
+        "redundant_believed_pages",
+        "Redundant written pages that were believed stored when the write launched "
+        "(a node is written whole when any of its pages is uncovered).",
+        "redundant_believed",
+        "{page}",
+        "writes",
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}

@@ -10,7 +10,8 @@
 #   root = $HICACHE_EXISTENCE_ENV_ROOT (default ~/.cache/hicache-existence/envs)
 #
 # The env holds: the pins of tests/envs/sglang-requirements.txt ("common" + the
-# flavour), installed with --no-deps so nothing else sneaks in; this repo installed
+# flavour; "full" also takes "server", what a real sglang server process needs),
+# installed with --no-deps so nothing else sneaks in; this repo installed
 # editable with its extras (reinstalled only when pyproject.toml, the repo path or the
 # extras change: CI clones into a new folder each time).
 #
@@ -51,7 +52,8 @@ case "$FLAVOR" in
     MODULES="sglang.srt.mem_cache.buffer_mode.storage_existence_cache
       sglang.srt.mem_cache.hicache_storage sglang.srt.plugins sglang.srt.plugins.hook_registry
       sglang.srt.mem_cache.storage.backend_factory
-      sglang.srt.mem_cache.unified_radix_cache sglang.srt.managers.scheduler" ;;
+      sglang.srt.mem_cache.unified_radix_cache sglang.srt.managers.scheduler
+      sglang.srt.entrypoints.http_server" ;;
   *) die "HICACHE_EXISTENCE_ENV_FLAVOR must be light or full, not '$FLAVOR'" ;;
 esac
 [ -f "$REQS" ] || die "missing $REQS"
@@ -67,7 +69,7 @@ command -v "$PYBIN" >/dev/null 2>&1 || die "no interpreter '$PYBIN'"
 # The pins of "common" + the flavour, comments and blanks stripped.
 PINS="$(awk -v want="$FLAVOR" '
   /^#@ / { sec = $2; next }
-  sec == "common" || sec == want { sub(/#.*/, ""); gsub(/[ \t]+/, ""); if (length) print }
+  sec == "common" || sec == want || (want == "full" && sec == "server") { sub(/#.*/, ""); gsub(/[ \t]+/, ""); if (length) print }
 ' "$REQS")"
 pin_of() { printf '%s\n' "$PINS" | sed -n "s/^$1==//p" | head -n 1; }
 SGLANG_V="$(pin_of sglang)"

@@ -237,6 +237,12 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
                 HICACHE_EXISTENCE_RECONCILER__TIMEOUT_MS="5000",
             ),
         ),
+        "buffer_writes": lambda: s.run("buffer_writes", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
+        "buffer_writes_capped": lambda: s.run(
+            "buffer_writes",
+            "1",
+            env=s.env(HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_CACHE__MAX_ENTRIES="8"),
+        ),
         "disabled": lambda: s.run("disabled", argv),
         "no_plugin": lambda: s.run("disabled", argv, env=s.env(SGLANG_PLUGINS="some_other_plugin")),
         "missing_target": lambda: s.run("missing_target", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),

@@ -463,12 +463,75 @@ def buffer_reconcile() -> dict[str, Any]:
     return result
 
 
+def write_report(server: BufferModeServer) -> dict[str, Any]:
+    """The write accounting, the miss reasons and the L3 files now."""
+    entry = server.entry
+    writes = entry.runtime.writes.stats().as_dict() if entry else {}
+    kv = server.cache.stats()["kv"]
+    return {
+        "writes": writes.get("kv", {}),
+        "files": len(server.files()),
+        "misses": {
+            r: getattr(kv, f"misses_{r}") for r in ("cold", "evicted", "invalidated", "cleared")
+        },
+        "entries": kv.entries,
+    }
+
+
+@scenario
+def buffer_writes(cap: str = "0") -> dict[str, Any]:
+    """Write accounting fed by the real buffer-mode write path over the real file
+    backend: a prefix written, re-admitted without a write, extended (the node
+    spans believed pages and is written whole), and, with a small cap, replayed
+    after its beliefs were evicted while L3 kept the pages."""
+    logs = capture_logs()
+    load_plugins()
+    server = BufferModeServer()
+    feed = server.entry.write_path if server.entry else None
+    a = list(range(1, 33))  # 8 pages of 4 tokens
+    b = list(range(101, 133))  # 8 more
+    c = list(range(501, 533))  # 8 unrelated pages
+    phases: dict[str, Any] = {}
+
+    def phase(name: str, tokens: list[int], evict: bool = True) -> None:
+        if evict:
+            server.evict_all()
+        server.insert(tokens)
+        server.pump()
+        phases[name] = write_report(server)
+
+    phase("a", a, evict=False)
+    phase("a_again", a)
+    if int(cap):
+        phase("c", c)  # pushes a's beliefs out (cap = 8 pages)
+        phase("a_replayed", a)
+    else:
+        phase("a_b", a + b)
+    entry = server.entry
+    text = scrape(entry) if entry else ""
+    result = {
+        "phases": phases,
+        "hooks": sorted(registry_state()),
+        "errors": feed.errors if feed else None,
+        "page_bytes": entry.runtime.writes.page_size("kv") if entry else None,
+        "host_page_bytes": (
+            server.tree.cache_controller.mem_pool_host.anchor_entry.host_pool.size_per_token * 4
+        ),
+        "written_samples": samples(text, "hicache_existence_written_pages_total"),
+        "written_bytes_samples": samples(text, "hicache_existence_written_bytes_total"),
+        "warnings": logs.warnings(),
+    }
+    server.close()
+    return result
+
+
 @scenario
 def disabled(argv_json: str = '["--model-path", "dummy"]') -> dict[str, Any]:
     """Installed but not enabled: only the parser hooks exist; sglang's classes,
     methods and parse results are untouched."""
     logs, out = loaded_plugins()
     from hicache_existence.integrations.sglang import hooks
+
     publish(server_args())
     tree = build_tree()
     for _ in range(3):

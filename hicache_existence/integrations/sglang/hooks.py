@@ -37,6 +37,7 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
+from hicache_existence.integrations.sglang import write_path as _write_path
 from hicache_existence.integrations.sglang.targets import Generation
 from hicache_existence.integrations.sglang.topology import (
     DeferredAgreement,
@@ -67,6 +68,8 @@ class ProcessEntry:
         self.group = group
         self.agreement = agreement
         self.truth = truth
+        #: Feeds ``runtime.writes`` from sglang's write path (write_path.py).
+        self.write_path = _write_path.WritePath(runtime.writes, runtime.cache, runtime.generation)
         self.steps = 0
         self.members: tuple[int, ...] = (0,)
         self._tree: weakref.ReferenceType[Any] | None = None
@@ -209,6 +212,7 @@ def _construct(
             _decline(f"setting up failed ({exc!r}); upstream's cache is used", logging.WARNING)
             return upstream(*args, **kw)
         _ENTRIES[pid] = entry
+        _write_path.attach(entry.write_path)
     try:
         entry.runtime.start()
     except Exception as exc:  # a port in use must not stop the scheduler
@@ -291,5 +295,6 @@ def reset_for_tests() -> None:
     pid = os.getpid()
     entry = _ENTRIES.pop(pid, None)
     _DECLINED.pop(pid, None)
+    _write_path.detach()
     if entry is not None:
         entry.close()

@@ -12,7 +12,8 @@ before the scheduler exists.  What it registers:
   ``HICACHE_EXISTENCE_CONFIG``, or the flag, which sets the variable for the
   scheduler processes it launches): REPLACE of upstream's
   ``StorageExistenceCache`` by ours of the generation the installed class's
-  API shape shows, and AFTER on ``UnifiedRadixCache.check_hicache_events``.
+  API shape shows, AFTER on ``UnifiedRadixCache.check_hicache_events``, and
+  the write-accounting hooks on the buffer-mode write path (``write_path.py``).
 
 A target the installed sglang lacks, an API shape this package does not know,
 or an invalid configuration produce one warning and no hook of that group:
@@ -33,6 +34,7 @@ from hicache_existence.config import Config, ConfigError
 from hicache_existence.integrations.sglang import flags as _flags
 from hicache_existence.integrations.sglang import hooks as _hooks
 from hicache_existence.integrations.sglang import targets as _targets
+from hicache_existence.integrations.sglang import write_path as _write_path
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -160,6 +162,12 @@ def register_cache_hooks(
     replacement = _hooks.replacement_class(generation, upstream)
     registry.register(_targets.CACHE_CLASS, replacement, hook_type.REPLACE)
     registry.register(_targets.STEP_METHOD, _hooks.after_check_hicache_events, hook_type.AFTER)
+    try:
+        report["write_hooks"] = _write_path.register(
+            registry, hook_type, generation, _targets.resolve
+        )
+    except Exception as exc:  # the cache hooks stand without the write accounting
+        _warn(report, f"write accounting hooks not registered ({exc!r}); write counters stay 0")
     report["cache"] = True
     report["generation"] = generation
     logger.info("hicache-existence: enabled; %s-generation cache hooks registered", generation)

@@ -1,0 +1,512 @@
+"""Real SGLang servers on CPU for tests: launch, traffic, scrape.
+
+Every server is a real ``python -m sglang.launch_server`` process (sglang 0.5.23's
+CPU engine: ``SGLANG_USE_CPU_ENGINE=1 --device cpu --disable-cuda-graph``) serving a
+tiny random-weight Llama written on the fly (``--load-format dummy
+--skip-tokenizer-init``; requests send ``input_ids``), on loopback only. HiCache
+buffer mode over the file backend is on by default, and the package is enabled by
+its own server flag. The CPU stand-ins in ``standins/`` reach every server process
+through ``PYTHONPATH`` (``standins/sitecustomize.py``; each stand-in says what fails
+without it).
+
+API (stable; other tests build on it)::
+
+    spec = ServerSpec(existence=True, config={"cache": {"max_entries": 64}})
+    with launch(spec) as srv:                 # waits until /health_generate answers
+        out = srv.generate(ids, max_new_tokens=4)      # greedy: list of output ids
+        srv.flush_cache()                     # POST /flush_cache, retried while 400
+        srv.wait_writes_settled()             # backuped tokens and L3 files stop moving
+        fams = srv.metrics()                  # {family name: Family} from /metrics
+        srv.value("sglang:backuped_tokens_total")          # sum over samples
+        srv.l3_pages()                        # {file name: size} in the L3 directory
+        srv.log.read_text()                   # the server's stdout+stderr
+    # stop() on exit: SIGINT, then SIGKILL of the process group after a grace period
+
+``ServerSpec`` fields: ``existence`` (``--enable-hicache-existence``), ``config``
+(dict written to a JSON file for ``--hicache-existence-config``, or ``config_text``
+for raw text), ``hicache`` (buffer mode over the file backend), ``l3_dir`` (reuse one
+across servers for a warm L3), ``page_size``, ``metrics`` (``--enable-metrics``),
+``tp_size``, ``env`` (extra environment), ``extra_args``, ``storage_backend`` /
+``storage_extra_config`` (e.g. ``dynamic`` with the ledger wrapper), ``standins_off``
+(turn single stand-ins off, to show what fails), ``max_total_tokens``.
+
+Traffic: ``trace_requests()`` maps the repository's Mooncake trace to token ids:
+each hash id becomes a deterministic block of ``block_tokens`` ids (default 32, the
+trace's 512 scaled down) below the vocabulary size, so requests share prefixes
+exactly as in the trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+STANDINS = HERE / "standins"
+TRACE = REPO / "tests" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+VOCAB = 1024
+#: A Llama small enough for CPU (section 8 of the design notes): 256 bytes of KV per token.
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 32768,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+START_TIMEOUT_S = float(os.environ.get("HX_SERVER_START_TIMEOUT_S", "240"))
+REQUEST_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_model(root: Path, **overrides: Any) -> Path:
+    """A model directory holding only ``config.json`` (weights are random: ``dummy``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({**TINY_LLAMA, **overrides}))
+    return root
+
+
+@dataclass
+class ServerSpec:
+    existence: bool = True
+    config: Mapping[str, Any] | None = None
+    config_text: str | None = None
+    hicache: bool = True
+    l3_dir: Path | None = None
+    page_size: int = 16
+    metrics: bool = True
+    tp_size: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+    extra_args: Sequence[str] = ()
+    storage_backend: str = "file"
+    storage_extra_config: Mapping[str, Any] | None = None
+    standins_off: Sequence[str] = ()
+    max_total_tokens: int = 65536
+    #: Seed of the dummy weights: equal seeds give equal models across servers.
+    random_seed: int = 1234
+
+
+def server_env(spec: ServerSpec, l3_dir: Path) -> dict[str, str]:
+    """The environment of a test server: the test process's, minus anything that
+    would configure the package, sglang's plugins or Prometheus from outside."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not (
+            k.startswith("HICACHE_EXISTENCE_") and not k.startswith("HICACHE_EXISTENCE_REQUIRE")
+        )
+        and k not in ("SGLANG_PLUGINS", "PROMETHEUS_MULTIPROC_DIR", "PYTHONPATH")
+    }
+    paths = [str(STANDINS), str(REPO)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    env.update(
+        PYTHONPATH=os.pathsep.join(paths),
+        SGLANG_USE_CPU_ENGINE="1",
+        SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(l3_dir),
+        HX_CPU_STANDINS_OFF=",".join(spec.standins_off),
+        PYTHONWARNINGS="ignore",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+    )
+    if spec.tp_size > 1:
+        env.setdefault(
+            "SGLANG_CPU_OMP_THREADS_BIND",
+            "|".join(str(i % (os.cpu_count() or 1)) for i in range(spec.tp_size)),
+        )
+    env.update(spec.env)
+    return env
+
+
+def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list[str]:
+    args = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--device",
+        "cpu",
+        "--disable-cuda-graph",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--page-size",
+        str(spec.page_size),
+        "--max-total-tokens",
+        str(spec.max_total_tokens),
+        "--random-seed",
+        str(spec.random_seed),
+        "--tp-size",
+        str(spec.tp_size),
+        "--log-level",
+        "info",
+        "--served-model-name",
+        "tiny-llama",
+    ]
+    if spec.metrics:
+        args.append("--enable-metrics")
+    if spec.hicache:
+        args += [
+            "--enable-hierarchical-cache",
+            "--hicache-host-memory-mode",
+            "buffer_only",
+            "--hicache-storage-backend",
+            spec.storage_backend,
+            "--hicache-io-backend",
+            "direct",
+            "--hicache-mem-layout",
+            "page_first_direct",
+        ]
+        if spec.storage_extra_config is not None:
+            args += [
+                "--hicache-storage-backend-extra-config",
+                json.dumps(spec.storage_extra_config),
+            ]
+    if spec.existence:
+        args.append("--enable-hicache-existence")
+    if spec.config is not None or spec.config_text is not None:
+        path = workdir / "hicache-existence.json"
+        path.write_text(
+            spec.config_text if spec.config_text is not None else json.dumps(spec.config)
+        )
+        args += ["--hicache-existence-config", str(path)]
+    return args + list(spec.extra_args)
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Family:
+    """One metric family of ``/metrics``: its samples as (name, labels, value)."""
+
+    name: str
+    type: str
+    samples: list[tuple[str, dict[str, str], float]]
+
+    def total(self, suffix: str = "", **labels: str) -> float:
+        return sum(
+            v
+            for n, lab, v in self.samples
+            if n.endswith(suffix) and all(lab.get(k) == want for k, want in labels.items())
+        )
+
+
+def parse_metrics(text: str) -> dict[str, Family]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Family] = {}
+    for fam in text_string_to_metric_families(text):
+        samples = [(s.name, dict(s.labels), float(s.value)) for s in fam.samples]
+        out[fam.name] = Family(fam.name, fam.type, samples)
+    return out
+
+
+class Server:
+    """A running server; built by ``launch``."""
+
+    def __init__(self, spec: ServerSpec, workdir: Path, l3_dir: Path, port: int) -> None:
+        self.spec = spec
+        self.workdir = workdir
+        self.l3_dir = l3_dir
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = workdir / "server.log"
+        self.model = write_model(workdir / "model")
+        self.args = server_args(spec, self.model, port, workdir)
+        self.env = server_env(spec, l3_dir)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_s = 0.0
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> Server:
+        t0 = time.monotonic()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.args,
+                env=self.env,
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        return self._wait_ready(t0)
+
+    def _wait_ready(self, t0: float) -> Server:
+        deadline = t0 + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.start_s = time.monotonic() - t0
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
+
+    def check_alive(self) -> None:
+        assert self.proc is not None
+        rc = self.proc.poll()
+        if rc is not None:
+            raise ServerDied(f"server exited with {rc}; log tail:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGINT to the launcher, then SIGKILL of its whole process group."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        return self.proc.returncode
+
+    # -- HTTP --------------------------------------------------------------------------
+    def _request(
+        self, method: str, path: str, body: Any = None, timeout: float = REQUEST_TIMEOUT_S
+    ) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return int(r.status), r.read()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read()
+
+    def generate(
+        self, input_ids: Sequence[int], max_new_tokens: int = 4, **sampling: Any
+    ) -> list[int]:
+        """Greedy generation (temperature 0, EOS ignored): the output token ids."""
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            **sampling,
+        }
+        status, body = self._request(
+            "POST", "/generate", {"input_ids": list(input_ids), "sampling_params": params}
+        )
+        if status != 200:
+            self.check_alive()
+            raise RuntimeError(f"/generate answered {status}: {body[:500]!r}")
+        return list(json.loads(body)["output_ids"])
+
+    def generate_full(self, input_ids: Sequence[int], max_new_tokens: int = 4) -> dict[str, Any]:
+        """The whole ``/generate`` answer (``meta_info`` has ``cached_tokens`` etc.)."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        status, body = self._request(
+            "POST", "/generate", {"input_ids": list(input_ids), "sampling_params": params}
+        )
+        if status != 200:
+            raise RuntimeError(f"/generate answered {status}: {body[:500]!r}")
+        return dict(json.loads(body))
+
+    def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """Empty the device tree; sglang answers 400 while storage writes are pending."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, body = self._request("POST", "/flush_cache")
+            if status == 200:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"/flush_cache kept answering {status}: {body[:200]!r}")
+            time.sleep(0.2)
+
+    def metrics_text(self) -> str:
+        status, body = self._request("GET", "/metrics", timeout=30)
+        if status != 200:
+            raise RuntimeError(f"/metrics answered {status}")
+        return body.decode()
+
+    def metrics(self) -> dict[str, Family]:
+        """SGLang's ``/metrics``, parsed: {family name (no ``_total``): Family}."""
+        return parse_metrics(self.metrics_text())
+
+    def value(self, sample: str, **labels: str) -> float:
+        """Sum of the samples named exactly ``sample`` (with these labels) on ``/metrics``."""
+        total = 0.0
+        for fam in self.metrics().values():
+            for n, lab, v in fam.samples:
+                if n == sample and all(lab.get(k) == want for k, want in labels.items()):
+                    total += v
+        return total
+
+    def samples(self, sample: str) -> list[tuple[dict[str, str], float]]:
+        return [
+            (lab, v) for fam in self.metrics().values() for n, lab, v in fam.samples if n == sample
+        ]
+
+    # -- L3 ----------------------------------------------------------------------------
+    def l3_pages(self) -> dict[str, int]:
+        """Page files in the file backend's directory: {name: size in bytes}."""
+        if not self.l3_dir.is_dir():
+            return {}
+        return {p.name: p.stat().st_size for p in self.l3_dir.iterdir() if p.is_file()}
+
+    def wait_writes_settled(self, quiet_s: float = 1.5, timeout_s: float = 60.0) -> None:
+        """Until sglang's backed-up token count and the L3 file set stop changing
+        (writes are asynchronous: the storage thread acks after the request returns)."""
+        deadline = time.monotonic() + timeout_s
+        last: tuple[float, int] | None = None
+        since = time.monotonic()
+        while time.monotonic() < deadline:
+            now = (
+                self.value("sglang:backuped_tokens_total") if self.spec.metrics else 0.0,
+                len(self.l3_pages()),
+            )
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.25)
+        raise TimeoutError("writes did not settle")
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def launch(spec: ServerSpec, workdir: Path | None = None) -> Iterator[Server]:
+    """Start a server for ``spec`` and stop it (and all its children) on exit."""
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hx-srv-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        l3 = spec.l3_dir if spec.l3_dir is not None else workdir / "l3"
+        l3.mkdir(parents=True, exist_ok=True)
+        srv = Server(spec, workdir, l3, free_port())
+        try:
+            yield srv.start()
+        finally:
+            srv.stop()
+
+
+def run_to_exit(spec: ServerSpec, workdir: Path, timeout_s: float = 180.0) -> tuple[int, str]:
+    """Launch and wait for the launcher to exit on its own (bad-input tests)."""
+    srv = Server(spec, workdir, spec.l3_dir or workdir / "l3", free_port())
+    with open(srv.log, "ab") as log:
+        proc = subprocess.Popen(
+            srv.args,
+            env=srv.env,
+            cwd=workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        rc = proc.wait(timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return rc, srv.log.read_text(errors="replace")
+
+
+# -- traffic ----------------------------------------------------------------------------
+def block_tokens_for(
+    hash_id: int, block_tokens: int = 32, vocab: int = VOCAB, salt: str = ""
+) -> list[int]:
+    """The deterministic token block of one trace hash id (ids 3..vocab-1: below the
+    vocabulary, clear of BOS/EOS)."""
+    out: list[int] = []
+    counter = 0
+    while len(out) < block_tokens:
+        digest = hashlib.sha256(f"{salt}:{hash_id}:{counter}".encode()).digest()
+        out.extend(
+            3 + int.from_bytes(digest[i : i + 2], "little") % (vocab - 3) for i in range(0, 32, 2)
+        )
+        counter += 1
+    return out[:block_tokens]
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    hash_ids: tuple[int, ...]
+    input_ids: tuple[int, ...]
+    output_length: int
+
+
+def trace_requests(
+    limit: int = 40,
+    block_tokens: int = 32,
+    max_blocks: int = 24,
+    max_new_tokens: int = 2,
+    path: Path = TRACE,
+    salt: str = "",
+) -> list[TraceRequest]:
+    """The first ``limit`` requests of the Mooncake trace as token ids: each hash id
+    a block of ``block_tokens`` ids (512 scaled down), at most ``max_blocks`` blocks
+    per request (the leading ones: prefixes stay shared as in the trace)."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for line in f:
+            if len(out) >= limit:
+                break
+            rec = json.loads(line)
+            ids = tuple(rec["hash_ids"][:max_blocks])
+            tokens: list[int] = []
+            for h in ids:
+                tokens += block_tokens_for(h, block_tokens, salt=salt)
+            out.append(
+                TraceRequest(ids, tuple(tokens), min(int(rec["output_length"]), max_new_tokens))
+            )
+    return out

@@ -1,0 +1,17 @@
+"""Loads the CPU stand-ins into every Python process of a test server.
+
+sglang spawns its scheduler and detokenizer processes, so a patch made in the
+launching process would not reach them; Python imports ``sitecustomize`` at start-up
+in every interpreter whose ``sys.path`` holds this directory, which the harness puts
+on ``PYTHONPATH``. Nothing is imported here beyond a post-import hook: the patches in
+``hx_cpu_standins`` are applied when sglang imports the modules they patch.
+"""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("HX_CPU_STANDINS", "1") != "0":
+    import hx_cpu_standins
+
+    hx_cpu_standins.install()

@@ -1,0 +1,254 @@
+"""The write-path hooks on both API shapes, without sglang: each hook is called the
+way upstream's code calls it (0.5.22+ per-pool pipeline, 0.5.19-0.5.21 flat
+pipeline), around stand-in callables that play upstream's part; our caches are
+the real ones.  The real pipeline is exercised in
+tests/sglang_integration/test_sglang_writes.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+
+from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.integrations.sglang import write_path as wp
+
+
+def pages(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:063x}" for i in range(n)]
+
+
+@pytest.fixture
+def feed_of():
+    made: list[wp.WritePath] = []
+
+    def make(cache: Any, generation: str) -> wp.WritePath:
+        feed = wp.WritePath(WriteAccounting(), cache, generation)
+        wp.attach(feed)
+        made.append(feed)
+        return feed
+
+    yield make
+    wp.detach()
+
+
+def host(size_per_token: int, page_size: int) -> NS:
+    return NS(size_per_token=size_per_token, page_size=page_size)
+
+
+def pipeline(cache: Any, entry_map: dict[str, Any] | None = None, sidecars: Any = ()) -> NS:
+    controller = NS(
+        mem_pool_host=NS(entry_map={k: NS(host_pool=v) for k, v in (entry_map or {}).items()}),
+        page_size=4,
+        backup_skip=False,
+    )
+    tree = NS(
+        storage_existence_cache=cache, cache_controller=controller, sidecar_pool_specs=sidecars
+    )
+    return NS(_cache=tree, ongoing_backup={}, pending_write_queue=[])
+
+
+# -- current generation (per-pool) ----------------------------------------------------
+def admit_current(p: NS, pool_keys: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
+    """enqueue_backup_intent's call of _write_intents -> _backup_pool_keys, as upstream."""
+    cache = p._cache.storage_existence_cache
+
+    def backup_pool_keys(pipe: NS, snap: Any) -> dict[str, list[str]]:
+        return pool_keys
+
+    def write_intents(pipe: NS, snap: Any) -> list[tuple[str, list[str]]]:
+        keys = backup_pool_keys(pipe, snap)
+        wp.after_backup_pool_keys(keys, pipe, snap)
+        return [(pool, k) for pool, k in keys.items() if not cache.pool(pool).covered(k)]
+
+    return list(wp.around_write_intents(write_intents, p, "snap"))
+
+
+def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> None:
+    """Covered pools are avoided once per admission; the launch counts written
+    pages and bytes from the host pool; the ack counts this rank's outcome and
+    the pages the file backend said it already held (believed ones apart)."""
+    cache = StorageExistenceCache(64)
+    feed = feed_of(cache, "current")
+    p = pipeline(cache, {"kv": host(256, 4), "swa": host(32, 4)})
+    a, b = pages("a", 4), pages("b", 4)
+    cache.pool("kv").add(a)
+    cache.pool("swa").add(a[-1:])
+    intents = admit_current(p, {"kv": a + b, "swa": a[-1:]})
+    assert [pool for pool, _ in intents] == ["kv"]  # swa covered: avoided
+    assert feed.writes.stats()["swa"].avoided == 1
+    # split repairs call _write_intents inside a queue refresh: not counted
+    wp.around_refresh_pending(lambda pipe: admit_current(pipe, {"kv": a + b, "swa": a[-1:]}), p)
+    assert feed.writes.stats()["swa"].avoided == 1
+
+    intent = NS(pool="kv", keys=a + b, snapshot=NS(hash_values=a + b))
+    staged = {"kv": a + b}
+    wp.after_stage_backup_intent(True, p, intent, None, [], staged)
+    wp.after_stage_backup_intent(False, p, intent, None, [], staged)  # not staged: nothing
+    kv = feed.writes.stats()["kv"]
+    assert (kv.written, kv.written_bytes) == (8, 8 * 1024)
+
+    # backup thread: the file backend's set asks exists and skips stored pages
+    on_disk = set(a)
+
+    def exists(backend: Any, key: str) -> bool:
+        return key in on_disk
+
+    def file_set(backend: Any, key: str, value: Any = None) -> bool:
+        if wp.around_file_exists(exists, backend, key):
+            return True
+        on_disk.add(key)
+        return True
+
+    operation = NS(id=11, hash_value=a + b, completed_tokens=0, pool_transfers=None)
+
+    def page_backup(controller: Any, op: NS) -> None:
+        for key in op.hash_value:
+            wp.around_file_set(file_set, None, key, None)
+            op.completed_tokens += controller.page_size
+
+    worker = threading.Thread(
+        target=wp.around_page_backup, args=(page_backup, p._cache.cache_controller, operation)
+    )
+    worker.start()
+    worker.join()
+    p.ongoing_backup[11] = NS(intent=intent, keys_by_pool=staged)
+    wp.around_storage_write_ack(lambda pipe, op_id: pipe.ongoing_backup.pop(op_id), p, 11)
+    kv = feed.writes.stats()["kv"]
+    assert (kv.acknowledged, kv.failed, kv.redundant, kv.redundant_believed) == (8, 0, 4, 4)
+    assert feed.errors == 0
+
+
+def test_launch_retirement_is_avoided_once(feed_of) -> None:
+    """_drop_queue_head(dropped=False) retires a head whose pool became covered:
+    its pages are avoided; a real drop (dropped=True) is not."""
+    cache = StorageExistenceCache(64)
+    feed = feed_of(cache, "current")
+    p = pipeline(cache)
+    p.pending_write_queue = [NS(pool="kv", keys=pages("c", 3)), NS(pool="kv", keys=pages("d", 2))]
+
+    def drop(pipe: NS, tokens: int, *, dropped: bool) -> None:
+        pipe.pending_write_queue.pop(0)
+
+    wp.around_drop_queue_head(drop, p, 12, dropped=False)
+    wp.around_drop_queue_head(drop, p, 8, dropped=True)
+    assert feed.writes.stats()["kv"].avoided == 3
+
+
+def test_failed_pages_and_untouched_lru(feed_of) -> None:
+    """A write that stops after one batch: the rest are failed; reading whether
+    pages were believed neither touches nor counts a lookup."""
+    cache = StorageExistenceCache(64)
+    feed = feed_of(cache, "current")
+    p = pipeline(cache, {"kv": host(8, 4)})
+    a = pages("e", 6)
+    cache.pool("kv").add(a[:2])
+    queries = cache.stats()["kv"].queries
+    order = cache.pool("kv").lru_keys()
+    intent = NS(pool="kv", keys=a, snapshot=NS(hash_values=a))
+    wp.after_stage_backup_intent(True, p, intent, None, [], {"kv": a})
+    assert cache.stats()["kv"].queries == queries and cache.pool("kv").lru_keys() == order
+    operation = NS(id=3, hash_value=a, completed_tokens=8, pool_transfers=None)
+    wp.around_page_backup(lambda c, op: None, p._cache.cache_controller, operation)
+    p.ongoing_backup[3] = NS(intent=intent, keys_by_pool={"kv": a})
+    wp.around_storage_write_ack(lambda pipe, op_id: None, p, 3)
+    kv = feed.writes.stats()["kv"]
+    assert (kv.written, kv.acknowledged, kv.failed, kv.redundant) == (6, 2, 4, 0)
+
+
+# -- flat generation (0.5.19 - 0.5.21) -------------------------------------------------
+def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
+    """covers_all True inside enqueue_backup_intent is avoided, once per node per
+    insert walk (0.5.21 presents a node again for each deeper node); launch and
+    ack count the node's KV pages."""
+    cache = FlatStorageExistenceCache(64)
+    feed = feed_of(cache, "flat")
+    p = pipeline(cache)
+    a = pages("f", 5)
+    cache.add("kv", a)
+    presented: list[int] = []
+
+    def enqueue(pipe: NS, node_id: int) -> None:
+        presented.append(node_id)
+        wp.around_flat_covers_all(
+            FlatStorageExistenceCache.covers_all, cache, "kv", a, extra_cover=frozenset()
+        )
+
+    def insert(tree: Any, params: Any) -> None:
+        for node in (1, 1, 1):
+            wp.around_enqueue_backup_intent(enqueue, p, node)
+
+    tree = NS(storage_existence_cache=cache)
+    wp.around_tree_insert(insert, tree, None)
+    assert presented == [1, 1, 1]
+    assert feed.writes.stats()["kv"].avoided == 5
+    wp.around_tree_insert(insert, tree, None)  # the next walk decides again
+    assert feed.writes.stats()["kv"].avoided == 10
+
+    queries = cache.stats()["kv"].queries
+    assert cache.believed("kv", [a[1], *pages("0", 1)]) == [a[1]]
+    assert cache.believed("swa", a) == [] and cache.stats()["kv"].queries == queries
+
+    b = pages("9", 3)
+    intent = NS(snapshot=NS(hash_values=b))
+    wp.after_stage_backup_intent(True, p, intent, None, {})  # flat signature
+    operation = NS(id=5, hash_value=b, completed_tokens=12, pool_transfers=None)
+    wp.around_page_backup(lambda c, op: None, p._cache.cache_controller, operation)
+    p.ongoing_backup[5] = NS(intent=intent)  # no keys_by_pool in the flat entry
+    wp.around_storage_write_ack(lambda pipe, op_id: None, p, 5)
+    kv = feed.writes.stats()["kv"]
+    assert (kv.written, kv.acknowledged, kv.failed) == (3, 3, 0)
+
+
+# -- never into the scheduler -------------------------------------------------------------
+def test_broken_input_never_raises_and_upstream_runs_once(feed_of) -> None:
+    """Hooks facing objects they do not understand count an error, and upstream's
+    function still runs exactly once and returns its result."""
+    cache = StorageExistenceCache(64)
+    feed = feed_of(cache, "current")
+    p = pipeline(cache)
+    calls: list[str] = []
+
+    def upstream(*a: Any, **kw: Any) -> str:
+        calls.append("x")
+        return "result"
+
+    assert wp.after_stage_backup_intent(True, p, NS(), None, [], {"kv": [1, 2]}) is None
+    p.ongoing_backup[1] = NS(intent=NS(), keys_by_pool={"kv": None})
+    feed._outcomes[1] = wp.Outcome(stored={"kv": 1})
+    assert wp.around_storage_write_ack(upstream, p, 1) == "result"
+    assert wp.around_page_backup(upstream, p._cache.cache_controller, NS(id=None)) == "result"
+    assert calls == ["x", "x"] and feed.errors >= 2
+    other = pipeline(StorageExistenceCache(8))  # not this process's cache: untouched
+    assert wp.around_storage_write_ack(upstream, other, 1) == "result"
+
+
+def test_register_installs_what_resolves() -> None:
+    """Optional targets that do not resolve are skipped; a missing required one
+    registers nothing."""
+    got: list[tuple[str, str]] = []
+    registry = NS(register=lambda target, fn, kind: got.append((target, kind)))
+    kinds = NS(AROUND="AROUND", AFTER="AFTER")
+
+    def resolve_without_mooncake(target: str) -> object:
+        if "mooncake" in target:
+            raise LookupError(target)
+        return object()
+
+    done = wp.register(registry, kinds, "current", resolve_without_mooncake)
+    assert done == [t for t, _ in got]
+    assert not any("mooncake" in t for t in done)
+    assert f"{wp.PIPELINE}._write_intents" in done and wp.FLAT_COVERS_ALL not in done
+    assert f"{wp.PIPELINE}.enqueue_backup_intent" not in done  # the d(d+1)/2 hot call
+    got.clear()
+
+    def resolve_without_pipeline(target: str) -> object:
+        if target.startswith(wp.PIPELINE):
+            raise LookupError(target)
+        return object()
+
+    assert wp.register(registry, kinds, "flat", resolve_without_pipeline) == [] and got == []
