@@ -4,17 +4,15 @@ Applied by a post-import hook (``install()``, called from this directory's
 ``sitecustomize``) right after sglang imports the module each one patches, in every
 server process. Each stand-in says what fails without it (checked on sglang 0.5.23
 by launching the real server with ``HX_CPU_STANDINS_OFF=<name>``, which turns that
-one off):
+one off). ``Stream.synchronize``, which the in-process pipeline tests stub, needs no
+stand-in here: with none, the server on torch 2.14.1 writes to and loads from L3
+(checked), so this path does not reach it.
 
 ``host_register``
     ``pool_host.common._cuda_host_register``: pins the host KV pool with
     ``cudaHostRegister``. Without it the scheduler dies building the host pool
     (``torch.cuda.cudart()`` on a machine without a CUDA driver). On CPU, memory
     needs no registration: a no-op is exact.
-``stream_sync``
-    ``torch.cpu.Stream.synchronize``: the cache controller synchronises its copy
-    streams; ``torch.cpu.Stream`` has no ``synchronize``, so the first write-back
-    dies with ``AttributeError``. CPU copies are synchronous: a no-op is exact.
 ``d2h_copy``
     ``pool_host.mha.transfer_kv_all_layer_direct_lf_pf`` (device layer-first ->
     host ``page_first_direct``, every layer) and
@@ -66,15 +64,6 @@ def _patch_host_common(mod: ModuleType) -> None:
 
     mod._cuda_host_register = _cuda_host_register  # type: ignore[attr-defined]
     APPLIED.append("host_register")
-
-
-def _patch_torch(mod: ModuleType) -> None:
-    if _off("stream_sync"):
-        return
-    stream = mod.cpu.Stream
-    if not hasattr(stream, "synchronize"):
-        stream.synchronize = lambda self: None
-        APPLIED.append("stream_sync")
 
 
 def _split(index: Any, page_size: int) -> tuple[Any, Any]:
@@ -162,7 +151,6 @@ def _patch_parallel_state(mod: ModuleType) -> None:
 
 
 PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
-    "torch": [_patch_torch],
     "sglang.srt.distributed.parallel_state": [_patch_parallel_state],
     "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
     "sglang.srt.mem_cache.pool_host.mha": [_patch_host_mha, _patch_dummy_page],
