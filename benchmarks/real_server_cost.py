@@ -37,7 +37,7 @@ from harness import Server, ServerSpec, TraceRequest, launch, trace_requests  # 
 
 def read_cost(out_dir: Path) -> dict[str, Any]:
     """Sum over the server's scheduler processes (one without TP)."""
-    total: dict[str, Any] = {"sched_cpu_ns": 0, "pkg_ns": 0, "pkg_calls": 0}
+    total: dict[str, Any] = {"sched_cpu_ns": 0, "pkg_ns": 0, "pkg_calls": 0, "timer_ns": 0.0}
     by_name: dict[str, list[int]] = {}
     files = sorted(out_dir.glob("cost-*.json"))
     if not files:
@@ -46,6 +46,7 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         rec = json.loads(f.read_text())
         for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls"):
             total[k] += int(rec[k])
+        total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
         for name, (ns, calls) in rec.get("by_name", {}).items():
             slot = by_name.setdefault(name, [0, 0])
             slot[0] += ns
@@ -79,6 +80,7 @@ def one_round(srv: Server, out_dir: Path, stream: list[TraceRequest]) -> dict[st
         "sched_cpu_ms": (after["sched_cpu_ns"] - before["sched_cpu_ns"]) / 1e6,
         "pkg_ms": (after["pkg_ns"] - before["pkg_ns"]) / 1e6,
         "pkg_calls": after["pkg_calls"] - before["pkg_calls"],
+        "timer_ns_per_call": after["timer_ns"],
         "by_name_ms": {
             name: round((ns - before["by_name"].get(name, [0, 0])[0]) / 1e6, 3)
             for name, (ns, _) in after["by_name"].items()
@@ -132,6 +134,12 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, A
     d = [r["sched_cpu_ms"] for r in rounds["disabled"][1:]]
     e = [r["sched_cpu_ms"] for r in rounds["enabled"][1:]]
     pkg = [r["pkg_ms"] for r in rounds["enabled"][1:]]
+    # The timers' own share: calls x what one timed empty call records.
+    net = [
+        max(0.0, r["pkg_ms"] - r["pkg_calls"] * r["timer_ns_per_call"] / 1e6)
+        for r in rounds["enabled"][1:]
+    ]
+    net_shares = [p / c for p, c in zip(net, e) if c > 0]
     names: dict[str, float] = {}
     for r in rounds["enabled"][1:]:
         for name, ms in r["by_name_ms"].items():
@@ -148,6 +156,8 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, A
         "package_ms_median": round(statistics.median(pkg), 2),
         "package_share_of_scheduler_cpu_median": f"{100 * statistics.median(shares):.2f}%",
         "package_share_of_scheduler_cpu_max": f"{100 * max(shares):.2f}%",
+        "timer_ns_per_call": round(rounds["enabled"][-1]["timer_ns_per_call"]),
+        "package_share_net_of_timers_median": f"{100 * statistics.median(net_shares):.2f}%",
         "package_ms_by_function_top5": dict(
             sorted(((k, round(v, 2)) for k, v in names.items()), key=lambda kv: -kv[1])[:5]
         ),
