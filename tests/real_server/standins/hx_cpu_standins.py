@@ -30,6 +30,13 @@ stand-in here: with none, the server on torch 2.14.1 writes to and loads from L3
     ``storage_prefetch_unfulfilled_tokens_total{reason="storage_transfer"}``) and
     nothing is ever loaded back. The stand-in calls the original with the pool's
     ``pin_memory`` off for that call: the same zeroed page, unpinned.
+``host_reserve``
+    ``pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES``: sglang keeps 10 GiB of host
+    RAM in reserve before it allocates any HiCache host pool, however small. Without
+    the stand-in a server fails to start whenever the machine has less than that
+    free ("Not enough host memory available. Requesting 0.03 GB but only have -1.14
+    GB free", seen here with other servers running; a 7 GB CI runner never has it).
+    The stand-in lowers the reserve to 512 MiB; the tiny model's pools need ~30 MB.
 ``tp_gloo``
     ``distributed.parallel_state.init_model_parallel_group``: off NPU/XPU it
     defaults ``use_pynccl`` to true, and a TP group on CPU then dies in
@@ -150,9 +157,17 @@ def _patch_parallel_state(mod: ModuleType) -> None:
     APPLIED.append("tp_gloo")
 
 
+def _patch_host_base(mod: ModuleType) -> None:
+    if _off("host_reserve"):
+        return
+    mod.HICACHE_HOST_MEMORY_RESERVE_BYTES = 512 * 1024**2  # type: ignore[attr-defined]
+    APPLIED.append("host_reserve")
+
+
 PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
     "sglang.srt.distributed.parallel_state": [_patch_parallel_state],
     "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
+    "sglang.srt.mem_cache.pool_host.base": [_patch_host_base],
     "sglang.srt.mem_cache.pool_host.mha": [_patch_host_mha, _patch_dummy_page],
 }
 
