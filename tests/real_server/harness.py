@@ -26,7 +26,7 @@ API (stable; other tests build on it)::
 (dict written to a JSON file for ``--hicache-existence-config``, or ``config_text``
 for raw text), ``hicache`` (buffer mode over the file backend), ``l3_dir`` (reuse one
 across servers for a warm L3), ``page_size``, ``metrics`` (``--enable-metrics``),
-``tp_size``, ``env`` (extra environment), ``extra_args``, ``storage_backend`` /
+``tp_size``, ``hicache_ratio``, ``env`` (extra environment), ``extra_args``, ``storage_backend`` /
 ``storage_extra_config`` (e.g. ``dynamic`` with the ledger wrapper), ``standins_off``
 (turn single stand-ins off, to show what fails), ``max_total_tokens``.
 
@@ -50,6 +50,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,10 @@ class ServerSpec:
     storage_extra_config: Mapping[str, Any] | None = None
     standins_off: Sequence[str] = ()
     max_total_tokens: int = 65536
+    #: Host pool size as a multiple of the device pool. Explicit, because sglang's
+    #: auto-sizing keeps a 10 GiB host reserve and refuses to start ("No host memory
+    #: is left for HiCache") whenever the machine's free memory dips below it.
+    hicache_ratio: float = 2.0
     #: Seed of the dummy weights: equal seeds give equal models across servers.
     random_seed: int = 1234
 
@@ -137,6 +142,7 @@ def server_env(spec: ServerSpec, l3_dir: Path) -> dict[str, str]:
         SGLANG_USE_CPU_ENGINE="1",
         SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(l3_dir),
         HX_CPU_STANDINS_OFF=",".join(spec.standins_off),
+        HX_PROBES="1",
         PYTHONWARNINGS="ignore",
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
@@ -195,6 +201,8 @@ def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list
             "direct",
             "--hicache-mem-layout",
             "page_first_direct",
+            "--hicache-ratio",
+            str(spec.hicache_ratio),
         ]
         if spec.storage_extra_config is not None:
             args += [
@@ -392,6 +400,17 @@ class Server:
             (lab, v) for fam in self.metrics().values() for n, lab, v in fam.samples if n == sample
         ]
 
+    def probes(self, kind: str) -> list[dict[str, Any]]:
+        """The ``HX-PROBE`` records of this kind in the log (``standins/hx_probes.py``)."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            at = line.find("HX-PROBE ")
+            if at >= 0:
+                rec = json.loads(line[at + len("HX-PROBE ") :])
+                if rec.get("kind") == kind:
+                    out.append(rec)
+        return out
+
     # -- L3 ----------------------------------------------------------------------------
     def l3_pages(self) -> dict[str, int]:
         """Page files in the file backend's directory: {name: size in bytes}."""
@@ -492,21 +511,28 @@ def trace_requests(
     max_new_tokens: int = 2,
     path: Path = TRACE,
     salt: str = "",
+    min_blocks: int = 1,
+    shared_only: bool = False,
+    window: int | None = None,
 ) -> list[TraceRequest]:
-    """The first ``limit`` requests of the Mooncake trace as token ids: each hash id
-    a block of ``block_tokens`` ids (512 scaled down), at most ``max_blocks`` blocks
-    per request (the leading ones: prefixes stay shared as in the trace)."""
+    """The first ``limit`` requests of the Mooncake trace (in trace order) as token
+    ids: each hash id a block of ``block_tokens`` ids (512 scaled down), at most
+    ``max_blocks`` blocks per request (the leading ones: prefixes stay shared as in
+    the trace). ``min_blocks`` drops shorter requests (e.g. 8 x 32 tokens reaches
+    sglang's default 256-token L3 prefetch threshold); ``shared_only`` keeps only
+    requests whose first block another kept request also starts with; ``window``
+    reads only the first this many requests of the trace."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = records[:window]
+    records = [r for r in records if len(r["hash_ids"]) >= min_blocks]
+    if shared_only:
+        firsts = Counter(r["hash_ids"][0] for r in records)
+        records = [r for r in records if firsts[r["hash_ids"][0]] > 1]
     out: list[TraceRequest] = []
-    with open(path) as f:
-        for line in f:
-            if len(out) >= limit:
-                break
-            rec = json.loads(line)
-            ids = tuple(rec["hash_ids"][:max_blocks])
-            tokens: list[int] = []
-            for h in ids:
-                tokens += block_tokens_for(h, block_tokens, salt=salt)
-            out.append(
-                TraceRequest(ids, tuple(tokens), min(int(rec["output_length"]), max_new_tokens))
-            )
+    for rec in records[:limit]:
+        ids = tuple(rec["hash_ids"][:max_blocks])
+        tokens: list[int] = []
+        for h in ids:
+            tokens += block_tokens_for(h, block_tokens, salt=salt)
+        out.append(TraceRequest(ids, tuple(tokens), min(int(rec["output_length"]), max_new_tokens)))
     return out

@@ -4,17 +4,15 @@ Applied by a post-import hook (``install()``, called from this directory's
 ``sitecustomize``) right after sglang imports the module each one patches, in every
 server process. Each stand-in says what fails without it (checked on sglang 0.5.23
 by launching the real server with ``HX_CPU_STANDINS_OFF=<name>``, which turns that
-one off):
+one off). ``Stream.synchronize``, which the in-process pipeline tests stub, needs no
+stand-in here: with none, the server on torch 2.14.1 writes to and loads from L3
+(checked), so this path does not reach it.
 
 ``host_register``
     ``pool_host.common._cuda_host_register``: pins the host KV pool with
     ``cudaHostRegister``. Without it the scheduler dies building the host pool
     (``torch.cuda.cudart()`` on a machine without a CUDA driver). On CPU, memory
     needs no registration: a no-op is exact.
-``stream_sync``
-    ``torch.cpu.Stream.synchronize``: the cache controller synchronises its copy
-    streams; ``torch.cpu.Stream`` has no ``synchronize``, so the first write-back
-    dies with ``AttributeError``. CPU copies are synchronous: a no-op is exact.
 ``d2h_copy``
     ``pool_host.mha.transfer_kv_all_layer_direct_lf_pf`` (device layer-first ->
     host ``page_first_direct``, every layer) and
@@ -24,6 +22,27 @@ one off):
     (same index semantics: token indices on both sides, host pages of ``page_size``
     tokens), so the file backend writes the real KV bytes to L3 and a prefix loaded
     back from L3 yields the same tokens.
+``dummy_page``
+    ``get_dummy_flat_data_page`` of the host pools in ``pool_host.mha``: the L3 read
+    path (``cache_controller``'s prefetch) allocates each target page with
+    ``torch.zeros(..., pin_memory=True)``; pinning needs a CUDA driver, so every
+    prefetch from L3 fails ("Found no NVIDIA driver", counted by sglang as
+    ``storage_prefetch_unfulfilled_tokens_total{reason="storage_transfer"}``) and
+    nothing is ever loaded back. The stand-in calls the original with the pool's
+    ``pin_memory`` off for that call: the same zeroed page, unpinned.
+``host_reserve``
+    ``pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES``: sglang keeps 10 GiB of host
+    RAM in reserve before it allocates any HiCache host pool, however small. Without
+    the stand-in a server fails to start whenever the machine has less than that
+    free ("Not enough host memory available. Requesting 0.03 GB but only have -1.14
+    GB free", seen here with other servers running; a 7 GB CI runner never has it).
+    The stand-in lowers the reserve to 512 MiB; the tiny model's pools need ~30 MB.
+``tp_gloo``
+    ``distributed.parallel_state.init_model_parallel_group``: off NPU/XPU it
+    defaults ``use_pynccl`` to true, and a TP group on CPU then dies in
+    ``PyNcclCommunicator`` ("Expected a cuda device, but got: cpu"). The stand-in
+    only changes that default to false when the caller left it unset, so TP
+    collectives run on the group's torch.distributed (gloo) backend.
 """
 
 from __future__ import annotations
@@ -52,15 +71,6 @@ def _patch_host_common(mod: ModuleType) -> None:
 
     mod._cuda_host_register = _cuda_host_register  # type: ignore[attr-defined]
     APPLIED.append("host_register")
-
-
-def _patch_torch(mod: ModuleType) -> None:
-    if _off("stream_sync"):
-        return
-    stream = mod.cpu.Stream
-    if not hasattr(stream, "synchronize"):
-        stream.synchronize = lambda self: None
-        APPLIED.append("stream_sync")
 
 
 def _split(index: Any, page_size: int) -> tuple[Any, Any]:
@@ -115,15 +125,67 @@ def _patch_host_mha(mod: ModuleType) -> None:
     APPLIED.append("d2h_copy")
 
 
-PATCHES: dict[str, Callable[[ModuleType], None]] = {
-    "torch": _patch_torch,
-    "sglang.srt.mem_cache.pool_host.common": _patch_host_common,
-    "sglang.srt.mem_cache.pool_host.mha": _patch_host_mha,
+def _patch_dummy_page(mod: ModuleType) -> None:
+    if _off("dummy_page"):
+        return
+    for cls in list(vars(mod).values()):
+        if not isinstance(cls, type) or "get_dummy_flat_data_page" not in vars(cls):
+            continue
+        original = vars(cls)["get_dummy_flat_data_page"]
+
+        def unpinned(self: Any, _original: Any = original) -> Any:
+            pinned = self.pin_memory
+            self.pin_memory = False
+            try:
+                return _original(self)
+            finally:
+                self.pin_memory = pinned
+
+        cls.get_dummy_flat_data_page = unpinned
+    APPLIED.append("dummy_page")
+
+
+def _patch_parallel_state(mod: ModuleType) -> None:
+    if _off("tp_gloo"):
+        return
+    original = mod.init_model_parallel_group
+
+    def init_model_parallel_group(*args: Any, use_pynccl: Any = None, **kwargs: Any) -> Any:
+        return original(*args, use_pynccl=False if use_pynccl is None else use_pynccl, **kwargs)
+
+    mod.init_model_parallel_group = init_model_parallel_group
+    APPLIED.append("tp_gloo")
+
+
+def _patch_host_base(mod: ModuleType) -> None:
+    if _off("host_reserve"):
+        return
+    mod.HICACHE_HOST_MEMORY_RESERVE_BYTES = 512 * 1024**2  # type: ignore[attr-defined]
+    APPLIED.append("host_reserve")
+
+
+PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
+    "sglang.srt.distributed.parallel_state": [_patch_parallel_state],
+    "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
+    "sglang.srt.mem_cache.pool_host.base": [_patch_host_base],
+    "sglang.srt.mem_cache.pool_host.mha": [_patch_host_mha, _patch_dummy_page],
 }
 
 
+def on_import(name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Run ``patch(module)`` right after ``name`` is imported (now if it already is)."""
+    PATCHES.setdefault(name, []).append(patch)
+    if name in sys.modules:
+        patch(sys.modules[name])
+
+
+def _run(patches: list[Callable[[ModuleType], None]], module: ModuleType) -> None:
+    for patch in patches:
+        patch(module)
+
+
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, patch: Callable[[ModuleType], None]):
+    def __init__(self, inner: importlib.abc.Loader, patch: list[Callable[[ModuleType], None]]):
         self._inner = inner
         self._patch = patch
 
@@ -132,7 +194,7 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        self._patch(module)
+        _run(self._patch, module)
 
     def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, ...
         return getattr(self._inner, name)
@@ -157,8 +219,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Patch what is already imported, and the rest as sglang imports it."""
-    for name, patch in PATCHES.items():
+    for name, patches in PATCHES.items():
         if name in sys.modules:
-            patch(sys.modules[name])
+            _run(patches, sys.modules[name])
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

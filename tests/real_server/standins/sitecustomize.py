@@ -1,10 +1,11 @@
-"""Loads the CPU stand-ins into every Python process of a test server.
+"""Loads the CPU stand-ins (and, with ``HX_PROBES=1``, the test probes) into every
+Python process of a test server.
 
 sglang spawns its scheduler and detokenizer processes, so a patch made in the
 launching process would not reach them; Python imports ``sitecustomize`` at start-up
 in every interpreter whose ``sys.path`` holds this directory, which the harness puts
-on ``PYTHONPATH``. Nothing is imported here beyond a post-import hook: the patches in
-``hx_cpu_standins`` are applied when sglang imports the modules they patch.
+on ``PYTHONPATH``. Nothing is imported here beyond a post-import hook: the patches are
+applied when sglang imports the modules they patch.
 """
 
 from __future__ import annotations
@@ -15,3 +16,7 @@ if os.environ.get("HX_CPU_STANDINS", "1") != "0":
     import hx_cpu_standins
 
     hx_cpu_standins.install()
+    if os.environ.get("HX_PROBES") == "1":
+        import hx_probes
+
+        hx_probes.install()

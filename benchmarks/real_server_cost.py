@@ -1,0 +1,169 @@
+"""The package's cost inside a real SGLang server (issue 13, item 4): not a timed test.
+
+Two real CPU servers run side by side (``tests/real_server/harness.py``): one with the
+package installed but not enabled, one with ``--enable-hicache-existence`` and every
+default feature. The same stream of Mooncake trace requests goes through both in
+alternating rounds (the order flips every round; a device flush before each round
+so every round writes and loads back through L3 the same way). A test-only probe
+(``tests/real_server/standins/hx_probes.py``, ``cost``) reports, per scheduler
+process, the CPU time of the scheduler thread and the time spent inside the package
+on that thread.
+
+Reported: the scheduler thread's CPU time per round for each server (median and
+ratio), and the package's share of the enabled scheduler's CPU time (our time /
+scheduler CPU time; the timers' own ~0.2 us per call is counted as ours, so it is an
+upper bound). Target: at most 1%.
+
+    python benchmarks/real_server_cost.py [--rounds 6] [--requests 40] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "real_server"))
+
+from harness import Server, ServerSpec, TraceRequest, launch, trace_requests  # noqa: E402
+
+
+def read_cost(out_dir: Path) -> dict[str, Any]:
+    """Sum over the server's scheduler processes (one without TP)."""
+    total: dict[str, Any] = {"sched_cpu_ns": 0, "pkg_ns": 0, "pkg_calls": 0, "timer_ns": 0.0}
+    by_name: dict[str, list[int]] = {}
+    files = sorted(out_dir.glob("cost-*.json"))
+    if not files:
+        raise RuntimeError(f"no cost probe output in {out_dir}")
+    for f in files:
+        rec = json.loads(f.read_text())
+        for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls"):
+            total[k] += int(rec[k])
+        total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
+        for name, (ns, calls) in rec.get("by_name", {}).items():
+            slot = by_name.setdefault(name, [0, 0])
+            slot[0] += ns
+            slot[1] += calls
+    total["by_name"] = by_name
+    return total
+
+
+def fresh_cost(out_dir: Path) -> dict[str, Any]:
+    """A reading at least one probe period (0.5 s) after now."""
+    stamp = time.time()
+    while True:
+        recs = [json.loads(f.read_text()) for f in out_dir.glob("cost-*.json")]
+        if recs and all(r["t"] > stamp for r in recs):
+            return read_cost(out_dir)
+        time.sleep(0.1)
+
+
+def one_round(srv: Server, out_dir: Path, stream: list[TraceRequest]) -> dict[str, Any]:
+    srv.flush_cache()
+    srv.wait_writes_settled(quiet_s=1.0)
+    before = fresh_cost(out_dir)
+    t0 = time.perf_counter()
+    for r in stream:
+        srv.generate(r.input_ids, r.output_length)
+    wall = time.perf_counter() - t0
+    srv.wait_writes_settled(quiet_s=1.0)
+    after = fresh_cost(out_dir)
+    return {
+        "wall_s": wall,
+        "sched_cpu_ms": (after["sched_cpu_ns"] - before["sched_cpu_ns"]) / 1e6,
+        "pkg_ms": (after["pkg_ns"] - before["pkg_ns"]) / 1e6,
+        "pkg_calls": after["pkg_calls"] - before["pkg_calls"],
+        "timer_ns_per_call": after["timer_ns"],
+        "by_name_ms": {
+            name: round((ns - before["by_name"].get(name, [0, 0])[0]) / 1e6, 3)
+            for name, (ns, _) in after["by_name"].items()
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--max-blocks", type=int, default=16)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    stream = trace_requests(limit=args.requests, max_blocks=args.max_blocks, max_new_tokens=4)
+    rounds: dict[str, list[dict[str, Any]]] = {"disabled": [], "enabled": []}
+    with ExitStack() as stack:
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hx-cost-")))
+        servers: dict[str, tuple[Server, Path]] = {}
+        for name, on in (("disabled", False), ("enabled", True)):
+            probe_dir = root / f"{name}-probe"
+            probe_dir.mkdir()
+            spec = ServerSpec(existence=on, env={"HX_PROBE_COST_DIR": str(probe_dir)})
+            srv = stack.enter_context(launch(spec, root / name))
+            servers[name] = (srv, probe_dir)
+        for i in range(args.rounds):
+            order = ("disabled", "enabled") if i % 2 == 0 else ("enabled", "disabled")
+            for name in order:
+                srv, probe_dir = servers[name]
+                rec = one_round(srv, probe_dir, stream)
+                rounds[name].append(rec)
+                if not args.json:
+                    print(
+                        f"round {i} {name:8s} scheduler cpu {rec['sched_cpu_ms']:8.1f} ms"
+                        f"  package {rec['pkg_ms']:7.2f} ms ({rec['pkg_calls']:.0f} calls)"
+                        f"  wall {rec['wall_s']:.2f} s",
+                        flush=True,
+                    )
+    result = summarize(rounds, args)
+    if args.json:
+        print(json.dumps({"rounds": rounds, "summary": result}, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, Any]:
+    # Round 0 warms both servers up (first compilation of every shape): left out.
+    d = [r["sched_cpu_ms"] for r in rounds["disabled"][1:]]
+    e = [r["sched_cpu_ms"] for r in rounds["enabled"][1:]]
+    pkg = [r["pkg_ms"] for r in rounds["enabled"][1:]]
+    # The timers' own share: calls x what one timed empty call records.
+    net = [
+        max(0.0, r["pkg_ms"] - r["pkg_calls"] * r["timer_ns_per_call"] / 1e6)
+        for r in rounds["enabled"][1:]
+    ]
+    net_shares = [p / c for p, c in zip(net, e) if c > 0]
+    names: dict[str, float] = {}
+    for r in rounds["enabled"][1:]:
+        for name, ms in r["by_name_ms"].items():
+            names[name] = names.get(name, 0.0) + ms
+    shares = [p / c for p, c in zip(pkg, e) if c > 0]
+    return {
+        "requests_per_round": args.requests,
+        "rounds": args.rounds,
+        "scheduler_cpu_ms_median_disabled": round(statistics.median(d), 1),
+        "scheduler_cpu_ms_median_enabled": round(statistics.median(e), 1),
+        "scheduler_cpu_ratio_enabled_over_disabled": round(
+            statistics.median(e) / statistics.median(d), 3
+        ),
+        "package_ms_median": round(statistics.median(pkg), 2),
+        "package_share_of_scheduler_cpu_median": f"{100 * statistics.median(shares):.2f}%",
+        "package_share_of_scheduler_cpu_max": f"{100 * max(shares):.2f}%",
+        "timer_ns_per_call": round(rounds["enabled"][-1]["timer_ns_per_call"]),
+        "package_share_net_of_timers_median": f"{100 * statistics.median(net_shares):.2f}%",
+        "package_ms_by_function_top5": dict(
+            sorted(((k, round(v, 2)) for k, v in names.items()), key=lambda kv: -kv[1])[:5]
+        ),
+        "target": "<= 1%",
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

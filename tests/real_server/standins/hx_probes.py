@@ -1,0 +1,194 @@
+"""Test-only probes in the server processes (not stand-ins: nothing fails without them).
+
+Enabled by the harness with ``HX_PROBES=1``; each writes one ``HX-PROBE {json}`` line
+to the process's stderr (the server log), which ``Server.probes()`` reads back.
+
+``tree``
+    After ``UnifiedRadixCache.__init__``: the class of the tree's
+    ``storage_existence_cache``, so a test sees which implementation the real
+    server built (ours with the flag, upstream's without).
+
+``diverge`` (only with ``HX_PROBE_DIVERGE_FILE`` set)
+    Before each per-step hook call: once that file exists and holds this process's
+    TP rank, add one made-up page hash to this rank's ``kv`` beliefs, once: a
+    replica divergence injected in one rank, for the next check to report.
+
+``cost`` (only with ``HX_PROBE_COST_DIR`` set; for ``benchmarks/real_server_cost.py``)
+    In each scheduler process: the CPU time of the scheduler thread (its
+    ``pthread_getcpuclockid`` clock, read from a helper thread) and the thread CPU
+    time spent inside the package on that thread (CPU, not wall: a busy machine
+    preempting the thread inside a call must not count as the package's) in every
+    method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``
+    and in the per-step hook ``after_check_hicache_events`` (nested calls counted
+    once). Written every 0.5 s
+    to ``cost-<pid>.json`` in that directory, with a per-function breakdown. The
+    timers' own cost (a thread-CPU clock read is a system call, ~1 us here) falls
+    partly inside the measured interval: the raw share is an upper bound. The probe
+    also measures, on the scheduler thread at start-up, what one timed call of an
+    empty function records (``timer_ns_per_call``), so a reader can subtract it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import hx_cpu_standins
+
+
+def emit(kind: str, **fields: Any) -> None:
+    rec = {"kind": kind, "pid": os.getpid(), **fields}
+    sys.stderr.write("HX-PROBE " + json.dumps(rec, sort_keys=True) + "\n")
+    sys.stderr.flush()
+
+
+def _probe_tree(mod: ModuleType) -> None:
+    cls = mod.UnifiedRadixCache
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        cache = getattr(self, "storage_existence_cache", None)
+        kind = type(cache)
+        emit("tree", cache_class=f"{kind.__module__}.{kind.__qualname__}")
+
+    cls.__init__ = __init__
+
+
+class _Cost:
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+        self.depth = 0
+        self.main: int | None = None
+        self.pid = os.getpid()
+        self.by_name: dict[str, list[int]] = {}
+
+
+_COST = _Cost()
+
+
+def _timed(fn: Any) -> Any:
+    import threading
+    import time
+
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+    name = getattr(fn, "__qualname__", getattr(fn, "__name__", "wrapped"))
+    slot = _COST.by_name.setdefault(name, [0, 0])
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _COST.depth or get_ident() != _COST.main:
+            return fn(*args, **kwargs)
+        _COST.depth = 1
+        t0 = perf()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dt = perf() - t0
+            _COST.ns += dt
+            _COST.calls += 1
+            slot[0] += dt
+            slot[1] += 1
+            _COST.depth = 0
+
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_class(cls: type) -> None:
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("__") and not isinstance(value, type):
+            setattr(cls, name, _timed(value))
+
+
+def _probe_cost_cache(mod: ModuleType) -> None:
+    _wrap_class(mod.PoolBeliefs)
+    _wrap_class(mod.StorageExistenceCache)
+
+
+def _probe_cost_hooks(mod: ModuleType) -> None:
+    mod.after_check_hicache_events = _timed(mod.after_check_hicache_events)
+
+
+def _cost_writer(out_dir: str) -> None:
+    import threading
+    import time
+
+    main = threading.get_ident()
+    _COST.main = main
+    clock = time.pthread_getcpuclockid(main)
+    # Calibration: what the timers alone record per call (same wrapper, empty body).
+    empty = _timed(lambda: None)
+    ns0, calls0 = _COST.ns, _COST.calls
+    for _ in range(2000):
+        empty()
+    timer_ns = (_COST.ns - ns0) / max(1, _COST.calls - calls0)
+    _COST.ns, _COST.calls = ns0, calls0
+    _COST.by_name.pop(getattr(empty.__wrapped__, "__qualname__", ""), None)
+
+    def run() -> None:
+        path = os.path.join(out_dir, f"cost-{os.getpid()}.json")
+        while True:
+            rec = {
+                "pid": os.getpid(),
+                "sched_cpu_ns": time.clock_gettime_ns(clock),
+                "pkg_ns": _COST.ns,
+                "pkg_calls": _COST.calls,
+                "timer_ns_per_call": timer_ns,
+                "by_name": {k: list(v) for k, v in _COST.by_name.items()},
+                "t": time.time(),
+            }
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, path)
+            time.sleep(0.5)
+
+    threading.Thread(target=run, name="hx-cost-probe", daemon=True).start()
+
+
+def _probe_cost_scheduler(mod: ModuleType) -> None:
+    out_dir = os.environ["HX_PROBE_COST_DIR"]
+    cls = mod.Scheduler
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _cost_writer(out_dir)
+
+    cls.__init__ = __init__
+
+
+def _probe_diverge(mod: ModuleType) -> None:
+    trigger = os.environ["HX_PROBE_DIVERGE_FILE"]
+    step = mod.after_check_hicache_events
+    done = []
+
+    def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
+        if not done and os.path.exists(trigger):
+            entry = mod.current()
+            rank = getattr(getattr(entry, "facts", None), "tp_rank", None)
+            with open(trigger) as f:
+                wanted = f.read().strip()
+            if entry is not None and str(rank) == wanted:
+                entry.cache.pool("kv").add(["f" * 64])
+                emit("diverge", tp_rank=rank, page="f" * 64)
+            done.append(True)
+        return step(result, *args, **kwargs)
+
+    mod.after_check_hicache_events = after_check_hicache_events
+
+
+def install() -> None:
+    hx_cpu_standins.on_import("sglang.srt.mem_cache.unified_radix_cache", _probe_tree)
+    if os.environ.get("HX_PROBE_COST_DIR"):
+        hx_cpu_standins.on_import("hicache_existence.core.cache", _probe_cost_cache)
+        hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
+        hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
+    if os.environ.get("HX_PROBE_DIVERGE_FILE"):
+        hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_diverge)
