@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.integrations.sglang.process import PROCESS
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -233,11 +234,11 @@ def detach() -> None:
 
 
 def current() -> WritePath | None:
-    return _FEEDS.get(os.getpid())
+    return _FEEDS.get(PROCESS.pid)
 
 
 def _owned(pipeline: Any) -> WritePath | None:
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is None:
         return None
     cache = getattr(getattr(pipeline, "_cache", None), "storage_existence_cache", None)
@@ -280,7 +281,7 @@ def around_enqueue_backup_intent(
 def around_refresh_pending(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
     """AROUND ``_refresh_pending_backup_intents``: its split repairs re-examine
     admitted intents through ``_write_intents``; they are not new decisions."""
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is None:
         return original(pipeline, *a, **kw)
     feed._refreshing += 1
@@ -293,7 +294,7 @@ def around_refresh_pending(original: Callable[..., Any], pipeline: Any, *a: Any,
 def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
     """AFTER ``_backup_pool_keys`` (called by ``_write_intents`` only): the keys
     the decision is about."""
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is not None and not feed._refreshing:
         feed._pool_keys = result
     return None
@@ -304,7 +305,7 @@ def around_write_intents(original: Callable[..., Any], pipeline: Any, *a: Any, *
     (``enqueue_backup_intent`` calls it once per node per insert walk, after
     upstream's own dedupe), and the pools it left out were covered: avoided."""
     intents = original(pipeline, *a, **kw)
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is not None and feed._pool_keys is not None:
         pool_keys, feed._pool_keys = feed._pool_keys, None
         if not feed._refreshing and _owned(pipeline) is feed:
@@ -329,7 +330,7 @@ def around_drop_queue_head(original: Callable[..., Any], pipeline: Any, *a: Any,
 def around_flat_covers_all(original: Callable[..., Any], cache: Any, *a: Any, **kw: Any) -> Any:
     """AROUND our flat cache's ``covers_all``: True inside an admission is avoided."""
     covered = original(cache, *a, **kw)
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     counting = feed is not None and feed._admitting and feed._count_cover
     if covered and counting and feed is not None and cache is feed.cache:
         feed._count_cover = False
@@ -341,7 +342,7 @@ def around_flat_covers_all(original: Callable[..., Any], cache: Any, *a: Any, **
 
 def around_tree_insert(original: Callable[..., Any], tree: Any, *a: Any, **kw: Any) -> Any:
     """AROUND ``UnifiedRadixCache.insert`` (flat): one insert walk."""
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
         return original(tree, *a, **kw)
     outer, feed._walk = feed._walk, set()
@@ -397,7 +398,7 @@ def around_page_backup(
 ) -> Any:
     """AROUND ``_page_backup`` (backup thread): collect the backend's existence
     answers during the write, then hand this rank's outcome to the scheduler."""
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is None or controller is not feed.controller or getattr(_TLS, "collect", None):
         return original(controller, operation, *a, **kw)
     collect = _TLS.collect = _Collect()
