@@ -14,6 +14,7 @@ embedded L3 ground truth (or a Redis ledger with ``--redis-url``).
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import math
 import multiprocessing as mp
 import os
@@ -122,9 +123,7 @@ def preflight(opts: DemoOptions) -> str | None:
         config = demo_config(opts)
     except ValueError as exc:
         return f"error: --redis-url {shown}: {exc}"
-    try:
-        import redis  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("redis") is None:
         return (
             "error: --redis-url needs the Redis client: pip install 'hicache-existence[redis]'"
         )
