@@ -145,7 +145,13 @@ both 3.12 "3.12 python-index" 'leg 3.12 "$PY312" "${CORE_TESTS[@]}"' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"'
 one() { log "pytest [$1]"; leg "$@"; report "$1"; }
 one "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"
-one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}"
+#    With the seed wheel, also our flat cache against its own class (the differential
+#    replay the other legs run against the benchmarks' reimplementation).
+SEED_WHEEL_TESTS=()
+for primary in kv swa draft_kv; do
+  SEED_WHEEL_TESTS+=("tests/upstream/test_flat_seed_differential.py::test_seeded_long_replay_matches_seed[$primary-seed-wheel]")
+done
+one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}"
 HICACHE_EXISTENCE_BACKEND=python one "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" \
   tests/sglang_integration/test_sglang_launcher.py
 log "pytest [3.11]"
