@@ -6,12 +6,18 @@ leave sglang untouched."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 
 import pytest
-from hx_harness import EP_NAME, EP_VALUE, GROUP, Scenarios, installed_entry_point
+from hx_harness import (
+    EP_NAME,
+    EP_VALUE,
+    GROUP,
+    Scenarios,
+    installed_entry_point,
+    installed_generation,
+)
 
 pytestmark = [pytest.mark.sglang]
 
@@ -20,13 +26,8 @@ STEP = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache
 ADD = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM = "sglang.srt.server_args.ServerArgs.from_cli_args"
 UPSTREAM_MODULE = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache"
-#: The installed wheel's cache generation, read from its version (not from our code's
-#: detection, which is under test): flat (seed) up to 0.5.21, current from 0.5.22.
-GENERATION = (
-    "flat"
-    if tuple(int(x) for x in importlib.metadata.version("sglang").split(".")[:3]) < (0, 5, 22)
-    else "current"
-)
+#: The installed wheel's cache generation (flat up to sglang 0.5.21, current from 0.5.22).
+GENERATION = installed_generation()
 OUR_CLASS = {
     "current": "hicache_existence.core.cache.StorageExistenceCache",
     "flat": "hicache_existence.core.flat.FlatStorageExistenceCache",
