@@ -7,11 +7,11 @@
 # test extras.  Then lints, type-checks, builds and installs the distribution on every
 # Python of the matrix, and runs pytest with skips turned into failures:
 #
-#   Python 3.11  everything (sglang 0.5.23), plus the storage-facing tests on the
-#                pure-Python index
+#   Python 3.11  everything but the real servers (sglang 0.5.23), plus the
+#                storage-facing tests on the pure-Python index
 #   Python 3.11  the sglang integration tests against sglang 0.5.21 (the seed's flat API)
-#   Python 3.12  the sglang integration tests (sglang 0.5.23; SGLang's image runs 3.12)
-#                and the core tests, on both indexes
+#   Python 3.12  the sglang integration tests (sglang 0.5.23; SGLang's image runs 3.12),
+#                the real-server tests (tests/real_server) and the core tests, on both indexes
 #   Python 3.10, 3.13  the core tests, on both indexes (light envs: no torch, no sglang)
 #
 # The interpreters come from pyenv (~/.pyenv/versions/3.X.*) or PATH; a missing one
@@ -27,6 +27,10 @@ need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)  # the Redis Cluster tests
+# Mooncake's transfer engine and store client (mooncake_master, the L3 tests) link it.
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] \
+  || need_apt+=(libibverbs1)
 if ((${#need_apt[@]})); then
   log "installing Debian packages: ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -145,6 +149,9 @@ both 3.12 "3.12 python-index" 'leg 3.12 "$PY312" "${CORE_TESTS[@]}"' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"'
 one() { log "pytest [$1]"; leg "$@"; report "$1"; }
 one "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"
+#    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
+#    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
+one "3.12 real servers" "$PY312" tests/real_server
 #    With the seed wheel, also our flat cache against its own class (the differential
 #    replay the other legs run against the benchmarks' reimplementation).
 SEED_WHEEL_TESTS=()
@@ -156,7 +163,7 @@ HICACHE_EXISTENCE_BACKEND=python one "3.11 python-index" "$PY" "${STORAGE_TESTS[
   tests/sglang_integration/test_sglang_launcher.py
 log "pytest [3.11]"
 set +e
-"$PY" -m pytest -p no:cacheprovider "$@"
+"$PY" -m pytest -p no:cacheprovider --ignore=tests/real_server "$@"
 rc=$?
 set -e
 log "pytest [3.11] exit code $rc"
