@@ -157,11 +157,18 @@ class ExistenceRuntime:
         """Everything due once per scheduler step; call it on every rank at the
         same lockstep point (after ``check_hicache_events``)."""
         self.steps += 1
-        if self.reconciler is not None:
-            self._guard("reconciler", lambda: self.reconciler.apply(self.steps))  # type: ignore[union-attr]
+        reconciler = self.reconciler
+        if reconciler is not None:
+            try:
+                reconciler.apply(self.steps)
+            except Exception as exc:  # observability never takes the scheduler down
+                self._report("reconciler", exc)
         if self.checker is not None:
             self._check()
-        self._guard("telemetry", self.telemetry.step)
+        try:
+            self.telemetry.step()
+        except Exception as exc:
+            self._report("telemetry", exc)
 
     def _check(self) -> None:
         checker = self.checker

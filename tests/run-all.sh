@@ -2,10 +2,20 @@
 # Runs every test of hicache-existence on a fresh or a warm machine.
 #
 # Installs what the tests need: Debian packages (redis-server, prometheus) when
-# missing, and a cached, version-keyed virtualenv outside the clone with torch
-# (CPU), the real sglang wheel and this package with its test extras
-# (tests/envs/ensure-env.sh).  Then lints, type-checks, proves the core imports
-# without any extra, and runs pytest with skips turned into failures.
+# missing, and cached, version-keyed virtualenvs outside the clone
+# (tests/envs/ensure-env.sh): torch, the real sglang wheel and this package with its
+# test extras.  Then lints, type-checks, builds and installs the distribution on every
+# Python of the matrix, and runs pytest with skips turned into failures:
+#
+#   Python 3.11  everything but the real servers (sglang 0.5.23), plus the
+#                storage-facing tests on the pure-Python index
+#   Python 3.11  the sglang integration tests against sglang 0.5.21 (the seed's flat API)
+#   Python 3.12  the sglang integration tests (sglang 0.5.23; SGLang's image runs 3.12),
+#                the real-server tests (tests/real_server) and the core tests, on both indexes
+#   Python 3.10, 3.13  the core tests, on both indexes (light envs: no torch, no sglang)
+#
+# The interpreters come from pyenv (~/.pyenv/versions/3.X.*) or PATH; a missing one
+# fails the run (HICACHE_EXISTENCE_PYTHON_3_X=/path overrides one).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -17,8 +27,10 @@ need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
-# The Mooncake wheel (store client, transfer engine of the PD tests) links libibverbs.
-ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || need_apt+=(libibverbs1)
+command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)  # the Redis Cluster tests
+# Mooncake's transfer engine and store client (mooncake_master, the L3 tests) link it.
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] \
+  || need_apt+=(libibverbs1)
 if ((${#need_apt[@]})); then
   log "installing Debian packages: ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -26,40 +38,137 @@ if ((${#need_apt[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# 2. The cached test environment (torch, sglang, test and dev extras).  The "full"
-#    flavour (torch 2.14.1 + torchvision from local disk) is the one in which sglang's
-#    unified_radix_cache and scheduler modules import, which the plugin tests need.
-log "preparing the test environment"
-export HICACHE_EXISTENCE_ENV_FLAVOR="${HICACHE_EXISTENCE_ENV_FLAVOR:-full}"
-PY="$(bash tests/envs/ensure-env.sh | tail -n 1)"
-log "python: $PY"
+# 2. The interpreters of the matrix: each must exist and be the version it claims.
+find_python() { # X.Y -> path of a working interpreter, or fail
+  local v="$1" var="HICACHE_EXISTENCE_PYTHON_${1/./_}" c
+  local candidates=("${!var:-}")
+  for c in "$HOME"/.pyenv/versions/"$v".*/bin/python"$v"; do candidates+=("$c"); done
+  candidates+=("$(command -v "python$v" 2>/dev/null || true)")
+  for c in "${candidates[@]}"; do
+    [ -n "$c" ] && [ -x "$c" ] || continue
+    if [ "$("$c" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "$v" ]; then
+      echo "$c"
+      return 0
+    fi
+  done
+  echo "[run-all] error: no Python $v (looked in ~/.pyenv/versions/$v.* and PATH; set $var)" >&2
+  return 1
+}
+declare -A PYBASE
+for v in 3.10 3.11 3.12 3.13; do PYBASE[$v]="$(find_python "$v")"; done
+log "interpreters: ${PYBASE[3.10]} ${PYBASE[3.11]} ${PYBASE[3.12]} ${PYBASE[3.13]}"
 
-# 3. Static checks.
+# 3. The cached test environments.  The "full" flavour (torch 2.14.1 + torchvision) is
+#    the one in which sglang's unified_radix_cache and scheduler modules import, which
+#    the plugin tests need; "seed" is the same with sglang 0.5.21; "core" has no torch
+#    and no sglang (the extra Pythons' core tests).
+log "preparing the test environments"
+env_for() { # flavour X.Y extras
+  HICACHE_EXISTENCE_ENV_FLAVOR="$1" HICACHE_EXISTENCE_PYTHON="${PYBASE[$2]}" \
+    HICACHE_EXISTENCE_ENV_EXTRAS="$3" bash tests/envs/ensure-env.sh | tail -n 1
+}
+PY="$(env_for "${HICACHE_EXISTENCE_ENV_FLAVOR:-full}" 3.11 test,dev)"
+PY312="$(env_for full 3.12 test)"
+PYSEED="$(env_for seed 3.11 test)"
+PY310="$(env_for core 3.10 test)"
+PY313="$(env_for core 3.13 test)"
+log "python: $PY (3.12: $PY312; sglang 0.5.21: $PYSEED; 3.10: $PY310; 3.13: $PY313)"
+
+# 4. Static checks.
 log "ruff"
 "$PY" -m ruff check hicache_existence tests benchmarks dashboards integrations
 log "mypy"
 "$PY" -m mypy hicache_existence
 
-# 4. The core alone: no extras, no third-party package at all.
-log "core import without extras"
-bash tests/envs/bare-import.sh
+# 5. The distribution on every Python: sdist + wheel, twine, cibuildwheel's
+#    configuration, the wheel repaired to manylinux and installed (compiled index), the
+#    sdist installed without a compiler (pure-Python index); no extras, no third-party
+#    package at all.
+log "distribution: build, check, repair, install on 3.10-3.13"
+HICACHE_EXISTENCE_MATRIX="${PYBASE[3.10]} ${PYBASE[3.11]} ${PYBASE[3.12]} ${PYBASE[3.13]}" \
+  bash tests/envs/bare-import.sh
 
-# 5. Every test; a skip is a failure here.
+# 6. Every test; a skip is a failure here.
 export HICACHE_EXISTENCE_REQUIRE_ALL=1 HICACHE_EXISTENCE_REQUIRE_SGLANG=1
-#    First the tests that reach into the cache's storage, on the pure-Python index
-#    (what an install without a C compiler runs; the cache state machines run on
-#    both indexes in the main pass too).
-log "pytest on the pure-Python index (HICACHE_EXISTENCE_BACKEND=python)"
-HICACHE_EXISTENCE_BACKEND=python "$PY" -m pytest -p no:cacheprovider -q \
-  tests/test_bad_input.py tests/test_digest.py tests/test_miss_reasons.py \
-  tests/test_exporter_prometheus.py tests/test_replay_mattson.py tests/test_config.py \
-  tests/sglang_integration/test_sglang_launcher.py tests/test_lru_index.py \
-  tests/test_advisor.py tests/test_sampler.py \
-  --deselect tests/test_lru_index.py::test_compiled_index_is_in_use_where_required
-log "pytest"
+#    The tests that reach into the cache's storage, run again on the pure-Python index
+#    (what an install without a C compiler runs; the cache state machines run on both
+#    indexes in the main pass too).
+STORAGE_TESTS=(tests/test_bad_input.py tests/test_digest.py tests/test_miss_reasons.py
+  tests/test_exporter_prometheus.py tests/test_replay_mattson.py tests/test_config.py
+  tests/test_lru_index.py tests/test_advisor.py tests/test_sampler.py
+  --deselect tests/test_lru_index.py::test_compiled_index_is_in_use_where_required)
+#    The core tests of the extra Pythons: the package's own behaviour, the main job (its
+#    Redis cases against a real redis-server); nothing that needs torch or sglang (3.11
+#    and 3.12 run those), and the hypothesis runs of the slow mark at their default size
+#    only (3.11 runs them at full length).
+CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.py
+  tests/test_lru_index.py tests/test_sampler.py tests/test_sampler_oom.py tests/test_ghosts.py
+  tests/test_writes.py tests/test_miss_reasons.py tests/test_bad_input.py tests/test_digest.py
+  tests/test_config.py tests/test_advisor.py tests/test_replay_mattson.py
+  tests/test_replay_trace.py tests/test_replay_model.py tests/test_reconcile_unit.py
+  tests/test_divergence_inprocess.py tests/test_exporter_prometheus.py tests/test_catalog.py
+  tests/test_logs.py tests/test_runtime.py tests/test_layering.py tests/test_demo.py
+  tests/upstream/test_flat_seed_differential.py
+  -m "not slow and not torch and not sglang")
+#    The sglang integration tests: plugin loading, hooks, construction by
+#    UnifiedRadixCache, the buffer-mode pipeline, the flags.
+SGLANG_TESTS=(tests/sglang_integration)
+
+LEGS="$(mktemp -d)"
+trap 'rm -rf "$LEGS"' EXIT
+failed=()
+leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name>.log
+  local name="$1" py="$2" t0=$SECONDS rc
+  shift 2
+  set +e
+  "$py" -m pytest -p no:cacheprovider -q "$@" >"$LEGS/$name.log" 2>&1
+  rc=$?
+  set -e
+  echo "$rc $((SECONDS - t0))" >"$LEGS/$name.rc"
+}
+report() { # name: print a finished leg (its summary, or its failures in full)
+  local name="$1" rc secs
+  read -r rc secs <"$LEGS/$name.rc"
+  if [ "$rc" = 0 ]; then tail -n 3 "$LEGS/$name.log" | sed "s/^/[$name] /"; else sed "s/^/[$name] /" "$LEGS/$name.log"; fi
+  log "pytest [$name] exit code $rc (${secs}s)"
+  if [ "$rc" != 0 ]; then failed+=("$name"); fi
+}
+both() { # two legs side by side (each is one pytest process, one core), then report
+  log "pytest [$1] and [$2]"
+  eval "$3" &
+  eval "$4"
+  wait
+  report "$1"
+  report "$2"
+}
+both 3.10 3.13 'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' 'leg 3.13 "$PY313" "${CORE_TESTS[@]}"'
+both "3.10 python-index" "3.13 python-index" \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.10 python-index" "$PY310" "${STORAGE_TESTS[@]}"' \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.13 python-index" "$PY313" "${STORAGE_TESTS[@]}"'
+both 3.12 "3.12 python-index" 'leg 3.12 "$PY312" "${CORE_TESTS[@]}"' \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"'
+one() { log "pytest [$1]"; leg "$@"; report "$1"; }
+one "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"
+#    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
+#    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
+one "3.12 real servers" "$PY312" tests/real_server
+#    With the seed wheel, also our flat cache against its own class (the differential
+#    replay the other legs run against the benchmarks' reimplementation).
+SEED_WHEEL_TESTS=()
+for primary in kv swa draft_kv; do
+  SEED_WHEEL_TESTS+=("tests/upstream/test_flat_seed_differential.py::test_seeded_long_replay_matches_seed[$primary-seed-wheel]")
+done
+one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}"
+HICACHE_EXISTENCE_BACKEND=python one "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" \
+  tests/sglang_integration/test_sglang_launcher.py
+log "pytest [3.11]"
 set +e
-"$PY" -m pytest -p no:cacheprovider "$@"
+"$PY" -m pytest -p no:cacheprovider --ignore=tests/real_server "$@"
 rc=$?
 set -e
-log "pytest exit code $rc"
+log "pytest [3.11] exit code $rc"
+if ((${#failed[@]})); then
+  log "failed legs: ${failed[*]}"
+  [ "$rc" != 0 ] || rc=1
+fi
 exit $rc

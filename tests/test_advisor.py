@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_replay_trace import shared_trace
+from test_replay_trace import mooncake_trace
 
 from hicache_existence.accounting.advisor import (
     GAUGE_NAME,
@@ -115,7 +115,7 @@ def test_rate_one_reproduces_the_cache_counters(
 def test_buffer_mode_stream_matches_the_cache_at_1x() -> None:
     """On the write-path model's own call stream (heals invalidate, lookups touch, acks add),
     rate 1 at the 1x cap is within 0.001 of the cache's ratio (invalidation is approximated)."""
-    pages = expand(read_trace(shared_trace()))
+    pages = expand(read_trace(mooncake_trace()))
     trace = PageTrace(pages.source, pages.format, pages.page_size, pages.requests[:1500])
     deployments = [
         (65536, ModelConfig(l3_pages=20000, ack_latency_ms=30)),
@@ -140,7 +140,7 @@ def test_lookup_curve_sees_that_healing_makes_a_small_cap_cheap() -> None:
     lookup curve stays flat above 1x while the reference-stream curve climbs.  Rate 0.2,
     the documented rate for a 16K cap (cap x rate >= 2,600 sampled slots; at the default
     0.02 the 1x cap has 328 and the flat stretch reads 0.00-0.017 with the hash salt)."""
-    pages = expand(read_trace(shared_trace()))
+    pages = expand(read_trace(mooncake_trace()))
     advisor = CapacityAdvisor(0.2)
     cache = StorageExistenceCache(16384, advisor=advisor)
     result = run_model(pages, 16384, ModelConfig(), cache=cache)

@@ -72,3 +72,28 @@ def test_catalog_exports_exactly_the_declared_fields():
         f.name for f in dataclasses.fields(PoolStats) if f.name != "pool"
     }
     assert _exported_cache_fields() == declared
+
+
+def test_write_counters_are_declared_once_and_all_exported():
+    """WRITE_FIELDS is PoolWriteStats's counter fields; the live record has one slot
+    each; snapshot, delta and as_dict carry each by name; every write counter is
+    exported in pages (and in bytes where it has a byte size)."""
+    from hicache_existence.accounting.writes import WRITE_FIELDS, PoolWriteStats, WriteAccounting
+
+    kinds = {f.name: f.metadata.get("kind") for f in dataclasses.fields(PoolWriteStats)}
+    assert tuple(n for n, k in kinds.items() if k == "counter") == WRITE_FIELDS
+    acct = WriteAccounting(page_size_bytes=10)
+    rec = acct._pool("kv")
+    for i, name in enumerate(WRITE_FIELDS):
+        setattr(rec, name, 100 + i)
+    snap = acct.stats()["kv"]
+    delta = snap - PoolWriteStats("kv")
+    out = snap.as_dict()
+    for i, name in enumerate(WRITE_FIELDS):
+        assert getattr(snap, name) == getattr(delta, name) == out[name] == 100 + i, name
+    exported = {spec.field for spec in CATALOG if spec.source == "writes"}
+    for name in WRITE_FIELDS:
+        assert name in exported, f"write counter {name} is not exported"
+        if hasattr(snap, f"{name}_bytes"):
+            assert f"{name}_bytes" in exported, f"{name}_bytes is not exported"
+    assert exported <= {*WRITE_FIELDS, *(f"{n}_bytes" for n in WRITE_FIELDS)}

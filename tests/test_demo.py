@@ -9,8 +9,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
+from reconcile_redis_server import RedisServer
+
+CIRCUIT_OPEN = "hicache_existence_reconciler_circuit_open"
+
+
+def _no_traceback(out: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 def _free_port() -> int:
@@ -57,9 +65,9 @@ def test_one_rank_demo_needs_no_torch_group():
 def test_demo_rejects_bad_options_without_starting():
     """Bad options give a clear error and exit 2 before anything starts."""
     out = _demo("--ranks", "0")
-    assert out.returncode == 2 and "--ranks must be >= 1" in out.stdout
+    assert out.returncode == 2 and "--ranks must be >= 1" in out.stderr
     out = _demo("--trace", "/nonexistent/trace.jsonl")
-    assert out.returncode == 2 and "no such file" in out.stdout
+    assert out.returncode == 2 and "no such file" in out.stderr
 
 
 @pytest.mark.multiprocess
@@ -107,3 +115,101 @@ def test_keep_running_serves_metrics_until_interrupted():
             proc.kill()
     assert proc.returncode == 0, stdout + stderr
     assert "demo finished" in stdout
+
+
+def test_malformed_trace_gives_replays_error_and_exit_2(tmp_path: Path) -> None:
+    """A malformed --trace stops the demo before it starts with replay's exact error."""
+    trace = tmp_path / "bad.jsonl"
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}'
+    trace.write_text(good + "\n" + '{"timestamp": 1, "input_length": "x"}\n', encoding="utf-8")
+    demo = _demo("--ranks", "1", "--port", "0", "--trace", str(trace))
+    replay = subprocess.run(
+        [sys.executable, "-m", "hicache_existence", "replay", "--quiet", str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert demo.returncode == 2 and replay.returncode == 2
+    assert "bad.jsonl:2:" in demo.stderr and demo.stderr == replay.stderr
+    assert "serving /metrics" not in demo.stdout
+    _no_traceback(demo)
+
+
+def test_taken_port_gives_a_clear_error() -> None:
+    """A --port another process holds stops the demo with a clear error (exit 2)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = _demo("--ranks", "1", "--steps", "5", "--port", str(port))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"cannot serve /metrics on 127.0.0.1:{port}" in out.stderr
+    assert "already in use" in out.stderr and "--port 0" in out.stderr
+    _no_traceback(out)
+
+
+@pytest.mark.redis
+def test_unreachable_redis_stops_before_starting() -> None:
+    """--redis-url with nothing listening: a clear message and exit 2, before any rank
+    or port starts (the URL's password is not shown)."""
+    pytest.importorskip("redis")
+    url = f"redis://:s3cret@127.0.0.1:{_free_port()}/0"
+    out = _demo("--ranks", "1", "--steps", "5", "--port", "0", "--redis-url", url, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Redis does not answer" in out.stderr and "s3cret" not in out.stderr
+    assert "serving /metrics" not in out.stdout
+    _no_traceback(out)
+
+
+@pytest.mark.redis
+@pytest.mark.multiprocess
+def test_redis_dying_mid_run_leaves_the_demo_running(tmp_path: Path) -> None:
+    """A real redis-server killed mid-run: the demo keeps stepping to the end (exit 0),
+    the breaker shows in its progress line, its summary and the /metrics gauge."""
+    pytest.importorskip("redis")
+    server = RedisServer(tmp_path).start()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "hicache_existence", "demo", "--ranks", "1", "--port", "0"),
+            *("--steps", "600", "--steps-per-s", "40", "--redis-url", server.url),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    gauge = ""
+    try:
+        assert proc.stdout is not None
+        url = ""
+        for line in proc.stdout:
+            lines.append(line)
+            if not url and (m := re.search(r"serving /metrics at (\S+)", line)):
+                url = m.group(1)
+            if re.match(r"step (\d+)/", line) and int(line.split()[1].split("/")[0]) >= 40:
+                break
+        assert url, "".join(lines)
+        server.kill()  # mid-run: the ledger's writes and the verifications now fail
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:
+            lines.append(line)
+            if "breaker open" in line or "breaker half-open" in line:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    body = r.read().decode()
+                gauge = "".join(re.findall(rf"{CIRCUIT_OPEN}\{{[^}}]*\}} 1\.0", body))
+                if gauge or time.monotonic() > deadline:
+                    break
+        rest, stderr = proc.communicate(timeout=120)
+        lines.append(rest)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        server.close()
+    text = "".join(lines)
+    assert proc.returncode == 0, text + stderr
+    assert "Traceback" not in text + stderr, text + stderr
+    assert gauge, "the circuit-open gauge never read 1 on /metrics"
+    assert "demo finished: 600 steps" in text
+    assert re.search(r"circuit breaker opened [1-9]\d* time", text), text

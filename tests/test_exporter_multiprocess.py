@@ -51,7 +51,9 @@ CHILD = textwrap.dedent(
     writes = WriteAccounting(page_size_bytes=512)
     tally = {}
     def count(pool, what, n):
-        tally.setdefault(pool, {"written": 0, "avoided": 0, "redundant": 0})[what] += n
+        tally.setdefault(pool, dict.fromkeys(
+            ("written", "avoided", "redundant", "acknowledged", "failed", "believed"), 0
+        ))[what] += n
     feeder = MultiprocessFeeder(
         SeriesReader(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa")),
         DeploymentLabels(model_name="m", engine_type="prefill", tp_rank=rank),
@@ -69,10 +71,21 @@ CHILD = textwrap.dedent(
                 both("track_inflight", pool, chain)  # unbelieved pages get rescued
             if not both("covered", pool, chain):
                 both("add", pool, chain)
-                already = rng.randrange(3)
-                writes.written(pool, len(chain), already_stored=already)
                 count(pool, "written", len(chain))
-                count(pool, "redundant", already)
+                if rng.random() < 0.5:  # ground truth at write time
+                    already = rng.randrange(3)
+                    writes.written(pool, len(chain), already_stored=already)
+                    count(pool, "redundant", already)
+                else:  # the storage ack: stored / failed, the backend's own answer
+                    writes.written(pool, len(chain))
+                    failed = rng.randrange(3)
+                    stored = len(chain) - failed
+                    already = rng.randrange(min(stored, 3) + 1)
+                    believed = rng.randrange(already + 1)
+                    writes.acked(pool, stored, failed, already_stored=already, believed=believed)
+                    for what, n in (("acknowledged", stored), ("failed", failed),
+                                    ("redundant", already), ("believed", believed)):
+                        count(pool, what, n)
             else:
                 writes.avoided(pool, len(chain))
                 count(pool, "avoided", len(chain))
@@ -124,6 +137,11 @@ WRITE_COUNTERS = {
     "hicache_existence_write_avoided_bytes_total": ("avoided", 512),
     "hicache_existence_redundant_written_pages_total": ("redundant", 1),
     "hicache_existence_redundant_written_bytes_total": ("redundant", 512),
+    "hicache_existence_write_acknowledged_pages_total": ("acknowledged", 1),
+    "hicache_existence_write_acknowledged_bytes_total": ("acknowledged", 512),
+    "hicache_existence_write_failed_pages_total": ("failed", 1),
+    "hicache_existence_write_failed_bytes_total": ("failed", 512),
+    "hicache_existence_redundant_believed_pages_total": ("believed", 1),
 }
 REASONS = ("cold", "evicted", "invalidated", "cleared")
 

@@ -1,6 +1,6 @@
 """The one-pass belief-only curve equals running the real StorageExistenceCache at
 each cap: hits (the cache's refreshes) and evictions, for every cap, on random
-streams, on chain-shaped streams and on the shared Mooncake trace."""
+streams, on chain-shaped streams and on the Mooncake trace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_replay_trace import shared_trace
+from test_replay_trace import mooncake_trace
 
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.replay.mattson import belief_only_curves
@@ -105,9 +105,9 @@ def test_curve_edges() -> None:
     assert empty.hit_ratio(5) == 1.0
 
 
-def test_shared_trace_matches_the_real_cache() -> None:
+def test_mooncake_trace_matches_the_real_cache() -> None:
     """On the Mooncake trace (958,200 page refs) Mattson equals the real cache at four caps."""
-    pages = expand(read_trace(shared_trace()))
+    pages = expand(read_trace(mooncake_trace()))
     check_every_cap(list(pages.requests), [4096, 65536, 200_000, 400_000])
     curve = belief_only_curves(pages)["kv"]
     assert curve.references == 958_200

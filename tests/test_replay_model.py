@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_replay_trace import mooncake, shared_trace, write_lines
+from test_replay_trace import mooncake, mooncake_trace, write_lines
 
 from hicache_existence.cli import main
 from hicache_existence.replay import report
@@ -300,13 +300,13 @@ def test_model_matches_brute_force(config_index: int, seed: int) -> None:
         assert got.page_references == sum(len(r.pages) for r in trace.requests)
 
 
-def test_model_invariants_on_the_shared_trace() -> None:
+def test_model_invariants_on_the_mooncake_trace() -> None:
     """Mooncake, unbounded L3: every distinct page is written once plus redundant rewrites, and
     nothing is stale; a bounded L3 creates stale beliefs that healing invalidates."""
     from hicache_existence.replay.pages import expand
     from hicache_existence.replay.trace import read_trace
 
-    pages = expand(read_trace(shared_trace()))
+    pages = expand(read_trace(mooncake_trace()))
     requests = PageTrace(pages.source, pages.format, pages.page_size, pages.requests[:1500])
     big = run_model(requests, 1 << 21)
     assert big.redundant_writes == 0
@@ -451,12 +451,12 @@ def _has_matplotlib() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_cli_on_the_shared_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Done-when of issue #8: replay on the shared trace prints the sweep and writes the plot."""
+def test_cli_on_the_mooncake_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Done-when of issue #8: replay on the Mooncake trace prints the sweep and writes the plot."""
     code = main(
         [
             "replay",
-            str(shared_trace()),
+            str(mooncake_trace()),
             "--out",
             str(tmp_path),
             "--caps",

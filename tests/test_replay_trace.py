@@ -14,24 +14,20 @@ from hicache_existence.cli import main
 from hicache_existence.replay.pages import expand
 from hicache_existence.replay.trace import FORMAT_TAG, TraceError, read_trace
 
-SHARED_TRACE = Path(
+#: The Mooncake trace kept in the repository (tests/data/traces, with its licence).
+MOONCAKE_TRACE = Path(
     os.environ.get(
         "HICACHE_EXISTENCE_MOONCAKE_TRACE",
-        Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl",
+        Path(__file__).resolve().parent / "data/traces/mooncake_synthetic_trace.jsonl",
     )
 )
 
 
-def shared_trace() -> Path:
-    """The shared Mooncake trace, or skip (fail under HICACHE_EXISTENCE_REQUIRE_ALL=1)."""
-    if SHARED_TRACE.is_file():
-        return SHARED_TRACE
-    message = (
-        f"shared Mooncake trace not found at {SHARED_TRACE} (set HICACHE_EXISTENCE_MOONCAKE_TRACE)"
-    )
-    if os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
+def mooncake_trace() -> Path:
+    """The repository's Mooncake trace; a missing file is a failure, never a skip."""
+    if not MOONCAKE_TRACE.is_file():
+        pytest.fail(f"Mooncake trace not found at {MOONCAKE_TRACE}")
+    return MOONCAKE_TRACE
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
@@ -267,9 +263,9 @@ def test_page_size_must_divide_the_block(tmp_path: Path) -> None:
     assert len(expand(trace, 128).requests[0].pages) == 5
 
 
-def test_shared_mooncake_trace_has_the_published_shape() -> None:
-    """The shared trace reads whole: 3,993 requests, 121,877 block refs, 43,924 distinct blocks."""
-    trace = read_trace(shared_trace())
+def test_mooncake_trace_has_the_published_shape() -> None:
+    """The trace reads whole: 3,993 requests, 121,877 block refs, 43,924 distinct blocks."""
+    trace = read_trace(mooncake_trace())
     assert len(trace.requests) == 3993
     assert sum(len(r.hash_ids) for r in trace.requests) == 121877
     assert len({b for r in trace.requests for b in r.hash_ids}) == 43924

@@ -54,9 +54,8 @@ def pipeline(cache: Any, entry_map: dict[str, Any] | None = None, sidecars: Any 
 
 # -- current generation (per-pool) ----------------------------------------------------
 def admit_current(p: NS, pool_keys: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
-    """enqueue_backup_intent -> _write_intents -> _backup_pool_keys, as upstream."""
+    """enqueue_backup_intent's call of _write_intents -> _backup_pool_keys, as upstream."""
     cache = p._cache.storage_existence_cache
-    out: list[tuple[str, list[str]]] = []
 
     def backup_pool_keys(pipe: NS, snap: Any) -> dict[str, list[str]]:
         return pool_keys
@@ -66,11 +65,7 @@ def admit_current(p: NS, pool_keys: dict[str, list[str]]) -> list[tuple[str, lis
         wp.after_backup_pool_keys(keys, pipe, snap)
         return [(pool, k) for pool, k in keys.items() if not cache.pool(pool).covered(k)]
 
-    def enqueue(pipe: NS, node_id: int) -> None:
-        out.extend(wp.around_write_intents(write_intents, pipe, "snap"))
-
-    wp.around_enqueue_backup_intent(enqueue, p, 7)
-    return out
+    return list(wp.around_write_intents(write_intents, p, "snap"))
 
 
 def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> None:
@@ -86,8 +81,8 @@ def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> No
     intents = admit_current(p, {"kv": a + b, "swa": a[-1:]})
     assert [pool for pool, _ in intents] == ["kv"]  # swa covered: avoided
     assert feed.writes.stats()["swa"].avoided == 1
-    # split repairs call _write_intents outside an admission: not counted
-    wp.around_write_intents(lambda pipe, snap: [], p, "snap")
+    # split repairs call _write_intents inside a queue refresh: not counted
+    wp.around_refresh_pending(lambda pipe: admit_current(pipe, {"kv": a + b, "swa": a[-1:]}), p)
     assert feed.writes.stats()["swa"].avoided == 1
 
     intent = NS(pool="kv", keys=a + b, snapshot=NS(hash_values=a + b))
@@ -194,6 +189,10 @@ def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
     wp.around_tree_insert(insert, tree, None)  # the next walk decides again
     assert feed.writes.stats()["kv"].avoided == 10
 
+    queries = cache.stats()["kv"].queries
+    assert cache.believed("kv", [a[1], *pages("0", 1)]) == [a[1]]
+    assert cache.believed("swa", a) == [] and cache.stats()["kv"].queries == queries
+
     b = pages("9", 3)
     intent = NS(snapshot=NS(hash_values=b))
     wp.after_stage_backup_intent(True, p, intent, None, {})  # flat signature
@@ -244,6 +243,7 @@ def test_register_installs_what_resolves() -> None:
     assert done == [t for t, _ in got]
     assert not any("mooncake" in t for t in done)
     assert f"{wp.PIPELINE}._write_intents" in done and wp.FLAT_COVERS_ALL not in done
+    assert f"{wp.PIPELINE}.enqueue_backup_intent" not in done  # the d(d+1)/2 hot call
     got.clear()
 
     def resolve_without_pipeline(target: str) -> object:

@@ -24,48 +24,35 @@ snapshots (pages and bytes) that subtract to deltas, like ``stats.py``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from hicache_existence.core import _validate
-
-#: Counters of one pool, in snapshot order.
-WRITE_FIELDS: tuple[str, ...] = (
-    "written",
-    "avoided",
-    "redundant",
-    "acknowledged",
-    "failed",
-    "redundant_believed",
-)
-
-
-class _PoolWrites:
-    __slots__ = WRITE_FIELDS
-
-    def __init__(self) -> None:
-        self.written = 0
-        self.avoided = 0
-        self.redundant = 0
-        self.acknowledged = 0
-        self.failed = 0
-        self.redundant_believed = 0
+from hicache_existence.core.stats import counter, gauge
 
 
 @dataclass(frozen=True, slots=True)
 class PoolWriteStats:
-    """One pool's write accounting: pages, and bytes at ``page_size_bytes``."""
+    """One pool's write accounting: pages, and bytes at ``page_size_bytes``.
+
+    Its ``counter()`` fields are the one declaration of the write counters: the
+    live per-pool record and ``WRITE_FIELDS`` are built from them."""
 
     pool: str
-    written: int = 0
-    avoided: int = 0
-    redundant: int = 0
-    page_size_bytes: int = 0
+    #: Pages whose L3 write was launched.
+    written: int = counter()
+    #: Pages of write intents skipped because they were believed stored or in flight.
+    avoided: int = counter()
+    #: Written pages the L3 already held (ground truth: the backend's own answer).
+    redundant: int = counter()
+    #: Bytes of one page of this pool (kept, not subtracted, by ``-``).
+    page_size_bytes: int = gauge()
     #: Written pages this rank's storage write reported stored / not stored.
-    acknowledged: int = 0
-    failed: int = 0
+    acknowledged: int = counter()
+    failed: int = counter()
     #: Redundant pages that were believed stored when their write launched.
-    redundant_believed: int = 0
+    redundant_believed: int = counter()
 
     @property
     def written_bytes(self) -> int:
@@ -94,35 +81,40 @@ class PoolWriteStats:
         return self.avoided / admitted if admitted else 0.0
 
     def __sub__(self, other: PoolWriteStats) -> PoolWriteStats:
+        """Counters become deltas; the page size is this snapshot's."""
         if not isinstance(other, PoolWriteStats):
             return NotImplemented
-        return PoolWriteStats(
-            self.pool,
-            self.written - other.written,
-            self.avoided - other.avoided,
-            self.redundant - other.redundant,
-            self.page_size_bytes,
-            self.acknowledged - other.acknowledged,
-            self.failed - other.failed,
-            self.redundant_believed - other.redundant_believed,
-        )
+        deltas = {name: getattr(self, name) - getattr(other, name) for name in WRITE_FIELDS}
+        return PoolWriteStats(self.pool, page_size_bytes=self.page_size_bytes, **deltas)
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "pool": self.pool,
-            "written": self.written,
-            "avoided": self.avoided,
-            "redundant": self.redundant,
-            "acknowledged": self.acknowledged,
-            "failed": self.failed,
-            "redundant_believed": self.redundant_believed,
-            "page_size_bytes": self.page_size_bytes,
-            "written_bytes": self.written_bytes,
-            "avoided_bytes": self.avoided_bytes,
-            "redundant_bytes": self.redundant_bytes,
-            "acknowledged_bytes": self.acknowledged_bytes,
-            "failed_bytes": self.failed_bytes,
-        }
+        """Fields, plus ``<counter>_bytes`` for the counters that have bytes."""
+        out: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in WRITE_FIELDS:
+            if hasattr(self, f"{name}_bytes"):
+                out[f"{name}_bytes"] = getattr(self, f"{name}_bytes")
+        return out
+
+
+#: Counters of one pool, in snapshot order (derived: declare in ``PoolWriteStats``).
+WRITE_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(PoolWriteStats) if f.metadata.get("kind") == "counter"
+)
+
+
+class _PoolWrites:
+    """The live counters of one pool: one int slot per declared write counter."""
+
+    __slots__ = WRITE_FIELDS
+
+    def __init__(self) -> None:
+        for name in WRITE_FIELDS:
+            setattr(self, name, 0)
+
+    if TYPE_CHECKING:  # the slots come from WRITE_FIELDS; each holds an int
+
+        def __getattr__(self, name: str) -> int: ...
+        def __setattr__(self, name: str, value: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,13 +260,8 @@ class WriteAccounting:
                 {
                     name: PoolWriteStats(
                         name,
-                        rec.written,
-                        rec.avoided,
-                        rec.redundant,
-                        self.page_size(name),
-                        rec.acknowledged,
-                        rec.failed,
-                        rec.redundant_believed,
+                        page_size_bytes=self.page_size(name),
+                        **{field: getattr(rec, field) for field in WRITE_FIELDS},
                     )
                     for name, rec in list(self._pools.items())
                 }

@@ -9,6 +9,7 @@ reconciler and the capacity advisor on, and serves the aggregated ``/metrics``.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 NAME = "demo"
@@ -42,19 +43,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
 
 
+def _error(text: str) -> int:
+    print(text, file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
-    from hicache_existence.demo.run import DemoOptions, run_demo
+    from hicache_existence.demo.run import DemoOptions, preflight, run_demo
 
     for name in ("ranks", "requests_per_step", "cap", "l3_pages"):
         if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1")
-            return 2
+            return _error(f"error: --{name.replace('_', '-')} must be >= 1")
     if args.steps < 0 or args.steps_per_s < 0 or not 0 <= args.port <= 65535:
-        print("error: --steps and --steps-per-s must be >= 0, --port within 0..65535")
-        return 2
+        return _error("error: --steps and --steps-per-s must be >= 0, --port within 0..65535")
     if args.trace is not None and not args.trace.is_file():
-        print(f"error: --trace {args.trace}: no such file")
-        return 2
+        return _error(f"error: --trace {args.trace}: no such file")
     opts = DemoOptions(
         trace=args.trace,
         ranks=args.ranks,
@@ -69,4 +72,7 @@ def run(args: argparse.Namespace) -> int:
         keep_running=args.keep_running,
         progress=not args.no_progress,
     )
+    problem = preflight(opts)
+    if problem is not None:
+        return _error(problem)
     return run_demo(opts)

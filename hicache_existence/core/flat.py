@@ -219,6 +219,15 @@ class FlatStorageExistenceCache:
             self._observer.touched(rec.name, (page_hash,), 0)
         return False
 
+    def believed(self, pool: str, hashes: Iterable[str]) -> list[str]:
+        """The pages of ``pool`` in ``hashes`` believed stored, neither touched nor
+        counted: a read for accounting (was a written page believed at launch?)."""
+        rec = self._pools.get(pool)
+        if rec is None:
+            return []
+        contains, tag = self._entries.contains, rec.tag
+        return [h for h in hashes if contains(h, tag)]
+
     def contains_all(self, pool: str, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored; stops at the first that is not,
         having LRU-touched the pages before it."""

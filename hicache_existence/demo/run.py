@@ -14,6 +14,7 @@ embedded L3 ground truth (or a Redis ledger with ``--redis-url``).
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import math
 import multiprocessing as mp
 import os
@@ -96,6 +97,52 @@ def demo_config(opts: DemoOptions) -> Config:
     )
 
 
+def preflight(opts: DemoOptions) -> str | None:
+    """What would stop the demo before it starts, as a one-line error (``None``: go).
+
+    Checked in the parent, before any rank or port: the trace reads and expands
+    (the same ``TraceError`` text as ``replay``), and a ``--redis-url`` is valid,
+    its client is installed and the server answers a PING.  A ledger that is down
+    at start stops the demo (exit 2) rather than running a "Redis" demo without it.
+    """
+    from hicache_existence.replay.pages import expand
+    from hicache_existence.replay.trace import TraceError, read_trace
+
+    if opts.trace is not None:
+        try:
+            expand(read_trace(opts.trace))
+        except (TraceError, ValueError) as exc:
+            return f"error: {exc}"
+    if not opts.redis_url:
+        return None
+    from hicache_existence.config import redact_url
+    from hicache_existence.reconcile.redis_truth import ledger_from_section
+
+    shown = redact_url(opts.redis_url)
+    try:
+        config = demo_config(opts)
+    except ValueError as exc:
+        return f"error: --redis-url {shown}: {exc}"
+    if importlib.util.find_spec("redis") is None:
+        return (
+            "error: --redis-url needs the Redis client: pip install 'hicache-existence[redis]'"
+        )
+    try:
+        ledger = ledger_from_section(config.reconciler, "demo-preflight")
+    except (ValueError, TypeError) as exc:
+        return f"error: --redis-url {shown}: {exc}"
+    try:
+        if not ledger.ping():
+            return (
+                f"error: --redis-url {shown}: Redis does not answer (not running, wrong "
+                "address or refused); start it, or leave --redis-url out to use the "
+                "demo's embedded L3 as the ground truth"
+            )
+    finally:
+        ledger.close()
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,11 +211,17 @@ def _rank_loop(
         group = TorchGlooGroup.create(timeout_s=config.divergence.timeout_s)
         agreement = GlooAgreement.new_group()
     ledger: Any = None
+    writer: Any = None
     if opts.redis_url:
+        from hicache_existence.reconcile.ledger_writer import LedgerWriter
         from hicache_existence.reconcile.redis_truth import ledger_from_section, shard_id
 
         ledger = ledger_from_section(config.reconciler, shard_id("demo", rank, world))
-    shard = L3Shard(opts.l3_pages, drop_every=opts.l3_drop_every, ledger=ledger)
+        # As the wrapping storage backend does: the storage path only enqueues, a
+        # background thread writes to Redis, so a Redis that dies mid-run costs
+        # counted ledger errors and an open breaker, never the scheduler.
+        writer = _WriterLedger(LedgerWriter(ledger))
+    shard = L3Shard(opts.l3_pages, drop_every=opts.l3_drop_every, ledger=writer)
     labels = DeploymentLabels(
         model_name=config.metrics.model_name,
         engine_type="prefill",
@@ -199,7 +252,9 @@ def _rank_loop(
             if delay > 0:
                 time.sleep(delay)
     runtime.telemetry.step()  # a last flush
-    summary = _summary(runtime, scheduler, step) if rank == 0 else None
+    if writer is not None:
+        writer.writer.close(timeout_s=2.0)
+    summary = _summary(runtime, scheduler, step, writer) if rank == 0 else None
     runtime.close()
     reports.put({"rank": rank, "done": True, "summary": summary})
     if world > 1:
@@ -207,6 +262,19 @@ def _rank_loop(
 
         dist.barrier()
         dist.destroy_process_group()
+
+
+class _WriterLedger:
+    """``L3Shard``'s ledger interface over a ``LedgerWriter`` (enqueue only)."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def record_stored(self, pool: str, hashes: Sequence[str]) -> None:
+        self.writer.stored(pool, hashes)
+
+    def record_removed(self, pool: str, hashes: Sequence[str]) -> None:
+        self.writer.removed(pool, hashes)
 
 
 def _stop_agreed(stop: Any, world: int, step: int) -> bool:
@@ -243,10 +311,16 @@ def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> dict[
         "checks": checker.checks if checker else 0,
         "divergences": checker.divergences if checker else 0,
         "stale": sum(rec.stale_positives.values()) if rec else 0,
+        "breaker": _BREAKER_STATES[rec.circuit_state] if rec else "",
+        "truth_errors": sum(rec.errors.values()) if rec else 0,
     }
 
 
-def _summary(runtime: Any, scheduler: Any, steps: int) -> dict[str, Any]:
+#: The reconciler's circuit states (``reconcile.breaker``), as printed.
+_BREAKER_STATES = ("closed", "open", "half-open")
+
+
+def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> dict[str, Any]:
     runtime.cache.settle()  # classify the last step's misses before reporting them
     stats = runtime.cache.stats()
     advice = runtime._advice() if runtime.advisor is not None else None
@@ -283,9 +357,12 @@ def _summary(runtime: Any, scheduler: Any, steps: int) -> dict[str, Any]:
             "pages_invalidated": sum(rec.pages_invalidated.values()),
             "pages_learnt": sum(rec.pages_learnt.values()),
             "errors": sum(rec.errors.values()),
+            "breaker": _BREAKER_STATES[rec.circuit_state],
+            "breaker_opened": rec.circuit_opened,
         }
         if rec
         else None,
+        "ledger": writer.writer.counts() if writer is not None else None,
         "l3": {"evicted": scheduler.shard.evicted, "dropped": scheduler.shard.dropped},
         "stats_total": stats.total.as_dict(),
     }
@@ -321,6 +398,11 @@ def _line(p: dict[str, Any]) -> str:
         f"evictions {p['evictions']}  written {p['written']}  avoided {p['avoided']}  "
         f"redundant {p['redundant']}  checks {p['checks']} (divergences {p['divergences']})  "
         f"stale positives found {p['stale']}"
+        + (
+            f"  ground truth: breaker {p['breaker']}, {p['truth_errors']} errors"
+            if p.get("breaker") and (p["breaker"] != "closed" or p["truth_errors"])
+            else ""
+        )
     )
 
 
@@ -354,6 +436,20 @@ def format_summary(summary: dict[str, Any], ranks: int) -> str:
             f"{r['errors']} errors (L3 evicted {summary['l3']['evicted']}, lost "
             f"{summary['l3']['dropped']} pages)"
         )
+        if r.get("breaker_opened") or r.get("breaker", "closed") != "closed":
+            lines.append(
+                f"  ground truth unavailable at times: circuit breaker opened "
+                f"{r['breaker_opened']} time(s), {r['breaker']} at the end (verifications "
+                "paused while open; the cache kept serving)"
+            )
+    ledger = summary.get("ledger")
+    if ledger:
+        failed = sum(n for key, n in ledger["pages"].items() if not key.endswith("/ok"))
+        if failed:
+            lines.append(
+                f"  Redis ledger: {failed} page records not written (errors or a full queue; "
+                "at worst a redundant L3 write later)"
+            )
     lines.append(format_advice(summary.get("advice", {}), summary["cap"]))
     return "\n".join(lines)
 
@@ -401,7 +497,15 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
     procs: list[Any] = []
     status = 0
     try:
-        endpoint = MetricsEndpoint(mp_dir, opts.host, opts.port)
+        try:
+            endpoint = MetricsEndpoint(mp_dir, opts.host, opts.port)
+        except OSError as exc:
+            print(
+                f"error: cannot serve /metrics on {opts.host}:{opts.port}: {exc.strerror or exc} "
+                "(use --port N, or --port 0 for any free port)",
+                file=sys.stderr,
+            )
+            return 2
         out(f"serving /metrics at {endpoint.url} ({ranks} TP rank(s), multiprocess mode)")
         dist_port = _free_port()
         procs = [

@@ -7,24 +7,33 @@
 # repo, keyed by what is in it, and every later call is a few stat()s.
 #
 #   key  = py<X.Y>-sglang<V>-torch<V>-<flavour>-<sha256 of the selected pins>
+#          (py<X.Y>-<flavour>-<sha256> for a flavour without sglang: core)
 #   root = $HICACHE_EXISTENCE_ENV_ROOT (default ~/.cache/hicache-existence/envs)
 #
-# The env holds: the pins of tests/envs/sglang-requirements.txt ("common" + the
-# flavour; "full" also takes "server", what a real sglang server process needs),
-# installed with --no-deps so nothing else sneaks in; this repo installed
-# editable with its extras (reinstalled only when pyproject.toml, the repo path or the
+# The env holds: the pins of tests/envs/sglang-requirements.txt (the flavour's
+# sections, a later section's pin replacing an earlier one of the same package;
+# "full" and "seed" also take "server", what a real sglang server process needs),
+# installed with --no-deps so nothing else sneaks in; this repo installed editable
+# with its extras (reinstalled only when pyproject.toml, the repo path or the
 # extras change: CI clones into a new folder each time).
 #
 # Environment:
-#   HICACHE_EXISTENCE_ENV_FLAVOR   light (default: CPU torch 2.13; storage_existence_cache,
-#                                  hicache_storage, plugins, hook_registry import) or full
-#                                  (CUDA torch 2.14.1 + torchvision, ~6 GB; also
-#                                  unified_radix_cache and managers.scheduler import)
+#   HICACHE_EXISTENCE_ENV_FLAVOR   which sections of sglang-requirements.txt:
+#                                  light (default: common + light; CPU torch 2.13;
+#                                  storage_existence_cache, hicache_storage, plugins,
+#                                  hook_registry import),
+#                                  full (common + full: CUDA torch 2.14.1 + torchvision,
+#                                  ~6 GB; also unified_radix_cache and managers.scheduler),
+#                                  seed (common + full + seed: the same with sglang 0.5.21,
+#                                  the seed's flat API generation), or
+#                                  core (no section: no sglang, no torch; only this repo's
+#                                  extras, resolved by pip: the per-Python matrix envs)
 #   HICACHE_EXISTENCE_ENV_EXTRAS   extras of this repo to install (default: test,dev)
-#   HICACHE_EXISTENCE_PYTHON       base interpreter (default: python3.11, else python3)
+#   HICACHE_EXISTENCE_PYTHON       base interpreter (default: python3.11, else python3);
+#                                  envs are keyed by its X.Y, one per Python and flavour
 #   HICACHE_EXISTENCE_ENV_REBUILD=1   discard the env of this key and build it again
-#   HICACHE_EXISTENCE_ENV_KEEP_OLD=1  keep envs of the same flavour with other keys
-#                                     (default: removed after a successful build)
+#   HICACHE_EXISTENCE_ENV_KEEP_OLD=1  keep envs of the same Python and flavour with
+#                                     other keys (default: removed after a successful build)
 #
 # Concurrency: one flock on <root>/.lock serialises builds and repo installs; the env
 # is built in <root>/.tmp-* and renamed into place, so a reader never sees half an env.
@@ -43,18 +52,17 @@ LAYOUT=1
 log() { printf '[ensure-env] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
+COMMON_MODULES="sglang.srt.mem_cache.buffer_mode.storage_existence_cache
+  sglang.srt.mem_cache.hicache_storage sglang.srt.plugins sglang.srt.plugins.hook_registry
+  sglang.srt.mem_cache.storage.backend_factory"
+FULL_MODULES="$COMMON_MODULES sglang.srt.mem_cache.unified_radix_cache sglang.srt.managers.scheduler
+  sglang.srt.entrypoints.http_server"
 case "$FLAVOR" in
-  light)
-    MODULES="sglang.srt.mem_cache.buffer_mode.storage_existence_cache
-      sglang.srt.mem_cache.hicache_storage sglang.srt.plugins sglang.srt.plugins.hook_registry
-      sglang.srt.mem_cache.storage.backend_factory" ;;
-  full)
-    MODULES="sglang.srt.mem_cache.buffer_mode.storage_existence_cache
-      sglang.srt.mem_cache.hicache_storage sglang.srt.plugins sglang.srt.plugins.hook_registry
-      sglang.srt.mem_cache.storage.backend_factory
-      sglang.srt.mem_cache.unified_radix_cache sglang.srt.managers.scheduler
-      sglang.srt.entrypoints.http_server" ;;
-  *) die "HICACHE_EXISTENCE_ENV_FLAVOR must be light or full, not '$FLAVOR'" ;;
+  light) SECTIONS="common light" MODULES="$COMMON_MODULES" ;;
+  full) SECTIONS="common full server" MODULES="$FULL_MODULES" ;;
+  seed) SECTIONS="common full server seed" MODULES="$FULL_MODULES" ;;
+  core) SECTIONS="" MODULES="" ;;
+  *) die "HICACHE_EXISTENCE_ENV_FLAVOR must be light, full, seed or core, not '$FLAVOR'" ;;
 esac
 [ -f "$REQS" ] || die "missing $REQS"
 
@@ -66,24 +74,37 @@ fi
 command -v "$PYBIN" >/dev/null 2>&1 || die "no interpreter '$PYBIN'"
 
 # --- the key --------------------------------------------------------------------------
-# The pins of "common" + the flavour, comments and blanks stripped.
-PINS="$(awk -v want="$FLAVOR" '
+# The pins of the flavour's sections, comments and blanks stripped; a section's pin
+# replaces an earlier one of the same package in place (seed's sglang==0.5.21 replaces
+# common's 0.5.23).  With one pin per package, the output is the file's order.
+PINS="$(awk -v want=" $SECTIONS " '
   /^#@ / { sec = $2; next }
-  sec == "common" || sec == want || (want == "full" && sec == "server") { sub(/#.*/, ""); gsub(/[ \t]+/, ""); if (length) print }
+  index(want, " " sec " ") {
+    sub(/#.*/, ""); gsub(/[ \t]+/, ""); if (!length) next
+    name = tolower($0); sub(/[=<>!~;\[].*/, "", name); gsub(/_/, "-", name)
+    if (name in at) line[at[name]] = $0; else { at[name] = ++n; line[n] = $0 }
+  }
+  END { for (i = 1; i <= n; i++) print line[i] }
 ' "$REQS")"
 pin_of() { printf '%s\n' "$PINS" | sed -n "s/^$1==//p" | head -n 1; }
 SGLANG_V="$(pin_of sglang)"
 TORCH_V="$(pin_of torch)"
-[ -n "$SGLANG_V" ] && [ -n "$TORCH_V" ] || die "$REQS pins no sglang or no torch for '$FLAVOR'"
+if [ "$FLAVOR" != core ]; then
+  [ -n "$SGLANG_V" ] && [ -n "$TORCH_V" ] || die "$REQS pins no sglang or no torch for '$FLAVOR'"
+fi
 
 # The interpreter version is read from the env itself on the warm path (no extra
-# process): a python3.11 base gives py3.11, anything else says what it is.
+# process): a python3.X base gives py3.X, anything else says what it is.
 case "$PYBIN" in
-  python3.11 | */python3.11) PYVER=3.11 ;;
+  python3.1[0-9] | */python3.1[0-9]) PYVER="${PYBIN##*python}" ;;
   *) PYVER="$("$PYBIN" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ;;
 esac
 HASH="$(printf 'layout=%s\n%s\n' "$LAYOUT" "$PINS" | sha256sum | cut -c1-10)"
-KEY="py${PYVER}-sglang${SGLANG_V}-torch${TORCH_V/+/-}-${FLAVOR}-${HASH}"
+if [ "$FLAVOR" = core ]; then
+  KEY="py${PYVER}-${FLAVOR}-${HASH}"
+else
+  KEY="py${PYVER}-sglang${SGLANG_V}-torch${TORCH_V/+/-}-${FLAVOR}-${HASH}"
+fi
 ENV="$ROOT/$KEY"
 PY="$ENV/bin/python"
 
@@ -97,12 +118,13 @@ else
 fi
 
 # The editable install builds the C extensions into the work tree, so a fresh
-# clone at a path used before (same stamp) has none of them: check for them too.
+# clone at a path used before (same stamp) has none of them: check for them too,
+# for this env's Python (each Python of the matrix builds its own next to the others).
 built_in_place() {
   local c
   for c in $(find "$REPO/hicache_existence" -name '*.c'); do
     [ -e "$c" ] || continue
-    compgen -G "${c%.c}.*.so" >/dev/null || return 1
+    compgen -G "${c%.c}.cpython-${PYVER//./}-*.so" >/dev/null || return 1
   done
 }
 
@@ -161,15 +183,17 @@ if [ ! -d "$ENV" ]; then
   BASE="$("$PYBIN" -c 'import sys; print(sys.executable)')"
   "$BASE" -m venv --prompt "$KEY" "$TMP"
   printf '%s\n' "$PINS" >"$TMP/.hicache-env-pins"
-  log "installing $(printf '%s\n' "$PINS" | wc -l) pinned packages (--no-deps)"
-  run_logged "$BLOG" "$TMP/bin/python" -m pip install --disable-pip-version-check \
-    --no-input --no-deps -r "$TMP/.hicache-env-pins"
+  if [ -n "$PINS" ]; then
+    log "installing $(printf '%s\n' "$PINS" | wc -l) pinned packages (--no-deps)"
+    run_logged "$BLOG" "$TMP/bin/python" -m pip install --disable-pip-version-check \
+      --no-input --no-deps -r "$TMP/.hicache-env-pins"
+  fi
   # venv and pip write the build path into bin/ (activate scripts, shebangs); point
   # them at the final path before the rename.
   grep -rlIF -- "$TMP" "$TMP/bin" | while IFS= read -r f; do
     sed -i "s#$TMP#$ENV#g" "$f"
   done || true
-  log "checking imports"
+  [ -z "$MODULES" ] || log "checking imports"
   # shellcheck disable=SC2086
   run_logged "$BLOG" "$TMP/bin/python" -c '
 import importlib, sys
@@ -184,7 +208,8 @@ for name in sys.argv[1:]:
   log "built $ENV in $(( $(date +%s) - START ))s ($(du -sh "$ENV" | cut -f1))"
 
   if [ "${HICACHE_EXISTENCE_ENV_KEEP_OLD:-0}" != 1 ]; then
-    for old in "$ROOT"/py*-sglang*-torch*; do
+    # Only this Python's: the matrix keeps one env per Python and flavour.
+    for old in "$ROOT/py${PYVER}-"*; do
       [ -d "$old" ] && [ "$old" != "$ENV" ] || continue
       if [ "$(cat "$old/.hicache-env-flavor" 2>/dev/null)" = "$FLAVOR" ]; then
         log "removing superseded $(basename "$old")"

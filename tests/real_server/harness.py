@@ -26,7 +26,7 @@ API (stable; other tests build on it)::
 (dict written to a JSON file for ``--hicache-existence-config``, or ``config_text``
 for raw text), ``hicache`` (buffer mode over the file backend), ``l3_dir`` (reuse one
 across servers for a warm L3), ``page_size``, ``metrics`` (``--enable-metrics``),
-``tp_size``, ``env`` (extra environment), ``extra_args``, ``storage_backend`` /
+``tp_size``, ``hicache_ratio``, ``env`` (extra environment), ``extra_args``, ``storage_backend`` /
 ``storage_extra_config`` (e.g. ``dynamic`` with the ledger wrapper), ``standins_off``
 (turn single stand-ins off, to show what fails), ``max_total_tokens``.
 
@@ -115,6 +115,10 @@ class ServerSpec:
     storage_extra_config: Mapping[str, Any] | None = None
     standins_off: Sequence[str] = ()
     max_total_tokens: int = 65536
+    #: Host pool size as a multiple of the device pool. Explicit, because sglang's
+    #: auto-sizing keeps a 10 GiB host reserve and refuses to start ("No host memory
+    #: is left for HiCache") whenever the machine's free memory dips below it.
+    hicache_ratio: float = 2.0
     #: Seed of the dummy weights: equal seeds give equal models across servers.
     random_seed: int = 1234
 
@@ -197,6 +201,8 @@ def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list
             "direct",
             "--hicache-mem-layout",
             "page_first_direct",
+            "--hicache-ratio",
+            str(spec.hicache_ratio),
         ]
         if spec.storage_extra_config is not None:
             args += [

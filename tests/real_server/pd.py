@@ -136,9 +136,10 @@ def short_of_memory(proc: RecipeProcess) -> bool:
 def start_retrying(proc: RecipeProcess, attempts: int = 3, pause_s: float = 10.0) -> None:
     """Start ``proc``; again (after a pause) when sglang refused for host memory.
 
-    SGLang keeps 10 GB of host memory free before it allocates a HiCache pool
-    (``pool_host/base.py``, measured against the whole machine's available memory),
-    so on a shared machine a start can fail for other processes' memory."""
+    SGLang keeps a reserve of host memory free before it allocates a HiCache pool
+    (``pool_host/base.py``, measured against the whole machine's available memory;
+    10 GB upstream, less with the ``host_reserve`` stand-in), so on a shared machine
+    a start can fail for other processes' memory."""
     for attempt in range(attempts):
         proc.start_async()
         try:

@@ -8,9 +8,8 @@ The prefill servers share one L3 (the file backend on one directory) and one led
 (a real ``redis-server``) through the ledger-recording backend, with the reconciler
 on. The same conversations run twice: with cross-instance learning off
 (``reconciler.learn: false``), then, after the prefill servers are replaced by ones
-with it on, against a fresh L3 and ledger namespace. (Two fleets side by side would
-need four prefill servers at once: each reserves 10 GB of free host memory before
-allocating its HiCache pool, more than this shared machine has.)
+with it on, against a fresh L3 and ledger namespace (two fleets side by side would
+need four prefill servers at once on CI's two cores).
 """
 
 from __future__ import annotations

@@ -45,6 +45,17 @@ REQUIRED = (
 )
 
 
+def installed_generation() -> str:
+    """The installed sglang wheel's cache generation, read from its version (not
+    from our detection, which is under test): flat (the seed's API) up to 0.5.21,
+    current from 0.5.22."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("sglang")
+    parts = tuple(int(x) for x in version.split(".")[:3] if x.isdigit())
+    return "flat" if parts < (0, 5, 22) else "current"
+
+
 def installed_entry_point() -> Any:
     for ep in entry_points(group=GROUP):
         if ep.name == EP_NAME:

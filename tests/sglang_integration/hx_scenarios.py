@@ -275,6 +275,28 @@ def enabled() -> dict[str, Any]:
     return out
 
 
+def kv_add(cache: Any, hashes: list[str]) -> None:
+    """Believe ``hashes`` stored in pool kv, in either generation's API."""
+    if hasattr(cache, "pool"):  # current (sglang >= 0.5.22)
+        cache.pool("kv").add(hashes)
+    else:  # flat (seed, sglang 0.5.19 - 0.5.21)
+        cache.add("kv", hashes)
+
+
+def kv_keys(cache: Any) -> list[str]:
+    """Pool kv's believed page hashes, oldest first, in either generation."""
+    if hasattr(cache, "pool"):
+        return list(cache.pool("kv").lru_keys())
+    return [h for pool, h in cache.lru_keys() if pool == "kv"]
+
+
+def kv_contains(cache: Any, page: str) -> bool:
+    """Whether pool kv believes ``page`` stored (a hit refreshes it), either generation."""
+    if hasattr(cache, "pool"):
+        return bool(cache.pool("kv").contains(page))
+    return bool(cache.contains("kv", page))
+
+
 def _cpu_buffer_mode_shims() -> list[str]:
     """The three CUDA-only calls the buffer-mode pipeline makes, made CPU no-ops.
 
@@ -292,11 +314,21 @@ def _cpu_buffer_mode_shims() -> list[str]:
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
     host_mha.transfer_kv_all_layer_direct_lf_pf = lambda *a, **k: None
-    return [
+    shims = [
         "pool_host.common._cuda_host_register",
         "torch.cpu.Stream.synchronize",
         "pool_host.mha.transfer_kv_all_layer_direct_lf_pf",
     ]
+    # sglang <= 0.5.21 resolves its device module with a bare torch.get_device_module(),
+    # which from torch 2.14 (the seed environment's torch; 0.5.21 pinned 2.13) is
+    # torch.cuda on a CUDA wheel even with no device; 0.5.23 checks for an available
+    # accelerator and gets torch.cpu.  Give the older code what the newer one resolves.
+    import sglang.srt.mem_cache.l2_transfer as l2_transfer
+
+    if l2_transfer.device_module is torch.cuda and not torch.cuda.is_available():
+        l2_transfer.device_module = torch.cpu
+        shims.append("mem_cache.l2_transfer.device_module (torch.cpu, as sglang 0.5.23 picks)")
+    return shims
 
 
 class BufferModeServer:
@@ -422,10 +454,10 @@ def buffer_reconcile() -> dict[str, Any]:
     a, b = list(range(1, 33)), list(range(1001, 1033))  # two 8-page prefixes
     server.insert(a)
     server.pump()
-    chain_a = list(server.cache.pool("kv").lru_keys())
+    chain_a = kv_keys(server.cache)
     server.insert(b)  # L3 evicts most of a to make room
     server.pump()
-    believed_a = sum(1 for h in chain_a if server.cache.pool("kv").contains(h))
+    believed_a = sum(1 for h in chain_a if kv_contains(server.cache, h))
     in_l3_a = server.in_l3(chain_a)
     server.evict_all()
     tracked = server.cache.stats()["kv"].inflight_tracked
@@ -440,7 +472,7 @@ def buffer_reconcile() -> dict[str, Any]:
     heal_steps = server.pump(until=healed)
     skipped_write = server.cache.stats()["kv"].inflight_tracked == tracked
     snap = reconciler.snapshot() if reconciler else None
-    believed_after_heal = sum(1 for h in chain_a if h in server.cache.pool("kv").lru_keys())
+    believed_after_heal = sum(1 for h in chain_a if h in kv_keys(server.cache))
     server.evict_all()
     server.insert(a)  # the healed beliefs let the lost pages be written again
     server.pump()
@@ -770,12 +802,12 @@ def multirank(rank: str, world: str, port: str, diverge_at: str = "0") -> dict[s
     tree = build_tree(groups={"tp_cache_group": tp})
     entry = hooks.current()
     chain = [f"{i:064x}" for i in range(1, 5)]
-    tree.storage_existence_cache.pool("kv").add(chain)
+    kv_add(tree.storage_existence_cache, chain)
     at = int(diverge_at)
     steps = int(os.environ.get("HX_STEPS", "8"))
     for step in range(1, steps + 1):
         if at and step == at and r == w - 1:
-            tree.storage_existence_cache.pool("kv").add([f"{999:064x}"])
+            kv_add(tree.storage_existence_cache, [f"{999:064x}"])
         tree.check_hicache_events()
     stats = entry.runtime.checker.stats() if entry and entry.runtime.checker else None
     dist.barrier()
@@ -800,10 +832,13 @@ def _scheduler_child(queue: Any) -> None:
 
     publish(server_args())
     tree = build_tree()
-    pool = tree.storage_existence_cache.pool("kv")
+    cache = tree.storage_existence_cache
     chain = [f"{i:064x}" for i in range(1, 5)]
-    pool.add(chain)
-    pool.covered(chain)
+    kv_add(cache, chain)
+    if hasattr(cache, "pool"):
+        cache.pool("kv").covered(chain)
+    else:
+        cache.covers_all("kv", chain)
     for _ in range(3):
         tree.check_hicache_events()
     entry = hooks.current()

@@ -12,21 +12,28 @@ re-inserting the same prefix is admitted by ``covered`` without a new write.
 from __future__ import annotations
 
 import pytest
-from hx_harness import Scenarios
+from hx_harness import Scenarios, installed_generation
 
 pytestmark = [pytest.mark.sglang]
+
+#: The seed generation's API (sglang <= 0.5.21) has no in-flight refs: its pipeline keeps
+#: the pages it is writing itself, so our in-flight counters stay 0 there and writes show
+#: in the L3 files only.
+CURRENT = installed_generation() == "current"
 
 
 def test_write_through_acks_feed_our_cache(scenarios: Scenarios) -> None:
     """Eight pages written to the file backend become eight beliefs in our
-    cache, via in-flight refs taken at launch and released at the ack."""
+    cache, via in-flight refs taken at launch and released at the ack (current
+    generation; the seed's pipeline adds at the ack without them)."""
     r = scenarios.get("buffer_pipeline").value()
     assert r["pipeline"] == "BufferModePipeline"
     assert r["observed"] is True
     assert r["warnings"] == []
     kv = r["after_write"]["pools"]["kv"]
     assert r["l3_files"][0] == 8
-    assert kv["inflight_tracked"] == 8 and kv["inflight_released"] == 8
+    inflight = 8 if CURRENT else 0
+    assert kv["inflight_tracked"] == inflight and kv["inflight_released"] == inflight
     assert kv["adds"] >= 1 and kv["inserts"] == 8 and kv["entries"] == 8
 
 
@@ -59,8 +66,10 @@ def test_reconciler_heals_stale_positives_from_real_l3_eviction(scenarios: Scena
     assert r["warnings"] == []
     assert r["believed_a"] == r["chain_pages"] == 8
     assert r["in_l3_a"] < 8  # L3 really lost pages the beliefs hold
-    assert r["skipped_write"] is True
+    if CURRENT:  # the write decisions, seen through our in-flight refs
+        assert r["skipped_write"] is True
     assert r["stale_positives"]["kv"] >= 1 and r["pages_invalidated"]["kv"] >= 1
     assert r["believed_after_heal"] < 8
-    assert r["rewritten_pages"] >= 8 - r["believed_after_heal"]
-    assert r["in_l3_a_after"] == 8
+    if CURRENT:
+        assert r["rewritten_pages"] >= 8 - r["believed_after_heal"]
+    assert r["in_l3_a_after"] == 8  # the lost pages were written again

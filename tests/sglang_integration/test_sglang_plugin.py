@@ -10,7 +10,14 @@ import json
 import re
 
 import pytest
-from hx_harness import EP_NAME, EP_VALUE, GROUP, Scenarios, installed_entry_point
+from hx_harness import (
+    EP_NAME,
+    EP_VALUE,
+    GROUP,
+    Scenarios,
+    installed_entry_point,
+    installed_generation,
+)
 
 pytestmark = [pytest.mark.sglang]
 
@@ -19,6 +26,12 @@ STEP = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache
 ADD = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM = "sglang.srt.server_args.ServerArgs.from_cli_args"
 UPSTREAM_MODULE = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache"
+#: The installed wheel's cache generation (flat up to sglang 0.5.21, current from 0.5.22).
+GENERATION = installed_generation()
+OUR_CLASS = {
+    "current": "hicache_existence.core.cache.StorageExistenceCache",
+    "flat": "hicache_existence.core.flat.FlatStorageExistenceCache",
+}[GENERATION]
 
 
 def test_entry_point_is_declared() -> None:
@@ -36,7 +49,7 @@ def test_load_plugins_registers_all_hooks_through_sglang(scenarios: Scenarios) -
     """Enabled, sglang's load_plugins runs our entry point, which registers the
     REPLACE, AFTER and both AROUND hooks under the plugin's name."""
     r = scenarios.get("enabled").value()
-    assert r["status"]["cache"] is True and r["status"]["generation"] == "current"
+    assert r["status"]["cache"] is True and r["status"]["generation"] == GENERATION
     assert r["warnings"] == []
     registry = r["registry"]
     assert registry[CACHE_CLASS] == [["replace", EP_NAME, registry[CACHE_CLASS][0][2]]]
@@ -60,7 +73,7 @@ def test_unified_radix_cache_constructs_our_cache(scenarios: Scenarios) -> None:
     """A real UnifiedRadixCache's constructor gets the process runtime's cache,
     which upstream's (replaced) name recognises as an instance."""
     built = scenarios.get("enabled").value()["constructed"]
-    assert built["cache"]["type"] == "hicache_existence.core.cache.StorageExistenceCache"
+    assert built["cache"]["type"] == OUR_CLASS
     assert built["is_runtime_cache"] is True
     assert built["isinstance_upstream_name"] is True
 

@@ -13,6 +13,7 @@ runs everywhere (no ``sglang`` mark).
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections import Counter
 from enum import Enum
@@ -61,12 +62,38 @@ def cover(kind: str, idx: tuple[int, ...]) -> Any:
     return {"frozenset": frozenset, "set": set, "list": list, "tuple": tuple}[kind](hashes)
 
 
-class FlatPair:
-    """The seed baseline and our flat cache, driven in lockstep."""
+def _flat_wheel() -> tuple[str, Any] | None:
+    """The installed sglang's own cache class when it is of the seed generation
+    (sglang 0.5.19 - 0.5.21: ``add(pool, hashes)``), with its version; else None."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    try:
+        import sglang
+        from sglang.srt.mem_cache.buffer_mode.storage_existence_cache import (
+            StorageExistenceCache,
+        )
+    except Exception:  # not importable here: the sglang-marked tests report why
+        return None
+    if hasattr(StorageExistenceCache, "pool") or not hasattr(StorageExistenceCache, "covers_all"):
+        return None
+    return f"sglang {getattr(sglang, '__version__', '?')}", StorageExistenceCache
 
-    def __init__(self, cap: int, primary: str) -> None:
-        self.setup = {"max_entries": cap, "primary_pool": primary}
-        self.seed = seed_baseline().SeedStorageExistenceCache(cap)
+
+#: The seed wheel's class, where one is installed (CI's sglang 0.5.21 environment).
+FLAT_WHEEL = _flat_wheel()
+
+
+class FlatPair:
+    """The seed baseline (the benchmarks' reimplementation, or with ``wheel=True`` the
+    installed seed wheel's own class) and our flat cache, driven in lockstep."""
+
+    def __init__(self, cap: int, primary: str, wheel: bool = False) -> None:
+        self.setup = {"max_entries": cap, "primary_pool": primary, "wheel": wheel}
+        if wheel:
+            assert FLAT_WHEEL is not None
+            self.seed = FLAT_WHEEL[1](cap)
+        else:
+            self.seed = seed_baseline().SeedStorageExistenceCache(cap)
         self.mine = ours.FlatStorageExistenceCache(cap, primary_pool=primary)
         #: op kind -> operations of that kind that returned on both sides.
         self.ran: Counter[str] = Counter()
@@ -142,7 +169,7 @@ def _run(cache: Any, op: Op) -> object:
 
 def run_program(setup: dict[str, Any], program: list[Op]) -> FlatPair:
     """Replay ``program`` on a fresh pair, comparing after every operation."""
-    pair = FlatPair(setup["max_entries"], setup["primary_pool"])
+    pair = FlatPair(setup["max_entries"], setup["primary_pool"], setup.get("wheel", False))
     pair.check(program, -1, (None, None))
     for step, op in enumerate(program):
         pair.check(program, step, pair.apply(op))
@@ -270,11 +297,19 @@ def random_op(rng: random.Random) -> Op:
     return ("cap", rng.randint(1, 8))
 
 
-@pytest.mark.parametrize("primary", PRIMARIES)
-def test_seeded_long_replay_matches_seed(primary: str) -> None:
-    """25,000 seeded random operations per primary pool, compared after every one."""
+@pytest.mark.parametrize(
+    "primary,wheel",
+    [(p, False) for p in PRIMARIES]
+    + [pytest.param(p, True, marks=pytest.mark.sglang) for p in PRIMARIES if FLAT_WHEEL],
+    ids=lambda v: {False: "reimplementation", True: "seed-wheel"}.get(v, v)
+    if isinstance(v, bool)
+    else v,
+)
+def test_seeded_long_replay_matches_seed(primary: str, wheel: bool) -> None:
+    """25,000 seeded random operations per primary pool, compared after every one, with
+    the seed's reimplementation and, where the seed wheel is installed, its own class."""
     rng = random.Random(f"flat-{primary}")
-    setup = {"max_entries": rng.randint(1, 8), "primary_pool": primary}
+    setup = {"max_entries": rng.randint(1, 8), "primary_pool": primary, "wheel": wheel}
     program = [random_op(rng) for _ in range(25_000)]
     try:
         pair = run_program(setup, program)

@@ -38,6 +38,7 @@ from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import write_path as _write_path
+from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.targets import Generation
 from hicache_existence.integrations.sglang.topology import (
     DeferredAgreement,
@@ -120,7 +121,7 @@ _DECLINED: dict[int, str] = {}
 
 def current() -> ProcessEntry | None:
     """This process's entry (``None`` when no cache of ours was built here)."""
-    return _ENTRIES.get(os.getpid())
+    return _ENTRIES.get(PROCESS.pid)
 
 
 def declined() -> str | None:
@@ -274,7 +275,7 @@ def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``UnifiedRadixCache.check_hicache_events(self)``: one runtime step.
 
     Never raises, except ``DivergenceError`` under the ``abort`` policy."""
-    entry = _ENTRIES.get(os.getpid())
+    entry = _ENTRIES.get(PROCESS.pid)
     if entry is None or not args:
         return None
     tree_cache = args[0]

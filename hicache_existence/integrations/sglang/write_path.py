@@ -5,13 +5,16 @@ code is called unchanged, exactly once per call):
 
 * **avoided**, at admission: ``BufferModePipeline._write_intents`` (0.5.22+) drops
   every pool whose keys ``covered()`` (believed stored or in flight); the pools it
-  dropped, while ``enqueue_backup_intent`` runs, are the avoided pages (the keys
-  come from ``_backup_pool_keys``, which it calls first).  Split repairs in the
-  pending queue call ``_write_intents`` too and are not counted: one count per
-  admission decision.  A queued intent retired at launch because its pool became
-  covered meanwhile (``_drop_queue_head(dropped=False)``) is avoided once more,
-  at that decision.  0.5.19-0.5.21 (flat): ``covers_all`` answering True inside
-  ``enqueue_backup_intent``, at most once per node per insert walk.
+  dropped are the avoided pages (the keys come from ``_backup_pool_keys``, which
+  it calls first).  ``enqueue_backup_intent`` calls it once per node per insert
+  walk, after upstream's own dedupe, so ``enqueue_backup_intent`` itself (called
+  d(d+1)/2 times for a depth-d path) is not hooked.  Split repairs in
+  ``_refresh_pending_backup_intents`` call ``_write_intents`` too and are not
+  counted: one count per admission decision.  A queued intent retired at launch
+  because its pool became covered meanwhile (``_drop_queue_head(dropped=False)``)
+  is avoided once more, at that decision.  0.5.19-0.5.21 (flat): ``covers_all``
+  answering True inside ``enqueue_backup_intent``, at most once per node per
+  insert walk.
 * **written**, at the D2H launch: ``_stage_backup_intent`` returning True (the
   point where upstream starts tracking the pages in flight); per pool from its
   ``keys_by_pool`` (flat: the node's KV pages).
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.integrations.sglang.process import PROCESS
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -103,6 +107,7 @@ class WritePath:
         self.controller: Any = None
         self.errors = 0
         self._admitting = 0
+        self._refreshing = 0
         self._pool_keys: Mapping[Any, list[str]] | None = None
         self._walk: set[Any] | None = None
         self._count_cover = True
@@ -147,8 +152,8 @@ class WritePath:
 
     def _believed_keys(self, pool: str, keys: list[str]) -> set[str]:
         pool_of = getattr(self.cache, "pool", None)
-        if pool_of is None:  # flat generation: no per-pool index to read
-            return set()
+        if pool_of is None:  # flat generation: one index, tagged by pool
+            return set(self.cache.believed(pool, keys))
         return set(pool_of(pool).believed(keys))
 
     def _size(self, pool: str) -> None:
@@ -229,11 +234,11 @@ def detach() -> None:
 
 
 def current() -> WritePath | None:
-    return _FEEDS.get(os.getpid())
+    return _FEEDS.get(PROCESS.pid)
 
 
 def _owned(pipeline: Any) -> WritePath | None:
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is None:
         return None
     cache = getattr(getattr(pipeline, "_cache", None), "storage_existence_cache", None)
@@ -251,7 +256,8 @@ def _guard(feed: WritePath, fn: Callable[[], None]) -> None:
 def around_enqueue_backup_intent(
     original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any
 ) -> Any:
-    """AROUND ``enqueue_backup_intent``: marks an admission decision."""
+    """AROUND ``enqueue_backup_intent`` (flat generation): marks an admission
+    decision, at most once per node per insert walk."""
     feed = _owned(pipeline)
     if feed is None:
         return original(pipeline, *a, **kw)
@@ -272,21 +278,37 @@ def around_enqueue_backup_intent(
         feed._pool_keys = None
 
 
+def around_refresh_pending(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
+    """AROUND ``_refresh_pending_backup_intents``: its split repairs re-examine
+    admitted intents through ``_write_intents``; they are not new decisions."""
+    feed = _FEEDS.get(PROCESS.pid)
+    if feed is None:
+        return original(pipeline, *a, **kw)
+    feed._refreshing += 1
+    try:
+        return original(pipeline, *a, **kw)
+    finally:
+        feed._refreshing -= 1
+
+
 def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
-    """AFTER ``_backup_pool_keys``: the keys the admission decision is about."""
-    feed = _FEEDS.get(os.getpid())
-    if feed is not None and feed._admitting:
+    """AFTER ``_backup_pool_keys`` (called by ``_write_intents`` only): the keys
+    the decision is about."""
+    feed = _FEEDS.get(PROCESS.pid)
+    if feed is not None and not feed._refreshing:
         feed._pool_keys = result
     return None
 
 
 def around_write_intents(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
-    """AROUND ``_write_intents``: the covered pools of an admission are avoided."""
+    """AROUND ``_write_intents``: outside a queue refresh it is an admission
+    (``enqueue_backup_intent`` calls it once per node per insert walk, after
+    upstream's own dedupe), and the pools it left out were covered: avoided."""
     intents = original(pipeline, *a, **kw)
-    feed = _FEEDS.get(os.getpid())
-    if feed is not None and feed._admitting and feed._pool_keys is not None:
+    feed = _FEEDS.get(PROCESS.pid)
+    if feed is not None and feed._pool_keys is not None:
         pool_keys, feed._pool_keys = feed._pool_keys, None
-        if _owned(pipeline) is feed:
+        if not feed._refreshing and _owned(pipeline) is feed:
             _guard(feed, lambda: feed.admitted(pipeline, pool_keys, intents))
     return intents
 
@@ -308,7 +330,7 @@ def around_drop_queue_head(original: Callable[..., Any], pipeline: Any, *a: Any,
 def around_flat_covers_all(original: Callable[..., Any], cache: Any, *a: Any, **kw: Any) -> Any:
     """AROUND our flat cache's ``covers_all``: True inside an admission is avoided."""
     covered = original(cache, *a, **kw)
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     counting = feed is not None and feed._admitting and feed._count_cover
     if covered and counting and feed is not None and cache is feed.cache:
         feed._count_cover = False
@@ -320,7 +342,7 @@ def around_flat_covers_all(original: Callable[..., Any], cache: Any, *a: Any, **
 
 def around_tree_insert(original: Callable[..., Any], tree: Any, *a: Any, **kw: Any) -> Any:
     """AROUND ``UnifiedRadixCache.insert`` (flat): one insert walk."""
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
         return original(tree, *a, **kw)
     outer, feed._walk = feed._walk, set()
@@ -376,7 +398,7 @@ def around_page_backup(
 ) -> Any:
     """AROUND ``_page_backup`` (backup thread): collect the backend's existence
     answers during the write, then hand this rank's outcome to the scheduler."""
-    feed = _FEEDS.get(os.getpid())
+    feed = _FEEDS.get(PROCESS.pid)
     if feed is None or controller is not feed.controller or getattr(_TLS, "collect", None):
         return original(controller, operation, *a, **kw)
     collect = _TLS.collect = _Collect()
@@ -452,11 +474,12 @@ def around_mooncake_batch_exist(
 
 #: (target, hook, hook type name, generations): what ``register`` installs.
 HOOKS: tuple[tuple[str, Callable[..., Any], str, tuple[str, ...]], ...] = (
+    (f"{PIPELINE}.enqueue_backup_intent", around_enqueue_backup_intent, "AROUND", ("flat",)),
     (
-        f"{PIPELINE}.enqueue_backup_intent",
-        around_enqueue_backup_intent,
+        f"{PIPELINE}._refresh_pending_backup_intents",
+        around_refresh_pending,
         "AROUND",
-        ("current", "flat"),
+        ("current",),
     ),
     (f"{PIPELINE}._backup_pool_keys", after_backup_pool_keys, "AFTER", ("current",)),
     (f"{PIPELINE}._write_intents", around_write_intents, "AROUND", ("current",)),
@@ -491,7 +514,10 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, tuple[str, ...]], ...] = (
 #: Targets without which nothing is counted (the rest are per backend or per shape).
 REQUIRED: frozenset[str] = frozenset(
     {
+        f"{PIPELINE}._write_intents",
+        f"{PIPELINE}._refresh_pending_backup_intents",
         f"{PIPELINE}.enqueue_backup_intent",
+        FLAT_COVERS_ALL,
         f"{PIPELINE}._stage_backup_intent",
         f"{PIPELINE}.finish_storage_write_ack",
     }

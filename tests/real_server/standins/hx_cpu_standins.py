@@ -4,17 +4,15 @@ Applied by a post-import hook (``install()``, called from this directory's
 ``sitecustomize``) right after sglang imports the module each one patches, in every
 server process. Each stand-in says what fails without it (checked on sglang 0.5.23
 by launching the real server with ``HX_CPU_STANDINS_OFF=<name>``, which turns that
-one off):
+one off). ``Stream.synchronize``, which the in-process pipeline tests stub, needs no
+stand-in here: with none, the server on torch 2.14.1 writes to and loads from L3
+(checked), so this path does not reach it.
 
 ``host_register``
     ``pool_host.common._cuda_host_register``: pins the host KV pool with
     ``cudaHostRegister``. Without it the scheduler dies building the host pool
     (``torch.cuda.cudart()`` on a machine without a CUDA driver). On CPU, memory
     needs no registration: a no-op is exact.
-``stream_sync``
-    ``torch.cpu.Stream.synchronize``: the cache controller synchronises its copy
-    streams; ``torch.cpu.Stream`` has no ``synchronize``, so the first write-back
-    dies with ``AttributeError``. CPU copies are synchronous: a no-op is exact.
 ``d2h_copy``
     ``pool_host.mha.transfer_kv_all_layer_direct_lf_pf`` (device layer-first ->
     host ``page_first_direct``, every layer) and
@@ -32,6 +30,13 @@ one off):
     ``storage_prefetch_unfulfilled_tokens_total{reason="storage_transfer"}``) and
     nothing is ever loaded back. The stand-in calls the original with the pool's
     ``pin_memory`` off for that call: the same zeroed page, unpinned.
+``host_reserve``
+    ``pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES``: sglang keeps 10 GiB of host
+    RAM in reserve before it allocates any HiCache host pool, however small. Without
+    the stand-in a server fails to start whenever the machine has less than that
+    free ("Not enough host memory available. Requesting 0.03 GB but only have -1.14
+    GB free", seen here with other servers running; a 7 GB CI runner never has it).
+    The stand-in lowers the reserve to 512 MiB; the tiny model's pools need ~30 MB.
 ``tp_gloo``
     ``distributed.parallel_state.init_model_parallel_group``: off NPU/XPU it
     defaults ``use_pynccl`` to true, and a TP group on CPU then dies in
@@ -93,15 +98,6 @@ def _patch_host_common(mod: ModuleType) -> None:
 
     mod._cuda_host_register = _cuda_host_register  # type: ignore[attr-defined]
     APPLIED.append("host_register")
-
-
-def _patch_torch(mod: ModuleType) -> None:
-    if _off("stream_sync"):
-        return
-    stream = mod.cpu.Stream
-    if not hasattr(stream, "synchronize"):
-        stream.synchronize = lambda self: None
-        APPLIED.append("stream_sync")
 
 
 def _split(index: Any, page_size: int) -> tuple[Any, Any]:
@@ -215,10 +211,17 @@ def _patch_prefill(mod: ModuleType) -> None:
     APPLIED.append("pd_early_send_event")
 
 
+def _patch_host_base(mod: ModuleType) -> None:
+    if _off("host_reserve"):
+        return
+    mod.HICACHE_HOST_MEMORY_RESERVE_BYTES = 512 * 1024**2  # type: ignore[attr-defined]
+    APPLIED.append("host_reserve")
+
+
 PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
-    "torch": [_patch_torch],
     "sglang.srt.distributed.parallel_state": [_patch_parallel_state],
     "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
+    "sglang.srt.mem_cache.pool_host.base": [_patch_host_base],
     "sglang.srt.mem_cache.pool_host.mha": [_patch_host_mha, _patch_dummy_page],
     "sglang.srt.disaggregation.mooncake.conn": [_patch_mooncake_conn],
     "sglang.srt.disaggregation.prefill": [_patch_prefill],

@@ -15,12 +15,17 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
 
 ``cost`` (only with ``HX_PROBE_COST_DIR`` set; for ``benchmarks/real_server_cost.py``)
     In each scheduler process: the CPU time of the scheduler thread (its
-    ``pthread_getcpuclockid`` clock, read from a helper thread) and the wall time
-    spent inside the package on that thread (every method of the current
-    generation's ``PoolBeliefs`` and ``StorageExistenceCache``, and the per-step hook
-    ``after_check_hicache_events``; nested calls counted once). Written every 0.5 s
-    to ``cost-<pid>.json`` in that directory. The timers add ~0.2 us per call, which
-    is counted as the package's: the share is an upper bound.
+    ``pthread_getcpuclockid`` clock, read from a helper thread) and the thread CPU
+    time spent inside the package on that thread (CPU, not wall: a busy machine
+    preempting the thread inside a call must not count as the package's) in every
+    method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``
+    and in the per-step hook ``after_check_hicache_events`` (nested calls counted
+    once). Written every 0.5 s
+    to ``cost-<pid>.json`` in that directory, with a per-function breakdown. The
+    timers' own cost (a thread-CPU clock read is a system call, ~1 us here) falls
+    partly inside the measured interval: the raw share is an upper bound. The probe
+    also measures, on the scheduler thread at start-up, what one timed call of an
+    empty function records (``timer_ns_per_call``), so a reader can subtract it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class _Cost:
         self.depth = 0
         self.main: int | None = None
         self.pid = os.getpid()
+        self.by_name: dict[str, list[int]] = {}
 
 
 _COST = _Cost()
@@ -69,8 +75,10 @@ def _timed(fn: Any) -> Any:
     import threading
     import time
 
-    perf = time.perf_counter_ns
+    perf = time.thread_time_ns
     get_ident = threading.get_ident
+    name = getattr(fn, "__qualname__", getattr(fn, "__name__", "wrapped"))
+    slot = _COST.by_name.setdefault(name, [0, 0])
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _COST.depth or get_ident() != _COST.main:
@@ -80,8 +88,11 @@ def _timed(fn: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         finally:
-            _COST.ns += perf() - t0
+            dt = perf() - t0
+            _COST.ns += dt
             _COST.calls += 1
+            slot[0] += dt
+            slot[1] += 1
             _COST.depth = 0
 
     wrapper.__name__ = getattr(fn, "__name__", "wrapped")
@@ -111,6 +122,14 @@ def _cost_writer(out_dir: str) -> None:
     main = threading.get_ident()
     _COST.main = main
     clock = time.pthread_getcpuclockid(main)
+    # Calibration: what the timers alone record per call (same wrapper, empty body).
+    empty = _timed(lambda: None)
+    ns0, calls0 = _COST.ns, _COST.calls
+    for _ in range(2000):
+        empty()
+    timer_ns = (_COST.ns - ns0) / max(1, _COST.calls - calls0)
+    _COST.ns, _COST.calls = ns0, calls0
+    _COST.by_name.pop(getattr(empty.__wrapped__, "__qualname__", ""), None)
 
     def run() -> None:
         path = os.path.join(out_dir, f"cost-{os.getpid()}.json")
@@ -120,6 +139,8 @@ def _cost_writer(out_dir: str) -> None:
                 "sched_cpu_ns": time.clock_gettime_ns(clock),
                 "pkg_ns": _COST.ns,
                 "pkg_calls": _COST.calls,
+                "timer_ns_per_call": timer_ns,
+                "by_name": {k: list(v) for k, v in _COST.by_name.items()},
                 "t": time.time(),
             }
             tmp = path + ".tmp"

@@ -1,0 +1,67 @@
+"""Per-call cost of the per-step hook, beside an empty hook.
+
+SGLang calls ``after_check_hicache_events`` after every scheduler event-loop
+iteration, idle ones included (thousands per second), so its fixed cost is the
+package's floor inside a server.  This times it in-process with the default
+configuration (divergence checks on a single rank, miss reasons, advisor;
+metrics off), against an empty function called the same way, in alternating
+rounds of thread CPU time.
+
+    python benchmarks/step_hook.py [--rounds 7] [--calls 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+
+def _time(fn: Any, tree: Any, calls: int) -> float:
+    start = time.thread_time_ns()
+    for _ in range(calls):
+        fn(None, tree)
+    return (time.thread_time_ns() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=100_000)
+    args = parser.parse_args()
+
+    from hicache_existence.config import Config
+    from hicache_existence.exporters.catalog import DeploymentLabels
+    from hicache_existence.integrations.sglang import hooks
+    from hicache_existence.integrations.sglang.process import PROCESS
+    from hicache_existence.runtime import ExistenceRuntime
+
+    env = {"HICACHE_EXISTENCE_ENABLED": "1", "HICACHE_EXISTENCE_METRICS__MODE": "off"}
+    runtime = ExistenceRuntime(Config.load(None, env), DeploymentLabels(), generation="current")
+
+    class Tree:
+        storage_existence_cache = runtime.cache
+
+    entry = hooks.ProcessEntry(runtime, None, None, None, None)  # type: ignore[arg-type]
+    entry.steps = 1  # past the first step's wiring (no sglang tree here)
+    hooks._ENTRIES[PROCESS.pid] = entry
+
+    def empty(result: Any, *a: Any, **k: Any) -> None:
+        return None
+
+    tree = Tree()
+    _time(hooks.after_check_hicache_events, tree, 2000)
+    ours, base = [], []
+    for _ in range(args.rounds):
+        ours.append(_time(hooks.after_check_hicache_events, tree, args.calls))
+        base.append(_time(empty, tree, args.calls))
+    mid = args.rounds // 2
+    o, b = sorted(ours)[mid], sorted(base)[mid]
+    print(
+        f"step hook {o:.0f} ns/call, empty hook {b:.0f} ns/call (medians of {args.rounds}): "
+        f"{o - b:.0f} ns of our own per event-loop iteration"
+    )
+
+
+if __name__ == "__main__":
+    main()
