@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.replay.model import (
+    CACHE_STATS,
     ModelConfig,
     ModelResult,
     _Ack,
@@ -368,20 +369,7 @@ _SUMMED = (
     "device_hit_pages",
     "l3_hit_pages",
 )
-_STATS = (
-    "queries",
-    "pages_checked",
-    "page_hits",
-    "rescues",
-    "page_misses",
-    "adds",
-    "inserts",
-    "refreshes",
-    "evictions",
-    "invalidations",
-    "inflight_tracked",
-    "inflight_released",
-)
+_STATS = CACHE_STATS
 
 
 def _sum(cap: int, instances: list[_Instance], stores: dict[str, _Store], peak: int) -> ModelResult:

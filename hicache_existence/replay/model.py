@@ -289,6 +289,23 @@ class _PoolRun:
             parent_last = keys[-1]
 
 
+#: The cache counters a replay reports (``ModelResult.cache_stats``).
+CACHE_STATS: tuple[str, ...] = (
+    "queries",
+    "pages_checked",
+    "page_hits",
+    "rescues",
+    "page_misses",
+    "adds",
+    "inserts",
+    "refreshes",
+    "evictions",
+    "invalidations",
+    "inflight_tracked",
+    "inflight_released",
+)
+
+
 def run_model(
     trace: PageTrace,
     cap: int,
@@ -344,23 +361,7 @@ def run_model(
     if runs:
         peak = max(peak, sum(len(r.beliefs) for r in runs.values()))
     stats = cache.stats().total
-    result.cache_stats = {
-        name: getattr(stats, name)
-        for name in (
-            "queries",
-            "pages_checked",
-            "page_hits",
-            "rescues",
-            "page_misses",
-            "adds",
-            "inserts",
-            "refreshes",
-            "evictions",
-            "invalidations",
-            "inflight_tracked",
-            "inflight_released",
-        )
-    }
+    result.cache_stats = {name: getattr(stats, name) for name in CACHE_STATS}
     result.belief_hit_ratio = stats.page_hits / stats.pages_checked if stats.pages_checked else 1.0
     result.evictions = stats.evictions
     result.heal_invalidations = stats.invalidations
