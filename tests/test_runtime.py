@@ -84,6 +84,9 @@ def test_runtime_exports_every_feature_with_the_snapshot_values():
     runtime = ExistenceRuntime(_config(), truth=shard).start()
     try:
         _drive(runtime, shard)
+        # The reconciler's worker answers queries asynchronously: stop it, so that
+        # the scrape and the snapshots below see the same counts.
+        runtime.reconciler.close(timeout_s=10.0)
         runtime.telemetry.step()
         url = runtime.telemetry.server.url
         with urllib.request.urlopen(url, timeout=10) as response:
