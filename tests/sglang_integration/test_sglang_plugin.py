@@ -175,6 +175,11 @@ def test_real_detokenizer_entry_gets_no_cache_hooks(scenarios: Scenarios) -> Non
     parser hooks but no cache hooks (a renamed upstream entry fails this)."""
     r = scenarios.get("detokenizer").value()
     assert r["failed_after"] is not None  # the entry ran on past load_plugins()
+    if installed_generation() == "flat":
+        # sglang 0.5.19-0.5.21's detokenizer entry loads no plugins at all: the
+        # plugin never runs there, so it cannot hook anything.
+        assert r["status"] == {} and r["cache_hooked"] is False, r
+        return
     assert r["status"]["enabled"] is True and r["status"]["flags"] is True
     assert r["status"]["skipped"] == "detokenizer"
     assert r["status"]["cache"] is False and r["cache_hooked"] is False
