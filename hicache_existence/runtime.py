@@ -185,12 +185,6 @@ class ExistenceRuntime:
         except Exception as exc:
             self._report("divergence", exc)
 
-    def _guard(self, what: str, fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except Exception as exc:  # observability never takes the scheduler down
-            self._report(what, exc)
-
     def _report(self, what: str, exc: Exception) -> None:
         if self._errors.allow():
             self._logger.error(logs.EXPORTER_ERROR, exporter=what, error=repr(exc))

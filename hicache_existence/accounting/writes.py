@@ -29,7 +29,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from hicache_existence.core import _validate
-from hicache_existence.core.stats import counter, gauge
+from hicache_existence.core.stats import counter, fields_of_kind, gauge
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +97,7 @@ class PoolWriteStats:
 
 
 #: Counters of one pool, in snapshot order (derived: declare in ``PoolWriteStats``).
-WRITE_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in fields(PoolWriteStats) if f.metadata.get("kind") == "counter"
-)
+WRITE_FIELDS: tuple[str, ...] = fields_of_kind(PoolWriteStats, "counter")
 
 
 class _PoolWrites:

@@ -188,16 +188,18 @@ class PoolStats:
         return out
 
 
-def _of_kind(kind: Kind) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(PoolStats) if f.metadata.get("kind") == kind)
+def fields_of_kind(snapshot_type: type, kind: Kind) -> tuple[str, ...]:
+    """The fields of a snapshot dataclass marked ``counter()`` / ``gauge()`` /
+    ``miss_reason()``, in declaration order (how every counter set is derived)."""
+    return tuple(f.name for f in fields(snapshot_type) if f.metadata.get("kind") == kind)
 
 
 #: Monotonic counters, in ``PoolStats`` field order (derived: declare in ``PoolStats``).
-COUNTER_FIELDS: tuple[str, ...] = _of_kind("counter")
+COUNTER_FIELDS: tuple[str, ...] = fields_of_kind(PoolStats, "counter")
 #: Point-in-time values.
-GAUGE_FIELDS: tuple[str, ...] = _of_kind("gauge")
+GAUGE_FIELDS: tuple[str, ...] = fields_of_kind(PoolStats, "gauge")
 _GAUGES = frozenset(GAUGE_FIELDS)
-_REASON_FIELDS = _of_kind("miss_reason")
+_REASON_FIELDS = fields_of_kind(PoolStats, "miss_reason")
 if tuple(f"misses_{r}" for r in MISS_REASONS) != _REASON_FIELDS:  # pragma: no cover
     raise AssertionError(f"PoolStats miss-reason fields {_REASON_FIELDS} != MISS_REASONS")
 

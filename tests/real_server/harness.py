@@ -265,9 +265,16 @@ class Server:
         self.env = server_env(spec, l3_dir)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0
+        #: The readiness route, and what the start-up error calls this process.
+        self.health = "/health"
+        self.what = "server"
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> Server:
+        return self._wait_ready(self.spawn())
+
+    def spawn(self) -> float:
+        """Start the process without waiting; returns its start time (monotonic)."""
         t0 = time.monotonic()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -279,14 +286,14 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        return self._wait_ready(t0)
+        return t0
 
     def _wait_ready(self, t0: float) -> Server:
         deadline = t0 + START_TIMEOUT_S
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(self.url + self.health, timeout=5) as r:
                     if r.status == 200:
                         self.start_s = time.monotonic() - t0
                         return self
@@ -294,7 +301,7 @@ class Server:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"server not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
+        raise TimeoutError(f"{self.what} not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
 
     def check_alive(self) -> None:
         assert self.proc is not None

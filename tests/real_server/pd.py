@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +81,7 @@ class RecipeProcess(Server):
         super().__init__(ServerSpec(), workdir, l3_dir, port)
         self.script = script
         self.health = health
+        self.what = script
         self.args = ["bash", str(RECIPES / script)]
         self.env = {**server_env(ServerSpec(), l3_dir), **recipe_env}
         # The file backend reads its directory from this variable before its extra
@@ -92,37 +90,10 @@ class RecipeProcess(Server):
 
     def start_async(self) -> None:
         """Spawn the script without waiting for readiness (``wait_started``)."""
-        self._t0 = time.monotonic()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.args,
-                env=self.env,
-                cwd=self.workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self._t0 = self.spawn()
 
     def wait_started(self) -> None:
         self._wait_ready(self._t0)
-
-    def _wait_ready(self, t0: float) -> Server:
-        from harness import START_TIMEOUT_S
-
-        deadline = t0 + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                with urllib.request.urlopen(self.url + self.health, timeout=5) as r:
-                    if r.status == 200:
-                        self.start_s = time.monotonic() - t0
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"{self.script} not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
 
 
 HOST_MEMORY = ("Not enough host memory available", "No host memory is left for HiCache")

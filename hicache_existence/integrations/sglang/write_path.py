@@ -39,7 +39,6 @@ its own ``try``; nothing of ours raises into sglang.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -226,11 +225,11 @@ class WritePath:
 
 def attach(feed: WritePath) -> None:
     """Make ``feed`` this process's write path (the hooks look it up)."""
-    _FEEDS[os.getpid()] = feed
+    _FEEDS[PROCESS.pid] = feed
 
 
 def detach() -> None:
-    _FEEDS.pop(os.getpid(), None)
+    _FEEDS.pop(PROCESS.pid, None)
 
 
 def current() -> WritePath | None:
