@@ -204,6 +204,43 @@ def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
     assert (kv.written, kv.acknowledged, kv.failed) == (3, 3, 0)
 
 
+def test_flat_in_flight_pages_reach_the_reconciler(feed_of) -> None:
+    """Seed generation: the pipeline's ``inflight_backup_hashes`` (what it passes
+    to ``covers_all``) is what the reconciler reads; none before the first launch
+    or for other pools, and a stale verdict past an in-flight page is withheld."""
+    from hicache_existence.core.observers import Tee
+    from hicache_existence.reconcile.reconciler import Reconciler
+    from hicache_existence.reconcile.truth import InMemoryGroundTruth
+
+    tee = Tee()
+    cache = FlatStorageExistenceCache(64, observer=tee)
+    feed = feed_of(cache, "flat")
+    truth = InMemoryGroundTruth()
+    rec = Reconciler(cache, truth, sampling_rate=1.0, agree_interval_steps=1)
+    rec.inflight_cover = feed.inflight_pages
+    tee.observers = (rec,)
+    p = pipeline(cache)
+    p.inflight_backup_hashes = {}
+    assert feed.inflight_pages("kv") is None
+    a, b = pages("a", 2), pages("b", 2)
+    cache.add("kv", b)
+    truth.record_stored("kv", b)
+    intent = NS(snapshot=NS(hash_values=a))
+    wp.after_stage_backup_intent(True, p, intent, None, {})
+    p.inflight_backup_hashes.update(dict.fromkeys(a, 1))  # upstream's _track_content_refs
+    assert feed.inflight_pages("kv") is p.inflight_backup_hashes
+    assert feed.inflight_pages("swa") is None
+    assert cache.covers_all("kv", [*a, *b], extra_cover=p.inflight_backup_hashes)
+    for step in range(200):
+        rec.apply(step)
+        if rec.idle() and rec.snapshot().verdicts_applied:
+            break
+        threading.Event().wait(0.001)
+    assert cache.believed("kv", b) == b
+    assert rec.snapshot().invalidations_withheld == {"kv": 1}
+    rec.close()
+
+
 # -- never into the scheduler -------------------------------------------------------------
 def test_broken_input_never_raises_and_upstream_runs_once(feed_of) -> None:
     """Hooks facing objects they do not understand count an error, and upstream's

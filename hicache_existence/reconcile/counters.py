@@ -137,7 +137,8 @@ class ReconcilerSnapshot:
     pages_learnt: dict[str, int] = field(default_factory=dict)
     #: Agreed verdicts applied, per pool.
     verdicts_applied: dict[str, int] = field(default_factory=dict)
-    #: Absences not acted on because the page was added while the query was out.
+    #: Absence verdicts not acted on because the page the answer stopped at was
+    #: being written (in flight, or added since the query), per pool.
     invalidations_withheld: dict[str, int] = field(default_factory=dict)
     candidates_sampled: int = 0
     candidates_admitted: int = 0

@@ -19,14 +19,38 @@ Determinism across TP ranks (replicas must stay identical):
   candidates the rank could admit, and its clock.
 * **Applying** the first agreed verdicts: ``invalidate_beyond(chain, leading)``
   when ground truth is short of the chain (never on an error, nor when the ledger
-  cannot prove absence, nor when the missing page was added while the query was
-  out), and, for all-pages pools, ``add(chain[:leading])`` when ground truth
-  holds pages the beliefs lack (learnt from another instance).
+  cannot prove absence, nor when the missing page is being written: see
+  *Writes racing a query*), and, for all-pages pools, ``add(chain[:leading])``
+  when ground truth holds pages the beliefs lack (learnt from another instance).
 * **Budget**: a token bucket refilled from the agreed (MIN) clock admits at most
   ``verifications_per_s`` queries per second, identically on every rank.
 
 A circuit breaker stops admitting (and fails queued queries fast) while ground
 truth keeps failing, probing again with exponential backoff.
+
+Writes racing a query.  An answer taken at time T says nothing about a page
+whose write was in flight at T or launched after it: the write lands (and the
+ledger records it) after the answer.  Such a page is *written since the query*
+when, at the moment the verdict is applied, it is in flight (the cache's
+in-flight refs; for the seed generation the write path's in-flight set,
+``inflight_cover``) or it was added (``add``: the storage ack inserts a write's
+pages, then releases them from flight) after the query was admitted (admission
+precedes T, so the window is conservative).  Every page whose write overlaps T
+is one of those: launched before T and still out (in flight), launched before T
+and acked since (added since), launched after T (in flight, or added since).
+Checking in-flight membership alone misses the acked-since pages; an epoch
+taken at the query alone misses writes launched before it and still out.  A
+release without an add is a launch that failed (the page really is absent); a
+reset of the write pipeline (``clear_inflight``), whose writes may land with no
+ack, voids the answers out.
+
+If the first missing page was written since the query, the verdict's
+invalidation is withheld (counted, ``invalidations_withheld``; the chain is
+verified again when a later lookup picks it): past an unfinished write the
+answer proves nothing.  Otherwise the pages beyond it are dropped except those
+written since the query.
+Every rank sees the same writes at the same lockstep points, so every rank
+withholds the same verdicts.
 """
 
 from __future__ import annotations
@@ -38,7 +62,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from itertools import islice, repeat
 from typing import Any
 
@@ -69,6 +93,37 @@ TRAILING_POOLS = frozenset({"swa", "auxiliary_swa", "mamba", "draft_swa"})
 
 # Query states.
 _PENDING, _DONE, _TIMED_OUT, _VOID = 0, 1, 2, 3
+
+#: Where the write path keeps a pool's in-flight pages when the cache does not
+#: (the seed generation): ``pool -> pages`` (or None for none).
+InflightCover = Callable[[str], "Container[str] | None"]
+
+
+def invalidation_span(
+    chain: Sequence[str], leading: int, written: Callable[[str], bool]
+) -> Sequence[str] | None:
+    """The chain to pass to ``invalidate_beyond(..., leading)`` for an absence
+    verdict, given ``written(page)``: whether the page was written since the
+    answer was taken (in flight, or acknowledged since).  None (withhold) when
+    ``chain[leading]``, the page the answer stopped at, was: the answer
+    predates its write and proves nothing about the pages after it.  Otherwise
+    the chain without the later pages that were written since."""
+    if written(chain[leading]):
+        return None
+    rest = chain[leading + 1 :]
+    if not any(map(written, rest)):
+        return chain
+    return (*chain[: leading + 1], *(p for p in rest if not written(p)))
+
+
+def _disjoint(pages: Container[str], tail: Sequence[str]) -> bool:
+    """Whether ``pages`` certainly holds none of ``tail`` (in C for dicts and
+    sets; other containers answer False and take the page-by-page check)."""
+    if isinstance(pages, dict):
+        return pages.keys().isdisjoint(tail)
+    if isinstance(pages, (set, frozenset)):
+        return pages.isdisjoint(tail)
+    return False
 
 
 def default_learns(pool: str) -> bool:
@@ -131,6 +186,15 @@ class _Target:
         else:
             self._cache.add(pool, chain)
 
+    def inflight(self, pool: str) -> Container[str] | None:
+        """``pool``'s pages between D2H launch and storage ack (current generation:
+        the cache's refcounts, upstream's ``_inflight``; the seed generation keeps
+        none, the write path does: see ``Reconciler.inflight_cover``)."""
+        if self._per_pool:
+            refs: Container[str] | None = getattr(self._cache.pool(pool), "_inflight", None)
+            return refs
+        return None
+
     def counts(self, pool: str) -> tuple[int, int]:
         """(invalidations, inserts) of ``pool`` so far."""
         if self._per_pool:
@@ -179,6 +243,7 @@ class Reconciler:
         max_candidates: int = 64,
         apply_page_budget: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        inflight_cover: InflightCover | None = None,
     ) -> None:
         if not 0.0 <= float(sampling_rate) <= 1.0:
             raise ValueError(f"sampling_rate must be within [0, 1], got {sampling_rate}")
@@ -224,6 +289,9 @@ class Reconciler:
         self._page_budget = apply_page_budget
         self._clock = clock
         self._t0 = clock()
+        #: In-flight pages the cache does not track (seed generation): the
+        #: integration sets it to the write pipeline's in-flight set.
+        self.inflight_cover: InflightCover | None = inflight_cover
 
         self.counters = ReconcilerCounters()
         self._lock = threading.Lock()  # guards a query's state hand-off
@@ -232,8 +300,8 @@ class Reconciler:
         self._candidates: list[tuple[str, tuple[str, ...]]] = []
         self._pending: set[tuple[str, str]] = set()  # (pool, last page) queued or out
         self._outstanding: deque[_Query] = deque()
-        # pool -> {page: ordinal of the add that last added it}, kept only while
-        # a query of the pool is out.
+        # pool -> {page: ordinal of the add (storage ack) that last added it},
+        # kept only while a query of the pool is out.
         self._recent: dict[str, dict[str, int]] = {}
         self._adds = 0
         self._recent_cap = 1 << 18
@@ -337,12 +405,18 @@ class Reconciler:
         """Nothing to do: an invalidation only removes beliefs."""
 
     def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
-        """Nothing to do: in-flight refs are not beliefs."""
+        """Nothing to do (the write path's hot path): a launch since the query is
+        in flight when the verdict applies, a storage ack ``add``s its pages
+        before releasing them (``added`` notes those), and a release without
+        an add is a launch that failed, whose page really is absent."""
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
         """A cleared pool (L3 flushed, storage detached): answers to queries that
-        were out are void, pending candidates are dropped."""
-        if inflight_only or not self._on:
+        were out are void, pending candidates are dropped.  In-flight refs
+        cleared alone (the write pipeline was reset): the dropped writes may
+        still land in L3 with no ack to say so, so answers to queries that were
+        out are void too."""
+        if not self._on:
             return
         try:
             for q in self._outstanding:
@@ -352,6 +426,8 @@ class Reconciler:
                             q.state = _VOID  # a later answer only counts as late
                             self.counters.scheduler_results[(pool, "void")] += 1
                     q.void = True
+            if inflight_only:
+                return
             kept = [(p, chain) for p, chain in self._candidates if p != pool]
             for p, chain in self._candidates:
                 if p == pool:
@@ -469,14 +545,12 @@ class Reconciler:
         c = self.counters
         target = self._target
         if leading < len(chain) and trusted:
-            recent = self._recent.get(pool)
-            if recent is not None and (
-                recent.get(chain[leading], -1) > q.adds_before or len(recent) >= self._recent_cap
-            ):
+            doomed = self._not_written_since(q, leading)
+            if doomed is None:
                 c.invalidations_withheld[pool] += 1
             else:
                 before, _ = target.counts(pool)
-                target.invalidate_beyond(pool, chain, leading)
+                target.invalidate_beyond(pool, doomed, leading)
                 after, _ = target.counts(pool)
                 if after > before:
                     c.stale_positives[pool] += 1
@@ -490,6 +564,38 @@ class Reconciler:
                 if after > before:
                     c.pages_learnt[pool] += after - before
         c.verdicts_applied[pool] += 1
+
+    def _not_written_since(self, q: _Query, leading: int) -> Sequence[str] | None:
+        """What ``invalidate_beyond(..., leading)`` may drop for ``q``'s absence
+        verdict: None when ``chain[leading]`` (the first page ground truth lacks)
+        was written since the query (module docstring); else the chain without
+        the later pages that were.  O(1) when the pool has no write in flight
+        and none acked since the query."""
+        pool, chain = q.pool, q.chain
+        recent = self._recent.get(pool)
+        if recent is None:
+            recent = {}
+        elif len(recent) >= self._recent_cap:
+            return None  # stopped recording: cannot tell, keep the beliefs
+        cover = self.inflight_cover
+        try:
+            extra = cover(pool) if cover is not None else None
+        except Exception:  # the write path's set is unreadable: cannot tell
+            self._internal_error("inflight_cover")
+            return None
+        sources = [s for s in (self._target.inflight(pool), extra) if s]
+        if not recent and not sources:
+            return chain
+        tail = chain[leading:]
+        if all(_disjoint(s, tail) for s in (recent, *sources)):
+            return chain  # the common case, in C: nothing written touches the tail
+        since = q.adds_before
+        get = recent.get
+
+        def written(page: str) -> bool:
+            return get(page, -1) > since or any(page in s for s in sources)
+
+        return invalidation_span(chain, leading, written)
 
     def _retire(self, q: _Query) -> None:
         self._pending.discard((q.pool, q.chain[-1]))

@@ -17,8 +17,11 @@ fraction ``learn_rate`` of its cache lookups (picked with the reconciler's gap
 sequence, through the cache's real observer interface) is verified against the
 ledger at the instance's next step; the verdict invalidates believed pages the
 ledger lacks and adds the leading pages it holds (``pages_learnt``: mostly
-pages other instances wrote).  The ledger here is exact (it holds what L3
-holds); errors, budgets and latency of the real one are not modelled.
+pages other instances wrote).  As in the reconciler, an invalidation is
+withheld (``verdicts_withheld``) when the first page the ledger lacks is being
+written by the instance (in flight): the ledger learns it when the write lands.
+The ledger here is exact (it holds what L3 holds); errors, budgets and latency
+of the real one are not modelled.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from itertools import islice
 from typing import Any, Literal
 
 from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.reconcile.reconciler import invalidation_span
 from hicache_existence.replay.model import (
     CACHE_STATS,
     ModelConfig,
@@ -88,10 +92,12 @@ class InstanceResult:
     redundant_writes: int = 0
     writes_avoided: int = 0
     #: Ledger learning: verifications, pages added because the ledger held them,
-    #: beliefs dropped because it did not.
+    #: beliefs dropped because it did not, verdicts not acted on because the
+    #: page the ledger lacked was being written (in flight on the instance).
     verifications: int = 0
     pages_learnt: int = 0
     pages_invalidated: int = 0
+    verdicts_withheld: int = 0
     #: Ledger record round trips (``write_batch`` pages each, per landed write).
     ledger_record_calls: int = 0
 
@@ -252,9 +258,15 @@ class _Instance:
             share.verifications += 1
             beliefs = self.cache.pool(pool)
             if leading < len(chain):
-                before = beliefs.stats().invalidations
-                beliefs.invalidate_beyond(chain, leading)
-                share.pages_invalidated += beliefs.stats().invalidations - before
+                # The answer is taken now: a page written since it is one in
+                # flight on this instance (the reconciler's rule).
+                span = invalidation_span(chain, leading, beliefs.inflight_refs().__contains__)
+                if span is None:
+                    share.verdicts_withheld += 1
+                else:
+                    before = beliefs.stats().invalidations
+                    beliefs.invalidate_beyond(span, leading)
+                    share.pages_invalidated += beliefs.stats().invalidations - before
             if leading:
                 before = beliefs.stats().inserts
                 beliefs.add(chain[:leading])

@@ -71,6 +71,9 @@ class ProcessEntry:
         self.truth = truth
         #: Feeds ``runtime.writes`` from sglang's write path (write_path.py).
         self.write_path = _write_path.WritePath(runtime.writes, runtime.cache, runtime.generation)
+        if runtime.reconciler is not None and runtime.generation == "flat":
+            # The seed cache keeps no in-flight refs; the pipeline does.
+            runtime.reconciler.inflight_cover = self.write_path.inflight_pages
         self.steps = 0
         self.members: tuple[int, ...] = (0,)
         self._tree: weakref.ReferenceType[Any] | None = None

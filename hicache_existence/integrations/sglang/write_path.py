@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,8 @@ class WritePath:
         self.cache = cache
         self.generation = generation
         self.controller: Any = None
+        #: The pipeline of the first launch (its in-flight set, seed generation).
+        self.pipeline: Any = None
         self.errors = 0
         self._admitting = 0
         self._refreshing = 0
@@ -135,6 +137,7 @@ class WritePath:
         """The D2H launch of an admitted intent: its pages are written."""
         if self.controller is None:
             self.controller = pipeline._cache.cache_controller
+            self.pipeline = pipeline
         notes: dict[str, set[str]] = {}
         for pool, keys in keys_by_pool.items():
             name = _name(pool)
@@ -148,6 +151,16 @@ class WritePath:
             if len(self._believed) >= _MAX_PENDING:
                 self._believed.pop(next(iter(self._believed)))
             self._believed[id(intent)] = notes
+
+    def inflight_pages(self, pool: str) -> Container[str] | None:
+        """The seed generation's pages between D2H launch and storage ack: the
+        pipeline's ``inflight_backup_hashes`` (refcounts, KV only; the same set
+        it passes to ``covers_all`` as ``extra_cover``).  The reconciler reads
+        it so that a verdict never acts on a page still being written."""
+        if pool != "kv" or self.pipeline is None:
+            return None
+        refs = getattr(self.pipeline, "inflight_backup_hashes", None)
+        return refs if isinstance(refs, Container) else None
 
     def _believed_keys(self, pool: str, keys: list[str]) -> set[str]:
         pool_of = getattr(self.cache, "pool", None)
