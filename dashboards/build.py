@@ -137,6 +137,7 @@ REC_QUERIES = family("reconciler_queries")
 REC_STALE = family("reconciler_stale_positives")
 REC_INVALIDATED = family("reconciler_pages_invalidated")
 REC_LEARNT = family("reconciler_pages_learnt")
+REC_WITHHELD = family("reconciler_verdicts_withheld")
 REC_ERRORS = family("reconciler_errors")
 REC_CIRCUIT = family("reconciler_circuit_open")
 REC_OUTSTANDING = family("reconciler_outstanding_queries")
@@ -618,11 +619,15 @@ def rows() -> tuple[Row, ...]:
             Panel(
                 "Pages invalidated and learnt (pages/s)",
                 "Beliefs dropped because L3 lacks the page, and pages added because L3 holds "
-                "them (written by another instance, or evicted from the beliefs).",
+                "them (written by another instance, or evicted from the beliefs). Withheld: "
+                "absence verdicts not acted on because the page the answer stopped at was "
+                "being written (in flight, or acknowledged since the query), so the answer was "
+                "stale and the beliefs past it are kept (verifications/s, docs/reconciler.md).",
                 "ops",
                 (
                     _t(rate(REC_INVALIDATED), "{{pool}} invalidated"),
                     _t(rate(REC_LEARNT), "{{pool}} learnt"),
+                    _t(rate(REC_WITHHELD), "{{pool}} withheld"),
                 ),
             ),
             Panel(

@@ -417,6 +417,16 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         ("pool",),
     ),
     _f(
+        "reconciler_verdicts_withheld",
+        "counter",
+        "reconciler",
+        "Absence verdicts not acted on because the page the answer stopped at was being "
+        "written (in flight, or acknowledged since the query): the answer predates that "
+        "write, so the beliefs past it are kept.",
+        "{query}",
+        ("pool",),
+    ),
+    _f(
         "reconciler_errors",
         "counter",
         "reconciler",

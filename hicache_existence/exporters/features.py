@@ -109,6 +109,9 @@ def _reconciler(
         snap.pages_invalidated, label, pool_labels
     )
     out[_name("reconciler_pages_learnt")] = _per_pool(snap.pages_learnt, label, pool_labels)
+    out[_name("reconciler_verdicts_withheld")] = _per_pool(
+        snap.invalidations_withheld, label, pool_labels
+    )
     errors: dict[tuple[str, ...], float] = {(k,): 0.0 for k in ERROR_KINDS}
     for kind, n in snap.errors.items():
         errors[(str(kind),)] = errors.get((str(kind),), 0.0) + float(n)
