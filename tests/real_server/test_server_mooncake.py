@@ -103,6 +103,8 @@ def read(stack: Stack) -> dict[str, float]:
         mm = stack.master.metrics()
         out["mc_objects"] = mm.get("master_key_count", 0.0)
         out["mc_put_objects"] = mm.get("master_batch_put_start_items_total", 0.0)
+        # Puts of objects already stored: the client reports them as successes.
+        out["mc_put_existing"] = mm.get("master_batch_put_start_failed_items_total", 0.0)
     return out
 
 
@@ -184,6 +186,7 @@ def test_first_writes_are_the_objects_mooncake_newly_holds(scripted) -> None:
         assert d["written_pages"] == d["write_acknowledged_pages"] == pages, (after, d)
         assert d["sglang_backuped_pages"] == pages, (after, d)
         assert d["mc_objects"] == d["mc_put_objects"] == OBJECTS_PER_PAGE * pages, (after, d)
+        assert d["mc_put_existing"] == 0, (after, d)
         assert d["redundant_written_pages"] == d["write_failed_pages"] == 0, (after, d)
 
 
@@ -194,7 +197,7 @@ def test_evicted_beliefs_make_redundant_writes_mooncake_already_held(scripted) -
     launch; the admission miss is classified evicted, not cold."""
     d = delta(scripted["a_again"], scripted["c"])
     assert d["written_pages"] == d["sglang_backuped_pages"] == 10, d
-    assert d["mc_objects"] == d["mc_put_objects"] == 0, d
+    assert d["mc_objects"] == d["mc_put_objects"] == d["mc_put_existing"] == 0, d
     assert d["redundant_written_pages"] == 10, d
     assert d["redundant_believed_pages"] == 8, d
     assert d["misses_evicted"] >= 1 and d["misses_cold"] == 0, d
@@ -254,7 +257,7 @@ def test_master_killed_and_restarted_under_the_server(stack: Stack) -> None:
     assert healthy(srv)
 
     master.start()  # empty: every object is gone
-    poll(lambda: master.metrics().get("master_active_clients", 0) >= 1, timeout_s=30)
+    assert poll(lambda: master.metrics().get("master_active_clients", 0) >= 1, timeout_s=30)
     restart = settled(stack)
     assert restart["mc_objects"] == 0, restart
 
@@ -277,6 +280,7 @@ def test_master_killed_and_restarted_under_the_server(stack: Stack) -> None:
     assert d["written_pages"] == d["write_acknowledged_pages"] == 10, d
     assert d["redundant_written_pages"] == d["write_failed_pages"] == 0, d
     assert after["mc_objects"] == d["mc_put_objects"] == OBJECTS_PER_PAGE * 10, d
+    assert after["mc_put_existing"] == 0, after
     assert healthy(srv)
     srv.check_alive()
     log = srv_log(srv, log_at)
