@@ -182,3 +182,32 @@ def test_a_put_of_a_stored_object_is_reported_as_a_success(master: MooncakeMaste
     assert first._batch_exist(keys) == [1] * len(keys)
     for store in (first, second):
         store.store.close()
+
+
+def test_objects_in_a_departed_clients_segment_are_gone(master: MooncakeMaster) -> None:
+    """The master spreads objects over every mounted segment; when one client
+    (a prefill server) goes away its segment goes with it, taking objects other
+    clients put: those now answer absent (code 0, not an error), so a later
+    write of them finds nothing stored."""
+    staying, leaving = sglang_mooncake_store(master), sglang_mooncake_store(master)
+    truth = MooncakeGroundTruth(staying)
+    pages = chain("spread", 16)
+    store_pages(staying, truth, pages)  # put by the client that stays
+    assert truth.present("kv", pages) == [True] * 16
+    leaving.store.close()
+    present = poll_present(truth, pages, lambda n: n < 16)
+    assert 0 < present.count(True) < 16, present
+    assert master.metrics()["master_key_count"] < 2 * 16
+    staying.store.close()
+
+
+def poll_present(
+    truth: MooncakeGroundTruth, pages: list[str], done: Any, timeout_s: float = 15.0
+) -> list[bool]:
+    """``truth.present`` until ``done(pages present)`` or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        present = truth.present("kv", pages)
+        if done(present.count(True)) or time.monotonic() > deadline:
+            return present
+        time.sleep(0.2)
