@@ -9,10 +9,12 @@ so every round writes and loads back through L3 the same way). A test-only probe
 process, the CPU time of the scheduler thread and the time spent inside the package
 on that thread.
 
-Reported: the scheduler thread's CPU time per round for each server (median and
-ratio), and the package's share of the enabled scheduler's CPU time (our time /
-scheduler CPU time; the timers' own ~0.2 us per call is counted as ours, so it is an
-upper bound). Target: at most 1%.
+Reported per round and as medians: the scheduler's busy time (loop iterations that
+ran a batch or processed a batch's result; the loop polls without sleeping in
+between) for both servers, and the package's share of the enabled server's busy
+time (``busy_share``: an upper bound, net of the timers' own cost). Also the
+per-step hook's cost in a polling iteration and the share of all scheduler CPU,
+polling included. Target: the share of busy time at most 1%.
 
     python benchmarks/real_server_cost.py [--rounds 6] [--requests 40] [--json]
 """
@@ -37,15 +39,25 @@ from harness import Server, ServerSpec, TraceRequest, launch, trace_requests  # 
 
 def read_cost(out_dir: Path) -> dict[str, Any]:
     """Sum over the server's scheduler processes (one without TP)."""
-    total: dict[str, Any] = {"sched_cpu_ns": 0, "pkg_ns": 0, "pkg_calls": 0, "timer_ns": 0.0}
+    total: dict[str, Any] = {
+        "sched_cpu_ns": 0,
+        "pkg_ns": 0,
+        "pkg_calls": 0,
+        "hook_ns": 0,
+        "busy": [0, 0, 0, 0],
+        "poll": [0, 0, 0, 0, 0],
+        "timer_ns": 0.0,
+    }
     by_name: dict[str, list[int]] = {}
     files = sorted(out_dir.glob("cost-*.json"))
     if not files:
         raise RuntimeError(f"no cost probe output in {out_dir}")
     for f in files:
         rec = json.loads(f.read_text())
-        for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls"):
+        for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls", "hook_ns"):
             total[k] += int(rec[k])
+        for k in ("busy", "poll"):
+            total[k] = [a + int(b) for a, b in zip(total[k], rec[k])]
         total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
         for name, (ns, calls) in rec.get("by_name", {}).items():
             slot = by_name.setdefault(name, [0, 0])
@@ -80,6 +92,9 @@ def one_round(srv: Server, out_dir: Path, stream: list[TraceRequest]) -> dict[st
         "sched_cpu_ms": (after["sched_cpu_ns"] - before["sched_cpu_ns"]) / 1e6,
         "pkg_ms": (after["pkg_ns"] - before["pkg_ns"]) / 1e6,
         "pkg_calls": after["pkg_calls"] - before["pkg_calls"],
+        # [iterations, thread ns, package ns, package calls(, hook ns)] of this round
+        "busy": [a - b for a, b in zip(after["busy"], before["busy"])],
+        "poll": [a - b for a, b in zip(after["poll"], before["poll"])],
         "timer_ns_per_call": after["timer_ns"],
         "by_name_ms": {
             name: round((ns - before["by_name"].get(name, [0, 0])[0]) / 1e6, 3)
@@ -113,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                 srv, probe_dir = servers[name]
                 rec = one_round(srv, probe_dir, stream)
                 rounds[name].append(rec)
+                busy = busy_share(rec)
                 if not args.json:
                     print(
                         f"round {i} {name:8s} scheduler cpu {rec['sched_cpu_ms']:8.1f} ms"
-                        f"  package {rec['pkg_ms']:7.2f} ms ({rec['pkg_calls']:.0f} calls)"
+                        f"  busy {busy['busy_ms']:7.1f} ms ({busy['busy_iterations']} it)"
+                        f"  package {busy['package_busy_ms']:6.2f} ms ({100 * busy['share']:.2f}%)"
                         f"  wall {rec['wall_s']:.2f} s",
                         flush=True,
                     )
@@ -129,10 +146,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def busy_share(r: dict[str, Any]) -> dict[str, float]:
+    """The package's share of one round's busy scheduler time (thread CPU).
+
+    Busy time is the scheduler loop's iterations that ran a batch or processed a
+    batch's result. The package's time counted against it: everything it did in
+    those iterations, plus what it did for requests in the other (poll)
+    iterations (write acknowledgements, admissions), net of the timers' own cost;
+    the per-step hook's bare cost in poll iterations is idle time and is reported
+    apart. An upper bound: upstream's own work in those poll iterations is not in
+    the busy time the package's work there is divided by."""
+    timer = r["timer_ns_per_call"]
+    it_b, ns_b, pkg_b, calls_b = r["busy"]
+    it_p, ns_p, pkg_p, calls_p, hook_p = r["poll"]
+    busy_pkg = max(0.0, pkg_b - calls_b * timer)
+    poll_work = max(0.0, (pkg_p - hook_p) - max(0, calls_p - it_p) * timer)
+    poll_hook = max(0.0, hook_p - it_p * timer)
+    return {
+        "busy_iterations": it_b,
+        "busy_ms": ns_b / 1e6,
+        "package_busy_ms": (busy_pkg + poll_work) / 1e6,
+        "share": (busy_pkg + poll_work) / ns_b if ns_b else 0.0,
+        "poll_iterations": it_p,
+        "poll_ms": ns_p / 1e6,
+        "poll_us_per_iteration": ns_p / it_p / 1e3 if it_p else 0.0,
+        "hook_us_per_poll_iteration": poll_hook / it_p / 1e3 if it_p else 0.0,
+    }
+
+
 def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, Any]:
     # Round 0 warms both servers up (first compilation of every shape): left out.
     d = [r["sched_cpu_ms"] for r in rounds["disabled"][1:]]
     e = [r["sched_cpu_ms"] for r in rounds["enabled"][1:]]
+    bd = [busy_share(r)["busy_ms"] for r in rounds["disabled"][1:]]
+    be = [busy_share(r) for r in rounds["enabled"][1:]]
     pkg = [r["pkg_ms"] for r in rounds["enabled"][1:]]
     # The timers' own share: calls x what one timed empty call records.
     net = [
@@ -144,24 +191,31 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, A
     for r in rounds["enabled"][1:]:
         for name, ms in r["by_name_ms"].items():
             names[name] = names.get(name, 0.0) + ms
-    shares = [p / c for p, c in zip(pkg, e) if c > 0]
+    shares = [b["share"] for b in be]
+    med = statistics.median
     return {
         "requests_per_round": args.requests,
         "rounds": args.rounds,
-        "scheduler_cpu_ms_median_disabled": round(statistics.median(d), 1),
-        "scheduler_cpu_ms_median_enabled": round(statistics.median(e), 1),
-        "scheduler_cpu_ratio_enabled_over_disabled": round(
-            statistics.median(e) / statistics.median(d), 3
+        "busy_ms_median_disabled": round(med(bd), 1),
+        "busy_ms_median_enabled": round(med(x["busy_ms"] for x in be), 1),
+        "busy_iterations_median_enabled": med(x["busy_iterations"] for x in be),
+        "package_busy_ms_median": round(med(x["package_busy_ms"] for x in be), 2),
+        "package_share_of_busy_median": f"{100 * med(shares):.2f}%",
+        "package_share_of_busy_max": f"{100 * max(shares):.2f}%",
+        "poll_us_per_iteration_median": round(med(x["poll_us_per_iteration"] for x in be), 2),
+        "hook_us_per_poll_iteration_median": round(
+            med(x["hook_us_per_poll_iteration"] for x in be), 3
         ),
-        "package_ms_median": round(statistics.median(pkg), 2),
-        "package_share_of_scheduler_cpu_median": f"{100 * statistics.median(shares):.2f}%",
-        "package_share_of_scheduler_cpu_max": f"{100 * max(shares):.2f}%",
+        "scheduler_cpu_ms_median_disabled": round(med(d), 1),
+        "scheduler_cpu_ms_median_enabled": round(med(e), 1),
+        "scheduler_cpu_ratio_enabled_over_disabled": round(med(e) / med(d), 3),
+        "package_share_of_all_scheduler_cpu_net_of_timers_median": f"{100 * med(net_shares):.2f}%",
+        "package_ms_median": round(med(pkg), 2),
         "timer_ns_per_call": round(rounds["enabled"][-1]["timer_ns_per_call"]),
-        "package_share_net_of_timers_median": f"{100 * statistics.median(net_shares):.2f}%",
         "package_ms_by_function_top5": dict(
             sorted(((k, round(v, 2)) for k, v in names.items()), key=lambda kv: -kv[1])[:5]
         ),
-        "target": "<= 1%",
+        "target": "package_share_of_busy <= 1%",
     }
 
 

@@ -111,6 +111,7 @@ class ExistenceRuntime:
             self.tee.append(self.reconciler)
 
         self.checker: DivergenceChecker | None = None
+        self._check_interval = config.divergence.interval_steps
         if self.digest is not None:
             if group is None:
                 group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
@@ -173,7 +174,7 @@ class ExistenceRuntime:
     def _check(self) -> None:
         checker = self.checker
         assert checker is not None
-        due = (checker.step + 1) % self.config.divergence.interval_steps == 0
+        due = (checker.step + 1) % self._check_interval == 0
         try:
             if due:
                 with span(SPAN_DIVERGENCE_CHECK, step=checker.step + 1):

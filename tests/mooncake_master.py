@@ -90,6 +90,22 @@ class MooncakeMaster:
             "local_hostname": "127.0.0.1",
         }
 
+    def metrics(self) -> dict[str, float]:
+        """The master's own counters and gauges (its ``/metrics``, unlabelled
+        samples): ``master_key_count`` (objects held), ``master_batch_put_start_items_total``
+        (objects a client started to put), ...; independent of any client."""
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)

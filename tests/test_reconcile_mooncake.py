@@ -4,7 +4,8 @@ Our key derivation agrees with SGLang's ``batch_exists`` while the master is up;
 with the master killed, SGLang's ``batch_exists`` answers 0 (the client's error
 codes read as absence) while ``MooncakeGroundTruth`` raises, so the reconciler
 invalidates nothing; after the master restarts empty the lost pages really are
-gone and the reconciler drops those beliefs."""
+gone and the reconciler drops those beliefs.  And what two writers racing on one
+page see: a put of an object already stored answers like a first store."""
 
 from __future__ import annotations
 
@@ -149,3 +150,64 @@ def test_ledger_wrapper_does_not_learn_absence_from_a_mooncake_outage(
     assert wrapper._learns_absence(SimpleNamespace(batch_exists=lambda k, e=None: 0))
     master.restart()  # closing the client is quick while a master answers
     store.store.close()
+
+
+def test_a_put_of_a_stored_object_is_reported_as_a_success(master: MooncakeMaster) -> None:
+    """Two SGLang MooncakeStores on one master, the way two prefill servers race
+    on a shared page: both ask existence first (absent for both), both put; the
+    second put answers 0 like a first store (SGLang, and so our accounting, count
+    a first write), while the master holds one copy and counts the second put's
+    objects as failed PutStart items: the only place the duplicate shows."""
+    import torch
+
+    first, second = sglang_mooncake_store(master), sglang_mooncake_store(master)
+    truth = MooncakeGroundTruth(first)
+    keys, per_page = truth._objects(chain("raced", 3))
+    buffers = []
+    for store in (first, second):
+        buf = torch.ones(len(keys) * 64, dtype=torch.uint8)
+        store.register_buffer(buf)
+        buffers.append(buf)
+    assert first._batch_exist(keys) == second._batch_exist(keys) == [0] * len(keys)
+    before = master.metrics()
+    answers = []
+    for store, buf in zip((first, second), buffers, strict=True):
+        ptrs = [buf.data_ptr() + 64 * i for i in range(len(keys))]
+        answers.append(store._put_batch_zero_copy_impl(keys, ptrs, [64] * len(keys)))
+    after = master.metrics()
+    assert answers == [[0] * len(keys)] * 2
+    assert after["master_key_count"] - before["master_key_count"] == 3 * per_page
+    failed = "master_batch_put_start_failed_items_total"
+    assert after[failed] - before[failed] == 3 * per_page
+    assert first._batch_exist(keys) == [1] * len(keys)
+    for store in (first, second):
+        store.store.close()
+
+
+def test_objects_in_a_departed_clients_segment_are_gone(master: MooncakeMaster) -> None:
+    """The master spreads objects over every mounted segment; when one client
+    (a prefill server) goes away its segment goes with it, taking objects other
+    clients put: those now answer absent (code 0, not an error), so a later
+    write of them finds nothing stored."""
+    staying, leaving = sglang_mooncake_store(master), sglang_mooncake_store(master)
+    truth = MooncakeGroundTruth(staying)
+    pages = chain("spread", 16)
+    store_pages(staying, truth, pages)  # put by the client that stays
+    assert truth.present("kv", pages) == [True] * 16
+    leaving.store.close()
+    present = poll_present(truth, pages, lambda n: n < 16)
+    assert 0 < present.count(True) < 16, present
+    assert master.metrics()["master_key_count"] < 2 * 16
+    staying.store.close()
+
+
+def poll_present(
+    truth: MooncakeGroundTruth, pages: list[str], done: Any, timeout_s: float = 15.0
+) -> list[bool]:
+    """``truth.present`` until ``done(pages present)`` or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        present = truth.present("kv", pages)
+        if done(present.count(True)) or time.monotonic() > deadline:
+            return present
+        time.sleep(0.2)

@@ -6,7 +6,9 @@ whose router sends everything to one instance, equal ``run_model`` counter for
 counter.  Properties on random traces: the fleet's writes minus its redundant
 writes are the pages L3 holds; instance shares add up to the fleet; ledger
 learning never increases fleet writes when nothing is evicted; verification
-finds and drops beliefs L3 evicted.  Plus the CLI on the repository's trace."""
+finds and drops beliefs L3 evicted.  The real PD test's stream worked out by
+hand (tests/real_server/test_pd.py compares the same stream with real servers).
+Plus the CLI on the repository's trace."""
 
 from __future__ import annotations
 
@@ -261,3 +263,42 @@ def test_cli_fleet_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         main(["replay", str(small), "--fleet", "0", "--quiet"])
     assert info.value.code == 2
     assert "instance counts must be" in capsys.readouterr().err
+
+
+def _alternating_conversations(conversations: int, first: int, turn: int, turns: int) -> PageTrace:
+    """Conversations sent one after another, each turn the previous prompt plus
+    ``turn`` pages; nodes as in the radix tree of the instance round robin over two
+    gives each turn (its own earlier turns end nodes; the first turn is one node)."""
+    reqs = []
+    for c in range(conversations):
+        lengths = [first + t * turn for t in range(turns)]
+        chain = tuple(f"c{c}-p{i}" for i in range(lengths[-1]))
+        for t, n in enumerate(lengths):
+            ends = {first, n, *(lengths[u] for u in range(t % 2, t, 2))}
+            reqs.append(PageRequest(float(len(reqs)), "kv", chain[:n], tuple(sorted(ends))))
+    return PageTrace("alternating", "pages", 16, tuple(reqs))
+
+
+@pytest.mark.parametrize("learn_rate", [0.0, 1.0])
+def test_alternating_turns_on_two_instances_by_hand(learn_rate: float) -> None:
+    """tests/real_server/test_pd.py's stream (6 conversations, 20 pages then 4 a
+    turn, 5 turns, round robin over 2): per conversation the first turn writes 20,
+    the second prefetches those 20 (320 tokens >= 256) and writes its 4, and each
+    later turn writes the other instance's last 4 again plus its own 4: 48
+    written, 12 redundant, 20 + 20 + 24 + 28 avoided, 36 in L3; learning, verified
+    after the acks, learns nothing.  Without the prefetch (a threshold above the
+    second turn) the second turn writes all 24 itself: 20 more written and
+    redundant, 20 fewer avoided, as a real second turn whose prefetch ran before
+    the first turn's write landed."""
+    trace = _alternating_conversations(6, 20, 4, 5)
+    cfg = ModelConfig(device_pages=4096, prefetch_threshold_tokens=256)
+    got = run_fleet(trace, 65536, cfg, FleetConfig(2, "round-robin", learn_rate=learn_rate))
+    m = got.model
+    assert (m.writes_issued, m.redundant_writes, m.writes_avoided) == (6 * 48, 6 * 12, 6 * 92)
+    assert (m.l3_hit_pages, got.l3_pages_held, got.pages_learnt) == (6 * 20, 6 * 36, 0)
+    assert (got.verifications > 0) == (learn_rate > 0)
+    late = ModelConfig(device_pages=4096, prefetch_threshold_tokens=24 * 16 + 1)
+    m2 = run_fleet(trace, 65536, late, FleetConfig(2, "round-robin", learn_rate=learn_rate)).model
+    assert m2.l3_hit_pages == 0
+    assert m2.writes_issued - m.writes_issued == m2.redundant_writes - m.redundant_writes == 6 * 20
+    assert m.writes_avoided - m2.writes_avoided == 6 * 20

@@ -11,6 +11,7 @@ Heavy dependencies are imported only by the exporter that needs them.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -94,7 +95,10 @@ class Telemetry:
         self.feeder: Any = None
         self.server: Any = None
         self._cache = cache
-        self._last: float | None = None
+        # The clock value from which the next flush is due (the first step flushes).
+        # One float compare per scheduler step is all a step between flushes costs.
+        self._interval = section.flush_interval_s
+        self._due = -math.inf
         self._logger = logs.get_logger("hicache_existence.exporters")
         self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
         if self.mode == "multiprocess":
@@ -123,12 +127,11 @@ class Telemetry:
 
     def step(self) -> bool:
         """Flush metrics and derive log events if ``flush_interval_s`` passed."""
+        now = self._clock()
+        if now < self._due:
+            return False
+        self._due = now + self._interval
         try:
-            now = self._clock()
-            interval = self.config.metrics.flush_interval_s
-            if self._last is not None and now - self._last < interval:
-                return False
-            self._last = now
             self.series_reader.settle()
             if self.feeder is not None:
                 self.feeder.flush(force=True)

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -137,6 +140,28 @@ def start_all(procs: Sequence[RecipeProcess]) -> None:
             start_retrying(p)
 
 
+def stop_all(procs: Sequence[Server], grace_s: float) -> None:
+    """Stop every process at once: SIGINT to each process group, one shared grace
+    period, then SIGKILL of what is left (``Server.stop`` one after another would
+    wait a grace period per server: sglang rarely exits on SIGINT in time)."""
+    running = [p.proc for p in procs if p.proc is not None and p.proc.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for proc in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.proc.pid, signal.SIGKILL)
+    for p in procs:
+        if p.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(10)
+
+
 @dataclass
 class RouterSpec:
     """One router over some of the stack's prefill servers (all decode servers)."""
@@ -202,45 +227,17 @@ class PDStack:
             raise
         return self
 
-    def replace_prefills(self, specs: Sequence[PrefillSpec], tag: str) -> None:
-        """Stop every prefill server and start new ones from ``specs`` on the same
-        ports (the decode server stays; the routers are started anew), e.g. another
-        configuration."""
-        assert len(specs) == len(self.prefills)
-        for p in self.prefills:
-            p.stop(grace_s=5.0)
-        self.specs = list(specs)
-        self.prefills = [
-            self._prefill(i, spec, port=p.port, bootstrap=self._bootstrap[i], tag=tag)
-            for i, (spec, p) in enumerate(zip(specs, self.prefills, strict=True))
-        ]
-        start_all(self.prefills)
-        # New routers: a router that saw a prefill server go away routes around it
-        # for a while, which would put every turn on the other one.
-        for router in self.routers:
-            router.stop(grace_s=5.0)
-        self.routers = []
-        self._start_routers()
-
     def _start_routers(self) -> None:
         for i, rspec in enumerate(self.router_specs):
             self.routers.append(self._router(i, rspec))
-            self.routers[-1].start()
+        start_all(self.routers)
         for router in self.routers:
             self.wait_routable(router)
 
-    def _prefill(
-        self,
-        i: int,
-        spec: PrefillSpec,
-        port: int | None = None,
-        bootstrap: int | None = None,
-        tag: str = "",
-    ) -> RecipeProcess:
-        if port is None or bootstrap is None:
-            port, bootstrap = free_port(), free_port()
-            self._bootstrap.append(bootstrap)
-        wd = self.workdir / f"prefill{i}{tag}"
+    def _prefill(self, i: int, spec: PrefillSpec) -> RecipeProcess:
+        port, bootstrap = free_port(), free_port()
+        self._bootstrap.append(bootstrap)
+        wd = self.workdir / f"prefill{i}"
         wd.mkdir(parents=True, exist_ok=True)
         config_path = wd / "hicache-existence.json"
         config_path.write_text(json.dumps(spec.config))
@@ -304,10 +301,8 @@ class PDStack:
             out.append(self.decode)
         return out + self.routers
 
-    def stop(self) -> None:
-        for p in reversed(self.processes()):
-            with contextlib.suppress(Exception):
-                p.stop(grace_s=5.0)
+    def stop(self, grace_s: float = 5.0) -> None:
+        stop_all(self.processes(), grace_s)
 
     def __enter__(self) -> PDStack:
         return self.start()

@@ -227,6 +227,40 @@ def test_replacement_builds_runtime_and_hook_steps_it(clean_process: Any, monkey
     assert type(cls()) is _Upstream  # a second cache in the process
 
 
+def test_step_hook_binds_its_tree_and_a_forked_child_steps_nothing(
+    clean_process: Any, monkeypatch: Any
+) -> None:
+    """After its first step the hook steps the bound tree's runtime directly (no
+    registry lookup); a forked child, holding copies of the same objects, drops
+    the binding and steps nothing of its parent's."""
+    monkeypatch.setenv("HICACHE_EXISTENCE_ENABLED", "1")
+    cache = hooks.replacement_class("current", _Upstream)()
+    entry = hooks.current()
+    assert entry is not None
+    tree = _Tree(cache)
+    for _ in range(3):
+        hooks.after_check_hicache_events(None, tree)
+    assert entry.runtime.steps == 3
+    assert hooks._BOUND is not None and hooks._BOUND[0] is tree
+    hooks.after_check_hicache_events(None, _Tree(_Upstream()))  # a foreign tree
+    assert entry.runtime.steps == 3
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        try:
+            hooks.after_check_hicache_events(None, tree)
+            ok = hooks._BOUND is None and entry.runtime.steps == 3
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    hooks.after_check_hicache_events(None, tree)
+    assert entry.runtime.steps == 4
+
+
 def test_replacement_flat_generation_honours_explicit_max_entries(
     clean_process: Any, monkeypatch: Any
 ) -> None:

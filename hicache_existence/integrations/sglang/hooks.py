@@ -74,9 +74,15 @@ class ProcessEntry:
         if runtime.reconciler is not None and runtime.generation == "flat":
             # The seed cache keeps no in-flight refs; the pipeline does.
             runtime.reconciler.inflight_cover = self.write_path.inflight_pages
-        self.steps = 0
+        #: Whether the first step (group wiring) ran.
+        self.first_done = False
         self.members: tuple[int, ...] = (0,)
         self._tree: weakref.ReferenceType[Any] | None = None
+
+    @property
+    def steps(self) -> int:
+        """Scheduler steps this runtime has taken."""
+        return self.runtime.steps
 
     @property
     def cache(self) -> StorageExistenceCache | FlatStorageExistenceCache:
@@ -274,22 +280,52 @@ def replacement_class(generation: Generation, upstream: type) -> type:
     return _Factory(name, (base,), namespace)
 
 
+#: The bound per-step call of this process, once its first step has run:
+#: ``(tree_cache, runtime.step)``.  A cache of ``_ENTRIES`` for the hot path (one
+#: global read and one identity test per scheduler iteration instead of a registry
+#: lookup and an ownership check); dropped in a forked child, whose steps then take
+#: the slow path and find no entry of their own.
+_BOUND: tuple[Any, Any] | None = None
+
+
+def _unbind() -> None:
+    global _BOUND
+    _BOUND = None
+
+
+os.register_at_fork(after_in_child=_unbind)
+
+
 def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``UnifiedRadixCache.check_hicache_events(self)``: one runtime step.
 
     Never raises, except ``DivergenceError`` under the ``abort`` policy."""
+    bound = _BOUND
+    if bound is not None and args and args[0] is bound[0]:
+        bound[1]()
+        return None
+    return _first_or_foreign_step(args)
+
+
+def _first_or_foreign_step(args: tuple[Any, ...]) -> None:
+    """A step of a tree this process has not bound yet (its first), or of a tree
+    that is not ours (a second tree, or a process without an entry)."""
+    global _BOUND
     entry = _ENTRIES.get(PROCESS.pid)
     if entry is None or not args:
         return None
     tree_cache = args[0]
     if not entry.owns(tree_cache):
         return None
-    if entry.steps == 0:
-        try:
-            entry.first_step(tree_cache)
-        except Exception as exc:  # never into the scheduler
-            logger.warning("hicache-existence: first-step wiring failed: %r", exc)
-    entry.steps += 1
+    if entry.first_done:
+        entry.runtime.step()
+        return None
+    entry.first_done = True
+    try:
+        entry.first_step(tree_cache)
+    except Exception as exc:  # never into the scheduler
+        logger.warning("hicache-existence: first-step wiring failed: %r", exc)
+    _BOUND = (tree_cache, entry.runtime.step)
     entry.runtime.step()
     return None
 
@@ -297,6 +333,7 @@ def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
 def reset_for_tests() -> None:
     """Forget this process's entry (closing it); tests only."""
     pid = os.getpid()
+    _unbind()
     entry = _ENTRIES.pop(pid, None)
     _DECLINED.pop(pid, None)
     _write_path.detach()

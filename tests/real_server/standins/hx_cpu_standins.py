@@ -70,6 +70,14 @@ stand-in here: with none, the server on torch 2.14.1 writes to and loads from L3
     event), so the same prefix is sent without an event. On CPU the forward runs
     eagerly on the scheduler thread: the previous forward's writes are complete
     before the next batch is scheduled, so there is nothing to wait for.
+``device_module`` (sglang 0.5.19-0.5.21 only)
+    ``utils.common.get_device_module``: those releases fall back to
+    ``torch.get_device_module()``, which torch 2.14 answers with ``torch.cuda`` on a
+    CUDA wheel even with no usable device, so the HiCache controller's
+    ``L2TransferEngine`` dies creating its streams ("CUDA driver version is
+    insufficient", from ``torch.cuda.Stream()``). 0.5.22 and later return
+    ``torch.cpu`` when no accelerator is available; the stand-in does the same on
+    the older releases (a no-op where the release already does it).
 """
 
 from __future__ import annotations
@@ -211,6 +219,23 @@ def _patch_prefill(mod: ModuleType) -> None:
     APPLIED.append("pd_early_send_event")
 
 
+def _patch_device_module(mod: ModuleType) -> None:
+    if _off("device_module"):
+        return
+    original = mod.get_device_module
+
+    def get_device_module() -> Any:
+        import torch
+
+        found = original()
+        if found is torch.cuda and not torch.cuda.is_available():
+            return torch.cpu
+        return found
+
+    mod.get_device_module = get_device_module
+    APPLIED.append("device_module")
+
+
 def _patch_host_base(mod: ModuleType) -> None:
     if _off("host_reserve"):
         return
@@ -219,6 +244,7 @@ def _patch_host_base(mod: ModuleType) -> None:
 
 
 PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {
+    "sglang.srt.utils.common": [_patch_device_module],
     "sglang.srt.distributed.parallel_state": [_patch_parallel_state],
     "sglang.srt.mem_cache.pool_host.common": [_patch_host_common],
     "sglang.srt.mem_cache.pool_host.base": [_patch_host_base],

@@ -59,16 +59,29 @@ def _probe_tree(mod: ModuleType) -> None:
 
 
 class _Cost:
+    """What the cost probe has counted on the scheduler thread (thread CPU ns)."""
+
     def __init__(self) -> None:
-        self.ns = 0
+        self.ns = 0  # inside the package (top-level calls; nested calls counted once)
         self.calls = 0
+        self.hook_ns = 0  # of which inside the per-step hook
         self.depth = 0
         self.main: int | None = None
         self.pid = os.getpid()
         self.by_name: dict[str, list[int]] = {}
+        # Scheduler loop iterations: "busy" ones ran a batch or processed a batch's
+        # result; "poll" ones did neither (idle, or waiting for transfers/storage).
+        self.it_t0 = 0
+        self.it_ns0 = 0
+        self.it_calls0 = 0
+        self.it_hook0 = 0
+        self.it_work = False
+        self.busy = [0, 0, 0, 0]  # iterations, thread ns, package ns, package calls
+        self.poll = [0, 0, 0, 0, 0]  # iterations, thread ns, package ns, calls, hook ns
 
 
 _COST = _Cost()
+_HOOK = "after_check_hicache_events"
 
 
 def _timed(fn: Any) -> Any:
@@ -79,6 +92,7 @@ def _timed(fn: Any) -> Any:
     get_ident = threading.get_ident
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", "wrapped"))
     slot = _COST.by_name.setdefault(name, [0, 0])
+    is_hook = name == _HOOK
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _COST.depth or get_ident() != _COST.main:
@@ -91,6 +105,8 @@ def _timed(fn: Any) -> Any:
             dt = perf() - t0
             _COST.ns += dt
             _COST.calls += 1
+            if is_hook:
+                _COST.hook_ns += dt
             slot[0] += dt
             slot[1] += 1
             _COST.depth = 0
@@ -111,8 +127,63 @@ def _probe_cost_cache(mod: ModuleType) -> None:
     _wrap_class(mod.StorageExistenceCache)
 
 
+def _probe_cost_flat(mod: ModuleType) -> None:
+    _wrap_class(mod.FlatStorageExistenceCache)
+
+
+def _probe_cost_write_path(mod: ModuleType) -> None:
+    # The write accounting's work; the AROUND hooks' own frames around upstream's
+    # calls are not timed (timing them would count upstream's work as ours).
+    _wrap_class(mod.WritePath)
+
+
 def _probe_cost_hooks(mod: ModuleType) -> None:
     mod.after_check_hicache_events = _timed(mod.after_check_hicache_events)
+
+
+def _iteration_marks(cls: type) -> None:
+    """Close a loop iteration at each ``ingest_requests`` (the first call of every
+    iteration of both event loops) and mark it busy when it runs a batch or
+    processes a batch's result."""
+    import threading
+    import time
+
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+    ingest = cls.ingest_requests
+
+    def ingest_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        c = _COST
+        if get_ident() == c.main:
+            now = perf()
+            if c.it_t0:
+                dns, dcalls = c.ns - c.it_ns0, c.calls - c.it_calls0
+                if c.it_work:
+                    b = c.busy
+                    b[0] += 1
+                    b[1] += now - c.it_t0
+                    b[2] += dns
+                    b[3] += dcalls
+                else:
+                    q = c.poll
+                    q[0] += 1
+                    q[1] += now - c.it_t0
+                    q[2] += dns
+                    q[3] += dcalls
+                    q[4] += c.hook_ns - c.it_hook0
+            c.it_t0, c.it_ns0, c.it_calls0, c.it_hook0 = now, c.ns, c.calls, c.hook_ns
+            c.it_work = False
+        return ingest(self, *args, **kwargs)
+
+    cls.ingest_requests = ingest_requests
+    for name in ("run_batch", "process_batch_result"):
+        original = getattr(cls, name)
+
+        def marked(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            _COST.it_work = True
+            return _original(self, *args, **kwargs)
+
+        setattr(cls, name, marked)
 
 
 def _cost_writer(out_dir: str) -> None:
@@ -139,6 +210,9 @@ def _cost_writer(out_dir: str) -> None:
                 "sched_cpu_ns": time.clock_gettime_ns(clock),
                 "pkg_ns": _COST.ns,
                 "pkg_calls": _COST.calls,
+                "hook_ns": _COST.hook_ns,
+                "busy": list(_COST.busy),
+                "poll": list(_COST.poll),
                 "timer_ns_per_call": timer_ns,
                 "by_name": {k: list(v) for k, v in _COST.by_name.items()},
                 "t": time.time(),
@@ -162,6 +236,7 @@ def _probe_cost_scheduler(mod: ModuleType) -> None:
         _cost_writer(out_dir)
 
     cls.__init__ = __init__
+    _iteration_marks(cls)
 
 
 def _probe_diverge(mod: ModuleType) -> None:
@@ -188,6 +263,10 @@ def install() -> None:
     hx_cpu_standins.on_import("sglang.srt.mem_cache.unified_radix_cache", _probe_tree)
     if os.environ.get("HX_PROBE_COST_DIR"):
         hx_cpu_standins.on_import("hicache_existence.core.cache", _probe_cost_cache)
+        hx_cpu_standins.on_import("hicache_existence.core.flat", _probe_cost_flat)
+        hx_cpu_standins.on_import(
+            "hicache_existence.integrations.sglang.write_path", _probe_cost_write_path
+        )
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
     if os.environ.get("HX_PROBE_DIVERGE_FILE"):
