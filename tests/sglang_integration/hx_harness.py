@@ -248,6 +248,14 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
                 HICACHE_EXISTENCE_RECONCILER__TIMEOUT_MS="5000",
             ),
         ),
+        "buffer_inflight": lambda: s.run(
+            "buffer_inflight",
+            env=s.env(
+                HICACHE_EXISTENCE_ENABLED="1",
+                HICACHE_EXISTENCE_RECONCILER__ENABLED="1",
+                HICACHE_EXISTENCE_RECONCILER__SAMPLING_RATE="1",
+            ),
+        ),
         "buffer_writes": lambda: s.run("buffer_writes", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
         "buffer_writes_capped": lambda: s.run(
             "buffer_writes",

@@ -495,6 +495,47 @@ def buffer_reconcile() -> dict[str, Any]:
     return result
 
 
+@scenario
+def buffer_inflight() -> dict[str, Any]:
+    """The reconciler's view of pages being written, against the real pipeline:
+    a write-through insert, then one scheduler step at a time until the acks
+    drained; at every step, the pages the reconciler would treat as in flight
+    (the cache's refs in the current generation; the seed generation's
+    pipeline's own set, read through ``inflight_cover``)."""
+    logs = capture_logs()
+    load_plugins()
+    server = BufferModeServer()
+    entry = server.entry
+    rec = entry.runtime.reconciler if entry else None
+
+    def in_flight() -> set[str]:
+        if rec is None:
+            return set()
+        cover = rec.inflight_cover
+        sources = [rec._target.inflight("kv"), cover("kv") if cover is not None else None]
+        return {h for s in sources if s for h in s}  # type: ignore[union-attr]
+
+    server.insert(list(range(1, 33)))  # 8 pages of 4 tokens
+    seen = [sorted(in_flight())]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        server.tree.check_hicache_events()
+        seen.append(sorted(in_flight()))
+        if not server.pipeline.inflight_backup_node_ids and not server.pipeline.ongoing_backup:
+            break
+        time.sleep(0.005)
+    result = {
+        "reconciler": rec is not None,
+        "cover_wired": rec is not None and rec.inflight_cover is not None,
+        "written": sorted(kv_keys(server.cache)),
+        "seen_in_flight": sorted({h for step in seen for h in step}),
+        "after_ack": seen[-1],
+        "warnings": logs.warnings(),
+    }
+    server.close()
+    return result
+
+
 def write_report(server: BufferModeServer) -> dict[str, Any]:
     """The write accounting, the miss reasons and the L3 files now."""
     entry = server.entry
