@@ -18,6 +18,7 @@ so nothing is loaded back and every belief comes from an acknowledged write.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -102,7 +103,7 @@ def test_every_phase_counts_what_l3_and_sglang_saw(phases) -> None:
     written = SGLang's own backed-up pages, nothing failed."""
     r, _, _ = phases
     names = list(r)
-    for before, after in zip(names, names[1:]):
+    for before, after in itertools.pairwise(names):
         d = delta(r[after], r[before])
         assert d["written_pages"] - d["redundant_written_pages"] == d["files"], (after, d)
         assert d["write_acknowledged_pages"] == d["written_pages"], (after, d)
