@@ -1,0 +1,127 @@
+"""The flat generation's write accounting inside a real SGLang 0.5.19-0.5.21 server.
+
+Run by CI's sglang 0.5.21 leg (``tests/run-all.sh``); the 0.5.23 legs deselect it
+(their server builds the per-pool generation, which ``test_write_accounting.py``
+covers). A real ``sglang.launch_server`` 0.5.21 on CPU, buffer mode over the file
+backend, with ``--enable-hicache-existence``. Two facts of 0.5.21 on CPU shape it:
+
+- the page size is 1: 0.5.21's paged allocator extends with a Triton kernel only
+  (``alloc_extend_kernel``), and Triton has no driver here ("0 active drivers");
+  0.5.22 added a torch path. With one token per page the token allocator is used;
+- the ``device_module`` CPU stand-in (``standins/hx_cpu_standins.py``) gives the
+  HiCache controller CPU streams, as 0.5.22+ does itself.
+
+The counters are compared with the file backend's page files and SGLang's own
+``sglang:backuped_tokens_total``. Prompts stay below SGLang's prefetch threshold,
+so nothing is loaded back and every belief comes from an acknowledged write.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+import pytest
+from harness import Server, ServerSpec, block_tokens_for, launch
+
+pytestmark = pytest.mark.real_server
+
+P = "hicache_existence_"
+FLAT_CLASS = "hicache_existence.core.flat.FlatStorageExistenceCache"
+COUNTERS = (
+    "written_pages",
+    "write_acknowledged_pages",
+    "write_failed_pages",
+    "redundant_written_pages",
+    "redundant_believed_pages",
+    "write_avoided_pages",
+    "page_inserts",
+)
+A_TOKENS, B_TOKENS = 48, 32
+
+
+def _read(srv: Server) -> dict[str, float]:
+    fams = srv.metrics()
+    out = {c: fams[P + c].total("_total") if P + c in fams else 0.0 for c in COUNTERS}
+    backuped = fams.get("sglang:backuped_tokens")
+    out["sglang_backuped_pages"] = backuped.total("_total") if backuped else -1.0
+    out["files"] = float(len(srv.l3_pages()))
+    return out
+
+
+def reading(srv: Server, quiet_s: float = 2.0, timeout_s: float = 90.0) -> dict[str, float]:
+    """The counters and the truth beside them once all have stopped changing."""
+    srv.wait_writes_settled()
+    last: dict[str, float] | None = None
+    since = deadline = time.monotonic()
+    deadline += timeout_s
+    while time.monotonic() < deadline:
+        now = _read(srv)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+        time.sleep(0.5)
+    raise TimeoutError("counters did not settle")
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture(scope="module")
+def phases() -> Iterator[tuple[dict[str, dict[str, float]], list[str], list[list[int]]]]:
+    """A; flush; A again; flush; A+B (one node spanning believed A and new B)."""
+    a = block_tokens_for(1, A_TOKENS, salt="flat")
+    b = block_tokens_for(2, B_TOKENS, salt="flat")
+    with launch(ServerSpec(page_size=1, env={"HX_PROBES": "1"})) as srv:
+        classes = [p["cache_class"] for p in srv.probes("tree")]
+        r = {"start": reading(srv)}
+        outputs = [srv.generate(a, 2)]
+        r["a"] = reading(srv)
+        srv.flush_cache()
+        outputs.append(srv.generate(a, 2))
+        r["a_again"] = reading(srv)
+        srv.flush_cache()
+        outputs.append(srv.generate(a + b, 2))
+        r["a_b"] = reading(srv)
+        yield r, classes, outputs
+
+
+def test_the_server_runs_the_flat_generation(phases) -> None:
+    """The real 0.5.21 scheduler built our flat cache (the class upstream's flat
+    StorageExistenceCache was replaced with), and answered every request."""
+    _, classes, outputs = phases
+    assert classes == [FLAT_CLASS], classes
+    assert [len(o) for o in outputs] == [2, 2, 2]
+    assert outputs[0] == outputs[1]
+
+
+def test_every_phase_counts_what_l3_and_sglang_saw(phases) -> None:
+    """In every phase: written - redundant = page files created, acknowledged =
+    written = SGLang's own backed-up pages, nothing failed."""
+    r, _, _ = phases
+    names = list(r)
+    for before, after in itertools.pairwise(names):
+        d = delta(r[after], r[before])
+        assert d["written_pages"] - d["redundant_written_pages"] == d["files"], (after, d)
+        assert d["write_acknowledged_pages"] == d["written_pages"], (after, d)
+        assert d["sglang_backuped_pages"] == d["written_pages"], (after, d)
+        assert d["write_failed_pages"] == 0, (after, d)
+
+
+def test_writes_avoided_and_redundant_in_the_flat_generation(phases) -> None:
+    """A: every page of the prompt is written once. A again: nothing is written,
+    every page is avoided (believed stored). A+B: B's pages are new files; A's are
+    written again because 0.5.21 writes a node whole once any page of it is not
+    covered, and each of those is a redundant write of a page believed stored."""
+    r, _, _ = phases
+    a = delta(r["a"], r["start"])
+    assert a["files"] >= A_TOKENS and a["redundant_written_pages"] == 0, a
+    again = delta(r["a_again"], r["a"])
+    assert again["written_pages"] == 0 and again["files"] == 0, again
+    assert again["write_avoided_pages"] >= A_TOKENS, again
+    a_b = delta(r["a_b"], r["a_again"])
+    assert B_TOKENS <= a_b["files"] <= B_TOKENS + 2, a_b
+    assert a_b["redundant_written_pages"] == a_b["redundant_believed_pages"] >= A_TOKENS, a_b
