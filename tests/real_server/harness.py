@@ -51,10 +51,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -488,6 +488,40 @@ def run_to_exit(spec: ServerSpec, workdir: Path, timeout_s: float = 180.0) -> tu
 
 
 # -- traffic ----------------------------------------------------------------------------
+T = TypeVar("T")
+
+
+def settle(read: Callable[[], T], quiet_s: float = 2.0, timeout_s: float = 90.0) -> T:
+    """``read()`` once its answer has not changed for ``quiet_s`` (writes are
+    acknowledged after a request returns; our series are flushed once a second)."""
+    last: T | None = None
+    since = deadline = time.monotonic()
+    deadline += timeout_s
+    while time.monotonic() < deadline:
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+        time.sleep(0.4)
+    raise TimeoutError(f"did not settle: {last}")
+
+
+def poll(check: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.5) -> Any:
+    """``check()``'s first true answer, or its last answer after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = check()
+        if out or time.monotonic() > deadline:
+            return out
+        time.sleep(every_s)
+
+
+def delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    """Per-key change between two readings (a key new in ``after`` counts from 0)."""
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
 def block_tokens_for(
     hash_id: int, block_tokens: int = 32, vocab: int = VOCAB, salt: str = ""
 ) -> list[int]:

@@ -19,11 +19,10 @@ so nothing is loaded back and every belief comes from an acknowledged write.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 
 import pytest
-from harness import Server, ServerSpec, block_tokens_for, launch
+from harness import Server, ServerSpec, block_tokens_for, delta, launch, settle
 
 pytestmark = pytest.mark.real_server
 
@@ -50,24 +49,10 @@ def _read(srv: Server) -> dict[str, float]:
     return out
 
 
-def reading(srv: Server, quiet_s: float = 2.0, timeout_s: float = 90.0) -> dict[str, float]:
+def reading(srv: Server) -> dict[str, float]:
     """The counters and the truth beside them once all have stopped changing."""
     srv.wait_writes_settled()
-    last: dict[str, float] | None = None
-    since = deadline = time.monotonic()
-    deadline += timeout_s
-    while time.monotonic() < deadline:
-        now = _read(srv)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return now
-        time.sleep(0.5)
-    raise TimeoutError("counters did not settle")
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
+    return settle(lambda: _read(srv))
 
 
 @pytest.fixture(scope="module")

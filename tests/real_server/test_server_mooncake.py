@@ -24,12 +24,12 @@ import re
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from harness import REPO, Server, ServerSpec, block_tokens_for, launch
+from harness import REPO, Server, ServerSpec, block_tokens_for, delta, launch, poll, settle
 
 sys.path.insert(0, str(REPO / "tests"))
 from mooncake_master import MooncakeMaster, need_mooncake
@@ -108,33 +108,9 @@ def read(stack: Stack) -> dict[str, float]:
     return out
 
 
-def settled(stack: Stack, quiet_s: float = 2.0, timeout_s: float = 90.0) -> dict[str, float]:
-    """A reading once everything has stopped moving (writes are acknowledged
-    after the request returns; our series are flushed once a second)."""
-    last: dict[str, float] | None = None
-    since = deadline = time.monotonic()
-    deadline += timeout_s
-    while time.monotonic() < deadline:
-        now = read(stack)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return now
-        time.sleep(0.4)
-    raise TimeoutError(f"counters did not settle: {last}")
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def poll(check: Callable[[], Any], timeout_s: float = 60.0, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = check()
-        if out or time.monotonic() > deadline:
-            return out
-        time.sleep(every_s)
+def settled(stack: Stack) -> dict[str, float]:
+    """A reading once everything has stopped moving."""
+    return settle(lambda: read(stack))
 
 
 def srv_log(srv: Server, since: int) -> str:

@@ -15,12 +15,12 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO, Server, ServerSpec, launch, trace_requests
+from harness import REPO, Server, ServerSpec, launch, poll, trace_requests
 
 sys.path.insert(0, str(REPO / "tests"))
 from reconcile_redis_server import RedisServer
@@ -93,15 +93,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             yield st
     finally:
         st.redis.close()
-
-
-def poll(check: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = check()
-        if out or time.monotonic() > deadline:
-            return out
-        time.sleep(every_s)
 
 
 # -- Prometheus -------------------------------------------------------------------------

@@ -11,11 +11,10 @@ every belief comes from an acknowledged write.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
-from harness import ServerSpec, block_tokens_for, launch, trace_requests
+from harness import ServerSpec, block_tokens_for, delta, launch, settle, trace_requests
 
 PAGE = 16
 P = "hicache_existence_"
@@ -43,22 +42,11 @@ def tokens(seed: int, pages: int) -> list[int]:
     return block_tokens_for(seed, PAGE * pages, salt="writes")
 
 
-def reading(srv, quiet_s: float = 3.0, timeout_s: float = 90.0) -> dict[str, float]:
-    """Every counter of interest, plus the truth beside it, once SGLang's count,
-    the L3 files and ours have all stopped changing (writes are acknowledged
-    after the request returns; our series are flushed once a second)."""
+def reading(srv, quiet_s: float = 3.0) -> dict[str, float]:
+    """Every counter of interest, plus the truth beside them, once SGLang's count,
+    the L3 files and ours have all stopped changing."""
     srv.wait_writes_settled()
-    last: dict[str, float] | None = None
-    since = deadline = time.monotonic()
-    deadline += timeout_s
-    while time.monotonic() < deadline:
-        now = _read(srv)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return now
-        time.sleep(0.5)
-    raise TimeoutError("counters did not settle")
+    return settle(lambda: _read(srv), quiet_s=quiet_s)
 
 
 def _read(srv) -> dict[str, float]:
@@ -71,10 +59,6 @@ def _read(srv) -> dict[str, float]:
     out["sglang_backuped_pages"] = backuped.total("_total") / PAGE if backuped else 0.0
     out["files"] = float(len(srv.l3_pages()))
     return out
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
 
 
 def one(srv, ids: list[int]) -> None:
