@@ -38,6 +38,12 @@ EP_NAME = "hicache_existence"
 EP_VALUE = "hicache_existence.integrations.sglang.plugin:register"
 RESULT = "HX-RESULT "
 TIMEOUT_S = 420
+#: The environment of the scenarios that run the reconciler on every lookup.
+RECONCILING = {
+    "HICACHE_EXISTENCE_ENABLED": "1",
+    "HICACHE_EXISTENCE_RECONCILER__ENABLED": "1",
+    "HICACHE_EXISTENCE_RECONCILER__SAMPLING_RATE": "1",
+}
 
 REQUIRED = (
     os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") == "1"
@@ -241,21 +247,12 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
         "buffer_reconcile": lambda: s.run(
             "buffer_reconcile",
             env=s.env(
-                HICACHE_EXISTENCE_ENABLED="1",
-                HICACHE_EXISTENCE_RECONCILER__ENABLED="1",
-                HICACHE_EXISTENCE_RECONCILER__SAMPLING_RATE="1",
+                **RECONCILING,
                 HICACHE_EXISTENCE_RECONCILER__AGREE_INTERVAL_STEPS="1",
                 HICACHE_EXISTENCE_RECONCILER__TIMEOUT_MS="5000",
             ),
         ),
-        "buffer_inflight": lambda: s.run(
-            "buffer_inflight",
-            env=s.env(
-                HICACHE_EXISTENCE_ENABLED="1",
-                HICACHE_EXISTENCE_RECONCILER__ENABLED="1",
-                HICACHE_EXISTENCE_RECONCILER__SAMPLING_RATE="1",
-            ),
-        ),
+        "buffer_inflight": lambda: s.run("buffer_inflight", env=s.env(**RECONCILING)),
         "buffer_writes": lambda: s.run("buffer_writes", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
         "buffer_writes_capped": lambda: s.run(
             "buffer_writes",
