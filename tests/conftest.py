@@ -8,10 +8,28 @@ a skipped test fails the run: a skipped test proves nothing, and every tier
 from __future__ import annotations
 
 import os
+import signal
+import threading
+from types import FrameType
 
 import pytest
 
 REQUIRE_ALL = os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") == "1"
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI timeout, ``timeout``, a stopped job) unwinds the run like
+    Ctrl-C, so fixtures' teardowns still stop what the tests started: sglang
+    servers, Redis, Mooncake masters and Prometheus run in sessions of their own,
+    which the signal does not reach, and would otherwise outlive the run."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
