@@ -54,40 +54,40 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _listed(
+    text: str, convert: Callable[[str], float], noun: str, bounds: str, ok: Callable[[float], bool]
+) -> tuple[Any, ...]:
+    """A comma-separated list of distinct values, sorted; an empty list is an error."""
+    out: set[Any] = set()
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            value = convert(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {part!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{bounds}, got {part.strip()}")
+        out.add(value)
+    if not out:
+        raise argparse.ArgumentTypeError(f"no {noun.split(' ', 1)[1]} given")
+    return tuple(sorted(out))
+
+
 def _counts(text: str) -> tuple[int, ...]:
     from hicache_existence.replay.fleet import MAX_INSTANCES
 
-    out: set[int] = set()
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        try:
-            value = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an instance count: {part!r}") from None
-        if not 1 <= value <= MAX_INSTANCES:
-            raise argparse.ArgumentTypeError(f"instance counts must be 1..{MAX_INSTANCES}")
-        out.add(value)
-    if not out:
-        raise argparse.ArgumentTypeError("no instance count given")
-    return tuple(sorted(out))
+    return _listed(
+        text,
+        int,
+        "an instance count",
+        f"instance counts must be 1..{MAX_INSTANCES}",
+        lambda v: 1 <= v <= MAX_INSTANCES,
+    )
 
 
 def _rates(text: str) -> tuple[float, ...]:
-    out: set[float] = set()
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        try:
-            value = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a rate: {part!r}") from None
-        if not 0.0 <= value <= 1.0:
-            raise argparse.ArgumentTypeError(f"rates must be within [0, 1], got {part}")
-        out.add(value)
-    if not out:
-        raise argparse.ArgumentTypeError("no rate given")
-    return tuple(sorted(out))
+    return _listed(text, float, "a rate", "rates must be within [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
 
 def _millis(text: str) -> float:

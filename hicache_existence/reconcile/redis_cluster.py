@@ -44,6 +44,7 @@ from hicache_existence.reconcile.redis_truth import (
     cluster_seeds,
     is_cluster_url,
     map_error,
+    redis_errors,
 )
 from hicache_existence.reconcile.truth import (
     GarbageAnswer,
@@ -296,14 +297,10 @@ class RedisClusterLedger(RedisLedger):
         batch = self.settings.write_batch
         keys = [self.epoch_key(name)]
         prefix = self.prefix(name)
-        try:
+        with redis_errors():
             for start in range(0, len(seq), batch):
                 blob = _joined(seq[start : start + batch])
                 self._record(keys=keys, args=[_new_epoch(), prefix, px, blob])
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
         return len(seq)
 
     def record_removed(self, pool: str, hashes: Iterable[str]) -> int:
@@ -313,22 +310,18 @@ class RedisClusterLedger(RedisLedger):
             return 0
         prefix = self.prefix(name)
         removed = 0
-        try:
+        with redis_errors():
             client = self._lazy.get()
             for start in range(0, len(seq), self.settings.write_batch):
                 chunk = seq[start : start + self.settings.write_batch]
                 removed += int(client.unlink(*[prefix + h for h in chunk]))
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
         return removed
 
     def clear_shard(self) -> int:
         """Forget every page of this shard on every primary (epochs stay: the
         ledger still knows this shard's history, which is now "nothing")."""
         removed = 0
-        try:
+        with redis_errors():
             client = self._lazy.get()
             batch: list[Any] = []
             for key in client.scan_iter(match=_escape_glob(self._shard_prefix), count=1000):
@@ -338,22 +331,14 @@ class RedisClusterLedger(RedisLedger):
                     batch = []
             if batch:
                 removed += int(client.unlink(*batch))
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
         return removed
 
     def ensure_epoch(self, pools: Sequence[str] = ("kv",)) -> None:
         """Create the epochs of ``pools`` if missing (writers call this at start)."""
-        try:
+        with redis_errors():
             client = self._lazy.get()
             for pool in pools:
                 client.set(self.epoch_key(pool), _new_epoch(), nx=True)
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
 
     def ping(self) -> bool:
         try:

@@ -38,7 +38,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
@@ -306,6 +306,18 @@ def map_error(exc: BaseException) -> GroundTruthError:
     return GarbageAnswer(text)
 
 
+@contextlib.contextmanager
+def redis_errors() -> Iterator[None]:
+    """Inside: a redis-py (or socket) exception leaves as ``map_error``'s
+    ``GroundTruthError``; a ``GroundTruthError`` raised inside passes unchanged."""
+    try:
+        yield
+    except GroundTruthError:
+        raise
+    except Exception as exc:
+        raise map_error(exc) from None
+
+
 class RedisLedger:
     """Ground truth read from, and the writer API of, the Redis ledger.
 
@@ -356,17 +368,13 @@ class RedisLedger:
         if not seq:
             return 0
         blob = _joined(seq)
-        try:
+        with redis_errors():
             if self.settings.method == "lua":
                 reply = self._script(keys=[self.epoch_key(name)], args=[self.prefix(name), blob])
                 epoch, count = _pair(reply)
             else:
                 epoch, flags = self._mget(name, seq)
                 count = next((i for i, v in enumerate(flags) if not v), len(seq))
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
         self._see_epoch(epoch, name)
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(seq):
             raise GarbageAnswer(f"leading count {count!r} outside [0, {len(seq)}]")
@@ -377,12 +385,8 @@ class RedisLedger:
         if not seq:
             return []
         _joined(seq)
-        try:
+        with redis_errors():
             epoch, flags = self._mget(name, seq)
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
         self._see_epoch(epoch, name)
         return flags
 
@@ -447,7 +451,7 @@ class RedisLedger:
         prefix = self.prefix(name)
         ttl = self.settings.ttl_s
         batch = self.settings.write_batch
-        try:
+        with redis_errors():
             for start in range(0, len(seq), batch):
                 chunk = seq[start : start + batch]
                 pipe = self._client.pipeline(transaction=False)
@@ -459,10 +463,6 @@ class RedisLedger:
                 else:
                     pipe.mset({prefix + h: b"1" for h in chunk})
                 pipe.execute()
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
         return len(seq)
 
     def record_removed(self, pool: str, hashes: Iterable[str]) -> int:
@@ -473,16 +473,12 @@ class RedisLedger:
         prefix = self.prefix(name)
         batch = max(self.settings.write_batch, 1)
         removed = 0
-        try:
+        with redis_errors():
             for start in range(0, len(seq), batch):
                 pipe = self._client.pipeline(transaction=False)
                 pipe.unlink(*[prefix + h for h in seq[start : start + batch]])
                 (n,) = pipe.execute()
                 removed += int(n)
-        except GroundTruthError:
-            raise
-        except Exception as exc:
-            raise map_error(exc) from None
         return removed
 
     def clear_shard(self) -> int:

@@ -381,7 +381,6 @@ _SUMMED = (
     "device_hit_pages",
     "l3_hit_pages",
 )
-_STATS = CACHE_STATS
 
 
 def _sum(cap: int, instances: list[_Instance], stores: dict[str, _Store], peak: int) -> ModelResult:
@@ -390,10 +389,10 @@ def _sum(cap: int, instances: list[_Instance], stores: dict[str, _Store], peak: 
     total = ModelResult(cap=cap)
     for name in _SUMMED:
         setattr(total, name, sum(getattr(i.result, name) for i in instances))
-    stats = {name: 0 for name in _STATS}
+    stats = dict.fromkeys(CACHE_STATS, 0)
     for inst in instances:
         s = inst.cache.stats().total
-        for name in _STATS:
+        for name in CACHE_STATS:
             stats[name] += getattr(s, name)
     total.cache_stats = stats
     checked = stats["pages_checked"]
