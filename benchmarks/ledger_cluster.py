@@ -23,7 +23,6 @@ alike (medians):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from reconcile_redis_server import RedisServer
 from redis_cluster_server import RedisCluster
 
+from hicache_existence.reconcile.measure import CASES, page_chain, query_chains
 from hicache_existence.reconcile.redis_truth import (
     LUA_LEADING_PRESENT,
     LedgerSettings,
@@ -45,7 +45,6 @@ from hicache_existence.reconcile.redis_truth import (
 )
 
 SIZES = (64, 256, 1024)
-CASES = ("all_present", "absent_first", "absent_half")
 #: The scripting rules' strict form: every key declared, the epoch first.
 LUA_DECLARED = """
 local epoch = redis.call('GET', KEYS[1])
@@ -57,10 +56,6 @@ for i = 2, #KEYS do
 end
 return {epoch, n}
 """
-
-
-def chain(tag: str, n: int) -> list[str]:
-    return [hashlib.sha256(f"{tag}:{i}".encode()).hexdigest() for i in range(n)]
 
 
 def median_us(samples: list[float]) -> float:
@@ -92,16 +87,12 @@ def chain_query(cluster_url: str, reps: int) -> list[dict[str, Any]]:
     epoch_key = "bench:epoch"
     client.set(epoch_key, "e 0")
     for n in SIZES:
-        full = chain(f"n{n}", n)
+        full = page_chain(f"n{n}", n)
         led.record_stored("kv", full)
         spread_prefix = f"bench:q:kv{n}:"
         for h in full:  # the standalone schema: keys spread over every slot
             client.set(spread_prefix + h, b"1")
-        chains = {
-            "all_present": full,
-            "absent_first": ["absent-" + full[0], *full[1:]],
-            "absent_half": [*full[: n // 2], "absent-half", *full[n // 2 + 1 :]],
-        }
+        chains = query_chains(full)
         for case in CASES:
             c = chains[case]
             tagged = [led.prefix("kv") + h for h in c]
@@ -160,7 +151,7 @@ def throughput(standalone_url: str, cluster_url: str, reps: int) -> list[dict[st
         ver: dict[str, list[float]] = {k: [] for k in ledgers}
         names = list(ledgers)
         for r in range(max(4, reps // 2)):
-            c = chain(f"t{ttl}:{r}", pages)
+            c = page_chain(f"t{ttl}:{r}", pages)
             order = names if r % 2 else names[::-1]  # neither always goes first
             for name in order:
                 led = ledgers[name]

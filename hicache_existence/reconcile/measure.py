@@ -35,8 +35,19 @@ class Row:
         return asdict(self)
 
 
-def _chain(tag: str, n: int) -> list[str]:
+def page_chain(tag: str, n: int) -> list[str]:
+    """``n`` deterministic page hashes (SGLang's form: 64 hex digits)."""
     return [hashlib.sha256(f"{tag}:{i}".encode()).hexdigest() for i in range(n)]
+
+
+def query_chains(full: list[str]) -> dict[str, list[str]]:
+    """The chain each case of ``CASES`` queries, given ``full`` (all recorded)."""
+    n = len(full)
+    return {
+        "all_present": full,
+        "absent_first": ["absent-" + full[0], *full[1:]],
+        "absent_half": [*full[: n // 2], "absent-half", *full[n // 2 + 1 :]],
+    }
 
 
 def measure_reads(
@@ -54,13 +65,9 @@ def measure_reads(
     try:
         writer = ledgers["lua"]
         for n in sizes:
-            full = _chain(f"n{n}", n)
+            full = page_chain(f"n{n}", n)
             writer.record_stored("kv", full)
-            chains = {
-                "all_present": full,
-                "absent_first": ["absent-" + full[0], *full[1:]],
-                "absent_half": [*full[: n // 2], "absent-half", *full[n // 2 + 1 :]],
-            }
+            chains = query_chains(full)
             for case in CASES:
                 c = chains[case]
                 answers = {m: led.leading_present("kv", c) for m, led in ledgers.items()}
@@ -100,7 +107,7 @@ def measure_writes(
     """Pages per second recorded by ``record_stored`` (pipelined batches)."""
     led = RedisLedger(LedgerSettings(url, namespace=namespace, shard="w", ttl_s=ttl_s))
     try:
-        c = _chain(f"w{ttl_s}", pages)
+        c = page_chain(f"w{ttl_s}", pages)
         t0 = time.perf_counter()
         led.record_stored("kv", c)
         rate = pages / (time.perf_counter() - t0)
@@ -122,7 +129,7 @@ def measure_memory(
     led = RedisLedger(LedgerSettings(url, namespace=namespace, shard=shard, ttl_s=ttl_s))
     try:
         before = int(led._client.info("memory")["used_memory"])
-        led.record_stored("kv", _chain(f"m{ttl_s}", pages))
+        led.record_stored("kv", page_chain(f"m{ttl_s}", pages))
         after = int(led._client.info("memory")["used_memory"])
         led.clear_shard()
         return (after - before) / pages
