@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from reconcile_helpers import sglang_storage_config
 from reconcile_redis_server import REQUIRE_ALL, free_port
 
 
@@ -121,20 +122,7 @@ class MooncakeMaster:
 
 def sglang_mooncake_store(master: MooncakeMaster, model: str = "tiny") -> Any:
     """SGLang's real ``MooncakeStore`` (TP 1, MHA) on ``master``, no host pool."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        enable_storage_metrics=False,
-        is_mla_model=False,
-        is_page_first_layout=True,
-        model_name=model,
-        extra_config=master.extra_config(),
-    )
+    config = sglang_storage_config(master.extra_config(), page_first=True, model=model)
     return MooncakeStore(config, None)

@@ -104,3 +104,22 @@ __all__ = [
     "step_until_idle",
     "wired",
 ]
+
+
+def sglang_storage_config(extra: dict[str, Any], *, page_first: bool, model: str) -> Any:
+    """SGLang's own ``HiCacheStorageConfig`` for one rank of TP 1, MHA."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        enable_storage_metrics=False,
+        is_mla_model=False,
+        is_page_first_layout=page_first,
+        model_name=model,
+        extra_config=extra,
+    )

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.redis]
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from reconcile_helpers import chain, step_until_idle, wired  # noqa: E402
+from reconcile_helpers import chain, sglang_storage_config, step_until_idle, wired  # noqa: E402
 from reconcile_redis_server import RedisServer  # noqa: E402
 
 
@@ -44,22 +44,6 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
     s.close()
 
 
-def _storage_config(hs: Any, extra: dict[str, Any]) -> Any:
-    return hs.HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=False,
-        model_name="org/model",
-        extra_config=extra,
-    )
-
-
 def _wrapper(hs: Any, l3_dir: Path, url: str) -> Any:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -72,7 +56,9 @@ def _wrapper(hs: Any, l3_dir: Path, url: str) -> Any:
         "ledger_redis_url": url,
         "ledger_namespace": "sgl",
     }
-    return StorageBackendFactory.create_backend("dynamic", _storage_config(hs, extra), None)
+    return StorageBackendFactory.create_backend(
+        "dynamic", sglang_storage_config(extra, page_first=False, model="org/model"), None
+    )
 
 
 def _page(value: int) -> Any:
