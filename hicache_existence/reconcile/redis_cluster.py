@@ -205,13 +205,6 @@ class RedisClusterLedger(RedisLedger):
         #: Failovers (a tag's primary changed) this reader observed.
         self.failovers = 0
 
-    def __repr__(self) -> str:
-        s = self.settings
-        return (
-            f"RedisClusterLedger(url={s.redacted_url()!r}, namespace={s.namespace!r}, "
-            f"shard={s.shard!r}, method={s.method!r})"
-        )
-
     def tag(self, pool: str) -> str:
         """``{<namespace>:<shard>:<pool>}``: the hash tag (and epoch key) of a pool."""
         return f"{{{self._shard_prefix}{pool}}}"

@@ -354,7 +354,7 @@ class RedisLedger:
     def __repr__(self) -> str:
         s = self.settings
         return (
-            f"RedisLedger(url={s.redacted_url()!r}, namespace={s.namespace!r}, "
+            f"{type(self).__name__}(url={s.redacted_url()!r}, namespace={s.namespace!r}, "
             f"shard={s.shard!r}, method={s.method!r})"
         )
 
