@@ -30,6 +30,13 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt)
+        # A forked child (a multiprocessing pool worker) must still die of SIGTERM at
+        # once, wherever it is blocked: ``Pool.terminate`` relies on it.
+        os.register_at_fork(after_in_child=_default_sigterm)
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
