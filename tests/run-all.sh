@@ -76,8 +76,9 @@ PY313="$(env_for core 3.13 test)"
 log "python: $PY (3.12: $PY312; sglang 0.5.21: $PYSEED; 3.10: $PY310; 3.13: $PY313)"
 
 # 4. Static checks.
-log "ruff"
+log "ruff (lint and format; versions pinned in pyproject's dev extra)"
 "$PY" -m ruff check hicache_existence tests benchmarks dashboards integrations
+"$PY" -m ruff format --check hicache_existence tests benchmarks dashboards integrations
 log "mypy"
 "$PY" -m mypy hicache_existence
 

@@ -258,9 +258,7 @@ def _same_snapshots(a: CapacityAdvisor, b: CapacityAdvisor, caps: dict[str, int]
         assert advice.sampled_pages == other.sampled_pages
         for m in MULTIPLIERS:
             assert advice.estimates[m] == pytest.approx(other.estimates[m], abs=1e-12)
-            assert advice.lookup_estimates[m] == pytest.approx(
-                other.lookup_estimates[m], abs=1e-12
-            )
+            assert advice.lookup_estimates[m] == pytest.approx(other.lookup_estimates[m], abs=1e-12)
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["current", "flat"])

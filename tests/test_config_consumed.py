@@ -126,7 +126,7 @@ def test_every_configuration_field_is_read_by_runtime_code() -> None:
 def test_the_scan_finds_reads_and_misses_decoys() -> None:
     """The scan credits reads through a section attribute, a variable, a self
     attribute and an annotated parameter, and nothing else (so it can fail)."""
-    source = '''
+    source = """
 def a(config):
     return config.reconciler.timeout_ms
 
@@ -141,7 +141,7 @@ class C:
 
 def d(other):
     return other.connect_timeout_ms, other.namespace  # not known to be a section
-'''
+"""
     got = reads(source)
     assert got["reconciler"] == {"timeout_ms", "retries"}
     assert got["divergence"] == {"policy"}

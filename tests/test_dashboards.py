@@ -174,8 +174,13 @@ def test_committed_files_equal_the_build_output():
 def test_check_mode_reports_and_write_mode_fixes_a_stale_file(tmp_path, monkeypatch):
     """`build.py --check` exits 1 on any differing generated file (the dashboard,
     a doc table) and the plain run rewrites each of them."""
-    names = ("DASHBOARD_PATH", "RULES_PATH", "PROMETHEUSRULE_PATH", "METRICS_DOC_PATH",
-             "CONFIG_DOC_PATH")
+    names = (
+        "DASHBOARD_PATH",
+        "RULES_PATH",
+        "PROMETHEUSRULE_PATH",
+        "METRICS_DOC_PATH",
+        "CONFIG_DOC_PATH",
+    )
     for name in names:
         original = getattr(build, name)
         copy_ = tmp_path / original.name
@@ -185,8 +190,10 @@ def test_check_mode_reports_and_write_mode_fixes_a_stale_file(tmp_path, monkeypa
     assert build.main(["--check"]) == 0
     build.DASHBOARD_PATH.write_text("{}", encoding="utf-8")
     doc = build.METRICS_DOC_PATH
-    doc.write_text(doc.read_text(encoding="utf-8").replace("| `hicache_existence_queries_total`",
-                                                           "| `stale`"), encoding="utf-8")
+    doc.write_text(
+        doc.read_text(encoding="utf-8").replace("| `hicache_existence_queries_total`", "| `stale`"),
+        encoding="utf-8",
+    )
     assert build.main(["--check"]) == 1
     assert build.DASHBOARD_PATH.read_text(encoding="utf-8") == "{}"
     assert build.main([]) == 0
@@ -226,8 +233,9 @@ def test_every_row_fills_its_lines():
     lines: dict[int, int] = {}
     for p in [*build.dashboard()["panels"], {"type": "row", "title": None, "gridPos": {}}]:
         if p["type"] == "row":
-            problems += [f"row {row!r}: a line at y={y} spans {w}" for y, w in lines.items()
-                         if w != 24]
+            problems += [
+                f"row {row!r}: a line at y={y} spans {w}" for y, w in lines.items() if w != 24
+            ]
             row, lines = p["title"], {}
             continue
         g = p["gridPos"]

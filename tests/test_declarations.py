@@ -68,9 +68,7 @@ def test_reference_models_count_exactly_the_declared_counters():
 def test_catalog_exports_exactly_the_declared_fields():
     """Every declared counter, gauge and miss reason is exported by the catalog,
     and the catalog reads no cache field that is not declared."""
-    declared = {
-        f.name for f in dataclasses.fields(PoolStats) if f.name != "pool"
-    }
+    declared = {f.name for f in dataclasses.fields(PoolStats) if f.name != "pool"}
     assert _exported_cache_fields() == declared
 
 

@@ -322,9 +322,7 @@ def _is_reference(span: str) -> bool:
     words = [w for w in span.split() if not re.fullmatch(r"[A-Z_]+=\S*", w)]
     if not words:
         return False
-    return words[0] in ("hicache-existence", "python", "$") or (
-        "/" in words[0] and len(words) == 1
-    )
+    return words[0] in ("hicache-existence", "python", "$") or ("/" in words[0] and len(words) == 1)
 
 
 def _sources(body: str) -> list[tuple[str, list[str]]]:

@@ -205,6 +205,7 @@ def test_cli_logging_follows_the_configuration_and_flags_win(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     seen = []
+
     def record(level, json_output=False):
         seen.append((level, json_output))
 

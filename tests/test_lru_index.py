@@ -166,8 +166,12 @@ class IndexMachine(RuleBasedStateMachine):
     def clear(self):
         self._all("clear")
 
-    @rule(seq=pages(), bad=bad_items, at=st.integers(0, 8), method=st.sampled_from(
-        ["add", "touch_prefix", "discard"]))
+    @rule(
+        seq=pages(),
+        bad=bad_items,
+        at=st.integers(0, 8),
+        method=st.sampled_from(["add", "touch_prefix", "discard"]),
+    )
     def bad_input_changes_nothing(self, seq, bad, at, method):
         items = list(seq)
         items.insert(min(at, len(items)), bad)

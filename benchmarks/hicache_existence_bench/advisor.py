@@ -544,9 +544,7 @@ def format_advisor_bench(result: AdvisorBenchResult) -> str:
             f"accuracy over {dist['salts']} hash salts, {name} (|error| median / p90 / max):"
         )
         for cap, v in dist["per_cap"].items():
-            lines.append(
-                f"  cap {cap:>8}: {v['median']:.4f} / {v['p90']:.4f} / {v['max']:.4f}"
-            )
+            lines.append(f"  cap {cap:>8}: {v['median']:.4f} / {v['p90']:.4f} / {v['max']:.4f}")
     return "\n".join(lines)
 
 

@@ -244,9 +244,7 @@ class CapacityAdvisor:
         )
 
     # -- the samplers ------------------------------------------------------------
-    def sampler(
-        self, pool: str, factory: Callable[..., SamplerType] | None = None
-    ) -> SamplerType:
+    def sampler(self, pool: str, factory: Callable[..., SamplerType] | None = None) -> SamplerType:
         """The sampler that estimates ``pool``'s curve (the shared one with
         ``shared=True``), created on first use with ``factory`` (what the cache's
         index takes: ``lru.sampler_class(index)``).  Scheduler thread only."""

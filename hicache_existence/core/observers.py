@@ -68,9 +68,7 @@ class BeliefObserver(Protocol):
 class SamplerSource(Protocol):
     """Gives each pool the sampler its index should feed (the capacity advisor)."""
 
-    def sampler(
-        self, pool: str, factory: Callable[..., SamplerType] | None = None
-    ) -> SamplerType:
+    def sampler(self, pool: str, factory: Callable[..., SamplerType] | None = None) -> SamplerType:
         """``pool``'s sampler, made with ``factory`` (what the index takes) if new."""
 
 

@@ -218,9 +218,7 @@ def _counters_class() -> type:
         """Freeze the counters together with the pool's current gauges."""
         values = {name: getattr(self, name) for name in names}
         values.update(zip(_REASON_FIELDS, self.miss_reasons))
-        return PoolStats(
-            pool=pool, entries=entries, capacity=capacity, inflight=inflight, **values
-        )
+        return PoolStats(pool=pool, entries=entries, capacity=capacity, inflight=inflight, **values)
 
     return type(
         "PoolCounters",
@@ -245,9 +243,7 @@ if TYPE_CHECKING:
 
         def __getattr__(self, name: str) -> int: ...
         def __setattr__(self, name: str, value: Any) -> None: ...
-        def snapshot(
-            self, pool: str, entries: int, capacity: int, inflight: int
-        ) -> PoolStats: ...
+        def snapshot(self, pool: str, entries: int, capacity: int, inflight: int) -> PoolStats: ...
 
 else:
     PoolCounters = _counters_class()

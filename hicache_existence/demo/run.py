@@ -124,9 +124,7 @@ def preflight(opts: DemoOptions) -> str | None:
     except ValueError as exc:
         return f"error: --redis-url {shown}: {exc}"
     if importlib.util.find_spec("redis") is None:
-        return (
-            "error: --redis-url needs the Redis client: pip install 'hicache-existence[redis]'"
-        )
+        return "error: --redis-url needs the Redis client: pip install 'hicache-existence[redis]'"
     try:
         ledger = ledger_from_section(config.reconciler, "demo-preflight")
     except (ValueError, TypeError) as exc:

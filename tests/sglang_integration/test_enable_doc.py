@@ -34,8 +34,7 @@ def test_config_reference_matches_the_dataclasses() -> None:
     """The table in docs/enable.md lists every key of Config with its type,
     default, variable and comment (regenerate: python dashboards/build.py)."""
     assert _current() == config_table(), (
-        "docs/enable.md's configuration table is stale: "
-        "python dashboards/build.py"
+        "docs/enable.md's configuration table is stale: python dashboards/build.py"
     )
 
 

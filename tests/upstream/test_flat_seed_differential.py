@@ -301,9 +301,9 @@ def random_op(rng: random.Random) -> Op:
     "primary,wheel",
     [(p, False) for p in PRIMARIES]
     + [pytest.param(p, True, marks=pytest.mark.sglang) for p in PRIMARIES if FLAT_WHEEL],
-    ids=lambda v: {False: "reimplementation", True: "seed-wheel"}.get(v, v)
-    if isinstance(v, bool)
-    else v,
+    ids=lambda v: (
+        {False: "reimplementation", True: "seed-wheel"}.get(v, v) if isinstance(v, bool) else v
+    ),
 )
 def test_seeded_long_replay_matches_seed(primary: str, wheel: bool) -> None:
     """25,000 seeded random operations per primary pool, compared after every one, with
