@@ -17,10 +17,22 @@ API (stable; other tests build on it)::
         srv.flush_cache()                     # POST /flush_cache, retried while 400
         srv.wait_writes_settled()             # backuped tokens and L3 files stop moving
         fams = srv.metrics()                  # {family name: Family} from /metrics
-        srv.value("sglang:backuped_tokens_total")          # sum over samples
+        srv.value("sglang:backuped_tokens_total")          # sum over samples (raises
+                                              # MissingSeries if absent: absent_ok=True)
         srv.l3_pages()                        # {file name: size} in the L3 directory
         srv.log.read_text()                   # the server's stdout+stderr
     # stop() on exit: SIGINT, then SIGKILL of the process group after a grace period
+    launch(spec, launcher=True)               # through ``hicache-existence launch --``
+    proc_view(srv.proc.pid)                   # (argv, environ) of the running process
+    family(fams, name), sample_value(fams, sample, **labels)   # strict readers of a scrape
+    scrape(url)                               # another /metrics (a standalone exporter)
+    free_ports(n)                             # n consecutive free ports
+    FileCreations(l3_dir).close()             # page files renamed into place (inotify)
+
+Readers are strict: a family or sample that is not on ``/metrics`` raises
+``MissingSeries`` (so ``failed == 0`` cannot pass because a family disappeared);
+pass ``absent_ok=True`` where absence is expected (SGLang creates its labelled
+series at their first event).
 
 ``ServerSpec`` fields: ``existence`` (``--enable-hicache-existence``), ``config``
 (dict written to a JSON file for ``--hicache-existence-config``, or ``config_text``
@@ -90,6 +102,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int, attempts: int = 50) -> int:
+    """The first of ``n`` consecutive free ports (a standalone exporter per
+    scheduler binds ``metrics.port + index``)."""
+    for _ in range(attempts):
+        first = free_port()
+        if first + n - 1 > 65535:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports in {attempts} attempts")
 
 
 def write_model(root: Path, **overrides: Any) -> Path:
@@ -224,6 +254,14 @@ class ServerDied(RuntimeError):
     pass
 
 
+class MissingSeries(AssertionError):
+    """A series a test reads is not on ``/metrics`` at all.
+
+    The readers below raise it instead of reading 0, so that ``failed == 0`` or
+    ``redundant == 0`` cannot pass because a family disappeared or a name is
+    misspelt; a caller that expects absence says so with ``absent_ok=True``."""
+
+
 @dataclass
 class Family:
     """One metric family of ``/metrics``: its samples as (name, labels, value)."""
@@ -232,12 +270,17 @@ class Family:
     type: str
     samples: list[tuple[str, dict[str, str], float]]
 
-    def total(self, suffix: str = "", **labels: str) -> float:
-        return sum(
+    def total(self, suffix: str = "", *, absent_ok: bool = False, **labels: str) -> float:
+        """Sum of the samples whose name ends with ``suffix`` and that carry these
+        labels; ``MissingSeries`` when none does (unless ``absent_ok``)."""
+        matched = [
             v
             for n, lab, v in self.samples
             if n.endswith(suffix) and all(lab.get(k) == want for k, want in labels.items())
-        )
+        ]
+        if not matched and not absent_ok:
+            raise MissingSeries(f"{self.name}: no sample *{suffix} with labels {labels}")
+        return sum(matched)
 
 
 def parse_metrics(text: str) -> dict[str, Family]:
@@ -248,6 +291,39 @@ def parse_metrics(text: str) -> dict[str, Family]:
         samples = [(s.name, dict(s.labels), float(s.value)) for s in fam.samples]
         out[fam.name] = Family(fam.name, fam.type, samples)
     return out
+
+
+def family(fams: Mapping[str, Family], name: str) -> Family:
+    """The family ``name`` (without ``_total``) of a parsed scrape; ``MissingSeries``
+    when the scrape has none."""
+    try:
+        return fams[name]
+    except KeyError:
+        ours = sorted(n for n in fams if n.startswith("hicache_existence_"))
+        raise MissingSeries(f"no family {name!r} on /metrics (ours there: {ours})") from None
+
+
+def sample_value(
+    fams: Mapping[str, Family], sample: str, *, absent_ok: bool = False, **labels: str
+) -> float:
+    """Sum of the samples named exactly ``sample`` (with these labels) in a parsed
+    scrape; ``MissingSeries`` when there is none (unless ``absent_ok``)."""
+    matched = [
+        v
+        for fam in fams.values()
+        for n, lab, v in fam.samples
+        if n == sample and all(lab.get(k) == want for k, want in labels.items())
+    ]
+    if not matched and not absent_ok:
+        raise MissingSeries(f"no sample {sample} with labels {labels} on /metrics")
+    return sum(matched)
+
+
+def scrape(url: str, timeout_s: float = 30.0) -> dict[str, Family]:
+    """A ``/metrics`` endpoint other than SGLang's (e.g. a scheduler's standalone
+    exporter), parsed."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return parse_metrics(r.read().decode())
 
 
 class Server:
@@ -393,14 +469,11 @@ class Server:
         """SGLang's ``/metrics``, parsed: {family name (no ``_total``): Family}."""
         return parse_metrics(self.metrics_text())
 
-    def value(self, sample: str, **labels: str) -> float:
-        """Sum of the samples named exactly ``sample`` (with these labels) on ``/metrics``."""
-        total = 0.0
-        for fam in self.metrics().values():
-            for n, lab, v in fam.samples:
-                if n == sample and all(lab.get(k) == want for k, want in labels.items()):
-                    total += v
-        return total
+    def value(self, sample: str, *, absent_ok: bool = False, **labels: str) -> float:
+        """Sum of the samples named exactly ``sample`` (with these labels) on
+        ``/metrics``; ``MissingSeries`` when there is none, unless ``absent_ok``
+        (a series that may legitimately not exist yet then reads 0)."""
+        return sample_value(self.metrics(), sample, absent_ok=absent_ok, **labels)
 
     def samples(self, sample: str) -> list[tuple[dict[str, str], float]]:
         return [
@@ -433,7 +506,10 @@ class Server:
         since = time.monotonic()
         while time.monotonic() < deadline:
             now = (
-                self.value("sglang:backuped_tokens_total") if self.spec.metrics else 0.0,
+                # sglang creates the labelled series at the first backup
+                self.value("sglang:backuped_tokens_total", absent_ok=True)
+                if self.spec.metrics
+                else 0.0,
                 len(self.l3_pages()),
             )
             if now != last:
@@ -450,9 +526,31 @@ class Server:
         self.stop()
 
 
+def via_launcher(args: Sequence[str]) -> list[str]:
+    """``python -m sglang.launch_server ARGS`` as ``python -m hicache_existence
+    launch -- ARGS``: the package's launcher takes our flags out of ARGS, turns
+    them into the environment and ``exec``s sglang (same process id)."""
+    python, *entry = args[:3]
+    if entry != ["-m", "sglang.launch_server"]:
+        raise ValueError(f"not a launch_server command line: {list(args[:3])}")
+    return [python, "-m", "hicache_existence", "launch", "--", *args[3:]]
+
+
+def proc_view(pid: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment a running process has (``/proc``): what
+    the launcher's ``exec`` really handed to sglang."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    pairs = (e.decode(errors="replace").partition("=") for e in env if e)
+    return [a.decode(errors="replace") for a in argv if a], {k: v for k, _, v in pairs}
+
+
 @contextlib.contextmanager
-def launch(spec: ServerSpec, workdir: Path | None = None) -> Iterator[Server]:
-    """Start a server for ``spec`` and stop it (and all its children) on exit."""
+def launch(
+    spec: ServerSpec, workdir: Path | None = None, *, launcher: bool = False
+) -> Iterator[Server]:
+    """Start a server for ``spec`` and stop it (and all its children) on exit;
+    ``launcher=True`` starts it through ``hicache-existence launch`` (``via_launcher``)."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hx-srv-")))
@@ -460,6 +558,8 @@ def launch(spec: ServerSpec, workdir: Path | None = None) -> Iterator[Server]:
         l3 = spec.l3_dir if spec.l3_dir is not None else workdir / "l3"
         l3.mkdir(parents=True, exist_ok=True)
         srv = Server(spec, workdir, l3, free_port())
+        if launcher:
+            srv.args = via_launcher(srv.args)
         try:
             yield srv.start()
         finally:
@@ -485,6 +585,86 @@ def run_to_exit(spec: ServerSpec, workdir: Path, timeout_s: float = 180.0) -> tu
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
     return rc, srv.log.read_text(errors="replace")
+
+
+class FileCreations:
+    """Every page file renamed into place in one directory, as the kernel reports
+    it (inotify ``IN_MOVED_TO``), while the watcher runs.
+
+    SGLang's file backend writes a page to a temporary file and renames it onto
+    ``<key>.bin``, and skips a page whose file exists: each rename is one write
+    that stored a page L3 did not hold (two instances racing on one page rename
+    it twice). ``first_ctime_ns`` keeps each name's inode change time at its
+    first rename (read when the event arrives; the kernel's coarse clock can only
+    put it early). Linux only (``ctypes`` over libc)."""
+
+    IN_MOVED_TO = 0x00000080
+    IN_Q_OVERFLOW = 0x00004000
+
+    def __init__(self, directory: Path) -> None:
+        import ctypes
+        import threading
+
+        self.directory = Path(directory)
+        self.counts: Counter[str] = Counter()
+        self.first_ctime_ns: dict[str, int] = {}
+        self.overflowed = False
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        wd = libc.inotify_add_watch(self._fd, os.fsencode(self.directory), self.IN_MOVED_TO)
+        if wd < 0:
+            os.close(self._fd)
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {self.directory}")
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="l3-creations", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import select
+
+        while not self._stop.is_set():
+            select.select([self._fd], [], [], 0.2)
+            self.drain()
+
+    def drain(self) -> None:
+        """Read every event queued so far."""
+        import struct
+
+        with self._lock:
+            while True:
+                try:
+                    buf = os.read(self._fd, 1 << 16)
+                except BlockingIOError:
+                    return
+                except OSError:  # closed
+                    return
+                at = 0
+                while at + 16 <= len(buf):
+                    _wd, mask, _cookie, size = struct.unpack_from("iIII", buf, at)
+                    name = buf[at + 16 : at + 16 + size].split(b"\0", 1)[0].decode()
+                    at += 16 + size
+                    if mask & self.IN_Q_OVERFLOW:
+                        self.overflowed = True
+                    if mask & self.IN_MOVED_TO and name.endswith(".bin"):
+                        self.counts[name] += 1
+                        if name not in self.first_ctime_ns:
+                            with contextlib.suppress(OSError):
+                                st = (self.directory / name).stat()
+                                self.first_ctime_ns[name] = st.st_ctime_ns
+
+    def close(self) -> Counter[str]:
+        """Stop watching; every rename seen, by file name."""
+        self._stop.set()
+        self._thread.join(5)
+        self.drain()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        if self.overflowed:
+            raise RuntimeError(f"inotify queue overflowed watching {self.directory}")
+        return self.counts
 
 
 # -- traffic ----------------------------------------------------------------------------
