@@ -374,7 +374,8 @@ def test_pages_deleted_under_the_server_are_stale_positives_healed_and_rewritten
     found by the reconciler as one stale positive whose heal drops exactly those
     beliefs; served again before the heal nothing is written (believed stored);
     after it exactly those pages are written once more (SGLang backs up exactly
-    them) and nothing else: no redundant write, no other page."""
+    them) and nothing else: no redundant write, no other page; served once more,
+    the chain L3 now holds is verified present and nothing is dropped."""
     srv = stack.server
     assert srv is not None
     # A fresh request below the 256-token prefetch threshold: upstream's own
@@ -410,7 +411,8 @@ def test_pages_deleted_under_the_server_are_stale_positives_healed_and_rewritten
 
     srv.flush_cache()
     srv.generate(fresh.input_ids, 2)
-    rewritten = delta(watched(srv), r1)
+    r2 = watched(srv)
+    rewritten = delta(r2, r1)
     print(f"rewritten: {rewritten}")
     assert set(srv.l3_pages()) - untouched == set(mine)
     assert rewritten["written_pages"] == rewritten["write_acknowledged_pages"] == FRESH_PAGES
@@ -418,6 +420,17 @@ def test_pages_deleted_under_the_server_are_stale_positives_healed_and_rewritten
     assert rewritten["redundant_written_pages"] == rewritten["write_failed_pages"] == 0, rewritten
     assert rewritten["page_inserts"] == FRESH_PAGES, rewritten
     assert rewritten["reconciler_pages_invalidated"] == 0, rewritten
+
+    # Served once more, believed and held by L3: verified present, nothing dropped.
+    present0 = srv.value(P + "reconciler_queries_total", result="present")
+    srv.flush_cache()
+    srv.generate(fresh.input_ids, 2)
+    assert poll(lambda: srv.value(P + "reconciler_queries_total", result="present") > present0)
+    held = delta(watched(srv), r2)
+    print(f"held: {held}")
+    assert held["written_pages"] == held["sglang_backuped_pages"] == 0, held
+    assert held["reconciler_pages_invalidated"] == held["invalidations"] == 0, held
+    assert held["reconciler_stale_positives"] == 0, held
 
 
 # -- Redis down -------------------------------------------------------------------------
