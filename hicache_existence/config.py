@@ -229,6 +229,36 @@ class CacheModeSection:
 
 
 @dataclass(frozen=True)
+class RecorderSection:
+    """A sampled trace of the existence cache's traffic in the live server, written
+    for ``hicache-existence replay`` (docs/replay.md, "Recording a trace").  Off by
+    default; the scheduler only hands records to a writer thread, which compresses,
+    rotates and bounds the files, and drops (and counts) what it cannot write."""
+
+    #: Record (opt-in).
+    enabled: bool = False
+    #: Directory of the trace files (created if missing); each recording scheduler
+    #: writes its own rotated ``*.jsonl.gz`` files there, named after its instance.
+    path: str = "hicache-existence-trace"
+    #: Share of pages recorded, chosen by page hash (the first 32 bits of SGLang's
+    #: hex hash below rate x 2^32): a page is recorded at every reference or never,
+    #: on every rank and across restarts.  1: every page.
+    sample_rate: float = 0.02
+    #: Bytes on disk at most, over this instance's rotated files (oldest dropped first).
+    max_bytes: int = 256 * 1024 * 1024
+    #: A file is closed and the next one started past this size (at most max_bytes / 2).
+    file_bytes: int = 16 * 1024 * 1024
+    #: Records waiting for the writer thread at most; beyond it records are dropped
+    #: and counted, never waited for.
+    queue_records: int = 65536
+    #: Seconds between the writer thread's flushes to disk.
+    flush_interval_s: float = 1.0
+    #: Which schedulers record: ``first`` (TP and PP rank 0 of each DP replica; the
+    #: other ranks' replicas see the same traffic) or ``all``.
+    ranks: Literal["first", "all"] = "first"
+
+
+@dataclass(frozen=True)
 class LoggingSection:
     """The package's own log events (the ``hicache_existence`` loggers), in the
     SGLang processes it runs in and in the ``hicache-existence`` command line."""
@@ -253,6 +283,7 @@ class Config:
     reconciler: ReconcilerSection = field(default_factory=ReconcilerSection)
     advisor: AdvisorSection = field(default_factory=AdvisorSection)
     cache_mode: CacheModeSection = field(default_factory=CacheModeSection)
+    recorder: RecorderSection = field(default_factory=RecorderSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     # -- construction --------------------------------------------------------
@@ -425,6 +456,7 @@ _POSITIVE = {
     "reconciler.breaker_failures",
     "reconciler.write_batch",
     "advisor.max_sampled_pages",
+    "recorder.queue_records",
 }
 _NON_NEGATIVE = {
     "metrics.port",
@@ -444,7 +476,16 @@ _NON_NEGATIVE = {
     "reconciler.failover_distrust_s",
     "advisor.half_life_references",
 }
-_FRACTIONS = {"miss_reasons.memory_fraction", "reconciler.sampling_rate", "advisor.sampling_rate"}
+#: Must be > 0.
+_ABOVE_ZERO = {"recorder.sample_rate", "recorder.flush_interval_s"}
+_FRACTIONS = {
+    "miss_reasons.memory_fraction",
+    "reconciler.sampling_rate",
+    "advisor.sampling_rate",
+    "recorder.sample_rate",
+}
+#: The recorder needs room for two files of at least one flush chunk each.
+RECORDER_MIN_BYTES = 128 * 1024
 
 
 def _check_ranges(obj: Any, prefix: str) -> None:
@@ -457,5 +498,15 @@ def _check_ranges(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
         if key in _FRACTIONS and not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key} must be within [0, 1], got {value}")
+        if key in _ABOVE_ZERO and not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if prefix == "recorder.":
+        for key in ("max_bytes", "file_bytes"):
+            if getattr(obj, key) < RECORDER_MIN_BYTES:
+                raise ConfigError(
+                    f"recorder.{key} must be >= {RECORDER_MIN_BYTES}, got {getattr(obj, key)}"
+                )
+        if not obj.path:
+            raise ConfigError("recorder.path must not be empty")
     if prefix == "metrics." and obj.port > 65535:
         raise ConfigError(f"metrics.port must be <= 65535, got {obj.port}")

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from hicache_existence import logs
 from hicache_existence.accounting.advisor import CapacityAdvisor
 from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
@@ -58,7 +59,8 @@ class ExistenceRuntime:
     reconciler's ground truth (``None``: no reconciler); ``agreement`` its
     cross-rank verdict agreement (``None``: one rank).  ``host_mode`` is what
     ``mode_info`` exports: HiCache's host memory mode, SGLang's write policy and
-    whether ``cache_mode.dedup`` acts.
+    whether ``cache_mode.dedup`` acts.  ``instance`` names this process in a
+    recorded trace (``recorder``; default: the host name and the ranks).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class ExistenceRuntime:
         env: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         host_mode: tuple[str, str, bool] = ("buffer_only", "", False),
+        instance: str | None = None,
     ) -> None:
         self.config = config = config or Config()
         if generation not in ("current", "flat"):
@@ -95,6 +98,11 @@ class ExistenceRuntime:
             self.digest = SharedLruDigest() if flat else ReplicaDigest()
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
         observers: list[BeliefObserver] = [self.digest] if self.digest is not None else []
+        self.recorder = Recorder.from_config(
+            config.recorder, self.labels, instance=instance, host_mode=host_mode[0]
+        )
+        if self.recorder is not None:
+            observers.append(self.recorder)
         self.tee = Tee(*observers)
         self.cache: AnyCache
         if flat:
@@ -136,19 +144,26 @@ class ExistenceRuntime:
                 reconciler=self.reconciler.snapshot if self.reconciler is not None else None,
                 advisor=self._advice if self.advisor is not None else None,
                 mode=lambda: host_mode,
+                recorder=self.recorder.snapshot if self.recorder is not None else None,
             ),
         )
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> ExistenceRuntime:
-        """Bind the metrics endpoint (standalone mode) and log the configuration."""
+        """Bind the metrics endpoint (standalone mode), start the recorder's writer
+        and log the configuration."""
+        if self.recorder is not None:
+            self.recorder.start()
         self.telemetry.start()
         return self
 
     def close(self) -> None:
-        """Stop the reconciler's worker and release the metrics port."""
+        """Stop the reconciler's worker, close the recorder's trace and release the
+        metrics port."""
         if self.reconciler is not None:
             self.reconciler.close()
+        if self.recorder is not None:
+            self.recorder.close()
         self.telemetry.close()
 
     def __enter__(self) -> ExistenceRuntime:

@@ -292,10 +292,10 @@ BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 
 
 # ---------------------------------------------------------------------------
-# feature metrics: TP-divergence checks, the reconciler, the capacity advisor
+# feature metrics: TP-divergence checks, the reconciler, the capacity advisor, the recorder
 
 FeatureKind = Literal["counter", "gauge", "histogram"]
-FeatureSource = Literal["mode", "divergence", "reconciler", "advisor"]
+FeatureSource = Literal["mode", "divergence", "reconciler", "advisor", "recorder"]
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,7 @@ def _f(
     otel_unit: str,
     labels: tuple[str, ...] = (),
 ) -> FeatureSpec:
-    unit = "seconds" if name.endswith("_seconds") else ""
+    unit = "seconds" if name.endswith("_seconds") else "bytes" if name.endswith("_bytes") else ""
     return FeatureSpec(PREFIX + name, kind, help, unit, source, labels, otel_unit)
 
 
@@ -506,6 +506,39 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "Sampled page references the advisor could not record (its sampler could not "
         "allocate memory; the estimate is biased low while this grows).",
         "{page}",
+    ),
+    _f(
+        "recorder_records",
+        "counter",
+        "recorder",
+        "Records the trace recorder wrote to its files, by kind (lookup, add, invalidate, "
+        "clear, write, prefetch, request; docs/replay.md).",
+        "{record}",
+        ("kind",),
+    ),
+    _f(
+        "recorder_dropped_records",
+        "counter",
+        "recorder",
+        "Records the trace recorder dropped: queue_full (the writer thread fell behind; the "
+        "scheduler never waits) or write_error (the path could not be opened or written, "
+        "e.g. a full disk). A trace with drops under-counts references.",
+        "{record}",
+        ("reason",),
+    ),
+    _f(
+        "recorder_written_bytes",
+        "counter",
+        "recorder",
+        "Compressed bytes the trace recorder wrote (rotated and deleted files included).",
+        "By",
+    ),
+    _f(
+        "recorder_disk_bytes",
+        "gauge",
+        "recorder",
+        "Bytes this instance's trace files take on disk now (bounded by recorder.max_bytes).",
+        "By",
     ),
 )
 

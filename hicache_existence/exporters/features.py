@@ -1,4 +1,5 @@
-"""Feature metrics from snapshots: TP-divergence checks, the reconciler, the advisor.
+"""Feature metrics from snapshots: TP-divergence checks, the reconciler, the advisor,
+the recorder.
 
 Like the cache metrics, these are read from immutable snapshots at export time
 (``DivergenceChecker.stats()``, ``Reconciler.snapshot()``, ``CapacityAdvisor.snapshot()``),
@@ -34,6 +35,8 @@ class FeatureSources:
     advisor: Callable[[], Any] | None = None
     #: The host memory mode served: ``(host_memory_mode, write_policy, dedup)``.
     mode: Callable[[], tuple[str, str, bool]] | None = None
+    #: The trace recorder's counters (``Recorder.snapshot``).
+    recorder: Callable[[], Any] | None = None
 
     def specs(self) -> tuple[FeatureSpec, ...]:
         """The feature metric families these sources export."""
@@ -42,6 +45,7 @@ class FeatureSources:
             "divergence": self.divergence is not None,
             "reconciler": self.reconciler is not None,
             "advisor": self.advisor is not None,
+            "recorder": self.recorder is not None,
         }
         return tuple(spec for spec in FEATURE_CATALOG if on[spec.source])
 
@@ -62,6 +66,8 @@ def sample_features(
         _reconciler(scalars, histograms, sources.reconciler(), label, pool_labels)
     if sources.advisor is not None:
         _advisor(scalars, sources.advisor(), label)
+    if sources.recorder is not None:
+        _recorder(scalars, sources.recorder())
     return scalars, histograms
 
 
@@ -143,3 +149,10 @@ def _advisor(out: FeatureSamples, snap: Any, label: Callable[[str], str]) -> Non
             series[(pool_label, labels["cap_multiplier"])] = float(value)
         out[_name(name)] = series
     out[_name("advisor_dropped_references")] = {(): float(snap.dropped_references)}
+
+
+def _recorder(out: FeatureSamples, snap: Any) -> None:
+    out[_name("recorder_records")] = {(str(k),): float(n) for k, n in snap.records.items()}
+    out[_name("recorder_dropped_records")] = {(str(k),): float(n) for k, n in snap.dropped.items()}
+    out[_name("recorder_written_bytes")] = {(): float(snap.written_bytes)}
+    out[_name("recorder_disk_bytes")] = {(): float(snap.disk_bytes)}

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.accounting.causes import CauseTracker
+from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.policies import ChainPagesPolicy, default_belief_policy
 
@@ -197,6 +198,8 @@ class CacheModeWrites:
         self._in_node = False
         #: Launched operations, in launch order (= ack order).
         self._pending: dict[int, _Launch] = {}
+        #: The trace recorder (set by ``WritePath.attach_recorder``).
+        self.recorder: Recorder | None = None
 
     # -- the node write --------------------------------------------------------------
     def begin_node(self, node_id: Any) -> None:
@@ -246,6 +249,8 @@ class CacheModeWrites:
         """The operation carrying ``plan``'s pages was queued for the backup thread."""
         written = plan.written_pages
         self._count(KV, written, plan.skipped)
+        if self.recorder is not None:
+            self.recorder.written(KV, written)
         extra = plan.extra if plan.extra_written else {}
         for pool, keys in plan.extra.items():
             self._count(

@@ -50,6 +50,8 @@ class SchedulerFacts:
     flags: FlagValues | None = None
     #: Where the facts came from (logged at start-up).
     sources: tuple[str, ...] = field(default_factory=tuple)
+    #: The server's HTTP port (0: unknown), naming the instance in a recorded trace.
+    port: int = 0
 
     def labels(self, model_name: str = "", storage_backend: str = "") -> DeploymentLabels:
         """Deployment labels; non-empty arguments (configuration) win."""
@@ -163,6 +165,7 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
         hierarchical_cache=values.get("hierarchical_cache"),
         flags=flags,
         sources=tuple(sources),
+        port=_int(values.get("port")),
     )
 
 
@@ -225,7 +228,7 @@ def _from_server_args(server_args: Any) -> dict[str, Any]:
     hier = get("enable_hierarchical_cache")
     if isinstance(hier, bool):
         out["hierarchical_cache"] = hier
-    for name in ("tp_size", "pp_size"):
+    for name in ("tp_size", "pp_size", "port"):
         value = get(name)
         if isinstance(value, int) and not isinstance(value, bool):
             out[name] = value

@@ -31,11 +31,13 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import weakref
 from typing import Any
 
 from hicache_existence import logs
+from hicache_existence.accounting.recorder import instance_name
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
@@ -81,6 +83,7 @@ class ProcessEntry:
             cache_mode=facts.cache_mode,
             dedup=dedup_effective(runtime.config, facts),
         )
+        self.write_path.attach_recorder(runtime.recorder)
         if runtime.reconciler is not None and runtime.generation == "flat":
             # The seed cache keeps no in-flight refs; the pipeline (buffer mode)
             # or the cache-mode write path does.
@@ -243,6 +246,7 @@ def build_entry(
             facts.write_policy if facts.cache_mode else "",
             dedup_effective(config, facts),
         ),
+        instance=instance_name(socket.gethostname(), facts.port, labels.as_dict()),
     )
     if max_entries is not None:
         runtime.cache.max_entries = max_entries

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.accounting.causes import CauseTracker
+from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites, WritePlan
 from hicache_existence.integrations.sglang.process import PROCESS
@@ -116,6 +117,8 @@ class WritePath:
             if cache_mode
             else None
         )
+        #: The trace recorder (``attach_recorder``; ``None``: not recording).
+        self.recorder: Recorder | None = None
         #: The controller whose backup thread writes this cache's pages (first launch).
         self.controller: Any = None
         #: The pipeline of the first launch (its in-flight set, seed generation).
@@ -132,6 +135,12 @@ class WritePath:
         self._outcomes: dict[int, Outcome] = {}
         self._believed: dict[int, dict[str, set[str]]] = {}
         self._backup = threading.local()
+
+    def attach_recorder(self, recorder: Recorder | None) -> None:
+        """Record this path's writes and prefetch hit queries in ``recorder``."""
+        self.recorder = recorder
+        if self.cache_mode is not None:
+            self.cache_mode.recorder = recorder
 
     # -- ownership -------------------------------------------------------------------
     def owns_pipeline(self, pipeline: Any) -> bool:
@@ -217,12 +226,16 @@ class WritePath:
         if self.controller is None:
             self.controller = pipeline._cache.cache_controller
             self.pipeline = pipeline
+            if self.recorder is not None:
+                self.recorder.set_page_size(int(getattr(self.controller, "page_size", 0) or 0))
         notes: dict[str, set[str]] = {}
         for pool, keys in keys_by_pool.items():
             name = pool_name(pool)
             if name not in self._sized:
                 self._size(name)
             self.writes.written(name, len(keys))
+            if self.recorder is not None:
+                self.recorder.written(name, keys)
             believed = self._believed_keys(name, keys)
             if believed:
                 notes[name] = believed
@@ -407,6 +420,9 @@ class WritePath:
         if self.cache_mode is not None:
             self.cache_mode.heal(operation, list(chain), page)
         hit_tokens = int(getattr(operation, "storage_hit_count", 0) or 0)
+        if self.recorder is not None:
+            self.recorder.set_page_size(page)
+            self.recorder.prefetch("kv", chain, hit_tokens // page)
         threshold = int(getattr(tree, "prefetch_threshold", 0) or 0)
         self.causes.queried(chain[: hit_tokens // page], below_threshold=hit_tokens < threshold)
 
