@@ -25,8 +25,9 @@ comprehension where no compiler was available), and only when a page was
 sampled a tuple appended to a ``deque`` (atomic under the GIL: no lock).  No
 hashing, no encoding, no I/O.  When ``queue_records`` records are waiting the
 record is dropped and counted.  A writer thread drains the queue every
-``flush_interval_s``, encodes JSON lines, writes them gzip-compressed (stdlib
-only), flushes after every chunk (so a file is readable up to its last flush),
+``flush_interval_s``, encodes JSON lines, writes each chunk as one complete
+gzip member (stdlib only: a file cut short by a killed server keeps every
+member before the cut readable),
 rotates at ``file_bytes`` and deletes this instance's oldest files while the
 total exceeds ``max_bytes``.  A failed open or write (an unwritable path, a full
 disk) drops that chunk's records, counts them, and is retried later; nothing
@@ -189,7 +190,6 @@ class Recorder:
         self._files: list[tuple[Path, int]] = []  # closed files of this instance, oldest first
         self._current: Path | None = None
         self._raw: Any = None
-        self._gz: gzip.GzipFile | None = None
         self._part = 0
         self._retry_at = 0.0
         self._warned = 0.0
@@ -406,21 +406,25 @@ class Recorder:
         return json.dumps(out, separators=(",", ":")) + "\n"
 
     def _write(self, lines: list[str], kinds: list[str]) -> None:
-        """Write one chunk (its records dropped and counted on failure)."""
-        if self._gz is None and not self._open():
+        """Write one chunk as one complete gzip member (its records dropped and
+        counted on failure, the partial member cut off again)."""
+        if self._raw is None and not self._open():
             self.write_errors += len(lines)
             return
-        gz, raw = self._gz, self._raw
-        assert gz is not None and raw is not None
+        raw = self._raw
+        assert raw is not None
+        before = 0
         try:
             before = raw.tell()
-            gz.write("".join(lines).encode("utf-8"))
-            gz.flush()
+            self._member(raw, "".join(lines))
             self.written_bytes += raw.tell() - before
         except Exception as exc:
             self.write_errors += len(lines)
             self._warn(f"cannot write the trace to {self._current}: {exc!r}; records dropped")
-            self._abandon_file()
+            with contextlib.suppress(Exception):
+                raw.seek(before)
+                raw.truncate()
+            self._close_file()
             self._retry_at = self._clock() + RETRY_S
             return
         for kind in kinds:
@@ -428,6 +432,14 @@ class Recorder:
         if raw.tell() >= self.file_bytes:
             self._close_file()
         self._bound_disk()
+
+    @staticmethod
+    def _member(raw: Any, text: str) -> None:
+        """``text`` as one gzip member: a file cut short by a killed process keeps
+        every member before the cut readable."""
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=6, mtime=0) as gz:
+            gz.write(text.encode("utf-8"))
+        raw.flush()
 
     def _open(self) -> bool:
         if self._clock() < self._retry_at:
@@ -443,9 +455,7 @@ class Recorder:
             self._retry_at = self._clock() + RETRY_S
             return False
         try:
-            gz = gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=6, mtime=0)
-            gz.write(self._header_line().encode("utf-8"))
-            gz.flush()
+            self._member(raw, self._header_line())
         except Exception as exc:
             with contextlib.suppress(Exception):
                 raw.close()
@@ -454,7 +464,7 @@ class Recorder:
             self._warn(f"cannot write the trace header to {path}: {exc!r}; records dropped")
             self._retry_at = self._clock() + RETRY_S
             return False
-        self._raw, self._gz, self._current = raw, gz, path
+        self._raw, self._current = raw, path
         self.written_bytes += raw.tell()
         return True
 
@@ -476,36 +486,19 @@ class Recorder:
         return json.dumps(header, separators=(",", ":"), sort_keys=True) + "\n"
 
     def _close_file(self) -> None:
-        gz, raw, path = self._gz, self._raw, self._current
-        self._gz = self._raw = self._current = None
-        if gz is None or raw is None or path is None:
+        raw, path = self._raw, self._current
+        self._raw = self._current = None
+        if raw is None or path is None:
             return
-        try:
-            gz.close()  # the gzip trailer
+        size = 0
+        with contextlib.suppress(Exception):
             size = raw.tell()
+        try:
             raw.close()
         except Exception as exc:
             self._warn(f"cannot close the trace file {path}: {exc!r}")
-            with contextlib.suppress(Exception):
-                raw.close()
-            with contextlib.suppress(OSError):
-                size = path.stat().st_size
-        self._files.append((path, size))
-
-    def _abandon_file(self) -> None:
-        """A write failed: close what can be closed; the file keeps its readable part."""
-        gz, raw, path = self._gz, self._raw, self._current
-        self._gz = self._raw = self._current = None
-        if raw is None or path is None:
-            return
-        with contextlib.suppress(Exception):
-            gz.close() if gz is not None else None
-        with contextlib.suppress(Exception):
-            raw.close()
-        try:
+        with contextlib.suppress(OSError):
             size = path.stat().st_size
-        except OSError:
-            return
         self._files.append((path, size))
 
     def _bound_disk(self) -> None:
