@@ -76,7 +76,9 @@ def test_share_of_sha256_pages_recorded_is_the_rate() -> None:
     st.text(min_size=0, max_size=10),
     st.booleans(),
 )
-def test_compiled_page_test_equals_the_python_twin(keys: list[str], bound: str, as_tuple: bool) -> None:
+def test_compiled_page_test_equals_the_python_twin(
+    keys: list[str], bound: str, as_tuple: bool
+) -> None:
     """``below`` (compiled) answers exactly as ``[i for i, k in enumerate(keys) if k <
     bound]`` for any strings (non-ASCII ones included), lists and tuples alike."""
     native = lru.compiled("accounting._recorder")
@@ -109,8 +111,9 @@ def test_sampling_is_spatial_a_page_is_always_or_never_recorded(tmp_path: Path) 
     rate = 0.25
     b = rec.bound(rate)
     assert b is not None
-    a, other = rec.Recorder(section(tmp_path, sample_rate=rate)), rec.Recorder(
-        section(tmp_path / "x", sample_rate=rate)
+    a, other = (
+        rec.Recorder(section(tmp_path, sample_rate=rate)),
+        rec.Recorder(section(tmp_path / "x", sample_rate=rate)),
     )
     ops = []
     for _ in range(500):
@@ -482,12 +485,15 @@ HEADER = json.dumps({"format": "hicache-existence-trace", "version": 2, "sample_
             "'walked'",
         ),
         (
-            lambda good: _gz([HEADER, '{"timestamp":1,"kind":"lookup","pages":["a"],"walked":1,'
-                                      '"miss":true}']),  # fmt: skip
+            lambda good: _gz(
+                [HEADER, '{"timestamp":1,"kind":"lookup","pages":["a"],"walked":1,"miss":true}']
+            ),
             "walked < len(pages)",
         ),
-        (lambda good: _gz([json.dumps({"format": "hicache-existence-trace", "version": 2})]),
-         "sample_rate"),  # fmt: skip
+        (
+            lambda good: _gz([json.dumps({"format": "hicache-existence-trace", "version": 2})]),
+            "sample_rate",
+        ),
         (lambda good: _gz([HEADER, '{"timestamp":1,"kind":"add","pages":["a"]']), "invalid JSON"),
     ],
 )
@@ -497,7 +503,7 @@ def test_a_bad_recorded_trace_is_a_clear_error(tmp_path: Path, make: Any, proble
     good = _recorded_file(tmp_path).read_bytes()
     bad = tmp_path / "bad.jsonl.gz"
     bad.write_bytes(make(good))
-    code, out, err = run_cli("replay", str(bad), "--quiet", "--out", str(tmp_path / "o"))
+    code, _, err = run_cli("replay", str(bad), "--quiet", "--out", str(tmp_path / "o"))
     assert code == 2
     assert "Traceback" not in err
     assert err.startswith(f"error: {bad}:") and problem in err, err

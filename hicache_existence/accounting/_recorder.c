@@ -9,9 +9,10 @@
  * more than the cache operation itself; this loop costs a few ns.
  *
  * below(keys, bound) is exactly [i for i, k in enumerate(keys) if k < bound]:
- * one-byte strings are compared with memcmp then by length, as CPython's own
- * str comparison does; anything else goes through PyObject_RichCompareBool
- * (a non-str key raises TypeError, as the comprehension would).
+ * exact ASCII strings against an ASCII bound are compared byte by byte then by
+ * length, as CPython's own str comparison does; anything else (other kinds, str
+ * subclasses) goes through PyObject_RichCompareBool (a non-str key raises
+ * TypeError, as the comprehension would).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,25 +39,36 @@ recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "bound must be a str");
         return NULL;
     }
-    int bound_fast = PyUnicode_KIND(bound) == PyUnicode_1BYTE_KIND;
+    int bound_fast = PyUnicode_IS_COMPACT_ASCII(bound);
     const char *bdata = bound_fast ? (const char *)PyUnicode_DATA(bound) : NULL;
     Py_ssize_t blen = PyUnicode_GET_LENGTH(bound);
     PyObject *out = PyList_New(0);
     if (out == NULL) {
         return NULL;
     }
-    /* The list may be changed by a comparison's side effects (a str subclass
-     * never runs Python code here, but the slow path could): re-read the size. */
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keys); i++) {
-        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+    const unsigned char *bd = (const unsigned char *)bdata;
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *key = items[i];
         int lt;
-        if (bound_fast && PyUnicode_Check(key) && PyUnicode_KIND(key) == PyUnicode_1BYTE_KIND) {
+        if (bound_fast && PyUnicode_CheckExact(key) && PyUnicode_IS_COMPACT_ASCII(key)) {
+            /* The common case, a 64-hex page hash against an 8-digit bound: the
+             * first character almost always decides. */
+            const unsigned char *kd = (const unsigned char *)PyUnicode_DATA(key);
             Py_ssize_t klen = PyUnicode_GET_LENGTH(key);
-            Py_ssize_t n = klen < blen ? klen : blen;
-            int c = memcmp(PyUnicode_DATA(key), bdata, (size_t)n);
-            lt = c < 0 || (c == 0 && klen < blen);
+            if (klen && blen && kd[0] != bd[0]) {
+                lt = kd[0] < bd[0];
+            }
+            else {
+                Py_ssize_t n = klen < blen ? klen : blen;
+                int c = memcmp(kd, bd, (size_t)n);
+                lt = c < 0 || (c == 0 && klen < blen);
+            }
         }
         else {
+            /* Anything else compares as Python does; a str subclass's __lt__ may
+             * run Python code that changes the list: re-read it afterwards. */
             Py_INCREF(key);
             lt = PyObject_RichCompareBool(key, bound, Py_LT);
             Py_DECREF(key);
@@ -64,6 +76,8 @@ recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 Py_DECREF(out);
                 return NULL;
             }
+            size = PySequence_Fast_GET_SIZE(keys);
+            items = PySequence_Fast_ITEMS(keys);
         }
         if (lt) {
             PyObject *index = PyLong_FromSsize_t(i);
@@ -73,6 +87,9 @@ recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 return NULL;
             }
             Py_DECREF(index);
+            /* PyList_Append may run the garbage collector, and with it Python code. */
+            size = PySequence_Fast_GET_SIZE(keys);
+            items = PySequence_Fast_ITEMS(keys);
         }
     }
     return out;

@@ -272,8 +272,16 @@ class Recorder:
         return tuple([hashes[i] for i in idx])
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        """A lookup walked ``hashes[:stop]`` (and missed at ``hashes[stop]``)."""
-        idx = self._pick(hashes)
+        """A lookup walked ``hashes[:stop]`` (and missed at ``hashes[stop]``).  The
+        hottest call: the common case (no page recorded) is one C call."""
+        b = self._bound
+        if b is not None:
+            try:
+                idx: Sequence[int] = below(hashes, b)
+            except Exception:
+                idx = self._pick(hashes)
+        else:
+            idx = range(len(hashes))
         if idx:
             walked = bisect_left(idx, stop)
             miss = walked < len(idx) and idx[walked] == stop
@@ -281,7 +289,14 @@ class Recorder:
             self._put((self._now(), LOOKUP, pool, pages, walked, miss, self._in_request))
 
     def added(self, pool: str, hashes: Sequence[str]) -> None:
-        idx = self._pick(hashes)
+        b = self._bound
+        if b is not None:
+            try:
+                idx: Sequence[int] = below(hashes, b)
+            except Exception:
+                idx = self._pick(hashes)
+        else:
+            idx = range(len(hashes))
         if idx:
             self._put((self._now(), ADD, pool, self._pages(hashes, idx)))
 

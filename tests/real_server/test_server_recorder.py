@@ -41,9 +41,7 @@ def _advisor(srv: Server) -> dict[str, Any]:
         out[name] = {
             lab["cap_multiplier"]: v for lab, v in srv.samples(P + name) if lab["pool"] == "kv"
         }
-    out["records"] = {
-        lab["kind"]: v for lab, v in srv.samples(P + "recorder_records_total")
-    }
+    out["records"] = {lab["kind"]: v for lab, v in srv.samples(P + "recorder_records_total")}
     out["dropped"] = {
         lab["reason"]: v for lab, v in srv.samples(P + "recorder_dropped_records_total")
     }

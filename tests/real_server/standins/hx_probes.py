@@ -21,7 +21,11 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
     method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``
     and in the per-step hook ``after_check_hicache_events`` (nested calls counted
     once). Written every 0.5 s
-    to ``cost-<pid>.json`` in that directory, with a per-function breakdown. The
+    to ``cost-<pid>.json`` in that directory, with a per-function breakdown.
+    With ``HX_PROBE_RECORDER=1`` also the trace recorder's scheduler-side methods
+    (``Recorder``), timed on their own (nested inside the cache's methods, so their
+    time is also part of the package's): ``rec_busy`` and ``rec_poll`` hold
+    ``[thread ns, calls]`` per kind of iteration. The
     timers' own cost (a thread-CPU clock read is a system call, ~1 us here) falls
     partly inside the measured interval: the raw share is an upper bound. The probe
     also measures, on the scheduler thread at start-up, what one timed call of an
@@ -78,6 +82,12 @@ class _Cost:
         self.it_work = False
         self.busy = [0, 0, 0, 0]  # iterations, thread ns, package ns, package calls
         self.poll = [0, 0, 0, 0, 0]  # iterations, thread ns, package ns, calls, hook ns
+        # The recorder's own methods (nested timers): total and per iteration kind.
+        self.rec_ns = 0
+        self.rec_calls = 0
+        self.it_rec0 = (0, 0)
+        self.rec_busy = [0, 0]
+        self.rec_poll = [0, 0]
 
 
 _COST = _Cost()
@@ -114,6 +124,45 @@ def _timed(fn: Any) -> Any:
     wrapper.__name__ = getattr(fn, "__name__", "wrapped")
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
+
+
+def _rec_timed(fn: Any) -> Any:
+    """A recorder method, timed whatever the nesting (its own counters)."""
+    import threading
+    import time
+
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if get_ident() != _COST.main:
+            return fn(*args, **kwargs)
+        t0 = perf()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _COST.rec_ns += perf() - t0
+            _COST.rec_calls += 1
+
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _probe_cost_recorder(mod: ModuleType) -> None:
+    cls = mod.Recorder
+    for name in (
+        "touched",
+        "added",
+        "invalidated",
+        "inflight",
+        "cleared",
+        "written",
+        "prefetch",
+        "begin_request",
+        "end_request",
+    ):
+        setattr(cls, name, _rec_timed(getattr(cls, name)))
 
 
 def _wrap_class(cls: type) -> None:
@@ -158,6 +207,9 @@ def _iteration_marks(cls: type) -> None:
             now = perf()
             if c.it_t0:
                 dns, dcalls = c.ns - c.it_ns0, c.calls - c.it_calls0
+                rec = c.rec_busy if c.it_work else c.rec_poll
+                rec[0] += c.rec_ns - c.it_rec0[0]
+                rec[1] += c.rec_calls - c.it_rec0[1]
                 if c.it_work:
                     b = c.busy
                     b[0] += 1
@@ -172,6 +224,7 @@ def _iteration_marks(cls: type) -> None:
                     q[3] += dcalls
                     q[4] += c.hook_ns - c.it_hook0
             c.it_t0, c.it_ns0, c.it_calls0, c.it_hook0 = now, c.ns, c.calls, c.hook_ns
+            c.it_rec0 = (c.rec_ns, c.rec_calls)
             c.it_work = False
         return ingest(self, *args, **kwargs)
 
@@ -214,6 +267,8 @@ def _cost_writer(out_dir: str) -> None:
                 "busy": list(_COST.busy),
                 "poll": list(_COST.poll),
                 "timer_ns_per_call": timer_ns,
+                "rec_busy": list(_COST.rec_busy),
+                "rec_poll": list(_COST.rec_poll),
                 "by_name": {k: list(v) for k, v in _COST.by_name.items()},
                 "t": time.time(),
             }
@@ -269,5 +324,7 @@ def install() -> None:
         )
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
+        if os.environ.get("HX_PROBE_RECORDER"):
+            hx_cpu_standins.on_import("hicache_existence.accounting.recorder", _probe_cost_recorder)
     if os.environ.get("HX_PROBE_DIVERGE_FILE"):
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_diverge)
