@@ -137,7 +137,7 @@ def test_sampling_is_spatial_a_page_is_always_or_never_recorded(tmp_path: Path) 
     assert [list(x[3]) for x in got_a] == [e for e in expected if e]
     recorded = {p for x in got_a for p in x[3]}
     referenced = {p for _, chain, _ in ops for p in chain}
-    assert recorded == {p for p in referenced if p < b}
+    assert recorded == {p for p in referenced if rec.sampled(p, rate)}
 
 
 def test_a_lookup_record_says_how_far_it_walked_and_where_it_missed(tmp_path: Path) -> None:
@@ -235,14 +235,19 @@ def test_earlier_runs_files_count_against_the_bound(tmp_path: Path) -> None:
     """A restarted instance deletes its own older files first to stay within max_bytes."""
     minimum = 128 * 1024
     s = section(tmp_path, sample_rate=1.0, max_bytes=2 * minimum, file_bytes=minimum)
+    deleted = []
     for run in range(3):
         r = rec.Recorder(s, instance="again")
         r.start()
         for j in range(300):
             r.added("kv", [page(run * 100000 + j * 20 + k, "again") for k in range(20)])
         r.close()
+        assert r.snapshot().dropped == {"queue_full": 0, "write_error": 0}
+        assert r.snapshot().records["add"] == 300
+        deleted.append(r.files_deleted)
     total = sum(p.stat().st_size for p in (tmp_path / "trace").iterdir())
     assert total <= s.max_bytes
+    assert deleted[1] > 0 and deleted[2] > 0  # the earlier runs' files went first
 
 
 def test_an_unwritable_path_drops_and_counts_never_raises(tmp_path: Path) -> None:
@@ -527,3 +532,43 @@ def test_version_one_traces_still_read_compressed_or_not(tmp_path: Path) -> None
         trace = read_trace(path)
         assert (trace.version, trace.page_size, trace.events) == (1, 64, ())
         assert [(q.pool, q.pages) for q in trace.requests] == [("kv", ("a", "b")), ("swa", ("a",))]
+
+
+def test_the_runtime_exports_the_recorder_series(tmp_path: Path) -> None:
+    """A standalone scrape shows the recorder's records by kind, its drops by reason
+    (both reasons from the start), written and on-disk bytes, equal to its snapshot."""
+    import urllib.request
+
+    config = Config.from_mapping(
+        {
+            "metrics": {"mode": "standalone", "port": 0, "flush_interval_s": 0},
+            "recorder": {"enabled": True, "path": str(tmp_path / "t"), "sample_rate": 1.0},
+        }
+    )
+    rt = ExistenceRuntime(config).start()
+    try:
+        kv = rt.cache.pool("kv")
+        kv.add([page(i) for i in range(5)])
+        kv.covered([page(i) for i in range(7)])
+        recorder = rt.recorder
+        assert recorder is not None
+        with recorder._lock:
+            recorder._drain()
+        rt.telemetry.step()
+        with urllib.request.urlopen(rt.telemetry.server.url, timeout=10) as response:
+            text = response.read().decode()
+        snap = recorder.snapshot()
+    finally:
+        rt.close()
+    lines = [line for line in text.splitlines() if line.startswith("hicache_existence_recorder")]
+
+    def value(name: str, label: str = "") -> float:
+        (found,) = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name) and label in x]
+        return found
+
+    assert value("hicache_existence_recorder_records_total", 'kind="add"') == 1
+    assert value("hicache_existence_recorder_records_total", 'kind="lookup"') == 1
+    assert value("hicache_existence_recorder_dropped_records_total", 'reason="queue_full"') == 0
+    assert value("hicache_existence_recorder_dropped_records_total", 'reason="write_error"') == 0
+    assert value("hicache_existence_recorder_written_bytes_total") == snap.written_bytes > 0
+    assert value("hicache_existence_recorder_disk_bytes") == snap.disk_bytes > 0

@@ -459,12 +459,21 @@ class Recorder:
     def _open(self) -> bool:
         if self._clock() < self._retry_at:
             return False
-        self._part += 1
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started_unix))
-        path = self.directory / f"{self._prefix}-{stamp}-{os.getpid()}-{self._part:05d}{SUFFIX}"
+        stamp += f"{self.started_unix % 1:.3f}"[1:]
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            raw = open(path, "xb")  # noqa: SIM115 (closed by _close_file)
+            for _ in range(1000):  # a name taken (another recorder of this process): the next
+                self._part += 1
+                name = f"{self._prefix}-{stamp}-{os.getpid()}-{self._part:05d}{SUFFIX}"
+                path = self.directory / name
+                try:
+                    raw = open(path, "xb")  # noqa: SIM115 (closed by _close_file)
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise FileExistsError(f"no free file name for {self._prefix} in {self.directory}")
         except Exception as exc:
             self._warn(f"cannot open a trace file in {self.directory}: {exc!r}; records dropped")
             self._retry_at = self._clock() + RETRY_S

@@ -41,6 +41,7 @@ def _advisor(srv: Server) -> dict[str, Any]:
         out[name] = {
             lab["cap_multiplier"]: v for lab, v in srv.samples(P + name) if lab["pool"] == "kv"
         }
+    out["capacity"] = {lab["pool"]: v for lab, v in srv.samples(P + "capacity_entries")}
     out["records"] = {lab["kind"]: v for lab, v in srv.samples(P + "recorder_records_total")}
     out["dropped"] = {
         lab["reason"]: v for lab, v in srv.samples(P + "recorder_dropped_records_total")
@@ -90,6 +91,7 @@ def test_the_recorder_wrote_a_trace_without_drops(recorded: dict[str, Any]) -> N
     """The server's recorder series count records of every traffic kind and no drops,
     and its files name the instance (host:port and ranks), the rate and the page size."""
     seen = recorded["advisor"]
+    assert seen["capacity"]["kv"] == CAP  # the cap the multipliers apply to
     assert seen["dropped"] == {"queue_full": 0.0, "write_error": 0.0}
     for kind in ("lookup", "add", "write", "request"):
         assert seen["records"][kind] > 0, kind

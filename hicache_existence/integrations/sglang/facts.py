@@ -52,6 +52,8 @@ class SchedulerFacts:
     sources: tuple[str, ...] = field(default_factory=tuple)
     #: The server's HTTP port (0: unknown), naming the instance in a recorded trace.
     port: int = 0
+    #: Tokens per page (``--page-size``; 0: unknown), for a recorded trace's header.
+    page_size: int = 0
 
     def labels(self, model_name: str = "", storage_backend: str = "") -> DeploymentLabels:
         """Deployment labels; non-empty arguments (configuration) win."""
@@ -166,6 +168,7 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
         flags=flags,
         sources=tuple(sources),
         port=_int(values.get("port")),
+        page_size=_int(values.get("page_size")),
     )
 
 
@@ -228,7 +231,7 @@ def _from_server_args(server_args: Any) -> dict[str, Any]:
     hier = get("enable_hierarchical_cache")
     if isinstance(hier, bool):
         out["hierarchical_cache"] = hier
-    for name in ("tp_size", "pp_size", "port"):
+    for name in ("tp_size", "pp_size", "port", "page_size"):
         value = get(name)
         if isinstance(value, int) and not isinstance(value, bool):
             out[name] = value

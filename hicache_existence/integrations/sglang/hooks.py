@@ -250,6 +250,8 @@ def build_entry(
     )
     if max_entries is not None:
         runtime.cache.max_entries = max_entries
+    if runtime.recorder is not None:
+        runtime.recorder.set_page_size(facts.page_size)
     return ProcessEntry(runtime, facts, group, agreement, truth)
 
 
