@@ -189,9 +189,10 @@ STEPS_PER_S = 40.0
 LABELS = DeploymentLabels(model_name="demo-model", engine_type="prefill", storage_backend="demo-l3")
 
 
-def workload_config() -> Config:
-    """The demo's configuration (every feature on), served standalone on a free
-    port, with short intervals and high sampling rates."""
+def workload_config(trace_dir: Path) -> Config:
+    """The demo's configuration (every feature on, the recorder writing into
+    ``trace_dir``), served standalone on a free port, with short intervals and high
+    sampling rates."""
     demo = demo_config(DemoOptions(cap=CAP, l3_pages=L3_PAGES, l3_drop_every=L3_DROP_EVERY))
     return Config.from_mapping(
         {
@@ -200,6 +201,7 @@ def workload_config() -> Config:
             "divergence": {"enabled": True, "interval_steps": 5},
             "reconciler": {"enabled": True, "sampling_rate": 0.2, "verifications_per_s": 500.0},
             "advisor": {"enabled": True, "sampling_rate": 0.5},
+            "recorder": {"enabled": True, "path": str(trace_dir), "max_bytes": 1 << 20},
         },
         demo,
     )
@@ -219,10 +221,10 @@ class Workload:
     """One scheduler process in-process: the runtime serving ``/metrics`` and a
     thread stepping ``SimulatedScheduler`` over the bundled trace."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_dir: Path) -> None:
         requests = pages.expand(read_trace(bundled_trace())).requests
         shard = L3Shard(L3_PAGES, drop_every=L3_DROP_EVERY)
-        self.runtime = ExistenceRuntime(workload_config(), LABELS, truth=shard)
+        self.runtime = ExistenceRuntime(workload_config(trace_dir), LABELS, truth=shard)
         self.scheduler = SimulatedScheduler(self.runtime, shard, clear_swa_every=CLEAR_SWA_EVERY)
         self.error: str | None = None
         self._batches = cycle(requests, REQUESTS_PER_STEP)
@@ -261,7 +263,7 @@ class Stack:
     def __init__(self, workdir: Path) -> None:
         self.binary = need_prometheus()
         self.workdir = workdir
-        self.workload = Workload()
+        self.workload = Workload(workdir / "trace")
         self.workload.start()
         self.port = free_port()
         self.log = workdir / "prometheus.log"

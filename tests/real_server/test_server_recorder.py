@@ -64,7 +64,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         },
         "metrics": {"flush_interval_s": 0.25},
     }
-    turns = conversation_requests(conversations=12, turns=8)
+    turns = conversation_requests(conversations=20, turns=8)
     with launch(ServerSpec(config=config, max_total_tokens=16384), root / "server") as srv:
         for turn in turns:
             srv.generate(turn.input_ids, 2)
