@@ -572,3 +572,28 @@ def test_the_runtime_exports_the_recorder_series(tmp_path: Path) -> None:
     assert value("hicache_existence_recorder_dropped_records_total", 'reason="write_error"') == 0
     assert value("hicache_existence_recorder_written_bytes_total") == snap.written_bytes > 0
     assert value("hicache_existence_recorder_disk_bytes") == snap.disk_bytes > 0
+
+
+def test_a_restarted_instance_starts_from_an_empty_cache(tmp_path: Path) -> None:
+    """Two processes of one instance in one directory: the second's lookups of the
+    first's pages are cold (its cache started empty), and both runs' request 1 stay
+    two requests."""
+    s = section(tmp_path, sample_rate=1.0)
+    chain = [page(i, "restart") for i in range(4)]
+    first = rec.Recorder(s, instance="same", wall=lambda: 1_000_000.0)
+    first.begin_request()
+    first.touched("kv", chain, 0)
+    first.end_request()
+    first.added("kv", chain)
+    first.close()
+    second = rec.Recorder(s, instance="same", wall=lambda: 1_000_060.0)
+    second.begin_request()
+    second.touched("kv", chain, 0)
+    second.end_request()
+    second.close()
+    trace = read_trace(tmp_path / "trace")
+    assert trace.instances == ("same",)
+    assert [q.pages for q in trace.requests] == [tuple(chain), tuple(chain)]
+    (curve,) = recorded_curves(trace, [1000])
+    assert curve.lookups == (0.0,)  # both lookups missed: the second cache was empty
+    assert curve.events["clear"] == 1

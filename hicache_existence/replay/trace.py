@@ -106,6 +106,9 @@ class Event:
     hit: int = 0
     #: Index into ``Trace.instances``.
     instance: int = 0
+    #: The recording process of that instance (0, 1, ... in start order: a restart
+    #: begins with an empty cache, and its request numbers start again).
+    run: int = 0
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,7 @@ class _Header:
     instance: str = ""
     started_unix: float = 0.0
     part: int = 0
+    pid: int = 0
 
 
 def _header(f: _Fields, source: str) -> _Header:
@@ -354,6 +358,7 @@ def _header(f: _Fields, source: str) -> _Header:
         raise f.fail(f"header 'started_unix' must be a time in seconds, got {_show(started)}")
     header.started_unix = float(started)
     header.part = f.integer("part", MAX_TOKENS, default=0)
+    header.pid = f.integer("pid", MAX_TOKENS, default=0)
     return header
 
 
@@ -515,12 +520,27 @@ def _recorded(source: str, parts: list[tuple[_Header, list[Event]]]) -> Trace:
         raise TraceError(source, 0, f"the files declare different page sizes: {sorted(pages)}")
     start = min(header.started_unix for header, _ in parts)
     instances: dict[str, int] = {}
-    ordered = sorted(parts, key=lambda hp: (hp[0].instance, hp[0].started_unix, hp[0].part))
+    ordered = sorted(
+        parts, key=lambda hp: (hp[0].instance, hp[0].started_unix, hp[0].pid, hp[0].part)
+    )
     events: list[Event] = []
+    runs: dict[str, list[tuple[float, int]]] = {}
+    pools: dict[str, dict[str, None]] = {}
     for header, part in ordered:
         index = instances.setdefault(header.instance, len(instances))
         offset = (header.started_unix - start) * 1000.0
+        seen = runs.setdefault(header.instance, [])
+        process = (header.started_unix, header.pid)
+        if not seen or seen[-1] != process:
+            seen.append(process)
+            # A new process of the instance starts with an empty cache.
+            for pool in pools.get(header.instance, {}):
+                events.append(Event(0, offset, _recorder.CLEAR, pool, (), instance=index))
+        run = len(seen) - 1
+        known = pools.setdefault(header.instance, {})
         for e in part:
+            if e.pool:
+                known[e.pool] = None
             events.append(
                 Event(
                     e.line,
@@ -533,6 +553,7 @@ def _recorded(source: str, parts: list[tuple[_Header, list[Event]]]) -> Trace:
                     e.request,
                     e.hit,
                     index,
+                    run,
                 )
             )
     if not events:
@@ -554,14 +575,14 @@ def _requests_of(events: list[Event]) -> tuple[Request, ...]:
     """Requests rebuilt from request records: per pool, the recorded pages of the
     lookups its insert walk made, in order, each page once; ordered by time over
     all instances."""
-    chains: dict[tuple[int, int], dict[str, dict[str, None]]] = {}
+    chains: dict[tuple[int, int, int], dict[str, dict[str, None]]] = {}
     out: list[tuple[float, int, Request]] = []
     for e in events:
         if e.kind == _recorder.LOOKUP and e.request:
-            pools = chains.setdefault((e.instance, e.request), {})
+            pools = chains.setdefault((e.instance, e.run, e.request), {})
             pools.setdefault(e.pool, {}).update(dict.fromkeys(e.pages))
         elif e.kind == _recorder.REQUEST:
-            pools = chains.pop((e.instance, e.request), {}) or {"kv": {}}
+            pools = chains.pop((e.instance, e.run, e.request), {}) or {"kv": {}}
             for pool, pages in pools.items():
                 out.append(
                     (
