@@ -102,7 +102,7 @@ class ExistenceRuntime:
             config.recorder, self.labels, instance=instance, host_mode=host_mode[0]
         )
         if self.recorder is not None:
-            observers.append(self.recorder)
+            observers.append(self.recorder.tap)
         self.tee = Tee(*observers)
         self.cache: AnyCache
         if flat:

@@ -597,3 +597,95 @@ def test_a_restarted_instance_starts_from_an_empty_cache(tmp_path: Path) -> None
     (curve,) = recorded_curves(trace, [1000])
     assert curve.lookups == (0.0,)  # both lookups missed: the second cache was empty
     assert curve.events["clear"] == 1
+
+
+TAPS = [rec.PyTap] + (
+    [lru.compiled("accounting._recorder").Tap]  # type: ignore[union-attr]
+    if lru.compiled("accounting._recorder") is not None
+    else []
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["touched", "added", "invalidated", "inflight", "cleared"]),
+            st.lists(st.sampled_from([page(i) for i in range(12)]), max_size=8),
+            st.integers(0, 8),
+            st.booleans(),
+        ),
+        max_size=30,
+    ),
+    st.sampled_from([None, "40000000", "c0000000"]),
+)
+def test_compiled_tap_hands_the_sink_what_the_twin_does(ops: list[Any], bound: Any) -> None:
+    """For any operation stream both taps call the sink with the same arguments:
+    only operations with a recorded page (every one with bound None), and clears
+    that are not in-flight-only."""
+    seen: list[list[Any]] = []
+    for tap_type in TAPS:
+        calls: list[Any] = []
+        tap = tap_type(bound, lambda *a, calls=calls: calls.append(a))
+        for name, hashes, n, flag in ops:
+            if name == "touched":
+                tap.touched("kv", hashes, n)
+            elif name == "added":
+                tap.added("kv", hashes)
+            elif name == "invalidated":
+                tap.invalidated("kv", hashes, n)
+            elif name == "inflight":
+                tap.inflight("kv", hashes, 1)
+            else:
+                tap.cleared("kv", flag)
+        seen.append(calls)
+    expected = []
+    for name, hashes, n, flag in ops:
+        idx = None if bound is None else [i for i, h in enumerate(hashes) if h < bound]
+        kind = {"touched": "lookup", "added": "add", "invalidated": "invalidate"}.get(name)
+        if kind is not None and (idx is None or idx):
+            expected.append((kind, "kv", hashes, idx, None if name == "added" else n))
+        elif name == "cleared" and not flag:
+            expected.append(("clear", "kv", (), None, None))
+    for calls in seen:
+        assert calls == expected
+
+
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_a_failing_sink_never_reaches_the_cache(tap_type: Any) -> None:
+    """A sink that raises is counted in the tap's errors; the call returns None.
+    Bad constructor arguments raise TypeError naming them."""
+
+    def sink(*_: Any) -> None:
+        raise RuntimeError("sink broke")
+
+    tap = tap_type(None, sink)
+    assert tap.touched("kv", ["a"], 1) is None
+    assert tap.added("kv", ["a"]) is None
+    assert tap.cleared("kv", False) is None
+    assert tap.errors == 3
+    tap = tap_type("8", sink)
+    tap.added("kv", {"not", "a", "list"})  # the test cannot take a set: the sink tests it
+    assert tap.errors == 1
+    with pytest.raises(TypeError, match="bound"):
+        tap_type(5, sink)
+    with pytest.raises(TypeError, match="sink"):
+        tap_type("8", None)
+
+
+def test_a_cache_operation_survives_a_broken_recorder(tmp_path: Path) -> None:
+    """A recorder whose queueing fails (a broken clock here) never makes a cache
+    operation raise; the failures are counted."""
+
+    def broken_clock() -> float:
+        raise OSError("clock")
+
+    config = Config.from_mapping({"metrics": {"enabled": False}})
+    rt = ExistenceRuntime(config)
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
+    rt.tee.append(r.tap)
+    r._clock = broken_clock
+    kv = rt.cache.pool("kv")
+    kv.add([page(1)])
+    assert kv.covered([page(1)]) is True
+    assert r.tap.errors == 2

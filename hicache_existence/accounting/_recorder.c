@@ -8,6 +8,9 @@
  * test of the hash's first 32 bits).  A Python loop costs 30-100 ns a page,
  * more than the cache operation itself; this loop costs a few ns.
  *
+ * Tap (below) is the recorder's observer in the cache's Tee: an operation with
+ * no recorded page costs one C call and never enters Python.
+ *
  * below(keys, bound) is exactly [i for i, k in enumerate(keys) if k < bound]:
  * exact ASCII strings against an ASCII bound are compared byte by byte then by
  * length, as CPython's own str comparison does; anything else (other kinds, str
@@ -23,14 +26,8 @@ PyDoc_STRVAR(below_doc,
 "Indices of the keys (a list or tuple) that compare below the str bound, in order.");
 
 static PyObject *
-recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+below_impl(PyObject *keys, PyObject *bound)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "below() takes 2 positional arguments");
-        return NULL;
-    }
-    PyObject *keys = args[0];
-    PyObject *bound = args[1];
     if (!PyList_Check(keys) && !PyTuple_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "keys must be a list or a tuple");
         return NULL;
@@ -95,6 +92,222 @@ recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+static PyObject *
+recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "below() takes 2 positional arguments");
+        return NULL;
+    }
+    return below_impl(args[0], args[1]);
+}
+
+/*
+ * Tap: the recorder's BeliefObserver as the cache's Tee calls it, once per
+ * operation.  The common case, no page of the operation recorded, returns
+ * without entering Python; otherwise (or when the test cannot take the
+ * sequence, or every page is recorded) it hands the operation to the
+ * recorder's sink: sink(kind, pool, hashes, indices or None, extra).  Nothing
+ * raises into the cache: a failing sink is counted in `errors`.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *bound; /* str, or Py_None: every page */
+    PyObject *sink;
+    Py_ssize_t errors;
+} TapObject;
+
+static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *EMPTY;
+
+static void
+Tap_dealloc(TapObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->bound);
+    Py_CLEAR(self->sink);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+Tap_traverse(TapObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->bound);
+    Py_VISIT(self->sink);
+    return 0;
+}
+
+static int
+Tap_clear(TapObject *self)
+{
+    Py_CLEAR(self->bound);
+    Py_CLEAR(self->sink);
+    return 0;
+}
+
+static int
+Tap_init(TapObject *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *bound, *sink;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Tap() takes no keyword arguments");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OO:Tap", &bound, &sink)) {
+        return -1;
+    }
+    if (bound != Py_None && !PyUnicode_Check(bound)) {
+        PyErr_SetString(PyExc_TypeError, "bound must be a str or None");
+        return -1;
+    }
+    if (!PyCallable_Check(sink)) {
+        PyErr_SetString(PyExc_TypeError, "sink must be callable");
+        return -1;
+    }
+    Py_INCREF(bound);
+    Py_XSETREF(self->bound, bound);
+    Py_INCREF(sink);
+    Py_XSETREF(self->sink, sink);
+    return 0;
+}
+
+/* Test hashes; hand them to the sink if a page was recorded.  Never fails. */
+static PyObject *
+tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyObject *extra)
+{
+    if (self->sink == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *idx = Py_None;
+    Py_INCREF(idx);
+    if (self->bound != Py_None) {
+        PyObject *found = below_impl(hashes, self->bound);
+        if (found == NULL) {
+            PyErr_Clear(); /* a sequence the test cannot take: the sink tests it */
+        }
+        else if (PyList_GET_SIZE(found) == 0) {
+            Py_DECREF(found);
+            Py_DECREF(idx);
+            Py_RETURN_NONE;
+        }
+        else {
+            Py_SETREF(idx, found);
+        }
+    }
+    PyObject *call[5] = {kind, pool, hashes, idx, extra};
+    PyObject *res = PyObject_Vectorcall(self->sink, call, 5, NULL);
+    Py_DECREF(idx);
+    if (res == NULL) {
+        PyErr_Clear();
+        self->errors++;
+    }
+    else {
+        Py_DECREF(res);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Tap_touched(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "touched() takes 3 positional arguments");
+        return NULL;
+    }
+    return tap_offer(self, K_LOOKUP, args[0], args[1], args[2]);
+}
+
+static PyObject *
+Tap_added(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "added() takes 2 positional arguments");
+        return NULL;
+    }
+    return tap_offer(self, K_ADD, args[0], args[1], Py_None);
+}
+
+static PyObject *
+Tap_invalidated(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "invalidated() takes 3 positional arguments");
+        return NULL;
+    }
+    return tap_offer(self, K_INVALIDATE, args[0], args[1], args[2]);
+}
+
+static PyObject *
+Tap_inflight(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_RETURN_NONE; /* in-flight refs are not part of the recorded stream */
+}
+
+static PyObject *
+Tap_cleared(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "cleared() takes 2 positional arguments");
+        return NULL;
+    }
+    int only = PyObject_IsTrue(args[1]);
+    if (only != 0) {
+        if (only < 0) {
+            PyErr_Clear();
+        }
+        Py_RETURN_NONE;
+    }
+    if (self->sink == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *call[5] = {K_CLEAR, args[0], EMPTY, Py_None, Py_None};
+    PyObject *res = PyObject_Vectorcall(self->sink, call, 5, NULL);
+    if (res == NULL) {
+        PyErr_Clear();
+        self->errors++;
+    }
+    else {
+        Py_DECREF(res);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Tap_get_errors(TapObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->errors);
+}
+
+static PyMethodDef Tap_methods[] = {
+    {"touched", (PyCFunction)(void (*)(void))Tap_touched, METH_FASTCALL, "A lookup (BeliefObserver)."},
+    {"added", (PyCFunction)(void (*)(void))Tap_added, METH_FASTCALL, "An add (BeliefObserver)."},
+    {"invalidated", (PyCFunction)(void (*)(void))Tap_invalidated, METH_FASTCALL,
+     "An invalidate_beyond (BeliefObserver)."},
+    {"inflight", (PyCFunction)(void (*)(void))Tap_inflight, METH_FASTCALL,
+     "In-flight refs: not recorded (BeliefObserver)."},
+    {"cleared", (PyCFunction)(void (*)(void))Tap_cleared, METH_FASTCALL, "A clear (BeliefObserver)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Tap_getset[] = {
+    {"errors", (getter)Tap_get_errors, NULL, "Sink calls that raised (swallowed).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_existence.accounting._recorder.Tap",
+    .tp_basicsize = sizeof(TapObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Tap(bound, sink): the recorder's observer; see the module comment.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Tap_init,
+    .tp_dealloc = (destructor)Tap_dealloc,
+    .tp_traverse = (traverseproc)Tap_traverse,
+    .tp_clear = (inquiry)Tap_clear,
+    .tp_methods = Tap_methods,
+    .tp_getset = Tap_getset,
+};
+
 static PyMethodDef recorder_methods[] = {
     {"below", (PyCFunction)(void (*)(void))recorder_below, METH_FASTCALL, below_doc},
     {NULL, NULL, 0, NULL},
@@ -111,5 +324,27 @@ static struct PyModuleDef recorder_module = {
 PyMODINIT_FUNC
 PyInit__recorder(void)
 {
-    return PyModule_Create(&recorder_module);
+    if (PyType_Ready(&TapType) < 0) {
+        return NULL;
+    }
+    K_LOOKUP = PyUnicode_InternFromString("lookup");
+    K_ADD = PyUnicode_InternFromString("add");
+    K_INVALIDATE = PyUnicode_InternFromString("invalidate");
+    K_CLEAR = PyUnicode_InternFromString("clear");
+    EMPTY = PyTuple_New(0);
+    if (K_LOOKUP == NULL || K_ADD == NULL || K_INVALIDATE == NULL || K_CLEAR == NULL
+        || EMPTY == NULL) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&recorder_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&TapType);
+    if (PyModule_AddObject(m, "Tap", (PyObject *)&TapType) < 0) {
+        Py_DECREF(&TapType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -19,10 +19,11 @@ and across restarts (unlike the advisor's, which uses Python's salted ``str``
 hash), and a recorded trace is a SHARDS sample of the stream: a stack distance
 ``d`` in it stands for ``d / rate`` pages.
 
-**The scheduler thread pays little and never waits.**  Per operation: one call of
-the compiled page test (``_recorder.below``, a few ns a page; a Python
-comprehension where no compiler was available), and only when a page was
-sampled a tuple appended to a ``deque`` (atomic under the GIL: no lock).  No
+**The scheduler thread pays little and never waits.**  The cache's ``Tee`` calls
+the recorder's ``tap`` (``_recorder.Tap``, compiled; ``PyTap`` where no compiler
+was available): per operation one C call that tests the pages (a few ns a page)
+and, only when a page was recorded, calls back into Python, which appends a
+tuple to a ``deque`` (atomic under the GIL: no lock).  No
 hashing, no encoding, no I/O.  When ``queue_records`` records are waiting the
 record is dropped and counted.  A writer thread drains the queue every
 ``flush_interval_s``, encodes JSON lines, writes each chunk as one complete
@@ -102,7 +103,12 @@ def bound(rate: float) -> str | None:
 
 
 def py_below(keys: Sequence[str], bound: str, /) -> list[int]:
-    """Indices of ``keys`` that compare below ``bound`` (the compiled test's twin)."""
+    """Indices of ``keys`` that compare below ``bound`` (the compiled test's twin:
+    a list or tuple and a str, else TypeError)."""
+    if not isinstance(keys, (list, tuple)):
+        raise TypeError("keys must be a list or a tuple")
+    if not isinstance(bound, str):
+        raise TypeError("bound must be a str")
     return [i for i, key in enumerate(keys) if key < bound]
 
 
@@ -110,6 +116,66 @@ def py_below(keys: Sequence[str], bound: str, /) -> list[int]:
 below: Callable[[Sequence[str], str], list[int]] = (
     _native.below if _native is not None else py_below
 )
+
+#: The sink a tap hands recorded operations to: ``(kind, pool, hashes, indices of
+#: the recorded pages or None (not tested: every page, or a sequence the test could
+#: not take), extra: the lookup's stop or the invalidation's keep_pages)``.
+Sink = Callable[[str, str, Sequence[str], "list[int] | None", Any], None]
+
+
+class PyTap:
+    """The compiled ``Tap``'s twin: the recorder's ``BeliefObserver`` in the cache's
+    ``Tee``.  An operation none of whose pages is recorded ends here; the others go
+    to the sink.  Never raises (a failing sink is counted in ``errors``)."""
+
+    __slots__ = ("bound", "sink", "errors")
+
+    def __init__(self, bound: str | None, sink: Sink) -> None:
+        if bound is not None and not isinstance(bound, str):
+            raise TypeError("bound must be a str or None")
+        if not callable(sink):
+            raise TypeError("sink must be callable")
+        self.bound = bound
+        self.sink = sink
+        self.errors = 0
+
+    def _offer(self, kind: str, pool: str, hashes: Sequence[str], extra: Any) -> None:
+        idx: list[int] | None = None
+        if self.bound is not None:
+            try:
+                idx = py_below(hashes, self.bound)
+            except Exception:
+                idx = None
+            else:
+                if not idx:
+                    return
+        try:
+            self.sink(kind, pool, hashes, idx, extra)
+        except Exception:
+            self.errors += 1
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        self._offer(LOOKUP, pool, hashes, stop)
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        self._offer(ADD, pool, hashes, None)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        self._offer(INVALIDATE, pool, hashes, keep_pages)
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """In-flight refs are not part of the recorded stream."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        if not inflight_only:
+            try:
+                self.sink(CLEAR, pool, (), None, None)
+            except Exception:
+                self.errors += 1
+
+
+#: The tap the recorder puts in the cache's ``Tee``: compiled when built.
+Tap: Callable[[str | None, Sink], Any] = _native.Tap if _native is not None else PyTap
 
 
 def sampled(page: str, rate: float) -> bool:
@@ -177,6 +243,8 @@ class Recorder:
         self.started_unix = wall()
         self._header_extra = dict(header or {})
         self.page_size = 0
+        #: What the cache's ``Tee`` calls (``Tap``): the hot path, mostly in C.
+        self.tap = Tap(self._bound, self._sampled)
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._request = 0
         self._in_request = 0
@@ -271,49 +339,45 @@ class Recorder:
             return tuple(hashes)
         return tuple([hashes[i] for i in idx])
 
+    # BeliefObserver, through the tap (the runtime puts ``tap`` itself in the Tee)
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        """A lookup walked ``hashes[:stop]`` (and missed at ``hashes[stop]``).  The
-        hottest call: the common case (no page recorded) is one C call."""
-        b = self._bound
-        if b is not None:
-            try:
-                idx: Sequence[int] = below(hashes, b)
-            except Exception:
-                idx = self._pick(hashes)
-        else:
-            idx = range(len(hashes))
-        if idx:
-            walked = bisect_left(idx, stop)
-            miss = walked < len(idx) and idx[walked] == stop
-            pages = self._pages(hashes, idx)
-            self._put((self._now(), LOOKUP, pool, pages, walked, miss, self._in_request))
+        """A lookup walked ``hashes[:stop]`` (and missed at ``hashes[stop]``)."""
+        self.tap.touched(pool, hashes, stop)
 
     def added(self, pool: str, hashes: Sequence[str]) -> None:
-        b = self._bound
-        if b is not None:
-            try:
-                idx: Sequence[int] = below(hashes, b)
-            except Exception:
-                idx = self._pick(hashes)
-        else:
-            idx = range(len(hashes))
-        if idx:
-            self._put((self._now(), ADD, pool, self._pages(hashes, idx)))
+        self.tap.added(pool, hashes)
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
-        idx = self._pick(hashes)
-        if idx:
-            first = bisect_left(idx, keep_pages)
-            if first < len(idx):
-                pages = self._pages(hashes, idx)[first:]
-                self._put((self._now(), INVALIDATE, pool, pages))
+        self.tap.invalidated(pool, hashes, keep_pages)
 
     def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
         """In-flight refs are not part of the stream (writes are recorded at launch)."""
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
-        if not inflight_only:
+        self.tap.cleared(pool, inflight_only)
+
+    def _sampled(
+        self, kind: str, pool: str, hashes: Sequence[str], idx: list[int] | None, extra: Any
+    ) -> None:
+        """The tap's sink: an operation with recorded pages (``idx``; ``None``: not
+        tested yet), queued as one record."""
+        if kind == CLEAR:
             self._put((self._now(), CLEAR, pool))
+            return
+        picked: Sequence[int] = self._pick(hashes) if idx is None else idx
+        if not picked:
+            return
+        pages = self._pages(hashes, picked)
+        if kind == LOOKUP:
+            walked = bisect_left(picked, extra)
+            miss = walked < len(picked) and picked[walked] == extra
+            self._put((self._now(), LOOKUP, pool, pages, walked, miss, self._in_request))
+        elif kind == ADD:
+            self._put((self._now(), ADD, pool, pages))
+        elif kind == INVALIDATE:
+            first = bisect_left(picked, extra)
+            if first < len(picked):
+                self._put((self._now(), INVALIDATE, pool, pages[first:]))
 
     def written(self, pool: str, pages: Sequence[str]) -> None:
         """The write path launched an L3 write of ``pages``."""

@@ -22,10 +22,11 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
     and in the per-step hook ``after_check_hicache_events`` (nested calls counted
     once). Written every 0.5 s
     to ``cost-<pid>.json`` in that directory, with a per-function breakdown.
-    With ``HX_PROBE_RECORDER=1`` also the trace recorder's scheduler-side methods
-    (``Recorder``), timed on their own (nested inside the cache's methods, so their
-    time is also part of the package's): ``rec_busy`` and ``rec_poll`` hold
-    ``[thread ns, calls]`` per kind of iteration. The
+    With ``HX_PROBE_RECORDER=1`` also the trace recorder's scheduler-side calls (its
+    ``tap``'s methods, which the cache's Tee calls, and ``Recorder.written``,
+    ``prefetch``, ``begin_request``, ``end_request``), timed on their own (nested
+    inside the cache's methods, so their time is also part of the package's):
+    ``rec_busy`` and ``rec_poll`` hold ``[thread ns, calls]`` per kind of iteration. The
     timers' own cost (a thread-CPU clock read is a system call, ~1 us here) falls
     partly inside the measured interval: the raw share is an upper bound. The probe
     also measures, on the scheduler thread at start-up, what one timed call of an
@@ -149,20 +150,26 @@ def _rec_timed(fn: Any) -> Any:
     return wrapper
 
 
+class _TimedTap:
+    """The recorder's tap (what the cache's Tee calls) with each method timed."""
+
+    def __init__(self, tap: Any) -> None:
+        for name in ("touched", "added", "invalidated", "inflight", "cleared"):
+            setattr(self, name, _rec_timed(getattr(tap, name)))
+        self._tap = tap
+
+
 def _probe_cost_recorder(mod: ModuleType) -> None:
     cls = mod.Recorder
-    for name in (
-        "touched",
-        "added",
-        "invalidated",
-        "inflight",
-        "cleared",
-        "written",
-        "prefetch",
-        "begin_request",
-        "end_request",
-    ):
+    for name in ("written", "prefetch", "begin_request", "end_request"):
         setattr(cls, name, _rec_timed(getattr(cls, name)))
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.tap = _TimedTap(self.tap)
+
+    cls.__init__ = __init__
 
 
 def _wrap_class(cls: type) -> None:
