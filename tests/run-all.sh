@@ -97,7 +97,7 @@ export HICACHE_EXISTENCE_REQUIRE_ALL=1 HICACHE_EXISTENCE_REQUIRE_SGLANG=1
 #    indexes in the main pass too).
 STORAGE_TESTS=(tests/test_bad_input.py tests/test_digest.py tests/test_miss_reasons.py
   tests/test_exporter_prometheus.py tests/test_replay_mattson.py tests/test_config.py
-  tests/test_lru_index.py tests/test_advisor.py tests/test_sampler.py
+  tests/test_lru_index.py tests/test_advisor.py tests/test_sampler.py tests/test_recorder.py
   --deselect tests/test_lru_index.py::test_compiled_index_is_in_use_where_required)
 #    The core tests of the extra Pythons: the package's own behaviour, the main job (its
 #    Redis cases against a real redis-server); nothing that needs torch or sglang (3.11
@@ -111,6 +111,7 @@ CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.
   tests/test_reconcile_inflight.py tests/test_divergence_inprocess.py
   tests/test_exporter_prometheus.py tests/test_catalog.py
   tests/test_logs.py tests/test_runtime.py tests/test_layering.py tests/test_demo.py
+  tests/test_recorder.py
   tests/upstream/test_flat_seed_differential.py
   -m "not slow and not torch and not sglang")
 #    The sglang integration tests: plugin loading, hooks, construction by

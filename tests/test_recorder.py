@@ -89,17 +89,22 @@ def test_compiled_page_test_equals_the_python_twin(
         assert native.below(seq, bound) == expected
 
 
-def test_compiled_page_test_refuses_bad_input() -> None:
-    """Bad arguments raise TypeError naming them, as the twin would for non-str keys."""
-    native = lru.compiled("accounting._recorder")
-    if native is None:
-        pytest.skip("the compiled recorder module is not built")
+BELOWS = [rec.py_below] + (
+    [lru.compiled("accounting._recorder").below]  # type: ignore[union-attr]
+    if lru.compiled("accounting._recorder") is not None
+    else []
+)
+
+
+@pytest.mark.parametrize("below", BELOWS)
+def test_the_page_test_refuses_bad_input(below: Any) -> None:
+    """Bad arguments raise TypeError naming them (both implementations alike)."""
     with pytest.raises(TypeError, match="keys"):
-        native.below({"a"}, "b")
+        below({"a"}, "b")
     with pytest.raises(TypeError, match="bound"):
-        native.below(["a"], 5)
+        below(["a"], 5)
     with pytest.raises(TypeError):
-        native.below(["a", 5], "b")
+        below(["a", 5], "b")
 
 
 def test_sampling_is_spatial_a_page_is_always_or_never_recorded(tmp_path: Path) -> None:
