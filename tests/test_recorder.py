@@ -3,6 +3,7 @@ drops, and the replay of what it wrote (``hicache_existence.accounting.recorder`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gzip
@@ -137,7 +138,7 @@ def test_sampling_is_spatial_a_page_is_always_or_never_recorded(tmp_path: Path) 
             else:
                 r.prefetch("kv", chain, stop)
     got_a, got_other = drain(a), drain(other)
-    assert [x[1:] for x in got_a] == [x[1:] for x in got_other]
+    assert [x[1:6] for x in got_a] == [x[1:6] for x in got_other]
     expected = [[p for p in chain if p < b] for _, chain, _ in ops]
     assert [list(x[3]) for x in got_a] == [e for e in expected if e]
     recorded = {p for x in got_a for p in x[3]}
@@ -145,23 +146,43 @@ def test_sampling_is_spatial_a_page_is_always_or_never_recorded(tmp_path: Path) 
     assert recorded == {p for p in referenced if rec.sampled(p, rate)}
 
 
-def test_a_lookup_record_says_how_far_it_walked_and_where_it_missed(tmp_path: Path) -> None:
+def encoded(r: rec.Recorder) -> list[dict[str, Any]]:
+    """The queued records as the writer would write them (timestamps left out)."""
+    out = []
+    for record in drain(r):
+        line = r._encode(record)
+        if line is not None:
+            obj = json.loads(line)
+            del obj["timestamp"]
+            out.append(obj)
+    return out
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_a_lookup_record_says_how_far_it_walked_and_where_it_missed(
+    tmp_path: Path, rate: float
+) -> None:
     """A lookup keeps its recorded pages, how many of them it walked, and whether it
-    stopped at a recorded page; pages of an invalidation before keep_pages are not kept."""
-    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
-    chain = [page(i) for i in range(6)]
-    r.touched("kv", chain, 3)
-    r.touched("kv", chain, 6)
-    r.invalidated("kv", chain, 4)
+    stopped at a recorded page; an invalidation keeps its recorded pages from
+    keep_pages on (none left: no record); an in-flight-only clear is not recorded."""
+    b = rec.bound(rate)
+    chain = [page(i) for i in range(12)]
+    kept = [p for p in chain if b is None or p < b]
+    r = rec.Recorder(section(tmp_path, sample_rate=rate))
+    stop = chain.index(kept[2])  # the lookup misses at a recorded page
+    r.touched("kv", chain, stop)
+    r.touched("kv", chain, 12)
+    r.invalidated("kv", chain, chain.index(kept[-1]))
+    r.invalidated("kv", chain, 12)
     r.cleared("kv", True)
     r.cleared("kv", False)
-    got = drain(r)
-    assert [x[1:] for x in got] == [
-        ("lookup", "kv", tuple(chain), 3, True, 0),
-        ("lookup", "kv", tuple(chain), 6, False, 0),
-        ("invalidate", "kv", tuple(chain[4:])),
-        ("clear", "kv"),
+    assert encoded(r) == [
+        {"kind": "lookup", "pool": "kv", "pages": kept, "walked": 2, "miss": True},
+        {"kind": "lookup", "pool": "kv", "pages": kept, "walked": len(kept)},
+        {"kind": "invalidate", "pool": "kv", "pages": kept[-1:]},
+        {"kind": "clear", "pool": "kv"},
     ]
+    assert 0 < len(kept) < 12 or rate == 1.0
 
 
 def test_lookups_inside_an_insert_carry_its_request_number(tmp_path: Path) -> None:
@@ -175,9 +196,12 @@ def test_lookups_inside_an_insert_carry_its_request_number(tmp_path: Path) -> No
     r.end_request()
     r.begin_request()
     r.end_request()
-    got = drain(r)
-    assert [x[-1] for x in got if x[1] == "lookup"] == [0, 1]
-    assert [x[1:] for x in got if x[1] == "request"] == [("request", 1), ("request", 2)]
+    got = encoded(r)
+    assert [x.get("request", 0) for x in got if x["kind"] == "lookup"] == [0, 1]
+    assert [x for x in got if x["kind"] == "request"] == [
+        {"kind": "request", "request": 1},
+        {"kind": "request", "request": 2},
+    ]
 
 
 # -- the writer: files, rotation, bound, drops ------------------------------------------------
@@ -299,7 +323,7 @@ def test_a_full_queue_drops_and_the_scheduler_never_waits(tmp_path: Path) -> Non
     worker.join(10)
     assert not worker.is_alive()
     assert time.monotonic() - t0 < 5
-    assert r.queue_full == 200 - 8
+    assert r.snapshot().dropped["queue_full"] == 200 - 8
     release.set()
     r.close()
     assert r.snapshot().dropped["queue_full"] == 192
@@ -615,7 +639,7 @@ TAPS = [rec.PyTap] + (
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["touched", "added", "invalidated", "inflight", "cleared"]),
+            st.sampled_from(["touched", "added", "invalidated", "inflight", "cleared", "req"]),
             st.lists(st.sampled_from([page(i) for i in range(12)]), max_size=8),
             st.integers(0, 8),
             st.booleans(),
@@ -623,74 +647,95 @@ TAPS = [rec.PyTap] + (
         max_size=30,
     ),
     st.sampled_from([None, "40000000", "c0000000"]),
+    st.integers(1, 40),
 )
-def test_compiled_tap_hands_the_sink_what_the_twin_does(ops: list[Any], bound: Any) -> None:
-    """For any operation stream both taps call the sink with the same arguments:
-    only operations with a recorded page (every one with bound None), and clears
-    that are not in-flight-only."""
-    seen: list[list[Any]] = []
+def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capacity: int) -> None:
+    """For any operation stream both taps queue the same records (only operations
+    with a recorded page, every one with bound None; clears that are not
+    in-flight-only; the request number of the moment) and drop the same ones once
+    the queue holds ``capacity`` records."""
+    seen = []
     for tap_type in TAPS:
-        calls: list[Any] = []
-        tap = tap_type(bound, lambda *a, calls=calls: calls.append(a))
+        queue: collections.deque[Any] = collections.deque()
+        ticks = iter(range(10**6))
+        tap = tap_type(bound, queue, capacity, lambda ticks=ticks: float(next(ticks)))
         for name, hashes, n, flag in ops:
             if name == "touched":
                 tap.touched("kv", hashes, n)
             elif name == "added":
-                tap.added("kv", hashes)
+                tap.added("kv", hashes if flag else tuple(hashes))
             elif name == "invalidated":
                 tap.invalidated("kv", hashes, n)
             elif name == "inflight":
                 tap.inflight("kv", hashes, 1)
+            elif name == "req":
+                tap.request = n
             else:
                 tap.cleared("kv", flag)
-        seen.append(calls)
+        seen.append((list(queue), tap.dropped, tap.errors))
     expected = []
+    request = 0
     for name, hashes, n, flag in ops:
+        if name == "req":
+            request = n
+            continue
         idx = None if bound is None else [i for i, h in enumerate(hashes) if h < bound]
         kind = {"touched": "lookup", "added": "add", "invalidated": "invalidate"}.get(name)
         if kind is not None and (idx is None or idx):
-            expected.append((kind, "kv", hashes, idx, None if name == "added" else n))
+            pages = tuple(hashes) if idx is None else tuple(hashes[i] for i in idx)
+            extra = None if name == "added" else n
+            expected.append((kind, "kv", pages, idx, extra, request))
         elif name == "cleared" and not flag:
-            expected.append(("clear", "kv", (), None, None))
-    for calls in seen:
-        assert calls == expected
+            expected.append(("clear", "kv", (), None, None, request))
+    for queue_seen, dropped, errors in seen:
+        assert [r[1:] for r in queue_seen] == expected[:capacity]
+        assert dropped == max(0, len(expected) - capacity) and errors == 0
 
 
 @pytest.mark.parametrize("tap_type", TAPS)
-def test_a_failing_sink_never_reaches_the_cache(tap_type: Any) -> None:
-    """A sink that raises is counted in the tap's errors; the call returns None.
-    Bad constructor arguments raise TypeError naming them."""
+def test_a_failing_clock_or_queue_never_reaches_the_cache(tap_type: Any) -> None:
+    """A clock or queue that raises is counted in the tap's errors; the call
+    returns None.  Bad constructor arguments raise TypeError/ValueError naming them."""
 
-    def sink(*_: Any) -> None:
-        raise RuntimeError("sink broke")
+    def broken() -> float:
+        raise OSError("clock")
 
-    tap = tap_type(None, sink)
+    tap = tap_type(None, collections.deque(), 10, broken)
     assert tap.touched("kv", ["a"], 1) is None
     assert tap.added("kv", ["a"]) is None
     assert tap.cleared("kv", False) is None
     assert tap.errors == 3
-    tap = tap_type("8", sink)
-    tap.added("kv", {"not", "a", "list"})  # the test cannot take a set: the sink tests it
-    assert tap.errors == 1
+
+    class BadQueue(list):  # type: ignore[type-arg]
+        def append(self, item: Any) -> None:
+            raise RuntimeError("full of surprises")
+
+    tap = tap_type("8", BadQueue(), 10, time.monotonic)
+    tap.added("kv", ["0"])
+    tap.added("kv", {"0", "1"})  # not a list or tuple: tested as a tuple
+    assert tap.errors == 2
     with pytest.raises(TypeError, match="bound"):
-        tap_type(5, sink)
-    with pytest.raises(TypeError, match="sink"):
-        tap_type("8", None)
+        tap_type(5, [], 10, time.monotonic)
+    with pytest.raises(ValueError, match="capacity"):
+        tap_type("8", [], 0, time.monotonic)
+    with pytest.raises(TypeError, match="clock"):
+        tap_type("8", [], 10, None)
+    with pytest.raises(TypeError, match="queue"):
+        tap_type("8", object(), 10, time.monotonic)
 
 
 def test_a_cache_operation_survives_a_broken_recorder(tmp_path: Path) -> None:
-    """A recorder whose queueing fails (a broken clock here) never makes a cache
-    operation raise; the failures are counted."""
+    """A recorder whose clock fails after start-up never makes a cache operation
+    raise; the lost records are counted as write errors."""
+    calls = iter([0.0])
 
-    def broken_clock() -> float:
-        raise OSError("clock")
+    def clock() -> float:
+        return next(calls)  # StopIteration after the first call
 
-    config = Config.from_mapping({"metrics": {"enabled": False}})
-    rt = ExistenceRuntime(config)
-    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
+    rt = ExistenceRuntime(Config.from_mapping({"metrics": {"enabled": False}}))
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0), clock=clock)
     rt.tee.append(r.tap)
-    r._clock = broken_clock
     kv = rt.cache.pool("kv")
     kv.add([page(1)])
     assert kv.covered([page(1)]) is True
-    assert r.tap.errors == 2
+    assert r.snapshot().dropped["write_error"] == 2

@@ -104,16 +104,23 @@ recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /*
  * Tap: the recorder's BeliefObserver as the cache's Tee calls it, once per
- * operation.  The common case, no page of the operation recorded, returns
- * without entering Python; otherwise (or when the test cannot take the
- * sequence, or every page is recorded) it hands the operation to the
- * recorder's sink: sink(kind, pool, hashes, indices or None, extra).  Nothing
- * raises into the cache: a failing sink is counted in `errors`.
+ * operation, without entering Python.  An operation none of whose pages is
+ * recorded returns after the page test; otherwise one record
+ *     (clock(), kind, pool, recorded pages (tuple), their indices (list; None:
+ *      every page), extra (lookup: stop; invalidate: keep_pages), request)
+ * is appended to the queue (a collections.deque), unless it already holds
+ * `capacity` records: then the record is dropped and counted.  Nothing raises
+ * into the cache: a failure (the clock, the append) is counted in `errors`.
  */
 typedef struct {
     PyObject_HEAD
     PyObject *bound; /* str, or Py_None: every page */
-    PyObject *sink;
+    PyObject *queue;
+    PyObject *append;
+    PyObject *clock;
+    Py_ssize_t capacity;
+    Py_ssize_t request;
+    Py_ssize_t dropped;
     Py_ssize_t errors;
 } TapObject;
 
@@ -124,7 +131,9 @@ Tap_dealloc(TapObject *self)
 {
     PyObject_GC_UnTrack(self);
     Py_CLEAR(self->bound);
-    Py_CLEAR(self->sink);
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->append);
+    Py_CLEAR(self->clock);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -132,7 +141,9 @@ static int
 Tap_traverse(TapObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->bound);
-    Py_VISIT(self->sink);
+    Py_VISIT(self->queue);
+    Py_VISIT(self->append);
+    Py_VISIT(self->clock);
     return 0;
 }
 
@@ -140,69 +151,129 @@ static int
 Tap_clear(TapObject *self)
 {
     Py_CLEAR(self->bound);
-    Py_CLEAR(self->sink);
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->append);
+    Py_CLEAR(self->clock);
     return 0;
 }
 
 static int
 Tap_init(TapObject *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *bound, *sink;
+    PyObject *bound, *queue, *clock;
+    Py_ssize_t capacity;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Tap() takes no keyword arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO:Tap", &bound, &sink)) {
+    if (!PyArg_ParseTuple(args, "OOnO:Tap", &bound, &queue, &capacity, &clock)) {
         return -1;
     }
     if (bound != Py_None && !PyUnicode_Check(bound)) {
         PyErr_SetString(PyExc_TypeError, "bound must be a str or None");
         return -1;
     }
-    if (!PyCallable_Check(sink)) {
-        PyErr_SetString(PyExc_TypeError, "sink must be callable");
+    if (capacity < 1) {
+        PyErr_SetString(PyExc_ValueError, "capacity must be >= 1");
+        return -1;
+    }
+    if (!PyCallable_Check(clock)) {
+        PyErr_SetString(PyExc_TypeError, "clock must be callable");
+        return -1;
+    }
+    PyObject *append = PyObject_GetAttrString(queue, "append");
+    if (append == NULL) {
+        PyErr_SetString(PyExc_TypeError, "queue must have an append method");
         return -1;
     }
     Py_INCREF(bound);
     Py_XSETREF(self->bound, bound);
-    Py_INCREF(sink);
-    Py_XSETREF(self->sink, sink);
+    Py_INCREF(queue);
+    Py_XSETREF(self->queue, queue);
+    Py_XSETREF(self->append, append);
+    Py_INCREF(clock);
+    Py_XSETREF(self->clock, clock);
+    self->capacity = capacity;
     return 0;
 }
 
-/* Test hashes; hand them to the sink if a page was recorded.  Never fails. */
-static PyObject *
-tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyObject *extra)
+/* Queue one record; every reference passed is borrowed.  Never fails. */
+static void
+tap_put(TapObject *self, PyObject *kind, PyObject *pool, PyObject *pages, PyObject *idx,
+        PyObject *extra)
 {
-    if (self->sink == NULL) {
-        Py_RETURN_NONE;
+    Py_ssize_t n = PyObject_Size(self->queue);
+    if (n < 0) {
+        PyErr_Clear();
+        self->errors++;
+        return;
     }
-    PyObject *idx = Py_None;
-    Py_INCREF(idx);
-    if (self->bound != Py_None) {
-        PyObject *found = below_impl(hashes, self->bound);
-        if (found == NULL) {
-            PyErr_Clear(); /* a sequence the test cannot take: the sink tests it */
-        }
-        else if (PyList_GET_SIZE(found) == 0) {
-            Py_DECREF(found);
-            Py_DECREF(idx);
-            Py_RETURN_NONE;
-        }
-        else {
-            Py_SETREF(idx, found);
-        }
+    if (n >= self->capacity) {
+        self->dropped++;
+        return;
     }
-    PyObject *call[5] = {kind, pool, hashes, idx, extra};
-    PyObject *res = PyObject_Vectorcall(self->sink, call, 5, NULL);
-    Py_DECREF(idx);
+    PyObject *t = PyObject_CallNoArgs(self->clock);
+    PyObject *req = t != NULL ? PyLong_FromSsize_t(self->request) : NULL;
+    PyObject *rec = req != NULL ? PyTuple_Pack(7, t, kind, pool, pages, idx, extra, req) : NULL;
+    PyObject *res = rec != NULL ? PyObject_CallOneArg(self->append, rec) : NULL;
     if (res == NULL) {
         PyErr_Clear();
         self->errors++;
     }
-    else {
-        Py_DECREF(res);
+    Py_XDECREF(res);
+    Py_XDECREF(rec);
+    Py_XDECREF(req);
+    Py_XDECREF(t);
+}
+
+static PyObject *
+tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyObject *extra)
+{
+    if (self->queue == NULL) {
+        Py_RETURN_NONE;
     }
+    PyObject *pages = NULL;
+    PyObject *idx = NULL;
+    PyObject *seq = NULL;
+    if (self->bound == Py_None) {
+        pages = PySequence_Tuple(hashes);
+        idx = Py_NewRef(Py_None);
+    }
+    else {
+        idx = below_impl(hashes, self->bound);
+        if (idx == NULL) { /* not a list or tuple: test its tuple */
+            PyErr_Clear();
+            seq = PySequence_Tuple(hashes);
+            idx = seq != NULL ? below_impl(seq, self->bound) : NULL;
+            hashes = seq;
+        }
+        if (idx != NULL) {
+            Py_ssize_t m = PyList_GET_SIZE(idx);
+            if (m == 0) {
+                Py_DECREF(idx);
+                Py_XDECREF(seq);
+                Py_RETURN_NONE;
+            }
+            pages = PyTuple_New(m);
+            if (pages != NULL) {
+                for (Py_ssize_t j = 0; j < m; j++) {
+                    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(idx, j));
+                    PyObject *item = PySequence_Fast_GET_ITEM(hashes, i);
+                    PyTuple_SET_ITEM(pages, j, Py_NewRef(item));
+                }
+            }
+        }
+    }
+    if (pages == NULL || idx == NULL) {
+        PyErr_Clear();
+        self->errors++;
+    }
+    else {
+        tap_put(self, kind, pool, pages, idx, extra);
+    }
+    Py_XDECREF(pages);
+    Py_XDECREF(idx);
+    Py_XDECREF(seq);
     Py_RETURN_NONE;
 }
 
@@ -250,25 +321,45 @@ Tap_cleared(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int only = PyObject_IsTrue(args[1]);
-    if (only != 0) {
-        if (only < 0) {
-            PyErr_Clear();
-        }
-        Py_RETURN_NONE;
-    }
-    if (self->sink == NULL) {
-        Py_RETURN_NONE;
-    }
-    PyObject *call[5] = {K_CLEAR, args[0], EMPTY, Py_None, Py_None};
-    PyObject *res = PyObject_Vectorcall(self->sink, call, 5, NULL);
-    if (res == NULL) {
+    if (only < 0) {
         PyErr_Clear();
         self->errors++;
     }
-    else {
-        Py_DECREF(res);
+    else if (only == 0 && self->queue != NULL) {
+        tap_put(self, K_CLEAR, args[0], EMPTY, Py_None, Py_None);
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *
+Tap_get_request(TapObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->request);
+}
+
+static int
+Tap_set_request(TapObject *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "request cannot be deleted");
+        return -1;
+    }
+    Py_ssize_t v = PyLong_AsSsize_t(value);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < 0) {
+        PyErr_SetString(PyExc_ValueError, "request must be >= 0");
+        return -1;
+    }
+    self->request = v;
+    return 0;
+}
+
+static PyObject *
+Tap_get_dropped(TapObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->dropped);
 }
 
 static PyObject *
@@ -289,7 +380,10 @@ static PyMethodDef Tap_methods[] = {
 };
 
 static PyGetSetDef Tap_getset[] = {
-    {"errors", (getter)Tap_get_errors, NULL, "Sink calls that raised (swallowed).", NULL},
+    {"request", (getter)Tap_get_request, (setter)Tap_set_request,
+     "The request whose insert is running (0: none); lookups carry it.", NULL},
+    {"dropped", (getter)Tap_get_dropped, NULL, "Records dropped: the queue was full.", NULL},
+    {"errors", (getter)Tap_get_errors, NULL, "Records lost to a failure (swallowed).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -298,7 +392,7 @@ static PyTypeObject TapType = {
     .tp_name = "hicache_existence.accounting._recorder.Tap",
     .tp_basicsize = sizeof(TapObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Tap(bound, sink): the recorder's observer; see the module comment.",
+    .tp_doc = "Tap(bound, queue, capacity, clock): the recorder's observer (module comment).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Tap_init,
     .tp_dealloc = (destructor)Tap_dealloc,

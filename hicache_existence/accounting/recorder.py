@@ -117,42 +117,60 @@ below: Callable[[Sequence[str], str], list[int]] = (
     _native.below if _native is not None else py_below
 )
 
-#: The sink a tap hands recorded operations to: ``(kind, pool, hashes, indices of
-#: the recorded pages or None (not tested: every page, or a sequence the test could
-#: not take), extra: the lookup's stop or the invalidation's keep_pages)``.
-Sink = Callable[[str, str, Sequence[str], "list[int] | None", Any], None]
-
 
 class PyTap:
     """The compiled ``Tap``'s twin: the recorder's ``BeliefObserver`` in the cache's
-    ``Tee``.  An operation none of whose pages is recorded ends here; the others go
-    to the sink.  Never raises (a failing sink is counted in ``errors``)."""
+    ``Tee``.  An operation none of whose pages is recorded ends after the page test;
+    otherwise one record ``(clock(), kind, pool, recorded pages, their indices (None:
+    every page), extra (lookup: stop; invalidate: keep_pages), request)`` is
+    appended to ``queue``, or dropped and counted when it holds ``capacity``
+    records.  Never raises (a failure is counted in ``errors``)."""
 
-    __slots__ = ("bound", "sink", "errors")
+    __slots__ = ("bound", "queue", "capacity", "clock", "request", "dropped", "errors")
 
-    def __init__(self, bound: str | None, sink: Sink) -> None:
+    def __init__(
+        self, bound: str | None, queue: Any, capacity: int, clock: Callable[[], float]
+    ) -> None:
         if bound is not None and not isinstance(bound, str):
             raise TypeError("bound must be a str or None")
-        if not callable(sink):
-            raise TypeError("sink must be callable")
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        if not callable(clock):
+            raise TypeError("clock must be callable")
+        if not callable(getattr(queue, "append", None)):
+            raise TypeError("queue must have an append method")
         self.bound = bound
-        self.sink = sink
+        self.queue = queue
+        self.capacity = capacity
+        self.clock = clock
+        self.request = 0
+        self.dropped = 0
         self.errors = 0
 
-    def _offer(self, kind: str, pool: str, hashes: Sequence[str], extra: Any) -> None:
-        idx: list[int] | None = None
-        if self.bound is not None:
-            try:
-                idx = py_below(hashes, self.bound)
-            except Exception:
-                idx = None
-            else:
-                if not idx:
-                    return
+    def _put(
+        self, kind: str, pool: str, pages: tuple[str, ...], idx: list[int] | None, extra: Any
+    ) -> None:
         try:
-            self.sink(kind, pool, hashes, idx, extra)
+            if len(self.queue) >= self.capacity:
+                self.dropped += 1
+                return
+            self.queue.append((self.clock(), kind, pool, pages, idx, extra, self.request))
         except Exception:
             self.errors += 1
+
+    def _offer(self, kind: str, pool: str, hashes: Sequence[str], extra: Any) -> None:
+        try:
+            if self.bound is None:
+                self._put(kind, pool, tuple(hashes), None, extra)
+                return
+            if not isinstance(hashes, (list, tuple)):
+                hashes = tuple(hashes)
+            idx = py_below(hashes, self.bound)
+        except Exception:
+            self.errors += 1
+            return
+        if idx:
+            self._put(kind, pool, tuple([hashes[i] for i in idx]), idx, extra)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
         self._offer(LOOKUP, pool, hashes, stop)
@@ -168,14 +186,11 @@ class PyTap:
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
         if not inflight_only:
-            try:
-                self.sink(CLEAR, pool, (), None, None)
-            except Exception:
-                self.errors += 1
+            self._put(CLEAR, pool, (), None, None)
 
 
 #: The tap the recorder puts in the cache's ``Tee``: compiled when built.
-Tap: Callable[[str | None, Sink], Any] = _native.Tap if _native is not None else PyTap
+Tap: Callable[..., Any] = _native.Tap if _native is not None else PyTap
 
 
 def sampled(page: str, rate: float) -> bool:
@@ -243,11 +258,10 @@ class Recorder:
         self.started_unix = wall()
         self._header_extra = dict(header or {})
         self.page_size = 0
-        #: What the cache's ``Tee`` calls (``Tap``): the hot path, mostly in C.
-        self.tap = Tap(self._bound, self._sampled)
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        #: What the cache's ``Tee`` calls (``Tap``): the hot path, in C.
+        self.tap = Tap(self._bound, self._queue, self.capacity, clock)
         self._request = 0
-        self._in_request = 0
         # counters: the scheduler thread writes queue_full, the writer the rest
         self.queue_full = 0
         self.write_errors = 0
@@ -311,15 +325,13 @@ class Recorder:
             self.page_size = page_size
 
     # -- the scheduler side ------------------------------------------------------------
-    def _now(self) -> float:
-        return round((self._clock() - self._t0) * 1000.0, 3)
-
-    def _put(self, record: tuple[Any, ...]) -> None:
+    def _put(self, kind: str, pool: str, pages: tuple[str, ...], extra: Any) -> None:
+        """Queue a record from the Python side (writes, prefetch queries, requests)."""
         queue = self._queue
         if len(queue) >= self.capacity:
             self.queue_full += 1
         else:
-            queue.append(record)
+            queue.append((self._clock(), kind, pool, pages, None, extra, 0))
 
     def _pick(self, hashes: Sequence[str]) -> Sequence[int]:
         """Indices of the recorded pages of ``hashes`` (the compiled test)."""
@@ -356,52 +368,28 @@ class Recorder:
     def cleared(self, pool: str, inflight_only: bool) -> None:
         self.tap.cleared(pool, inflight_only)
 
-    def _sampled(
-        self, kind: str, pool: str, hashes: Sequence[str], idx: list[int] | None, extra: Any
-    ) -> None:
-        """The tap's sink: an operation with recorded pages (``idx``; ``None``: not
-        tested yet), queued as one record."""
-        if kind == CLEAR:
-            self._put((self._now(), CLEAR, pool))
-            return
-        picked: Sequence[int] = self._pick(hashes) if idx is None else idx
-        if not picked:
-            return
-        pages = self._pages(hashes, picked)
-        if kind == LOOKUP:
-            walked = bisect_left(picked, extra)
-            miss = walked < len(picked) and picked[walked] == extra
-            self._put((self._now(), LOOKUP, pool, pages, walked, miss, self._in_request))
-        elif kind == ADD:
-            self._put((self._now(), ADD, pool, pages))
-        elif kind == INVALIDATE:
-            first = bisect_left(picked, extra)
-            if first < len(picked):
-                self._put((self._now(), INVALIDATE, pool, pages[first:]))
-
     def written(self, pool: str, pages: Sequence[str]) -> None:
         """The write path launched an L3 write of ``pages``."""
         idx = self._pick(pages)
         if idx:
-            self._put((self._now(), WRITE, pool, self._pages(pages, idx)))
+            self._put(WRITE, pool, self._pages(pages, idx), None)
 
     def prefetch(self, pool: str, chain: Sequence[str], hit_pages: int) -> None:
         """A rank-agreed prefetch hit query on ``chain``: L3 holds its first ``hit_pages``."""
         idx = self._pick(chain)
         if idx:
-            hits = bisect_left(idx, hit_pages)
-            self._put((self._now(), PREFETCH, pool, self._pages(chain, idx), hits))
+            self._put(PREFETCH, pool, self._pages(chain, idx), bisect_left(idx, hit_pages))
 
     def begin_request(self) -> None:
         """An insert of a request's prompt starts: its lookups carry its number."""
         self._request += 1
-        self._in_request = self._request
+        self.tap.request = self._request
 
     def end_request(self) -> None:
-        number = self._in_request
-        self._in_request = 0
+        number = self.tap.request
+        self.tap.request = 0
         if number:
-            self._put((self._now(), REQUEST, number))
+            self._put(REQUEST, "", (), number)
 
     # -- reading -----------------------------------------------------------------------
     def snapshot(self) -> RecorderSnapshot:
@@ -413,7 +401,10 @@ class Recorder:
                 disk += raw.tell()
         return RecorderSnapshot(
             dict(self._records),
-            {"queue_full": self.queue_full, "write_error": self.write_errors},
+            {
+                "queue_full": self.queue_full + self.tap.dropped,
+                "write_error": self.write_errors + self.tap.errors,
+            },
             self.written_bytes,
             disk,
             self.files_deleted,
@@ -456,6 +447,8 @@ class Recorder:
             except Exception:
                 self.write_errors += 1
                 continue
+            if line is None:
+                continue
             chunk.append(line)
             kinds.append(record[1])
             size += len(line)
@@ -465,23 +458,35 @@ class Recorder:
         if chunk:
             self._write(chunk, kinds)
 
-    def _encode(self, r: tuple[Any, ...]) -> str:
-        kind = r[1]
-        out: dict[str, Any] = {"timestamp": r[0], "kind": kind}
+    def _encode(self, r: tuple[Any, ...]) -> str | None:
+        """One record as a JSON line (``None``: nothing left to record)."""
+        t, kind, pool, pages, idx, extra, request = r
+        out: dict[str, Any] = {"timestamp": round((t - self._t0) * 1000.0, 3), "kind": kind}
         if kind == REQUEST:
-            out["request"] = r[2]
-        else:
-            out["pool"] = str(r[2])
-            if kind != CLEAR:
-                out["pages"] = [str(p) for p in r[3]]
-            if kind == LOOKUP:
-                out["walked"] = r[4]
-                if r[5]:
-                    out["miss"] = True
-                if r[6]:
-                    out["request"] = r[6]
-            elif kind == PREFETCH:
-                out["hit"] = r[4]
+            out["request"] = extra
+            return json.dumps(out, separators=(",", ":")) + "\n"
+        out["pool"] = str(pool)
+        if kind == LOOKUP:
+            if idx is None:
+                walked, miss = min(extra, len(pages)), extra < len(pages)
+            else:
+                walked = bisect_left(idx, extra)
+                miss = walked < len(idx) and idx[walked] == extra
+            out["pages"] = [str(p) for p in pages]
+            out["walked"] = walked
+            if miss:
+                out["miss"] = True
+            if request:
+                out["request"] = request
+        elif kind == INVALIDATE:
+            first = extra if idx is None else bisect_left(idx, extra)
+            if first >= len(pages):
+                return None
+            out["pages"] = [str(p) for p in pages[first:]]
+        elif kind != CLEAR:
+            out["pages"] = [str(p) for p in pages]
+            if kind == PREFETCH:
+                out["hit"] = extra
         return json.dumps(out, separators=(",", ":")) + "\n"
 
     def _write(self, lines: list[str], kinds: list[str]) -> None:
