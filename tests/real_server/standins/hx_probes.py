@@ -151,12 +151,21 @@ def _rec_timed(fn: Any) -> Any:
 
 
 class _TimedTap:
-    """The recorder's tap (what the cache's Tee calls) with each method timed."""
+    """The recorder's tap (what the cache's Tee calls) with each method timed; its
+    attributes (``request``, ``dropped``, ``errors``) are the tap's own."""
+
+    _METHODS = ("touched", "added", "invalidated", "inflight", "cleared")
 
     def __init__(self, tap: Any) -> None:
-        for name in ("touched", "added", "invalidated", "inflight", "cleared"):
-            setattr(self, name, _rec_timed(getattr(tap, name)))
-        self._tap = tap
+        object.__setattr__(self, "_tap", tap)
+        for name in self._METHODS:
+            object.__setattr__(self, name, _rec_timed(getattr(tap, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_tap"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_tap"), name, value)
 
 
 def _probe_cost_recorder(mod: ModuleType) -> None:
