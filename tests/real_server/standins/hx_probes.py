@@ -22,6 +22,8 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
     and in the per-step hook ``after_check_hicache_events`` (nested calls counted
     once). Written every 0.5 s
     to ``cost-<pid>.json`` in that directory, with a per-function breakdown.
+    With ``HX_PROBE_RECORDER_TOGGLE=<path>`` the recorder is attached only while that
+    file exists (``_RecorderToggle``; the record's ``recorder_on`` says which).
     With ``HX_PROBE_RECORDER=1`` also the trace recorder's scheduler-side calls (its
     ``tap``'s methods, which the cache's Tee calls, and ``Recorder.written``,
     ``prefetch``, ``begin_request``, ``end_request``), timed on their own (nested
@@ -220,6 +222,8 @@ def _iteration_marks(cls: type) -> None:
     def ingest_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
         c = _COST
         if get_ident() == c.main:
+            if _TOGGLE is not None:
+                _TOGGLE.poll()
             now = perf()
             if c.it_t0:
                 dns, dcalls = c.ns - c.it_ns0, c.calls - c.it_calls0
@@ -255,6 +259,40 @@ def _iteration_marks(cls: type) -> None:
         setattr(cls, name, marked)
 
 
+class _RecorderToggle:
+    """``HX_PROBE_RECORDER_TOGGLE=<path>``: the recorder records while that file
+    exists and is detached while it does not (its tap out of the cache's Tee, the
+    write path's and insert hook's recorder unset), checked every 256 scheduler
+    iterations, so one server runs alternating rounds with and without it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.count = 0
+        self.on: bool | None = None
+
+    def poll(self) -> None:
+        self.count += 1
+        if self.count % 256:
+            return
+        want = os.path.exists(self.path)
+        if want == self.on:
+            return
+        from hicache_existence.integrations.sglang import hooks
+
+        entry = hooks.current()
+        recorder = entry.runtime.recorder if entry is not None else None
+        if entry is None or recorder is None:
+            return
+        tee = entry.runtime.tee
+        others = tuple(o for o in tee.observers if o is not recorder.tap)
+        tee.observers = (*others, recorder.tap) if want else others
+        entry.write_path.attach_recorder(recorder if want else None)
+        self.on = want
+
+
+_TOGGLE: _RecorderToggle | None = None
+
+
 def _cost_writer(out_dir: str) -> None:
     import threading
     import time
@@ -283,6 +321,7 @@ def _cost_writer(out_dir: str) -> None:
                 "busy": list(_COST.busy),
                 "poll": list(_COST.poll),
                 "timer_ns_per_call": timer_ns,
+                "recorder_on": _TOGGLE.on if _TOGGLE is not None else None,
                 "rec_busy": list(_COST.rec_busy),
                 "rec_poll": list(_COST.rec_poll),
                 "by_name": {k: list(v) for k, v in _COST.by_name.items()},
@@ -298,7 +337,10 @@ def _cost_writer(out_dir: str) -> None:
 
 
 def _probe_cost_scheduler(mod: ModuleType) -> None:
+    global _TOGGLE
     out_dir = os.environ["HX_PROBE_COST_DIR"]
+    if os.environ.get("HX_PROBE_RECORDER_TOGGLE"):
+        _TOGGLE = _RecorderToggle(os.environ["HX_PROBE_RECORDER_TOGGLE"])
     cls = mod.Scheduler
     init = cls.__init__
 
