@@ -109,7 +109,7 @@ CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.
   tests/test_config.py tests/test_advisor.py tests/test_replay_mattson.py
   tests/test_replay_trace.py tests/test_replay_model.py tests/test_reconcile_unit.py
   tests/test_reconcile_inflight.py tests/test_divergence_inprocess.py
-  tests/test_exporter_prometheus.py tests/test_catalog.py
+  tests/test_exporter_prometheus.py tests/test_catalog.py tests/test_doctor.py
   tests/test_logs.py tests/test_runtime.py tests/test_layering.py tests/test_demo.py
   tests/upstream/test_flat_seed_differential.py
   -m "not slow and not torch and not sglang")
