@@ -226,6 +226,15 @@ def test_figures_sum_counters_over_ranks_take_gauges_max_and_active_min() -> Non
     assert d.ranks_of(parse(text)) == 2
 
 
+def test_sglang_series_spelled_with_an_underscore_are_read_as_sglangs() -> None:
+    """Prometheus stores sglang:x as sglang_x when it scraped OpenMetrics: both
+    spellings are the same figure, and make a body readable."""
+    body = 'sglang_backuped_tokens_total{tp_rank="0"} 320\nsglang_other_total 1\n'
+    assert d.readable(parse(body)) is None
+    figs = d.figures_of(d.Reading("a", parse(body)))
+    assert figs == {("sglang:backuped_tokens_total", ()): d.Figure(320.0)}
+
+
 def test_counter_that_went_down_between_reads_counts_from_zero() -> None:
     """A restart between the reads: the counter's change is its new value (as
     increase() takes it), the figure is marked reset; a series new in the second
@@ -370,6 +379,19 @@ def test_cap_too_small_without_a_curve_doubles_and_with_a_flat_curve_is_info() -
     flat = {"0.5": 0.3, "1": 0.305, "2": 0.31, "4": 0.312}
     (f,) = found(report(expo(churn_rows(flat))), "cap_too_small")
     assert f.severity == "info" and "flat" in f.fix[0]
+
+
+def test_cap_too_small_at_a_full_cap_without_evicted_misses() -> None:
+    """A full pool writing 30% of its pages twice, its misses all reported cold (the
+    miss-reason memory forgot the evictions): a warning, as the at-cap alert, with the
+    hint to give the miss-reason memory more room."""
+    rows = churn_rows(None)
+    rows = replace(rows, P + "page_misses_total", 0, pool="kv", reason="evicted")
+    (f,) = found(report(expo(rows)), "cap_too_small")
+    assert f.severity == "warning"
+    assert "30.0%" in f.summary and "miss_reasons.memory_fraction=0.2" in f.fix[-1]
+    rows = replace(rows, P + "entries", 1000, pool="kv")  # below the cap: nothing to say
+    assert not found(report(expo(rows)), "cap_too_small")
 
 
 def test_l3_written_but_not_read_back() -> None:
@@ -764,6 +786,7 @@ def test_prometheus_route_groups_by_instance_and_reads_two_times(
             s(P + "redundant_written_pages_total", "a:1", "90", pool="kv"),
             s(P + "redundant_written_bytes_total", "a:1", "368640", pool="kv"),
             s(P + "written_pages_total", "b:1", "100", pool="kv"),
+            s("sglang_backuped_tokens_total", "b:1", "1600"),
             s("sglang:hicache_host_used_tokens", "decode:1", "5"),
         ]
     )
@@ -779,6 +802,7 @@ def test_prometheus_route_groups_by_instance_and_reads_two_times(
     fig = doc["instances"][0]["figures"]['hicache_existence_written_pages_total{pool="kv"}']
     assert fig == {"value": 300, "delta": 200, "rate_per_s": 200 / 300}
     assert doc["source"]["window_s"] == 300.0
+    assert doc["instances"][1]["figures"]["sglang:backuped_tokens_total"]["value"] == 1600
 
 
 @pytest.mark.parametrize(

@@ -177,19 +177,30 @@ class Reading:
             raise ValueError(f"seconds must be > 0 with two reads, got {self.seconds!r}")
 
 
+def canonical(name: str) -> str:
+    """SGLang's series under their own names: prometheus_client writes the colon of
+    ``sglang:x`` as ``sglang_x`` in OpenMetrics, which Prometheus negotiates when it
+    scrapes, so Prometheus stores them so."""
+    if name.startswith("sglang_"):
+        colon = "sglang:" + name[len("sglang_") :]
+        if colon in SGLANG_SERIES:
+            return colon
+    return name
+
+
 def is_package(name: str) -> bool:
     return name.startswith(PREFIX) and not name.endswith(_SKIPPED_SUFFIXES)
 
 
 def is_read(name: str) -> bool:
     """A series the doctor reads (the package's counters and gauges, SGLang's HiCache
-    storage and host series)."""
-    return is_package(name) or name in SGLANG_SERIES
+    storage and host series, under either spelling)."""
+    return is_package(name) or canonical(name) in SGLANG_SERIES
 
 
 def readable(exposition: Exposition) -> str | None:
     """Why the doctor cannot diagnose this body (None: it can)."""
-    names = exposition.names()
+    names = {canonical(n) for n in exposition.names()}
     if any(is_package(n) for n in names) or names & set(SGLANG_STORAGE_SERIES):
         return None
     return (
@@ -237,14 +248,17 @@ def figures_of(reading: Reading) -> dict[Key, Figure]:
     last = _aggregate(reading.last.samples)
     if reading.first is None:
         return {k: Figure(v) for k, v in sorted(last.items())}
-    before = {(s.name, s.labels): s.value for s in reading.first.samples if is_read(s.name)}
+    before = {
+        (canonical(s.name), s.labels): s.value for s in reading.first.samples if is_read(s.name)
+    }
     deltas: dict[Key, float] = {}
     resets: set[Key] = set()
     for s in reading.last.samples:
         if not is_read(s.name) or not _is_counter(s.name):
             continue
-        key = (s.name, _kept(s.labels))
-        prior = before.get((s.name, s.labels))
+        name = canonical(s.name)
+        key = (name, _kept(s.labels))
+        prior = before.get((name, s.labels))
         if prior is None:
             d = s.value  # a new series: counted from 0
         elif s.value < prior:
@@ -268,12 +282,13 @@ def _aggregate(samples: Iterable[Sample]) -> dict[Key, float]:
     for s in samples:
         if not is_read(s.name):
             continue
-        key = (s.name, _kept(s.labels))
+        name = canonical(s.name)
+        key = (name, _kept(s.labels))
         if key not in sums:
             sums[key] = s.value
-        elif _is_counter(s.name):
+        elif _is_counter(name):
             sums[key] += s.value
-        elif s.name in MIN_GAUGES:
+        elif name in MIN_GAUGES:
             sums[key] = min(sums[key], s.value)
         else:
             sums[key] = max(sums[key], s.value)
@@ -680,18 +695,28 @@ def recommended_multiple(curve: Mapping[float, float]) -> float | None:
 def _cap(view: View, pool: str) -> list[Finding]:
     evicted = view.value(PAGE_MISSES, pool=pool, reason="evicted")
     evictions = view.value(EVICTIONS, pool=pool)
-    if evicted <= 0:
-        return []
     q = view.value(QUERIES, pool=pool)
-    churn = _ratio(evicted, q)
     cap = view.value(CAPACITY, pool=pool)
     entries = view.value(ENTRIES, pool=pool)
+    r = view.value(REDUNDANT, pool=pool)
+    w = view.value(WRITTEN, pool=pool)
+    at_cap = cap > 0 and entries >= AT_CAP * cap
+    # Redundant pages not believed at their launch: the cap's share of them is at
+    # most this (the rest: another instance, heals, clears).
+    not_believed = max(0.0, r - view.value(REDUNDANT_BELIEVED, pool=pool))
+    if evicted <= 0 and not (at_cap and evictions > 0 and not_believed > 0):
+        return []
+    churn = _ratio(evicted, q)
     evidence = [
         view.evidence(PAGE_MISSES, pool=pool, reason="evicted"),
+        view.evidence(PAGE_MISSES, pool=pool, reason="cold"),
         view.evidence(QUERIES, pool=pool),
         view.evidence(EVICTIONS, pool=pool),
         view.evidence(ENTRIES, pool=pool),
         view.evidence(CAPACITY, pool=pool),
+        view.evidence(REDUNDANT, pool=pool),
+        view.evidence(REDUNDANT_BELIEVED, pool=pool),
+        view.evidence(WRITTEN, pool=pool),
     ]
     curve = advisor_curve(view, pool)
     multiple = recommended_multiple(curve)
@@ -722,21 +747,32 @@ def _cap(view: View, pool: str) -> list[Finding]:
             f"`cache.max_entries={int(cap * 2)}` (twice the cap), then read the advisor's "
             "curve (`advisor.enabled=true`) to size it"
         )
-    high = churn > CHURN_RATIO and q >= MIN_QUERIES and not flat
-    # Redundant pages not believed at their launch: the cap's share of them is at
-    # most this (the rest: another instance, heals, clears).
-    not_believed = max(
-        0.0, view.value(REDUNDANT, pool=pool) - view.value(REDUNDANT_BELIEVED, pool=pool)
-    )
-    per_page = _ratio(view.value(REDUNDANT_BYTES, pool=pool), view.value(REDUNDANT, pool=pool))
+    cold = view.value(PAGE_MISSES, pool=pool, reason="cold")
+    if at_cap and cold > evicted:
+        fixes.append(
+            "cold misses at a full cap include evictions older than the miss-reason memory "
+            "remembers: `miss_reasons.memory_fraction=0.2` classifies more of them"
+        )
+    churn_high = churn > CHURN_RATIO and q >= MIN_QUERIES
+    # As HicacheExistenceAtCapRedundantWritesRising: full, and writing pages twice.
+    redundant_high = at_cap and _ratio(r, w) > REDUNDANT_RATIO and w >= MIN_WRITTEN_PAGES
+    high = (churn_high or redundant_high) and not flat
+    per_page = _ratio(view.value(REDUNDANT_BYTES, pool=pool), r)
     wasted = not_believed * per_page if per_page else None
-    at = f", full ({_n(entries)} of {_n(cap)} entries)" if cap and entries >= AT_CAP * cap else ""
+    full = f", full ({_n(entries)} of {_n(cap)} entries)" if at_cap else ""
+    summary = (
+        f"{pool}: {_n(evicted)} lookups ({_pct(churn)} of {_n(q)}) missed a page the cap had "
+        f"evicted while L3 kept it; {_n(evictions)} evictions{full}"
+    )
+    if at_cap and r > 0:
+        summary += f"; {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in L3"
+    if wasted is not None:
+        summary += f"; at most {human_bytes(wasted)} rewritten for it"
     return [
         Finding(
             "cap_too_small",
             "warning" if high else "info",
-            f"{pool}: {_n(evicted)} lookups ({_pct(churn)} of {_n(q)}) missed a page the cap had "
-            f"evicted while L3 kept it; {_n(evictions)} evictions{at}",
+            summary,
             tuple(evidence),
             tuple(fixes),
             view.instance,

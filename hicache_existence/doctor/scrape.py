@@ -173,7 +173,9 @@ def series_selector(selector: str) -> str:
     if not (text.startswith("{") and text.endswith("}")):
         raise ValueError(f'a selector is written {{label="value", ...}}, got {selector!r}')
     inner = text[1:-1].strip().rstrip(",")
-    sglang = "|".join(sorted(SGLANG_SERIES))
+    # Both spellings: Prometheus stores sglang:x as sglang_x when it scraped
+    # OpenMetrics (diagnosis.canonical).
+    sglang = "|".join(sorted(SGLANG_SERIES | {n.replace(":", "_", 1) for n in SGLANG_SERIES}))
     names = f'__name__=~"hicache_existence_.+|{sglang}"'
     return "{" + names + (", " + inner if inner else "") + "}"
 
