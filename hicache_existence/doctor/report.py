@@ -31,13 +31,13 @@ def _source(source: Mapping[str, Any], n: int) -> str:
     if source.get("mode") == "prometheus":
         sel = source.get("selector") or "{}"
         return (
-            f"hicache-existence doctor: {what} from Prometheus {source.get('prometheus')} "
+            f"doctor's report: {what} from Prometheus {source.get('prometheus')} "
             f"{sel}, read {source.get('window')} apart"
         )
     interval = source.get("interval_s")
     if interval:
-        return f"hicache-existence doctor: {what}, each read twice {interval:g} s apart"
-    return f"hicache-existence doctor: {what}, each read once (no rates)"
+        return f"doctor's report: {what}, each read twice {interval:g} s apart"
+    return f"doctor's report: {what}, each read once (no rates)"
 
 
 def _instance(inst: InstanceReport) -> list[str]:
