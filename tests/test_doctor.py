@@ -387,9 +387,17 @@ def test_cap_too_small_at_a_full_cap_without_evicted_misses() -> None:
     hint to give the miss-reason memory more room."""
     rows = churn_rows(None)
     rows = replace(rows, P + "page_misses_total", 0, pool="kv", reason="evicted")
+    rows += [
+        (P + "memory_bytes", {"pool": "kv"}, 44000),
+        (P + "miss_memory_bytes", {"pool": "kv"}, 4000),
+    ]
     (f,) = found(report(expo(rows)), "cap_too_small")
     assert f.severity == "warning"
-    assert "30.0%" in f.summary and "miss_reasons.memory_fraction=0.2" in f.fix[-1]
+    assert "30.0%" in f.summary and "`miss_reasons.memory_fraction=0.2`" in f.fix[-1]
+    assert "10.0% of the cache's memory" in f.fix[-1]
+    rows = replace(rows, P + "miss_memory_bytes", 24000, pool="kv")  # 0.6: already large
+    (f,) = found(report(expo(rows)), "cap_too_small")
+    assert not any("memory_fraction" in x for x in f.fix)
     rows = replace(rows, P + "entries", 1000, pool="kv")  # below the cap: nothing to say
     assert not found(report(expo(rows)), "cap_too_small")
 

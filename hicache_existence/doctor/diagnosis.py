@@ -47,6 +47,8 @@ EVICTIONS = P + "evictions_total"
 INVALIDATIONS = P + "invalidations_total"
 ENTRIES = P + "entries"
 CAPACITY = P + "capacity_entries"
+MEMORY = P + "memory_bytes"
+MISS_MEMORY = P + "miss_memory_bytes"
 WRITTEN = P + "written_pages_total"
 WRITTEN_BYTES = P + "written_bytes_total"
 AVOIDED = P + "write_avoided_pages_total"
@@ -603,8 +605,10 @@ def _redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> l
             )
         if misses.get("cold", 0) > 0 and r > believed:
             fixes.append(
-                "pages this instance never believed (written by another instance, or before a "
-                "restart): route by prefix (the router's `cache_aware` policy)"
+                "pages this instance did not believe (`cold`: written by another instance or "
+                "before a restart, or evicted longer ago than the miss-reason memory remembers): "
+                "route by prefix (the router's `cache_aware` policy); see cap_too_small if the "
+                "pool is full"
             )
     if mode == "cache" and dedup is False:
         fixes.append(
@@ -684,6 +688,16 @@ def advisor_curve(view: View, pool: str) -> dict[float, float]:
     return out
 
 
+def miss_memory_fraction(view: View, pool: str) -> float | None:
+    """The miss-reason memory's size over the beliefs' (``miss_reasons.memory_fraction``
+    as configured, measured), None without the memory gauges."""
+    miss = view.value(MISS_MEMORY, pool=pool)
+    beliefs = view.value(MEMORY, pool=pool) - miss
+    if not view.has(MISS_MEMORY) or beliefs <= 0:
+        return None
+    return miss / beliefs
+
+
 def recommended_multiple(curve: Mapping[float, float]) -> float | None:
     """The smallest multiple whose estimate is within ``ADVICE_TOLERANCE`` of the best."""
     if not curve:
@@ -748,10 +762,13 @@ def _cap(view: View, pool: str) -> list[Finding]:
             "curve (`advisor.enabled=true`) to size it"
         )
     cold = view.value(PAGE_MISSES, pool=pool, reason="cold")
-    if at_cap and cold > evicted:
+    fraction = miss_memory_fraction(view, pool)
+    if at_cap and cold > evicted and fraction is not None and fraction < 0.5:
         fixes.append(
-            "cold misses at a full cap include evictions older than the miss-reason memory "
-            "remembers: `miss_reasons.memory_fraction=0.2` classifies more of them"
+            "cold misses at a full cap may be evictions older than the miss-reason memory "
+            f"remembers (it is {_pct(fraction)} of the cache's memory): "
+            f"`miss_reasons.memory_fraction={min(1.0, max(0.2, 2 * fraction)):.2g}` "
+            "classifies more of them"
         )
     churn_high = churn > CHURN_RATIO and q >= MIN_QUERIES
     # As HicacheExistenceAtCapRedundantWritesRising: full, and writing pages twice.
