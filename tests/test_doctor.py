@@ -566,6 +566,11 @@ def test_fleet_routing_cost_estimated_without_causes() -> None:
     b = replace(healthy_rows(200, 40), P + "page_misses_total", 5, pool="kv", reason="evicted")
     (f,) = found(report(expo(a), expo(b)), "fleet_redundant_writes")
     assert f.wasted_bytes == 50 * 4096 and "estimated" in f.summary
+    assert f.wasted_bytes_per_s is None  # one read: no rate
+    a_before = replace(healthy_rows(100, 20), P + "redundant_believed_pages_total", 6, pool="kv")
+    rep = report(expo(a), expo(b), first=[expo(a_before), expo(b)])
+    (f,) = found(rep, "fleet_redundant_writes")
+    assert f.wasted_bytes_per_s == ((60 - 20) - (10 - 6)) / 2.0 * 4096
 
 
 def test_one_instance_has_no_fleet_view() -> None:

@@ -1142,15 +1142,21 @@ def _fleet(views: Sequence[View]) -> list[Finding]:
     cost_bytes = 0.0
     exact = all(v.has(REDUNDANT_CAUSE) for v in views)
     evidence: list[Evidence] = []
+    cost_rate: float | None = 0.0
     for v in views:
         per_page = _ratio(v.value(REDUNDANT_BYTES), v.value(REDUNDANT))
+        rate: float | None = 0.0
         if exact:
             pages = v.value(REDUNDANT_CAUSE, cause="other_instance")
+            rate = v.rate(REDUNDANT_CAUSE, cause="other_instance")
         elif v.value(PAGE_MISSES, reason="evicted") == 0:
             pages = max(0.0, v.value(REDUNDANT) - v.value(REDUNDANT_BELIEVED))
+            r_rate, b_rate = v.rate(REDUNDANT), v.rate(REDUNDANT_BELIEVED)
+            rate = None if r_rate is None or b_rate is None else max(0.0, r_rate - b_rate)
         else:
             pages = 0.0
         cost_bytes += pages * per_page
+        cost_rate = None if cost_rate is None or rate is None else cost_rate + rate * per_page
         evidence += [v.evidence(WRITTEN), v.evidence(REDUNDANT), v.evidence(REDUNDANT_BELIEVED)]
         if exact:
             evidence.append(v.evidence(REDUNDANT_CAUSE, cause="other_instance"))
@@ -1201,7 +1207,7 @@ def _fleet(views: Sequence[View]) -> list[Finding]:
             None,
             None,
             cost_bytes,
-            None,
+            cost_rate,
         )
     ]
 
