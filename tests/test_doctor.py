@@ -859,3 +859,18 @@ def test_durations_and_selectors() -> None:
     assert sel.endswith(', job="sglang", instance=~"p.*"}')
     assert scrape.endpoint_url("http://h:1") == "http://h:1/metrics"
     assert scrape.endpoint_url("http://h:1/other") == "http://h:1/other"
+
+
+def test_every_package_series_the_doctor_reads_is_in_the_catalog() -> None:
+    """The doctor's names of the package's series are exported names of the metric
+    catalog (a renamed metric would leave a finding reading nothing)."""
+    from hicache_existence.exporters import catalog
+
+    exported = {s.exposed_name for s in (*catalog.CATALOG, *catalog.FEATURE_CATALOG)}
+    mine = {
+        value
+        for name, value in vars(d).items()
+        if name.isupper() and isinstance(value, str) and value.startswith(P) and value != P
+    }
+    assert len(mine) > 30
+    assert mine - exported == set()

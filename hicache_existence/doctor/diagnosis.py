@@ -553,6 +553,12 @@ CAUSE_FIXES: dict[str, str] = {
         "fragments of split nodes were backed up again (SGLang's node split; no setting): "
         "in cache mode `cache_mode.dedup=true` skips them"
     ),
+    "host_copy_reclaimed": (
+        "under `write_back`, host pressure reclaimed the host copy of a node also on the "
+        "device, and its next eviction backed it up again: "
+        "`SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM=1` in the server's environment keeps "
+        "those copies; in cache mode `cache_mode.dedup=true` skips the rewrite"
+    ),
     "other_instance": (
         "pages another instance had stored (no local record): route requests by prefix "
         "(the router's `cache_aware` policy), see the fleet view"
