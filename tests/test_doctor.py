@@ -874,3 +874,11 @@ def test_every_package_series_the_doctor_reads_is_in_the_catalog() -> None:
     }
     assert len(mine) > 30
     assert mine - exported == set()
+
+
+def test_figure_names_escape_label_values_as_the_format_does() -> None:
+    """A label value with a quote, a backslash and a newline is named as the
+    exposition format writes it, so a figure's name reads back unambiguously."""
+    key = (P + "entries", (("pool", 'a"b\\c\nd'),))
+    assert d.key_text(key) == P + 'entries{pool="a\\"b\\\\c\\nd"}'
+    assert parse(d.key_text(key) + " 1\n").samples[0].labels == key[1]

@@ -222,8 +222,13 @@ def key_text(key: Key) -> str:
     name, labels = key
     if not labels:
         return name
-    inner = ",".join(f'{k}="{v}"' for k, v in labels)
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
     return f"{name}{{{inner}}}"
+
+
+def _escape(value: str) -> str:
+    """A label value as the exposition format writes it."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _kept(labels: Labels) -> Labels:
