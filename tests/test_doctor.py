@@ -544,28 +544,36 @@ def test_write_failures() -> None:
     assert f.severity == "warning" and f.wasted_bytes == 30 * 4096
 
 
-def test_fleet_view_shares_and_routing_cost_from_the_causes() -> None:
-    """Two instances, 25% of the fleet's writes redundant: a warning with each
-    instance's share and the routing cost = other_instance pages x page bytes."""
+def test_fleet_view_shares_and_routing_cost_at_the_cap_from_the_causes() -> None:
+    """Two instances at their caps (evicting), 25% of the fleet's writes redundant: a
+    warning with each instance's share; the routing cost is what the cause series
+    says other instances stored (other_instance pages x page bytes)."""
     cause = P + "redundant_cause_pages_total"
     a = [*healthy_rows(200, 60), (cause, {"pool": "kv", "cause": "other_instance"}, 40)]
     b = [*healthy_rows(200, 40), (cause, {"pool": "kv", "cause": "other_instance"}, 30)]
+    a = replace(a, P + "evictions_total", 500, pool="kv")
+    b = replace(b, P + "evictions_total", 9, pool="kv")
     rep = report(expo(a), expo(b))
     (f,) = found(rep, "fleet_redundant_writes")
     assert f.severity == "warning" and f.instance is None
-    assert f.wasted_bytes == 70 * 4096
+    assert f.wasted_bytes == 70 * 4096 and "other_instance at the cap" in f.summary
     shares = [e.value for e in f.evidence if e.series.startswith("share")]
     assert shares == [0.6, 0.4]
     assert "25.0%" in f.summary and "cache_aware" in f.fix[0]
 
 
-def test_fleet_routing_cost_estimated_without_causes() -> None:
-    """Without the cause series: the not-believed redundant pages of instances whose
-    cap evicted nothing (b evicted, so only a counts)."""
+def test_fleet_routing_cost_below_the_cap_is_what_was_not_believed() -> None:
+    """An instance that evicted nothing: its redundant pages not believed when
+    written came from elsewhere (even when the cause series classifies them
+    otherwise); an evicting instance without the cause series counts none."""
+    cause = P + "redundant_cause_pages_total"
     a = replace(healthy_rows(200, 60), P + "redundant_believed_pages_total", 10, pool="kv")
-    b = replace(healthy_rows(200, 40), P + "page_misses_total", 5, pool="kv", reason="evicted")
+    a += [(cause, {"pool": "kv", "cause": "below_prefetch_threshold"}, 50)]
+    b = replace(healthy_rows(200, 40), P + "redundant_believed_pages_total", 20, pool="kv")
+    b = replace(b, P + "evictions_total", 5, pool="kv")
     (f,) = found(report(expo(a), expo(b)), "fleet_redundant_writes")
-    assert f.wasted_bytes == 50 * 4096 and "estimated" in f.summary
+    assert f.wasted_bytes == 50 * 4096
+    assert "not believed below the cap" in f.summary and "none counted at the cap" in f.summary
     assert f.wasted_bytes_per_s is None  # one read: no rate
     a_before = replace(healthy_rows(100, 20), P + "redundant_believed_pages_total", 6, pool="kv")
     rep = report(expo(a), expo(b), first=[expo(a_before), expo(b)])

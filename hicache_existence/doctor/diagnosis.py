@@ -1145,34 +1145,41 @@ def _fleet(views: Sequence[View]) -> list[Finding]:
     total_w, total_r = sum(written.values()), sum(redundant.values())
     share = _ratio(total_r, total_w)
     writers = sum(1 for w in written.values() if w > 0)
-    # What the routing costs: pages another instance stored, by the cause series
-    # where the write path tells it; otherwise the redundant pages an instance did
-    # not believe when it wrote them while its cap evicted nothing (a cache below
-    # its cap forgets nothing, so those came from elsewhere: another instance, or
-    # before a restart).
+    # What the routing costs, per instance.  Below its cap (no eviction) a cache
+    # forgets nothing it stored, so its redundant pages that were not believed when
+    # written came from elsewhere: another instance (or a previous process).  At
+    # its cap that cannot be told apart from its own forgotten pages: there only
+    # the cause series' other_instance pages count (a page another instance stored
+    # may also be classified below_prefetch_threshold or prefetch_shortfall, which
+    # come first, so this is a lower bound there).
     cost_bytes = 0.0
-    exact = all(v.has(REDUNDANT_CAUSE) for v in views)
-    evidence: list[Evidence] = []
     cost_rate: float | None = 0.0
+    evidence: list[Evidence] = []
+    methods: set[str] = set()
     for v in views:
         per_page = _ratio(v.value(REDUNDANT_BYTES), v.value(REDUNDANT))
         rate: float | None = 0.0
-        if exact:
-            pages = v.value(REDUNDANT_CAUSE, cause="other_instance")
-            rate = v.rate(REDUNDANT_CAUSE, cause="other_instance")
-        elif v.value(PAGE_MISSES, reason="evicted") == 0:
+        evidence += [
+            v.evidence(WRITTEN),
+            v.evidence(REDUNDANT),
+            v.evidence(REDUNDANT_BELIEVED),
+            v.evidence(EVICTIONS),
+        ]
+        if v.value(EVICTIONS) == 0:
+            methods.add("not believed below the cap")
             pages = max(0.0, v.value(REDUNDANT) - v.value(REDUNDANT_BELIEVED))
             r_rate, b_rate = v.rate(REDUNDANT), v.rate(REDUNDANT_BELIEVED)
             rate = None if r_rate is None or b_rate is None else max(0.0, r_rate - b_rate)
+        elif v.has(REDUNDANT_CAUSE):
+            methods.add("other_instance at the cap")
+            pages = v.value(REDUNDANT_CAUSE, cause="other_instance")
+            rate = v.rate(REDUNDANT_CAUSE, cause="other_instance")
+            evidence.append(v.evidence(REDUNDANT_CAUSE, cause="other_instance"))
         else:
+            methods.add("none counted at the cap without the cause series")
             pages = 0.0
         cost_bytes += pages * per_page
         cost_rate = None if cost_rate is None or rate is None else cost_rate + rate * per_page
-        evidence += [v.evidence(WRITTEN), v.evidence(REDUNDANT), v.evidence(REDUNDANT_BELIEVED)]
-        if exact:
-            evidence.append(v.evidence(REDUNDANT_CAUSE, cause="other_instance"))
-        else:
-            evidence.append(v.evidence(PAGE_MISSES, reason="evicted"))
         evidence.append(
             Evidence(
                 v.instance,
@@ -1201,11 +1208,7 @@ def _fleet(views: Sequence[View]) -> list[Finding]:
             f"{', '.join(sorted(lopsided))} writes far more than 1/{n} of the redundant pages: "
             "its beliefs were emptied (a restart, /flush_cache) or its cap is smaller"
         )
-    how = (
-        "pages another instance stored"
-        if exact
-        else "estimated: not-believed redundant pages of instances that evicted nothing"
-    )
+    how = "; ".join(sorted(methods))
     return [
         Finding(
             "fleet_redundant_writes",

@@ -480,24 +480,21 @@ def fleet(stack: Stack) -> Stack:
 
 
 def expected_routing_cost(servers: dict[str, Server]) -> float:
-    """The fleet's routing cost by the documented rule, from the servers' counters."""
+    """The fleet's routing cost by the documented rule, from the servers' counters:
+    an instance that evicted nothing counts its redundant pages not believed when
+    written; an evicting one its other_instance pages (none without the causes)."""
     total = 0.0
     for srv in servers.values():
         text = srv.metrics_text()
         r = server_value(text, P + "redundant_written_pages_total")
         per_page = server_value(text, P + "redundant_written_bytes_total") / r if r else 0.0
-        causes = server_value(text, P + 'redundant_cause_pages_total{cause="other_instance"}')
-        if any(n == P + "redundant_cause_pages_total" for n in _names(text)):
-            total += causes * per_page
-        elif server_value(text, P + 'page_misses_total{reason="evicted"}') == 0:
-            total += (
-                max(0.0, r - server_value(text, P + "redundant_believed_pages_total")) * per_page
-            )
+        if server_value(text, P + "evictions_total") == 0:
+            believed = server_value(text, P + "redundant_believed_pages_total")
+            total += max(0.0, r - believed) * per_page
+        else:
+            other = server_value(text, P + 'redundant_cause_pages_total{cause="other_instance"}')
+            total += other * per_page
     return total
-
-
-def _names(text: str) -> set[str]:
-    return {n for fam in parse_metrics(text).values() for n, _, _ in fam.samples}
 
 
 def test_two_instances_in_round_robin_fleet_view(fleet: Stack) -> None:
