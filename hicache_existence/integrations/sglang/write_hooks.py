@@ -46,10 +46,18 @@ class Param:
 
     __slots__ = ("name", "index")
 
+    #: The index of an optional parameter the target does not have.
+    ABSENT = 1 << 30
+
     def __init__(self, name: str, index: int) -> None:
         self.name = name
         #: Position among the positional arguments after ``self``; -1: keyword-only.
         self.index = index
+
+    @property
+    def present(self) -> bool:
+        """Whether the target has this parameter (optional ones may be absent)."""
+        return self.index != Param.ABSENT
 
     def __call__(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], default: Any = None
@@ -109,7 +117,7 @@ class Params(Mapping[str, Param]):
             elif name == raw:
                 raise LookupError(f"{getattr(fn, '__qualname__', fn)} has no parameter {name!r}")
             else:  # optional: never in the call, always the default
-                found[name] = Param(name, 1 << 30)
+                found[name] = Param(name, Param.ABSENT)
         return cls(found)
 
 
@@ -412,6 +420,119 @@ def _mooncake_batch_exist(p: Params) -> Hooked:
     return around_mooncake_batch_exist
 
 
+# -- cache mode (--hicache-host-memory-mode cache) -------------------------------------------
+def _write_backup_storage(p: Params) -> Hooked:
+    node_of = p["node_id"]
+
+    def around_write_backup_storage(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``UnifiedRadixCache.write_backup_storage(node_id)`` (cache mode): the
+        L3 write of one backed-up node; its ``write_storage`` call is the one the
+        cache-mode path counts (and, with ``cache_mode.dedup``, reduces)."""
+        feed = current()
+        cache_mode = feed.cache_mode if feed is not None else None
+        if feed is None or cache_mode is None or not feed.owns_tree(tree):
+            return original(tree, *a, **kw)
+        cache_mode.begin_node(node_of(a, kw))
+        try:
+            return original(tree, *a, **kw)
+        finally:
+            cache_mode.end_node()
+
+    return around_write_backup_storage
+
+
+def _write_storage(p: Params) -> Hooked:
+    host_of, tokens_of, hashes_of = p["host_indices"], p["token_ids"], p["hash_value"]
+    prefix_of, extra_of = p["prefix_keys"], p["extra_pools"]
+
+    def around_write_storage(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``write_storage`` (both controllers), inside a cache-mode node write:
+        the pages are looked up; the believed ones are left out of the write when
+        ``cache_mode.dedup`` is on; the operation's pages are counted written."""
+        feed = current()
+        cache_mode = feed.cache_mode if feed is not None else None
+        if feed is None or cache_mode is None or not cache_mode.in_node:
+            return original(controller, *a, **kw)
+        node = cache_mode.claim()  # one write per node write; nothing nested is ours
+        call = None
+        try:
+            call = feed.plan_cache_write(
+                controller,
+                host_of(a, kw),
+                tokens_of(a, kw),
+                hashes_of(a, kw),
+                prefix_of(a, kw),
+                extra_of(a, kw),
+            )
+        except Exception as exc:
+            feed.error(exc)
+        if call is None:  # could not plan: upstream's write, uncounted
+            return original(controller, *a, **kw)
+        plan, changes = call
+        if changes:
+            a, kw = _replaced(a, kw, changes, (host_of, tokens_of, hashes_of, prefix_of, extra_of))
+        operation_id = original(controller, *a, **kw)
+        _guard(feed, lambda: cache_mode.launched(operation_id, plan, node))
+        return operation_id
+
+    return around_write_storage
+
+
+def _replaced(
+    a: tuple[Any, ...], kw: dict[str, Any], changes: Mapping[str, Any], params: tuple[Param, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(a, kw)`` with the named parameters in ``changes`` replaced where they sit."""
+    args, kwargs = list(a), dict(kw)
+    for param in params:
+        if param.name not in changes or not param.present:
+            continue
+        if 0 <= param.index < len(args):
+            args[param.index] = changes[param.name]
+        else:
+            kwargs[param.name] = changes[param.name]
+    return tuple(args), kwargs
+
+
+def _hit_query(p: Params) -> Hooked:
+    operation_of = p["operation"]
+
+    def after_hit_query(result: Any, tree: Any, *a: Any, **kw: Any) -> None:
+        """AFTER ``_invalidate_absent_from_hit_query(operation)`` (the rank-agreed
+        prefetch hit-query drain, both modes): in cache mode, where upstream heals
+        nothing, heal the beliefs from the verdict; in both, remember which stored
+        pages the query found too short to prefetch."""
+        feed = current()
+        if feed is not None and feed.owns_tree(tree):
+            _guard(feed, lambda: feed.hit_query(tree, operation_of(a, kw)))
+        return None
+
+    return after_hit_query
+
+
+def _prefetch_result(p: Params) -> Hooked:
+    operation_of = p["operation"]
+
+    def around_prefetch_result(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``_handle_prefetch_result(operation)`` (rank-synchronised): the
+        pages a prefetch loaded from L3, and those it requested but did not load
+        (read before upstream consumes the operation)."""
+        feed = current()
+        if feed is None or not feed.owns_tree(tree):
+            return original(tree, *a, **kw)
+        seen = None
+        try:
+            operation = operation_of(a, kw)
+            seen = (list(operation.hash_value or ()), int(operation.completed_tokens))
+        except Exception as exc:
+            feed.error(exc)
+        result = original(tree, *a, **kw)
+        if seen is not None:
+            _guard(feed, lambda: feed.prefetched(tree, *seen))
+        return result
+
+    return around_prefetch_result
+
+
 _CUR = frozenset({"current"})
 _FLAT = frozenset({"flat"})
 _BOTH = frozenset({"current", "flat"})
@@ -437,6 +558,14 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{FILE_BACKEND}.exists", "AROUND", _file_exists, _BOTH, ("key",)),
     Hook(f"{MOONCAKE_BACKEND}.batch_set_v1", "AROUND", _mooncake_batch_set_v1, _BOTH, ("keys",)),
     Hook(f"{MOONCAKE_BACKEND}._batch_exist", "AROUND", _mooncake_batch_exist, _BOTH),
+    # cache mode, and the prefetch dispositions behind the causes (both modes)
+    Hook(f"{TREE}.write_backup_storage", "AROUND", _write_backup_storage, _BOTH, ("node_id",)),
+    Hook(f"{CONTROLLER}.write_storage", "AROUND", _write_storage, _BOTH,
+         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?")),
+    Hook(f"{HYBRID_CONTROLLER}.write_storage", "AROUND", _write_storage, _BOTH,
+         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?")),
+    Hook(f"{TREE}._invalidate_absent_from_hit_query", "AFTER", _hit_query, _BOTH, ("operation",)),
+    Hook(f"{TREE}._handle_prefetch_result", "AROUND", _prefetch_result, _BOTH, ("operation",)),
 )  # fmt: skip
 
 

@@ -43,7 +43,9 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache_existence.accounting.causes import CauseTracker
 from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites, WritePlan
 from hicache_existence.integrations.sglang.process import PROCESS
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
@@ -93,10 +95,27 @@ class BackendAnswers:
 class WritePath:
     """The write accounting of one scheduler process, fed by ``write_hooks``."""
 
-    def __init__(self, writes: WriteAccounting, cache: Any, generation: str) -> None:
+    def __init__(
+        self,
+        writes: WriteAccounting,
+        cache: Any,
+        generation: str,
+        *,
+        cache_mode: bool = False,
+        dedup: bool = False,
+        causes: CauseTracker | None = None,
+    ) -> None:
         self.writes = writes
         self.cache = cache
         self.generation = generation
+        #: Why redundant pages were written again (both host memory modes).
+        self.causes = causes if causes is not None else CauseTracker()
+        #: The cache-mode write path (``None``: buffer mode).
+        self.cache_mode: CacheModeWrites | None = (
+            CacheModeWrites(writes, cache, dedup=dedup, causes=self.causes, size_pool=self._size)
+            if cache_mode
+            else None
+        )
         #: The controller whose backup thread writes this cache's pages (first launch).
         self.controller: Any = None
         #: The pipeline of the first launch (its in-flight set, seed generation).
@@ -207,6 +226,8 @@ class WritePath:
             believed = self._believed_keys(name, keys)
             if believed:
                 notes[name] = believed
+            if name == "kv":
+                self.causes.launched(_node_of(intent), keys)
         if notes:
             if len(self._believed) >= MAX_PENDING:
                 self._believed.pop(next(iter(self._believed)))
@@ -301,6 +322,7 @@ class WritePath:
         keys_by_pool = getattr(entry, "keys_by_pool", None)
         if keys_by_pool is None:  # flat generation: the node's KV pages
             keys_by_pool = {"kv": entry.intent.snapshot.hash_values}
+        node = _node_of(entry.intent)
         for pool, keys in keys_by_pool.items():
             name = pool_name(pool)
             if name not in outcome.stored:
@@ -308,8 +330,99 @@ class WritePath:
             stored = outcome.stored[name]
             existed = outcome.existed.get(name, set()).intersection(keys)
             already = min(len(existed), stored)
-            believed = min(len(existed & notes.get(name, set())), already)
+            noted = notes.get(name, set())
+            believed = min(len(existed & noted), already)
             self.writes.acked(name, stored, outcome.failed.get(name, 0), already, believed)
+            if already:
+                redundant = [k for k in keys if k in existed][:already]
+                for cause, n in self.causes.classify(node, redundant, noted).items():
+                    self.writes.redundant_cause(name, cause, n)
+            if name == "kv":
+                self.causes.stored(node, keys)
+
+    # -- cache mode ------------------------------------------------------------------------
+    def plan_cache_write(
+        self,
+        controller: Any,
+        host_indices: Any,
+        token_ids: Any,
+        hash_value: Any,
+        prefix_keys: Any,
+        extra_pools: Any,
+    ) -> tuple[WritePlan, dict[str, Any]] | None:
+        """A cache-mode ``write_storage``: the plan, and the arguments it changes
+        (none when the node is written whole).  ``None``: not this cache's write."""
+        cache_mode = self.cache_mode
+        if cache_mode is None:
+            return None
+        if self.controller is None:
+            self.controller = controller
+        pages = [str(h) for h in hash_value or ()]
+        extra = {
+            pool_name(t.name): [str(k) for k in t.keys or ()]
+            for t in extra_pools or ()
+            if getattr(t, "keys", None)
+        }
+        plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
+        page = int(getattr(controller, "page_size", 0) or 0)
+        if plan.whole or page <= 0 or len(host_indices) != len(pages) * page:
+            return WritePlan(list(range(len(pages))), pages, plan.believed, extra), {}
+        keep = plan.keep
+        if not keep and not plan.extra_written:
+            changes = {
+                "host_indices": host_indices[:0],
+                "token_ids": token_ids[:0],
+                "hash_value": [],
+                "extra_pools": None,
+            }
+        elif keep and keep == list(range(keep[0], len(pages))):  # a believed prefix left out
+            first = keep[0]
+            changes = {
+                "host_indices": host_indices[first * page :],
+                "token_ids": token_ids[first * page :],
+                "hash_value": pages[first:],
+            }
+            if prefix_keys is not None:
+                extend = getattr(controller, "extend_storage_prefix", None)
+                skipped = pages[:first]
+                changes["prefix_keys"] = (
+                    extend(prefix_keys, skipped) if callable(extend) else [*prefix_keys, *skipped]
+                )
+        else:
+            positions = [i * page + j for i in keep for j in range(page)]
+            changes = {
+                "host_indices": host_indices[positions],
+                "token_ids": [token_ids[t] for t in positions],
+                "hash_value": [pages[i] for i in keep],
+            }
+        return plan, changes
+
+    def hit_query(self, tree: Any, operation: Any) -> None:
+        """A rank-agreed prefetch hit query: heal (cache mode) and remember which
+        stored pages it found, for the cause of a later rewrite (both modes)."""
+        chain = getattr(operation, "all_hash_values", None)
+        if not chain:
+            return
+        page = int(tree.page_size)
+        if self.cache_mode is not None:
+            self.cache_mode.heal(operation, list(chain), page)
+        hit_tokens = int(getattr(operation, "storage_hit_count", 0) or 0)
+        threshold = int(getattr(tree, "prefetch_threshold", 0) or 0)
+        self.causes.queried(chain[: hit_tokens // page], below_threshold=hit_tokens < threshold)
+
+    def prefetched(self, tree: Any, requested: list[str], completed_tokens: int) -> None:
+        """A prefetch finished: ``requested``'s first ``completed_tokens`` loaded."""
+        page = int(tree.page_size)
+        self.causes.prefetched(requested[: completed_tokens // page], requested)
+
+    def step(self, tree: Any) -> None:
+        """Per scheduler step (cache mode): account the acknowledged operations."""
+        cache_mode = self.cache_mode
+        if cache_mode is not None and cache_mode.pending:
+            try:
+                cache_mode.reap(tree.ongoing_backup, self.take_outcome)
+            except Exception as exc:
+                self.error(exc)
 
     # -- errors ----------------------------------------------------------------------------
     def error(self, exc: BaseException) -> None:
@@ -323,6 +436,12 @@ class WritePath:
                 errors,
                 exc,
             )
+
+
+def _node_of(intent: Any) -> Any:
+    """The tree node a buffer-mode intent writes (``None`` when it does not say)."""
+    snapshot = getattr(intent, "snapshot", None)
+    return getattr(snapshot, "node_id", None)
 
 
 _FEEDS: dict[int, WritePath] = {}
