@@ -143,6 +143,8 @@ MIN_ANSWERED = 10
 MIN_L3_TOKENS = 4096
 #: Redundant written pages over written pages (HicacheExistenceAtCapRedundantWritesRising).
 REDUNDANT_RATIO = 0.05
+#: The same in cache mode without dedup (HicacheExistenceCacheModeRedundantWrites).
+CACHE_MODE_REDUNDANT_RATIO = 0.02
 #: The same over a fleet of several instances (HicacheExistenceFleetRedundantWrites).
 FLEET_REDUNDANT_RATIO = 0.10
 #: Evicted misses per lookup (HicacheExistenceEvictionChurn).
@@ -549,7 +551,8 @@ CAUSE_FIXES: dict[str, str] = {
         "'{\"prefetch_threshold\": 64}'` (SGLang's default is 256 tokens)"
     ),
     "prefetch_shortfall": (
-        "prefetches stopped short (timeout or failure) and the rest was written again: raise "
+        "prefetches stopped short (a deadline, a failed transfer, no host memory for them) "
+        "and the rest was written again: more host memory (`--hicache-ratio`), raise "
         "`prefetch_timeout_base` / `prefetch_timeout_per_ki_token` in "
         "`--hicache-storage-backend-extra-config`, or `--hicache-storage-prefetch-policy "
         "wait_complete`"
@@ -650,7 +653,7 @@ def _dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> l
     r = view.value(REDUNDANT, pool=pool)
     w = view.value(WRITTEN, pool=pool)
     share = _ratio(r, w)
-    if not (share > REDUNDANT_RATIO and w >= MIN_WRITTEN_PAGES):
+    if not (share > CACHE_MODE_REDUNDANT_RATIO and w >= MIN_WRITTEN_PAGES):
         return []
     saved = view.value(REDUNDANT_BELIEVED, pool=pool)
     per_page = _ratio(view.value(REDUNDANT_BYTES, pool=pool), r)
