@@ -45,7 +45,7 @@ def _instance(inst: InstanceReport) -> list[str]:
     mode = inst.host_memory_mode or "host memory mode not exported"
     if inst.write_policy:
         mode += f", {inst.write_policy}"
-    if inst.cache_mode_dedup is not None:
+    if inst.cache_mode_dedup is not None and inst.host_memory_mode == "cache":
         mode += f", dedup {'on' if inst.cache_mode_dedup else 'off'}"
     lines = [
         f"{inst.instance}: {mode}; {inst.ranks} rank{'s' if inst.ranks != 1 else ''}; "
