@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.json:
                         share = busy_share(rec)["share"]
                         print(
-                            f"{pressure} round {i} dedup {name:3s} written {rec['written_pages']:6.0f}"
+                            f"{pressure} round {i} dedup {name:3s}"
+                            f" written {rec['written_pages']:6.0f}"
                             f" redundant {rec['redundant_written_pages']:5.0f}"
                             f" avoided {rec['write_avoided_pages']:5.0f}"
                             f" prefetch hit tokens {rec['prefetch_hit_tokens']:7.0f}"
@@ -151,7 +152,9 @@ def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "written_bytes": int(total["written_bytes"]),
             "sglang_backuped_pages": int(total["sglang_backuped_pages"]),
             "redundant_pages": int(total["redundant_written_pages"]),
-            "redundant_share": f"{total['redundant_written_pages'] / written:.2%}" if written else "-",
+            "redundant_share": f"{total['redundant_written_pages'] / written:.2%}"
+            if written
+            else "-",
             "avoided_pages": int(total["write_avoided_pages"]),
             "prefetch_hit_tokens": int(total["prefetch_hit_tokens"]),
             "package_share_of_busy_median": f"{100 * statistics.median(shares):.2f}%",
