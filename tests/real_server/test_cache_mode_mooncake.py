@@ -62,6 +62,8 @@ def readings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, di
     """{dedup: {step: reading}} for the script, on both servers."""
     need_mooncake()
     workdir: Path = tmp_path_factory.mktemp("cache-mode-mooncake")
+    for i in range(2):
+        (workdir / f"master-{i}").mkdir()
     masters = [MooncakeMaster(workdir / f"master-{i}").start() for i in range(2)]
     try:
         specs = [
