@@ -40,6 +40,7 @@ from harness import (
     ServerSpec,
     block_tokens_for,
     free_port,
+    launch_together,
     parse_metrics,
     poll,
     settle,
@@ -276,28 +277,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     redis.start()
     shared = root / "l3-shared"
     shared.mkdir()
-    specs = {
-        "a": ServerSpec(l3_dir=shared),
-        "b": ServerSpec(l3_dir=shared),
-        "r": reconciler_spec(redis, root / "l3-r"),
-    }
+    specs = [
+        ServerSpec(l3_dir=shared),
+        ServerSpec(l3_dir=shared),
+        reconciler_spec(redis, root / "l3-r"),
+    ]
     with contextlib.ExitStack() as stack:
         stack.callback(redis.close)
-        servers: dict[str, Server] = {}
-        started = {}
-        for name, spec in specs.items():
-            workdir = root / name
-            workdir.mkdir()
-            assert spec.l3_dir is not None
-            spec.l3_dir.mkdir(exist_ok=True)
-            srv = Server(spec, workdir, spec.l3_dir, free_port())
-            stack.callback(srv.stop)
-            started[name] = srv.spawn()
-            servers[name] = srv
-        for name, srv in servers.items():
-            srv._wait_ready(started[name])
-        a, b, r = servers["a"], servers["b"], servers["r"]
-        mark(f"servers up: {', '.join(f'{n} {s.start_s:.0f}s' for n, s in servers.items())}")
+        a, b, r = stack.enter_context(launch_together(specs, root / "servers"))
+        mark(f"servers up: a {a.start_s:.0f}s, b {b.start_s:.0f}s, r {r.start_s:.0f}s")
         prom = Prometheus(
             root / "prometheus", "doctor-fleet", [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
         )
