@@ -291,6 +291,19 @@ def test_redundant_writes_with_causes_ranked_and_figures_exact() -> None:
     assert "other_instance 120, believed_node 50, frobnicated 30" in f.summary
 
 
+def test_recompute_is_the_cap_in_buffer_mode_and_host_memory_in_cache_mode() -> None:
+    """A page this instance stored, written again: in buffer mode (no host copy) its
+    belief was dropped, so the fix is the cap; in cache mode it left host memory."""
+    rows = [
+        *healthy_rows(1000, 200),
+        (P + "redundant_cause_pages_total", {"pool": "kv", "cause": "recompute"}, 200),
+    ]
+    (f,) = found(report(expo([*rows, mode_row("buffer_only", "false")])), "redundant_writes")
+    assert "cap_too_small" in f.fix[0] and "--hicache-ratio" not in f.fix[0]
+    (f,) = found(report(expo([*rows, mode_row("cache", "true")])), "redundant_writes")
+    assert "--hicache-ratio" in f.fix[0]
+
+
 def test_redundant_writes_below_the_threshold_or_on_little_traffic_are_info() -> None:
     """5% exactly is not above the threshold; 50% of 20 pages is too little to judge."""
     (f,) = found(report(expo(healthy_rows(1000, 50))), "redundant_writes")

@@ -579,6 +579,21 @@ CAUSE_FIXES: dict[str, str] = {
 }
 
 
+#: ``recompute`` outside cache mode: buffer mode keeps no host copy, so a page this
+#: instance stored is written again when its belief was dropped (the cap, a heal).
+RECOMPUTE_BUFFER_FIX = (
+    "pages this instance had stored, computed again after its belief was dropped (mostly by "
+    "the cap): see cap_too_small (`cache.max_entries`)"
+)
+
+
+def cause_fix(cause: str, mode: str | None) -> str:
+    """What to do about redundant writes of ``cause`` in host memory ``mode``."""
+    if cause == "recompute" and mode != "cache":
+        return RECOMPUTE_BUFFER_FIX
+    return CAUSE_FIXES.get(cause, "a cause this doctor does not know")
+
+
 def _redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
     r = view.value(REDUNDANT, pool=pool)
     if r <= 0:
@@ -600,10 +615,7 @@ def _redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> l
         ranked = sorted(((n, c) for c, n in causes.items() if n > 0), reverse=True)
         evidence += [view.evidence(REDUNDANT_CAUSE, pool=pool, cause=c) for _, c in ranked]
         cause_text = "; by cause: " + ", ".join(f"{c} {_n(n)}" for n, c in ranked)
-        fixes += [
-            f"{c} ({_n(n)} pages): {CAUSE_FIXES.get(c, 'a cause this doctor does not know')}"
-            for n, c in ranked
-        ]
+        fixes += [f"{c} ({_n(n)} pages): {cause_fix(c, mode)}" for n, c in ranked]
     else:
         believed = view.value(REDUNDANT_BELIEVED, pool=pool)
         misses = view.values_by(PAGE_MISSES, "reason", pool=pool)
