@@ -36,7 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "real_server"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import Server, ServerSpec, conversation_requests, launch, settle  # noqa: E402
+from harness import (  # noqa: E402
+    Server,
+    ServerSpec,
+    conversation_requests,
+    launch,
+    settle,
+    sglang_total,
+)
 from real_server_cost import busy_share, fresh_cost  # noqa: E402
 
 PAGE = 16
@@ -54,8 +61,8 @@ COUNTERS = (
 def counters(srv: Server) -> dict[str, float]:
     fams = srv.metrics()
     out = {name: fams[P + name].total("_total") for name in COUNTERS}
-    out["sglang_backuped_pages"] = fams["sglang:backuped_tokens"].total("_total") / PAGE
-    out["prefetch_hit_tokens"] = fams["sglang:storage_prefetch_hit_tokens"].total("_total")
+    out["sglang_backuped_pages"] = sglang_total(fams, "sglang:backuped_tokens") / PAGE
+    out["prefetch_hit_tokens"] = sglang_total(fams, "sglang:storage_prefetch_hit_tokens")
     out["files"] = float(len(srv.l3_pages()))
     return out
 

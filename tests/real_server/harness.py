@@ -231,6 +231,14 @@ class ServerDied(RuntimeError):
     pass
 
 
+def sglang_total(fams: Mapping[str, Family], name: str, suffix: str = "_total") -> float:
+    """An SGLang counter's total; 0 while absent: SGLang creates its storage
+    counters at their first event (``sglang:backuped_tokens`` at the first backup).
+    Our own families are never read this way (they exist at 0 from the start)."""
+    fam = fams.get(name)
+    return fam.total(suffix) if fam is not None else 0.0
+
+
 @dataclass
 class Family:
     """One metric family of ``/metrics``: its samples as (name, labels, value)."""

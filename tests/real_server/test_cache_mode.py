@@ -32,6 +32,7 @@ from harness import (
     conversation_requests,
     launch_together,
     settle,
+    sglang_total,
 )
 
 pytestmark = [pytest.mark.real_server]
@@ -91,7 +92,7 @@ def reading(srv: Server) -> tuple[dict[str, float], dict[str, float], float, int
     causes: dict[str, float] = {}
     for _, labels, value in family(fams, P + "redundant_cause_pages").samples:
         causes[labels["cause"]] = causes.get(labels["cause"], 0.0) + value
-    backuped = family(fams, "sglang:backuped_tokens").total("_total") / PAGE
+    backuped = sglang_total(fams, "sglang:backuped_tokens") / PAGE
     return counters, causes, backuped, len(srv.l3_pages())
 
 
@@ -105,7 +106,7 @@ def settled(srv: Server, outputs: list[list[int]]) -> Run:
     counters, causes, backuped, _ = settle(lambda: reading(srv), quiet_s=3.0)
     fams = srv.metrics()
     ((_, mode, _),) = family(fams, P + "mode_info").samples
-    prefetched = family(fams, "sglang:prefetched_tokens").total("_total")
+    prefetched = sglang_total(fams, "sglang:prefetched_tokens")
     return Run(
         counters,
         causes,

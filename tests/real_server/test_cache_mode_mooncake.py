@@ -18,7 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import REPO, Server, ServerSpec, block_tokens_for, delta, launch_together, settle
+from harness import (
+    REPO,
+    Server,
+    ServerSpec,
+    block_tokens_for,
+    delta,
+    launch_together,
+    settle,
+    sglang_total,
+)
 
 sys.path.insert(0, str(REPO / "tests"))
 from mooncake_master import MooncakeMaster, need_mooncake
@@ -50,7 +59,7 @@ def read(srv: Server, master: MooncakeMaster) -> dict[str, float]:
         out[name] = fams[P + name].total("_total")
     for _, labels, value in fams[P + "redundant_cause_pages"].samples:
         out["cause_" + labels["cause"]] = out.get("cause_" + labels["cause"], 0.0) + value
-    out["sglang_backuped_pages"] = fams["sglang:backuped_tokens"].total("_total") / PAGE
+    out["sglang_backuped_pages"] = sglang_total(fams, "sglang:backuped_tokens") / PAGE
     mm = master.metrics()
     out["mc_objects"] = mm["master_key_count"]
     out["mc_put_objects"] = mm["master_batch_put_start_items_total"]
@@ -62,10 +71,11 @@ def readings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, di
     """{dedup: {step: reading}} for the script, on both servers."""
     need_mooncake()
     workdir: Path = tmp_path_factory.mktemp("cache-mode-mooncake")
-    for i in range(2):
-        (workdir / f"master-{i}").mkdir()
-    masters = [MooncakeMaster(workdir / f"master-{i}").start() for i in range(2)]
+    masters: list[MooncakeMaster] = []
     try:
+        for i in range(2):
+            (workdir / f"master-{i}").mkdir()
+            masters.append(MooncakeMaster(workdir / f"master-{i}").start())
         specs = [
             ServerSpec(
                 host_memory_mode="cache",

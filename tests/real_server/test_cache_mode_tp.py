@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Server, ServerSpec, conversation_requests, launch, settle
+from harness import Server, ServerSpec, block_tokens_for, conversation_requests, launch, settle
 
 pytestmark = [pytest.mark.real_server, pytest.mark.torch]
 
@@ -42,9 +42,11 @@ def per_rank(srv: Server, name: str) -> dict[str, float]:
 
 
 def test_both_ranks_take_the_same_dedup_decisions_and_stay_identical(tmp_path: Path) -> None:
-    """TP=2, dedup on, a conversation workload with L2 pressure: each rank wrote
-    and avoided exactly the same pages (its own slice of each), believes the same
-    number of pages, and the divergence checks ran on both ranks and found none."""
+    """TP=2, dedup on: a conversation workload, then A (10 pages); flush; A+B
+    (A computed again, below the prefetch threshold): each rank wrote and
+    avoided exactly the same pages (its own slice of each), A's 10 avoided on
+    both, the same number of beliefs; the divergence checks ran on both ranks
+    and found none."""
     spec = ServerSpec(
         tp_size=2,
         host_memory_mode="cache",
@@ -66,10 +68,21 @@ def test_both_ranks_take_the_same_dedup_decisions_and_stay_identical(tmp_path: P
                 for name in ("written_pages", "write_avoided_pages", "redundant_written_pages")
             } | {"entries": per_rank(srv, "entries")}
 
+        before = settle(figures, quiet_s=3.0)
+        a = block_tokens_for(1, 16 * 10, salt="cache-mode-tp")
+        b = block_tokens_for(2, 16 * 10, salt="cache-mode-tp")
+        srv.generate(a, max_new_tokens=1)
+        srv.wait_writes_settled()
+        srv.flush_cache()
+        srv.generate(a + b, max_new_tokens=1)
+        srv.wait_writes_settled()
         got = settle(figures, quiet_s=3.0)
         for name, ranks in got.items():
             assert set(ranks) == {"0", "1"} and ranks["0"] == ranks["1"], (name, ranks)
-        assert got["written_pages"]["0"] > 0 and got["write_avoided_pages"]["0"] > 0, got
+        for rank in ("0", "1"):
+            avoided = got["write_avoided_pages"][rank] - before["write_avoided_pages"][rank]
+            written = got["written_pages"][rank] - before["written_pages"][rank]
+            assert (avoided, written) == (10, 20), (rank, before, got)
         assert got["redundant_written_pages"]["0"] == 0, got
         names = srv.l3_pages()
         slices = Counter(n.rsplit("_", 2)[-2] for n in names)
