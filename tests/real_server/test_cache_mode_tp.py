@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.real_server, pytest.mark.torch]
 
 P = "hicache_existence_"
 WORKLOAD: dict[str, Any] = {
-    "conversations": 6,
-    "turns": 6,
+    "conversations": 4,
+    "turns": 4,
     "system_tokens": 64,
     "user_tokens": (16, 96),
     "reply_tokens": (16, 64),

@@ -40,7 +40,7 @@ never a wrong output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,7 +228,9 @@ class CacheModeWrites:
         pages = list(pages)
         covered = self.beliefs.covered(KV, pages) if pages else True
         believed = set(pages) if covered else self.beliefs.believed(KV, pages)
-        extra_covered = all(self.beliefs.covered(p, keys) for p, keys in extra.items() if keys)
+        extra_covered = not extra or all(
+            self.beliefs.covered(p, keys) for p, keys in extra.items() if keys
+        )
         keep = list(range(len(pages)))
         extra_written = True
         if self.dedup:
@@ -271,7 +273,14 @@ class CacheModeWrites:
     # -- the ack ---------------------------------------------------------------------------
     @property
     def pending(self) -> int:
+        """Operations launched and not yet acknowledged."""
         return len(self._pending)
+
+    @property
+    def pending_operations(self) -> Mapping[int, object]:
+        """The pending operations themselves (a live, read-only view: the per-step
+        hook tests it for emptiness without a call)."""
+        return self._pending
 
     def reap(self, ongoing: Any, take_outcome: Callable[[int], Any]) -> int:
         """Per step: account the operations the storage drain acknowledged (gone

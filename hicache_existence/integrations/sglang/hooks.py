@@ -142,14 +142,19 @@ class ProcessEntry:
             self.runtime.close()
 
     def stepper(self, tree_cache: Any) -> Any:
-        """The per-step call: in cache mode the write path's acks, then the runtime's step."""
+        """The per-step call: in cache mode the write path's acknowledged writes
+        first (only while some are pending: one truth test otherwise), then the
+        runtime's step."""
         runtime_step = self.runtime.step
-        if self.write_path.cache_mode is None:
+        cache_mode = self.write_path.cache_mode
+        if cache_mode is None:
             return runtime_step
-        feed_step = self.write_path.step
+        pending = cache_mode.pending_operations
+        reap = self.write_path.step
 
         def step() -> None:
-            feed_step(tree_cache)
+            if pending:
+                reap(tree_cache)
             runtime_step()
 
         return step

@@ -358,12 +358,12 @@ class WritePath:
             return None
         if self.controller is None:
             self.controller = controller
-        pages = [str(h) for h in hash_value or ()]
-        extra = {
-            pool_name(t.name): [str(k) for k in t.keys or ()]
-            for t in extra_pools or ()
-            if getattr(t, "keys", None)
-        }
+        pages = list(hash_value or ())  # str page hashes (the cache checks them)
+        extra = (
+            {pool_name(t.name): list(t.keys) for t in extra_pools if getattr(t, "keys", None)}
+            if extra_pools
+            else {}
+        )
         plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
         page = int(getattr(controller, "page_size", 0) or 0)
         if plan.whole or page <= 0 or len(host_indices) != len(pages) * page:
