@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_existence import reference
+from hicache_existence import docs_tables
 from hicache_existence.accounting.writes import PoolWriteStats
 from hicache_existence.core.stats import PoolStats
 from hicache_existence.exporters import catalog
@@ -19,11 +19,11 @@ BEGIN, END = "<!-- catalog:begin -->", "<!-- catalog:end -->"
 
 
 def test_docs_reference_table_equals_the_catalog():
-    """docs/metrics.md holds exactly reference.metrics_table() between its markers
+    """docs/metrics.md holds exactly docs_tables.metrics_table() between its markers
     (regenerate with: python dashboards/build.py)."""
     text = DOC.read_text(encoding="utf-8")
     block = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert block == reference.metrics_table()
+    assert block == docs_tables.metrics_table()
 
 
 def test_every_exposed_name_is_documented_once():

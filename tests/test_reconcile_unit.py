@@ -30,12 +30,7 @@ from hicache_existence.reconcile.breaker import (
     CircuitBreaker,
 )
 from hicache_existence.reconcile.counters import Histogram
-from hicache_existence.reconcile.ledger_writer import LedgerWriter
-from hicache_existence.reconcile.reconciler import (
-    Reconciler,
-    default_learns,
-)
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruth,
     InMemoryGroundTruth,
@@ -43,6 +38,11 @@ from hicache_existence.reconcile.truth import (
     ServerError,
     TruthUnavailable,
     UnsupportedPool,
+)
+from hicache_existence.reconcile.ledger_writer import LedgerWriter
+from hicache_existence.reconcile.reconciler import (
+    Reconciler,
+    default_learns,
 )
 
 fakeredis = pytest.importorskip("fakeredis")

@@ -116,7 +116,7 @@ def preflight(opts: DemoOptions) -> str | None:
     if not opts.redis_url:
         return None
     from hicache_existence.config import redact_url
-    from hicache_existence.reconcile.redis_truth import ledger_from_section
+    from hicache_existence.reconcile.ledgers import ledger_from_section
 
     shown = redact_url(opts.redis_url)
     try:
@@ -212,7 +212,8 @@ def _rank_loop(
     writer: Any = None
     if opts.redis_url:
         from hicache_existence.reconcile.ledger_writer import LedgerWriter
-        from hicache_existence.reconcile.redis_truth import ledger_from_section, shard_id
+        from hicache_existence.reconcile.ledgers import ledger_from_section
+        from hicache_existence.reconcile.redis_truth import shard_id
 
         ledger = ledger_from_section(config.reconciler, shard_id("demo", rank, world))
         # As the wrapping storage backend does: the storage path only enqueues, a

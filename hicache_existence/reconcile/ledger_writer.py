@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
-from hicache_existence.reconcile.truth import GroundTruthError
+from hicache_existence.reconcile.ground_truth import GroundTruthError
 
 logger = logging.getLogger(__name__)
 

@@ -21,19 +21,16 @@ from typing import Any
 
 from hicache_existence.config import ENV_CONFIG, ENV_PREFIX, Config, ReconcilerSection
 from hicache_existence.core import _validate
-from hicache_existence.reconcile.ledger_writer import LedgerWriter
-from hicache_existence.reconcile.redis_truth import (
-    LedgerSettings,
-    open_ledger,
-    shard_from_storage_config,
-)
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruthError,
     ServerError,
     UnsupportedPool,
     check_chain,
 )
+from hicache_existence.reconcile.ledger_writer import LedgerWriter
+from hicache_existence.reconcile.ledgers import open_ledger
+from hicache_existence.reconcile.redis_truth import LedgerSettings, shard_from_storage_config
 
 logger = logging.getLogger(__name__)
 
