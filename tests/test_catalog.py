@@ -48,6 +48,27 @@ def test_names_follow_prometheus_conventions():
         assert spec.label_names[: len(catalog.DEPLOYMENT_LABELS)] == catalog.DEPLOYMENT_LABELS
 
 
+def _says_field(family: str, field: str) -> bool:
+    """Whether the words of ``field`` occur in order, side by side, in the family
+    name, each word as it is or singular (``adds`` in ``add_calls``)."""
+    words, want = family.removeprefix(catalog.PREFIX).split("_"), field.split("_")
+    for i in range(len(words) - len(want) + 1):
+        if all(w in (f, f.removesuffix("s")) for w, f in zip(words[i:], want)):
+            return True
+    return False
+
+
+def test_cache_family_names_say_the_field_they_read():
+    """A cache family's name contains the words of the PoolStats field it exports
+    (rescues -> page_rescues, adds -> add_calls), so two families that swapped
+    their fields fail here although every field is still exported once."""
+    assert _says_field("hicache_existence_add_calls", "adds")
+    assert not _says_field("hicache_existence_page_inserts", "refreshes")
+    for spec in CATALOG:
+        if spec.source == "cache" and spec.field != "misses_by_reason":
+            assert _says_field(spec.name, spec.field), (spec.name, spec.field)
+
+
 def test_sources_name_real_snapshot_fields():
     """Every cache/writes metric reads a field that PoolStats/PoolWriteStats has."""
     pool, writes = PoolStats("kv"), PoolWriteStats("kv")

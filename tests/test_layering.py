@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "core.lru": 0,
     "core._lru": 0,  # the compiled index (hicache_existence/core/_lru.c)
     "core.sampler": 0,
+    "core.counting": 1,  # the counting walk both generations' pools share
     "core.cache": 1,
     "core.flat": 1,
     "core.policies": 1,
