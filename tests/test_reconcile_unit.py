@@ -911,7 +911,7 @@ def test_wrapper_delegates_and_records_successful_writes() -> None:
     assert w.clear() is True
     w.flush_ledger(5)
     assert len(ledger) == 0
-    assert w.ledger_ground_truth() is ledger
+    assert w.ledger_ground_truth().ledger is ledger  # behind the writer's barrier
     w.close()
     assert backend.calls == [
         "register_mem_pool_host",
