@@ -161,11 +161,7 @@ class PoolBeliefs(CountingPool):
         if self._observer is not None:
             self._observer.cleared(self.name, True)
 
-    # -- queries -------------------------------------------------------------
-    def contains(self, page_hash: str) -> bool:
-        """Whether one page is believed stored; a hit is LRU-touched."""
-        return self._contains(_validate.page_hash(page_hash))
-
+    # -- queries (``contains`` is CountingPool's) ----------------------------
     def believed(self, hashes: Iterable[str]) -> list[str]:
         """The pages of ``hashes`` believed stored, neither touched nor counted:
         a read for accounting (was a written page believed when it launched?)."""

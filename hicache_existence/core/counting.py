@@ -9,8 +9,8 @@ miss-reason memory, the reason of that miss (classified in batches by
 generation's ``PoolBeliefs`` is one, and the seed generation's per-pool record
 is one too, so a lookup counter is incremented in one place for both.
 
-The subclasses do their mutations (add, evict, invalidate, clear) and their
-argument checks; lookups reach ``_contains`` / ``_walk`` with validated input.
+The subclasses do their mutations (add, evict, invalidate, clear) and check
+their chains' arguments before ``_walk``; ``contains`` checks its own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Container, Sequence
 from itertools import islice
 
-from hicache_existence.core import lru
+from hicache_existence.core import _validate, lru
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
 from hicache_existence.core.sampler import SamplerType
 from hicache_existence.core.stats import PoolCounters
@@ -63,9 +63,10 @@ class CountingPool:
             self._sampler = advisor.sampler(name, lru.sampler_class(entries))
             entries.attach(tag, self._sampler)
 
-    # -- lookups (input validated by the caller) ------------------------------------
-    def _contains(self, page_hash: str) -> bool:
-        """One page: believed stored?  A hit is LRU-touched."""
+    # -- lookups -----------------------------------------------------------------------
+    def contains(self, page_hash: str) -> bool:
+        """Whether one page is believed stored; a hit is LRU-touched."""
+        _validate.page_hash(page_hash)
         c = self._counters
         c.queries += 1
         c.pages_checked += 1
@@ -84,9 +85,9 @@ class CountingPool:
         return stop == 1
 
     def _walk(self, seq: Sequence[str], cover: Container[str] | None) -> bool:
-        """A chain walk: every page believed stored, or (with ``cover``) in
-        ``cover``?  The believed prefix is touched in one C call; the rest only
-        on a miss."""
+        """A chain walk (``seq`` checked by the caller, its pages by the index):
+        every page believed stored, or (with ``cover``) in ``cover``?  The
+        believed prefix is touched in one C call; the rest only on a miss."""
         n = len(seq)
         pos = self._entries.touch_prefix(seq, self.tag)  # validates seq before any change
         c = self._counters

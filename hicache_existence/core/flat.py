@@ -180,7 +180,7 @@ class FlatStorageExistenceCache:
         """Whether one page of ``pool`` is believed stored; a hit is LRU-touched."""
         resolved = self._resolve(pool)
         _validate.page_hash(page_hash)
-        return self._pool(resolved)._contains(page_hash)
+        return self._pool(resolved).contains(page_hash)
 
     def believed(self, pool: str, hashes: Iterable[str]) -> list[str]:
         """The pages of ``pool`` in ``hashes`` believed stored, neither touched nor
