@@ -178,9 +178,11 @@ class FlatStorageExistenceCache:
     # -- queries -------------------------------------------------------------
     def contains(self, pool: str, page_hash: str) -> bool:
         """Whether one page of ``pool`` is believed stored; a hit is LRU-touched."""
-        resolved = self._resolve(pool)
-        _validate.page_hash(page_hash)
-        return self._pool(resolved).contains(page_hash)
+        rec = self._resolve(pool)
+        if not isinstance(rec, _Pool):  # a new pool: check the page before creating it
+            _validate.page_hash(page_hash)
+            rec = self._pool(rec)
+        return rec.contains(page_hash)  # checks the page before any change
 
     def believed(self, pool: str, hashes: Iterable[str]) -> list[str]:
         """The pages of ``pool`` in ``hashes`` believed stored, neither touched nor
