@@ -56,7 +56,9 @@ class ExistenceRuntime:
     rank holding a replica of this cache); ``None`` means a single replica, checked
     against itself so the machinery and its metrics still run.  ``truth`` is the
     reconciler's ground truth (``None``: no reconciler); ``agreement`` its
-    cross-rank verdict agreement (``None``: one rank).
+    cross-rank verdict agreement (``None``: one rank).  ``host_mode`` is what
+    ``mode_info`` exports: HiCache's host memory mode, SGLang's write policy and
+    whether ``cache_mode.dedup`` acts.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class ExistenceRuntime:
         agreement: Agreement | None = None,
         env: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host_mode: tuple[str, str, bool] = ("buffer_only", "", False),
     ) -> None:
         self.config = config = config or Config()
         if generation not in ("current", "flat"):
@@ -132,6 +135,7 @@ class ExistenceRuntime:
                 divergence=self.checker.stats if self.checker is not None else None,
                 reconciler=self.reconciler.snapshot if self.reconciler is not None else None,
                 advisor=self._advice if self.advisor is not None else None,
+                mode=lambda: host_mode,
             ),
         )
 
