@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from hicache_existence import reference  # noqa: E402
+from hicache_existence import docs_tables  # noqa: E402
 from hicache_existence.exporters import catalog  # noqa: E402
 
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
@@ -1391,11 +1391,11 @@ def outputs() -> dict[Path, str]:
         DASHBOARD_PATH: dashboard_text(),
         RULES_PATH: rules,
         PROMETHEUSRULE_PATH: _prometheusrule(rules),
-        METRICS_DOC_PATH: reference.replace_between(
-            METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", reference.metrics_table()
+        METRICS_DOC_PATH: docs_tables.replace_between(
+            METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", docs_tables.metrics_table()
         ),
-        CONFIG_DOC_PATH: reference.replace_between(
-            CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", reference.config_table()
+        CONFIG_DOC_PATH: docs_tables.replace_between(
+            CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", docs_tables.config_table()
         ),
     }
 

@@ -35,8 +35,8 @@ from hicache_existence.exporters import FeatureSources, Telemetry
 from hicache_existence.exporters.catalog import DeploymentLabels
 from hicache_existence.exporters.otel import SPAN_DIVERGENCE_CHECK, span
 from hicache_existence.reconcile.agreement import Agreement
+from hicache_existence.reconcile.ground_truth import GroundTruth
 from hicache_existence.reconcile.reconciler import Reconciler
-from hicache_existence.reconcile.truth import GroundTruth
 from hicache_existence.replicas.digest import ReplicaDigest, SharedLruDigest
 from hicache_existence.replicas.divergence import (
     CheckGroup,

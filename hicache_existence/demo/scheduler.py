@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache_existence.core.policies import ChainPagesPolicy, TrailingWindowPolicy
-from hicache_existence.reconcile.truth import check_chain
+from hicache_existence.reconcile.ground_truth import check_chain
 from hicache_existence.replay.pages import PageRequest
 from hicache_existence.runtime import ExistenceRuntime
 

@@ -52,7 +52,7 @@ from hicache_existence.integrations.sglang.topology import (
     build,
     single,
 )
-from hicache_existence.integrations.sglang.truth import TreeCacheGroundTruth
+from hicache_existence.integrations.sglang.tree_cache_truth import TreeCacheGroundTruth
 from hicache_existence.runtime import ExistenceRuntime
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
