@@ -108,7 +108,8 @@ class MissReasonSection:
 @dataclass(frozen=True)
 class DivergenceSection:
     """Cross-rank replica checks (docs/tp-divergence.md).  Every rank must use the
-    same values; a start-up handshake disables checks on all ranks otherwise."""
+    same values; a start-up handshake, which ranks with checks off join too,
+    stops the checks on every rank otherwise."""
 
     enabled: bool = True
     #: Scheduler steps between checks (one ~0.5 ms gloo all-reduce each).
