@@ -279,6 +279,18 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
             ),
         ),
         "multirank": lambda: multirank_pair(s, diverge_at=5),
+        "metrics_multiprocess": lambda: s.run(
+            "metrics_multiprocess",
+            env=s.env(
+                HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_METRICS__FLUSH_INTERVAL_S="0"
+            ),
+        ),
+        "recipes": lambda: s.run(
+            "recipes",
+            json.dumps(sglang_args(recipe_argv("prefill.sh"))),
+            json.dumps(sglang_args(recipe_argv("decode.sh"))),
+        ),
+        # Last: the other scenarios' tests should not wait behind these pairs.
         "multirank_mixed": lambda: multirank_pair(
             s, diverge_at=5, rank_env={1: {"HICACHE_EXISTENCE_DIVERGENCE__ENABLED": "0"}}
         ),
@@ -291,16 +303,5 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
                 0: {"HICACHE_EXISTENCE_DIVERGENCE__TIMEOUT_S": "10"},
                 1: {"HICACHE_EXISTENCE_ENABLED": "0"},
             },
-        ),
-        "metrics_multiprocess": lambda: s.run(
-            "metrics_multiprocess",
-            env=s.env(
-                HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_METRICS__FLUSH_INTERVAL_S="0"
-            ),
-        ),
-        "recipes": lambda: s.run(
-            "recipes",
-            json.dumps(sglang_args(recipe_argv("prefill.sh"))),
-            json.dumps(sglang_args(recipe_argv("decode.sh"))),
         ),
     }
