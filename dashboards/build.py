@@ -129,6 +129,9 @@ AVOIDED_PAGES = family("write_avoided_pages")
 AVOIDED_BYTES = family("write_avoided_bytes")
 REDUNDANT_PAGES = family("redundant_written_pages")
 REDUNDANT_BYTES = family("redundant_written_bytes")
+REDUNDANT_BELIEVED = family("redundant_believed_pages")
+REDUNDANT_CAUSES = family("redundant_cause_pages")
+MODE_INFO = family("mode_info")
 DIV_CHECKS = family("divergence_checks")
 DIVERGENCES = family("divergences")
 DIV_HEALS = family("divergence_heals")
@@ -231,6 +234,10 @@ class Settings:
     fleet_redundant_for: str = "30m"
     #: Written pages per second (fleet) below which the fleet ratio is noise.
     fleet_min_written_per_s: float = 1.0
+    #: Cache mode without cache_mode.dedup: redundant written pages over written
+    #: pages that make dedup worth turning on.
+    cache_mode_redundant_ratio: float = 0.02
+    cache_mode_redundant_for: str = "30m"
     #: The recommended cap is the smallest multiple of the cap whose estimated hit
     #: ratio is within this of the best estimate (as ``hicache-existence demo``
     #: recommends).
@@ -452,6 +459,37 @@ def rows() -> tuple[Row, ...]:
                 "in-flight refs saved from a redundant write.",
                 "ops",
                 (_t(rate(PAGE_RESCUES), "{{pool}}"),),
+            ),
+            Panel(
+                "Redundant writes by cause (pages/s)",
+                "Why pages L3 already held were written again (docs/metrics.md, causes): a "
+                "prefetch that fell short or was below the threshold, a recompute, a node "
+                "whose host copy was reclaimed (write_back), another instance's page, or a "
+                "node written whole around believed pages. The causes add up to the redundant "
+                "pages; 'believed' beside them are the pages the existence cache believed "
+                "stored (in cache mode without cache_mode.dedup: what dedup would save).",
+                "ops",
+                (
+                    _t(rate(REDUNDANT_CAUSES, ("cause",)), "{{cause}}"),
+                    _t(rate(REDUNDANT_BELIEVED, ()), "believed (dedup would save)"),
+                ),
+                width=12,
+            ),
+            Panel(
+                "Host memory mode",
+                "Instances by HiCache host memory mode (buffer_only or cache), write policy "
+                "and cache_mode.dedup: the write panels count L3 writes in both modes; in "
+                "cache mode with dedup on, believed pages are left out of the write (avoided).",
+                "short",
+                (
+                    _t(
+                        f"count by (host_memory_mode, write_policy, cache_mode_dedup) "
+                        f"({selector(MODE_INFO)})",
+                        "{{host_memory_mode}} {{write_policy}} dedup={{cache_mode_dedup}}",
+                    ),
+                ),
+                type="bargauge",
+                width=12,
             ),
         ),
     )
@@ -1126,6 +1164,11 @@ def recordings() -> tuple[Recording, ...]:
     out.append(
         Recording(_rec(REC_QUERIES, "pool_result"), _sum_rate(REC_QUERIES, (*keep, "result")))
     )
+    out.append(
+        Recording(
+            _rec(REDUNDANT_CAUSES, "pool_cause"), _sum_rate(REDUNDANT_CAUSES, (*keep, "cause"))
+        )
+    )
     answered = "|".join(ANSWERED_RESULTS)
     out += [
         Recording(
@@ -1250,6 +1293,21 @@ def alerts() -> tuple[Alert, ...]:
             f"The cache is at its cap and for {s.redundant_for} more than "
             f"{s.redundant_ratio:.0%} of written pages were already in L3, a higher share than "
             f"{s.redundant_offset} earlier: evictions make the cache forget pages L3 still holds.",
+        ),
+        Alert(
+            "HicacheExistenceCacheModeRedundantWrites",
+            f"{REDUNDANT_RATIO} > {s.cache_mode_redundant_ratio}\n"
+            f"and\n{_rec(WRITTEN_PAGES)} > {s.fleet_min_written_per_s}\n"
+            f"and on ({keep})\ncount by ({keep}) "
+            f'({MODE_INFO.sample}{{host_memory_mode="cache", cache_mode_dedup="false"}}) > 0',
+            s.cache_mode_redundant_for,
+            "warning",
+            "{{ $value | humanizePercentage }} of L3 writes in HiCache cache mode were already "
+            "stored, in " + _WHERE + " (cache_mode.dedup is off).",
+            f"For {s.cache_mode_redundant_for} more than {s.cache_mode_redundant_ratio:.0%} of "
+            "the pages written to L3 by servers in HiCache's cache mode were already there. "
+            "Upstream writes every backed-up node whatever L3 holds; with cache_mode.dedup on, "
+            "pages the existence cache believes stored are left out of the write.",
         ),
         Alert(
             "HicacheExistenceFleetRedundantWrites",

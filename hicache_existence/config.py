@@ -223,6 +223,18 @@ class AdvisorSection:
 
 
 @dataclass(frozen=True)
+class CacheModeSection:
+    """HiCache's default host memory mode, ``--hicache-host-memory-mode cache``
+    (docs/enable.md): the package counts its L3 writes there; with ``dedup`` it
+    also consults the existence cache before each write and skips believed pages."""
+
+    #: Skip the L3 write of pages believed stored (opt-in: off, cache mode writes
+    #: exactly as upstream's).  Ignored, with a warning, in buffer_only mode or
+    #: without an L3 storage backend.
+    dedup: bool = False
+
+
+@dataclass(frozen=True)
 class LoggingSection:
     """The package's own log events (the ``hicache_existence`` loggers), in the
     SGLang processes it runs in and in the ``hicache-existence`` command line."""
@@ -246,6 +258,7 @@ class Config:
     divergence: DivergenceSection = field(default_factory=DivergenceSection)
     reconciler: ReconcilerSection = field(default_factory=ReconcilerSection)
     advisor: AdvisorSection = field(default_factory=AdvisorSection)
+    cache_mode: CacheModeSection = field(default_factory=CacheModeSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     # -- construction --------------------------------------------------------

@@ -59,7 +59,8 @@ class ExistenceRuntime:
     handshake (which stops every rank's checks when the ranks disagree) and
     exports nothing.  ``truth`` is the reconciler's ground truth (``None``: no
     reconciler); ``agreement`` its cross-rank verdict agreement (``None``: one
-    rank).
+    rank).  ``host_mode`` is what ``mode_info`` exports: HiCache's host memory
+    mode, SGLang's write policy and whether ``cache_mode.dedup`` acts.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class ExistenceRuntime:
         agreement: Agreement | None = None,
         env: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host_mode: tuple[str, str, bool] = ("buffer_only", "", False),
     ) -> None:
         self.config = config = config or Config()
         if generation not in ("current", "flat"):
@@ -138,6 +140,7 @@ class ExistenceRuntime:
                 divergence=self.checker.stats if checking else None,
                 reconciler=self.reconciler.snapshot if self.reconciler is not None else None,
                 advisor=self._advice if self.advisor is not None else None,
+                mode=lambda: host_mode,
             ),
         )
 

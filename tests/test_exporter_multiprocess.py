@@ -51,9 +51,10 @@ CHILD = textwrap.dedent(
     writes = WriteAccounting(page_size_bytes=512)
     tally = {}
     def count(pool, what, n):
-        tally.setdefault(pool, dict.fromkeys(
+        t = tally.setdefault(pool, dict.fromkeys(
             ("written", "avoided", "redundant", "acknowledged", "failed", "believed"), 0
-        ))[what] += n
+        ))
+        t[what] = t.get(what, 0) + n
     feeder = MultiprocessFeeder(
         SeriesReader(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa")),
         DeploymentLabels(model_name="m", engine_type="prefill", tp_rank=rank),
@@ -86,6 +87,10 @@ CHILD = textwrap.dedent(
                     for what, n in (("acknowledged", stored), ("failed", failed),
                                     ("redundant", already), ("believed", believed)):
                         count(pool, what, n)
+                    if already:  # every acked redundant page gets one cause
+                        cause = rng.choice(["recompute", "prefetch_shortfall", "other_instance"])
+                        writes.redundant_cause(pool, cause, already)
+                        count(pool, "cause:" + cause, already)
             else:
                 writes.avoided(pool, len(chain))
                 count(pool, "avoided", len(chain))
@@ -190,7 +195,8 @@ def test_aggregated_totals_equal_the_sum_of_processes(tmp_path):
     children = [run_child(tmp_path, rank, seed=100 + rank) for rank in range(3)]
     agg = aggregate(tmp_path)
     counters = {s.exposed_name for s in CATALOG if s.kind == "counter"}
-    covered = {*CACHE_COUNTERS, *WRITE_COUNTERS, "hicache_existence_page_misses_total"}
+    causes = "hicache_existence_redundant_cause_pages_total"
+    covered = {*CACHE_COUNTERS, *WRITE_COUNTERS, "hicache_existence_page_misses_total", causes}
     assert counters == covered, "a catalog counter has no independent expectation here"
     for pool in ("kv", "swa"):
         for name, field in CACHE_COUNTERS.items():
@@ -205,6 +211,10 @@ def test_aggregated_totals_equal_the_sum_of_processes(tmp_path):
             want = sum(c["reasons"][pool].get(reason, 0) for c in children)
             got = sum(series(agg, "hicache_existence_page_misses_total", pool=pool, reason=reason))
             assert got == want, (pool, reason, got, want)
+        for cause in ("recompute", "prefetch_shortfall", "other_instance"):
+            want = sum(c["tally"].get(pool, {}).get("cause:" + cause, 0) for c in children)
+            assert sum(series(agg, causes, pool=pool, cause=cause)) == want, (pool, cause)
+        assert sum(series(agg, causes, pool=pool, cause="believed_node")) == 0
         misses = sum(c["ref"][pool]["page_misses"] for c in children)
         assert sum(series(agg, "hicache_existence_page_misses_total", pool=pool)) == misses
     for reason in REASONS:  # the workload exercised every reason

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from hicache_existence.accounting.causes import CAUSES
 from hicache_existence.config import redact_url
 from hicache_existence.core.stats import MISS_REASONS
 
@@ -265,12 +266,27 @@ CATALOG: tuple[MetricSpec, ...] = (
     _c(
         "redundant_believed_pages",
         "Redundant written pages that were believed stored when the write launched "
-        "(a node is written whole when any of its pages is uncovered).",
+        "(a node is written whole when any of its pages is uncovered; in cache mode "
+        "without cache_mode.dedup, the pages dedup would have saved).",
         "redundant_believed",
         "{page}",
         "writes",
     ),
+    MetricSpec(
+        PREFIX + "redundant_cause_pages",
+        "counter",
+        "Redundant written pages by cause (why they were written again; the causes "
+        "add up to redundant_written_pages; docs/metrics.md lists them).",
+        "",
+        "writes",
+        "causes",
+        "{page}",
+        ("cause",),
+    ),
 )
+
+#: Label values of ``redundant_cause_pages`` (``accounting/causes.py``).
+CAUSE_LABELS: tuple[str, ...] = CAUSES
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 
@@ -279,7 +295,7 @@ BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 # feature metrics: TP-divergence checks, the reconciler, the capacity advisor
 
 FeatureKind = Literal["counter", "gauge", "histogram"]
-FeatureSource = Literal["divergence", "reconciler", "advisor"]
+FeatureSource = Literal["mode", "divergence", "reconciler", "advisor"]
 
 
 @dataclass(frozen=True)
@@ -318,6 +334,15 @@ def _f(
 
 
 FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
+    _f(
+        "mode_info",
+        "gauge",
+        "mode",
+        "1, labelled with the HiCache host memory mode this process serves (buffer_only "
+        "or cache), SGLang's write policy and whether cache_mode.dedup is on.",
+        "1",
+        ("host_memory_mode", "write_policy", "cache_mode_dedup"),
+    ),
     _f(
         "divergence_checks",
         "counter",

@@ -32,10 +32,13 @@ class FeatureSources:
     divergence: Callable[[], Any] | None = None
     reconciler: Callable[[], Any] | None = None
     advisor: Callable[[], Any] | None = None
+    #: The host memory mode served: ``(host_memory_mode, write_policy, dedup)``.
+    mode: Callable[[], tuple[str, str, bool]] | None = None
 
     def specs(self) -> tuple[FeatureSpec, ...]:
         """The feature metric families these sources export."""
         on = {
+            "mode": self.mode is not None,
             "divergence": self.divergence is not None,
             "reconciler": self.reconciler is not None,
             "advisor": self.advisor is not None,
@@ -50,6 +53,9 @@ def sample_features(
     labels and ``pool_labels`` lists the labels handed out so far."""
     scalars: FeatureSamples = {}
     histograms: HistogramSamples = {}
+    if sources.mode is not None:
+        host_mode, policy, dedup = sources.mode()
+        scalars[_name("mode_info")] = {(host_mode, policy, "true" if dedup else "false"): 1.0}
     if sources.divergence is not None:
         _divergence(scalars, sources.divergence())
     if sources.reconciler is not None:

@@ -8,10 +8,14 @@ this process's ``ExistenceRuntime`` and return its wired cache".  The runtime
 lives in an explicit registry keyed by process id, so a forked child never
 steps its parent's runtime and tests can look it up.
 
-When the process should not be observed (the configuration disables it, the
-scheduler is not in HiCache buffer mode, a second cache in the same process,
+When the process should not be observed (the configuration disables it, HiCache
+is off, the scheduler is a PD decode server, a second cache in the same process,
 or anything fails), construction returns an instance of upstream's own class:
-that scheduler then runs exactly the code it would have run without us.
+that scheduler then runs exactly the code it would have run without us.  Both
+host memory modes are observed: ``buffer_only`` (the cache decides admissions) and
+``cache``, HiCache's default, where upstream consults no existence cache and the
+package counts (and, with ``cache_mode.dedup``, deduplicates) its L3 writes
+(``cache_mode.py``).
 
 ``after_check_hicache_events`` is registered AFTER
 ``UnifiedRadixCache.check_hicache_events``: scheduler thread, every rank, same
@@ -70,10 +74,22 @@ class ProcessEntry:
         self.agreement = agreement
         self.truth = truth
         #: Feeds ``runtime.writes`` from sglang's write path (write_path.py).
-        self.write_path = _write_path.WritePath(runtime.writes, runtime.cache, runtime.generation)
+        self.write_path = _write_path.WritePath(
+            runtime.writes,
+            runtime.cache,
+            runtime.generation,
+            cache_mode=facts.cache_mode,
+            dedup=dedup_effective(runtime.config, facts),
+        )
         if runtime.reconciler is not None and runtime.generation == "flat":
-            # The seed cache keeps no in-flight refs; the pipeline does.
-            runtime.reconciler.inflight_cover = self.write_path.inflight_pages
+            # The seed cache keeps no in-flight refs; the pipeline (buffer mode)
+            # or the cache-mode write path does.
+            cache_mode = self.write_path.cache_mode
+            runtime.reconciler.inflight_cover = (
+                cache_mode.beliefs.inflight
+                if cache_mode is not None
+                else self.write_path.inflight_pages
+            )
         #: Whether the first step (group wiring) ran.
         self.first_done = False
         self.members: tuple[int, ...] = (0,)
@@ -123,6 +139,19 @@ class ProcessEntry:
         with contextlib.suppress(Exception):
             self.runtime.close()
 
+    def stepper(self, tree_cache: Any) -> Any:
+        """The per-step call: in cache mode the write path's acks, then the runtime's step."""
+        runtime_step = self.runtime.step
+        if self.write_path.cache_mode is None:
+            return runtime_step
+        feed_step = self.write_path.step
+
+        def step() -> None:
+            feed_step(tree_cache)
+            runtime_step()
+
+        return step
+
 
 _LOCK = threading.Lock()
 _ENTRIES: dict[int, ProcessEntry] = {}
@@ -155,6 +184,27 @@ def load_config(facts: _facts.SchedulerFacts, env: dict[str, str] | None = None)
     if flags is not None and flags.enabled and not config.enabled:
         config = dataclasses.replace(config, enabled=True)
     return config
+
+
+def dedup_effective(config: Config, facts: _facts.SchedulerFacts) -> bool:
+    """Whether ``cache_mode.dedup`` applies: cache mode with an L3 backend."""
+    return config.cache_mode.dedup and facts.cache_mode and bool(facts.storage_backend)
+
+
+def _warn_dedup_misplaced(config: Config, facts: _facts.SchedulerFacts) -> None:
+    """``cache_mode.dedup`` where it cannot act: one warning naming the key."""
+    if not config.cache_mode.dedup or dedup_effective(config, facts):
+        return
+    where = (
+        f"host memory mode {facts.host_memory_mode!r} (dedup acts in 'cache' mode only; "
+        "buffer_only consults the existence cache already)"
+        if not facts.cache_mode
+        else "a server without an L3 storage backend (--hicache-storage-backend)"
+    )
+    logger.warning(
+        "hicache-existence: cache_mode.dedup is set but ignored on %s; the server runs without it",
+        where,
+    )
 
 
 def _per_rank_port(config: Config, facts: _facts.SchedulerFacts) -> Config:
@@ -191,6 +241,11 @@ def build_entry(
         group=group,
         truth=truth,
         agreement=agreement,
+        host_mode=(
+            facts.host_memory_mode or "buffer_only",
+            facts.write_policy if facts.cache_mode else "",
+            dedup_effective(config, facts),
+        ),
     )
     if max_entries is not None:
         runtime.cache.max_entries = max_entries
@@ -213,13 +268,22 @@ def _construct(
             if not config.enabled:
                 _decline("disabled by the configuration")
                 return upstream(*args, **kw)
-            if facts.buffer_mode is False:
+            if facts.hierarchical_cache is False:
+                _decline("HiCache is off (--enable-hierarchical-cache): there is no L3 to observe")
+                return upstream(*args, **kw)
+            if facts.engine_type == "decode":
                 _decline(
-                    f"HiCache buffer mode is off (host memory mode {facts.host_memory_mode!r}, "
-                    f"engine {facts.engine_type}); the existence cache is used only in "
-                    "--hicache-host-memory-mode buffer_only, on prefill servers"
+                    "a PD decode server (its KV arrives from prefill; HiCache's existence "
+                    "cache is a prefill-side concern)"
                 )
                 return upstream(*args, **kw)
+            if facts.buffer_mode is False and not facts.cache_mode:
+                _decline(
+                    f"HiCache host memory mode {facts.host_memory_mode!r} is neither "
+                    "buffer_only nor cache"
+                )
+                return upstream(*args, **kw)
+            _warn_dedup_misplaced(config, facts)
             entry = build_entry(generation, max_entries, facts, config)
         except Exception as exc:
             _decline(f"setting up failed ({exc!r}); upstream's cache is used", logging.WARNING)
@@ -235,10 +299,17 @@ def _construct(
             exc,
         )
     atexit.register(entry.close)
+    cache_mode = entry.write_path.cache_mode
+    dedup = "on" if cache_mode is not None and cache_mode.dedup else "off"
     logger.info(
         "hicache-existence: observing the %s-generation existence cache "
-        "(tp_rank=%d pp_rank=%d dp_rank=%d engine=%s metrics=%s, facts from %s)",
+        "(host memory mode %s%s; tp_rank=%d pp_rank=%d dp_rank=%d engine=%s metrics=%s, "
+        "facts from %s)",
         generation,
+        facts.host_memory_mode or "unknown",
+        f", write policy {facts.write_policy}, cache_mode.dedup {dedup}"
+        if facts.cache_mode
+        else "",
         facts.tp_rank,
         facts.pp_rank,
         facts.dp_rank,
@@ -321,15 +392,16 @@ def _first_or_foreign_step(args: tuple[Any, ...]) -> None:
     if not entry.owns(tree_cache):
         return None
     if entry.first_done:
-        entry.runtime.step()
+        entry.stepper(tree_cache)()
         return None
     entry.first_done = True
     try:
         entry.first_step(tree_cache)
     except Exception as exc:  # never into the scheduler
         logger.warning("hicache-existence: first-step wiring failed: %r", exc)
-    _BOUND = (tree_cache, entry.runtime.step)
-    entry.runtime.step()
+    step = entry.stepper(tree_cache)
+    _BOUND = (tree_cache, step)
+    step()
     return None
 
 

@@ -34,7 +34,7 @@ from hicache_existence.config import Config, ConfigError
 from hicache_existence.integrations.sglang import flags as _flags
 from hicache_existence.integrations.sglang import hooks as _hooks
 from hicache_existence.integrations.sglang import targets as _targets
-from hicache_existence.integrations.sglang import write_path as _write_path
+from hicache_existence.integrations.sglang import write_hooks as _write_hooks
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -163,7 +163,7 @@ def register_cache_hooks(
     registry.register(_targets.CACHE_CLASS, replacement, hook_type.REPLACE)
     registry.register(_targets.STEP_METHOD, _hooks.after_check_hicache_events, hook_type.AFTER)
     try:
-        report["write_hooks"] = _write_path.register(
+        report["write_hooks"] = _write_hooks.register(
             registry, hook_type, generation, _targets.resolve
         )
     except Exception as exc:  # the cache hooks stand without the write accounting
