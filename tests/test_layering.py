@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "reconcile.": 3,
     "exporters.": 3,
     "replay.": 3,
+    "doctor.": 3,  # the doctor's parser, diagnosis and HTTP reads (reads the catalog)
     # wiring: one process's runtime and the integrations that build it
     "runtime": 4,
     "integrations.": 4,

@@ -320,6 +320,11 @@ def _any_target(
     operation: Any = None,
     key: Any = None,
     keys: Any = None,
+    host_indices: Any = None,
+    token_ids: Any = None,
+    hash_value: Any = None,
+    prefix_keys: Any = None,
+    extra_pools: Any = None,
     *,
     dropped: bool = True,
 ) -> None:

@@ -33,12 +33,14 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from hicache_existence import logs
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import write_path as _write_path
@@ -80,6 +82,7 @@ class ProcessEntry:
             runtime.generation,
             cache_mode=facts.cache_mode,
             dedup=dedup_effective(runtime.config, facts),
+            remembers=remembers_of(runtime),
         )
         if runtime.reconciler is not None and runtime.generation == "flat":
             # The seed cache keeps no in-flight refs; the pipeline (buffer mode)
@@ -184,6 +187,27 @@ def load_config(facts: _facts.SchedulerFacts, env: dict[str, str] | None = None)
     if flags is not None and flags.enabled and not config.enabled:
         config = dataclasses.replace(config, enabled=True)
     return config
+
+
+def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]:
+    """Whether this process has a record of a page: believed now, or once believed
+    (the miss-reason memory's evicted / invalidated / cleared); ``None`` without
+    that memory, when "not believed" cannot tell ours from another instance's."""
+    cache, ghosts = runtime.cache, runtime.ghosts
+
+    def remembers(pool: str, page: str) -> bool | None:
+        if isinstance(cache, StorageExistenceCache):
+            believed = cache.pool(pool).believed([page])
+        else:
+            believed = cache.believed(pool, [page])
+        if believed:
+            return True
+        memory = ghosts.memories().get(pool) if ghosts is not None else None
+        if memory is None:
+            return None
+        return memory.remembered(page) != COLD
+
+    return remembers
 
 
 def dedup_effective(config: Config, facts: _facts.SchedulerFacts) -> bool:
