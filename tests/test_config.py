@@ -74,6 +74,8 @@ def test_tooling_variables_are_not_settings():
         "HICACHE_EXISTENCE_REQUIRE_ALL": "1",
         "HICACHE_EXISTENCE_ENV_FLAVOR": "full",
         "HICACHE_EXISTENCE_CACHE_DIR": "/tmp/x",
+        "HICACHE_EXISTENCE_PYTHON": "python3.11",
+        "HICACHE_EXISTENCE_PYTHON_3_11": "/usr/bin/python3.11",  # run-all.sh's matrix
         lru.ENV_BACKEND: "python",  # the index switch, read once at import
     }
     assert Config.from_env(env) == Config()

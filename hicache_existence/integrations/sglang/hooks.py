@@ -50,7 +50,7 @@ from hicache_existence.integrations.sglang.topology import (
     DeferredAgreement,
     DeferredGroup,
     build,
-    single,
+    unbuilt,
 )
 from hicache_existence.integrations.sglang.tree_cache_truth import TreeCacheGroundTruth
 from hicache_existence.runtime import ExistenceRuntime
@@ -127,10 +127,11 @@ class ProcessEntry:
         except Exception as exc:
             logger.warning(
                 "hicache-existence: could not build the replica groups (%r); divergence "
-                "checks and reconciler verdicts stay local to this rank",
+                "checks stop on this rank and reconciler verdicts stay local to it (does "
+                "every rank of this server run hicache-existence?)",
                 exc,
             )
-            groups = single(timeout)
+            groups = unbuilt(timeout, repr(exc))
         self.members = groups.members
         if self.group is not None:
             self.group.bind(groups.divergence)
@@ -256,7 +257,9 @@ def build_entry(
     config = _per_rank_port(config, facts)
     logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
-    group = DeferredGroup(config.divergence.timeout_s) if config.divergence.enabled else None
+    # Also with divergence checks off: the rank must still join the start-up
+    # handshake (runtime.ExistenceRuntime), so it builds the groups like the others.
+    group = DeferredGroup(config.divergence.timeout_s)
     reconciling = config.reconciler.enabled
     agreement = DeferredAgreement() if reconciling else None
     truth = TreeCacheGroundTruth(config.reconciler) if reconciling else None
