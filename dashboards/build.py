@@ -1403,10 +1403,10 @@ def outputs() -> dict[Path, str]:
         CONFIG_DOC_PATH: docs_tables.replace_between(
             CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", docs_tables.config_table()
         ),
-        DESIGN_DOC_PATH: reference.replace_between(
-            DESIGN_DOC_PATH.read_text(encoding="utf-8"), "stats", reference.stats_table()
+        DESIGN_DOC_PATH: docs_tables.replace_between(
+            DESIGN_DOC_PATH.read_text(encoding="utf-8"), "stats", docs_tables.stats_table()
         ),
-        CONTRIBUTING_PATH: reference.replace_between(
+        CONTRIBUTING_PATH: docs_tables.replace_between(
             CONTRIBUTING_PATH.read_text(encoding="utf-8"), "ci-legs", _script(_LEGS_SCRIPT).table()
         ),
     }
