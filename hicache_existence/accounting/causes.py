@@ -41,10 +41,12 @@ first match wins:
 6. ``unclassified``: ``remembers`` cannot tell (no miss-reason memory), so 4 and 5
    cannot be told apart.
 
-Memory is bounded and O(1) per event: the dispositions and the nodes that wrote are
-kept in two generations each (a new generation starts when the current one holds
-``max_entries``; the one before is dropped), so the most recent ``max_entries`` to
-``2 * max_entries`` are remembered.  Pages are the tree's own hash strings.
+Memory is bounded and the work per event is C-level batch dict and set operations
+(a Python step only per page that had a disposition): the dispositions and the nodes
+that wrote are kept in two generations each (a new generation starts when the current
+one holds ``max_entries``; the one before is dropped), so the most recent
+``max_entries`` to ``2 * max_entries`` are remembered.  Pages are the tree's own hash
+strings.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ CAUSES: Final[tuple[Cause, ...]] = (
 
 _BELOW: Final = 1
 _SHORT: Final = 2
+#: Delivered by a prefetch: no disposition (kept, rather than popped page by page).
+_LOADED: Final = 3
 
 #: ``(pool, page) -> True / False / None``: whether this process has a record of the
 #: page (believed now, or once believed), or ``None`` when it cannot tell.
@@ -99,6 +103,19 @@ class _Generations:
         new[key] = value
         if len(new) >= self.size:
             self.old, self.new = new, {}
+
+    def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
+        """``put`` of every key (one C-level update; the generation may overshoot
+        ``size`` by the batch before it turns over)."""
+        new = self.new
+        new.update(dict.fromkeys(keys, value))
+        if len(new) >= self.size:
+            self.old, self.new = new, {}
+
+    def present(self, keys: Iterable[Hashable]) -> set[Hashable]:
+        """The keys held, found by C-level set intersections."""
+        wanted = set(keys)
+        return (self.new.keys() & wanted) | (self.old.keys() & wanted)
 
     def get(self, key: Hashable) -> Any:
         value = self.new.get(key)
@@ -135,34 +152,34 @@ class CauseTracker:
     # -- events --------------------------------------------------------------------
     def queried(self, pages: Sequence[str], *, below_threshold: bool) -> None:
         """A rank-agreed hit query found ``pages`` (a chain prefix) in L3."""
-        put = self._disposition.put
-        code = _BELOW if below_threshold else _SHORT
-        for page in pages:
-            put(page, code)
+        if pages:
+            self._disposition.put_many(pages, _BELOW if below_threshold else _SHORT)
 
-    def prefetched(self, loaded: Iterable[str], requested: Iterable[str]) -> None:
+    def prefetched(self, loaded: Sequence[str], requested: Sequence[str]) -> None:
         """A prefetch delivered ``loaded`` (a prefix of ``requested``): those are
         no shortfall; the rest of ``requested`` is."""
         disp = self._disposition
-        got = set(loaded)
-        for page in requested:
-            if page in got:
-                disp.pop(page)
-            else:
-                disp.put(page, _SHORT)
+        if loaded:
+            disp.put_many(loaded, _LOADED)
+        rest = requested[len(loaded) :]
+        if rest:
+            disp.put_many(rest, _SHORT)
 
     def launched(self, node: Any, pages: Iterable[str]) -> None:
         """A write of ``pages`` by ``node`` left: take their dispositions."""
         disp = self._disposition
         if not len(disp):
             return
+        found = disp.present(pages)
+        if not found:
+            return
         taken = self._taken
         if len(taken) > 4 * self.max_entries:  # writes that never came back (a reset)
             taken.clear()
-        for page in pages:
+        for page in found:
             code = disp.pop(page)
-            if code is not None:
-                taken[page] = code
+            if code is not None and code != _LOADED:
+                taken[page] = code  # type: ignore[index]
 
     def stored(self, node: Any, pages: Iterable[str]) -> None:
         """The write of ``pages`` by ``node`` was acknowledged."""
