@@ -4,12 +4,15 @@ item 5): not a timed test.
 Two real CPU servers run side by side (``tests/real_server/harness.py``), both in
 ``--hicache-host-memory-mode cache`` over the file backend with
 ``--enable-hicache-existence``, one with ``cache_mode.dedup`` off and one with it on.
-The same multi-turn conversation stream (``harness.conversation_requests``) goes
-through both in alternating rounds (the order flips every round; each round uses its
-own conversations, so every round writes new pages and rewrites some under L2
-pressure).  Two memory pressures: ``low`` (a 16,384-token device pool, host twice
-that: the conversations fit) and ``high`` (a 4,096-token device pool, host twice
-that: prefixes leave host memory and come back from L3, or are computed again).
+The same multi-turn conversation stream (``harness.conversation_requests``: 12
+conversations of 8 turns, interleaved turn by turn) goes through both in
+alternating rounds (the order flips every round), each round after
+``/flush_cache`` (device and host memory emptied, L3 kept): the first round writes
+L3, the later ones find the stream's prefixes there, load the long ones back and
+compute (and write) the short ones again.  Two memory pressures: ``low`` (a
+16,384-token device pool, host twice that: a round's conversations fit) and ``high``
+(a 4,096-token device pool, host twice that: prefixes also leave host memory within
+a round).
 
 Reported per pressure and setting, summed over the rounds after the first (the
 warm-up): L3 pages and bytes written (ours, and SGLang's own backed-up count),
@@ -18,7 +21,7 @@ tokens, and the package's share of the scheduler's busy time (the test-only cost
 probe of ``tests/real_server/standins/hx_probes.py``, read as
 ``benchmarks/real_server_cost.py`` does; target: at most 0.5%).
 
-    python benchmarks/cache_mode_dedup.py [--rounds 5] [--conversations 8] [--turns 6] [--json]
+    python benchmarks/cache_mode_dedup.py [--rounds 5] [--conversations 12] [--turns 8] [--json]
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def counters(srv: Server) -> dict[str, float]:
 
 
 def one_round(srv: Server, probe: Path, stream: list[Any]) -> dict[str, Any]:
+    srv.flush_cache()
+    srv.wait_writes_settled(quiet_s=1.0)
     before_cost = fresh_cost(probe)
     before = counters(srv)
     for turn in stream:
@@ -87,8 +92,8 @@ def one_round(srv: Server, probe: Path, stream: list[Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--pressures", default="low,high")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -110,15 +115,14 @@ def main(argv: list[str] | None = None) -> int:
                     env={"HX_PROBE_COST_DIR": str(probe)},
                 )
                 servers[name] = (stack.enter_context(launch(spec, root / name)), probe)
+            stream = conversation_requests(
+                conversations=args.conversations,
+                turns=args.turns,
+                system_tokens=64,
+                user_tokens=(16, 96),
+                reply_tokens=(16, 64),
+            )
             for i in range(args.rounds):
-                stream = conversation_requests(
-                    conversations=args.conversations,
-                    turns=args.turns,
-                    system_tokens=64,
-                    user_tokens=(16, 96),
-                    reply_tokens=(16, 64),
-                    salt=f"bench-round-{i}",
-                )
                 for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
                     srv, probe = servers[name]
                     rec = one_round(srv, probe, stream)
