@@ -28,7 +28,7 @@ time.
 
     python benchmarks/real_server_cost.py [--rounds 6] [--requests 40] [--json]
     python benchmarks/real_server_cost.py --recorder [--recorder-rate 0.02]
-    python benchmarks/real_server_cost.py --recorder-toggle [--rounds 9]
+    python benchmarks/real_server_cost.py --recorder-toggle [--rounds 6]
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@
 Outputs: ``dashboards/hicache-existence-dashboard.json`` (Grafana classic model,
 schemaVersion 41, like SGLang's own dashboard), ``integrations/prometheus/rules.yml``
 (recording and alerting rules), ``integrations/kubernetes/prometheusrule.yaml``
-(the same rules as a PrometheusRule), and the generated tables of
-``docs/metrics.md`` (every metric) and ``docs/enable.md`` (every configuration
-key).  All are committed; the test suite runs ``--check``, as kubernetes-mixin
-does, so none of them can drift from its source.
+(the same rules as a PrometheusRule), the generated tables of
+``docs/metrics.md`` (every metric), ``docs/enable.md`` (every configuration
+key) and ``docs/design.md`` (every ``PoolStats`` field), and CONTRIBUTING.md's
+table of CI legs (read from ``tests/run-all.sh`` by ``tests/run_all_legs.py``).
+All are committed; the test suite runs ``--check``, as kubernetes-mixin does, so
+none of them can drift from its source.
 
 Metric names, kinds and labels are spelt once, in
 ``hicache_existence.exporters.catalog``: ``family(name)`` looks a family up and
@@ -35,18 +37,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from hicache_existence import reference  # noqa: E402
+from hicache_existence import docs_tables  # noqa: E402
 from hicache_existence.exporters import catalog  # noqa: E402
 
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
 METRICS_DOC_PATH = ROOT / "docs" / "metrics.md"
 CONFIG_DOC_PATH = ROOT / "docs" / "enable.md"
+CONTRIBUTING_PATH = ROOT / "CONTRIBUTING.md"
+DESIGN_DOC_PATH = ROOT / "docs" / "design.md"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
 PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
 #: The renderer of the PrometheusRule (located from this file, not ``ROOT``).
 _RENDER_SCRIPT = (
     Path(__file__).resolve().parents[1] / "integrations" / "kubernetes" / "render_prometheusrule.py"
 )
+#: The reader of tests/run-all.sh's legs (located from this file, not ``ROOT``).
+_LEGS_SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "run_all_legs.py"
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -1391,25 +1397,39 @@ def outputs() -> dict[Path, str]:
         DASHBOARD_PATH: dashboard_text(),
         RULES_PATH: rules,
         PROMETHEUSRULE_PATH: _prometheusrule(rules),
-        METRICS_DOC_PATH: reference.replace_between(
-            METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", reference.metrics_table()
+        METRICS_DOC_PATH: docs_tables.replace_between(
+            METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", docs_tables.metrics_table()
         ),
-        CONFIG_DOC_PATH: reference.replace_between(
-            CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", reference.config_table()
+        CONFIG_DOC_PATH: docs_tables.replace_between(
+            CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", docs_tables.config_table()
+        ),
+        DESIGN_DOC_PATH: docs_tables.replace_between(
+            DESIGN_DOC_PATH.read_text(encoding="utf-8"), "stats", docs_tables.stats_table()
+        ),
+        CONTRIBUTING_PATH: docs_tables.replace_between(
+            CONTRIBUTING_PATH.read_text(encoding="utf-8"), "ci-legs", _script(_LEGS_SCRIPT).table()
         ),
     }
 
 
-def _prometheusrule(rules: str) -> str:
-    """The Kubernetes PrometheusRule embedding ``rules`` (one source for both)."""
+def _script(path: Path) -> Any:
+    """A helper script of the repository, loaded as a module."""
     import importlib.util
 
-    script = _RENDER_SCRIPT
-    spec = importlib.util.spec_from_file_location("render_prometheusrule", script)
+    name = f"hicache_existence_build_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
-    return str(module.render(rules))
+    return module
+
+
+def _prometheusrule(rules: str) -> str:
+    """The Kubernetes PrometheusRule embedding ``rules`` (one source for both)."""
+    return str(_script(_RENDER_SCRIPT).render(rules))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

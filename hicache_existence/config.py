@@ -41,8 +41,13 @@ ENV_NOT_SETTINGS = frozenset(
         "HICACHE_EXISTENCE_BACKEND",  # == hicache_existence.core.lru.ENV_BACKEND (tested)
     }
 )
-#: Prefixes of tooling variables (test runner, test environment builder).
-ENV_NOT_SETTINGS_PREFIXES = ("HICACHE_EXISTENCE_REQUIRE_", "HICACHE_EXISTENCE_ENV_")
+#: Prefixes of tooling variables (test runner, test environment builder, the
+#: interpreters of tests/run-all.sh's matrix: HICACHE_EXISTENCE_PYTHON_3_11).
+ENV_NOT_SETTINGS_PREFIXES = (
+    "HICACHE_EXISTENCE_REQUIRE_",
+    "HICACHE_EXISTENCE_ENV_",
+    "HICACHE_EXISTENCE_PYTHON_",
+)
 
 
 def is_setting_variable(key: str) -> bool:
@@ -108,7 +113,8 @@ class MissReasonSection:
 @dataclass(frozen=True)
 class DivergenceSection:
     """Cross-rank replica checks (docs/tp-divergence.md).  Every rank must use the
-    same values; a start-up handshake disables checks on all ranks otherwise."""
+    same values; a start-up handshake, which ranks with checks off join too,
+    stops the checks on every rank otherwise."""
 
     enabled: bool = True
     #: Scheduler steps between checks (one ~0.5 ms gloo all-reduce each).

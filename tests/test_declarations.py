@@ -1,11 +1,15 @@
 """One fact, one place: the counter set is declared once (``PoolStats``'s
-fields), and the three things that must follow it — the live counters, the
-catalog and the reference models — cover it exactly, so a counter missing from
-any of them fails here instead of going unchecked."""
+fields), and the things that must follow it — the live counters, the cache's
+increments, the catalog and the reference models — cover it exactly, so a
+counter missing from any of them fails here instead of going unchecked.  The
+rest follows from the catalog (exporters, docs table, dashboard row, the
+multiprocess test's expectations) and is checked where it is built."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import reference_models
 
@@ -15,6 +19,22 @@ from hicache_existence.exporters.catalog import CATALOG
 
 #: The catalog field that stands for ``page_misses`` split by classified reason.
 _BY_REASON = "misses_by_reason"
+
+CORE = Path(__file__).resolve().parents[1] / "hicache_existence" / "core"
+#: Where the caches count: the lookups both generations share, and each
+#: generation's mutations.
+COUNTING, GENERATIONS = "counting.py", ("cache.py", "flat.py")
+
+
+def _increments() -> dict[str, set[str]]:
+    """Declared counter -> the core modules that increment it (``x.<counter> += n``)."""
+    out: dict[str, set[str]] = {}
+    for name in (COUNTING, *GENERATIONS):
+        for node in ast.walk(ast.parse((CORE / name).read_text(encoding="utf-8"))):
+            target = node.target if isinstance(node, ast.AugAssign) else None
+            if isinstance(target, ast.Attribute) and target.attr in stats.COUNTER_FIELDS:
+                out.setdefault(target.attr, set()).add(name)
+    return out
 
 
 def _exported_cache_fields() -> set[str]:
@@ -54,6 +74,23 @@ def test_live_counters_have_one_slot_per_declared_counter_and_snapshot_by_keywor
         assert getattr(snap, name) == 100 + i, name
     assert (snap.entries, snap.capacity, snap.inflight) == (1, 2, 3)
     assert dict(snap.misses_by_reason) == dict(zip(stats.MISS_REASONS, [7, 8, 9, 10]))
+
+
+def test_every_declared_counter_is_incremented_by_the_cache():
+    """Each declared counter is incremented in the core's counting code (a counter
+    declared and exported but never counted would export a flat 0)."""
+    counted = _increments()
+    assert [n for n in stats.COUNTER_FIELDS if n not in counted] == []
+
+
+def test_lookups_are_counted_in_one_place_for_both_generations():
+    """The counters of the counting walk (core/counting.py, which both generations'
+    pools are) are incremented nowhere else: a copy of the walk in cache.py or
+    flat.py fails here."""
+    counted = _increments()
+    walk = {n for n, where in counted.items() if COUNTING in where}
+    assert walk >= {"queries", "page_hits", "rescues", "page_misses"}
+    assert {n: sorted(counted[n]) for n in walk if counted[n] != {COUNTING}} == {}
 
 
 def test_reference_models_count_exactly_the_declared_counters():

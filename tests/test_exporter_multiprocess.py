@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import hicache_existence as he
 from hicache_existence import logs
+from hicache_existence.core.stats import COUNTER_FIELDS
 from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels
 from hicache_existence.exporters.multiprocess import MultiprocessFeeder, multiprocess_active
 from hicache_existence.exporters.series import SeriesReader
@@ -112,27 +113,15 @@ CHILD = textwrap.dedent(
     """
 )
 
-#: Exposed counter name -> the reference model's counter it must equal (written
-#: out here, not read from the catalog, so a catalog mapping error shows).
+#: Exposed cache counter -> the reference model's counter it must equal: every
+#: declared ``PoolStats`` counter, by the catalog's mapping (read here, so a new
+#: counter is checked without an edit; tests/test_catalog.py checks that each
+#: family's name says its field, tests/test_declarations.py that the catalog
+#: exports exactly the declared counters).  ``page_misses`` is checked by reason.
 CACHE_COUNTERS = {
-    "hicache_existence_queries_total": "queries",
-    "hicache_existence_query_hits_total": "query_hits",
-    "hicache_existence_query_misses_total": "query_misses",
-    "hicache_existence_pages_checked_total": "pages_checked",
-    "hicache_existence_page_hits_total": "page_hits",
-    "hicache_existence_page_rescues_total": "rescues",
-    "hicache_existence_add_calls_total": "adds",
-    "hicache_existence_page_inserts_total": "inserts",
-    "hicache_existence_page_refreshes_total": "refreshes",
-    "hicache_existence_evictions_total": "evictions",
-    "hicache_existence_invalidate_calls_total": "invalidate_calls",
-    "hicache_existence_invalidations_total": "invalidations",
-    "hicache_existence_clears_total": "clears",
-    "hicache_existence_cleared_pages_total": "cleared_pages",
-    "hicache_existence_inflight_tracked_total": "inflight_tracked",
-    "hicache_existence_inflight_released_total": "inflight_released",
-    "hicache_existence_inflight_clears_total": "inflight_clears",
-    "hicache_existence_inflight_unmatched_total": "inflight_unmatched",
+    spec.exposed_name: spec.field
+    for spec in CATALOG
+    if spec.source == "cache" and spec.kind == "counter" and spec.field in COUNTER_FIELDS
 }
 #: Exposed write counter -> (the child's own tally, bytes per page or 1).
 WRITE_COUNTERS = {
@@ -198,6 +187,7 @@ def test_aggregated_totals_equal_the_sum_of_processes(tmp_path):
     causes = "hicache_existence_redundant_cause_pages_total"
     covered = {*CACHE_COUNTERS, *WRITE_COUNTERS, "hicache_existence_page_misses_total", causes}
     assert counters == covered, "a catalog counter has no independent expectation here"
+    assert sorted(CACHE_COUNTERS.values()) == sorted({*COUNTER_FIELDS} - {"page_misses"})
     for pool in ("kv", "swa"):
         for name, field in CACHE_COUNTERS.items():
             want = sum(c["ref"][pool][field] for c in children)

@@ -254,8 +254,8 @@ def test_flat_in_flight_pages_reach_the_reconciler(feed_of) -> None:
     to ``covers_all``) is what the reconciler reads; none before the first launch
     or for other pools, and a stale verdict past an in-flight page is withheld."""
     from hicache_existence.core.observers import Tee
+    from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
     from hicache_existence.reconcile.reconciler import Reconciler
-    from hicache_existence.reconcile.truth import InMemoryGroundTruth
 
     tee = Tee()
     cache = FlatStorageExistenceCache(64, observer=tee)
@@ -320,6 +320,11 @@ def _any_target(
     operation: Any = None,
     key: Any = None,
     keys: Any = None,
+    host_indices: Any = None,
+    token_ids: Any = None,
+    hash_value: Any = None,
+    prefix_keys: Any = None,
+    extra_pools: Any = None,
     *,
     dropped: bool = True,
 ) -> None:

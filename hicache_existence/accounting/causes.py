@@ -12,41 +12,46 @@ reports in scheduler-thread order (every TP rank sees the same ones):
   (a prefetch revoked for lack of host memory never reports);
 * ``prefetched(loaded, requested)``: a prefetch loaded ``loaded``; the requested
   pages it did not deliver (a deadline, a failed transfer, no host memory for them)
-  are computed again: ``prefetch_shortfall``;
+  stay a ``prefetch_shortfall``;
 * ``launched(node, pages)``: a write of ``pages`` by tree node ``node`` left; the
   pending dispositions of its pages are taken here (a page's next write consumes
   its query's verdict);
-* ``stored(pages)``: a write was acknowledged: these pages have a local record.
+* ``stored(node, pages)``: the write was acknowledged.
 
-``classify(node, pages, believed)`` then names each redundant page's cause, first
-match wins:
+``classify(node, pages, believed, held)`` then names each redundant page's cause,
+first match wins:
 
-1. ``believed_node``: the existence cache was consulted for this write and
-   believed the page stored, yet it was written: its node also spanned uncovered
+1. ``believed_node``: the existence cache decided the write (``held``: it believed
+   the page stored), yet the page was written: its node also spanned uncovered
    pages and was written whole (buffer mode; cache mode's node rules);
 2. ``below_prefetch_threshold`` / ``prefetch_shortfall``: the page's last prefetch
    disposition, as above;
-3. ``host_copy_reclaimed``: the same tree node wrote the page before.  A node
-   writes its pages once while its host copy lives; under ``write_back``, host
-   pressure reclaims the host copy of a node that is also on the device (a
-   "duplicate"), and the node's next device eviction backs it up to host, and L3,
-   again (SGLang's ``SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM`` turns that off);
-4. ``recompute``: this process stored or loaded the page before (a local record):
-   evicted from device and host, computed again, written again;
-5. ``other_instance``: no local record of the page: another instance (or an
-   earlier run of this one) stored it;
-6. ``unclassified``: the local record was dropped for space, so neither 4 nor 5
-   can be told.
+3. ``host_copy_reclaimed``: the same tree node wrote before.  A node writes its
+   pages once while its host copy lives; under ``write_back``, host pressure
+   reclaims the host copy of a node that is also on the device (a "duplicate"),
+   and the node's next device eviction backs it up to host, and L3, again
+   (SGLang's ``SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM`` turns that off);
+4. ``recompute``: this process has a local record of the page: believed stored
+   when the write left (``believed``), or ``remembers`` says so (believed now, or
+   once believed: the miss-reason memory's evicted / invalidated / cleared): a
+   page stored (or learnt) before, evicted from device and host, computed again
+   without a prefetch;
+5. ``other_instance``: no local record: another instance (or this server before a
+   restart) stored it;
+6. ``unclassified``: ``remembers`` cannot tell (no miss-reason memory), so 4 and 5
+   cannot be told apart.
 
-Memory is bounded: the dispositions and the local record are FIFO maps of at most
-``max_pages`` page hashes each (the hash strings are the tree's own objects; an
-entry costs a dict slot).  Counting happens per redundant page only, at the ack.
+Memory is bounded and the work per event is C-level batch dict and set operations
+(a Python step only per page that had a disposition): the dispositions and the nodes
+that wrote are kept in two generations each (a new generation starts when the current
+one holds ``max_entries``; the one before is dropped), so the most recent
+``max_entries`` to ``2 * max_entries`` are remembered.  Pages are the tree's own hash
+strings.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Final, Literal
 
 from hicache_existence.core import _validate
@@ -74,118 +79,161 @@ CAUSES: Final[tuple[Cause, ...]] = (
 
 _BELOW: Final = 1
 _SHORT: Final = 2
+#: Delivered by a prefetch: no disposition (kept, rather than popped page by page).
 _LOADED: Final = 3
+
+#: ``(pool, page) -> True / False / None``: whether this process has a record of the
+#: page (believed now, or once believed), or ``None`` when it cannot tell.
+Remembers = Callable[[str, str], "bool | None"]
+
+
+class _Generations:
+    """A bounded map keeping the most recent ``size`` to ``2 * size`` keys: two
+    dicts, the older dropped whole when the newer fills (O(1) per operation)."""
+
+    __slots__ = ("size", "new", "old")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.new: dict[Hashable, Any] = {}
+        self.old: dict[Hashable, Any] = {}
+
+    def put(self, key: Hashable, value: Any) -> None:
+        new = self.new
+        new[key] = value
+        if len(new) >= self.size:
+            self.old, self.new = new, {}
+
+    def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
+        """``put`` of every key (one C-level update; the generation may overshoot
+        ``size`` by the batch before it turns over)."""
+        new = self.new
+        new.update(dict.fromkeys(keys, value))
+        if len(new) >= self.size:
+            self.old, self.new = new, {}
+
+    def present(self, keys: Iterable[Hashable]) -> set[Hashable]:
+        """The keys held, found by C-level set intersections."""
+        wanted = set(keys)
+        return (self.new.keys() & wanted) | (self.old.keys() & wanted)
+
+    def get(self, key: Hashable) -> Any:
+        value = self.new.get(key)
+        return self.old.get(key) if value is None else value
+
+    def pop(self, key: Hashable) -> Any:
+        value = self.new.pop(key, None)
+        old = self.old.pop(key, None)
+        return old if value is None else value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.new or key in self.old
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.old)
+
+    def clear(self) -> None:
+        self.new, self.old = {}, {}
 
 
 class CauseTracker:
     """The bounded memory behind ``classify`` (module docstring)."""
 
-    def __init__(self, max_pages: int = 1 << 20) -> None:
-        self.max_pages = _validate.count(max_pages, "max_pages", 1)
+    def __init__(self, remembers: Remembers | None = None, max_entries: int = 65536) -> None:
+        self.max_entries = _validate.count(max_entries, "max_entries", 1)
+        self.remembers = remembers
         #: page -> its last prefetch disposition not yet consumed by a write.
-        self._disposition: OrderedDict[str, int] = OrderedDict()
-        #: page -> node that last wrote it (acknowledged or loaded: a local record).
-        self._record: OrderedDict[str, Any] = OrderedDict()
-        self._record_dropped = 0
-        #: page -> disposition taken at its launch, until its ack classifies it.
-        self._taken: OrderedDict[str, int] = OrderedDict()
+        self._disposition = _Generations(self.max_entries)
+        #: nodes whose write was acknowledged.
+        self._nodes = _Generations(self.max_entries)
+        #: page -> disposition taken at its launch, until its ack (in flight only).
+        self._taken: dict[str, int] = {}
 
     # -- events --------------------------------------------------------------------
     def queried(self, pages: Sequence[str], *, below_threshold: bool) -> None:
-        """A rank-agreed hit query found ``pages`` (a chain prefix) in L3.  Below
-        the threshold nothing is loaded; at or above it a prefetch is due, and
-        until ``prefetched`` says what it delivered, a rewrite is a shortfall
-        (a prefetch revoked for host capacity never reports)."""
-        disp = self._disposition
-        code = _BELOW if below_threshold else _SHORT
-        for page in pages:
-            disp.pop(page, None)
-            disp[page] = code
-        self._trim(disp)
+        """A rank-agreed hit query found ``pages`` (a chain prefix) in L3."""
+        if pages:
+            self._disposition.put_many(pages, _BELOW if below_threshold else _SHORT)
 
-    def prefetched(self, loaded: Iterable[str], requested: Iterable[str]) -> None:
-        """A prefetch delivered ``loaded`` (a prefix of ``requested``)."""
-        disp, record = self._disposition, self._record
-        got = set(loaded)
-        for page in requested:
-            disp.pop(page, None)
-            if page in got:
-                disp[page] = _LOADED
-                record.pop(page, None)
-                record[page] = None
-            else:
-                disp[page] = _SHORT
-        self._trim(disp)
-        self._trim_record()
+    def prefetched(self, loaded: Sequence[str], requested: Sequence[str]) -> None:
+        """A prefetch delivered ``loaded`` (a prefix of ``requested``): those are
+        no shortfall; the rest of ``requested`` is."""
+        disp = self._disposition
+        if loaded:
+            disp.put_many(loaded, _LOADED)
+        rest = requested[len(loaded) :]
+        if rest:
+            disp.put_many(rest, _SHORT)
 
     def launched(self, node: Any, pages: Iterable[str]) -> None:
         """A write of ``pages`` by ``node`` left: take their dispositions."""
-        disp, taken = self._disposition, self._taken
-        if not disp:
+        disp = self._disposition
+        if not len(disp):
             return
-        for page in pages:
-            code = disp.pop(page, None)
+        found = disp.present(pages)
+        if not found:
+            return
+        taken = self._taken
+        if len(taken) > 4 * self.max_entries:  # writes that never came back (a reset)
+            taken.clear()
+        for page in found:
+            code = disp.pop(page)
             if code is not None and code != _LOADED:
-                taken[page] = code
-        self._trim(taken)
+                taken[page] = code  # type: ignore[index]
 
     def stored(self, node: Any, pages: Iterable[str]) -> None:
-        """A write of ``pages`` by ``node`` was acknowledged: a local record."""
-        record, taken = self._record, self._taken
-        for page in pages:
-            record.pop(page, None)
-            record[page] = node
-            if taken:
+        """The write of ``pages`` by ``node`` was acknowledged."""
+        if node is not None:
+            self._nodes.put(node, True)
+        taken = self._taken
+        if taken:
+            for page in pages:
                 taken.pop(page, None)
-        self._trim_record()
 
     # -- classification --------------------------------------------------------------
     def classify(
-        self, node: Any, pages: Iterable[str], believed: Iterable[str] = ()
+        self,
+        node: Any,
+        pages: Iterable[str],
+        believed: Iterable[str] = (),
+        held: Iterable[str] = (),
+        pool: str = "kv",
     ) -> dict[Cause, int]:
-        """The causes of redundant ``pages`` written by ``node`` (before ``stored``
-        records this write); ``believed``: those the cache believed stored when an
-        admission decision consulted it."""
+        """The causes of redundant ``pages`` written by ``node`` (call before
+        ``stored`` records this write): ``believed``, the pages believed stored when
+        it left; ``held``, those among them an admission decision consulted."""
         out: dict[Cause, int] = {}
-        held = set(believed)
-        taken, record = self._taken, self._record
+        held_set, believed_set = set(held), set(believed)
+        taken = self._taken
+        rewritten = node is not None and node in self._nodes
+        remembers = self.remembers
         for page in pages:
             cause: Cause
             code = taken.get(page)
-            if page in held:
+            if page in held_set:
                 cause = "believed_node"
             elif code == _BELOW:
                 cause = "below_prefetch_threshold"
             elif code == _SHORT:
                 cause = "prefetch_shortfall"
-            elif page in record:
-                writer = record[page]
-                same = writer is not None and writer == node
-                cause = "host_copy_reclaimed" if same else "recompute"
-            elif self._record_dropped:
-                cause = "unclassified"
+            elif rewritten:
+                cause = "host_copy_reclaimed"
+            elif page in believed_set:
+                cause = "recompute"
             else:
-                cause = "other_instance"
+                known = remembers(pool, page) if remembers is not None else None
+                if known is None:
+                    cause = "unclassified"
+                else:
+                    cause = "recompute" if known else "other_instance"
             out[cause] = out.get(cause, 0) + 1
         return out
 
     def reset(self) -> None:
-        """L3 was cleared: no page has a local record any more."""
+        """L3 was cleared: nothing pending is a disposition any more."""
         self._disposition.clear()
-        self._record.clear()
+        self._nodes.clear()
         self._taken.clear()
-        self._record_dropped = 0
 
     def __len__(self) -> int:
-        return len(self._disposition) + len(self._record) + len(self._taken)
-
-    # -- bounds ----------------------------------------------------------------------
-    def _trim(self, fifo: OrderedDict[str, Any]) -> None:
-        for _ in range(len(fifo) - self.max_pages):
-            fifo.popitem(last=False)
-
-    def _trim_record(self) -> None:
-        excess = len(self._record) - self.max_pages
-        if excess > 0:
-            self._record_dropped += excess
-            self._trim(self._record)
+        return len(self._disposition) + len(self._nodes) + len(self._taken)

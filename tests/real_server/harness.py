@@ -231,6 +231,14 @@ class ServerDied(RuntimeError):
     pass
 
 
+def sglang_total(fams: Mapping[str, Family], name: str, suffix: str = "_total") -> float:
+    """An SGLang counter's total; 0 while absent: SGLang creates its storage
+    counters at their first event (``sglang:backuped_tokens`` at the first backup).
+    Our own families are never read this way (they exist at 0 from the start)."""
+    fam = fams.get(name)
+    return fam.total(suffix) if fam is not None else 0.0
+
+
 @dataclass
 class Family:
     """One metric family of ``/metrics``: its samples as (name, labels, value)."""
@@ -471,6 +479,42 @@ def launch(spec: ServerSpec, workdir: Path | None = None) -> Iterator[Server]:
             yield srv.start()
         finally:
             srv.stop()
+
+
+@contextlib.contextmanager
+def launch_together(specs: Sequence[ServerSpec], workdir: Path) -> Iterator[list[Server]]:
+    """Start servers whose start-ups overlap (``workdir/<i>`` each), and stop them
+    all on exit: two servers side by side cost one start-up's wall time."""
+    servers: list[Server] = []
+    try:
+        for i, spec in enumerate(specs):
+            wd = workdir / str(i)
+            wd.mkdir(parents=True, exist_ok=True)
+            l3 = spec.l3_dir if spec.l3_dir is not None else wd / "l3"
+            l3.mkdir(parents=True, exist_ok=True)
+            servers.append(Server(spec, wd, l3, free_port()))
+        started = [srv.spawn() for srv in servers]
+        for srv, t0 in zip(servers, started):
+            srv._wait_ready(t0)
+        yield servers
+    finally:
+        stop_together(servers)
+
+
+def stop_together(servers: Sequence[Server], grace_s: float = 15.0) -> None:
+    """SIGINT to every server at once, one shared grace period, then ``stop``
+    (SIGKILL of what is left): one grace period, not one per server."""
+    for srv in servers:
+        if srv.proc is not None and srv.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(srv.proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for srv in servers:
+        if srv.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                srv.proc.wait(max(0.0, deadline - time.monotonic()))
+    for srv in servers:
+        srv.stop(grace_s=0.0)
 
 
 def run_to_exit(spec: ServerSpec, workdir: Path, timeout_s: float = 180.0) -> tuple[int, str]:

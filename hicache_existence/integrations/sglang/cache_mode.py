@@ -40,7 +40,7 @@ never a wrong output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,7 +231,9 @@ class CacheModeWrites:
         pages = list(pages)
         covered = self.beliefs.covered(KV, pages) if pages else True
         believed = set(pages) if covered else self.beliefs.believed(KV, pages)
-        extra_covered = all(self.beliefs.covered(p, keys) for p, keys in extra.items() if keys)
+        extra_covered = not extra or all(
+            self.beliefs.covered(p, keys) for p, keys in extra.items() if keys
+        )
         keep = list(range(len(pages)))
         extra_written = True
         if self.dedup:
@@ -276,7 +278,14 @@ class CacheModeWrites:
     # -- the ack ---------------------------------------------------------------------------
     @property
     def pending(self) -> int:
+        """Operations launched and not yet acknowledged."""
         return len(self._pending)
+
+    @property
+    def pending_operations(self) -> Mapping[int, object]:
+        """The pending operations themselves (a live, read-only view: the per-step
+        hook tests it for emptiness without a call)."""
+        return self._pending
 
     def reap(self, ongoing: Any, take_outcome: Callable[[int], Any]) -> int:
         """Per step: account the operations the storage drain acknowledged (gone
@@ -294,26 +303,31 @@ class CacheModeWrites:
 
     def _acked(self, launch: _Launch, outcome: Any) -> None:
         pools = {KV: launch.pages, **launch.extra}
+        if outcome is not None:  # None: this rank wrote nothing (non-writer rank, backup_skip)
+            for pool, keys in pools.items():
+                if pool in outcome.stored:
+                    self._account(pool, keys, launch, outcome)
         for pool, keys in pools.items():
             if keys:
                 self.beliefs.acked(pool, keys)
-        if outcome is None:  # this rank wrote nothing (a non-writer rank, backup_skip)
-            return
-        for pool, keys in pools.items():
-            if pool not in outcome.stored:
-                continue
-            stored = outcome.stored[pool]
-            existed = outcome.existed.get(pool, set()).intersection(keys)
-            already = min(len(existed), stored)
-            believed = min(len(existed & launch.believed), already) if pool == KV else 0
-            self.writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
-            if already:
-                ordered = [k for k in keys if k in existed][:already]
-                # The beliefs decided the write only with dedup on (node rules).
-                held = launch.believed if self.dedup and pool == KV else ()
-                for cause, n in self.causes.classify(launch.node_id, ordered, held).items():
-                    self.writes.redundant_cause(pool, cause, n)
         self.causes.stored(launch.node_id, launch.pages)
+
+    def _account(self, pool: str, keys: list[str], launch: _Launch, outcome: Any) -> None:
+        """This rank's outcome of one pool's pages, and the causes of the redundant
+        ones (classified before the ack adds the pages to the beliefs)."""
+        stored = outcome.stored[pool]
+        existed = outcome.existed.get(pool, set()).intersection(keys)
+        already = min(len(existed), stored)
+        believed = min(len(existed & launch.believed), already) if pool == KV else 0
+        self.writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
+        if already:
+            redundant = [k for k in keys if k in existed][:already]
+            noted = launch.believed if pool == KV else set()
+            # The beliefs decided the write only with dedup on (its node rules).
+            held = noted if self.dedup else set()
+            causes = self.causes.classify(launch.node_id, redundant, noted, held, pool)
+            for cause, n in causes.items():
+                self.writes.redundant_cause(pool, cause, n)
 
     def clear(self) -> None:
         """The tree was reset: its operations will never be acknowledged."""

@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from hicache_existence import logs
@@ -41,6 +42,7 @@ from hicache_existence.accounting.recorder import instance_name
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import write_path as _write_path
@@ -50,9 +52,9 @@ from hicache_existence.integrations.sglang.topology import (
     DeferredAgreement,
     DeferredGroup,
     build,
-    single,
+    unbuilt,
 )
-from hicache_existence.integrations.sglang.truth import TreeCacheGroundTruth
+from hicache_existence.integrations.sglang.tree_cache_truth import TreeCacheGroundTruth
 from hicache_existence.runtime import ExistenceRuntime
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
@@ -82,6 +84,7 @@ class ProcessEntry:
             runtime.generation,
             cache_mode=facts.cache_mode,
             dedup=dedup_effective(runtime.config, facts),
+            remembers=remembers_of(runtime),
         )
         self.write_path.attach_recorder(runtime.recorder)
         if runtime.reconciler is not None and runtime.generation == "flat":
@@ -127,10 +130,11 @@ class ProcessEntry:
         except Exception as exc:
             logger.warning(
                 "hicache-existence: could not build the replica groups (%r); divergence "
-                "checks and reconciler verdicts stay local to this rank",
+                "checks stop on this rank and reconciler verdicts stay local to it (does "
+                "every rank of this server run hicache-existence?)",
                 exc,
             )
-            groups = single(timeout)
+            groups = unbuilt(timeout, repr(exc))
         self.members = groups.members
         if self.group is not None:
             self.group.bind(groups.divergence)
@@ -142,14 +146,19 @@ class ProcessEntry:
             self.runtime.close()
 
     def stepper(self, tree_cache: Any) -> Any:
-        """The per-step call: in cache mode the write path's acks, then the runtime's step."""
+        """The per-step call: in cache mode the write path's acknowledged writes
+        first (only while some are pending: one truth test otherwise), then the
+        runtime's step."""
         runtime_step = self.runtime.step
-        if self.write_path.cache_mode is None:
+        cache_mode = self.write_path.cache_mode
+        if cache_mode is None:
             return runtime_step
-        feed_step = self.write_path.step
+        pending = cache_mode.pending_operations
+        reap = self.write_path.step
 
         def step() -> None:
-            feed_step(tree_cache)
+            if pending:
+                reap(tree_cache)
             runtime_step()
 
         return step
@@ -186,6 +195,27 @@ def load_config(facts: _facts.SchedulerFacts, env: dict[str, str] | None = None)
     if flags is not None and flags.enabled and not config.enabled:
         config = dataclasses.replace(config, enabled=True)
     return config
+
+
+def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]:
+    """Whether this process has a record of a page: believed now, or once believed
+    (the miss-reason memory's evicted / invalidated / cleared); ``None`` without
+    that memory, when "not believed" cannot tell ours from another instance's."""
+    cache, ghosts = runtime.cache, runtime.ghosts
+
+    def remembers(pool: str, page: str) -> bool | None:
+        if isinstance(cache, StorageExistenceCache):
+            believed = cache.pool(pool).believed([page])
+        else:
+            believed = cache.believed(pool, [page])
+        if believed:
+            return True
+        memory = ghosts.memories().get(pool) if ghosts is not None else None
+        if memory is None:
+            return None
+        return memory.remembered(page) != COLD
+
+    return remembers
 
 
 def dedup_effective(config: Config, facts: _facts.SchedulerFacts) -> bool:
@@ -230,7 +260,9 @@ def build_entry(
     config = _per_rank_port(config, facts)
     logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
-    group = DeferredGroup(config.divergence.timeout_s) if config.divergence.enabled else None
+    # Also with divergence checks off: the rank must still join the start-up
+    # handshake (runtime.ExistenceRuntime), so it builds the groups like the others.
+    group = DeferredGroup(config.divergence.timeout_s)
     reconciling = config.reconciler.enabled
     agreement = DeferredAgreement() if reconciling else None
     truth = TreeCacheGroundTruth(config.reconciler) if reconciling else None

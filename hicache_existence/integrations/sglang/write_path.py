@@ -43,7 +43,7 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache_existence.accounting.causes import CauseTracker
+from hicache_existence.accounting.causes import CauseTracker, Remembers
 from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites, WritePlan
@@ -104,13 +104,13 @@ class WritePath:
         *,
         cache_mode: bool = False,
         dedup: bool = False,
-        causes: CauseTracker | None = None,
+        remembers: Remembers | None = None,
     ) -> None:
         self.writes = writes
         self.cache = cache
         self.generation = generation
         #: Why redundant pages were written again (both host memory modes).
-        self.causes = causes if causes is not None else CauseTracker()
+        self.causes = CauseTracker(remembers)
         #: The cache-mode write path (``None``: buffer mode).
         self.cache_mode: CacheModeWrites | None = (
             CacheModeWrites(writes, cache, dedup=dedup, causes=self.causes, size_pool=self._size)
@@ -346,12 +346,13 @@ class WritePath:
             noted = notes.get(name, set())
             believed = min(len(existed & noted), already)
             self.writes.acked(name, stored, outcome.failed.get(name, 0), already, believed)
-            if already:
+            if already:  # admission decided: believed pages were held, yet written
                 redundant = [k for k in keys if k in existed][:already]
-                for cause, n in self.causes.classify(node, redundant, noted).items():
+                causes = self.causes.classify(node, redundant, noted, noted, name)
+                for cause, n in causes.items():
                     self.writes.redundant_cause(name, cause, n)
-            if name == "kv":
-                self.causes.stored(node, keys)
+            if name == "kv":  # buffer mode keeps no node record (no host copy to lose)
+                self.causes.stored(None, keys)
 
     # -- cache mode ------------------------------------------------------------------------
     def plan_cache_write(
@@ -370,12 +371,12 @@ class WritePath:
             return None
         if self.controller is None:
             self.controller = controller
-        pages = [str(h) for h in hash_value or ()]
-        extra = {
-            pool_name(t.name): [str(k) for k in t.keys or ()]
-            for t in extra_pools or ()
-            if getattr(t, "keys", None)
-        }
+        pages = list(hash_value or ())  # str page hashes (the cache checks them)
+        extra = (
+            {pool_name(t.name): list(t.keys) for t in extra_pools if getattr(t, "keys", None)}
+            if extra_pools
+            else {}
+        )
         plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
         page = int(getattr(controller, "page_size", 0) or 0)
         if plan.whole or page <= 0 or len(host_indices) != len(pages) * page:

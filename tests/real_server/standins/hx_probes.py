@@ -18,9 +18,10 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
     ``pthread_getcpuclockid`` clock, read from a helper thread) and the thread CPU
     time spent inside the package on that thread (CPU, not wall: a busy machine
     preempting the thread inside a call must not count as the package's) in every
-    method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``
-    and in the per-step hook ``after_check_hicache_events`` (nested calls counted
-    once). Written every 0.5 s
+    method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``,
+    of the write accounting (``WritePath``, cache mode's ``CacheModeWrites`` and
+    ``Beliefs``, the ``CauseTracker``) and in the per-step hook
+    ``after_check_hicache_events`` (nested calls counted once). Written every 0.5 s
     to ``cost-<pid>.json`` in that directory, with a per-function breakdown.
     With ``HX_PROBE_RECORDER_TOGGLE=<path>`` the recorder is attached only while that
     file exists (``_RecorderToggle``; the record's ``recorder_on`` says which).
@@ -204,6 +205,16 @@ def _probe_cost_write_path(mod: ModuleType) -> None:
     _wrap_class(mod.WritePath)
 
 
+def _probe_cost_cache_mode(mod: ModuleType) -> None:
+    # Cache mode's write path: the dedup plan, the ack reaping, the beliefs it keeps.
+    _wrap_class(mod.CacheModeWrites)
+    _wrap_class(mod.Beliefs)
+
+
+def _probe_cost_causes(mod: ModuleType) -> None:
+    _wrap_class(mod.CauseTracker)
+
+
 def _probe_cost_hooks(mod: ModuleType) -> None:
     mod.after_check_hicache_events = _timed(mod.after_check_hicache_events)
 
@@ -380,6 +391,10 @@ def install() -> None:
         hx_cpu_standins.on_import(
             "hicache_existence.integrations.sglang.write_path", _probe_cost_write_path
         )
+        hx_cpu_standins.on_import(
+            "hicache_existence.integrations.sglang.cache_mode", _probe_cost_cache_mode
+        )
+        hx_cpu_standins.on_import("hicache_existence.accounting.causes", _probe_cost_causes)
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
         if os.environ.get("HX_PROBE_RECORDER"):
