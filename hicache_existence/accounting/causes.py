@@ -52,7 +52,7 @@ strings.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 from hicache_existence.core import _validate
 
@@ -67,15 +67,7 @@ Cause = Literal[
 ]
 
 #: Every cause, in classification order (the metric's label values).
-CAUSES: Final[tuple[Cause, ...]] = (
-    "believed_node",
-    "below_prefetch_threshold",
-    "prefetch_shortfall",
-    "host_copy_reclaimed",
-    "recompute",
-    "other_instance",
-    "unclassified",
-)
+CAUSES: Final[tuple[Cause, ...]] = get_args(Cause)
 
 _BELOW: Final = 1
 _SHORT: Final = 2
