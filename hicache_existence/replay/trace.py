@@ -153,6 +153,8 @@ def _raw_lines(path: Path, source: str) -> Iterator[bytes]:
 
 
 def _gzip_lines(handle: Any, source: str) -> Iterator[bytes]:
+    """The lines of a gzip stream of one or more members (the recorder writes one
+    per flush), or ``TraceError`` naming the first line it could not read."""
     lines = 0
     tail = b""
     inflate = zlib.decompressobj(wbits=31)
@@ -160,6 +162,10 @@ def _gzip_lines(handle: Any, source: str) -> Iterator[bytes]:
         try:
             block = handle.read(1 << 16)
             data = inflate.decompress(block) if block else b""
+            while inflate.eof and inflate.unused_data.strip(b"\0"):  # the next member
+                rest = inflate.unused_data
+                inflate = zlib.decompressobj(wbits=31)
+                data += inflate.decompress(rest)
         except (zlib.error, OSError) as exc:
             raise TraceError(
                 source, lines + 1, f"not a readable gzip stream after line {lines} ({exc})"
@@ -170,26 +176,9 @@ def _gzip_lines(handle: Any, source: str) -> Iterator[bytes]:
             for part in parts:
                 lines += 1
                 yield part + b"\n"
-        if inflate.eof:
-            rest = inflate.unused_data
-            if rest.strip(b"\0"):  # another gzip member follows
-                inflate = zlib.decompressobj(wbits=31)
-                try:
-                    data = inflate.decompress(rest)
-                except zlib.error as exc:
-                    raise TraceError(
-                        source, lines + 1, f"not a readable gzip stream after line {lines} ({exc})"
-                    ) from None
-                if data:
-                    parts = (tail + data).split(b"\n")
-                    tail = parts.pop()
-                    for part in parts:
-                        lines += 1
-                        yield part + b"\n"
-                continue
-            if not block:
+        if not block:
+            if inflate.eof:
                 break
-        elif not block:
             raise TraceError(
                 source,
                 lines + 1,
