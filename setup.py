@@ -1,7 +1,8 @@
 """Build hook for the optional compiled accelerators.
 
 * ``hicache_existence/core/_lru.c``: the LRU index behind both cache generations;
-* ``hicache_existence/accounting/_ghosts.c``: the miss-reason memory's trace scatter/gather.
+* ``hicache_existence/accounting/_ghosts.c``: the miss-reason memory's trace scatter/gather;
+* ``hicache_existence/accounting/_recorder.c``: the trace recorder's page test.
 
 Everything else lives in pyproject.toml.  Both extensions are ``optional``:
 where no C compiler is available the package installs and runs on its
@@ -29,6 +30,6 @@ setup(
             optional=True,
             extra_compile_args=FLAGS,
         )
-        for name in ("core._lru", "accounting._ghosts")
+        for name in ("core._lru", "accounting._ghosts", "accounting._recorder")
     ]
 )

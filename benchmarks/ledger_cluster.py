@@ -37,12 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from reconcile_redis_server import RedisServer
 from redis_cluster_server import RedisCluster
 
+from hicache_existence.reconcile.ledgers import open_ledger
 from hicache_existence.reconcile.measure import CASES, page_chain, query_chains
-from hicache_existence.reconcile.redis_truth import (
-    LUA_LEADING_PRESENT,
-    LedgerSettings,
-    open_ledger,
-)
+from hicache_existence.reconcile.redis_truth import LUA_LEADING_PRESENT, LedgerSettings
 
 SIZES = (64, 256, 1024)
 #: The scripting rules' strict form: every key declared, the epoch first.

@@ -16,7 +16,19 @@ time (``busy_share``: an upper bound, net of the timers' own cost). Also the
 per-step hook's cost in a polling iteration and the share of all scheduler CPU,
 polling included. Target: the share of busy time at most 1%.
 
+``--recorder`` compares instead two enabled servers, the trace recorder off and on
+(``recorder.sample_rate`` from ``--recorder-rate``), in alternating rounds: the
+recorder's own scheduler-thread time (its methods timed by the probe, net of the
+timers) as a share of busy time, and the difference of the package's share between
+the two servers. ``--recorder-toggle`` runs one enabled server whose recorder the
+probe attaches and detaches between rounds (``HX_PROBE_RECORDER_TOGGLE``): the
+package's share of busy time with and without it in the same process, round after
+round (no server-to-server variance, no nested timers). Target: at most 0.1% of busy
+time.
+
     python benchmarks/real_server_cost.py [--rounds 6] [--requests 40] [--json]
+    python benchmarks/real_server_cost.py --recorder [--recorder-rate 0.02]
+    python benchmarks/real_server_cost.py --recorder-toggle [--rounds 6]
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         "busy": [0, 0, 0, 0],
         "poll": [0, 0, 0, 0, 0],
         "timer_ns": 0.0,
+        "rec_busy": [0, 0],
+        "rec_poll": [0, 0],
     }
     by_name: dict[str, list[int]] = {}
     files = sorted(out_dir.glob("cost-*.json"))
@@ -56,14 +70,16 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         rec = json.loads(f.read_text())
         for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls", "hook_ns"):
             total[k] += int(rec[k])
-        for k in ("busy", "poll"):
-            total[k] = [a + int(b) for a, b in zip(total[k], rec[k])]
+        for k in ("busy", "poll", "rec_busy", "rec_poll"):
+            total[k] = [a + int(b) for a, b in zip(total[k], rec.get(k, total[k]))]
         total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
         for name, (ns, calls) in rec.get("by_name", {}).items():
             slot = by_name.setdefault(name, [0, 0])
             slot[0] += ns
             slot[1] += calls
     total["by_name"] = by_name
+    states = {json.loads(f.read_text()).get("recorder_on") for f in files}
+    total["recorder_on"] = states.pop() if len(states) == 1 else None
     return total
 
 
@@ -77,10 +93,19 @@ def fresh_cost(out_dir: Path) -> dict[str, Any]:
         time.sleep(0.1)
 
 
-def one_round(srv: Server, out_dir: Path, stream: list[TraceRequest]) -> dict[str, Any]:
+def one_round(
+    srv: Server, out_dir: Path, stream: list[TraceRequest], recorder: bool | None = None
+) -> dict[str, Any]:
     srv.flush_cache()
     srv.wait_writes_settled(quiet_s=1.0)
     before = fresh_cost(out_dir)
+    if recorder is not None:  # --recorder-toggle: wait until the probe has switched it
+        deadline = time.monotonic() + 120
+        while before.get("recorder_on") is not recorder:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the probe did not switch the recorder")
+            time.sleep(0.2)
+            before = fresh_cost(out_dir)
     t0 = time.perf_counter()
     for r in stream:
         srv.generate(r.input_ids, r.output_length)
@@ -95,6 +120,8 @@ def one_round(srv: Server, out_dir: Path, stream: list[TraceRequest]) -> dict[st
         # [iterations, thread ns, package ns, package calls(, hook ns)] of this round
         "busy": [a - b for a, b in zip(after["busy"], before["busy"])],
         "poll": [a - b for a, b in zip(after["poll"], before["poll"])],
+        "rec_busy": [a - b for a, b in zip(after["rec_busy"], before["rec_busy"])],
+        "rec_poll": [a - b for a, b in zip(after["rec_poll"], before["rec_poll"])],
         "timer_ns_per_call": after["timer_ns"],
         "by_name_ms": {
             name: round((ns - before["by_name"].get(name, [0, 0])[0]) / 1e6, 3)
@@ -109,21 +136,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--max-blocks", type=int, default=16)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--recorder",
+        action="store_true",
+        help="compare two enabled servers, the trace recorder off and on",
+    )
+    ap.add_argument("--recorder-rate", type=float, default=0.02)
+    ap.add_argument(
+        "--recorder-toggle",
+        action="store_true",
+        help="one enabled server, its recorder attached and detached in alternating rounds",
+    )
+    ap.add_argument(
+        "--no-recorder-probe",
+        action="store_true",
+        help="--recorder without timing the recorder's calls (no nested timers: the "
+        "recorder's cost is then only the difference of the package's share)",
+    )
     args = ap.parse_args(argv)
 
     stream = trace_requests(limit=args.requests, max_blocks=args.max_blocks, max_new_tokens=4)
-    rounds: dict[str, list[dict[str, Any]]] = {"disabled": [], "enabled": []}
+    if args.recorder_toggle:
+        return run_toggle(args, stream)
+    names = ("recorder_off", "recorder_on") if args.recorder else ("disabled", "enabled")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hx-cost-")))
         servers: dict[str, tuple[Server, Path]] = {}
-        for name, on in (("disabled", False), ("enabled", True)):
+        for name in names:
             probe_dir = root / f"{name}-probe"
             probe_dir.mkdir()
-            spec = ServerSpec(existence=on, env={"HX_PROBE_COST_DIR": str(probe_dir)})
+            env = {"HX_PROBE_COST_DIR": str(probe_dir)}
+            config = None
+            if name == "recorder_on":
+                if not args.no_recorder_probe:
+                    env["HX_PROBE_RECORDER"] = "1"
+                config = {
+                    "recorder": {
+                        "enabled": True,
+                        "path": str(root / "trace"),
+                        "sample_rate": args.recorder_rate,
+                    }
+                }
+            spec = ServerSpec(existence=name != "disabled", env=env, config=config)
             srv = stack.enter_context(launch(spec, root / name))
             servers[name] = (srv, probe_dir)
         for i in range(args.rounds):
-            order = ("disabled", "enabled") if i % 2 == 0 else ("enabled", "disabled")
+            order = names if i % 2 == 0 else names[::-1]
             for name in order:
                 srv, probe_dir = servers[name]
                 rec = one_round(srv, probe_dir, stream)
@@ -134,10 +193,16 @@ def main(argv: list[str] | None = None) -> int:
                         f"round {i} {name:8s} scheduler cpu {rec['sched_cpu_ms']:8.1f} ms"
                         f"  busy {busy['busy_ms']:7.1f} ms ({busy['busy_iterations']} it)"
                         f"  package {busy['package_busy_ms']:6.2f} ms ({100 * busy['share']:.2f}%)"
-                        f"  wall {rec['wall_s']:.2f} s",
+                        f"  wall {rec['wall_s']:.2f} s"
+                        + (
+                            f"  recorder {1e3 * recorder_share(rec)['recorder_busy_ms']:.1f} us"
+                            f" ({100 * recorder_share(rec)['share']:.3f}%)"
+                            if name == "recorder_on" and not args.no_recorder_probe
+                            else ""
+                        ),
                         flush=True,
                     )
-    result = summarize(rounds, args)
+    result = summarize_recorder(rounds, args) if args.recorder else summarize(rounds, args)
     if args.json:
         print(json.dumps({"rounds": rounds, "summary": result}, indent=2))
     else:
@@ -172,6 +237,119 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         "poll_us_per_iteration": ns_p / it_p / 1e3 if it_p else 0.0,
         "hook_us_per_poll_iteration": poll_hook / it_p / 1e3 if it_p else 0.0,
     }
+
+
+def run_toggle(args: Any, stream: list[TraceRequest]) -> int:
+    """``--recorder-toggle``: one server, the recorder on and off in alternating rounds."""
+    rounds: dict[str, list[dict[str, Any]]] = {"recorder_on": [], "recorder_off": []}
+    with ExitStack() as stack:
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hx-cost-")))
+        probe_dir = root / "probe"
+        probe_dir.mkdir()
+        toggle = root / "recorder-on"
+        env = {"HX_PROBE_COST_DIR": str(probe_dir), "HX_PROBE_RECORDER_TOGGLE": str(toggle)}
+        config = {
+            "recorder": {
+                "enabled": True,
+                "path": str(root / "trace"),
+                "sample_rate": args.recorder_rate,
+            }
+        }
+        srv = stack.enter_context(launch(ServerSpec(env=env, config=config), root / "server"))
+        for i in range(args.rounds):
+            order = (True, False) if i % 2 == 0 else (False, True)
+            for on in order:
+                if on:
+                    toggle.touch()
+                else:
+                    toggle.unlink(missing_ok=True)
+                rec = one_round(srv, probe_dir, stream, recorder=on)
+                name = "recorder_on" if on else "recorder_off"
+                rounds[name].append(rec)
+                busy = busy_share(rec)
+                if not args.json:
+                    print(
+                        f"round {i} {name:12s} busy {busy['busy_ms']:7.1f} ms "
+                        f"({busy['busy_iterations']} it)  package {busy['package_busy_ms']:6.2f} ms"
+                        f" ({100 * busy['share']:.3f}%)  wall {rec['wall_s']:.2f} s",
+                        flush=True,
+                    )
+    on = [busy_share(r) for r in rounds["recorder_on"][1:]]
+    off = [busy_share(r) for r in rounds["recorder_off"][1:]]
+    med = statistics.median
+    paired = [a["share"] - b["share"] for a, b in zip(on, off)]
+    paired_ms = [a["package_busy_ms"] - b["package_busy_ms"] for a, b in zip(on, off)]
+    result = {
+        "requests_per_round": args.requests,
+        "rounds": args.rounds,
+        "recorder_rate": args.recorder_rate,
+        "busy_ms_median_recorder_on": round(med(x["busy_ms"] for x in on), 1),
+        "busy_ms_median_recorder_off": round(med(x["busy_ms"] for x in off), 1),
+        "package_ms_median_recorder_on": round(med(x["package_busy_ms"] for x in on), 3),
+        "package_ms_median_recorder_off": round(med(x["package_busy_ms"] for x in off), 3),
+        "package_share_of_busy_median_recorder_on": f"{100 * med(x['share'] for x in on):.3f}%",
+        "package_share_of_busy_median_recorder_off": f"{100 * med(x['share'] for x in off):.3f}%",
+        "recorder_share_of_busy_paired_median": f"{100 * med(paired):.3f}%",
+        "recorder_share_of_busy_paired": [f"{100 * d:.3f}%" for d in paired],
+        "recorder_ms_per_round_paired_median": round(med(paired_ms), 3),
+        "target": "recorder_share_of_busy <= 0.1%",
+    }
+    if args.json:
+        print(json.dumps({"rounds": rounds, "summary": result}, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+def recorder_share(r: dict[str, Any]) -> dict[str, float]:
+    """The recorder's own scheduler-thread time in one round: its methods in busy
+    iterations and in the poll iterations (acks, admissions done there), net of its
+    timers, as a share of the round's busy time."""
+    timer = r["timer_ns_per_call"]
+    ns_b = r["busy"][1]
+    own = sum(max(0.0, ns - calls * timer) for ns, calls in (r["rec_busy"], r["rec_poll"]))
+    return {
+        "recorder_busy_ms": own / 1e6,
+        "share": own / ns_b if ns_b else 0.0,
+        "recorder_calls": float(r["rec_busy"][1] + r["rec_poll"][1]),
+    }
+
+
+def summarize_recorder(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, Any]:
+    """``--recorder``: the recorder's share of busy time, directly and as the
+    difference of the package's share between the two servers (round 0 left out)."""
+    on = rounds["recorder_on"][1:]
+    off = rounds["recorder_off"][1:]
+    med = statistics.median
+    direct = [recorder_share(r) for r in on]
+    pkg_on = [busy_share(r)["share"] for r in on]
+    pkg_off = [busy_share(r)["share"] for r in off]
+    out: dict[str, Any] = {
+        "requests_per_round": args.requests,
+        "rounds": args.rounds,
+        "recorder_rate": args.recorder_rate,
+        "recorder_probe": not args.no_recorder_probe,
+        "busy_ms_median_recorder_on": round(med(busy_share(r)["busy_ms"] for r in on), 1),
+        "busy_ms_median_recorder_off": round(med(busy_share(r)["busy_ms"] for r in off), 1),
+        "package_share_of_busy_median_recorder_on": f"{100 * med(pkg_on):.3f}%",
+        "package_share_of_busy_median_recorder_off": f"{100 * med(pkg_off):.3f}%",
+        "package_share_difference_median": f"{100 * (med(pkg_on) - med(pkg_off)):.3f}%",
+        "timer_ns_per_call": round(on[-1]["timer_ns_per_call"]),
+        "target": "recorder_share_of_busy <= 0.1%",
+    }
+    if not args.no_recorder_probe:
+        out.update(
+            {
+                "recorder_calls_per_round_median": med(d["recorder_calls"] for d in direct),
+                "recorder_ms_per_round_median": round(
+                    med(d["recorder_busy_ms"] for d in direct), 3
+                ),
+                "recorder_share_of_busy_median": f"{100 * med(d['share'] for d in direct):.3f}%",
+                "recorder_share_of_busy_max": f"{100 * max(d['share'] for d in direct):.3f}%",
+            }
+        )
+    return out
 
 
 def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, Any]:

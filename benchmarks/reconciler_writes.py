@@ -46,6 +46,11 @@ class _Blocking:
         return [False] * len(hashes)
 
 
+#: Modules of this package renamed since older revisions: an old ``reconciler.py``
+#: imports them by their new names.
+_RENAMED = {"hicache_existence.reconcile.truth": "hicache_existence.reconcile.ground_truth"}
+
+
 def _baseline(rev: str) -> Any:
     """``Reconciler`` as of ``rev``, executed as a private module."""
     import subprocess
@@ -60,6 +65,8 @@ def _baseline(rev: str) -> Any:
         capture_output=True,
         text=True,
     ).stdout
+    for old, new in _RENAMED.items():  # modules renamed since ``rev``
+        source = source.replace(f"from {old} import", f"from {new} import")
     module = types.ModuleType("hicache_existence_bench_baseline_reconciler")
     sys.modules[module.__name__] = module  # dataclasses and typing look it up
     exec(compile(source, f"{rev}:reconciler.py", "exec"), module.__dict__)
@@ -109,8 +116,8 @@ def main() -> None:
     parser.add_argument("--chain-pages", type=int, default=64)
     args = parser.parse_args()
 
+    from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
     from hicache_existence.reconcile.reconciler import Reconciler
-    from hicache_existence.reconcile.truth import InMemoryGroundTruth
 
     Baseline = _baseline(args.baseline_rev)
 
@@ -149,7 +156,7 @@ def _verdict_cost(new: Any, base: Any, label: str, rounds: int) -> None:
     since the query (and, second case, also in flight)."""
     from hicache_existence.core.cache import StorageExistenceCache
     from hicache_existence.reconcile import reconciler as shipped
-    from hicache_existence.reconcile.truth import InMemoryGroundTruth
+    from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
 
     chain = tuple(_pages("verdict", 1024))
     other = _pages("other", 256)

@@ -6,10 +6,12 @@
 Outputs: ``dashboards/hicache-existence-dashboard.json`` (Grafana classic model,
 schemaVersion 41, like SGLang's own dashboard), ``integrations/prometheus/rules.yml``
 (recording and alerting rules), ``integrations/kubernetes/prometheusrule.yaml``
-(the same rules as a PrometheusRule), and the generated tables of
-``docs/metrics.md`` (every metric) and ``docs/enable.md`` (every configuration
-key).  All are committed; the test suite runs ``--check``, as kubernetes-mixin
-does, so none of them can drift from its source.
+(the same rules as a PrometheusRule), the generated tables of
+``docs/metrics.md`` (every metric), ``docs/enable.md`` (every configuration
+key) and ``docs/design.md`` (every ``PoolStats`` field), and CONTRIBUTING.md's
+table of CI legs (read from ``tests/run-all.sh`` by ``tests/run_all_legs.py``).
+All are committed; the test suite runs ``--check``, as kubernetes-mixin does, so
+none of them can drift from its source.
 
 Metric names, kinds and labels are spelt once, in
 ``hicache_existence.exporters.catalog``: ``family(name)`` looks a family up and
@@ -35,18 +37,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from hicache_existence import reference  # noqa: E402
+from hicache_existence import docs_tables  # noqa: E402
 from hicache_existence.exporters import catalog  # noqa: E402
 
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
 METRICS_DOC_PATH = ROOT / "docs" / "metrics.md"
 CONFIG_DOC_PATH = ROOT / "docs" / "enable.md"
+CONTRIBUTING_PATH = ROOT / "CONTRIBUTING.md"
+DESIGN_DOC_PATH = ROOT / "docs" / "design.md"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
 PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
 #: The renderer of the PrometheusRule (located from this file, not ``ROOT``).
 _RENDER_SCRIPT = (
     Path(__file__).resolve().parents[1] / "integrations" / "kubernetes" / "render_prometheusrule.py"
 )
+#: The reader of tests/run-all.sh's legs (located from this file, not ``ROOT``).
+_LEGS_SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "run_all_legs.py"
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -123,6 +129,9 @@ AVOIDED_PAGES = family("write_avoided_pages")
 AVOIDED_BYTES = family("write_avoided_bytes")
 REDUNDANT_PAGES = family("redundant_written_pages")
 REDUNDANT_BYTES = family("redundant_written_bytes")
+REDUNDANT_BELIEVED = family("redundant_believed_pages")
+REDUNDANT_CAUSES = family("redundant_cause_pages")
+MODE_INFO = family("mode_info")
 DIV_CHECKS = family("divergence_checks")
 DIVERGENCES = family("divergences")
 DIV_HEALS = family("divergence_heals")
@@ -225,6 +234,10 @@ class Settings:
     fleet_redundant_for: str = "30m"
     #: Written pages per second (fleet) below which the fleet ratio is noise.
     fleet_min_written_per_s: float = 1.0
+    #: Cache mode without cache_mode.dedup: redundant written pages over written
+    #: pages that make dedup worth turning on.
+    cache_mode_redundant_ratio: float = 0.02
+    cache_mode_redundant_for: str = "30m"
     #: The recommended cap is the smallest multiple of the cap whose estimated hit
     #: ratio is within this of the best estimate (as ``hicache-existence demo``
     #: recommends).
@@ -446,6 +459,37 @@ def rows() -> tuple[Row, ...]:
                 "in-flight refs saved from a redundant write.",
                 "ops",
                 (_t(rate(PAGE_RESCUES), "{{pool}}"),),
+            ),
+            Panel(
+                "Redundant writes by cause (pages/s)",
+                "Why pages L3 already held were written again (docs/metrics.md, causes): a "
+                "prefetch that fell short or was below the threshold, a recompute, a node "
+                "whose host copy was reclaimed (write_back), another instance's page, or a "
+                "node written whole around believed pages. The causes add up to the redundant "
+                "pages; 'believed' beside them are the pages the existence cache believed "
+                "stored (in cache mode without cache_mode.dedup: what dedup would save).",
+                "ops",
+                (
+                    _t(rate(REDUNDANT_CAUSES, ("cause",)), "{{cause}}"),
+                    _t(rate(REDUNDANT_BELIEVED, ()), "believed (dedup would save)"),
+                ),
+                width=12,
+            ),
+            Panel(
+                "Host memory mode",
+                "Instances by HiCache host memory mode (buffer_only or cache), write policy "
+                "and cache_mode.dedup: the write panels count L3 writes in both modes; in "
+                "cache mode with dedup on, believed pages are left out of the write (avoided).",
+                "short",
+                (
+                    _t(
+                        f"count by (host_memory_mode, write_policy, cache_mode_dedup) "
+                        f"({selector(MODE_INFO)})",
+                        "{{host_memory_mode}} {{write_policy}} dedup={{cache_mode_dedup}}",
+                    ),
+                ),
+                type="bargauge",
+                width=12,
             ),
         ),
     )
@@ -1120,6 +1164,11 @@ def recordings() -> tuple[Recording, ...]:
     out.append(
         Recording(_rec(REC_QUERIES, "pool_result"), _sum_rate(REC_QUERIES, (*keep, "result")))
     )
+    out.append(
+        Recording(
+            _rec(REDUNDANT_CAUSES, "pool_cause"), _sum_rate(REDUNDANT_CAUSES, (*keep, "cause"))
+        )
+    )
     answered = "|".join(ANSWERED_RESULTS)
     out += [
         Recording(
@@ -1246,6 +1295,21 @@ def alerts() -> tuple[Alert, ...]:
             f"{s.redundant_offset} earlier: evictions make the cache forget pages L3 still holds.",
         ),
         Alert(
+            "HicacheExistenceCacheModeRedundantWrites",
+            f"{REDUNDANT_RATIO} > {s.cache_mode_redundant_ratio}\n"
+            f"and\n{_rec(WRITTEN_PAGES)} > {s.fleet_min_written_per_s}\n"
+            f"and on ({keep})\ncount by ({keep}) "
+            f'({MODE_INFO.sample}{{host_memory_mode="cache", cache_mode_dedup="false"}}) > 0',
+            s.cache_mode_redundant_for,
+            "warning",
+            "{{ $value | humanizePercentage }} of L3 writes in HiCache cache mode were already "
+            "stored, in " + _WHERE + " (cache_mode.dedup is off).",
+            f"For {s.cache_mode_redundant_for} more than {s.cache_mode_redundant_ratio:.0%} of "
+            "the pages written to L3 by servers in HiCache's cache mode were already there. "
+            "Upstream writes every backed-up node whatever L3 holds; with cache_mode.dedup on, "
+            "pages the existence cache believes stored are left out of the write.",
+        ),
+        Alert(
             "HicacheExistenceFleetRedundantWrites",
             f"{REDUNDANT_RATIO} > {s.fleet_redundant_ratio}\n"
             f"and\n{FILL_RATIO} < {s.at_cap_fill}\n"
@@ -1333,25 +1397,39 @@ def outputs() -> dict[Path, str]:
         DASHBOARD_PATH: dashboard_text(),
         RULES_PATH: rules,
         PROMETHEUSRULE_PATH: _prometheusrule(rules),
-        METRICS_DOC_PATH: reference.replace_between(
-            METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", reference.metrics_table()
+        METRICS_DOC_PATH: docs_tables.replace_between(
+            METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", docs_tables.metrics_table()
         ),
-        CONFIG_DOC_PATH: reference.replace_between(
-            CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", reference.config_table()
+        CONFIG_DOC_PATH: docs_tables.replace_between(
+            CONFIG_DOC_PATH.read_text(encoding="utf-8"), "config", docs_tables.config_table()
+        ),
+        DESIGN_DOC_PATH: docs_tables.replace_between(
+            DESIGN_DOC_PATH.read_text(encoding="utf-8"), "stats", docs_tables.stats_table()
+        ),
+        CONTRIBUTING_PATH: docs_tables.replace_between(
+            CONTRIBUTING_PATH.read_text(encoding="utf-8"), "ci-legs", _script(_LEGS_SCRIPT).table()
         ),
     }
 
 
-def _prometheusrule(rules: str) -> str:
-    """The Kubernetes PrometheusRule embedding ``rules`` (one source for both)."""
+def _script(path: Path) -> Any:
+    """A helper script of the repository, loaded as a module."""
     import importlib.util
 
-    script = _RENDER_SCRIPT
-    spec = importlib.util.spec_from_file_location("render_prometheusrule", script)
+    name = f"hicache_existence_build_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
-    return str(module.render(rules))
+    return module
+
+
+def _prometheusrule(rules: str) -> str:
+    """The Kubernetes PrometheusRule embedding ``rules`` (one source for both)."""
+    return str(_script(_RENDER_SCRIPT).render(rules))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

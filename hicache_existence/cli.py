@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 #: Sub-command modules under ``hicache_existence.commands``, in help order.
-COMMANDS: tuple[str, ...] = ("demo", "bench", "replay", "reconcile_bench", "launch")
+COMMANDS: tuple[str, ...] = ("demo", "bench", "replay", "doctor", "reconcile_bench", "launch")
 
 
 def _load(name: str) -> ModuleType:

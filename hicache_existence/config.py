@@ -41,8 +41,13 @@ ENV_NOT_SETTINGS = frozenset(
         "HICACHE_EXISTENCE_BACKEND",  # == hicache_existence.core.lru.ENV_BACKEND (tested)
     }
 )
-#: Prefixes of tooling variables (test runner, test environment builder).
-ENV_NOT_SETTINGS_PREFIXES = ("HICACHE_EXISTENCE_REQUIRE_", "HICACHE_EXISTENCE_ENV_")
+#: Prefixes of tooling variables (test runner, test environment builder, the
+#: interpreters of tests/run-all.sh's matrix: HICACHE_EXISTENCE_PYTHON_3_11).
+ENV_NOT_SETTINGS_PREFIXES = (
+    "HICACHE_EXISTENCE_REQUIRE_",
+    "HICACHE_EXISTENCE_ENV_",
+    "HICACHE_EXISTENCE_PYTHON_",
+)
 
 
 def is_setting_variable(key: str) -> bool:
@@ -108,7 +113,8 @@ class MissReasonSection:
 @dataclass(frozen=True)
 class DivergenceSection:
     """Cross-rank replica checks (docs/tp-divergence.md).  Every rank must use the
-    same values; a start-up handshake disables checks on all ranks otherwise."""
+    same values; a start-up handshake, which ranks with checks off join too,
+    stops the checks on every rank otherwise."""
 
     enabled: bool = True
     #: Scheduler steps between checks (one ~0.5 ms gloo all-reduce each).
@@ -217,6 +223,48 @@ class AdvisorSection:
 
 
 @dataclass(frozen=True)
+class CacheModeSection:
+    """HiCache's default host memory mode, ``--hicache-host-memory-mode cache``
+    (docs/enable.md): the package counts its L3 writes there; with ``dedup`` it
+    also consults the existence cache before each write and skips believed pages."""
+
+    #: Skip the L3 write of pages believed stored (opt-in: off, cache mode writes
+    #: exactly as upstream's).  Ignored, with a warning, in buffer_only mode or
+    #: without an L3 storage backend.
+    dedup: bool = False
+
+
+@dataclass(frozen=True)
+class RecorderSection:
+    """A sampled trace of the existence cache's traffic in the live server, written
+    for ``hicache-existence replay`` (docs/replay.md, "Recording a trace").  Off by
+    default; the scheduler only hands records to a writer thread, which compresses,
+    rotates and bounds the files, and drops (and counts) what it cannot write."""
+
+    #: Record (opt-in).
+    enabled: bool = False
+    #: Directory of the trace files (created if missing); each recording scheduler
+    #: writes its own rotated ``*.jsonl.gz`` files there, named after its instance.
+    path: str = "hicache-existence-trace"
+    #: Share of pages recorded, chosen by page hash (the first 32 bits of SGLang's
+    #: hex hash below rate x 2^32): a page is recorded at every reference or never,
+    #: on every rank and across restarts.  1: every page.
+    sample_rate: float = 0.02
+    #: Bytes on disk at most, over this instance's rotated files (oldest dropped first).
+    max_bytes: int = 256 * 1024 * 1024
+    #: A file is closed and the next one started past this size (at most max_bytes / 2).
+    file_bytes: int = 16 * 1024 * 1024
+    #: Records waiting for the writer thread at most; beyond it records are dropped
+    #: and counted, never waited for.
+    queue_records: int = 65536
+    #: Seconds between the writer thread's flushes to disk.
+    flush_interval_s: float = 1.0
+    #: Which schedulers record: ``first`` (TP and PP rank 0 of each DP replica; the
+    #: other ranks' replicas see the same traffic) or ``all``.
+    ranks: Literal["first", "all"] = "first"
+
+
+@dataclass(frozen=True)
 class LoggingSection:
     """The package's own log events (the ``hicache_existence`` loggers), in the
     SGLang processes it runs in and in the ``hicache-existence`` command line."""
@@ -240,6 +288,8 @@ class Config:
     divergence: DivergenceSection = field(default_factory=DivergenceSection)
     reconciler: ReconcilerSection = field(default_factory=ReconcilerSection)
     advisor: AdvisorSection = field(default_factory=AdvisorSection)
+    cache_mode: CacheModeSection = field(default_factory=CacheModeSection)
+    recorder: RecorderSection = field(default_factory=RecorderSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     # -- construction --------------------------------------------------------
@@ -412,6 +462,7 @@ _POSITIVE = {
     "reconciler.breaker_failures",
     "reconciler.write_batch",
     "advisor.max_sampled_pages",
+    "recorder.queue_records",
 }
 _NON_NEGATIVE = {
     "metrics.port",
@@ -431,7 +482,16 @@ _NON_NEGATIVE = {
     "reconciler.failover_distrust_s",
     "advisor.half_life_references",
 }
-_FRACTIONS = {"miss_reasons.memory_fraction", "reconciler.sampling_rate", "advisor.sampling_rate"}
+#: Must be > 0.
+_ABOVE_ZERO = {"recorder.sample_rate", "recorder.flush_interval_s"}
+_FRACTIONS = {
+    "miss_reasons.memory_fraction",
+    "reconciler.sampling_rate",
+    "advisor.sampling_rate",
+    "recorder.sample_rate",
+}
+#: The recorder needs room for two files of at least one flush chunk each.
+RECORDER_MIN_BYTES = 128 * 1024
 
 
 def _check_ranges(obj: Any, prefix: str) -> None:
@@ -444,5 +504,15 @@ def _check_ranges(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
         if key in _FRACTIONS and not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key} must be within [0, 1], got {value}")
+        if key in _ABOVE_ZERO and not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if prefix == "recorder.":
+        for key in ("max_bytes", "file_bytes"):
+            if getattr(obj, key) < RECORDER_MIN_BYTES:
+                raise ConfigError(
+                    f"recorder.{key} must be >= {RECORDER_MIN_BYTES}, got {getattr(obj, key)}"
+                )
+        if not obj.path:
+            raise ConfigError("recorder.path must not be empty")
     if prefix == "metrics." and obj.port > 65535:
         raise ConfigError(f"metrics.port must be <= 65535, got {obj.port}")

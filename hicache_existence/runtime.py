@@ -26,6 +26,7 @@ from typing import Any, Literal
 from hicache_existence import logs
 from hicache_existence.accounting.advisor import CapacityAdvisor
 from hicache_existence.accounting.ghosts import GhostFactory
+from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
@@ -35,8 +36,8 @@ from hicache_existence.exporters import FeatureSources, Telemetry
 from hicache_existence.exporters.catalog import DeploymentLabels
 from hicache_existence.exporters.otel import SPAN_DIVERGENCE_CHECK, span
 from hicache_existence.reconcile.agreement import Agreement
+from hicache_existence.reconcile.ground_truth import GroundTruth
 from hicache_existence.reconcile.reconciler import Reconciler
-from hicache_existence.reconcile.truth import GroundTruth
 from hicache_existence.replicas.digest import ReplicaDigest, SharedLruDigest
 from hicache_existence.replicas.divergence import (
     CheckGroup,
@@ -54,9 +55,15 @@ class ExistenceRuntime:
 
     ``group`` is the replica group the divergence checker compares over (every TP
     rank holding a replica of this cache); ``None`` means a single replica, checked
-    against itself so the machinery and its metrics still run.  ``truth`` is the
-    reconciler's ground truth (``None``: no reconciler); ``agreement`` its
-    cross-rank verdict agreement (``None``: one rank).
+    against itself so the machinery and its metrics still run.  The checker is
+    built with ``divergence.enabled`` off too: it then joins only the start-up
+    handshake (which stops every rank's checks when the ranks disagree) and
+    exports nothing.  ``truth`` is the reconciler's ground truth (``None``: no
+    reconciler); ``agreement`` its cross-rank verdict agreement (``None``: one
+    rank).  ``host_mode`` is what ``mode_info`` exports: HiCache's host memory
+    mode, SGLang's write policy and whether ``cache_mode.dedup`` acts.
+    ``instance`` names this process in a recorded trace (``recorder``; default:
+    the host name and the ranks).
     """
 
     def __init__(
@@ -70,6 +77,8 @@ class ExistenceRuntime:
         agreement: Agreement | None = None,
         env: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host_mode: tuple[str, str, bool] = ("buffer_only", "", False),
+        instance: str | None = None,
     ) -> None:
         self.config = config = config or Config()
         if generation not in ("current", "flat"):
@@ -87,11 +96,19 @@ class ExistenceRuntime:
             GhostFactory.from_config(config, max_entries) if config.miss_reasons.enabled else None
         )
         flat = generation == "flat"
-        self.digest: ReplicaDigest | None = None
-        if config.divergence.enabled:
-            self.digest = SharedLruDigest() if flat else ReplicaDigest()
+        checking = config.divergence.enabled
+        # Built on every rank, enabled or not: a rank with checks off still joins the
+        # start-up handshake, so a deployment whose ranks disagree on
+        # ``divergence.enabled`` is caught there instead of leaving the enabled ranks
+        # waiting for it.  Off, the digest observes nothing (no per-operation cost).
+        self.digest: ReplicaDigest = SharedLruDigest() if flat else ReplicaDigest()
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
-        observers: list[BeliefObserver] = [self.digest] if self.digest is not None else []
+        observers: list[BeliefObserver] = [self.digest] if checking else []
+        self.recorder = Recorder.from_config(
+            config.recorder, self.labels, instance=instance, host_mode=host_mode[0]
+        )
+        if self.recorder is not None:
+            observers.append(self.recorder.tap)
         self.tee = Tee(*observers)
         self.cache: AnyCache
         if flat:
@@ -110,14 +127,12 @@ class ExistenceRuntime:
             )
             self.tee.append(self.reconciler)
 
-        self.checker: DivergenceChecker | None = None
         self._check_interval = config.divergence.interval_steps
-        if self.digest is not None:
-            if group is None:
-                group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
-            self.checker = DivergenceChecker(
-                self.digest, group, config.divergence, cache=self.cache
-            )
+        if group is None:
+            group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
+        self.checker: DivergenceChecker = DivergenceChecker(
+            self.digest, group, config.divergence, cache=self.cache
+        )
 
         self.writes = WriteAccounting(page_size_bytes=config.metrics.page_size_bytes)
         self.telemetry = Telemetry(
@@ -129,22 +144,32 @@ class ExistenceRuntime:
             env=env,
             clock=clock,
             features=FeatureSources(
-                divergence=self.checker.stats if self.checker is not None else None,
+                # Off: no divergence series at all (the checks-stopped alert keys on
+                # the series, so a deployment that turned checks off never fires it).
+                divergence=self.checker.stats if checking else None,
                 reconciler=self.reconciler.snapshot if self.reconciler is not None else None,
                 advisor=self._advice if self.advisor is not None else None,
+                mode=lambda: host_mode,
+                recorder=self.recorder.snapshot if self.recorder is not None else None,
             ),
         )
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> ExistenceRuntime:
-        """Bind the metrics endpoint (standalone mode) and log the configuration."""
+        """Bind the metrics endpoint (standalone mode), start the recorder's writer
+        and log the configuration."""
+        if self.recorder is not None:
+            self.recorder.start()
         self.telemetry.start()
         return self
 
     def close(self) -> None:
-        """Stop the reconciler's worker and release the metrics port."""
+        """Stop the reconciler's worker, close the recorder's trace and release the
+        metrics port."""
         if self.reconciler is not None:
             self.reconciler.close()
+        if self.recorder is not None:
+            self.recorder.close()
         self.telemetry.close()
 
     def __enter__(self) -> ExistenceRuntime:
@@ -164,8 +189,7 @@ class ExistenceRuntime:
                 reconciler.apply(self.steps)
             except Exception as exc:  # observability never takes the scheduler down
                 self._report("reconciler", exc)
-        if self.checker is not None:
-            self._check()
+        self._check()
         try:
             self.telemetry.step()
         except Exception as exc:
@@ -173,8 +197,7 @@ class ExistenceRuntime:
 
     def _check(self) -> None:
         checker = self.checker
-        assert checker is not None
-        due = (checker.step + 1) % self._check_interval == 0
+        due = self.config.divergence.enabled and (checker.step + 1) % self._check_interval == 0
         try:
             if due:
                 with span(SPAN_DIVERGENCE_CHECK, step=checker.step + 1):

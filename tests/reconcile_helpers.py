@@ -10,8 +10,8 @@ from typing import Any
 
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.observers import Tee
+from hicache_existence.reconcile.ground_truth import GroundTruthError, TruthUnavailable
 from hicache_existence.reconcile.reconciler import Reconciler
-from hicache_existence.reconcile.truth import GroundTruthError, TruthUnavailable
 
 
 def chain(tag: object, n: int) -> list[str]:

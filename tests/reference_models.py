@@ -1,4 +1,4 @@
-"""Plain reference models of the API contract (docs/design-api-contract.md).
+"""Plain reference models of the cache's contract (upstream's semantics, docs/design.md).
 
 Written for clarity, not speed, and independently of ``hicache_existence``: the LRU
 order is a Python list (oldest first), every walk is an explicit loop, and every

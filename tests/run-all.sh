@@ -10,7 +10,7 @@
 #   Python 3.11  everything but the real servers (sglang 0.5.23), plus the
 #                storage-facing tests on the pure-Python index
 #   Python 3.11  the sglang integration tests against sglang 0.5.21 (the seed's flat API),
-#                and a real 0.5.21 server (tests/real_server/test_server_flat.py)
+#                and real 0.5.21 servers (tests/real_server/test_server_flat*.py: buffer and cache mode)
 #   Python 3.12  the sglang integration tests (sglang 0.5.23; SGLang's image runs 3.12),
 #                the real-server tests (tests/real_server) and the core tests, on both indexes
 #   Python 3.10, 3.13  the core tests, on both indexes (light envs: no torch, no sglang)
@@ -97,7 +97,7 @@ export HICACHE_EXISTENCE_REQUIRE_ALL=1 HICACHE_EXISTENCE_REQUIRE_SGLANG=1
 #    indexes in the main pass too).
 STORAGE_TESTS=(tests/test_bad_input.py tests/test_digest.py tests/test_miss_reasons.py
   tests/test_exporter_prometheus.py tests/test_replay_mattson.py tests/test_config.py
-  tests/test_lru_index.py tests/test_advisor.py tests/test_sampler.py
+  tests/test_lru_index.py tests/test_advisor.py tests/test_sampler.py tests/test_recorder.py
   --deselect tests/test_lru_index.py::test_compiled_index_is_in_use_where_required)
 #    The core tests of the extra Pythons: the package's own behaviour, the main job (its
 #    Redis cases against a real redis-server); nothing that needs torch or sglang (3.11
@@ -109,8 +109,9 @@ CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.
   tests/test_config.py tests/test_advisor.py tests/test_replay_mattson.py
   tests/test_replay_trace.py tests/test_replay_model.py tests/test_reconcile_unit.py
   tests/test_reconcile_inflight.py tests/test_divergence_inprocess.py
-  tests/test_exporter_prometheus.py tests/test_catalog.py
+  tests/test_exporter_prometheus.py tests/test_catalog.py tests/test_doctor.py
   tests/test_logs.py tests/test_runtime.py tests/test_layering.py tests/test_demo.py
+  tests/test_recorder.py
   tests/upstream/test_flat_seed_differential.py
   -m "not slow and not torch and not sglang")
 #    The sglang integration tests: plugin loading, hooks, construction by
@@ -154,17 +155,19 @@ one() { log "pytest [$1]"; leg "$@"; report "$1"; }
 one "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"
 #    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
 #    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
-#    (test_server_flat.py is the flat generation's: it runs in the 0.5.21 leg.)
-one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py
+#    (test_server_flat*.py are the flat generation's: they run in the 0.5.21 leg.)
+one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py \
+  --ignore=tests/real_server/test_server_flat_cache_mode.py
 #    With the seed wheel, also our flat cache against its own class (the differential
 #    replay the other legs run against the benchmarks' reimplementation).
 SEED_WHEEL_TESTS=()
 for primary in kv swa draft_kv; do
   SEED_WHEEL_TESTS+=("tests/upstream/test_flat_seed_differential.py::test_seeded_long_replay_matches_seed[$primary-seed-wheel]")
 done
-#    And a real 0.5.21 server: the flat generation's write accounting against L3's files.
+#    And real 0.5.21 servers: the flat generation's write accounting against L3's files,
+#    in buffer mode and in cache mode (dedup off and on).
 one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" \
-  tests/real_server/test_server_flat.py
+  tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py
 HICACHE_EXISTENCE_BACKEND=python one "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" \
   tests/sglang_integration/test_sglang_launcher.py
 log "pytest [3.11]"

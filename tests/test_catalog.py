@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_existence import reference
+from hicache_existence import docs_tables
 from hicache_existence.accounting.writes import PoolWriteStats
 from hicache_existence.core.stats import PoolStats
 from hicache_existence.exporters import catalog
@@ -19,11 +19,11 @@ BEGIN, END = "<!-- catalog:begin -->", "<!-- catalog:end -->"
 
 
 def test_docs_reference_table_equals_the_catalog():
-    """docs/metrics.md holds exactly reference.metrics_table() between its markers
+    """docs/metrics.md holds exactly docs_tables.metrics_table() between its markers
     (regenerate with: python dashboards/build.py)."""
     text = DOC.read_text(encoding="utf-8")
     block = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert block == reference.metrics_table()
+    assert block == docs_tables.metrics_table()
 
 
 def test_every_exposed_name_is_documented_once():
@@ -46,6 +46,27 @@ def test_names_follow_prometheus_conventions():
         assert ("bytes" in spec.name) == (spec.otel_unit == "By")
         assert spec.help.endswith(".") and len(spec.help) > 20
         assert spec.label_names[: len(catalog.DEPLOYMENT_LABELS)] == catalog.DEPLOYMENT_LABELS
+
+
+def _says_field(family: str, field: str) -> bool:
+    """Whether the words of ``field`` occur in order, side by side, in the family
+    name, each word as it is or singular (``adds`` in ``add_calls``)."""
+    words, want = family.removeprefix(catalog.PREFIX).split("_"), field.split("_")
+    for i in range(len(words) - len(want) + 1):
+        if all(w in (f, f.removesuffix("s")) for w, f in zip(words[i:], want)):
+            return True
+    return False
+
+
+def test_cache_family_names_say_the_field_they_read():
+    """A cache family's name contains the words of the PoolStats field it exports
+    (rescues -> page_rescues, adds -> add_calls), so two families that swapped
+    their fields fail here although every field is still exported once."""
+    assert _says_field("hicache_existence_add_calls", "adds")
+    assert not _says_field("hicache_existence_page_inserts", "refreshes")
+    for spec in CATALOG:
+        if spec.source == "cache" and spec.field != "misses_by_reason":
+            assert _says_field(spec.name, spec.field), (spec.name, spec.field)
 
 
 def test_sources_name_real_snapshot_fields():

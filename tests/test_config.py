@@ -43,6 +43,8 @@ def test_file_and_at_path_are_read(tmp_path):
         ('{"cache": {"max_entries": 0}}', "cache.max_entries must be >= 1"),
         ('{"advisor": {"sampling_rate": 2}}', "advisor.sampling_rate must be within [0, 1]"),
         ('{"enabled": "true"}', "enabled must be a boolean"),
+        ('{"cache_mode": {"dedup": "yes"}}', "cache_mode.dedup must be a boolean"),
+        ('{"cache_mode": {"dedup": 1}}', "cache_mode.dedup must be a boolean"),
         ("[1, 2]", "must be an object"),
         ("{not json", "not valid JSON"),
         ("/no/such/file.json", "neither JSON nor a readable file"),
@@ -61,6 +63,9 @@ def test_bad_environment_values_name_the_variable_key():
         Config.from_env({"HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS": "often"})
     with pytest.raises(ConfigError, match="unknown configuration key"):
         Config.from_env({"HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEP": "5"})
+    with pytest.raises(ConfigError, match=r"cache_mode\.dedup must be a boolean"):
+        Config.from_env({"HICACHE_EXISTENCE_CACHE_MODE__DEDUP": "sometimes"})
+    assert Config.from_env({"HICACHE_EXISTENCE_CACHE_MODE__DEDUP": "1"}).cache_mode.dedup
 
 
 def test_tooling_variables_are_not_settings():
@@ -69,6 +74,8 @@ def test_tooling_variables_are_not_settings():
         "HICACHE_EXISTENCE_REQUIRE_ALL": "1",
         "HICACHE_EXISTENCE_ENV_FLAVOR": "full",
         "HICACHE_EXISTENCE_CACHE_DIR": "/tmp/x",
+        "HICACHE_EXISTENCE_PYTHON": "python3.11",
+        "HICACHE_EXISTENCE_PYTHON_3_11": "/usr/bin/python3.11",  # run-all.sh's matrix
         lru.ENV_BACKEND: "python",  # the index switch, read once at import
     }
     assert Config.from_env(env) == Config()

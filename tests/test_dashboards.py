@@ -339,7 +339,8 @@ def test_rules_lint_catches_each_violation():
 def test_the_alerts_the_issue_asks_for_exist():
     """Churn, hit-ratio collapse, TP divergence (critical), TP checks stopped,
     reconciler down, circuit open, stale positives, at cap with redundant writes
-    rising, fleet-wide redundant writes below the cap."""
+    rising, fleet-wide redundant writes below the cap, cache mode rewriting pages
+    without cache_mode.dedup (issue 21)."""
     severity = {r["alert"]: r["labels"]["severity"] for r in alert_rules(committed_rules())}
     assert severity == {
         "HicacheExistenceEvictionChurn": "warning",
@@ -351,6 +352,7 @@ def test_the_alerts_the_issue_asks_for_exist():
         "HicacheExistenceStalePositivesHigh": "warning",
         "HicacheExistenceAtCapRedundantWritesRising": "info",
         "HicacheExistenceFleetRedundantWrites": "warning",
+        "HicacheExistenceCacheModeRedundantWrites": "warning",
     }
 
 
@@ -390,6 +392,10 @@ def test_every_alert_has_a_runbook_section_with_meaning_confirmation_and_action(
             f"{s.fleet_redundant_ratio:.0%}",
             f"{s.at_cap_fill:.0%}",
             s.fleet_redundant_for,
+        ],
+        "HicacheExistenceCacheModeRedundantWrites": [
+            f"{s.cache_mode_redundant_ratio:.0%}",
+            s.cache_mode_redundant_for,
         ],
     }
     for rule in alert_rules(committed_rules()):

@@ -1,11 +1,15 @@
 """One fact, one place: the counter set is declared once (``PoolStats``'s
-fields), and the three things that must follow it — the live counters, the
-catalog and the reference models — cover it exactly, so a counter missing from
-any of them fails here instead of going unchecked."""
+fields), and the things that must follow it — the live counters, the cache's
+increments, the catalog and the reference models — cover it exactly, so a
+counter missing from any of them fails here instead of going unchecked.  The
+rest follows from the catalog (exporters, docs table, dashboard row, the
+multiprocess test's expectations) and is checked where it is built."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import reference_models
 
@@ -15,6 +19,22 @@ from hicache_existence.exporters.catalog import CATALOG
 
 #: The catalog field that stands for ``page_misses`` split by classified reason.
 _BY_REASON = "misses_by_reason"
+
+CORE = Path(__file__).resolve().parents[1] / "hicache_existence" / "core"
+#: Where the caches count: the lookups both generations share, and each
+#: generation's mutations.
+COUNTING, GENERATIONS = "counting.py", ("cache.py", "flat.py")
+
+
+def _increments() -> dict[str, set[str]]:
+    """Declared counter -> the core modules that increment it (``x.<counter> += n``)."""
+    out: dict[str, set[str]] = {}
+    for name in (COUNTING, *GENERATIONS):
+        for node in ast.walk(ast.parse((CORE / name).read_text(encoding="utf-8"))):
+            target = node.target if isinstance(node, ast.AugAssign) else None
+            if isinstance(target, ast.Attribute) and target.attr in stats.COUNTER_FIELDS:
+                out.setdefault(target.attr, set()).add(name)
+    return out
 
 
 def _exported_cache_fields() -> set[str]:
@@ -56,6 +76,23 @@ def test_live_counters_have_one_slot_per_declared_counter_and_snapshot_by_keywor
     assert dict(snap.misses_by_reason) == dict(zip(stats.MISS_REASONS, [7, 8, 9, 10]))
 
 
+def test_every_declared_counter_is_incremented_by_the_cache():
+    """Each declared counter is incremented in the core's counting code (a counter
+    declared and exported but never counted would export a flat 0)."""
+    counted = _increments()
+    assert [n for n in stats.COUNTER_FIELDS if n not in counted] == []
+
+
+def test_lookups_are_counted_in_one_place_for_both_generations():
+    """The counters of the counting walk (core/counting.py, which both generations'
+    pools are) are incremented nowhere else: a copy of the walk in cache.py or
+    flat.py fails here."""
+    counted = _increments()
+    walk = {n for n, where in counted.items() if COUNTING in where}
+    assert walk >= {"queries", "page_hits", "rescues", "page_misses"}
+    assert {n: sorted(counted[n]) for n in walk if counted[n] != {COUNTING}} == {}
+
+
 def test_reference_models_count_exactly_the_declared_counters():
     """tests/reference_models.py keeps its own lists (it is independent of the
     package); they must name exactly the declared counters, gauges and reasons."""
@@ -90,6 +127,8 @@ def test_write_counters_are_declared_once_and_all_exported():
     for i, name in enumerate(WRITE_FIELDS):
         assert getattr(snap, name) == getattr(delta, name) == out[name] == 100 + i, name
     exported = {spec.field for spec in CATALOG if spec.source == "writes"}
+    assert "causes" in exported  # redundant pages by cause: a labelled family, not a counter
+    exported.discard("causes")
     for name in WRITE_FIELDS:
         assert name in exported, f"write counter {name} is not exported"
         if hasattr(snap, f"{name}_bytes"):

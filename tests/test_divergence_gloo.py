@@ -168,6 +168,25 @@ def test_config_mismatch_is_detected_once_at_start(world: list[dict[str, Any]]) 
             assert expected in m["differing"]
 
 
+def test_runtime_with_checks_off_on_some_ranks_meets_the_others_at_start(
+    world: list[dict[str, Any]],
+) -> None:
+    """ExistenceRuntime with divergence.enabled on rank 0 only: every rank's runtime
+    joins the handshake, so all of them report the mismatch and stop at once (a
+    rank waiting for a peer that never checks would record a failed handshake
+    instead; none checks alone); only rank 0,
+    whose checks are on, exports the divergence families."""
+    for report in world:
+        m = report["mismatch"]["runtime"]
+        assert (m["active"], m["checks"], m["config_mismatches"], m["failures"]) == (
+            False,
+            0,
+            1,
+            0,
+        )
+        assert m["exports_divergence"] is (report["rank"] == 0)
+
+
 def test_rank_that_stops_checking_times_out_the_others(world: list[dict[str, Any]]) -> None:
     """A rank that stops calling the checker makes every other rank fail its next
     check with a timeout error within the configured time, then carry on."""
@@ -334,6 +353,35 @@ def _worker(rank: int, size: int, port: int, out_dir: Path) -> None:  # pragma: 
             "config_mismatches": s.config_mismatches,
             "differing": sorted(events[0]["differing"]) if events else [],
         }
+
+    # 5b. the same through ExistenceRuntime, the wiring every host uses: rank 0 with
+    #     checks on, the others off (their runtime builds a checker all the same)
+    from hicache_existence.config import Config
+    from hicache_existence.runtime import ExistenceRuntime
+
+    runtime_config = Config.from_mapping(
+        {
+            "enabled": True,
+            "metrics": {"mode": "off"},
+            "divergence": {"enabled": rank == 0, "interval_steps": INTERVAL},
+        }
+    )
+    group = TorchGlooGroup.create(timeout_s=runtime_config.divergence.timeout_s)
+    assert group is not None
+    runtime = ExistenceRuntime(runtime_config, group=group)
+    for _ in range(INTERVAL * 3):
+        runtime.step()
+    s = runtime.checker.stats()
+    report["mismatch"]["runtime"] = {
+        "active": s.active,
+        "checks": s.checks,
+        "config_mismatches": s.config_mismatches,
+        "failures": s.failures,
+        "exports_divergence": any(
+            spec.source == "divergence" for spec in runtime.telemetry.series_reader.feature_specs()
+        ),
+    }
+    runtime.close()
 
     # 6. what one check costs (for the notes): checks back to back, interval 1
     rep = Replica()

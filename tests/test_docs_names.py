@@ -1,7 +1,8 @@
 """What the operator docs name exists, and their measured figures say where they
 come from.
 
-Checked over ``docs/*.md``, ``README.md`` and ``integrations/*/README.md``:
+Checked over ``docs/*.md``, ``README.md``, ``benchmarks/README.md`` and
+``integrations/*/README.md``:
 
 * every metric name (``hicache_existence_*``) is a catalog family or one of its
   samples, every recording rule (``level:hicache_existence_...:ops``) is in
@@ -39,11 +40,13 @@ from hicache_existence import config
 from hicache_existence.cli import build_parser
 from hicache_existence.exporters import catalog
 from hicache_existence.integrations.sglang import flags as sglang_flags
+from hicache_existence.reconcile.counters import ERROR_KINDS, RESULTS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [
     *sorted((REPO / "docs").glob("*.md")),
     REPO / "README.md",
+    REPO / "benchmarks" / "README.md",
     *sorted((REPO / "integrations").glob("*/README.md")),
 ]
 RULES = REPO / "integrations" / "prometheus" / "rules.yml"
@@ -117,6 +120,102 @@ def test_metric_and_recording_rule_names_exist() -> None:
     assert not wrong, "names the catalog / rules do not have:\n" + "\n".join(wrong)
 
 
+#: Metrics of other programs the docs quote (name -> whose).
+EXTERNAL_METRICS = {
+    "master_batch_put_start_items_total": "Mooncake master",
+    "master_batch_put_start_failed_items_total": "Mooncake master",
+}
+#: A code span shaped like a sample or a selector: ``name_total`` or
+#: ``name{label="value", ...}`` (the ``hicache_existence_`` prefix may be left out).
+SELECTOR = re.compile(r"`([a-z][a-z0-9_]*)(\{[^`}]*\})?`")
+#: Label values the exporters can produce, per (family without prefix, label).
+LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("page_misses", "reason"): catalog.MISS_REASON_LABELS,
+    ("reconciler_queries", "result"): RESULTS,
+    ("reconciler_errors", "kind"): ERROR_KINDS,
+    ("divergence_check_failures", "reason"): ("timeout", "error"),
+}
+
+
+def _families() -> dict[str, tuple[str, ...]]:
+    """Family name without the prefix -> its label names."""
+    out: dict[str, tuple[str, ...]] = {}
+    for spec in catalog.CATALOG:
+        out[spec.name.removeprefix(catalog.PREFIX)] = spec.label_names
+    for fspec in catalog.FEATURE_CATALOG:
+        out[fspec.name.removeprefix(catalog.PREFIX)] = fspec.label_names
+    return out
+
+
+def check_selector(name: str, selector: str | None) -> str | None:
+    """Why a metric-shaped code span (``errors{kind="timeout"}``, ``x_total``)
+    names no exported family with those labels and values (None: it does).
+    A short name is read as a family's name or its last words."""
+    if name in EXTERNAL_METRICS:
+        return None
+    short = name.removeprefix(catalog.PREFIX)
+    for suffix in ("_total", "_bucket", "_count", "_sum"):
+        short = short.removesuffix(suffix)
+    families = _families()
+    candidates = [f for f in families if f == short or f.endswith("_" + short)]
+    if not candidates:
+        return f"no metric family {name}"
+    matchers = re.findall(r'([a-z_]+)\s*(=~|!=|!~|=)?\s*(?:"([^"]*)")?', (selector or "")[1:-1])
+    problems = []
+    for family in candidates:
+        problems = []
+        for label, op, value in matchers:
+            if label not in families[family]:
+                problems.append(f"{family} has no label {label}")
+                continue
+            allowed = LABEL_VALUES.get((family, label))
+            if allowed is None or op not in ("=", "=~") or not value:
+                continue
+            for v in value.split("|") if op == "=~" else [value]:
+                if re.fullmatch(r"[a-z_+]+", v) and v not in allowed:
+                    problems.append(f"{family}{{{label}}} is never {v!r}")
+        if not problems:
+            return None
+    return "; ".join(problems)
+
+
+def test_short_metric_names_and_selectors_exist() -> None:
+    """Every metric-shaped code span, with or without the hicache_existence_
+    prefix (`errors{kind="timeout"}`, `page_misses_total{reason}`,
+    `x_total`), names an exported family that has those labels and can take
+    those values (or a listed metric of another program), so a name the
+    catalog never had cannot hide behind a left-out prefix."""
+    wrong = []
+    for path, text in _texts():
+        for m in SELECTOR.finditer(text):
+            name, selector = m.group(1), m.group(2)
+            if not (selector or name.endswith("_total")) or "..." in (selector or ""):
+                continue  # not metric-shaped, or a format (`name{label="value",...}`)
+            problem = check_selector(name, selector)
+            if problem:
+                wrong.append(f"{_rel(path)}:{_line_of(text, m.start())}: {m.group(0)}: {problem}")
+    assert not wrong, "metric names or labels that do not exist:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("name", "selector", "ok"),
+    [
+        ("errors", '{kind="ledger_empty"}', True),
+        ("queries", '{result="void"}', True),
+        ("page_misses_total", "{reason}", True),
+        ("hicache_existence_reconciler_queries_total", '{result=~"error|timeout"}', True),
+        ("ledger_pages_total", '{op="stored",result="error"}', False),
+        ("errors", '{kind="nonsense"}', False),
+        ("queries", '{op="x"}', False),
+        ("page_inserts_total", None, True),
+        ("page_insertions_total", None, False),
+    ],
+)
+def test_the_selector_check_can_fail(name: str, selector: str | None, ok: bool) -> None:
+    """The short-name check refuses a family, a label or a value that does not exist."""
+    assert (check_selector(name, selector) is None) is ok, check_selector(name, selector)
+
+
 # -- configuration -------------------------------------------------------------------
 def _config_keys() -> tuple[set[str], set[str]]:
     sections, keys = set(), {"enabled"}
@@ -134,7 +233,9 @@ def test_config_keys_and_variables_exist() -> None:
     Config setting (the variable is accepted by Config.from_env), a variable the
     config module lists as a non-setting, or a public constant of the package."""
     sections, keys = _config_keys()
-    key_re = re.compile(rf"`((?:{'|'.join(sorted(sections))})\.[a-z_]+)(?![\w(])")
+    key_re = re.compile(
+        rf"`((?:{'|'.join(sorted(sections))})\.(?!(?:py|md|json|sh|yml|yaml)`)[a-z_]+)(?![\w(])"
+    )  # not a file name (`reconciler.py`)
     wrong = []
     for path, text in _texts():
         for m in key_re.finditer(text):
@@ -158,6 +259,84 @@ def test_config_keys_and_variables_exist() -> None:
                 if "unknown configuration key" in str(exc):
                     wrong.append(f"{where}: variable {name}")
     assert not wrong, "settings that do not exist:\n" + "\n".join(wrong)
+
+
+def _default_tables(text: str) -> list[tuple[int, list[tuple[int, str, str]]]]:
+    """Markdown tables whose first two columns are ``key`` and ``default``:
+    (first line, [(line, key cell, default cell)])."""
+    tables: list[tuple[int, list[tuple[int, str, str]]]] = []
+    rows: list[tuple[int, str, str]] | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if "|" in line else []
+        if len(cells) >= 2 and cells[0] == "key" and cells[1] == "default":
+            rows = []
+            tables.append((number, rows))
+        elif rows is not None and cells and not set(cells[0]) <= set("-: "):
+            rows.append((number, cells[0], cells[1]))
+        elif not cells:
+            rows = None
+    return tables
+
+
+def _same_default(shown: str, value: object) -> bool:
+    text = shown.strip().strip("`").strip('"')
+    if isinstance(value, bool):
+        return text == str(value).lower()
+    if isinstance(value, (int, float)):
+        try:
+            return float(text.replace(",", "").replace("_", "")) == float(value)
+        except ValueError:
+            return False
+    return text == value
+
+
+def check_default_table(rows: list[tuple[int, str, str]]) -> list[str]:
+    """Problems of one ``| key | default |`` table: every key (cells may list
+    several as `` `a` / `b` `` with values ``1 / 2``) is a field of one
+    ``Config`` section and shows that field's default."""
+    keyed = [(n, re.findall(r"`([a-z_.]+)`", k), d.split(" / ")) for n, k, d in rows]
+    names = {name.rsplit(".", 1)[-1] for _, ks, _ in keyed for name in ks}
+    defaults = config.Config()
+    owners = [
+        top.name
+        for top in fields(defaults)
+        if is_dataclass(getattr(defaults, top.name))
+        and names <= {f.name for f in fields(getattr(defaults, top.name))}
+    ]
+    if not owners:
+        return [f"keys {sorted(names)} are not the fields of one configuration section"]
+    section = getattr(defaults, owners[0])
+    problems = []
+    for number, ks, shown in keyed:
+        if len(ks) != len(shown):
+            problems.append(f"line {number}: {len(ks)} keys, {len(shown)} defaults")
+            continue
+        for key, value in zip(ks, shown):
+            real = getattr(section, key.rsplit(".", 1)[-1])
+            if not _same_default(value, real):
+                where = f"line {number}: {owners[0]}.{key}"
+                problems.append(f"{where} defaults to {real!r}, not {value}")
+    return problems
+
+
+def test_default_tables_show_the_config_defaults() -> None:
+    """Every hand-written ``| key | default |`` table (reconciler budgets, advisor
+    and divergence settings) shows the defaults ``Config`` really has."""
+    wrong = []
+    for path, text in _texts():
+        for start, rows in _default_tables(text):
+            wrong.extend(f"{_rel(path)}:{start}: {p}" for p in check_default_table(rows))
+    assert not wrong, "defaults that are not Config's:\n" + "\n".join(wrong)
+
+
+def test_the_default_table_check_can_fail() -> None:
+    """A wrong default, or a key of no section, is refused."""
+    good = [(1, "`timeout_ms` / `connect_timeout_ms`", "50 / 50"), (2, "`method`", "`lua`")]
+    assert check_default_table(good) == []
+    assert check_default_table([(1, "`queue_size`", "512")]) == [
+        "line 1: reconciler.queue_size defaults to 256, not 512"
+    ]
+    assert check_default_table([(1, "`no_such_key`", "1")]) != []
 
 
 def _any_value(variable: str) -> str:
@@ -249,6 +428,73 @@ def test_the_cli_check_can_fail() -> None:
     ]
 
 
+def _script_defaults(script: Path) -> dict[str, str]:
+    """``--flag`` -> its argparse default as written (``add_argument`` calls of a script)."""
+    out: dict[str, str] = {}
+    for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
+            continue
+        flags = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        default = next((k.value for k in node.keywords if k.arg == "default"), None)
+        for flag in flags:
+            if isinstance(flag, str) and flag.startswith("--"):
+                out[flag] = ast.unparse(default) if default is not None else "None"
+    return out
+
+
+def check_usage(line: str) -> list[str]:
+    """Problems of a usage line's optional arguments shown with a value,
+    ``[--rounds 6]``: the flag must exist and the value be its default (a
+    ``hicache-existence`` command's or a ``python script.py``'s)."""
+    shown = re.findall(r"\[(--[a-z][a-z-]*)[ =]([^\]\s|]+)\]", line)
+    if not shown:
+        return []
+    words = line.strip().removeprefix("$ ").split()
+    defaults: dict[str, str] = {}
+    if words[:1] == ["hicache-existence"]:
+        top, subs = _parsers()
+        sub = subs.get(words[1]) if len(words) > 1 else None
+        for parser in (top, *([sub] if sub else [])):
+            for action in parser._actions:
+                for flag in action.option_strings:
+                    defaults[flag] = str(action.default).replace("_", "")
+    elif len(words) > 1 and words[0] == "python" and (REPO / words[1]).is_file():
+        defaults = {k: v.replace("_", "") for k, v in _script_defaults(REPO / words[1]).items()}
+    else:
+        return []
+    problems = []
+    for flag, value in shown:
+        if flag not in defaults:
+            problems.append(f"{flag} is not a flag of {words[0]} {words[1]}")
+        elif not re.fullmatch(r"[\d.]+", value):
+            continue  # a placeholder (N, PATH), not a default
+        elif defaults[flag] != value:
+            problems.append(f"{flag} defaults to {defaults[flag]}, not {value}")
+    return problems
+
+
+def test_usage_lines_show_the_real_defaults() -> None:
+    """A usage line that shows an optional argument with a number (`[--rounds 6]`)
+    shows that argument's real default."""
+    wrong = []
+    for path, text in _texts():
+        for number, code in _code(text):
+            for problem in check_usage(code):
+                wrong.append(f"{_rel(path)}:{number}: {problem}")
+    assert not wrong, "usage lines that show the wrong default:\n" + "\n".join(wrong)
+
+
+def test_the_usage_check_can_fail() -> None:
+    """A wrong default or a missing flag in a usage line is refused."""
+    assert check_usage("python benchmarks/real_server_cost.py [--rounds 6] [--json]") == []
+    assert check_usage("python benchmarks/real_server_cost.py [--rounds 7]") == [
+        "--rounds defaults to 6, not 7"
+    ]
+    assert check_usage("python benchmarks/real_server_cost.py [--laps 7]") == [
+        "--laps is not a flag of python benchmarks/real_server_cost.py"
+    ]
+
+
 # -- alerts --------------------------------------------------------------------------
 def test_alert_names_and_runbook_anchors_exist() -> None:
     """Every HicacheExistence* alert name, and every runbook anchor
@@ -286,6 +532,85 @@ def test_repository_paths_exist() -> None:
             if problem:
                 wrong.append(f"{_rel(path)}:{_line_of(text, m.start())}: {problem}")
     assert not wrong, "paths that do not exist:\n" + "\n".join(wrong)
+
+
+# -- links ---------------------------------------------------------------------------
+def slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, code marks and punctuation
+    dropped (hyphens and underscores kept), spaces to hyphens."""
+    text = heading.strip().lstrip("#").strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced and re.match(r"#{1,6} ", line):
+            base = slug(line)
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            anchors.add(base if n == 0 else f"{base}-{n}")
+    return anchors
+
+
+def test_links_and_their_anchors_exist() -> None:
+    """Every relative markdown link names a file of the repository, and its
+    #anchor (or an in-page one) a heading of that file."""
+    wrong = []
+    for path, text in _texts():
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = m.group(1)
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file_part, _, anchor = target.partition("#")
+            where = f"{_rel(path)}:{_line_of(text, m.start())}"
+            linked = (path.parent / file_part).resolve() if file_part else path
+            if not linked.exists():
+                wrong.append(f"{where}: {target}: no such file")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                wrong.append(f"{where}: {target}: no heading with that anchor")
+    assert not wrong, "links to nothing:\n" + "\n".join(wrong)
+
+
+def test_the_anchor_rule_is_githubs() -> None:
+    """Headings turn into the anchors GitHub gives them."""
+    assert slug("## 6. Configuration reference") == "6-configuration-reference"
+    assert slug("### Two prefill servers sharing one L3 (measured)") == (
+        "two-prefill-servers-sharing-one-l3-measured"
+    )
+    assert slug("## `divergence.enabled` and the handshake") == (
+        "divergenceenabled-and-the-handshake"
+    )
+
+
+#: `NAME` (`path`), `NAME` in `path`: a name said to be defined in a repository file.
+NAME_IN_FILE = re.compile(
+    r"`([A-Za-z_][\w.]*)(?:\(\))?`(?:\s*\(| in )"
+    r"`((?:hicache_existence|tests|docs|benchmarks|integrations|dashboards)/[^`\s]+)`"
+)
+
+
+def test_names_said_to_be_in_a_file_are_there() -> None:
+    """`Settings.runbook_url` in `dashboards/build.py`, `NAME` (`path`): every part
+    of the name occurs in that file, so a constant or class the docs send a
+    reader to cannot be one that was removed or never existed."""
+    wrong = []
+    for path, text in _texts():
+        for m in NAME_IN_FILE.finditer(text):
+            name, ref = m.group(1), m.group(2).split("::", 1)[0]
+            target = REPO / ref
+            if not target.is_file():
+                continue  # test_repository_paths_exist reports it
+            content = target.read_text(encoding="utf-8")
+            missing = [part for part in name.split(".") if part not in content]
+            if missing:
+                wrong.append(f"{_rel(path)}:{_line_of(text, m.start())}: {name} not in {ref}")
+    assert not wrong, "names their file does not have:\n" + "\n".join(wrong)
 
 
 # -- figures -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import hicache_existence as he
 from hicache_existence import logs
+from hicache_existence.core.stats import COUNTER_FIELDS
 from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels
 from hicache_existence.exporters.multiprocess import MultiprocessFeeder, multiprocess_active
 from hicache_existence.exporters.series import SeriesReader
@@ -51,9 +52,10 @@ CHILD = textwrap.dedent(
     writes = WriteAccounting(page_size_bytes=512)
     tally = {}
     def count(pool, what, n):
-        tally.setdefault(pool, dict.fromkeys(
+        t = tally.setdefault(pool, dict.fromkeys(
             ("written", "avoided", "redundant", "acknowledged", "failed", "believed"), 0
-        ))[what] += n
+        ))
+        t[what] = t.get(what, 0) + n
     feeder = MultiprocessFeeder(
         SeriesReader(cache, writes=writes, ghosts=ghosts, initial_pools=("kv", "swa")),
         DeploymentLabels(model_name="m", engine_type="prefill", tp_rank=rank),
@@ -86,6 +88,10 @@ CHILD = textwrap.dedent(
                     for what, n in (("acknowledged", stored), ("failed", failed),
                                     ("redundant", already), ("believed", believed)):
                         count(pool, what, n)
+                    if already:  # every acked redundant page gets one cause
+                        cause = rng.choice(["recompute", "prefetch_shortfall", "other_instance"])
+                        writes.redundant_cause(pool, cause, already)
+                        count(pool, "cause:" + cause, already)
             else:
                 writes.avoided(pool, len(chain))
                 count(pool, "avoided", len(chain))
@@ -107,27 +113,15 @@ CHILD = textwrap.dedent(
     """
 )
 
-#: Exposed counter name -> the reference model's counter it must equal (written
-#: out here, not read from the catalog, so a catalog mapping error shows).
+#: Exposed cache counter -> the reference model's counter it must equal: every
+#: declared ``PoolStats`` counter, by the catalog's mapping (read here, so a new
+#: counter is checked without an edit; tests/test_catalog.py checks that each
+#: family's name says its field, tests/test_declarations.py that the catalog
+#: exports exactly the declared counters).  ``page_misses`` is checked by reason.
 CACHE_COUNTERS = {
-    "hicache_existence_queries_total": "queries",
-    "hicache_existence_query_hits_total": "query_hits",
-    "hicache_existence_query_misses_total": "query_misses",
-    "hicache_existence_pages_checked_total": "pages_checked",
-    "hicache_existence_page_hits_total": "page_hits",
-    "hicache_existence_page_rescues_total": "rescues",
-    "hicache_existence_add_calls_total": "adds",
-    "hicache_existence_page_inserts_total": "inserts",
-    "hicache_existence_page_refreshes_total": "refreshes",
-    "hicache_existence_evictions_total": "evictions",
-    "hicache_existence_invalidate_calls_total": "invalidate_calls",
-    "hicache_existence_invalidations_total": "invalidations",
-    "hicache_existence_clears_total": "clears",
-    "hicache_existence_cleared_pages_total": "cleared_pages",
-    "hicache_existence_inflight_tracked_total": "inflight_tracked",
-    "hicache_existence_inflight_released_total": "inflight_released",
-    "hicache_existence_inflight_clears_total": "inflight_clears",
-    "hicache_existence_inflight_unmatched_total": "inflight_unmatched",
+    spec.exposed_name: spec.field
+    for spec in CATALOG
+    if spec.source == "cache" and spec.kind == "counter" and spec.field in COUNTER_FIELDS
 }
 #: Exposed write counter -> (the child's own tally, bytes per page or 1).
 WRITE_COUNTERS = {
@@ -190,8 +184,10 @@ def test_aggregated_totals_equal_the_sum_of_processes(tmp_path):
     children = [run_child(tmp_path, rank, seed=100 + rank) for rank in range(3)]
     agg = aggregate(tmp_path)
     counters = {s.exposed_name for s in CATALOG if s.kind == "counter"}
-    covered = {*CACHE_COUNTERS, *WRITE_COUNTERS, "hicache_existence_page_misses_total"}
+    causes = "hicache_existence_redundant_cause_pages_total"
+    covered = {*CACHE_COUNTERS, *WRITE_COUNTERS, "hicache_existence_page_misses_total", causes}
     assert counters == covered, "a catalog counter has no independent expectation here"
+    assert sorted(CACHE_COUNTERS.values()) == sorted({*COUNTER_FIELDS} - {"page_misses"})
     for pool in ("kv", "swa"):
         for name, field in CACHE_COUNTERS.items():
             want = sum(c["ref"][pool][field] for c in children)
@@ -205,6 +201,10 @@ def test_aggregated_totals_equal_the_sum_of_processes(tmp_path):
             want = sum(c["reasons"][pool].get(reason, 0) for c in children)
             got = sum(series(agg, "hicache_existence_page_misses_total", pool=pool, reason=reason))
             assert got == want, (pool, reason, got, want)
+        for cause in ("recompute", "prefetch_shortfall", "other_instance"):
+            want = sum(c["tally"].get(pool, {}).get("cause:" + cause, 0) for c in children)
+            assert sum(series(agg, causes, pool=pool, cause=cause)) == want, (pool, cause)
+        assert sum(series(agg, causes, pool=pool, cause="believed_node")) == 0
         misses = sum(c["ref"][pool]["page_misses"] for c in children)
         assert sum(series(agg, "hicache_existence_page_misses_total", pool=pool)) == misses
     for reason in REASONS:  # the workload exercised every reason

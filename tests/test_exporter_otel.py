@@ -116,7 +116,9 @@ def test_every_family_but_histograms_is_an_instrument_and_the_doc_says_so():
     def unused():  # no reader is attached, so no callback ever runs
         raise AssertionError("collected")
 
-    sources = FeatureSources(divergence=unused, reconciler=unused, advisor=unused)
+    sources = FeatureSources(
+        divergence=unused, reconciler=unused, advisor=unused, mode=unused, recorder=unused
+    )
     cache = he.StorageExistenceCache(10)
     reader = SeriesReader(cache, features=sources)
     exporter = otel.OTelExporter(reader, meter_provider=MeterProvider())

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hicache_existence as he
+from hicache_existence.accounting.causes import CAUSES
 from hicache_existence.accounting.ghosts import GhostFactory
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.config import Config
@@ -110,7 +111,8 @@ def test_scripted_workload_values_over_http():
 
 
 def test_every_series_exists_at_zero_before_any_traffic():
-    """Declared pools have every metric (and every miss reason) at 0 at once."""
+    """Declared pools have every metric (every miss reason, every cause of a
+    redundant write) at 0 at once."""
     series_reader = SeriesReader(he.StorageExistenceCache(10), initial_pools=("kv", "swa"))
     registry = CollectorRegistry()
     registry.register(PrometheusCollector(series_reader, LABELS))
@@ -118,7 +120,12 @@ def test_every_series_exists_at_zero_before_any_traffic():
     for spec in CATALOG:
         for pool in ("kv", "swa"):
             reasons = ["cold", "evicted", "invalidated", "cleared", "unclassified"]
-            for extra in [{"reason": r} for r in reasons] if spec.extra_labels else [{}]:
+            extras: list[dict[str, str]] = [{}]
+            if spec.extra_labels == ("reason",):
+                extras = [{"reason": r} for r in reasons]
+            elif spec.extra_labels == ("cause",):
+                extras = [{"cause": c} for c in CAUSES]
+            for extra in extras:
                 assert value(s, spec.exposed_name, pool=pool, **extra) == 0
 
 

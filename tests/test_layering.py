@@ -1,13 +1,15 @@
 """Imports point one way: core <- accounting <- exporters/features <- integration.
 
 Walks every module of the package with ``ast`` and fails on an import that goes
-up a layer, on a module nobody placed in a layer, and on a heavy third-party
-import outside the module allowed to make it.
+up a layer, on a module nobody placed in a layer, on a heavy third-party
+import outside the module allowed to make it, and on an import cycle between
+the package's modules (at import time, or through lazy imports).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ LAYERS: dict[str, int] = {
     "core.lru": 0,
     "core._lru": 0,  # the compiled index (hicache_existence/core/_lru.c)
     "core.sampler": 0,
+    "core.counting": 1,  # the counting walk both generations' pools share
     "core.cache": 1,
     "core.flat": 1,
     "core.policies": 1,
@@ -38,6 +41,7 @@ LAYERS: dict[str, int] = {
     "reconcile.": 3,
     "exporters.": 3,
     "replay.": 3,
+    "doctor.": 3,  # the doctor's parser, diagnosis and HTTP reads (reads the catalog)
     # wiring: one process's runtime and the integrations that build it
     "runtime": 4,
     "integrations.": 4,
@@ -46,7 +50,7 @@ LAYERS: dict[str, int] = {
     "commands.": 5,
     "cli": 5,
     "__main__": 5,
-    "reference": 5,  # docs tables, read by dashboards/build.py
+    "docs_tables": 5,  # docs tables, read by dashboards/build.py
     "__init__": 6,
 }
 
@@ -89,10 +93,30 @@ def _layer(name: str) -> int | None:
     return None
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
+def _import_time_nodes(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run when the module is imported: the module body and
+    the blocks inside it (``if``, ``try``, ``with``, class bodies), not function
+    bodies (lazy imports) nor ``if TYPE_CHECKING:`` blocks (never run)."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
+            yield from _import_time_nodes(stmt.orelse)
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            inner = getattr(stmt, field, None)
+            if isinstance(inner, list):
+                yield from _import_time_nodes(inner)
+        for handler in getattr(stmt, "handlers", ()):
+            yield from _import_time_nodes(handler.body)
+
+
+def _imports(path: Path, *, import_time_only: bool = False) -> list[tuple[str, int]]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found = []
-    for node in ast.walk(tree):
+    nodes = _import_time_nodes(tree.body) if import_time_only else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.extend((alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -114,6 +138,8 @@ def _imports(path: Path) -> list[tuple[str, int]]:
 
 
 def _internal_target(dotted: str) -> str | None:
+    if dotted in ("hicache_existence", "hicache_existence.__init__"):
+        return "__init__"
     if not dotted.startswith("hicache_existence."):
         return None
     rest = dotted[len("hicache_existence.") :]
@@ -161,3 +187,67 @@ def test_heavy_dependencies_stay_in_their_modules(name: str, path: Path) -> None
             continue
         ok = any(name == a or (a.endswith(".") and name.startswith(a)) for a in allowed)
         assert ok, f"{name}:{lineno} imports {top}, allowed only in {allowed}"
+
+
+def _import_graph(*, import_time_only: bool) -> dict[str, set[str]]:
+    """Module -> the package modules it imports."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES:
+        targets = {
+            _internal_target(d) for d, _ in _imports(path, import_time_only=import_time_only)
+        }
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each
+    sorted: every import cycle lies inside one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_cycles_and_only_cycles() -> None:
+    """The cycle finder reports a two-module and a three-module cycle and
+    nothing of an acyclic chain beside them."""
+    graph = {"a": {"b"}, "b": {"a", "c"}, "c": set(), "x": {"y"}, "y": {"z"}, "z": {"x"}}
+    assert sorted(_cycles(graph)) == [["a", "b"], ["x", "y", "z"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+@pytest.mark.parametrize("import_time_only", [True, False], ids=["import-time", "lazy-too"])
+def test_no_import_cycle_between_the_package_modules(import_time_only: bool) -> None:
+    """No two modules of the package import each other, directly or through
+    others: at import time (a cycle makes import order decide what exists), nor
+    through lazy imports inside functions (one that dodges a cycle hides a tangle,
+    as ``redis_truth`` importing ``redis_cluster``, which imports it, did)."""
+    assert _cycles(_import_graph(import_time_only=import_time_only)) == []

@@ -189,9 +189,10 @@ STEPS_PER_S = 40.0
 LABELS = DeploymentLabels(model_name="demo-model", engine_type="prefill", storage_backend="demo-l3")
 
 
-def workload_config() -> Config:
-    """The demo's configuration (every feature on), served standalone on a free
-    port, with short intervals and high sampling rates."""
+def workload_config(trace_dir: Path) -> Config:
+    """The demo's configuration (every feature on, the recorder writing into
+    ``trace_dir``), served standalone on a free port, with short intervals and high
+    sampling rates."""
     demo = demo_config(DemoOptions(cap=CAP, l3_pages=L3_PAGES, l3_drop_every=L3_DROP_EVERY))
     return Config.from_mapping(
         {
@@ -200,6 +201,7 @@ def workload_config() -> Config:
             "divergence": {"enabled": True, "interval_steps": 5},
             "reconciler": {"enabled": True, "sampling_rate": 0.2, "verifications_per_s": 500.0},
             "advisor": {"enabled": True, "sampling_rate": 0.5},
+            "recorder": {"enabled": True, "path": str(trace_dir), "max_bytes": 1 << 20},
         },
         demo,
     )
@@ -217,12 +219,21 @@ def cycle(
 
 class Workload:
     """One scheduler process in-process: the runtime serving ``/metrics`` and a
-    thread stepping ``SimulatedScheduler`` over the bundled trace."""
+    thread stepping ``SimulatedScheduler`` over the bundled trace.  ``host_mode``
+    is what its ``mode_info`` says (the simulated write stream is the same in both
+    modes: the dashboard and the alerts read the same write families in both)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        trace_dir: Path,
+        host_mode: tuple[str, str, bool] = ("buffer_only", "", False),
+        labels: DeploymentLabels = LABELS,
+    ) -> None:
         requests = pages.expand(read_trace(bundled_trace())).requests
         shard = L3Shard(L3_PAGES, drop_every=L3_DROP_EVERY)
-        self.runtime = ExistenceRuntime(workload_config(), LABELS, truth=shard)
+        self.runtime = ExistenceRuntime(
+            workload_config(trace_dir), labels, truth=shard, host_mode=host_mode
+        )
         self.scheduler = SimulatedScheduler(self.runtime, shard, clear_swa_every=CLEAR_SWA_EVERY)
         self.error: str | None = None
         self._batches = cycle(requests, REQUESTS_PER_STEP)
@@ -261,8 +272,18 @@ class Stack:
     def __init__(self, workdir: Path) -> None:
         self.binary = need_prometheus()
         self.workdir = workdir
-        self.workload = Workload()
+        self.workload = Workload(workdir / "trace")
         self.workload.start()
+        #: A second process labelled as a cache-mode server without dedup (the
+        #: selectors of the cache-mode alert and panels must find it).
+        self.cache_mode = Workload(
+            workdir / "trace-cache-mode",
+            ("cache", "write_through", False),
+            DeploymentLabels(
+                model_name="demo-model", engine_type="unified", storage_backend="demo-l3"
+            ),
+        )
+        self.cache_mode.start()
         self.port = free_port()
         self.log = workdir / "prometheus.log"
         config = {
@@ -275,7 +296,14 @@ class Stack:
             "scrape_configs": [
                 {
                     "job_name": "hicache-existence-runtime",
-                    "static_configs": [{"targets": [f"127.0.0.1:{self.workload.port}"]}],
+                    "static_configs": [
+                        {
+                            "targets": [
+                                f"127.0.0.1:{self.workload.port}",
+                                f"127.0.0.1:{self.cache_mode.port}",
+                            ]
+                        }
+                    ],
                 }
             ],
         }
@@ -328,9 +356,10 @@ class Stack:
         return self.log.read_text(encoding="utf-8", errors="replace")[-3000:]
 
     def check_workload(self) -> None:
-        """Fail with the scheduler thread's traceback if it died."""
-        if self.workload.error is not None:
-            pytest.fail(f"the scheduler thread failed:\n{self.workload.error}")
+        """Fail with a scheduler thread's traceback if it died."""
+        for workload in (self.workload, self.cache_mode):
+            if workload.error is not None:
+                pytest.fail(f"the scheduler thread failed:\n{workload.error}")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -340,6 +369,7 @@ class Stack:
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.workload.close()
+        self.cache_mode.close()
 
 
 @pytest.fixture(scope="module")
@@ -406,6 +436,14 @@ MOVING = (
     ("cleared pages", "sum(increase(hicache_existence_cleared_pages_total[1m])) > 0"),
     ("writes avoided", "sum(increase(hicache_existence_write_avoided_pages_total[1m])) > 0"),
     ("redundant writes", "sum(increase(hicache_existence_redundant_written_pages_total[1m])) > 0"),
+    (
+        "redundant writes by cause",
+        "sum(increase(hicache_existence_redundant_cause_pages_total[1m])) > 0",
+    ),
+    (
+        "both host memory modes",
+        "count(count by (host_memory_mode) (hicache_existence_mode_info)) == 2",
+    ),
     ("divergence checks", "sum(increase(hicache_existence_divergence_checks_total[1m])) > 0"),
     ("check seconds", "sum(increase(hicache_existence_divergence_check_seconds_total[1m])) > 0"),
     ("checks active", "min(hicache_existence_divergence_active) == 1"),

@@ -32,21 +32,20 @@ from redis_cluster_server import RedisCluster  # noqa: E402
 
 from hicache_existence.config import Config, ConfigError, redact_url  # noqa: E402
 from hicache_existence.reconcile.breaker import CircuitBreaker  # noqa: E402
+from hicache_existence.reconcile.ground_truth import (  # noqa: E402
+    GroundTruthError,
+    InMemoryGroundTruth,
+    LedgerEmpty,
+    TruthUnavailable,
+)
 from hicache_existence.reconcile.ledger_writer import LedgerWriter  # noqa: E402
+from hicache_existence.reconcile.ledgers import ledger_from_section, open_ledger  # noqa: E402
 from hicache_existence.reconcile.redis_cluster import RedisClusterLedger  # noqa: E402
 from hicache_existence.reconcile.redis_truth import (  # noqa: E402
     LedgerSettings,
     RedisLedger,
     cluster_seeds,
-    ledger_from_section,
-    open_ledger,
     validate_redis_url,
-)
-from hicache_existence.reconcile.truth import (  # noqa: E402
-    GroundTruthError,
-    InMemoryGroundTruth,
-    LedgerEmpty,
-    TruthUnavailable,
 )
 
 #: Figures for the notes, printed when the module finishes (visible with -s).
@@ -123,8 +122,8 @@ def test_cluster_errors_map_to_unavailable() -> None:
     ``connection`` error (never an answer); standalone mappings are unchanged."""
     import redis.exceptions as rx
 
+    from hicache_existence.reconcile.ground_truth import ServerError, TruthTimeout
     from hicache_existence.reconcile.redis_truth import map_error
-    from hicache_existence.reconcile.truth import ServerError, TruthTimeout
 
     for exc in (
         rx.ClusterDownError("CLUSTERDOWN The cluster is down"),

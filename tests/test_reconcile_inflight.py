@@ -22,8 +22,8 @@ from reconcile_helpers import FaultyTruth, chain, step_until_idle, wired
 
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.observers import Tee
+from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
 from hicache_existence.reconcile.reconciler import Reconciler
-from hicache_existence.reconcile.truth import InMemoryGroundTruth
 
 
 def _query_out(truth: FaultyTruth, rec: Reconciler) -> None:

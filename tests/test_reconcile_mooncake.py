@@ -24,8 +24,8 @@ from mooncake_master import MooncakeMaster, need_mooncake, sglang_mooncake_store
 from reconcile_helpers import chain, step_until_idle, wired
 
 from hicache_existence.reconcile.breaker import CircuitBreaker
+from hicache_existence.reconcile.ground_truth import TruthUnavailable, UnsupportedPool
 from hicache_existence.reconcile.mooncake_truth import MooncakeGroundTruth, is_mooncake_backend
-from hicache_existence.reconcile.truth import TruthUnavailable, UnsupportedPool
 
 pytest.importorskip("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store")
 
@@ -127,7 +127,7 @@ def test_ledger_wrapper_does_not_learn_absence_from_a_mooncake_outage(
     from types import SimpleNamespace
 
     from hicache_existence.reconcile import storage_adapters
-    from hicache_existence.reconcile.truth import InMemoryGroundTruth
+    from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
 
     store = sglang_mooncake_store(master)
     truth = MooncakeGroundTruth(store)

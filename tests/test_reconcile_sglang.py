@@ -85,7 +85,7 @@ def test_dynamic_backend_is_a_hicache_storage_recording_writes(
     assert w.flush_ledger(5)
     assert w.batch_exists(keys) == 6 and len(list((tmp_path / "l3").glob("*.bin"))) == 6
     ledger = w.ledger_ground_truth()
-    assert ledger.settings.shard == "org-model_0_1"
+    assert ledger.ledger.settings.shard == "org-model_0_1"
     assert ledger.leading_present("kv", keys) == 6
     assert w.get(keys[0], _page(0)) is not None
     w.close()

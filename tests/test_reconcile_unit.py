@@ -30,19 +30,20 @@ from hicache_existence.reconcile.breaker import (
     CircuitBreaker,
 )
 from hicache_existence.reconcile.counters import Histogram
-from hicache_existence.reconcile.ledger_writer import LedgerWriter
-from hicache_existence.reconcile.reconciler import (
-    Reconciler,
-    default_learns,
-)
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruth,
     InMemoryGroundTruth,
+    LedgerBehind,
     LedgerEmpty,
     ServerError,
     TruthUnavailable,
     UnsupportedPool,
+)
+from hicache_existence.reconcile.ledger_writer import LedgerWriter
+from hicache_existence.reconcile.reconciler import (
+    Reconciler,
+    default_learns,
 )
 
 fakeredis = pytest.importorskip("fakeredis")
@@ -747,6 +748,32 @@ def test_ledger_writer_is_async_bounded_and_counts() -> None:
     assert ledger.cleared_shards == 1
 
 
+def test_ledger_barrier_answers_only_after_records_offered_before_it() -> None:
+    """wait_written is True at once with nothing queued, False while a record
+    offered before it is held, True once that record is in the ledger; the truth
+    over the writer raises ledger_behind instead of answering past its wait, and
+    answers with the record once written."""
+    ledger = BlockingLedger()
+    w = LedgerWriter(ledger)
+    truth = w.truth(0.05)
+    assert w.wait_written(0.0)
+    w.stored("kv", ["p0", "p1"])
+    assert not w.wait_written(0.05)
+    with pytest.raises(LedgerBehind) as err:
+        truth.leading_present("kv", ["p0", "p1"])
+    assert err.value.kind == "ledger_behind"
+    assert ledger.leading_present("kv", ["p0", "p1"]) == 0  # the record is still held
+    ledger.gate.set()
+    assert w.wait_written(5)
+    assert ledger.leading_present("kv", ["p0", "p1"]) == 2
+    assert truth.leading_present("kv", ["p0", "p1"]) == 2
+    assert truth.present("kv", ["p1", "x"]) == [True, False]
+    assert truth.ledger is ledger and truth.absence_is_evidence()
+    with pytest.raises(ValueError, match="wait_s"):
+        w.truth(0)
+    w.close()
+
+
 class FakeBackend:
     """A stand-in HiCache backend: a dict, with per-key failure injection."""
 
@@ -911,7 +938,7 @@ def test_wrapper_delegates_and_records_successful_writes() -> None:
     assert w.clear() is True
     w.flush_ledger(5)
     assert len(ledger) == 0
-    assert w.ledger_ground_truth() is ledger
+    assert w.ledger_ground_truth().ledger is ledger  # behind the writer's barrier
     w.close()
     assert backend.calls == [
         "register_mem_pool_host",

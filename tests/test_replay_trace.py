@@ -158,7 +158,7 @@ def test_page_trace_loads_with_pools(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("lines", "line", "problem"),
     [
-        ([json.dumps({"format": FORMAT_TAG, "version": 2})], 1, "unsupported trace version"),
+        ([json.dumps({"format": FORMAT_TAG, "version": 3})], 1, "unsupported trace version"),
         ([json.dumps({"format": "other", "version": 1})], 1, "header 'format'"),
         ([page_header(), json.dumps({"timestamp": 1, "pages": ["a", 5]})], 2, "pages[1]"),
         ([page_header(), json.dumps({"timestamp": 1, "pages": [""]})], 2, "pages[0]"),

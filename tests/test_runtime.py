@@ -145,6 +145,35 @@ def test_step_survives_a_failing_component():
     runtime.close()
 
 
+def test_divergence_off_joins_the_handshake_and_exports_no_series():
+    """divergence.enabled=false: the checker still runs the start-up handshake once
+    (so ranks that disagree are caught), then never checks; the digest observes
+    nothing and no divergence family is exported (the checks-stopped alert keys on
+    the series, so it cannot fire for a deployment that turned checks off)."""
+    config = Config.from_mapping(
+        {
+            "enabled": True,
+            "metrics": {"mode": "standalone", "port": 0, "flush_interval_s": 0},
+            "divergence": {"enabled": False, "interval_steps": 5},
+        }
+    )
+    runtime = ExistenceRuntime(config).start()
+    try:
+        assert runtime.digest not in runtime.tee.observers
+        runtime.cache.pool("kv").add(["a" * 64])
+        for _ in range(12):
+            runtime.step()
+        s = runtime.checker.stats()
+        with urllib.request.urlopen(runtime.telemetry.server.url, timeout=10) as response:
+            samples = _parse(response.read().decode())
+    finally:
+        runtime.close()
+    assert (s.steps, s.checks, s.active, s.config_mismatches, s.failures) == (12, 0, False, 0, 0)
+    assert runtime.digest.pool_digests() == {}  # it saw no operation
+    assert _value(samples, "hicache_existence_page_inserts_total", pool="kv") == 1
+    assert not [name for name, _ in samples if "divergence" in name]
+
+
 def test_without_ground_truth_there_is_no_reconciler():
     """reconciler.enabled without a truth builds no reconciler (nothing to ask)."""
     runtime = ExistenceRuntime(_config(mode="off"), truth=None)

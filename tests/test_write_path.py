@@ -15,7 +15,52 @@ import pytest
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.integrations.sglang import write_hooks as wh
 from hicache_existence.integrations.sglang import write_path as wp
+
+
+# -- stand-ins for upstream's callables: the parameter names are upstream's, since the
+# hooks read their arguments by name from the target's signature.
+def _write_intents(self: Any, snapshot: Any) -> Any: ...
+def _backup_pool_keys(self: Any, snapshot: Any) -> Any: ...
+def _refresh_pending_backup_intents(self: Any) -> Any: ...
+def _drop_queue_head(self: Any, intent_tokens: int, *, dropped: bool) -> None: ...
+def _stage_backup_intent(
+    self: Any, intent: Any, device_value: Any, transfers: Any, keys_by_pool: Any
+) -> bool: ...
+def _stage_backup_intent_flat(
+    self: Any, intent: Any, device_value: Any, comp_xfers: Any
+) -> bool: ...
+def finish_storage_write_ack(self: Any, operation_id: int) -> None: ...
+def _page_backup(self: Any, operation: Any) -> None: ...
+def file_set(self: Any, key: str, value: Any = None, target_location: Any = None) -> bool: ...
+def file_exists(self: Any, key: str) -> bool: ...
+def enqueue_backup_intent(self: Any, node_id: int) -> None: ...
+def tree_insert(self: Any, params: Any) -> Any: ...
+
+
+def installed(suffix: str, like: Any, generation: str = "current") -> Any:
+    """The hook the plugin would install on a target with ``like``'s signature."""
+    return wh.hook(suffix, generation).bound(like)
+
+
+around_write_intents = installed("._write_intents", _write_intents)
+after_backup_pool_keys = installed("._backup_pool_keys", _backup_pool_keys)
+around_refresh_pending = installed(
+    "._refresh_pending_backup_intents", _refresh_pending_backup_intents
+)
+around_drop_queue_head = installed("._drop_queue_head", _drop_queue_head)
+after_stage_backup_intent = installed("._stage_backup_intent", _stage_backup_intent)
+after_stage_flat = installed("._stage_backup_intent", _stage_backup_intent_flat, "flat")
+around_storage_write_ack = installed(".finish_storage_write_ack", finish_storage_write_ack)
+around_page_backup = installed("HiCacheController._page_backup", _page_backup)
+around_file_set = installed("HiCacheFile.set", file_set)
+around_file_exists = installed("HiCacheFile.exists", file_exists)
+around_enqueue_backup_intent = installed(".enqueue_backup_intent", enqueue_backup_intent, "flat")
+around_flat_covers_all = installed(
+    "FlatStorageExistenceCache.covers_all", FlatStorageExistenceCache.covers_all, "flat"
+)
+around_tree_insert = installed("UnifiedRadixCache.insert", tree_insert, "flat")
 
 
 def pages(prefix: str, n: int) -> list[str]:
@@ -62,10 +107,10 @@ def admit_current(p: NS, pool_keys: dict[str, list[str]]) -> list[tuple[str, lis
 
     def write_intents(pipe: NS, snap: Any) -> list[tuple[str, list[str]]]:
         keys = backup_pool_keys(pipe, snap)
-        wp.after_backup_pool_keys(keys, pipe, snap)
+        after_backup_pool_keys(keys, pipe, snap)
         return [(pool, k) for pool, k in keys.items() if not cache.pool(pool).covered(k)]
 
-    return list(wp.around_write_intents(write_intents, p, "snap"))
+    return list(around_write_intents(write_intents, p, "snap"))
 
 
 def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> None:
@@ -82,13 +127,13 @@ def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> No
     assert [pool for pool, _ in intents] == ["kv"]  # swa covered: avoided
     assert feed.writes.stats()["swa"].avoided == 1
     # split repairs call _write_intents inside a queue refresh: not counted
-    wp.around_refresh_pending(lambda pipe: admit_current(pipe, {"kv": a + b, "swa": a[-1:]}), p)
+    around_refresh_pending(lambda pipe: admit_current(pipe, {"kv": a + b, "swa": a[-1:]}), p)
     assert feed.writes.stats()["swa"].avoided == 1
 
     intent = NS(pool="kv", keys=a + b, snapshot=NS(hash_values=a + b))
     staged = {"kv": a + b}
-    wp.after_stage_backup_intent(True, p, intent, None, [], staged)
-    wp.after_stage_backup_intent(False, p, intent, None, [], staged)  # not staged: nothing
+    after_stage_backup_intent(True, p, intent, None, [], staged)
+    after_stage_backup_intent(False, p, intent, None, [], staged)  # not staged: nothing
     kv = feed.writes.stats()["kv"]
     assert (kv.written, kv.written_bytes) == (8, 8 * 1024)
 
@@ -99,7 +144,7 @@ def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> No
         return key in on_disk
 
     def file_set(backend: Any, key: str, value: Any = None) -> bool:
-        if wp.around_file_exists(exists, backend, key):
+        if around_file_exists(exists, backend, key):
             return True
         on_disk.add(key)
         return True
@@ -108,16 +153,16 @@ def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> No
 
     def page_backup(controller: Any, op: NS) -> None:
         for key in op.hash_value:
-            wp.around_file_set(file_set, None, key, None)
+            around_file_set(file_set, None, key, None)
             op.completed_tokens += controller.page_size
 
     worker = threading.Thread(
-        target=wp.around_page_backup, args=(page_backup, p._cache.cache_controller, operation)
+        target=around_page_backup, args=(page_backup, p._cache.cache_controller, operation)
     )
     worker.start()
     worker.join()
     p.ongoing_backup[11] = NS(intent=intent, keys_by_pool=staged)
-    wp.around_storage_write_ack(lambda pipe, op_id: pipe.ongoing_backup.pop(op_id), p, 11)
+    around_storage_write_ack(lambda pipe, op_id: pipe.ongoing_backup.pop(op_id), p, 11)
     kv = feed.writes.stats()["kv"]
     assert (kv.acknowledged, kv.failed, kv.redundant, kv.redundant_believed) == (8, 0, 4, 4)
     assert feed.errors == 0
@@ -134,8 +179,8 @@ def test_launch_retirement_is_avoided_once(feed_of) -> None:
     def drop(pipe: NS, tokens: int, *, dropped: bool) -> None:
         pipe.pending_write_queue.pop(0)
 
-    wp.around_drop_queue_head(drop, p, 12, dropped=False)
-    wp.around_drop_queue_head(drop, p, 8, dropped=True)
+    around_drop_queue_head(drop, p, 12, dropped=False)
+    around_drop_queue_head(drop, p, 8, dropped=True)
     assert feed.writes.stats()["kv"].avoided == 3
 
 
@@ -150,12 +195,12 @@ def test_failed_pages_and_untouched_lru(feed_of) -> None:
     queries = cache.stats()["kv"].queries
     order = cache.pool("kv").lru_keys()
     intent = NS(pool="kv", keys=a, snapshot=NS(hash_values=a))
-    wp.after_stage_backup_intent(True, p, intent, None, [], {"kv": a})
+    after_stage_backup_intent(True, p, intent, None, [], {"kv": a})
     assert cache.stats()["kv"].queries == queries and cache.pool("kv").lru_keys() == order
     operation = NS(id=3, hash_value=a, completed_tokens=8, pool_transfers=None)
-    wp.around_page_backup(lambda c, op: None, p._cache.cache_controller, operation)
+    around_page_backup(lambda c, op: None, p._cache.cache_controller, operation)
     p.ongoing_backup[3] = NS(intent=intent, keys_by_pool={"kv": a})
-    wp.around_storage_write_ack(lambda pipe, op_id: None, p, 3)
+    around_storage_write_ack(lambda pipe, op_id: None, p, 3)
     kv = feed.writes.stats()["kv"]
     assert (kv.written, kv.acknowledged, kv.failed, kv.redundant) == (6, 2, 4, 0)
 
@@ -174,19 +219,19 @@ def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
 
     def enqueue(pipe: NS, node_id: int) -> None:
         presented.append(node_id)
-        wp.around_flat_covers_all(
+        around_flat_covers_all(
             FlatStorageExistenceCache.covers_all, cache, "kv", a, extra_cover=frozenset()
         )
 
     def insert(tree: Any, params: Any) -> None:
         for node in (1, 1, 1):
-            wp.around_enqueue_backup_intent(enqueue, p, node)
+            around_enqueue_backup_intent(enqueue, p, node)
 
     tree = NS(storage_existence_cache=cache)
-    wp.around_tree_insert(insert, tree, None)
+    around_tree_insert(insert, tree, None)
     assert presented == [1, 1, 1]
     assert feed.writes.stats()["kv"].avoided == 5
-    wp.around_tree_insert(insert, tree, None)  # the next walk decides again
+    around_tree_insert(insert, tree, None)  # the next walk decides again
     assert feed.writes.stats()["kv"].avoided == 10
 
     queries = cache.stats()["kv"].queries
@@ -195,11 +240,11 @@ def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
 
     b = pages("9", 3)
     intent = NS(snapshot=NS(hash_values=b))
-    wp.after_stage_backup_intent(True, p, intent, None, {})  # flat signature
+    after_stage_flat(True, p, intent, None, {})  # flat signature
     operation = NS(id=5, hash_value=b, completed_tokens=12, pool_transfers=None)
-    wp.around_page_backup(lambda c, op: None, p._cache.cache_controller, operation)
+    around_page_backup(lambda c, op: None, p._cache.cache_controller, operation)
     p.ongoing_backup[5] = NS(intent=intent)  # no keys_by_pool in the flat entry
-    wp.around_storage_write_ack(lambda pipe, op_id: None, p, 5)
+    around_storage_write_ack(lambda pipe, op_id: None, p, 5)
     kv = feed.writes.stats()["kv"]
     assert (kv.written, kv.acknowledged, kv.failed) == (3, 3, 0)
 
@@ -209,8 +254,8 @@ def test_flat_in_flight_pages_reach_the_reconciler(feed_of) -> None:
     to ``covers_all``) is what the reconciler reads; none before the first launch
     or for other pools, and a stale verdict past an in-flight page is withheld."""
     from hicache_existence.core.observers import Tee
+    from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
     from hicache_existence.reconcile.reconciler import Reconciler
-    from hicache_existence.reconcile.truth import InMemoryGroundTruth
 
     tee = Tee()
     cache = FlatStorageExistenceCache(64, observer=tee)
@@ -226,7 +271,7 @@ def test_flat_in_flight_pages_reach_the_reconciler(feed_of) -> None:
     cache.add("kv", b)
     truth.record_stored("kv", b)
     intent = NS(snapshot=NS(hash_values=a))
-    wp.after_stage_backup_intent(True, p, intent, None, {})
+    after_stage_flat(True, p, intent, None, {})
     p.inflight_backup_hashes.update(dict.fromkeys(a, 1))  # upstream's _track_content_refs
     assert feed.inflight_pages("kv") is p.inflight_backup_hashes
     assert feed.inflight_pages("swa") is None
@@ -254,14 +299,36 @@ def test_broken_input_never_raises_and_upstream_runs_once(feed_of) -> None:
         calls.append("x")
         return "result"
 
-    assert wp.after_stage_backup_intent(True, p, NS(), None, [], {"kv": [1, 2]}) is None
+    assert after_stage_backup_intent(True, p, NS(), None, [], {"kv": [1, 2]}) is None
     p.ongoing_backup[1] = NS(intent=NS(), keys_by_pool={"kv": None})
-    feed._outcomes[1] = wp.Outcome(stored={"kv": 1})
-    assert wp.around_storage_write_ack(upstream, p, 1) == "result"
-    assert wp.around_page_backup(upstream, p._cache.cache_controller, NS(id=None)) == "result"
-    assert calls == ["x", "x"] and feed.errors >= 2
+    feed._outcomes[1] = wp.Outcome(stored={"kv": 1})  # what a backup would have left
+    assert around_storage_write_ack(upstream, p, 1) == "result"
+    assert around_page_backup(upstream, p._cache.cache_controller, NS(id=None)) == "result"
+    assert calls == ["x", "x"] and feed.errors == 2  # the ack (keys None), the backup (id None)
     other = pipeline(StorageExistenceCache(8))  # not this process's cache: untouched
-    assert wp.around_storage_write_ack(upstream, other, 1) == "result"
+    assert around_storage_write_ack(upstream, other, 1) == "result"
+
+
+def _any_target(
+    self: Any,
+    node_id: Any = None,
+    pool: Any = None,
+    hashes: Any = None,
+    intent: Any = None,
+    keys_by_pool: Any = None,
+    operation_id: Any = None,
+    operation: Any = None,
+    key: Any = None,
+    keys: Any = None,
+    host_indices: Any = None,
+    token_ids: Any = None,
+    hash_value: Any = None,
+    prefix_keys: Any = None,
+    extra_pools: Any = None,
+    *,
+    dropped: bool = True,
+) -> None:
+    """A stand-in target whose signature has every parameter a hook reads."""
 
 
 def test_register_installs_what_resolves() -> None:
@@ -274,18 +341,70 @@ def test_register_installs_what_resolves() -> None:
     def resolve_without_mooncake(target: str) -> object:
         if "mooncake" in target:
             raise LookupError(target)
-        return object()
+        return _any_target
 
-    done = wp.register(registry, kinds, "current", resolve_without_mooncake)
+    done = wh.register(registry, kinds, "current", resolve_without_mooncake)
     assert done == [t for t, _ in got]
     assert not any("mooncake" in t for t in done)
-    assert f"{wp.PIPELINE}._write_intents" in done and wp.FLAT_COVERS_ALL not in done
-    assert f"{wp.PIPELINE}.enqueue_backup_intent" not in done  # the d(d+1)/2 hot call
+    assert f"{wh.PIPELINE}._write_intents" in done and wh.FLAT_COVERS_ALL not in done
+    assert f"{wh.PIPELINE}.enqueue_backup_intent" not in done  # the d(d+1)/2 hot call
     got.clear()
 
     def resolve_without_pipeline(target: str) -> object:
-        if target.startswith(wp.PIPELINE):
+        if target.startswith(wh.PIPELINE):
             raise LookupError(target)
-        return object()
+        return _any_target
 
-    assert wp.register(registry, kinds, "flat", resolve_without_pipeline) == [] and got == []
+    assert wh.register(registry, kinds, "flat", resolve_without_pipeline) == [] and got == []
+
+
+def test_a_target_without_a_named_parameter_counts_as_missing() -> None:
+    """Hooks read upstream's arguments by name: a required target whose signature
+    lacks the name registers nothing; an optional one is skipped alone."""
+    got: list[str] = []
+    registry = NS(register=lambda target, fn, kind: got.append(target))
+    kinds = NS(AROUND="AROUND", AFTER="AFTER")
+
+    def renamed_ack(self: Any, op_id: int) -> None: ...
+
+    def renamed_file_key(self: Any, name: str) -> bool: ...
+
+    def resolve(target: str) -> object:
+        if target.endswith(".finish_storage_write_ack"):
+            return renamed_ack
+        return _any_target
+
+    assert wh.register(registry, kinds, "current", resolve) == [] and got == []
+
+    def resolve_file(target: str) -> object:
+        return renamed_file_key if target.startswith(wh.FILE_BACKEND) else _any_target
+
+    done = wh.register(registry, kinds, "current", resolve_file)
+    assert done and not any(t.startswith(wh.FILE_BACKEND) for t in done)
+
+
+def test_parameters_are_read_by_name_wherever_upstream_puts_them() -> None:
+    """A parameter passed by keyword or by position reads the same, and an
+    optional one the signature lacks reads as None."""
+
+    def target(
+        self: Any, intent: Any, device_value: Any, transfers: Any, keys_by_pool: Any
+    ) -> None:
+        """upstream's shape"""
+
+    params = wh.Params.bind(target, ("intent", "keys_by_pool", "absent?"))
+    intent, keys = params["intent"], params["keys_by_pool"]
+    assert intent(("i", None, [], {"kv": []}), {}) == "i"
+    assert keys(("i", None, []), {"keys_by_pool": {"kv": []}}) == {"kv": []}
+    assert keys(("i", None, [], {"kv": ["a"]}), {}) == {"kv": ["a"]}
+    assert params["absent"](("i", None, [], {}), {}) is None
+    with pytest.raises(LookupError, match="no parameter 'missing'"):
+        wh.Params.bind(target, ("missing",))
+
+
+def test_every_hook_has_a_docstring() -> None:
+    """CONTRIBUTING: every hook says why it is there."""
+
+    for h in wh.HOOKS:
+        fn = h.bound(_any_target)
+        assert fn.__doc__ and fn.__doc__.strip(), h.target

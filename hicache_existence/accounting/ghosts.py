@@ -209,6 +209,11 @@ class FingerprintGhosts:
             self._trace(key, found)
         return found
 
+    def remembered(self, key: str) -> int:
+        """``reason(key)`` without the sampled debug event: a pure lookup, for a
+        reader that is not classifying a miss (the causes of redundant writes)."""
+        return self._lookup(key)
+
     def _lookup(self, key: str) -> int:
         word = self._word(key)
         slot = self._table[self._top_index[word >> 24] | ((word >> self._lo_shift) & self._lo_mask)]

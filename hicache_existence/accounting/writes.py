@@ -15,7 +15,10 @@ The write path (SGLang's buffer-mode backup, fed by
   ``believed`` of those redundant pages were believed stored when the write
   launched (a node is written whole when any of its pages is not covered);
 * ``redundant(pool, pages)``: ground truth learned later that ``pages`` written
-  pages were already stored.
+  pages were already stored;
+* ``redundant_cause(pool, cause, pages)``: why ``pages`` of the redundant pages were
+  written again (``accounting/causes.py``); the causes add up to ``redundant``
+  wherever the write path classifies (SGLang's write path does, in both modes).
 
 Recording bumps plain ints on the scheduler thread; ``stats()`` returns immutable
 snapshots (pages and bytes) that subtract to deltas, like ``stats.py``.
@@ -24,12 +27,15 @@ snapshots (pages and bytes) that subtract to deltas, like ``stats.py``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from hicache_existence.accounting.causes import CAUSES
 from hicache_existence.core import _validate
 from hicache_existence.core.stats import counter, fields_of_kind, gauge
+
+_NO_CAUSES: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,8 @@ class PoolWriteStats:
     failed: int = counter()
     #: Redundant pages that were believed stored when their write launched.
     redundant_believed: int = counter()
+    #: Redundant pages by cause (``accounting/causes.CAUSES``); subtracted by ``-``.
+    causes: Mapping[str, int] = field(default_factory=lambda: _NO_CAUSES)
 
     @property
     def written_bytes(self) -> int:
@@ -85,11 +93,18 @@ class PoolWriteStats:
         if not isinstance(other, PoolWriteStats):
             return NotImplemented
         deltas = {name: getattr(self, name) - getattr(other, name) for name in WRITE_FIELDS}
-        return PoolWriteStats(self.pool, page_size_bytes=self.page_size_bytes, **deltas)
+        causes = {c: n - other.causes.get(c, 0) for c, n in self.causes.items()}
+        return PoolWriteStats(
+            self.pool,
+            page_size_bytes=self.page_size_bytes,
+            causes=MappingProxyType(causes),
+            **deltas,
+        )
 
     def as_dict(self) -> dict[str, object]:
         """Fields, plus ``<counter>_bytes`` for the counters that have bytes."""
         out: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["causes"] = dict(self.causes)
         for name in WRITE_FIELDS:
             if hasattr(self, f"{name}_bytes"):
                 out[f"{name}_bytes"] = getattr(self, f"{name}_bytes")
@@ -167,6 +182,7 @@ class WriteAccounting:
             )
         self._sizes = sizes
         self._pools: dict[str, _PoolWrites] = {}
+        self._causes: dict[str, dict[str, int]] = {}
 
     def _pool(self, pool: str) -> _PoolWrites:
         rec = self._pools.get(pool) if type(pool) is str else None
@@ -226,6 +242,24 @@ class WriteAccounting:
         rec.redundant += already
         rec.redundant_believed += believed
 
+    def redundant_cause(self, pool: str, cause: str, pages: int) -> None:
+        """``pages`` redundant pages of ``pool`` were written again because of
+        ``cause`` (one of ``accounting.causes.CAUSES``); they must already be
+        counted redundant."""
+        pages = _validate.count(pages, "pages")
+        if cause not in CAUSES:
+            raise ValueError(f"cause must be one of {list(CAUSES)}, got {cause!r}")
+        name = _validate.pool_name(pool)
+        rec = self._pool(name)
+        causes = self._causes.setdefault(name, {})
+        classified = sum(causes.values())
+        if classified + pages > rec.redundant:
+            raise ValueError(
+                f"pages={pages} would classify more pages than are redundant "
+                f"({classified} + {pages} > {rec.redundant}) for pool {name!r}"
+            )
+        causes[cause] = causes.get(cause, 0) + pages
+
     def set_page_size(self, pool: str, size: int) -> None:
         """Bytes of one page of ``pool`` (read from the server's KV layout)."""
         name = _validate.pool_name(pool, "pool")
@@ -259,7 +293,8 @@ class WriteAccounting:
                     name: PoolWriteStats(
                         name,
                         page_size_bytes=self.page_size(name),
-                        **{field: getattr(rec, field) for field in WRITE_FIELDS},
+                        causes=MappingProxyType(dict(self._causes.get(name, {}))),
+                        **{name: getattr(rec, name) for name in WRITE_FIELDS},
                     )
                     for name, rec in list(self._pools.items())
                 }

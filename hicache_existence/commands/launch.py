@@ -1,6 +1,7 @@
 """``hicache-existence launch -- <sglang args>``: start sglang with hicache-existence
 enabled through the environment (for an sglang whose parser cannot take the
-server flags, or wrappers that build sglang's command line).
+server flags, or wrappers that build sglang's command line).  Launching is
+enabling: ``--enable-hicache-existence`` is accepted but not needed.
 
 Our two flags may stand before ``--`` or among sglang's arguments; every other
 argument reaches sglang unchanged and in order.  The launcher ``exec``s sglang,
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ENABLE_FLAG,
         dest="enable",
         action="store_true",
-        help="enable the package in every sglang process (HICACHE_EXISTENCE_ENABLED=1)",
+        help="accepted for symmetry with the server flag; the launcher always enables the "
+        "package in every sglang process (HICACHE_EXISTENCE_ENABLED=1)",
     )
     parser.add_argument(
         CONFIG_FLAG,
@@ -61,12 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if forwarded[:1] == ["--"]:  # the separator (argparse keeps it with REMAINDER)
         forwarded = forwarded[1:]
     try:
-        launch = plan(
-            forwarded,
-            entry=args.sglang_entry,
-            enable=args.enable,
-            config=args.config,
-        )
+        launch = plan(forwarded, entry=args.sglang_entry, config=args.config)
     except LaunchError as exc:
         print(f"hicache-existence launch: error: {exc}", file=sys.stderr)
         return 2

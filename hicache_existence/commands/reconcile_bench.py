@@ -56,6 +56,7 @@ def _spawn(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 
 def run(args: argparse.Namespace) -> int:
     from hicache_existence.config import ConfigError, redact_url
+    from hicache_existence.reconcile.ground_truth import GroundTruthError
     from hicache_existence.reconcile.measure import (
         format_rows,
         measure_memory,
@@ -63,7 +64,6 @@ def run(args: argparse.Namespace) -> int:
         measure_writes,
     )
     from hicache_existence.reconcile.redis_truth import validate_redis_url
-    from hicache_existence.reconcile.truth import GroundTruthError
 
     try:
         sizes = [int(x) for x in str(args.pages).split(",") if x.strip()]

@@ -259,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         progress(f"reading {args.trace}")
         trace = read_trace(args.trace, args.format, block_tokens=args.block_tokens)
+        if trace.version >= 2:
+            return _run_recorded(args, trace, caps, json_path, progress)
         page_size = args.page_size or trace.page_size or DEFAULT_PAGE_SIZE
         progress(f"expanding {len(trace.requests):,} requests to {page_size}-token pages")
         pages = expand(
@@ -335,6 +337,80 @@ def _run_fleet(
     print(report.format_fleet_table(results, config))
     try:
         report.write_fleet_json(results, config, json_path)
+        print(f"wrote {json_path}")
+    except OSError as exc:
+        print(f"error: cannot write the report: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_recorded(
+    args: argparse.Namespace,
+    trace: Any,
+    caps: tuple[int, ...],
+    json_path: Path,
+    progress: Callable[[str], None],
+) -> int:
+    """A recorded (version 2) trace: the recorded stream's curves at every cap, then
+    the buffer-mode model (or the fleet) on its requests, sizes scaled by the rate."""
+    import json
+
+    from hicache_existence.replay import report
+    from hicache_existence.replay.model import ModelConfig
+    from hicache_existence.replay.pages import DEFAULT_PAGE_SIZE, expand
+    from hicache_existence.replay.recorded import format_curves, recorded_curves, scaled, to_json
+    from hicache_existence.replay.sweep import DEFAULT_CURRENT_CAP, format_cap, sweep
+
+    rate = trace.sample_rate
+    progress(f"recorded trace: {len(trace.events):,} events, sample rate {rate:g}")
+    curves = recorded_curves(trace, caps)
+    out: dict[str, Any] = {"recorded": to_json(trace, curves)}
+    if not args.fleet:
+        print(format_curves(curves, format_cap))
+    page_size = args.page_size or trace.page_size or DEFAULT_PAGE_SIZE
+    config = ModelConfig(
+        device_pages=scaled(args.device_pages, rate),
+        l3_pages=scaled(args.l3_pages, rate),
+        ack_latency_ms=args.ack_latency_ms,
+        prefetch_threshold_tokens=round(args.prefetch_threshold * rate),
+        heal=not args.no_heal,
+    )
+    note = (
+        ""
+        if rate >= 1
+        else f"(sizes scaled by the sample rate {rate:g}: caps, device and L3 pages, the prefetch "
+        "threshold and node size run as value x rate; the cap column shows the scaled cap)"
+    )
+    pages = expand(trace, page_size, node_pages=scaled(args.node_pages, rate) or 1)
+    if not pages.requests:
+        print("note: the trace has no request records (no insert walks): no model run")
+    elif args.fleet:
+        if note:
+            print(note)
+        args.instance_cap = scaled(args.instance_cap or DEFAULT_CURRENT_CAP, rate)
+        return _run_fleet(args, pages, config, json_path, progress)
+    elif args.model == "buffer":
+        scaled_caps = tuple(sorted({scaled(c, rate) for c in caps}))
+        current = scaled(args.current_cap or DEFAULT_CURRENT_CAP, rate)
+        result = sweep(
+            pages,
+            tuple(sorted({*scaled_caps, current})),
+            model="buffer",
+            config=config,
+            current_cap=current,
+            jobs=args.jobs,
+            progress=progress,
+        )
+        print()
+        if note:
+            print(note)
+        print(report.format_table(result))
+        out["sweep"] = report.to_json(result)
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = json_path.with_name(json_path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=2) + "\n")
+        os.replace(tmp, json_path)
         print(f"wrote {json_path}")
     except OSError as exc:
         print(f"error: cannot write the report: {exc}", file=sys.stderr)

@@ -16,19 +16,16 @@ thread is safe.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
 
 from hicache_existence.core import _validate, lru
+from hicache_existence.core.counting import CountingPool
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
-from hicache_existence.core.sampler import SamplerType
 from hicache_existence.core.stats import (
     CLEARED,
     EVICTED,
     INVALIDATED,
     CacheStats,
-    PoolCounters,
     PoolStats,
     make_cache_stats,
 )
@@ -39,21 +36,12 @@ HICACHE_EXISTENCE_CACHE_MAX_ENTRIES = 512 * 1024
 MissMemoryFactory = Callable[[str], "MissMemory | None"]
 
 
-class PoolBeliefs:
+class PoolBeliefs(CountingPool):
     """One pool's LRU of page hashes believed stored in L3, plus its refcounted
-    in-flight content (D2H launch to storage ack), with accounting."""
+    in-flight content (D2H launch to storage ack), with accounting (lookups are
+    counted by ``CountingPool``, as in the seed generation)."""
 
-    __slots__ = (
-        "name",
-        "_max_entries",
-        "_entries",
-        "_inflight",
-        "_counters",
-        "_memory",
-        "_missed",
-        "_observer",
-        "_sampler",
-    )
+    __slots__ = ("_max_entries", "_inflight")
 
     def __init__(
         self,
@@ -64,22 +52,13 @@ class PoolBeliefs:
         observer: BeliefObserver | None = None,
         advisor: SamplerSource | None = None,
     ) -> None:
-        self.name = _validate.pool_name(name, "name")
+        name = _validate.pool_name(name, "name")
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
-        # Attribute names match upstream's, for code that peeks at them (the
-        # index supports len(), ``in`` and iteration in LRU order).
-        self._entries: lru.LruIndexType = lru.LruIndex()
+        # Attribute names match upstream's (``_entries``, ``_inflight``), for code
+        # that peeks at them (the index supports len(), ``in`` and iteration in
+        # LRU order).  The pool has its own index: tag 0.
+        super().__init__(name, lru.LruIndex(), 0, miss_memory, observer, advisor)
         self._inflight: dict[str, int] = {}
-        self._counters = PoolCounters()
-        self._memory = miss_memory
-        self._missed: list[str] = []
-        self._observer = observer
-        # The advisor's sampler is fed by the index itself; the cache reports
-        # only the walks the index cannot see end (misses, rescues, contains).
-        self._sampler: SamplerType | None = None
-        if advisor is not None:
-            self._sampler = advisor.sampler(self.name, lru.sampler_class(self._entries))
-            self._entries.attach(0, self._sampler)
 
     # -- configuration -------------------------------------------------------
     @property
@@ -111,13 +90,10 @@ class PoolBeliefs:
 
     def _evict(self, excess: int) -> None:
         """The one eviction path: pop the ``excess`` least recently used entries."""
-        memory = self._memory
-        if memory is None:
+        if self._memory is None:
             self._entries.evict(excess)
         else:
-            if self._missed:
-                self.settle()
-            memory.remember(self._entries.evict_keys(excess).get(0, []), EVICTED)
+            self._remember(self._entries.evict_keys(excess).get(0, []), EVICTED)
         self._counters.evictions += excess
 
     def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
@@ -129,10 +105,8 @@ class PoolBeliefs:
         c = self._counters
         c.invalidate_calls += 1
         c.invalidations += len(gone)
-        if gone and self._memory is not None:
-            if self._missed:
-                self.settle()
-            self._memory.remember(gone, INVALIDATED)
+        if gone:
+            self._remember(gone, INVALIDATED)
         if self._observer is not None:
             self._observer.invalidated(self.name, seq, keep)
 
@@ -174,9 +148,7 @@ class PoolBeliefs:
         c.clears += 1
         c.cleared_pages += len(entries)
         if entries and self._memory is not None:
-            if self._missed:
-                self.settle()
-            self._memory.remember(entries.keys(), CLEARED)
+            self._remember(entries.keys(), CLEARED)
         entries.clear()
         self._inflight.clear()
         if self._observer is not None:
@@ -189,29 +161,7 @@ class PoolBeliefs:
         if self._observer is not None:
             self._observer.cleared(self.name, True)
 
-    # -- queries -------------------------------------------------------------
-    def contains(self, page_hash: str) -> bool:
-        """Whether one page is believed stored; a hit is LRU-touched."""
-        _validate.page_hash(page_hash)
-        c = self._counters
-        c.queries += 1
-        c.pages_checked += 1
-        if self._entries.touch(page_hash):
-            c.page_hits += 1
-            c.query_hits += 1
-            if self._sampler is not None:
-                self._sampler.walked((page_hash,), 1)
-            if self._observer is not None:
-                self._observer.touched(self.name, (page_hash,), 1)
-            return True
-        c.query_misses += 1
-        self._count_miss(page_hash, c)
-        if self._sampler is not None:
-            self._sampler.walked((page_hash,), 0)
-        if self._observer is not None:
-            self._observer.touched(self.name, (page_hash,), 0)
-        return False
-
+    # -- queries (``contains`` is CountingPool's) ----------------------------
     def believed(self, hashes: Iterable[str]) -> list[str]:
         """The pages of ``hashes`` believed stored, neither touched nor counted:
         a read for accounting (was a written page believed when it launched?)."""
@@ -226,89 +176,7 @@ class PoolBeliefs:
     def covered(self, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored or in flight.  Believed pages are
         LRU-touched; in-flight-only pages count as rescues."""
-        return self._walk(_validate.page_sequence(hashes), self._inflight or None)
-
-    def _walk(self, seq: Sequence[str], cover: dict[str, int] | None) -> bool:
-        """A chain walk: the believed prefix touched in one C call; the rest
-        only on a miss."""
-        n = len(seq)
-        pos = self._entries.touch_prefix(seq)  # validates seq before any change
-        c = self._counters
-        c.queries += 1
-        if pos != n:
-            return self._walk_rest(seq, pos, cover, c)
-        c.query_hits += 1
-        c.pages_checked += n
-        c.page_hits += n
-        if n and self._observer is not None:
-            self._observer.touched(self.name, seq, n)
-        return True
-
-    def _walk_rest(
-        self,
-        seq: Sequence[str],
-        pos: int,
-        cover: dict[str, int] | None,
-        c: PoolCounters,
-    ) -> bool:
-        """Finish a walk from ``seq[pos]``, the first page not believed; the pages
-        before it were hits.  A Python loop, like upstream's: taken only when a
-        query misses or meets in-flight content."""
-        hits = pos
-        rescues = 0
-        if cover is not None:
-            touch = self._entries.touch
-            for h in islice(seq, pos, None):
-                if touch(h):
-                    hits += 1
-                elif h in cover:
-                    rescues += 1
-                else:
-                    break
-            else:
-                n = len(seq)
-                c.query_hits += 1
-                c.pages_checked += n
-                c.page_hits += hits
-                c.rescues += rescues
-                if self._sampler is not None:
-                    self._sampler.walked(seq, n)
-                if self._observer is not None:
-                    self._observer.touched(self.name, seq, n)
-                return True
-        stop = hits + rescues
-        c.query_misses += 1
-        c.pages_checked += stop + 1
-        c.page_hits += hits
-        c.rescues += rescues
-        self._count_miss(seq[stop], c)
-        if self._sampler is not None:
-            self._sampler.walked(seq, stop)
-        if self._observer is not None:
-            self._observer.touched(self.name, seq, stop)
-        return False
-
-    def _count_miss(self, page_hash: str, c: PoolCounters) -> None:
-        c.page_misses += 1
-        if self._memory is not None:
-            # Classified in a batch later (``settle``): a list append is all a
-            # miss pays for its reason.
-            self._missed.append(page_hash)
-
-    def settle(self) -> None:
-        """Classify the misses recorded since the last call (miss reasons).
-
-        Runs automatically before the miss memory changes, so every miss gets
-        the reason it had when it happened; the per-step hook calls it so that
-        exported reasons lag by at most one step.  Scheduler thread only.
-        """
-        missed = self._missed
-        if not missed or self._memory is None:
-            return
-        self._missed = []
-        counts = self._counters.miss_reasons
-        for reason, n in Counter(self._memory.classify(missed)).items():
-            counts[reason] += n
+        return self._walk(_validate.page_sequence(hashes), self._inflight)
 
     # -- introspection -------------------------------------------------------
     def __len__(self) -> int:

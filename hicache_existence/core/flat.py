@@ -11,56 +11,42 @@ by default, where almost all traffic goes) has tag 0.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Container, Iterable, Sequence
 
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES, MissMemoryFactory
+from hicache_existence.core.counting import CountingPool
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
-from hicache_existence.core.sampler import SamplerType
 from hicache_existence.core.stats import (
     CLEARED,
     EVICTED,
     INVALIDATED,
     CacheStats,
-    PoolCounters,
     make_cache_stats,
 )
 
 _EMPTY: frozenset[str] = frozenset()
 
 
-class _Pool:
-    """Per-pool bookkeeping of the flat cache: its name, index tag, counters,
-    entry count."""
+class _Pool(CountingPool):
+    """Per-pool bookkeeping of the flat cache: its counted lookups over the shared
+    index under its tag (``CountingPool``, as the current generation's pools),
+    and its entry count."""
 
-    __slots__ = ("name", "tag", "counters", "size", "memory", "missed", "sampler")
+    __slots__ = ("size",)
 
-    def __init__(self, name: str, tag: int, memory: MissMemory | None) -> None:
-        self.name = name
-        self.tag = tag
-        self.counters = PoolCounters()
+    def __init__(
+        self,
+        name: str,
+        entries: lru.LruIndexType,
+        tag: int,
+        memory: MissMemory | None,
+        observer: BeliefObserver | None,
+        advisor: SamplerSource | None,
+    ) -> None:
+        super().__init__(name, entries, tag, memory, observer, advisor)
+        #: Entries of this pool in the shared index.
         self.size = 0
-        self.memory = memory
-        self.missed: list[str] = []
-        #: The capacity advisor's sampler, fed by the index under ``tag``.
-        self.sampler: SamplerType | None = None
-
-    def settle(self) -> None:
-        """Classify the misses recorded since the last call (see cache.py)."""
-        missed = self.missed
-        if not missed or self.memory is None:
-            return
-        self.missed = []
-        counts = self.counters.miss_reasons
-        for reason, n in Counter(self.memory.classify(missed)).items():
-            counts[reason] += n
-
-    def remember(self, keys: list[str], reason: int) -> None:
-        """Settle pending misses, then record ``keys`` leaving for ``reason``."""
-        if self.memory is not None:
-            self.settle()
-            self.memory.remember(keys, reason)
 
 
 class FlatStorageExistenceCache:
@@ -116,12 +102,8 @@ class FlatStorageExistenceCache:
         if rec is None:
             memory = self._miss_memory(resolved) if self._miss_memory else None
             tag = 0 if resolved == self._primary else len(self._pools) + 1
-            rec = self._pools[resolved] = _Pool(resolved, tag, memory)
-            self._by_tag[tag] = rec
-            if self._advisor is not None:
-                entries = self._entries
-                rec.sampler = self._advisor.sampler(resolved, lru.sampler_class(entries))
-                entries.attach(tag, rec.sampler)
+            rec = _Pool(resolved, self._entries, tag, memory, self._observer, self._advisor)
+            self._pools[resolved] = self._by_tag[tag] = rec
             self._any_memory = self._any_memory or memory is not None
         return rec
 
@@ -136,7 +118,7 @@ class FlatStorageExistenceCache:
         n = len(seq)
         inserted = entries.add(seq, rec.tag)
         rec.size += inserted
-        c = rec.counters
+        c = rec._counters
         c.adds += 1
         c.inserts += inserted
         c.refreshes += n - inserted
@@ -153,14 +135,13 @@ class FlatStorageExistenceCache:
             for tag, evicted in self._entries.evict(excess).items():
                 rec = by_tag[tag]
                 rec.size -= evicted
-                rec.counters.evictions += evicted
+                rec._counters.evictions += evicted
             return
         for tag, hashes in self._entries.evict_keys(excess).items():
             rec = by_tag[tag]
             rec.size -= len(hashes)
-            rec.counters.evictions += len(hashes)
-            if rec.memory is not None:
-                rec.remember(hashes, EVICTED)
+            rec._counters.evictions += len(hashes)
+            rec._remember(hashes, EVICTED)
 
     def invalidate_beyond(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         """Drop ``pool``'s beliefs beyond the leading ``keep_pages`` of ``hashes``."""
@@ -170,11 +151,11 @@ class FlatStorageExistenceCache:
         rec = self._pool(resolved)
         gone = self._entries.discard(seq[keep:], rec.tag)
         rec.size -= len(gone)
-        c = rec.counters
+        c = rec._counters
         c.invalidate_calls += 1
         c.invalidations += len(gone)
-        if gone and rec.memory is not None:
-            rec.remember(gone, INVALIDATED)
+        if gone:
+            rec._remember(gone, INVALIDATED)
         if self._observer is not None:
             self._observer.invalidated(rec.name, seq, keep)
 
@@ -184,10 +165,10 @@ class FlatStorageExistenceCache:
         if self._any_memory:
             # Drain oldest first, grouped by pool, for the miss memories.
             for tag, hashes in self._entries.evict_keys(len(self._entries)).items():
-                self._by_tag[tag].remember(hashes, CLEARED)
+                self._by_tag[tag]._remember(hashes, CLEARED)
         self._entries.clear()
         for rec in list(pools.values()):
-            c = rec.counters
+            c = rec._counters
             c.clears += 1
             c.cleared_pages += rec.size
             rec.size = 0
@@ -197,27 +178,11 @@ class FlatStorageExistenceCache:
     # -- queries -------------------------------------------------------------
     def contains(self, pool: str, page_hash: str) -> bool:
         """Whether one page of ``pool`` is believed stored; a hit is LRU-touched."""
-        resolved = self._resolve(pool)
-        _validate.page_hash(page_hash)
-        rec = self._pool(resolved)
-        c = rec.counters
-        c.queries += 1
-        c.pages_checked += 1
-        if self._entries.touch(page_hash, rec.tag):
-            c.page_hits += 1
-            c.query_hits += 1
-            if rec.sampler is not None:
-                rec.sampler.walked((page_hash,), 1, rec.tag)
-            if self._observer is not None:
-                self._observer.touched(rec.name, (page_hash,), 1)
-            return True
-        c.query_misses += 1
-        self._count_miss(rec, page_hash)
-        if rec.sampler is not None:
-            rec.sampler.walked((page_hash,), 0, rec.tag)
-        if self._observer is not None:
-            self._observer.touched(rec.name, (page_hash,), 0)
-        return False
+        rec = self._resolve(pool)
+        if not isinstance(rec, _Pool):  # a new pool: check the page before creating it
+            _validate.page_hash(page_hash)
+            rec = self._pool(rec)
+        return rec.contains(page_hash)  # checks the page before any change
 
     def believed(self, pool: str, hashes: Iterable[str]) -> list[str]:
         """The pages of ``pool`` in ``hashes`` believed stored, neither touched nor
@@ -233,7 +198,7 @@ class FlatStorageExistenceCache:
         having LRU-touched the pages before it."""
         resolved = self._resolve(pool)
         seq = _validate.page_sequence(hashes)
-        return self._walk(self._pool(resolved, seq), seq, _EMPTY)
+        return self._pool(resolved, seq)._walk(seq, None)
 
     def covers_all(
         self,
@@ -247,70 +212,7 @@ class FlatStorageExistenceCache:
         resolved = self._resolve(pool)
         _validate.container(extra_cover, "extra_cover")
         seq = _validate.page_sequence(hashes)
-        return self._walk(self._pool(resolved, seq), seq, extra_cover)
-
-    def _walk(self, rec: _Pool, seq: Sequence[str], cover: Container[str]) -> bool:
-        n = len(seq)
-        pos = self._entries.touch_prefix(seq, rec.tag)  # validates seq before any change
-        c = rec.counters
-        c.queries += 1
-        if pos != n:
-            return self._walk_rest(rec, seq, pos, cover if cover else None)
-        c.query_hits += 1
-        c.pages_checked += n
-        c.page_hits += n
-        if n and self._observer is not None:
-            self._observer.touched(rec.name, seq, n)
-        return True
-
-    def _walk_rest(
-        self, rec: _Pool, seq: Sequence[str], pos: int, cover: Container[str] | None
-    ) -> bool:
-        """Finish a walk from ``seq[pos]``, the first page not believed (Python
-        loop, as the seed's; only on a miss or an extra-cover rescue)."""
-        c = rec.counters
-        hits = pos
-        rescues = 0
-        if cover is not None:
-            touch = self._entries.touch
-            name = rec.name
-            tag = rec.tag
-            for i in range(pos, len(seq)):
-                h = seq[i]
-                if touch(h, tag):
-                    hits += 1
-                elif h in cover:
-                    rescues += 1
-                else:
-                    break
-            else:
-                n = len(seq)
-                c.query_hits += 1
-                c.pages_checked += n
-                c.page_hits += hits
-                c.rescues += rescues
-                if rec.sampler is not None:
-                    rec.sampler.walked(seq, n, tag)
-                if self._observer is not None:
-                    self._observer.touched(name, seq, n)
-                return True
-        stop = hits + rescues
-        c.query_misses += 1
-        c.pages_checked += stop + 1
-        c.page_hits += hits
-        c.rescues += rescues
-        self._count_miss(rec, seq[stop])
-        if rec.sampler is not None:
-            rec.sampler.walked(seq, stop, rec.tag)
-        if self._observer is not None:
-            self._observer.touched(rec.name, seq, stop)
-        return False
-
-    @staticmethod
-    def _count_miss(rec: _Pool, page_hash: str) -> None:
-        rec.counters.page_misses += 1
-        if rec.memory is not None:
-            rec.missed.append(page_hash)  # classified in a batch by settle()
+        return self._pool(resolved, seq)._walk(seq, extra_cover)
 
     def settle(self) -> None:
         """Classify every pool's pending misses (miss reasons); scheduler thread."""
@@ -341,7 +243,7 @@ class FlatStorageExistenceCache:
         cap = self._max_entries
         return make_cache_stats(
             {
-                name: rec.counters.snapshot(name, rec.size, cap, 0)
+                name: rec._counters.snapshot(name, rec.size, cap, 0)
                 for name, rec in list(self._pools.items())
             },
             shared_capacity=True,

@@ -11,8 +11,10 @@ One declaration: the fields of ``PoolStats``, each marked ``counter()``,
 ``gauge()`` or ``miss_reason()``.  From it come ``COUNTER_FIELDS`` /
 ``GAUGE_FIELDS``, the live ``PoolCounters`` class (one slot per counter) and its
 ``snapshot()`` (by keyword), so a new counter is one field here, its increments
-in the cache, and its catalog entry (``exporters/catalog.py``); the tests check
-that the catalog and the reference models cover exactly these fields.
+(``core/counting.py`` for lookups, which both generations share; the
+generations' own mutations otherwise), and its catalog entry
+(``exporters/catalog.py``); the tests check that the increments, the catalog and
+the reference models cover exactly these fields (CONTRIBUTING, "Adding a counter").
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def preflight(opts: DemoOptions) -> str | None:
     if not opts.redis_url:
         return None
     from hicache_existence.config import redact_url
-    from hicache_existence.reconcile.redis_truth import ledger_from_section
+    from hicache_existence.reconcile.ledgers import ledger_from_section
 
     shown = redact_url(opts.redis_url)
     try:
@@ -208,17 +208,20 @@ def _rank_loop(
         )
         group = TorchGlooGroup.create(timeout_s=config.divergence.timeout_s)
         agreement = GlooAgreement.new_group()
-    ledger: Any = None
+    truth: Any = None
     writer: Any = None
     if opts.redis_url:
         from hicache_existence.reconcile.ledger_writer import LedgerWriter
-        from hicache_existence.reconcile.redis_truth import ledger_from_section, shard_id
+        from hicache_existence.reconcile.ledgers import ledger_from_section
+        from hicache_existence.reconcile.redis_truth import shard_id
 
         ledger = ledger_from_section(config.reconciler, shard_id("demo", rank, world))
         # As the wrapping storage backend does: the storage path only enqueues, a
         # background thread writes to Redis, so a Redis that dies mid-run costs
         # counted ledger errors and an open breaker, never the scheduler.
         writer = _WriterLedger(LedgerWriter(ledger))
+        # Verified after the records of the acks before each question (ledger_writer).
+        truth = writer.writer.truth(max(config.reconciler.timeout_ms, 1) / 1000.0)
     shard = L3Shard(opts.l3_pages, drop_every=opts.l3_drop_every, ledger=writer)
     labels = DeploymentLabels(
         model_name=config.metrics.model_name,
@@ -227,7 +230,7 @@ def _rank_loop(
         storage_backend=config.metrics.storage_backend,
     )
     runtime = ExistenceRuntime(
-        config, labels, group=group, truth=ledger or shard, agreement=agreement
+        config, labels, group=group, truth=truth or shard, agreement=agreement
     ).start()
     scheduler = SimulatedScheduler(runtime, shard, clear_swa_every=100)
     requests = _requests(opts)

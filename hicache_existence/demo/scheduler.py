@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache_existence.core.policies import ChainPagesPolicy, TrailingWindowPolicy
-from hicache_existence.reconcile.truth import check_chain
+from hicache_existence.reconcile.ground_truth import check_chain
 from hicache_existence.replay.pages import PageRequest
 from hicache_existence.runtime import ExistenceRuntime
 
@@ -207,6 +207,8 @@ class SimulatedScheduler:
                 kv.track_inflight(node)
                 already = self.shard.write(KV, node)
                 writes.written(KV, len(node), already_stored=already)
+                if already:  # the shard holds only this scheduler's writes: its own pages
+                    writes.redundant_cause(KV, "recompute", already)
                 totals.written += len(node)
                 totals.redundant += already
                 self._acks.append((KV, node))
@@ -215,5 +217,8 @@ class SimulatedScheduler:
                 writes.avoided(SWA, 1)
             else:
                 swa.track_inflight(window)
-                writes.written(SWA, 1, already_stored=self.shard.write(SWA, window))
+                already = self.shard.write(SWA, window)
+                writes.written(SWA, 1, already_stored=already)
+                if already:
+                    writes.redundant_cause(SWA, "recompute", already)
                 self._acks.append((SWA, window))

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from hicache_existence.accounting.causes import CAUSES
 from hicache_existence.config import redact_url
 from hicache_existence.core.stats import MISS_REASONS
 
@@ -265,21 +266,36 @@ CATALOG: tuple[MetricSpec, ...] = (
     _c(
         "redundant_believed_pages",
         "Redundant written pages that were believed stored when the write launched "
-        "(a node is written whole when any of its pages is uncovered).",
+        "(a node is written whole when any of its pages is uncovered; in cache mode "
+        "without cache_mode.dedup, the pages dedup would have saved).",
         "redundant_believed",
         "{page}",
         "writes",
     ),
+    MetricSpec(
+        PREFIX + "redundant_cause_pages",
+        "counter",
+        "Redundant written pages by cause (why they were written again; the causes "
+        "add up to redundant_written_pages; docs/metrics.md lists them).",
+        "",
+        "writes",
+        "causes",
+        "{page}",
+        ("cause",),
+    ),
 )
+
+#: Label values of ``redundant_cause_pages`` (``accounting/causes.py``).
+CAUSE_LABELS: tuple[str, ...] = CAUSES
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 
 
 # ---------------------------------------------------------------------------
-# feature metrics: TP-divergence checks, the reconciler, the capacity advisor
+# feature metrics: TP-divergence checks, the reconciler, the capacity advisor, the recorder
 
 FeatureKind = Literal["counter", "gauge", "histogram"]
-FeatureSource = Literal["divergence", "reconciler", "advisor"]
+FeatureSource = Literal["mode", "divergence", "reconciler", "advisor", "recorder"]
 
 
 @dataclass(frozen=True)
@@ -313,11 +329,20 @@ def _f(
     otel_unit: str,
     labels: tuple[str, ...] = (),
 ) -> FeatureSpec:
-    unit = "seconds" if name.endswith("_seconds") else ""
+    unit = "seconds" if name.endswith("_seconds") else "bytes" if name.endswith("_bytes") else ""
     return FeatureSpec(PREFIX + name, kind, help, unit, source, labels, otel_unit)
 
 
 FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
+    _f(
+        "mode_info",
+        "gauge",
+        "mode",
+        "1, labelled with the HiCache host memory mode this process serves (buffer_only "
+        "or cache), SGLang's write policy and whether cache_mode.dedup is on.",
+        "1",
+        ("host_memory_mode", "write_policy", "cache_mode_dedup"),
+    ),
     _f(
         "divergence_checks",
         "counter",
@@ -481,6 +506,39 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "Sampled page references the advisor could not record (its sampler could not "
         "allocate memory; the estimate is biased low while this grows).",
         "{page}",
+    ),
+    _f(
+        "recorder_records",
+        "counter",
+        "recorder",
+        "Records the trace recorder wrote to its files, by kind (lookup, add, invalidate, "
+        "clear, write, prefetch, request; docs/replay.md).",
+        "{record}",
+        ("kind",),
+    ),
+    _f(
+        "recorder_dropped_records",
+        "counter",
+        "recorder",
+        "Records the trace recorder dropped: queue_full (the writer thread fell behind; the "
+        "scheduler never waits) or write_error (the path could not be opened or written, "
+        "e.g. a full disk). A trace with drops under-counts references.",
+        "{record}",
+        ("reason",),
+    ),
+    _f(
+        "recorder_written_bytes",
+        "counter",
+        "recorder",
+        "Compressed bytes the trace recorder wrote (rotated and deleted files included).",
+        "By",
+    ),
+    _f(
+        "recorder_disk_bytes",
+        "gauge",
+        "recorder",
+        "Bytes this instance's trace files take on disk now (bounded by recorder.max_bytes).",
+        "By",
     ),
 )
 

@@ -1,4 +1,5 @@
-"""Feature metrics from snapshots: TP-divergence checks, the reconciler, the advisor.
+"""Feature metrics from snapshots: TP-divergence checks, the reconciler, the advisor,
+the recorder.
 
 Like the cache metrics, these are read from immutable snapshots at export time
 (``DivergenceChecker.stats()``, ``Reconciler.snapshot()``, ``CapacityAdvisor.snapshot()``),
@@ -32,13 +33,19 @@ class FeatureSources:
     divergence: Callable[[], Any] | None = None
     reconciler: Callable[[], Any] | None = None
     advisor: Callable[[], Any] | None = None
+    #: The host memory mode served: ``(host_memory_mode, write_policy, dedup)``.
+    mode: Callable[[], tuple[str, str, bool]] | None = None
+    #: The trace recorder's counters (``Recorder.snapshot``).
+    recorder: Callable[[], Any] | None = None
 
     def specs(self) -> tuple[FeatureSpec, ...]:
         """The feature metric families these sources export."""
         on = {
+            "mode": self.mode is not None,
             "divergence": self.divergence is not None,
             "reconciler": self.reconciler is not None,
             "advisor": self.advisor is not None,
+            "recorder": self.recorder is not None,
         }
         return tuple(spec for spec in FEATURE_CATALOG if on[spec.source])
 
@@ -50,12 +57,17 @@ def sample_features(
     labels and ``pool_labels`` lists the labels handed out so far."""
     scalars: FeatureSamples = {}
     histograms: HistogramSamples = {}
+    if sources.mode is not None:
+        host_mode, policy, dedup = sources.mode()
+        scalars[_name("mode_info")] = {(host_mode, policy, "true" if dedup else "false"): 1.0}
     if sources.divergence is not None:
         _divergence(scalars, sources.divergence())
     if sources.reconciler is not None:
         _reconciler(scalars, histograms, sources.reconciler(), label, pool_labels)
     if sources.advisor is not None:
         _advisor(scalars, sources.advisor(), label)
+    if sources.recorder is not None:
+        _recorder(scalars, sources.recorder())
     return scalars, histograms
 
 
@@ -137,3 +149,10 @@ def _advisor(out: FeatureSamples, snap: Any, label: Callable[[str], str]) -> Non
             series[(pool_label, labels["cap_multiplier"])] = float(value)
         out[_name(name)] = series
     out[_name("advisor_dropped_references")] = {(): float(snap.dropped_references)}
+
+
+def _recorder(out: FeatureSamples, snap: Any) -> None:
+    out[_name("recorder_records")] = {(str(k),): float(n) for k, n in snap.records.items()}
+    out[_name("recorder_dropped_records")] = {(str(k),): float(n) for k, n in snap.dropped.items()}
+    out[_name("recorder_written_bytes")] = {(): float(snap.written_bytes)}
+    out[_name("recorder_disk_bytes")] = {(): float(snap.disk_bytes)}

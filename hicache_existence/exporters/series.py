@@ -19,6 +19,7 @@ from hicache_existence.core import _validate
 from hicache_existence.core.stats import MISS_REASONS, CacheStats, PoolStats
 from hicache_existence.exporters.catalog import (
     CATALOG,
+    CAUSE_LABELS,
     MISS_REASON_LABELS,
     OTHER_POOL,
     FeatureSpec,
@@ -72,6 +73,8 @@ class PoolLabeler:
 def _series_of(spec: MetricSpec, pool_label: str) -> list[SeriesKey]:
     if spec.extra_labels == ("reason",):
         return [(pool_label, reason) for reason in MISS_REASON_LABELS]
+    if spec.extra_labels == ("cause",):
+        return [(pool_label, cause) for cause in CAUSE_LABELS]
     return [(pool_label,)]
 
 
@@ -196,7 +199,12 @@ class SeriesReader:
     def _add_writes(out: Samples, pool_label: str, stats: PoolWriteStats) -> None:
         key = (pool_label,)
         for spec in _WRITE_SPECS:
-            out[spec.name][key] += getattr(stats, spec.field)
+            if spec.field == "causes":
+                series = out[spec.name]
+                for cause, n in stats.causes.items():
+                    series[(pool_label, cause)] += n
+            else:
+                out[spec.name][key] += getattr(stats, spec.field)
 
 
 _MEMORY = "hicache_existence_memory_bytes"

@@ -9,7 +9,7 @@ Importing it costs nothing: redis, torch and sglang are imported lazily by the
 modules that need them (``redis_truth``, ``agreement``, ``storage_adapters``).
 """
 
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruth,
     GroundTruthError,

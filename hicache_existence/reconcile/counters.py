@@ -30,6 +30,7 @@ ERROR_KINDS = (
     "garbage",
     "ledger_empty",
     "ledger_reset",
+    "ledger_behind",
     "server",
     "unsupported",
     "internal",

@@ -4,6 +4,17 @@ The storage thread must not wait on Redis: ``stored`` / ``removed`` only enqueue
 (bounded; when full the record is dropped and counted, which at worst costs a
 redundant write later).  One thread drains the queue, coalescing records of the
 same pool into pipelined batches.
+
+A record therefore reaches the ledger some time after the storage call that
+made it returned, and so after the storage ack that made the page believed.
+A verification asked in between would read the page as absent and drop a true
+belief (a stale-positive verdict, then a rewrite).  ``WrittenLedgerTruth``
+closes that window: it answers only once every record offered before the
+question has been written (``LedgerWriter.wait_written``).  The wait runs on the
+reconciler's worker thread, never on the scheduler or storage threads, and is
+bounded: past it the question fails (``LedgerBehind``), which is never read as
+absence.  Offering stays non-blocking: a counter bumped under a lock held for a
+``put_nowait``.
 """
 
 from __future__ import annotations
@@ -13,10 +24,14 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
-from hicache_existence.reconcile.truth import GroundTruthError
+from hicache_existence.reconcile.ground_truth import (
+    GroundTruthError,
+    LedgerBehind,
+    absence_is_evidence,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +61,11 @@ class LedgerWriter:
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
         self._batch = max(1, batch_pages)
         self._lock = threading.Lock()
+        #: Records accepted into the queue, and records whose write was attempted
+        #: (both in queue order, under ``_lock``): the barrier of ``wait_written``.
+        self._offered = 0
+        self._written = 0
+        self._written_changed = threading.Condition(self._lock)
         #: (op, result) -> pages; op in stored/removed/cleared, result ok/error/dropped.
         self.pages: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[str] = Counter()
@@ -66,11 +86,16 @@ class LedgerWriter:
     def _offer(self, item: tuple[str, str, tuple[str, ...]]) -> None:
         if self._closed or (not item[2] and item[0] != "cleared"):
             return
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            with self._lock:
+        # One lock around the put and the count, so that the first ``_offered``
+        # records of the queue are exactly the ones counted (storage threads may
+        # offer concurrently).  Never blocks: put_nowait.
+        with self._lock:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
                 self.pages[(item[0], "dropped")] += len(item[2])
+            else:
+                self._offered += 1
 
     # -- consumer side -----------------------------------------------------------
     def _run(self) -> None:
@@ -95,6 +120,9 @@ class LedgerWriter:
             try:
                 self._write(work)  # type: ignore[arg-type]
             finally:
+                with self._lock:
+                    self._written += len(work)
+                    self._written_changed.notify_all()
                 for _ in items:
                     self._queue.task_done()
             if stop:
@@ -130,6 +158,20 @@ class LedgerWriter:
             with self._lock:
                 self.pages[(op, result)] += len(hashes) if op != "cleared" else 1
 
+    # -- readers of the ledger (never the storage or scheduler thread) --------------
+    def wait_written(self, timeout_s: float) -> bool:
+        """Wait until every record offered before this call was written to the
+        ledger (or its write failed and was counted); False after ``timeout_s``.
+        Records offered meanwhile are not waited for."""
+        with self._lock:
+            target = self._offered
+            return self._written_changed.wait_for(lambda: self._written >= target, timeout_s)
+
+    def truth(self, wait_s: float) -> WrittenLedgerTruth:
+        """The ledger this writer records into, as ground truth that answers only
+        after the records offered before each question (waiting ``wait_s`` at most)."""
+        return WrittenLedgerTruth(self._ledger, self, wait_s)
+
     # -- lifecycle -----------------------------------------------------------------
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every enqueued record was attempted; False on timeout."""
@@ -161,3 +203,39 @@ class LedgerWriter:
                 "pages": {f"{op}/{res}": n for (op, res), n in self.pages.items()},
                 "errors": dict(self.errors),
             }
+
+
+class WrittenLedgerTruth:
+    """A ledger as ground truth behind its ``LedgerWriter``: every question first
+    waits (``wait_s`` at most, on the asking thread) until the records offered
+    before it are written, so a page whose storage ack preceded the question is
+    in the answer.  Past the wait it raises ``LedgerBehind`` rather than answer
+    from a ledger that may lack those pages."""
+
+    def __init__(self, ledger: Any, writer: LedgerWriter, wait_s: float) -> None:
+        if not wait_s > 0:
+            raise ValueError(f"wait_s must be > 0, got {wait_s}")
+        #: The ledger itself (its settings, its epoch, its other readers).
+        self.ledger = ledger
+        self._writer = writer
+        self._wait_s = float(wait_s)
+
+    def _barrier(self) -> None:
+        if not self._writer.wait_written(self._wait_s):
+            raise LedgerBehind(f"ledger records not written within {self._wait_s:g} s")
+
+    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        self._barrier()
+        answer: int = self.ledger.leading_present(pool, hashes)
+        return answer
+
+    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        self._barrier()
+        answer: list[bool] = self.ledger.present(pool, hashes)
+        return answer
+
+    def absence_is_evidence(self) -> bool:
+        return absence_is_evidence(self.ledger)
+
+    def __repr__(self) -> str:
+        return f"{self.ledger!r} (answers after its writer's queued records)"

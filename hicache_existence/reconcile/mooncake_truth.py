@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruthError,
     TruthUnavailable,

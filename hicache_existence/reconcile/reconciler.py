@@ -74,7 +74,7 @@ from hicache_existence.reconcile.counters import (
     ReconcilerSnapshot,
     snapshot,
 )
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GroundTruth,
     GroundTruthError,
     absence_is_evidence,

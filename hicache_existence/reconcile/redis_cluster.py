@@ -34,6 +34,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from hicache_existence.reconcile.ground_truth import (
+    GarbageAnswer,
+    GroundTruthError,
+    TruthUnavailable,
+    check_chain,
+)
 from hicache_existence.reconcile.redis_truth import (
     LUA_LEADING_PRESENT,
     LedgerSettings,
@@ -45,12 +51,6 @@ from hicache_existence.reconcile.redis_truth import (
     is_cluster_url,
     map_error,
     redis_errors,
-)
-from hicache_existence.reconcile.truth import (
-    GarbageAnswer,
-    GroundTruthError,
-    TruthUnavailable,
-    check_chain,
 )
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
 from hicache_existence.config import ConfigError, ReconcilerSection, redact_url
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruthError,
     LedgerEmpty,
@@ -531,19 +531,3 @@ def _pair(reply: Any) -> tuple[Any, Any]:
 
 def _new_epoch() -> str:
     return f"{secrets.token_hex(8)} {int(time.time())}"
-
-
-def open_ledger(settings: LedgerSettings) -> RedisLedger:
-    """The ledger ``settings.url`` names: ``RedisLedger`` for a standalone or
-    Sentinel-managed server, ``RedisClusterLedger`` for a ``redis+cluster://`` URL."""
-    if is_cluster_url(settings.url):
-        from hicache_existence.reconcile.redis_cluster import RedisClusterLedger
-
-        return RedisClusterLedger(settings)
-    return RedisLedger(settings)
-
-
-def ledger_from_section(section: ReconcilerSection, shard: str = "default") -> RedisLedger:
-    """A ledger configured by the ``reconciler`` section (``redis_url`` required)."""
-    validate_redis_url(section.redis_url, "reconciler.redis_url")
-    return open_ledger(LedgerSettings.from_section(section, shard))

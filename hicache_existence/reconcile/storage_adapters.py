@@ -21,19 +21,16 @@ from typing import Any
 
 from hicache_existence.config import ENV_CONFIG, ENV_PREFIX, Config, ReconcilerSection
 from hicache_existence.core import _validate
-from hicache_existence.reconcile.ledger_writer import LedgerWriter
-from hicache_existence.reconcile.redis_truth import (
-    LedgerSettings,
-    open_ledger,
-    shard_from_storage_config,
-)
-from hicache_existence.reconcile.truth import (
+from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruthError,
     ServerError,
     UnsupportedPool,
     check_chain,
 )
+from hicache_existence.reconcile.ledger_writer import LedgerWriter
+from hicache_existence.reconcile.ledgers import open_ledger
+from hicache_existence.reconcile.redis_truth import LedgerSettings, shard_from_storage_config
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +151,9 @@ class _LedgerRecordingMixin:
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         section = _reconciler_section_from_env()
+        #: How long a reconciler question waits for the records offered before it
+        #: (the reconciler drops an answer later than its own timeout anyway).
+        self._truth_wait_s = max(section.timeout_ms, 1) / 1000.0
         self._ttl = float(extra.get("ledger_ttl_s", section.ttl_s))
         learn = extra.get("ledger_learn_absence")
         #: None: on, except for backends whose batch_exists reads errors as absence.
@@ -229,8 +229,13 @@ class _LedgerRecordingMixin:
         return self._inner
 
     def ledger_ground_truth(self) -> Any:
-        """The ledger this backend records into, as ground truth for a reconciler."""
-        return self._ledger
+        """The ledger this backend records into, as ground truth for a reconciler:
+        each question first waits (``reconciler.timeout_ms`` at most) for the
+        records of the writes that returned before it, so a write acknowledged
+        before a verification is never read as absent."""
+        if self._writer is None:
+            return self._ledger
+        return self._writer.truth(self._truth_wait_s)
 
     def ledger_counts(self) -> dict[str, dict[str, int]]:
         """The writer's counters (pages by op/result, errors by kind)."""

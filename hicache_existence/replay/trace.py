@@ -12,6 +12,12 @@ Two formats, both JSON Lines (one object per line, blank lines ignored):
   then one request per line: ``timestamp`` (ms), ``pages`` (the request's page
   hashes in chain order, as SGLang computes them) and an optional ``pool``
   (default ``kv``).
+* **pages, version 2** (what the recorder writes from a live server,
+  ``hicache_existence.accounting.recorder``): the header adds ``sample_rate``,
+  ``instance`` and ``started_unix``; each line is an event with a ``kind``
+  (lookup, add, invalidate, clear, write, prefetch, request).  Requests are the
+  chains of the lookups each request's insert walk made.  Files may be gzip
+  compressed; a directory reads every recorder file in it.
 
 Every value is checked (types, signs, ranges, non-decreasing timestamps) and the
 whole file is read before anything is returned, so a caller that validates first
@@ -23,16 +29,21 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from hicache_existence.accounting import recorder as _recorder
 
 TraceFormat = Literal["mooncake", "pages"]
 
 #: The header tag of the project's own format.
-FORMAT_TAG = "hicache-existence-trace"
+FORMAT_TAG = _recorder.FORMAT_TAG
+#: Version 1: one request per line.  Version 2: the recorder's events.
 FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1, _recorder.VERSION)
 #: Mooncake's block size in tokens.
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -70,6 +81,34 @@ class Request:
     hash_ids: tuple[int, ...]
     #: Explicit page hashes (empty for Mooncake traces).
     pages: tuple[str, ...]
+    #: Recorded traces: the instance (``Trace.instances`` index) that served it.
+    instance: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One recorded event of a version-2 trace."""
+
+    line: int
+    timestamp_ms: float
+    #: One of ``recorder.KINDS``.
+    kind: str
+    pool: str
+    #: The recorded (sampled) pages of the operation, in order.
+    pages: tuple[str, ...]
+    #: Lookups: how many of ``pages`` the lookup walked (hits or rescues).
+    walked: int = 0
+    #: Lookups: the lookup stopped at ``pages[walked]`` (a recorded page).
+    miss: bool = False
+    #: Lookups made inside a request's insert, and request records: its number (0: none).
+    request: int = 0
+    #: Prefetch hit queries: how many of ``pages`` L3 held.
+    hit: int = 0
+    #: Index into ``Trace.instances``.
+    instance: int = 0
+    #: The recording process of that instance (0, 1, ... in start order: a restart
+    #: begins with an empty cache, and its request numbers start again).
+    run: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,42 +122,96 @@ class Trace:
     block_tokens: int
     #: Page traces may declare the page size their hashes were made with.
     page_size: int | None = None
+    #: Page traces: 1, or 2 for a recorded trace (``events``).
+    version: int = 1
+    #: Version 2: the share of pages recorded (1 for other traces).
+    sample_rate: float = 1.0
+    #: Version 2: the recorded events, instance by instance, each in time order.
+    events: tuple[Event, ...] = ()
+    #: Version 2: the instances recorded (``Event.instance`` indexes it).
+    instances: tuple[str, ...] = field(default=())
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def _lines(path: Path, source: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for every non-blank line, or ``TraceError``."""
+def _raw_lines(path: Path, source: str) -> Iterator[bytes]:
+    """The file's lines as bytes, decompressed when it is gzip (``TraceError`` for a
+    truncated or corrupt compressed file, naming the last complete line)."""
     try:
         handle = path.open("rb")
     except OSError as exc:
         raise TraceError(source, 0, f"cannot read the trace: {exc.strerror or exc}") from None
     with handle:
-        for number, raw in enumerate(handle, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise TraceError(source, number, f"not UTF-8 text ({exc.reason})") from None
-            if not text.strip():
-                continue
-            # Without its line break, so an error at the end of a truncated line
-            # reports that line's column, not column 1 of a line after it.
-            text = text.rstrip("\r\n")
-            try:
-                obj = json.loads(text, parse_constant=_reject_constant)
-            except json.JSONDecodeError as exc:
-                raise TraceError(
-                    source, number, f"invalid JSON: {exc.msg} (column {exc.pos + 1})"
-                ) from None
-            except (ValueError, RecursionError) as exc:
-                raise TraceError(source, number, f"invalid JSON: {exc}") from None
-            if not isinstance(obj, dict):
-                raise TraceError(
-                    source, number, f"expected a JSON object, got {type(obj).__name__}"
-                )
-            yield number, obj
+        if handle.read(2) != b"\x1f\x8b":
+            handle.seek(0)
+            yield from handle
+            return
+        handle.seek(0)
+        yield from _gzip_lines(handle, source)
+
+
+def _gzip_lines(handle: Any, source: str) -> Iterator[bytes]:
+    """The lines of a gzip stream of one or more members (the recorder writes one
+    per flush), or ``TraceError`` naming the first line it could not read."""
+    lines = 0
+    tail = b""
+    inflate = zlib.decompressobj(wbits=31)
+    while True:
+        try:
+            block = handle.read(1 << 16)
+            data = inflate.decompress(block) if block else b""
+            while inflate.eof and inflate.unused_data.strip(b"\0"):  # the next member
+                rest = inflate.unused_data
+                inflate = zlib.decompressobj(wbits=31)
+                data += inflate.decompress(rest)
+        except (zlib.error, OSError) as exc:
+            raise TraceError(
+                source, lines + 1, f"not a readable gzip stream after line {lines} ({exc})"
+            ) from None
+        if data:
+            parts = (tail + data).split(b"\n")
+            tail = parts.pop()
+            for part in parts:
+                lines += 1
+                yield part + b"\n"
+        if not block:
+            if inflate.eof:
+                break
+            raise TraceError(
+                source,
+                lines + 1,
+                f"the compressed file ends early after line {lines}: truncated (a recorder "
+                "still writing it, or a server stopped without closing it)",
+            )
+    if tail:
+        yield tail
+
+
+def _lines(path: Path, source: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line, or ``TraceError``."""
+    for number, raw in enumerate(_raw_lines(path, source), 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceError(source, number, f"not UTF-8 text ({exc.reason})") from None
+        if not text.strip():
+            continue
+        # Without its line break, so an error at the end of a truncated line
+        # reports that line's column, not column 1 of a line after it.
+        text = text.rstrip("\r\n")
+        try:
+            obj = json.loads(text, parse_constant=_reject_constant)
+        except json.JSONDecodeError as exc:
+            raise TraceError(
+                source, number, f"invalid JSON: {exc.msg} (column {exc.pos + 1})"
+            ) from None
+        except (ValueError, RecursionError) as exc:
+            raise TraceError(source, number, f"invalid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise TraceError(source, number, f"expected a JSON object, got {type(obj).__name__}")
+        yield number, obj
 
 
 class _Fields:
@@ -213,15 +306,103 @@ def _pages(f: _Fields) -> Request:
     return Request(f.line, timestamp, pool, 0, 0, (), tuple(pages))
 
 
-def _header(f: _Fields, source: str) -> int | None:
+@dataclass
+class _Header:
+    version: int
+    page_size: int | None
+    sample_rate: float = 1.0
+    instance: str = ""
+    started_unix: float = 0.0
+    part: int = 0
+    pid: int = 0
+
+
+def _header(f: _Fields, source: str) -> _Header:
     if f.obj.get("format") != FORMAT_TAG:
         raise f.fail(f"header 'format' must be {FORMAT_TAG!r}, got {_show(f.obj.get('format'))}")
     version = f.obj.get("version")
-    if version != FORMAT_VERSION:
-        raise f.fail(f"unsupported trace version {_show(version)}; expected {FORMAT_VERSION}")
-    if "page_size" not in f.obj:
-        return None
-    return f.integer("page_size", MAX_TOKENS) or None
+    if isinstance(version, bool) or version not in FORMAT_VERSIONS:
+        raise f.fail(
+            f"unsupported trace version {_show(version)}; expected one of "
+            f"{', '.join(map(str, FORMAT_VERSIONS))}"
+        )
+    page_size = (f.integer("page_size", MAX_TOKENS) or None) if "page_size" in f.obj else None
+    header = _Header(int(version), page_size)
+    if version == 1:
+        return header
+    rate = f.require("sample_rate")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+        raise f.fail(f"header 'sample_rate' must be a number within (0, 1], got {_show(rate)}")
+    header.sample_rate = float(rate)
+    instance = f.obj.get("instance", "")
+    if not isinstance(instance, str) or len(instance) > 256:
+        raise f.fail("header 'instance' must be a string of <= 256 characters")
+    header.instance = instance
+    started = f.obj.get("started_unix", 0.0)
+    if (
+        isinstance(started, bool)
+        or not isinstance(started, (int, float))
+        or not (0 <= started < MAX_TIMESTAMP_MS / 1000)
+    ):
+        raise f.fail(f"header 'started_unix' must be a time in seconds, got {_show(started)}")
+    header.started_unix = float(started)
+    header.part = f.integer("part", MAX_TOKENS, default=0)
+    header.pid = f.integer("pid", MAX_TOKENS, default=0)
+    return header
+
+
+def _pool(f: _Fields) -> str:
+    pool = f.obj.get("pool", "kv")
+    if not isinstance(pool, str) or not 0 < len(pool) <= MAX_POOL_CHARS:
+        raise f.fail(f"field 'pool' must be a non-empty string of <= {MAX_POOL_CHARS} characters")
+    return pool
+
+
+def _event(f: _Fields, instance: int, offset_ms: float) -> Event:
+    timestamp = f.timestamp() + offset_ms
+    kind = f.require("kind")
+    if kind not in _recorder.KINDS:
+        raise f.fail(f"field 'kind' must be one of {', '.join(_recorder.KINDS)}, got {_show(kind)}")
+    if kind == _recorder.REQUEST:
+        number = f.integer("request", MAX_BLOCK_ID)
+        return Event(f.line, timestamp, kind, "", (), request=number, instance=instance)
+    pool = _pool(f)
+    if kind == _recorder.CLEAR:
+        return Event(f.line, timestamp, kind, pool, (), instance=instance)
+    pages = _page_list(f)
+    walked = hit = request = 0
+    miss = False
+    if kind == _recorder.LOOKUP:
+        walked = f.integer("walked", len(pages))
+        miss = f.obj.get("miss", False)
+        if not isinstance(miss, bool):
+            raise f.fail(f"field 'miss' must be true or false, got {_show(miss)}")
+        if miss and walked >= len(pages):
+            raise f.fail("a lookup that missed at a recorded page needs walked < len(pages)")
+        request = f.integer("request", MAX_BLOCK_ID, default=0)
+    elif kind == _recorder.PREFETCH:
+        hit = f.integer("hit", len(pages))
+    return Event(f.line, timestamp, kind, pool, pages, walked, miss, request, hit, instance)
+
+
+def _page_list(f: _Fields) -> tuple[str, ...]:
+    pages = f.array("pages")
+    if len(pages) > MAX_PAGES_PER_REQUEST:
+        raise f.fail(f"field 'pages' has too many entries: {len(pages)} > {MAX_PAGES_PER_REQUEST}")
+    for index, page in enumerate(pages):
+        if not isinstance(page, str):
+            raise f.fail(f"pages[{index}] must be a string page hash, got {_show(page)}")
+        if not 0 < len(page) <= MAX_HASH_CHARS:
+            raise f.fail(f"pages[{index}] must have 1..{MAX_HASH_CHARS} characters")
+    return tuple(pages)
+
+
+def trace_files(path: str | Path) -> list[Path]:
+    """The files a trace argument names: the file, or a directory's recorder files."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.name.endswith(_recorder.SUFFIX))
+    return [path]
 
 
 def read_trace(
@@ -230,16 +411,45 @@ def read_trace(
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
 ) -> Trace:
-    """Read and validate a whole trace; ``TraceError`` names the line of the first problem."""
+    """Read and validate a whole trace; ``TraceError`` names the line of the first
+    problem.  ``path`` may be a directory of recorder files (version 2), read as one
+    trace whose instances each keep their own events."""
     if fmt not in ("auto", "mooncake", "pages"):
         raise ValueError(f"fmt must be 'auto', 'mooncake' or 'pages', got {fmt!r}")
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
     path = Path(path)
+    if path.is_dir():
+        return _read_recorded_dir(path)
+    return _read_file(path, fmt, block_tokens)
+
+
+def _read_file(path: Path, fmt: str, block_tokens: int) -> Trace:
+    source = str(path)
+    header, detected, requests, events = _parse(path, fmt, block_tokens)
+    if header is not None and header.version >= 2:
+        return _recorded(source, [(header, events)])
+    if not requests:
+        raise TraceError(source, 0, "the trace has no requests")
+    assert detected is not None
+    return Trace(
+        source,
+        detected,
+        tuple(requests),
+        block_tokens if detected == "mooncake" else 0,
+        header.page_size if header is not None else None,
+    )
+
+
+def _parse(
+    path: Path, fmt: str, block_tokens: int
+) -> tuple[_Header | None, TraceFormat | None, list[Request], list[Event]]:
+    """One file's header, format and requests (or version-2 events), validated."""
     source = str(path)
     requests: list[Request] = []
+    events: list[Event] = []
     detected: TraceFormat | None = None
-    page_size: int | None = None
+    header: _Header | None = None
     last_time = 0.0
     for number, obj in _lines(path, source):
         f = _Fields(source, number, obj)
@@ -253,25 +463,122 @@ def read_trace(
                 )
             if is_header:
                 detected = "pages"
-                page_size = _header(f, source)
+                header = _header(f, source)
                 continue
             detected = "mooncake"
         elif "format" in obj and "timestamp" not in obj:
             raise f.fail("a header line is only allowed as the first line")
-        request = _mooncake(f, block_tokens) if detected == "mooncake" else _pages(f)
-        if request.timestamp_ms < last_time:
-            raise f.fail(
-                f"timestamps must not decrease: {request.timestamp_ms:g} after {last_time:g}"
+        if header is not None and header.version >= 2:
+            event = _event(f, 0, 0.0)
+            stamp = event.timestamp_ms
+            events.append(event)
+        else:
+            request = _mooncake(f, block_tokens) if detected == "mooncake" else _pages(f)
+            stamp = request.timestamp_ms
+            requests.append(request)
+        if stamp < last_time:
+            raise f.fail(f"timestamps must not decrease: {stamp:g} after {last_time:g}")
+        last_time = stamp
+    return header, detected, requests, events
+
+
+def _read_recorded_dir(path: Path) -> Trace:
+    """Every recorder file of a directory: parts of one process are joined in order."""
+    files = trace_files(path)
+    if not files:
+        raise TraceError(str(path), 0, f"no recorder files (*{_recorder.SUFFIX}) in the directory")
+    parts: list[tuple[_Header, list[Event]]] = []
+    for file in files:
+        header, _, _, events = _parse(file, "pages", MOONCAKE_BLOCK_TOKENS)
+        if header is None or header.version < 2:
+            raise TraceError(str(file), 1, "a directory holds recorder files (version 2) only")
+        parts.append((header, events))
+    return _recorded(str(path), parts)
+
+
+def _recorded(source: str, parts: list[tuple[_Header, list[Event]]]) -> Trace:
+    """One trace from recorded parts: timestamps made absolute per instance (ms
+    after the earliest start), instances numbered, requests rebuilt."""
+    rates = {header.sample_rate for header, _ in parts}
+    if len(rates) > 1:
+        raise TraceError(
+            source, 0, f"the files were recorded at different sample rates: {sorted(rates)}"
+        )
+    pages = {header.page_size for header, _ in parts if header.page_size}
+    if len(pages) > 1:
+        raise TraceError(source, 0, f"the files declare different page sizes: {sorted(pages)}")
+    start = min(header.started_unix for header, _ in parts)
+    instances: dict[str, int] = {}
+    ordered = sorted(
+        parts, key=lambda hp: (hp[0].instance, hp[0].started_unix, hp[0].pid, hp[0].part)
+    )
+    events: list[Event] = []
+    runs: dict[str, list[tuple[float, int]]] = {}
+    pools: dict[str, dict[str, None]] = {}
+    for header, part in ordered:
+        index = instances.setdefault(header.instance, len(instances))
+        offset = (header.started_unix - start) * 1000.0
+        seen = runs.setdefault(header.instance, [])
+        process = (header.started_unix, header.pid)
+        if not seen or seen[-1] != process:
+            seen.append(process)
+            # A new process of the instance starts with an empty cache.
+            for pool in pools.get(header.instance, {}):
+                events.append(Event(0, offset, _recorder.CLEAR, pool, (), instance=index))
+        run = len(seen) - 1
+        known = pools.setdefault(header.instance, {})
+        for e in part:
+            if e.pool:
+                known[e.pool] = None
+            events.append(
+                Event(
+                    e.line,
+                    e.timestamp_ms + offset,
+                    e.kind,
+                    e.pool,
+                    e.pages,
+                    e.walked,
+                    e.miss,
+                    e.request,
+                    e.hit,
+                    index,
+                    run,
+                )
             )
-        last_time = request.timestamp_ms
-        requests.append(request)
-    if not requests:
-        raise TraceError(source, 0, "the trace has no requests")
-    assert detected is not None
+    if not events:
+        raise TraceError(source, 0, "the trace has no recorded events")
     return Trace(
         source,
-        detected,
-        tuple(requests),
-        block_tokens if detected == "mooncake" else 0,
-        page_size,
+        "pages",
+        _requests_of(events),
+        0,
+        next(iter(pages)) if pages else None,
+        version=_recorder.VERSION,
+        sample_rate=rates.pop(),
+        events=tuple(events),
+        instances=tuple(instances),
     )
+
+
+def _requests_of(events: list[Event]) -> tuple[Request, ...]:
+    """Requests rebuilt from request records: per pool, the recorded pages of the
+    lookups its insert walk made, in order, each page once; ordered by time over
+    all instances."""
+    chains: dict[tuple[int, int, int], dict[str, dict[str, None]]] = {}
+    out: list[tuple[float, int, Request]] = []
+    for e in events:
+        if e.kind == _recorder.LOOKUP and e.request:
+            pools = chains.setdefault((e.instance, e.run, e.request), {})
+            pools.setdefault(e.pool, {}).update(dict.fromkeys(e.pages))
+        elif e.kind == _recorder.REQUEST:
+            pools = chains.pop((e.instance, e.run, e.request), {}) or {"kv": {}}
+            for pool, pages in pools.items():
+                out.append(
+                    (
+                        e.timestamp_ms,
+                        len(out),
+                        Request(e.line, e.timestamp_ms, pool, 0, 0, (), tuple(pages), e.instance),
+                    )
+                )
+    out.sort(key=lambda item: (item[0], item[1]))
+    return tuple(r for _, _, r in out)

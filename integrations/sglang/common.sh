@@ -34,7 +34,7 @@ fi
 : "${DECODE_POLICY:=round_robin}"
 # hicache-existence: how to enable it on prefill servers.
 #   flag      --enable-hicache-existence on sglang's command line (sglang >= 0.5.19)
-#   launcher  hicache-existence launch -- <sglang args>
+#   launcher  hicache-existence launch -- <sglang args> (launching is enabling)
 #   env       HICACHE_EXISTENCE_ENABLED=1 + HICACHE_EXISTENCE_CONFIG (containers)
 : "${HX_ROUTE:=flag}"
 : "${HX_CONFIG:=$(dirname "${BASH_SOURCE[0]}")/hicache-existence-config.json}"

@@ -26,8 +26,8 @@ case "$HX_ROUTE" in
     run "$PYTHON" -m sglang.launch_server "${SGLANG_ARGS[@]}" \
       --enable-hicache-existence --hicache-existence-config "$HX_CONFIG" ;;
   launcher)
-    run hicache-existence launch --enable-hicache-existence \
-      --hicache-existence-config "$HX_CONFIG" -- "${SGLANG_ARGS[@]}" ;;
+    run hicache-existence launch --hicache-existence-config "$HX_CONFIG" \
+      -- "${SGLANG_ARGS[@]}" ;;
   env)
     run env HICACHE_EXISTENCE_ENABLED=1 HICACHE_EXISTENCE_CONFIG="@$HX_CONFIG" \
       "$PYTHON" -m sglang.launch_server "${SGLANG_ARGS[@]}" ;;

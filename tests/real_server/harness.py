@@ -151,6 +151,11 @@ class ServerSpec:
     hicache_ratio: float = 2.0
     #: Seed of the dummy weights: equal seeds give equal models across servers.
     random_seed: int = 1234
+    #: ``--hicache-host-memory-mode``: ``buffer_only`` (the package's first mode) or
+    #: ``cache`` (HiCache's default: host memory keeps a copy, L3 is written from it).
+    host_memory_mode: str = "buffer_only"
+    #: ``--hicache-write-policy`` (``None``: sglang's default, ``write_through``).
+    write_policy: str | None = None
 
 
 def server_env(spec: ServerSpec, l3_dir: Path) -> dict[str, str]:
@@ -224,7 +229,7 @@ def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list
         args += [
             "--enable-hierarchical-cache",
             "--hicache-host-memory-mode",
-            "buffer_only",
+            spec.host_memory_mode,
             "--hicache-storage-backend",
             spec.storage_backend,
             "--hicache-io-backend",
@@ -234,6 +239,8 @@ def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list
             "--hicache-ratio",
             str(spec.hicache_ratio),
         ]
+        if spec.write_policy is not None:
+            args += ["--hicache-write-policy", spec.write_policy]
         if spec.storage_extra_config is not None:
             args += [
                 "--hicache-storage-backend-extra-config",
@@ -252,6 +259,14 @@ def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list
 
 class ServerDied(RuntimeError):
     pass
+
+
+def sglang_total(fams: Mapping[str, Family], name: str, suffix: str = "_total") -> float:
+    """An SGLang counter's total; 0 while absent: SGLang creates its storage
+    counters at their first event (``sglang:backuped_tokens`` at the first backup).
+    Our own families are never read this way (they exist at 0 from the start)."""
+    fam = fams.get(name)
+    return fam.total(suffix) if fam is not None else 0.0
 
 
 class MissingSeries(AssertionError):
@@ -566,6 +581,42 @@ def launch(
             srv.stop()
 
 
+@contextlib.contextmanager
+def launch_together(specs: Sequence[ServerSpec], workdir: Path) -> Iterator[list[Server]]:
+    """Start servers whose start-ups overlap (``workdir/<i>`` each), and stop them
+    all on exit: two servers side by side cost one start-up's wall time."""
+    servers: list[Server] = []
+    try:
+        for i, spec in enumerate(specs):
+            wd = workdir / str(i)
+            wd.mkdir(parents=True, exist_ok=True)
+            l3 = spec.l3_dir if spec.l3_dir is not None else wd / "l3"
+            l3.mkdir(parents=True, exist_ok=True)
+            servers.append(Server(spec, wd, l3, free_port()))
+        started = [srv.spawn() for srv in servers]
+        for srv, t0 in zip(servers, started):
+            srv._wait_ready(t0)
+        yield servers
+    finally:
+        stop_together(servers)
+
+
+def stop_together(servers: Sequence[Server], grace_s: float = 15.0) -> None:
+    """SIGINT to every server at once, one shared grace period, then ``stop``
+    (SIGKILL of what is left): one grace period, not one per server."""
+    for srv in servers:
+        if srv.proc is not None and srv.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(srv.proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for srv in servers:
+        if srv.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                srv.proc.wait(max(0.0, deadline - time.monotonic()))
+    for srv in servers:
+        srv.stop(grace_s=0.0)
+
+
 def run_to_exit(spec: ServerSpec, workdir: Path, timeout_s: float = 180.0) -> tuple[int, str]:
     """Launch and wait for the launcher to exit on its own (bad-input tests)."""
     srv = Server(spec, workdir, spec.l3_dir or workdir / "l3", free_port())
@@ -756,4 +807,50 @@ def trace_requests(
         for h in ids:
             tokens += block_tokens_for(h, block_tokens, salt=salt)
         out.append(TraceRequest(ids, tuple(tokens), min(int(rec["output_length"]), max_new_tokens)))
+    return out
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a multi-turn conversation: its prompt, and where it is in the
+    conversation (``conversation``, ``turn``)."""
+
+    conversation: int
+    turn: int
+    input_ids: tuple[int, ...]
+
+
+def conversation_requests(
+    conversations: int = 30,
+    turns: int = 10,
+    system_tokens: int = 96,
+    user_tokens: tuple[int, int] = (160, 480),
+    reply_tokens: tuple[int, int] = (64, 192),
+    salt: str = "conv",
+) -> list[Turn]:
+    """A deterministic multi-turn chat workload, conversations interleaved turn by
+    turn (turn 1 of every conversation, then turn 2, ...), so that a conversation's
+    prefix meets the other conversations' traffic before its next turn.
+
+    Turn ``k`` of a conversation sends its system prompt, every earlier user message
+    and reply (replies are fixed token blocks, not the model's outputs, so every
+    prompt is known up front and equal across runs), then user message ``k``.  Sizes
+    are drawn per turn in the given ranges (tokens, inclusive) from ``salt``."""
+
+    def size(tag: str, lo_hi: tuple[int, int]) -> int:
+        lo, hi = lo_hi
+        digest = hashlib.sha256(f"{salt}:{tag}".encode()).digest()
+        return lo + int.from_bytes(digest[:4], "little") % (hi - lo + 1)
+
+    history = [
+        block_tokens_for(c, system_tokens, salt=f"{salt}:system") for c in range(conversations)
+    ]
+    out: list[Turn] = []
+    for k in range(turns):
+        for c in range(conversations):
+            user = block_tokens_for(k, size(f"u:{c}:{k}", user_tokens), salt=f"{salt}:u:{c}")
+            prompt = history[c] + user
+            out.append(Turn(c, k, tuple(prompt)))
+            reply = block_tokens_for(k, size(f"r:{c}:{k}", reply_tokens), salt=f"{salt}:r:{c}")
+            history[c] = prompt + reply
     return out

@@ -177,7 +177,11 @@ class Scenarios:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def multirank_pair(s: Scenarios, diverge_at: int) -> list[Outcome]:
+def multirank_pair(
+    s: Scenarios, diverge_at: int, rank_env: dict[int, dict[str, str]] | None = None
+) -> list[Outcome]:
+    """Two ranks of one TP group; ``rank_env`` adds variables to one rank's
+    environment (a deployment whose ranks are configured differently)."""
     port = str(free_port())
     env = s.env(
         HICACHE_EXISTENCE_ENABLED="1",
@@ -187,7 +191,7 @@ def multirank_pair(s: Scenarios, diverge_at: int) -> list[Outcome]:
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), "multirank", str(r), "2", port, str(diverge_at)],
-            env=env,
+            env={**env, **(rank_env or {}).get(r, {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -285,5 +289,19 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
             "recipes",
             json.dumps(sglang_args(recipe_argv("prefill.sh"))),
             json.dumps(sglang_args(recipe_argv("decode.sh"))),
+        ),
+        # Last: the other scenarios' tests should not wait behind these pairs.
+        "multirank_mixed": lambda: multirank_pair(
+            s, diverge_at=5, rank_env={1: {"HICACHE_EXISTENCE_DIVERGENCE__ENABLED": "0"}}
+        ),
+        # Rank 1 runs without the package (upstream's cache): rank 0 waits
+        # divergence.timeout_s for it in new_group, once.
+        "multirank_half": lambda: multirank_pair(
+            s,
+            diverge_at=0,
+            rank_env={
+                0: {"HICACHE_EXISTENCE_DIVERGENCE__TIMEOUT_S": "10"},
+                1: {"HICACHE_EXISTENCE_ENABLED": "0"},
+            },
         ),
     }

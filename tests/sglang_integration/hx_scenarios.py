@@ -850,7 +850,8 @@ def multirank(rank: str, world: str, port: str, diverge_at: str = "0") -> dict[s
         if at and step == at and r == w - 1:
             kv_add(tree.storage_existence_cache, [f"{999:064x}"])
         tree.check_hicache_events()
-    stats = entry.runtime.checker.stats() if entry and entry.runtime.checker else None
+    stats = entry.runtime.checker.stats() if entry else None
+    series = entry.runtime.telemetry.series_reader.sample() if entry else {}
     dist.barrier()
     return {
         "rank": r,
@@ -861,6 +862,12 @@ def multirank(rank: str, world: str, port: str, diverge_at: str = "0") -> dict[s
         "checks": stats.checks if stats else None,
         "divergences": stats.divergences if stats else None,
         "active": stats.active if stats else None,
+        "config_mismatches": stats.config_mismatches if stats else None,
+        "failures": stats.failures if stats else None,
+        # What /metrics would show: the divergence families, with their values.
+        "divergence_series": {
+            name: sorted(values.values()) for name, values in series.items() if "divergence" in name
+        },
         "warnings": logs.warnings(),
     }
 

@@ -21,7 +21,7 @@ BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"
 sys.path.insert(0, str(REPO))
 
 from hicache_existence.config import Config  # noqa: E402
-from hicache_existence.reference import config_table  # noqa: E402
+from hicache_existence.docs_tables import config_table  # noqa: E402
 
 
 def _current() -> str:

@@ -1,10 +1,12 @@
-"""``hicache-existence launch``: our flags become the environment, every other
-argument reaches sglang unchanged; the exec'd process's plugin (loaded by
-sglang's own loader) sees itself enabled with the launcher's configuration."""
+"""``hicache-existence launch``: launching is enabling; our flags become the
+environment, every other argument reaches sglang unchanged; the exec'd process's
+plugin (loaded by sglang's own loader) sees itself enabled with the launcher's
+configuration."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,7 +51,6 @@ def test_plan_flag_config_wins_over_variables() -> None:
     }
     launch = plan(
         ["--model-path", "m"],
-        enable=True,
         config='{"divergence": {"interval_steps": 7}}',
         env=env,
         python="/py",
@@ -68,13 +69,29 @@ def test_plan_flag_config_wins_over_variables() -> None:
     assert child["UNRELATED"] == "kept" and child["HICACHE_EXISTENCE_REQUIRE_ALL"] == "1"
 
 
-def test_plan_enable_only_keeps_the_environment() -> None:
-    """With only the switch, the environment's configuration is left as it is."""
-    env = {"HICACHE_EXISTENCE_DIVERGENCE__POLICY": "abort"}
-    launch = plan(["x"], enable=True, env=env, entry="serve", python="/py")
+def test_plan_without_flags_enables_and_keeps_the_environment() -> None:
+    """With none of our flags the launch still enables the package (what ``launch``
+    promises), over an environment that says otherwise, and leaves the
+    environment's configuration as it is."""
+    env = {
+        "HICACHE_EXISTENCE_DIVERGENCE__POLICY": "abort",
+        "HICACHE_EXISTENCE_ENABLED": "0",
+        "HICACHE_EXISTENCE_CONFIG": '{"enabled": false}',
+    }
+    launch = plan(["x"], env=env, entry="serve", python="/py")
     assert launch.set_env == {"HICACHE_EXISTENCE_ENABLED": "1"}
     assert launch.unset_env == ()
     assert launch.argv[:2] == ("/py", "-c") and launch.argv[-2:] == ("serve", "x")
+    config = Config.from_env(launch.environment(env))
+    assert config.enabled is True and config.divergence.policy == "abort"
+
+
+def test_plan_enables_over_a_configuration_that_says_disabled() -> None:
+    """Like the server flag, launching wins over ``"enabled": false`` in the
+    configuration it is given: the child's merged configuration is enabled."""
+    launch = plan(["x"], config='{"enabled": false}', env={}, python="/py")
+    assert launch.set_env["HICACHE_EXISTENCE_ENABLED"] == "1"
+    assert Config.from_env(launch.environment({})).enabled is True
 
 
 def test_plan_rejects_bad_input_with_clear_errors() -> None:
@@ -82,7 +99,7 @@ def test_plan_rejects_bad_input_with_clear_errors() -> None:
     with pytest.raises(LaunchError, match=r"divergence\.policy must be one of"):
         plan([], config='{"divergence": {"policy": "x"}}', env={})
     with pytest.raises(LaunchError, match="invalid hicache-existence configuration"):
-        plan([], enable=True, env={"HICACHE_EXISTENCE_METRICS__PORT": "-1"})
+        plan([], env={"HICACHE_EXISTENCE_METRICS__PORT": "-1"})
     with pytest.raises(LaunchError, match="--sglang-entry must be one of"):
         plan([], entry="nope", env={})
 
@@ -111,14 +128,35 @@ def test_print_shows_the_plan_with_secrets_masked() -> None:
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
     assert shown["forwarded"] == ["--model-path", "m"]
+    assert shown["set_env"]["HICACHE_EXISTENCE_ENABLED"] == "1"
     assert "hunter2" not in proc.stdout and "u:***@h:6379" in proc.stdout
+
+
+def test_print_of_a_bare_launch_shows_the_package_enabled() -> None:
+    """``launch --print -- --model-path x`` (no flag of ours) sets
+    HICACHE_EXISTENCE_ENABLED=1 and nothing else, as README and ``--help`` say."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hicache_existence", "launch", "--print", "--", "--model-path", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+        env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_EXISTENCE_")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)
+    assert shown["forwarded"] == ["--model-path", "x"]
+    assert shown["set_env"] == {"HICACHE_EXISTENCE_ENABLED": "1"} and shown["unset_env"] == []
 
 
 @pytest.mark.sglang
 def test_launcher_execs_with_args_unchanged_and_plugin_enabled(scenarios: Scenarios) -> None:
-    """The real exec: the child got exactly the forwarded argv, the environment,
+    """The real exec, without --enable-hicache-existence and from an environment
+    that says disabled: the child got exactly the forwarded argv, the environment,
     and sglang's loader enabled the plugin with the flag's configuration."""
-    env = scenarios.env(HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS="3")
+    env = scenarios.env(
+        HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS="3", HICACHE_EXISTENCE_ENABLED="0"
+    )
     env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
     proc = subprocess.run(
         [
@@ -132,7 +170,6 @@ def test_launcher_execs_with_args_unchanged_and_plugin_enabled(scenarios: Scenar
             '{"divergence": {"interval_steps": 9}}',
             "--",
             "launched",
-            "--enable-hicache-existence",
             *TRICKY,
         ],
         env=env,

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.integrations.sglang import flags, hooks, plugin
@@ -106,6 +107,49 @@ def test_buffer_mode_needs_hierarchical_cache_and_buffer_only() -> None:
     assert SchedulerFacts(host_memory_mode="cache").buffer_mode is False
     assert SchedulerFacts(host_memory_mode="buffer_only").buffer_mode is True
     assert SchedulerFacts().buffer_mode is None
+
+
+def test_cache_mode_is_read_from_the_facts() -> None:
+    """Cache mode needs HiCache (not known off) and host memory mode ``cache``."""
+    assert SchedulerFacts(host_memory_mode="cache").cache_mode is True
+    assert SchedulerFacts(host_memory_mode="cache", hierarchical_cache=False).cache_mode is False
+    assert SchedulerFacts(host_memory_mode="buffer_only").cache_mode is False
+    assert SchedulerFacts().cache_mode is False
+
+
+@pytest.mark.parametrize(
+    ("facts", "dedup", "effective", "warning"),
+    [
+        (SchedulerFacts(host_memory_mode="cache", storage_backend="file"), True, True, None),
+        (SchedulerFacts(host_memory_mode="cache", storage_backend="file"), False, False, None),
+        (SchedulerFacts(host_memory_mode="cache"), True, False, "without an L3 storage backend"),
+        (
+            SchedulerFacts(host_memory_mode="buffer_only", storage_backend="file"),
+            True,
+            False,
+            "host memory mode 'buffer_only'",
+        ),
+    ],
+)
+def test_dedup_acts_in_cache_mode_with_a_backend_and_warns_once_elsewhere(
+    facts: SchedulerFacts,
+    dedup: bool,
+    effective: bool,
+    warning: str | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """cache_mode.dedup applies only in cache mode with an L3 backend; set where
+    it cannot act it gives one warning naming the key (the server runs on)."""
+    config = Config.from_mapping({"cache_mode": {"dedup": dedup}})
+    assert hooks.dedup_effective(config, facts) is effective
+    with caplog.at_level(logging.WARNING, logger="hicache_existence"):
+        hooks._warn_dedup_misplaced(config, facts)
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if warning is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and "cache_mode.dedup" in messages[0], messages
+        assert warning in messages[0], messages
 
 
 # -- the parser hooks ----------------------------------------------------------------

@@ -44,10 +44,16 @@ class SchedulerFacts:
     storage_backend: str = ""
     #: ``buffer_only`` / ``cache``; ``None`` when it could not be read.
     host_memory_mode: str | None = None
+    #: ``write_through`` / ``write_through_selective`` / ``write_back`` (cache mode).
+    write_policy: str = ""
     hierarchical_cache: bool | None = None
     flags: FlagValues | None = None
     #: Where the facts came from (logged at start-up).
     sources: tuple[str, ...] = field(default_factory=tuple)
+    #: The server's HTTP port (0: unknown), naming the instance in a recorded trace.
+    port: int = 0
+    #: Tokens per page (``--page-size``; 0: unknown), for a recorded trace's header.
+    page_size: int = 0
 
     def labels(self, model_name: str = "", storage_backend: str = "") -> DeploymentLabels:
         """Deployment labels; non-empty arguments (configuration) win."""
@@ -64,6 +70,11 @@ class SchedulerFacts:
     def process_index(self) -> int:
         """This scheduler's index among the server's schedulers (DP-major)."""
         return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
+
+    @property
+    def cache_mode(self) -> bool:
+        """Whether HiCache runs in its default host memory mode, ``cache``."""
+        return self.hierarchical_cache is not False and self.host_memory_mode == "cache"
 
     @property
     def buffer_mode(self) -> bool | None:
@@ -152,9 +163,12 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
         engine_type=values.get("engine_type") or "unified",
         storage_backend=_str(values.get("storage_backend")),
         host_memory_mode=values.get("host_memory_mode"),
+        write_policy=_str(values.get("write_policy")),
         hierarchical_cache=values.get("hierarchical_cache"),
         flags=flags,
         sources=tuple(sources),
+        port=_int(values.get("port")),
+        page_size=_int(values.get("page_size")),
     )
 
 
@@ -184,6 +198,9 @@ def _from_runtime_context(rc: Any) -> dict[str, Any]:
         mode = _read(lambda: memory.hicache_host_memory_mode)
         if isinstance(mode, str):
             out["host_memory_mode"] = mode
+        policy = _read(lambda: memory.hicache_write_policy)
+        if isinstance(policy, str):
+            out["write_policy"] = policy
         hier = _read(lambda: memory.enable_hierarchical_cache)
         if isinstance(hier, bool):
             out["hierarchical_cache"] = hier
@@ -208,10 +225,13 @@ def _from_server_args(server_args: Any) -> dict[str, Any]:
     host_mode = get("hicache_host_memory_mode")
     if isinstance(host_mode, str):
         out["host_memory_mode"] = host_mode
+    policy = get("hicache_write_policy")
+    if isinstance(policy, str):
+        out["write_policy"] = policy
     hier = get("enable_hierarchical_cache")
     if isinstance(hier, bool):
         out["hierarchical_cache"] = hier
-    for name in ("tp_size", "pp_size"):
+    for name in ("tp_size", "pp_size", "port", "page_size"):
         value = get(name)
         if isinstance(value, int) and not isinstance(value, bool):
             out[name] = value

@@ -8,10 +8,14 @@ this process's ``ExistenceRuntime`` and return its wired cache".  The runtime
 lives in an explicit registry keyed by process id, so a forked child never
 steps its parent's runtime and tests can look it up.
 
-When the process should not be observed (the configuration disables it, the
-scheduler is not in HiCache buffer mode, a second cache in the same process,
+When the process should not be observed (the configuration disables it, HiCache
+is off, the scheduler is a PD decode server, a second cache in the same process,
 or anything fails), construction returns an instance of upstream's own class:
-that scheduler then runs exactly the code it would have run without us.
+that scheduler then runs exactly the code it would have run without us.  Both
+host memory modes are observed: ``buffer_only`` (the cache decides admissions) and
+``cache``, HiCache's default, where upstream consults no existence cache and the
+package counts (and, with ``cache_mode.dedup``, deduplicates) its L3 writes
+(``cache_mode.py``).
 
 ``after_check_hicache_events`` is registered AFTER
 ``UnifiedRadixCache.check_hicache_events``: scheduler thread, every rank, same
@@ -27,14 +31,18 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from hicache_existence import logs
+from hicache_existence.accounting.recorder import instance_name
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import write_path as _write_path
@@ -44,9 +52,9 @@ from hicache_existence.integrations.sglang.topology import (
     DeferredAgreement,
     DeferredGroup,
     build,
-    single,
+    unbuilt,
 )
-from hicache_existence.integrations.sglang.truth import TreeCacheGroundTruth
+from hicache_existence.integrations.sglang.tree_cache_truth import TreeCacheGroundTruth
 from hicache_existence.runtime import ExistenceRuntime
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
@@ -70,10 +78,24 @@ class ProcessEntry:
         self.agreement = agreement
         self.truth = truth
         #: Feeds ``runtime.writes`` from sglang's write path (write_path.py).
-        self.write_path = _write_path.WritePath(runtime.writes, runtime.cache, runtime.generation)
+        self.write_path = _write_path.WritePath(
+            runtime.writes,
+            runtime.cache,
+            runtime.generation,
+            cache_mode=facts.cache_mode,
+            dedup=dedup_effective(runtime.config, facts),
+            remembers=remembers_of(runtime),
+        )
+        self.write_path.attach_recorder(runtime.recorder)
         if runtime.reconciler is not None and runtime.generation == "flat":
-            # The seed cache keeps no in-flight refs; the pipeline does.
-            runtime.reconciler.inflight_cover = self.write_path.inflight_pages
+            # The seed cache keeps no in-flight refs; the pipeline (buffer mode)
+            # or the cache-mode write path does.
+            cache_mode = self.write_path.cache_mode
+            runtime.reconciler.inflight_cover = (
+                cache_mode.beliefs.inflight
+                if cache_mode is not None
+                else self.write_path.inflight_pages
+            )
         #: Whether the first step (group wiring) ran.
         self.first_done = False
         self.members: tuple[int, ...] = (0,)
@@ -108,10 +130,11 @@ class ProcessEntry:
         except Exception as exc:
             logger.warning(
                 "hicache-existence: could not build the replica groups (%r); divergence "
-                "checks and reconciler verdicts stay local to this rank",
+                "checks stop on this rank and reconciler verdicts stay local to it (does "
+                "every rank of this server run hicache-existence?)",
                 exc,
             )
-            groups = single(timeout)
+            groups = unbuilt(timeout, repr(exc))
         self.members = groups.members
         if self.group is not None:
             self.group.bind(groups.divergence)
@@ -121,6 +144,24 @@ class ProcessEntry:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.runtime.close()
+
+    def stepper(self, tree_cache: Any) -> Any:
+        """The per-step call: in cache mode the write path's acknowledged writes
+        first (only while some are pending: one truth test otherwise), then the
+        runtime's step."""
+        runtime_step = self.runtime.step
+        cache_mode = self.write_path.cache_mode
+        if cache_mode is None:
+            return runtime_step
+        pending = cache_mode.pending_operations
+        reap = self.write_path.step
+
+        def step() -> None:
+            if pending:
+                reap(tree_cache)
+            runtime_step()
+
+        return step
 
 
 _LOCK = threading.Lock()
@@ -156,6 +197,48 @@ def load_config(facts: _facts.SchedulerFacts, env: dict[str, str] | None = None)
     return config
 
 
+def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]:
+    """Whether this process has a record of a page: believed now, or once believed
+    (the miss-reason memory's evicted / invalidated / cleared); ``None`` without
+    that memory, when "not believed" cannot tell ours from another instance's."""
+    cache, ghosts = runtime.cache, runtime.ghosts
+
+    def remembers(pool: str, page: str) -> bool | None:
+        if isinstance(cache, StorageExistenceCache):
+            believed = cache.pool(pool).believed([page])
+        else:
+            believed = cache.believed(pool, [page])
+        if believed:
+            return True
+        memory = ghosts.memories().get(pool) if ghosts is not None else None
+        if memory is None:
+            return None
+        return memory.remembered(page) != COLD
+
+    return remembers
+
+
+def dedup_effective(config: Config, facts: _facts.SchedulerFacts) -> bool:
+    """Whether ``cache_mode.dedup`` applies: cache mode with an L3 backend."""
+    return config.cache_mode.dedup and facts.cache_mode and bool(facts.storage_backend)
+
+
+def _warn_dedup_misplaced(config: Config, facts: _facts.SchedulerFacts) -> None:
+    """``cache_mode.dedup`` where it cannot act: one warning naming the key."""
+    if not config.cache_mode.dedup or dedup_effective(config, facts):
+        return
+    where = (
+        f"host memory mode {facts.host_memory_mode!r} (dedup acts in 'cache' mode only; "
+        "buffer_only consults the existence cache already)"
+        if not facts.cache_mode
+        else "a server without an L3 storage backend (--hicache-storage-backend)"
+    )
+    logger.warning(
+        "hicache-existence: cache_mode.dedup is set but ignored on %s; the server runs without it",
+        where,
+    )
+
+
 def _per_rank_port(config: Config, facts: _facts.SchedulerFacts) -> Config:
     """Standalone export binds ``metrics.port`` + this scheduler's index, so the
     schedulers of one server never collide (port 0 stays ephemeral)."""
@@ -177,7 +260,9 @@ def build_entry(
     config = _per_rank_port(config, facts)
     logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
-    group = DeferredGroup(config.divergence.timeout_s) if config.divergence.enabled else None
+    # Also with divergence checks off: the rank must still join the start-up
+    # handshake (runtime.ExistenceRuntime), so it builds the groups like the others.
+    group = DeferredGroup(config.divergence.timeout_s)
     reconciling = config.reconciler.enabled
     agreement = DeferredAgreement() if reconciling else None
     truth = TreeCacheGroundTruth(config.reconciler) if reconciling else None
@@ -188,9 +273,17 @@ def build_entry(
         group=group,
         truth=truth,
         agreement=agreement,
+        host_mode=(
+            facts.host_memory_mode or "buffer_only",
+            facts.write_policy if facts.cache_mode else "",
+            dedup_effective(config, facts),
+        ),
+        instance=instance_name(socket.gethostname(), facts.port, labels.as_dict()),
     )
     if max_entries is not None:
         runtime.cache.max_entries = max_entries
+    if runtime.recorder is not None:
+        runtime.recorder.set_page_size(facts.page_size)
     return ProcessEntry(runtime, facts, group, agreement, truth)
 
 
@@ -210,13 +303,22 @@ def _construct(
             if not config.enabled:
                 _decline("disabled by the configuration")
                 return upstream(*args, **kw)
-            if facts.buffer_mode is False:
+            if facts.hierarchical_cache is False:
+                _decline("HiCache is off (--enable-hierarchical-cache): there is no L3 to observe")
+                return upstream(*args, **kw)
+            if facts.engine_type == "decode":
                 _decline(
-                    f"HiCache buffer mode is off (host memory mode {facts.host_memory_mode!r}, "
-                    f"engine {facts.engine_type}); the existence cache is used only in "
-                    "--hicache-host-memory-mode buffer_only, on prefill servers"
+                    "a PD decode server (its KV arrives from prefill; HiCache's existence "
+                    "cache is a prefill-side concern)"
                 )
                 return upstream(*args, **kw)
+            if facts.buffer_mode is False and not facts.cache_mode:
+                _decline(
+                    f"HiCache host memory mode {facts.host_memory_mode!r} is neither "
+                    "buffer_only nor cache"
+                )
+                return upstream(*args, **kw)
+            _warn_dedup_misplaced(config, facts)
             entry = build_entry(generation, max_entries, facts, config)
         except Exception as exc:
             _decline(f"setting up failed ({exc!r}); upstream's cache is used", logging.WARNING)
@@ -232,10 +334,17 @@ def _construct(
             exc,
         )
     atexit.register(entry.close)
+    cache_mode = entry.write_path.cache_mode
+    dedup = "on" if cache_mode is not None and cache_mode.dedup else "off"
     logger.info(
         "hicache-existence: observing the %s-generation existence cache "
-        "(tp_rank=%d pp_rank=%d dp_rank=%d engine=%s metrics=%s, facts from %s)",
+        "(host memory mode %s%s; tp_rank=%d pp_rank=%d dp_rank=%d engine=%s metrics=%s, "
+        "facts from %s)",
         generation,
+        facts.host_memory_mode or "unknown",
+        f", write policy {facts.write_policy}, cache_mode.dedup {dedup}"
+        if facts.cache_mode
+        else "",
         facts.tp_rank,
         facts.pp_rank,
         facts.dp_rank,
@@ -318,15 +427,16 @@ def _first_or_foreign_step(args: tuple[Any, ...]) -> None:
     if not entry.owns(tree_cache):
         return None
     if entry.first_done:
-        entry.runtime.step()
+        entry.stepper(tree_cache)()
         return None
     entry.first_done = True
     try:
         entry.first_step(tree_cache)
     except Exception as exc:  # never into the scheduler
         logger.warning("hicache-existence: first-step wiring failed: %r", exc)
-    _BOUND = (tree_cache, entry.runtime.step)
-    entry.runtime.step()
+    step = entry.stepper(tree_cache)
+    _BOUND = (tree_cache, step)
+    step()
     return None
 
 

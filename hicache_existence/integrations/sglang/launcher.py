@@ -9,6 +9,12 @@ environment the plugin reads in every sglang process, and ``exec``s sglang
 with every other argument unchanged, in order.  ``exec`` keeps one process:
 signals and the exit status are sglang's own (PID 1 in a container).
 
+Launching is enabling: the child always gets ``HICACHE_EXISTENCE_ENABLED=1``,
+as if ``--enable-hicache-existence`` had been given (which is accepted, and
+changes nothing); like the server flag, that wins over an ``enabled: false``
+in the configuration or the environment.  To run sglang without the package,
+start it directly.
+
 Precedence is the server flag's: the configuration given here is merged over
 ``HICACHE_EXISTENCE_CONFIG`` and the ``HICACHE_EXISTENCE_<SECTION>__<KEY>``
 variables, and the child gets the merged result as ``HICACHE_EXISTENCE_CONFIG``
@@ -95,15 +101,14 @@ def plan(
     args: Sequence[str],
     *,
     entry: str = "launch_server",
-    enable: bool = False,
     config: str | None = None,
     env: Mapping[str, str] | None = None,
     python: str | None = None,
 ) -> LaunchPlan:
-    """The launch of sglang ``entry`` with ``args`` (which may contain our flags)."""
+    """The launch of sglang ``entry`` with ``args`` (which may contain our flags),
+    the package enabled."""
     environ = dict(os.environ if env is None else env)
-    in_args_enable, in_args_config, forwarded = split_flags(args)
-    enable = enable or in_args_enable
+    _, in_args_config, forwarded = split_flags(args)
     config = in_args_config if in_args_config is not None else config
     flag_text: str | None = None
     if config is not None:
@@ -115,21 +120,13 @@ def plan(
         merged = Config.load(flag_text, environ)
     except ConfigError as exc:
         raise LaunchError(f"invalid hicache-existence configuration: {exc}") from None
-    if enable and not merged.enabled:
-        merged = dataclasses.replace(merged, enabled=True)
+    merged = dataclasses.replace(merged, enabled=True)
     command = _command(entry, python or sys.executable)
-    set_env: dict[str, str] = {}
+    set_env = {ENV_ENABLED: "1"}
     unset: list[str] = []
-    if flag_text is not None or enable:
-        if enable:
-            set_env[ENV_ENABLED] = "1"
-        if flag_text is not None:
-            set_env[ENV_CONFIG] = merged.to_json()
-            unset = [key for key in environ if is_setting_variable(key) and key != ENV_ENABLED]
-            if enable or merged.enabled:
-                set_env[ENV_ENABLED] = "1"
-            else:
-                unset.append(ENV_ENABLED)
+    if flag_text is not None:
+        set_env[ENV_CONFIG] = merged.to_json()
+        unset = [key for key in environ if is_setting_variable(key) and key != ENV_ENABLED]
     return LaunchPlan(
         argv=(*command, *forwarded),
         forwarded=tuple(forwarded),

@@ -33,8 +33,9 @@ from hicache_existence import logs
 from hicache_existence.config import Config, ConfigError
 from hicache_existence.integrations.sglang import flags as _flags
 from hicache_existence.integrations.sglang import hooks as _hooks
+from hicache_existence.integrations.sglang import recorder_hooks as _recorder_hooks
 from hicache_existence.integrations.sglang import targets as _targets
-from hicache_existence.integrations.sglang import write_path as _write_path
+from hicache_existence.integrations.sglang import write_hooks as _write_hooks
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -163,11 +164,15 @@ def register_cache_hooks(
     registry.register(_targets.CACHE_CLASS, replacement, hook_type.REPLACE)
     registry.register(_targets.STEP_METHOD, _hooks.after_check_hicache_events, hook_type.AFTER)
     try:
-        report["write_hooks"] = _write_path.register(
+        report["write_hooks"] = _write_hooks.register(
             registry, hook_type, generation, _targets.resolve
         )
     except Exception as exc:  # the cache hooks stand without the write accounting
         _warn(report, f"write accounting hooks not registered ({exc!r}); write counters stay 0")
+    try:
+        report["recorder_hooks"] = _recorder_hooks.register(registry, hook_type, _targets.resolve)
+    except Exception as exc:  # the recorder then has no request boundaries
+        _warn(report, f"recorder hook not registered ({exc!r}); traces have no request boundaries")
     report["cache"] = True
     report["generation"] = generation
     logger.info("hicache-existence: enabled; %s-generation cache hooks registered", generation)

@@ -14,7 +14,11 @@ the same order.  So the first step all-gathers each rank's neighbours once
 rank computes the same connected components, and each component gets a
 dedicated gloo group for the divergence checks and one for the reconciler's
 agreements: never the NCCL data group, never sglang's own CPU groups, whose
-collective order must stay untouched.
+collective order must stay untouched.  Every rank creates the same groups
+whatever its own settings (an agreement group exists where any member
+reconciles: the flag travels in the same all-gather), so ranks configured
+differently still meet in the divergence checker's start-up handshake, which
+reports the difference, instead of waiting for each other in ``new_group``.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from hicache_existence.reconcile.agreement import Agreement, GlooAgreement
-from hicache_existence.replicas.divergence import CheckGroup, InProcessWorld, TorchGlooGroup
+from hicache_existence.replicas.divergence import (
+    CheckGroup,
+    GroupError,
+    InProcessWorld,
+    TorchGlooGroup,
+)
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -113,7 +122,8 @@ def single(timeout_s: float) -> ReplicaGroups:
 
 def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroups:
     """Create the groups (collective over the whole default group: every rank
-    must call it at the same point, once)."""
+    must call it at the same point, once, whatever its settings); ``agreement``:
+    this rank reconciles, so it gets its set's agreement group."""
     dist = _dist()
     if dist is None or int(dist.get_world_size()) <= 1:
         return single(timeout_s)
@@ -122,19 +132,21 @@ def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroup
     world = int(dist.get_world_size())
     me = int(dist.get_rank())
     timeout = timedelta(seconds=timeout_s)
-    row = [0] * world
+    row = [0] * (world + 1)  # neighbours, then whether this rank reconciles
     for rank in replica_neighbours(tree_cache, dist):
         if 0 <= rank < world:
             row[rank] = 1
+    row[world] = int(agreement)
     scratch = dist.new_group(backend="gloo", timeout=timeout)
     try:
         mine = torch.tensor(row, dtype=torch.int64)
         rows = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(rows, mine, group=scratch)
-        adjacency = [[int(v) for v in r.tolist()] for r in rows]
+        gathered = [[int(v) for v in r.tolist()] for r in rows]
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group(scratch)
+    adjacency = [r[:world] for r in gathered]
     parts = components(adjacency)
     own: tuple[int, ...] = (me,)
     divergence: CheckGroup | None = None
@@ -145,16 +157,49 @@ def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroup
             continue
         group = TorchGlooGroup.create(part, timeout_s=timeout_s)
         agreement_group = (
-            dist.new_group(ranks=list(part), backend="gloo", timeout=timeout) if agreement else None
+            dist.new_group(ranks=list(part), backend="gloo", timeout=timeout)
+            if any(gathered[rank][world] for rank in part)
+            else None
         )
         if me in part:
             own = part
             divergence = group
-            if agreement_group is not None:
+            if agreement and agreement_group is not None:
                 agree = GlooAgreement(agreement_group)
     if divergence is None:
         return single(timeout_s)
     return ReplicaGroups(own, divergence, agree)
+
+
+def unbuilt(timeout_s: float, reason: str) -> ReplicaGroups:
+    """The groups of a rank whose replica groups could not be built (a peer never
+    came to ``new_group``: typically a rank running without the package): the
+    divergence checker's first collective fails, so it records one failed
+    handshake and stops, visibly, instead of comparing the rank with itself;
+    reconciler verdicts stay local."""
+    dist = _dist()
+    me = int(dist.get_rank()) if dist is not None else 0
+    return ReplicaGroups((me,), UnavailableGroup(me, timeout_s, reason), None)
+
+
+class UnavailableGroup:
+    """A ``CheckGroup`` that could not be built: every collective raises."""
+
+    def __init__(self, rank: int, timeout_s: float, reason: str) -> None:
+        self.rank = 0
+        self.size = 1
+        self.ranks: tuple[int, ...] = (rank,)
+        self.timeout_s = float(timeout_s)
+        self._reason = reason
+
+    def _fail(self) -> NoReturn:
+        raise GroupError(f"the replica group could not be built: {self._reason}")
+
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        self._fail()
+
+    def all_gather(self, values: Sequence[int]) -> list[list[int]]:
+        self._fail()
 
 
 class DeferredGroup:

@@ -1,22 +1,22 @@
-"""Write accounting fed from SGLang's real buffer-mode write path.
+"""Write accounting of one scheduler process, fed from SGLang's real L3 write path.
 
-Where each counter is taken (hooks through sglang's ``HookRegistry``; upstream
-code is called unchanged, exactly once per call):
+``WritePath`` holds what the hooks (``write_hooks.py``) learn between a write's
+decision, its launch and its storage ack, and turns it into ``WriteAccounting``
+calls.  Its state changes only through its own methods; the hooks only read
+upstream's arguments and call them.  Where each counter is taken (buffer mode,
+``--hicache-host-memory-mode buffer_only``):
 
 * **avoided**, at admission: ``BufferModePipeline._write_intents`` (0.5.22+) drops
   every pool whose keys ``covered()`` (believed stored or in flight); the pools it
-  dropped are the avoided pages (the keys come from ``_backup_pool_keys``, which
-  it calls first).  ``enqueue_backup_intent`` calls it once per node per insert
-  walk, after upstream's own dedupe, so ``enqueue_backup_intent`` itself (called
-  d(d+1)/2 times for a depth-d path) is not hooked.  Split repairs in
-  ``_refresh_pending_backup_intents`` call ``_write_intents`` too and are not
-  counted: one count per admission decision.  A queued intent retired at launch
-  because its pool became covered meanwhile (``_drop_queue_head(dropped=False)``)
-  is avoided once more, at that decision.  0.5.19-0.5.21 (flat): ``covers_all``
-  answering True inside ``enqueue_backup_intent``, at most once per node per
-  insert walk.
-* **written**, at the D2H launch: ``_stage_backup_intent`` returning True (the
-  point where upstream starts tracking the pages in flight); per pool from its
+  dropped are the avoided pages (the keys come from ``_backup_pool_keys``, which it
+  calls first).  One count per admission decision: split repairs inside
+  ``_refresh_pending_backup_intents`` re-examine admitted intents and are not
+  counted; a queued intent retired at launch because its pool became covered
+  (``_drop_queue_head(dropped=False)``) is avoided once more, at that decision.
+  0.5.19-0.5.21 (flat): ``covers_all`` answering True inside
+  ``enqueue_backup_intent``, at most once per node per insert walk.
+* **written**, at the D2H launch: ``_stage_backup_intent`` returning True (where
+  upstream starts tracking the pages in flight); per pool from its
   ``keys_by_pool`` (flat: the node's KV pages).
 * **acknowledged / failed**, at the storage ack: ``finish_storage_write_ack``
   (scheduler thread, rank-synchronised drain) with this rank's outcome, which the
@@ -31,41 +31,31 @@ code is called unchanged, exactly once per call):
   and new pages is written whole.
 
 The scheduler thread does no I/O here: the backup thread hands its outcome over
-through a dict keyed by operation id, written before upstream puts the
-operation on its ack queue.  Every hook calls upstream first or last, outside
-its own ``try``; nothing of ours raises into sglang.
+through a dict keyed by operation id, written before upstream puts the operation
+on its ack queue.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache_existence.accounting.causes import CauseTracker, Remembers
+from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites, WritePlan
 from hicache_existence.integrations.sglang.process import PROCESS
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
-_MM = "sglang.srt.mem_cache"
-PIPELINE = f"{_MM}.buffer_mode.pipeline.BufferModePipeline"
-TREE = f"{_MM}.unified_radix_cache.UnifiedRadixCache"
-CONTROLLER = "sglang.srt.managers.cache_controller.HiCacheController"
-HYBRID_CONTROLLER = f"{_MM}.hybrid_cache.hybrid_cache_controller.HybridCacheController"
-FILE_BACKEND = f"{_MM}.hicache_storage.HiCacheFile"
-MOONCAKE_BACKEND = f"{_MM}.storage.mooncake_store.mooncake_store.MooncakeStore"
-FLAT_COVERS_ALL = "hicache_existence.core.flat.FlatStorageExistenceCache.covers_all"
-
 #: Outcomes or launch notes kept for operations whose ack never came (a reset).
-_MAX_PENDING = 65536
-
-_FEEDS: dict[int, WritePath] = {}
-_TLS = threading.local()
+MAX_PENDING = 65536
 
 
-def _name(pool: object) -> str:
+def pool_name(pool: object) -> str:
     """``PoolName.KV`` -> ``"kv"`` (str enums), plain strings unchanged."""
     return str.__str__(pool) if isinstance(pool, str) else str(pool)
 
@@ -80,33 +70,62 @@ class Outcome:
     existed: dict[str, set[str]] = field(default_factory=dict)
 
 
-class _Collect:
-    """What the backup thread learns inside one ``_page_backup`` call."""
+class BackendAnswers:
+    """What the backup thread learns inside one ``_page_backup`` call: the pages
+    the backend said it already held, and the probe in progress."""
 
     __slots__ = ("existed", "probe", "answer", "batch_pages")
 
     def __init__(self) -> None:
         self.existed: dict[str, set[str]] = {}
+        #: The file backend's key whose ``set`` is asking ``exists`` right now.
         self.probe: str | None = None
         self.answer: bool | None = None
+        #: Mooncake: the pages of the ``batch_set_v1`` whose existence query is next.
         self.batch_pages: list[str] | None = None
 
     def saw(self, storage_key: str) -> None:
+        """The backend held ``storage_key`` (``<page>`` or ``<page>.<pool>``)."""
         page, _, pool = storage_key.partition(".")
         self.existed.setdefault(pool or "kv", set()).add(page)
 
+    def saw_page(self, pool: str, page: str) -> None:
+        self.existed.setdefault(pool, set()).add(page)
+
 
 class WritePath:
-    """The write accounting of one scheduler process, fed by the hooks below."""
+    """The write accounting of one scheduler process, fed by ``write_hooks``."""
 
-    def __init__(self, writes: WriteAccounting, cache: Any, generation: str) -> None:
+    def __init__(
+        self,
+        writes: WriteAccounting,
+        cache: Any,
+        generation: str,
+        *,
+        cache_mode: bool = False,
+        dedup: bool = False,
+        remembers: Remembers | None = None,
+    ) -> None:
         self.writes = writes
         self.cache = cache
         self.generation = generation
+        #: Why redundant pages were written again (both host memory modes).
+        self.causes = CauseTracker(remembers)
+        #: The cache-mode write path (``None``: buffer mode).
+        self.cache_mode: CacheModeWrites | None = (
+            CacheModeWrites(writes, cache, dedup=dedup, causes=self.causes, size_pool=self._size)
+            if cache_mode
+            else None
+        )
+        #: The trace recorder (``attach_recorder``; ``None``: not recording).
+        self.recorder: Recorder | None = None
+        #: The controller whose backup thread writes this cache's pages (first launch).
         self.controller: Any = None
         #: The pipeline of the first launch (its in-flight set, seed generation).
         self.pipeline: Any = None
+        #: Hook failures (each counted once, whatever the hook).
         self.errors = 0
+        self._errors_lock = threading.Lock()
         self._admitting = 0
         self._refreshing = 0
         self._pool_keys: Mapping[Any, list[str]] | None = None
@@ -115,16 +134,49 @@ class WritePath:
         self._sized: set[str] = set()
         self._outcomes: dict[int, Outcome] = {}
         self._believed: dict[int, dict[str, set[str]]] = {}
+        self._backup = threading.local()
 
-    # -- admission -------------------------------------------------------------
+    def attach_recorder(self, recorder: Recorder | None) -> None:
+        """Record this path's writes and prefetch hit queries in ``recorder``."""
+        self.recorder = recorder
+        if self.cache_mode is not None:
+            self.cache_mode.recorder = recorder
+
+    # -- ownership -------------------------------------------------------------------
+    def owns_pipeline(self, pipeline: Any) -> bool:
+        """Whether ``pipeline`` belongs to the tree holding this process's cache."""
+        tree = getattr(pipeline, "_cache", None)
+        return getattr(tree, "storage_existence_cache", None) is self.cache
+
+    def owns_tree(self, tree: Any) -> bool:
+        return getattr(tree, "storage_existence_cache", None) is self.cache
+
+    # -- admission (current generation) -------------------------------------------------
+    def begin_refresh(self) -> None:
+        """A queue refresh starts: its ``_write_intents`` calls are split repairs."""
+        self._refreshing += 1
+
+    def end_refresh(self) -> None:
+        self._refreshing -= 1
+
+    def note_pool_keys(self, pool_keys: Mapping[Any, list[str]]) -> None:
+        """``_backup_pool_keys`` answered: the keys the next decision is about."""
+        if not self._refreshing:
+            self._pool_keys = pool_keys
+
+    def take_pool_keys(self) -> Mapping[Any, list[str]] | None:
+        """The keys of the decision that just ended, if it was an admission."""
+        keys, self._pool_keys = self._pool_keys, None
+        return None if self._refreshing else keys
+
     def admitted(
         self, pipeline: Any, pool_keys: Mapping[Any, list[str]], intents: Iterable[Any]
     ) -> None:
         """Pools of ``pool_keys`` that ``_write_intents`` left out were covered."""
-        kept = {_name(pool) for pool, _ in intents}
-        keys = {_name(p): k for p, k in pool_keys.items() if k}
+        kept = {pool_name(pool) for pool, _ in intents}
+        keys = {pool_name(p): k for p, k in pool_keys.items() if k}
         sidecars = {
-            _name(spec.pool_name): _name(spec.indices_from_pool)
+            pool_name(spec.pool_name): pool_name(spec.indices_from_pool)
             for spec in getattr(pipeline._cache, "sidecar_pool_specs", None) or ()
         }
         for pool, pages in keys.items():
@@ -132,23 +184,65 @@ class WritePath:
             if driver in keys and driver not in kept:
                 self.writes.avoided(pool, len(pages))
 
-    # -- launch ------------------------------------------------------------------
+    def retired(self, pool: Any, keys: list[str]) -> None:
+        """A queued intent retired at launch because its pool became covered."""
+        self.writes.avoided(pool_name(pool), len(keys))
+
+    # -- admission (flat generation) ----------------------------------------------------
+    def begin_walk(self) -> set[Any] | None:
+        """An insert walk starts; returns the enclosing walk for ``end_walk``."""
+        outer, self._walk = self._walk, set()
+        return outer
+
+    def end_walk(self, outer: set[Any] | None) -> None:
+        self._walk = outer
+
+    def begin_admission(self, node_id: Any) -> None:
+        """``enqueue_backup_intent(node_id)`` starts: its ``covers_all`` counts once
+        per node per insert walk."""
+        self._count_cover = True
+        walk = self._walk
+        if walk is not None:
+            try:
+                self._count_cover = node_id not in walk
+                walk.add(node_id)
+            except TypeError:  # an unhashable node id: count every decision
+                self._count_cover = True
+        self._admitting += 1
+
+    def end_admission(self) -> None:
+        self._admitting -= 1
+        self._pool_keys = None
+
+    def covered_in_admission(self, pool: Any, hashes: Any) -> None:
+        """``covers_all`` answered True: avoided, if it is this admission's first."""
+        if self._admitting and self._count_cover:
+            self._count_cover = False
+            self.writes.avoided(pool_name(pool), len(hashes))
+
+    # -- launch ------------------------------------------------------------------------
     def launched(self, pipeline: Any, intent: Any, keys_by_pool: Mapping[Any, list[str]]) -> None:
         """The D2H launch of an admitted intent: its pages are written."""
         if self.controller is None:
             self.controller = pipeline._cache.cache_controller
             self.pipeline = pipeline
+            if self.recorder is not None:
+                self.recorder.set_page_size(int(getattr(self.controller, "page_size", 0) or 0))
         notes: dict[str, set[str]] = {}
         for pool, keys in keys_by_pool.items():
-            name = _name(pool)
+            name = pool_name(pool)
             if name not in self._sized:
                 self._size(name)
             self.writes.written(name, len(keys))
+            if self.recorder is not None:
+                self.recorder.written(name, keys)
             believed = self._believed_keys(name, keys)
             if believed:
                 notes[name] = believed
+            if name == "kv":
+                self.causes.launched(_node_of(intent), keys)
         if notes:
-            if len(self._believed) >= _MAX_PENDING:
+            if len(self._believed) >= MAX_PENDING:
                 self._believed.pop(next(iter(self._believed)))
             self._believed[id(intent)] = notes
 
@@ -175,7 +269,7 @@ class WritePath:
         entry_map = getattr(host, "entry_map", None)
         pool_host = host
         if isinstance(entry_map, Mapping):
-            entry = next((e for n, e in entry_map.items() if _name(n) == pool), None)
+            entry = next((e for n, e in entry_map.items() if pool_name(n) == pool), None)
             pool_host = getattr(entry, "host_pool", None) if entry is not None else None
         elif pool != "kv":
             pool_host = None
@@ -184,10 +278,24 @@ class WritePath:
         if isinstance(per_token, int) and isinstance(page_size, int) and per_token > 0:
             self.writes.set_page_size(pool, per_token * page_size)
 
-    # -- backup thread -------------------------------------------------------------
-    def finished(self, controller: Any, operation: Any, collect: _Collect) -> None:
+    # -- backup thread -------------------------------------------------------------------
+    def begin_backup(self, controller: Any) -> BackendAnswers | None:
+        """``_page_backup`` starts on this thread: collect the backend's answers
+        (``None``: not this cache's controller, or already collecting)."""
+        if controller is not self.controller or getattr(self._backup, "answers", None):
+            return None
+        answers = self._backup.answers = BackendAnswers()
+        return answers
+
+    def collecting(self) -> BackendAnswers | None:
+        """The answers being collected on this thread, if a backup is running."""
+        answers: BackendAnswers | None = getattr(self._backup, "answers", None)
+        return answers
+
+    def end_backup(self, controller: Any, operation: Any, answers: BackendAnswers) -> None:
         """Backup thread: this rank's outcome of one storage operation."""
-        out = Outcome(existed=collect.existed)
+        self._backup.answers = None
+        out = Outcome(existed=answers.existed)
         page_size = int(getattr(controller, "page_size", 0) or 0)
         kv_pages = len(getattr(operation, "hash_value", None) or ())
         if kv_pages and page_size and not getattr(controller, "backup_skip", False):
@@ -198,7 +306,7 @@ class WritePath:
         hits = getattr(result, "extra_pool_hit_pages", None) or {}
         should = getattr(controller, "should_backup", None)
         for transfer in getattr(operation, "pool_transfers", None) or ():
-            name = _name(transfer.name)
+            name = pool_name(transfer.name)
             expected = len(transfer.keys or ())
             if not expected or (should is not None and not should(transfer)):
                 continue
@@ -206,11 +314,19 @@ class WritePath:
             out.stored[name] = out.stored.get(name, 0) + ok
             out.failed[name] = out.failed.get(name, 0) + expected - ok
         outcomes = self._outcomes
-        if len(outcomes) >= _MAX_PENDING:
+        if len(outcomes) >= MAX_PENDING:
             outcomes.pop(next(iter(outcomes)), None)
         outcomes[int(operation.id)] = out
 
-    # -- storage ack -----------------------------------------------------------------
+    def abandon_backup(self) -> None:
+        """The backup ended without an outcome (a hook failure): stop collecting."""
+        self._backup.answers = None
+
+    # -- storage ack -----------------------------------------------------------------------
+    def take_outcome(self, operation_id: Any) -> Outcome | None:
+        """This rank's outcome of ``operation_id`` (once), if its backup recorded one."""
+        return self._outcomes.pop(operation_id, None)
+
     def acked(self, entry: Any, outcome: Outcome | None) -> None:
         """Scheduler thread, at the storage ack of a write this pipeline owns."""
         notes = self._believed.pop(id(entry.intent), {})
@@ -219,21 +335,133 @@ class WritePath:
         keys_by_pool = getattr(entry, "keys_by_pool", None)
         if keys_by_pool is None:  # flat generation: the node's KV pages
             keys_by_pool = {"kv": entry.intent.snapshot.hash_values}
+        node = _node_of(entry.intent)
         for pool, keys in keys_by_pool.items():
-            name = _name(pool)
+            name = pool_name(pool)
             if name not in outcome.stored:
                 continue
             stored = outcome.stored[name]
             existed = outcome.existed.get(name, set()).intersection(keys)
             already = min(len(existed), stored)
-            believed = min(len(existed & notes.get(name, set())), already)
+            noted = notes.get(name, set())
+            believed = min(len(existed & noted), already)
             self.writes.acked(name, stored, outcome.failed.get(name, 0), already, believed)
+            if already:  # admission decided: believed pages were held, yet written
+                redundant = [k for k in keys if k in existed][:already]
+                causes = self.causes.classify(node, redundant, noted, noted, name)
+                for cause, n in causes.items():
+                    self.writes.redundant_cause(name, cause, n)
+            if name == "kv":  # buffer mode keeps no node record (no host copy to lose)
+                self.causes.stored(None, keys)
 
-    # -- errors -------------------------------------------------------------------------
+    # -- cache mode ------------------------------------------------------------------------
+    def plan_cache_write(
+        self,
+        controller: Any,
+        host_indices: Any,
+        token_ids: Any,
+        hash_value: Any,
+        prefix_keys: Any,
+        extra_pools: Any,
+    ) -> tuple[WritePlan, dict[str, Any]] | None:
+        """A cache-mode ``write_storage``: the plan, and the arguments it changes
+        (none when the node is written whole).  ``None``: not this cache's write."""
+        cache_mode = self.cache_mode
+        if cache_mode is None:
+            return None
+        if self.controller is None:
+            self.controller = controller
+        pages = list(hash_value or ())  # str page hashes (the cache checks them)
+        extra = (
+            {pool_name(t.name): list(t.keys) for t in extra_pools if getattr(t, "keys", None)}
+            if extra_pools
+            else {}
+        )
+        plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
+        page = int(getattr(controller, "page_size", 0) or 0)
+        if plan.whole or page <= 0 or len(host_indices) != len(pages) * page:
+            return WritePlan(list(range(len(pages))), pages, plan.believed, extra), {}
+        keep = plan.keep
+        if not keep and not plan.extra_written:
+            changes = {
+                "host_indices": host_indices[:0],
+                "token_ids": token_ids[:0],
+                "hash_value": [],
+                "extra_pools": None,
+            }
+        elif keep and keep == list(range(keep[0], len(pages))):  # a believed prefix left out
+            first = keep[0]
+            changes = {
+                "host_indices": host_indices[first * page :],
+                "token_ids": token_ids[first * page :],
+                "hash_value": pages[first:],
+            }
+            if prefix_keys is not None:
+                extend = getattr(controller, "extend_storage_prefix", None)
+                skipped = pages[:first]
+                changes["prefix_keys"] = (
+                    extend(prefix_keys, skipped) if callable(extend) else [*prefix_keys, *skipped]
+                )
+        else:
+            positions = [i * page + j for i in keep for j in range(page)]
+            changes = {
+                "host_indices": host_indices[positions],
+                "token_ids": [token_ids[t] for t in positions],
+                "hash_value": [pages[i] for i in keep],
+            }
+        return plan, changes
+
+    def hit_query(self, tree: Any, operation: Any) -> None:
+        """A rank-agreed prefetch hit query: heal (cache mode) and remember which
+        stored pages it found, for the cause of a later rewrite (both modes)."""
+        chain = getattr(operation, "all_hash_values", None)
+        if not chain:
+            return
+        page = int(tree.page_size)
+        if self.cache_mode is not None:
+            self.cache_mode.heal(operation, list(chain), page)
+        hit_tokens = int(getattr(operation, "storage_hit_count", 0) or 0)
+        if self.recorder is not None:
+            self.recorder.set_page_size(page)
+            self.recorder.prefetch("kv", chain, hit_tokens // page)
+        threshold = int(getattr(tree, "prefetch_threshold", 0) or 0)
+        self.causes.queried(chain[: hit_tokens // page], below_threshold=hit_tokens < threshold)
+
+    def prefetched(self, tree: Any, requested: list[str], completed_tokens: int) -> None:
+        """A prefetch finished: ``requested``'s first ``completed_tokens`` loaded."""
+        page = int(tree.page_size)
+        self.causes.prefetched(requested[: completed_tokens // page], requested)
+
+    def step(self, tree: Any) -> None:
+        """Per scheduler step (cache mode): account the acknowledged operations."""
+        cache_mode = self.cache_mode
+        if cache_mode is not None and cache_mode.pending:
+            try:
+                cache_mode.reap(tree.ongoing_backup, self.take_outcome)
+            except Exception as exc:
+                self.error(exc)
+
+    # -- errors ----------------------------------------------------------------------------
     def error(self, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors <= 3 or self.errors % 1000 == 0:
-            logger.warning("hicache-existence: write accounting skipped an event: %r", exc)
+        """A hook could not account for an event (never raised into sglang)."""
+        with self._errors_lock:
+            self.errors += 1
+            errors = self.errors
+        if errors <= 3 or errors % 1000 == 0:
+            logger.warning(
+                "hicache-existence: write accounting skipped an event (%d so far): %r",
+                errors,
+                exc,
+            )
+
+
+def _node_of(intent: Any) -> Any:
+    """The tree node a buffer-mode intent writes (``None`` when it does not say)."""
+    snapshot = getattr(intent, "snapshot", None)
+    return getattr(snapshot, "node_id", None)
+
+
+_FEEDS: dict[int, WritePath] = {}
 
 
 def attach(feed: WritePath) -> None:
@@ -246,317 +474,5 @@ def detach() -> None:
 
 
 def current() -> WritePath | None:
+    """This process's write path (``None`` when the package observes no cache here)."""
     return _FEEDS.get(PROCESS.pid)
-
-
-def _owned(pipeline: Any) -> WritePath | None:
-    feed = _FEEDS.get(PROCESS.pid)
-    if feed is None:
-        return None
-    cache = getattr(getattr(pipeline, "_cache", None), "storage_existence_cache", None)
-    return feed if cache is feed.cache else None
-
-
-def _guard(feed: WritePath, fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except Exception as exc:  # accounting never raises into the scheduler
-        feed.error(exc)
-
-
-# -- hooks: admission ------------------------------------------------------------------
-def around_enqueue_backup_intent(
-    original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any
-) -> Any:
-    """AROUND ``enqueue_backup_intent`` (flat generation): marks an admission
-    decision, at most once per node per insert walk."""
-    feed = _owned(pipeline)
-    if feed is None:
-        return original(pipeline, *a, **kw)
-    walk = feed._walk
-    node_id = a[0] if a else kw.get("node_id")
-    feed._count_cover = True
-    if walk is not None:  # flat: count a node once per insert walk
-        try:
-            feed._count_cover = node_id not in walk
-            walk.add(node_id)
-        except TypeError:
-            pass
-    feed._admitting += 1
-    try:
-        return original(pipeline, *a, **kw)
-    finally:
-        feed._admitting -= 1
-        feed._pool_keys = None
-
-
-def around_refresh_pending(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
-    """AROUND ``_refresh_pending_backup_intents``: its split repairs re-examine
-    admitted intents through ``_write_intents``; they are not new decisions."""
-    feed = _FEEDS.get(PROCESS.pid)
-    if feed is None:
-        return original(pipeline, *a, **kw)
-    feed._refreshing += 1
-    try:
-        return original(pipeline, *a, **kw)
-    finally:
-        feed._refreshing -= 1
-
-
-def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
-    """AFTER ``_backup_pool_keys`` (called by ``_write_intents`` only): the keys
-    the decision is about."""
-    feed = _FEEDS.get(PROCESS.pid)
-    if feed is not None and not feed._refreshing:
-        feed._pool_keys = result
-    return None
-
-
-def around_write_intents(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
-    """AROUND ``_write_intents``: outside a queue refresh it is an admission
-    (``enqueue_backup_intent`` calls it once per node per insert walk, after
-    upstream's own dedupe), and the pools it left out were covered: avoided."""
-    intents = original(pipeline, *a, **kw)
-    feed = _FEEDS.get(PROCESS.pid)
-    if feed is not None and feed._pool_keys is not None:
-        pool_keys, feed._pool_keys = feed._pool_keys, None
-        if not feed._refreshing and _owned(pipeline) is feed:
-            _guard(feed, lambda: feed.admitted(pipeline, pool_keys, intents))
-    return intents
-
-
-def around_drop_queue_head(original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any) -> Any:
-    """AROUND ``_drop_queue_head``: ``dropped=False`` retires a queued intent whose
-    pool became covered before its launch (avoided at that decision)."""
-    feed = _owned(pipeline)
-    head = None
-    if feed is not None and kw.get("dropped", True) is False:
-        queue = getattr(pipeline, "pending_write_queue", None)
-        head = queue[0] if queue else None
-    result = original(pipeline, *a, **kw)
-    if feed is not None and head is not None:
-        _guard(feed, lambda: feed.writes.avoided(_name(head.pool), len(head.keys)))
-    return result
-
-
-def around_flat_covers_all(original: Callable[..., Any], cache: Any, *a: Any, **kw: Any) -> Any:
-    """AROUND our flat cache's ``covers_all``: True inside an admission is avoided."""
-    covered = original(cache, *a, **kw)
-    feed = _FEEDS.get(PROCESS.pid)
-    counting = feed is not None and feed._admitting and feed._count_cover
-    if covered and counting and feed is not None and cache is feed.cache:
-        feed._count_cover = False
-        pool = a[0] if a else kw.get("pool")
-        hashes = a[1] if len(a) > 1 else kw.get("hashes", ())
-        _guard(feed, lambda: feed.writes.avoided(_name(pool), len(hashes)))
-    return covered
-
-
-def around_tree_insert(original: Callable[..., Any], tree: Any, *a: Any, **kw: Any) -> Any:
-    """AROUND ``UnifiedRadixCache.insert`` (flat): one insert walk."""
-    feed = _FEEDS.get(PROCESS.pid)
-    if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
-        return original(tree, *a, **kw)
-    outer, feed._walk = feed._walk, set()
-    try:
-        return original(tree, *a, **kw)
-    finally:
-        feed._walk = outer
-
-
-# -- hooks: launch and ack --------------------------------------------------------------------
-def after_stage_backup_intent(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
-    """AFTER ``_stage_backup_intent``: True = the D2H launch of the intent's pages."""
-    if result is not True:
-        return None
-    feed = _owned(pipeline)
-    if feed is None:
-        return None
-    intent: Any = a[0] if a else kw.get("intent")
-    keys: Any = a[3] if len(a) > 3 else kw.get("keys_by_pool")
-
-    def launched() -> None:
-        by_pool = keys if isinstance(keys, Mapping) else {"kv": intent.snapshot.hash_values}
-        feed.launched(pipeline, intent, by_pool)  # flat generation: the node's KV pages
-
-    _guard(feed, launched)
-    return None
-
-
-def around_storage_write_ack(
-    original: Callable[..., Any], pipeline: Any, *a: Any, **kw: Any
-) -> Any:
-    """AROUND ``finish_storage_write_ack``: this rank's outcome of the write."""
-    feed = _owned(pipeline)
-    if feed is None:
-        return original(pipeline, *a, **kw)
-    op_id: Any = a[0] if a else kw.get("operation_id")
-    entry = None
-    outcome = None
-    try:
-        entry = pipeline.ongoing_backup.get(op_id)
-        outcome = feed._outcomes.pop(op_id, None)
-    except Exception as exc:
-        feed.error(exc)
-    result = original(pipeline, *a, **kw)
-    if entry is not None:
-        _guard(feed, lambda: feed.acked(entry, outcome))
-    return result
-
-
-# -- hooks: the backup thread -------------------------------------------------------------------
-def around_page_backup(
-    original: Callable[..., Any], controller: Any, operation: Any, *a: Any, **kw: Any
-) -> Any:
-    """AROUND ``_page_backup`` (backup thread): collect the backend's existence
-    answers during the write, then hand this rank's outcome to the scheduler."""
-    feed = _FEEDS.get(PROCESS.pid)
-    if feed is None or controller is not feed.controller or getattr(_TLS, "collect", None):
-        return original(controller, operation, *a, **kw)
-    collect = _TLS.collect = _Collect()
-    try:
-        return original(controller, operation, *a, **kw)
-    finally:
-        _TLS.collect = None
-        _guard(feed, lambda: feed.finished(controller, operation, collect))
-
-
-def around_file_set(
-    original: Callable[..., Any], backend: Any, key: Any, *a: Any, **kw: Any
-) -> Any:
-    """AROUND ``HiCacheFile.set``: it asks ``exists`` first and skips a stored page."""
-    collect = getattr(_TLS, "collect", None)
-    if collect is None or not isinstance(key, str):
-        return original(backend, key, *a, **kw)
-    collect.probe, collect.answer = key, None
-    try:
-        ok = original(backend, key, *a, **kw)
-    finally:
-        collect.probe = None
-    if ok and collect.answer:
-        collect.saw(key)
-    return ok
-
-
-def around_file_exists(
-    original: Callable[..., Any], backend: Any, key: Any, *a: Any, **kw: Any
-) -> Any:
-    """AROUND ``HiCacheFile.exists``: the answer ``set`` acts on."""
-    answer = original(backend, key, *a, **kw)
-    collect = getattr(_TLS, "collect", None)
-    if collect is not None and collect.probe is not None and key == collect.probe:
-        collect.answer = bool(answer)
-    return answer
-
-
-def around_mooncake_batch_set_v1(
-    original: Callable[..., Any], backend: Any, keys: Any, *a: Any, **kw: Any
-) -> Any:
-    """AROUND ``MooncakeStore.batch_set_v1``: it asks ``batch_is_exist`` and puts
-    only missing objects."""
-    collect = getattr(_TLS, "collect", None)
-    if collect is None:
-        return original(backend, keys, *a, **kw)
-    collect.batch_pages = list(keys)
-    try:
-        return original(backend, keys, *a, **kw)
-    finally:
-        collect.batch_pages = None
-
-
-def around_mooncake_batch_exist(
-    original: Callable[..., Any], backend: Any, key_strs: Any, *a: Any, **kw: Any
-) -> Any:
-    """AROUND ``MooncakeStore._batch_exist``: a page existed when all of its
-    objects did (objects are laid out page by page)."""
-    answer = original(backend, key_strs, *a, **kw)
-    collect: _Collect | None = getattr(_TLS, "collect", None)
-    pages = collect.batch_pages if collect is not None else None
-    if collect is not None and pages:
-        collect.batch_pages = None  # only the write's own query
-        try:
-            per = len(answer) // len(pages)
-            for i, page in enumerate(pages):
-                if per and all(int(s) == 1 for s in answer[i * per : (i + 1) * per]):
-                    collect.existed.setdefault("kv", set()).add(page)
-        except Exception:
-            pass
-    return answer
-
-
-#: (target, hook, hook type name, generations): what ``register`` installs.
-HOOKS: tuple[tuple[str, Callable[..., Any], str, tuple[str, ...]], ...] = (
-    (f"{PIPELINE}.enqueue_backup_intent", around_enqueue_backup_intent, "AROUND", ("flat",)),
-    (
-        f"{PIPELINE}._refresh_pending_backup_intents",
-        around_refresh_pending,
-        "AROUND",
-        ("current",),
-    ),
-    (f"{PIPELINE}._backup_pool_keys", after_backup_pool_keys, "AFTER", ("current",)),
-    (f"{PIPELINE}._write_intents", around_write_intents, "AROUND", ("current",)),
-    (f"{PIPELINE}._drop_queue_head", around_drop_queue_head, "AROUND", ("current",)),
-    (FLAT_COVERS_ALL, around_flat_covers_all, "AROUND", ("flat",)),
-    (f"{TREE}.insert", around_tree_insert, "AROUND", ("flat",)),
-    (f"{PIPELINE}._stage_backup_intent", after_stage_backup_intent, "AFTER", ("current", "flat")),
-    (
-        f"{PIPELINE}.finish_storage_write_ack",
-        around_storage_write_ack,
-        "AROUND",
-        ("current", "flat"),
-    ),
-    (f"{CONTROLLER}._page_backup", around_page_backup, "AROUND", ("current", "flat")),
-    (f"{HYBRID_CONTROLLER}._page_backup", around_page_backup, "AROUND", ("current", "flat")),
-    (f"{FILE_BACKEND}.set", around_file_set, "AROUND", ("current", "flat")),
-    (f"{FILE_BACKEND}.exists", around_file_exists, "AROUND", ("current", "flat")),
-    (
-        f"{MOONCAKE_BACKEND}.batch_set_v1",
-        around_mooncake_batch_set_v1,
-        "AROUND",
-        ("current", "flat"),
-    ),
-    (
-        f"{MOONCAKE_BACKEND}._batch_exist",
-        around_mooncake_batch_exist,
-        "AROUND",
-        ("current", "flat"),
-    ),
-)
-
-#: Targets without which nothing is counted (the rest are per backend or per shape).
-REQUIRED: frozenset[str] = frozenset(
-    {
-        f"{PIPELINE}._write_intents",
-        f"{PIPELINE}._refresh_pending_backup_intents",
-        f"{PIPELINE}.enqueue_backup_intent",
-        FLAT_COVERS_ALL,
-        f"{PIPELINE}._stage_backup_intent",
-        f"{PIPELINE}.finish_storage_write_ack",
-    }
-)
-
-
-def register(
-    registry: Any, hook_type: Any, generation: str, resolve: Callable[[str], object]
-) -> list[str]:
-    """Register the write-path hooks the installed sglang has, for ``generation``.
-
-    Returns the targets registered; none when a required one is missing (the
-    write counters then stay 0, as before).  A backend module that does not
-    import (Mooncake without its client) only drops that backend's hooks."""
-    chosen = [h for h in HOOKS if generation in h[3]]
-    present: list[tuple[str, Callable[..., Any], str, tuple[str, ...]]] = []
-    for hook in chosen:
-        try:
-            resolve(hook[0])
-        except Exception:
-            if hook[0] in REQUIRED:
-                logger.warning(
-                    "hicache-existence: %s is missing; write accounting is not fed", hook[0]
-                )
-                return []
-            continue
-        present.append(hook)
-    for target, fn, kind, _gens in present:
-        registry.register(target, fn, getattr(hook_type, kind))
-    return [target for target, *_ in present]

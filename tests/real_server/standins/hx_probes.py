@@ -18,10 +18,18 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
     ``pthread_getcpuclockid`` clock, read from a helper thread) and the thread CPU
     time spent inside the package on that thread (CPU, not wall: a busy machine
     preempting the thread inside a call must not count as the package's) in every
-    method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``
-    and in the per-step hook ``after_check_hicache_events`` (nested calls counted
-    once). Written every 0.5 s
-    to ``cost-<pid>.json`` in that directory, with a per-function breakdown. The
+    method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``,
+    of the write accounting (``WritePath``, cache mode's ``CacheModeWrites`` and
+    ``Beliefs``, the ``CauseTracker``) and in the per-step hook
+    ``after_check_hicache_events`` (nested calls counted once). Written every 0.5 s
+    to ``cost-<pid>.json`` in that directory, with a per-function breakdown.
+    With ``HX_PROBE_RECORDER_TOGGLE=<path>`` the recorder is attached only while that
+    file exists (``_RecorderToggle``; the record's ``recorder_on`` says which).
+    With ``HX_PROBE_RECORDER=1`` also the trace recorder's scheduler-side calls (its
+    ``tap``'s methods, which the cache's Tee calls, and ``Recorder.written``,
+    ``prefetch``, ``begin_request``, ``end_request``), timed on their own (nested
+    inside the cache's methods, so their time is also part of the package's):
+    ``rec_busy`` and ``rec_poll`` hold ``[thread ns, calls]`` per kind of iteration. The
     timers' own cost (a thread-CPU clock read is a system call, ~1 us here) falls
     partly inside the measured interval: the raw share is an upper bound. The probe
     also measures, on the scheduler thread at start-up, what one timed call of an
@@ -78,6 +86,12 @@ class _Cost:
         self.it_work = False
         self.busy = [0, 0, 0, 0]  # iterations, thread ns, package ns, package calls
         self.poll = [0, 0, 0, 0, 0]  # iterations, thread ns, package ns, calls, hook ns
+        # The recorder's own methods (nested timers): total and per iteration kind.
+        self.rec_ns = 0
+        self.rec_calls = 0
+        self.it_rec0 = (0, 0)
+        self.rec_busy = [0, 0]
+        self.rec_poll = [0, 0]
 
 
 _COST = _Cost()
@@ -116,6 +130,60 @@ def _timed(fn: Any) -> Any:
     return wrapper
 
 
+def _rec_timed(fn: Any) -> Any:
+    """A recorder method, timed whatever the nesting (its own counters)."""
+    import threading
+    import time
+
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if get_ident() != _COST.main:
+            return fn(*args, **kwargs)
+        t0 = perf()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _COST.rec_ns += perf() - t0
+            _COST.rec_calls += 1
+
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _TimedTap:
+    """The recorder's tap (what the cache's Tee calls) with each method timed; its
+    attributes (``request``, ``dropped``, ``errors``) are the tap's own."""
+
+    _METHODS = ("touched", "added", "invalidated", "inflight", "cleared")
+
+    def __init__(self, tap: Any) -> None:
+        object.__setattr__(self, "_tap", tap)
+        for name in self._METHODS:
+            object.__setattr__(self, name, _rec_timed(getattr(tap, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_tap"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_tap"), name, value)
+
+
+def _probe_cost_recorder(mod: ModuleType) -> None:
+    cls = mod.Recorder
+    for name in ("written", "prefetch", "begin_request", "end_request"):
+        setattr(cls, name, _rec_timed(getattr(cls, name)))
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.tap = _TimedTap(self.tap)
+
+    cls.__init__ = __init__
+
+
 def _wrap_class(cls: type) -> None:
     for name, value in list(vars(cls).items()):
         if callable(value) and not name.startswith("__") and not isinstance(value, type):
@@ -137,6 +205,16 @@ def _probe_cost_write_path(mod: ModuleType) -> None:
     _wrap_class(mod.WritePath)
 
 
+def _probe_cost_cache_mode(mod: ModuleType) -> None:
+    # Cache mode's write path: the dedup plan, the ack reaping, the beliefs it keeps.
+    _wrap_class(mod.CacheModeWrites)
+    _wrap_class(mod.Beliefs)
+
+
+def _probe_cost_causes(mod: ModuleType) -> None:
+    _wrap_class(mod.CauseTracker)
+
+
 def _probe_cost_hooks(mod: ModuleType) -> None:
     mod.after_check_hicache_events = _timed(mod.after_check_hicache_events)
 
@@ -155,9 +233,14 @@ def _iteration_marks(cls: type) -> None:
     def ingest_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
         c = _COST
         if get_ident() == c.main:
+            if _TOGGLE is not None:
+                _TOGGLE.poll()
             now = perf()
             if c.it_t0:
                 dns, dcalls = c.ns - c.it_ns0, c.calls - c.it_calls0
+                rec = c.rec_busy if c.it_work else c.rec_poll
+                rec[0] += c.rec_ns - c.it_rec0[0]
+                rec[1] += c.rec_calls - c.it_rec0[1]
                 if c.it_work:
                     b = c.busy
                     b[0] += 1
@@ -172,6 +255,7 @@ def _iteration_marks(cls: type) -> None:
                     q[3] += dcalls
                     q[4] += c.hook_ns - c.it_hook0
             c.it_t0, c.it_ns0, c.it_calls0, c.it_hook0 = now, c.ns, c.calls, c.hook_ns
+            c.it_rec0 = (c.rec_ns, c.rec_calls)
             c.it_work = False
         return ingest(self, *args, **kwargs)
 
@@ -184,6 +268,40 @@ def _iteration_marks(cls: type) -> None:
             return _original(self, *args, **kwargs)
 
         setattr(cls, name, marked)
+
+
+class _RecorderToggle:
+    """``HX_PROBE_RECORDER_TOGGLE=<path>``: the recorder records while that file
+    exists and is detached while it does not (its tap out of the cache's Tee, the
+    write path's and insert hook's recorder unset), checked every 256 scheduler
+    iterations, so one server runs alternating rounds with and without it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.count = 0
+        self.on: bool | None = None
+
+    def poll(self) -> None:
+        self.count += 1
+        if self.count % 256:
+            return
+        want = os.path.exists(self.path)
+        if want == self.on:
+            return
+        from hicache_existence.integrations.sglang import hooks
+
+        entry = hooks.current()
+        recorder = entry.runtime.recorder if entry is not None else None
+        if entry is None or recorder is None:
+            return
+        tee = entry.runtime.tee
+        others = tuple(o for o in tee.observers if o is not recorder.tap)
+        tee.observers = (*others, recorder.tap) if want else others
+        entry.write_path.attach_recorder(recorder if want else None)
+        self.on = want
+
+
+_TOGGLE: _RecorderToggle | None = None
 
 
 def _cost_writer(out_dir: str) -> None:
@@ -214,6 +332,9 @@ def _cost_writer(out_dir: str) -> None:
                 "busy": list(_COST.busy),
                 "poll": list(_COST.poll),
                 "timer_ns_per_call": timer_ns,
+                "recorder_on": _TOGGLE.on if _TOGGLE is not None else None,
+                "rec_busy": list(_COST.rec_busy),
+                "rec_poll": list(_COST.rec_poll),
                 "by_name": {k: list(v) for k, v in _COST.by_name.items()},
                 "t": time.time(),
             }
@@ -227,7 +348,10 @@ def _cost_writer(out_dir: str) -> None:
 
 
 def _probe_cost_scheduler(mod: ModuleType) -> None:
+    global _TOGGLE
     out_dir = os.environ["HX_PROBE_COST_DIR"]
+    if os.environ.get("HX_PROBE_RECORDER_TOGGLE"):
+        _TOGGLE = _RecorderToggle(os.environ["HX_PROBE_RECORDER_TOGGLE"])
     cls = mod.Scheduler
     init = cls.__init__
 
@@ -267,7 +391,13 @@ def install() -> None:
         hx_cpu_standins.on_import(
             "hicache_existence.integrations.sglang.write_path", _probe_cost_write_path
         )
+        hx_cpu_standins.on_import(
+            "hicache_existence.integrations.sglang.cache_mode", _probe_cost_cache_mode
+        )
+        hx_cpu_standins.on_import("hicache_existence.accounting.causes", _probe_cost_causes)
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
+        if os.environ.get("HX_PROBE_RECORDER"):
+            hx_cpu_standins.on_import("hicache_existence.accounting.recorder", _probe_cost_recorder)
     if os.environ.get("HX_PROBE_DIVERGE_FILE"):
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_diverge)

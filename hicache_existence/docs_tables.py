@@ -4,7 +4,10 @@
   docs/metrics.md;
 * ``config_table()``: every configuration key with its type, default,
   environment variable and meaning (``Config``'s dataclasses and the ``#:``
-  comment above each field in config.py), for docs/enable.md.
+  comment above each field in config.py), for docs/enable.md;
+* ``stats_table()``: every field of a pool's ``PoolStats`` snapshot, its kind,
+  its meaning (the ``#:`` comment in core/stats.py) and the metric it is
+  exported as (the catalog), for docs/design.md.
 
 ``dashboards/build.py`` writes them between the docs' ``<!-- NAME:begin -->`` /
 ``<!-- NAME:end -->`` markers, together with the dashboard and the rules, and
@@ -21,6 +24,7 @@ from typing import Any
 
 from hicache_existence import config as config_module
 from hicache_existence.config import ENV_PREFIX, Config
+from hicache_existence.core import stats as stats_module
 from hicache_existence.exporters.catalog import CATALOG, FEATURE_CATALOG, MISS_REASON_LABELS
 
 
@@ -46,9 +50,9 @@ def metrics_table() -> str:
     return "\n".join(lines)
 
 
-def _field_comments() -> dict[tuple[str, str], str]:
+def _field_comments(module: Any = config_module) -> dict[tuple[str, str], str]:
     """(class name, field) -> the ``#:`` comment lines right above the field."""
-    source = Path(config_module.__file__).read_text(encoding="utf-8")
+    source = Path(module.__file__).read_text(encoding="utf-8")
     lines = source.splitlines()
     out: dict[tuple[str, str], str] = {}
     for node in ast.parse(source).body:
@@ -151,3 +155,35 @@ def replace_between(text: str, name: str, block: str) -> str:
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{block}\n{end}{tail}"
+
+
+def stats_table() -> str:
+    """The markdown table of every ``PoolStats`` field (``cache.stats()[pool]``)."""
+    comments = _field_comments(stats_module)
+    exported = {spec.field: spec.exposed_name for spec in CATALOG if spec.source == "cache"}
+    by_reason = next(spec for spec in CATALOG if spec.field == "misses_by_reason")
+    rows = [
+        "| field | kind | meaning | exported as |",
+        "| --- | --- | --- | --- |",
+    ]
+    for f in dataclasses.fields(stats_module.PoolStats):
+        kind = f.metadata.get("kind")
+        if kind is None:
+            continue  # the pool's name
+        if kind == "miss_reason":
+            reason = f.name.removeprefix("misses_")
+            meaning = (
+                f"Page misses classified `{reason}` (miss-reason memory on; off, this stays 0 "
+                'and every miss is exported as `reason="unclassified"`).'
+            )
+            metric = f'`{by_reason.exposed_name}{{reason="{reason}"}}`'
+            kind = "counter"
+        elif f.name == "page_misses":
+            meaning = comments.get(("PoolStats", f.name), "").lstrip("~")
+            metric = f"`{by_reason.exposed_name}`, summed over `reason`"
+        else:
+            meaning = comments.get(("PoolStats", f.name), "").lstrip("~")
+            metric = f"`{exported[f.name]}`"
+        assert meaning, f"PoolStats.{f.name} has no #: comment in core/stats.py"
+        rows.append(f"| `{f.name}` | {kind} | {_md(meaning)} | {metric} |")
+    return "\n".join(rows)

@@ -50,6 +50,13 @@ class LedgerEmpty(GroundTruthError):
     kind = "ledger_empty"
 
 
+class LedgerBehind(GroundTruthError):
+    """The ledger's writer had not written, within the wait allowed, the records
+    offered before the question: an answer now could miss pages already stored."""
+
+    kind = "ledger_behind"
+
+
 class UnsupportedPool(GroundTruthError):
     """This ground truth cannot answer for the pool."""
 

@@ -25,7 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicache_existence.config import ReconcilerSection, redact_url
-from hicache_existence.reconcile.truth import GroundTruth, TruthUnavailable, absence_is_evidence
+from hicache_existence.reconcile.ground_truth import (
+    GroundTruth,
+    TruthUnavailable,
+    absence_is_evidence,
+)
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -73,10 +77,8 @@ class TreeCacheGroundTruth:
             if truth is not None:
                 return truth  # type: ignore[no-any-return]
         if self._section.redis_url:
-            from hicache_existence.reconcile.redis_truth import (
-                ledger_from_section,
-                shard_from_storage_config,
-            )
+            from hicache_existence.reconcile.ledgers import ledger_from_section
+            from hicache_existence.reconcile.redis_truth import shard_from_storage_config
 
             config = getattr(controller, "storage_config", None) or getattr(
                 backend, "storage_config", None

@@ -1,0 +1,231 @@
+"""Why a page was written to L3 again: the cause of each redundant write.
+
+A redundant write is a written page the backend said it already held (the file
+backend's ``exists``, Mooncake's ``batch_is_exist``).  ``CauseTracker`` keeps the
+little it takes to say why SGLang wrote it anyway, from events the write path
+reports in scheduler-thread order (every TP rank sees the same ones):
+
+* ``queried(pages, below_threshold)``: a rank-agreed prefetch hit query found
+  ``pages`` in L3.  Below the prefetch threshold they are not loaded: if they are
+  written again, the cause is ``below_prefetch_threshold``; at or above it a
+  prefetch is due, and until it reports, a rewrite is a ``prefetch_shortfall``
+  (a prefetch revoked for lack of host memory never reports);
+* ``prefetched(loaded, requested)``: a prefetch loaded ``loaded``; the requested
+  pages it did not deliver (a deadline, a failed transfer, no host memory for them)
+  stay a ``prefetch_shortfall``;
+* ``launched(node, pages)``: a write of ``pages`` by tree node ``node`` left; the
+  pending dispositions of its pages are taken here (a page's next write consumes
+  its query's verdict);
+* ``stored(node, pages)``: the write was acknowledged.
+
+``classify(node, pages, believed, held)`` then names each redundant page's cause,
+first match wins:
+
+1. ``believed_node``: the existence cache decided the write (``held``: it believed
+   the page stored), yet the page was written: its node also spanned uncovered
+   pages and was written whole (buffer mode; cache mode's node rules);
+2. ``below_prefetch_threshold`` / ``prefetch_shortfall``: the page's last prefetch
+   disposition, as above;
+3. ``host_copy_reclaimed``: the same tree node wrote before.  A node writes its
+   pages once while its host copy lives; under ``write_back``, host pressure
+   reclaims the host copy of a node that is also on the device (a "duplicate"),
+   and the node's next device eviction backs it up to host, and L3, again
+   (SGLang's ``SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM`` turns that off);
+4. ``recompute``: this process has a local record of the page: believed stored
+   when the write left (``believed``), or ``remembers`` says so (believed now, or
+   once believed: the miss-reason memory's evicted / invalidated / cleared): a
+   page stored (or learnt) before, evicted from device and host, computed again
+   without a prefetch;
+5. ``other_instance``: no local record: another instance (or this server before a
+   restart) stored it;
+6. ``unclassified``: ``remembers`` cannot tell (no miss-reason memory), so 4 and 5
+   cannot be told apart.
+
+Memory is bounded and the work per event is C-level batch dict and set operations
+(a Python step only per page that had a disposition): the dispositions and the nodes
+that wrote are kept in two generations each (a new generation starts when the current
+one holds ``max_entries``; the one before is dropped), so the most recent
+``max_entries`` to ``2 * max_entries`` are remembered.  Pages are the tree's own hash
+strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Final, Literal, get_args
+
+from hicache_existence.core import _validate
+
+Cause = Literal[
+    "believed_node",
+    "below_prefetch_threshold",
+    "prefetch_shortfall",
+    "host_copy_reclaimed",
+    "recompute",
+    "other_instance",
+    "unclassified",
+]
+
+#: Every cause, in classification order (the metric's label values).
+CAUSES: Final[tuple[Cause, ...]] = get_args(Cause)
+
+_BELOW: Final = 1
+_SHORT: Final = 2
+#: Delivered by a prefetch: no disposition (kept, rather than popped page by page).
+_LOADED: Final = 3
+
+#: ``(pool, page) -> True / False / None``: whether this process has a record of the
+#: page (believed now, or once believed), or ``None`` when it cannot tell.
+Remembers = Callable[[str, str], "bool | None"]
+
+
+class _Generations:
+    """A bounded map keeping the most recent ``size`` to ``2 * size`` keys: two
+    dicts, the older dropped whole when the newer fills (O(1) per operation)."""
+
+    __slots__ = ("size", "new", "old")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.new: dict[Hashable, Any] = {}
+        self.old: dict[Hashable, Any] = {}
+
+    def put(self, key: Hashable, value: Any) -> None:
+        new = self.new
+        new[key] = value
+        if len(new) >= self.size:
+            self.old, self.new = new, {}
+
+    def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
+        """``put`` of every key (one C-level update; the generation may overshoot
+        ``size`` by the batch before it turns over)."""
+        new = self.new
+        new.update(dict.fromkeys(keys, value))
+        if len(new) >= self.size:
+            self.old, self.new = new, {}
+
+    def present(self, keys: Iterable[Hashable]) -> set[Hashable]:
+        """The keys held, found by C-level set intersections."""
+        wanted = set(keys)
+        return (self.new.keys() & wanted) | (self.old.keys() & wanted)
+
+    def get(self, key: Hashable) -> Any:
+        value = self.new.get(key)
+        return self.old.get(key) if value is None else value
+
+    def pop(self, key: Hashable) -> Any:
+        value = self.new.pop(key, None)
+        old = self.old.pop(key, None)
+        return old if value is None else value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.new or key in self.old
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.old)
+
+    def clear(self) -> None:
+        self.new, self.old = {}, {}
+
+
+class CauseTracker:
+    """The bounded memory behind ``classify`` (module docstring)."""
+
+    def __init__(self, remembers: Remembers | None = None, max_entries: int = 65536) -> None:
+        self.max_entries = _validate.count(max_entries, "max_entries", 1)
+        self.remembers = remembers
+        #: page -> its last prefetch disposition not yet consumed by a write.
+        self._disposition = _Generations(self.max_entries)
+        #: nodes whose write was acknowledged.
+        self._nodes = _Generations(self.max_entries)
+        #: page -> disposition taken at its launch, until its ack (in flight only).
+        self._taken: dict[str, int] = {}
+
+    # -- events --------------------------------------------------------------------
+    def queried(self, pages: Sequence[str], *, below_threshold: bool) -> None:
+        """A rank-agreed hit query found ``pages`` (a chain prefix) in L3."""
+        if pages:
+            self._disposition.put_many(pages, _BELOW if below_threshold else _SHORT)
+
+    def prefetched(self, loaded: Sequence[str], requested: Sequence[str]) -> None:
+        """A prefetch delivered ``loaded`` (a prefix of ``requested``): those are
+        no shortfall; the rest of ``requested`` is."""
+        disp = self._disposition
+        if loaded:
+            disp.put_many(loaded, _LOADED)
+        rest = requested[len(loaded) :]
+        if rest:
+            disp.put_many(rest, _SHORT)
+
+    def launched(self, node: Any, pages: Iterable[str]) -> None:
+        """A write of ``pages`` by ``node`` left: take their dispositions."""
+        disp = self._disposition
+        if not len(disp):
+            return
+        found = disp.present(pages)
+        if not found:
+            return
+        taken = self._taken
+        if len(taken) > 4 * self.max_entries:  # writes that never came back (a reset)
+            taken.clear()
+        for page in found:
+            code = disp.pop(page)
+            if code is not None and code != _LOADED:
+                taken[page] = code  # type: ignore[index]
+
+    def stored(self, node: Any, pages: Iterable[str]) -> None:
+        """The write of ``pages`` by ``node`` was acknowledged."""
+        if node is not None:
+            self._nodes.put(node, True)
+        taken = self._taken
+        if taken:
+            for page in pages:
+                taken.pop(page, None)
+
+    # -- classification --------------------------------------------------------------
+    def classify(
+        self,
+        node: Any,
+        pages: Iterable[str],
+        believed: Iterable[str] = (),
+        held: Iterable[str] = (),
+        pool: str = "kv",
+    ) -> dict[Cause, int]:
+        """The causes of redundant ``pages`` written by ``node`` (call before
+        ``stored`` records this write): ``believed``, the pages believed stored when
+        it left; ``held``, those among them an admission decision consulted."""
+        out: dict[Cause, int] = {}
+        held_set, believed_set = set(held), set(believed)
+        taken = self._taken
+        rewritten = node is not None and node in self._nodes
+        remembers = self.remembers
+        for page in pages:
+            cause: Cause
+            code = taken.get(page)
+            if page in held_set:
+                cause = "believed_node"
+            elif code == _BELOW:
+                cause = "below_prefetch_threshold"
+            elif code == _SHORT:
+                cause = "prefetch_shortfall"
+            elif rewritten:
+                cause = "host_copy_reclaimed"
+            elif page in believed_set:
+                cause = "recompute"
+            else:
+                known = remembers(pool, page) if remembers is not None else None
+                if known is None:
+                    cause = "unclassified"
+                else:
+                    cause = "recompute" if known else "other_instance"
+            out[cause] = out.get(cause, 0) + 1
+        return out
+
+    def reset(self) -> None:
+        """L3 was cleared: nothing pending is a disposition any more."""
+        self._disposition.clear()
+        self._nodes.clear()
+        self._taken.clear()
+
+    def __len__(self) -> int:
+        return len(self._disposition) + len(self._nodes) + len(self._taken)

@@ -1,0 +1,620 @@
+"""A spatially sampled trace of the existence cache's traffic, recorded in the live server.
+
+``hicache-existence replay`` plans caps and fleets from traces; this writes one
+from the server's own traffic (docs/replay.md, "Recording a trace").  What is
+recorded, each with a timestamp: lookups (the pages a lookup asked about, how
+many it walked, whether it missed at a recorded page), adds, invalidations and
+clears (the cache's ``BeliefObserver`` stream, once per operation), L3 writes at
+their launch and prefetch hit queries (from the write path), and request
+boundaries (an insert of a request's prompt into the radix tree: the lookups of
+its insert walk carry its number).  Each file starts with a header naming the
+instance (host, port, ranks, deployment labels) and the sampling rate.
+
+**Sampling is spatial and the same everywhere.**  A page is recorded iff its hash
+compares below ``bound(rate)``, the rate as 8 lowercase hex digits: for SGLang's
+64-hex SHA-256 page hashes, iff the hash's first 32 bits are below
+``rate x 2^32``.  The decision is a pure function of the page hash and the rate,
+so a page is recorded at every one of its references or never, on every TP rank
+and across restarts (unlike the advisor's, which uses Python's salted ``str``
+hash), and a recorded trace is a SHARDS sample of the stream: a stack distance
+``d`` in it stands for ``d / rate`` pages.
+
+**The scheduler thread pays little and never waits.**  The cache's ``Tee`` calls
+the recorder's ``tap`` (``_recorder.Tap``, compiled; ``PyTap`` where no compiler
+was available): per operation one C call that tests the pages (a few ns a page)
+and, only when a page was recorded, calls back into Python, which appends a
+tuple to a ``deque`` (atomic under the GIL: no lock).  No
+hashing, no encoding, no I/O.  When ``queue_records`` records are waiting the
+record is dropped and counted.  A writer thread drains the queue every
+``flush_interval_s``, encodes JSON lines, writes each chunk as one complete
+gzip member (stdlib only: a file cut short by a killed server keeps every
+member before the cut readable),
+rotates at ``file_bytes`` and deletes this instance's oldest files while the
+total exceeds ``max_bytes``.  A failed open or write (an unwritable path, a full
+disk) drops that chunk's records, counts them, and is retried later; nothing
+here raises into the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gzip
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hicache_existence.core import lru
+
+if TYPE_CHECKING:
+    from hicache_existence.config import RecorderSection
+
+logger = logging.getLogger("hicache_existence.recorder")
+
+#: The header tag shared with the replay reader (``replay.trace``).
+FORMAT_TAG = "hicache-existence-trace"
+#: Version 2: events with kinds, request boundaries and the instance.
+VERSION = 2
+#: How the recorded pages were chosen (the header's ``sampling``).
+SAMPLING = "hash-prefix-32"
+#: File name suffix of the recorder's files.
+SUFFIX = ".jsonl.gz"
+#: Uncompressed bytes written between two flushes (and disk-bound checks).
+CHUNK_BYTES = 64 * 1024
+#: Seconds between two attempts after a failed open or write.
+RETRY_S = 5.0
+
+#: Event kinds, in the ``kind`` field (and the ``kind`` label of the records metric).
+LOOKUP, ADD, INVALIDATE, CLEAR, WRITE, PREFETCH, REQUEST = (
+    "lookup",
+    "add",
+    "invalidate",
+    "clear",
+    "write",
+    "prefetch",
+    "request",
+)
+KINDS: tuple[str, ...] = (LOOKUP, ADD, INVALIDATE, CLEAR, WRITE, PREFETCH, REQUEST)
+#: Why records were dropped (the ``reason`` label).
+DROP_REASONS: tuple[str, ...] = ("queue_full", "write_error")
+
+_native = lru.compiled("accounting._recorder")
+
+
+def bound(rate: float) -> str | None:
+    """The str a page hash must compare below to be recorded (``None``: rate 1,
+    every page).  Rates are resolved to 2^-32."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise TypeError(f"sample_rate must be a number, got {type(rate).__name__}")
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"sample_rate must be within (0, 1], got {rate}")
+    if rate >= 1.0:
+        return None
+    return format(max(1, int(rate * 2.0**32)), "08x")
+
+
+def py_below(keys: Sequence[str], bound: str, /) -> list[int]:
+    """Indices of ``keys`` that compare below ``bound`` (the compiled test's twin:
+    a list or tuple and a str, else TypeError)."""
+    if not isinstance(keys, (list, tuple)):
+        raise TypeError("keys must be a list or a tuple")
+    if not isinstance(bound, str):
+        raise TypeError("bound must be a str")
+    return [i for i, key in enumerate(keys) if key < bound]
+
+
+#: The page test the recorder runs: compiled when built, else the twin.
+below: Callable[[Sequence[str], str], list[int]] = (
+    _native.below if _native is not None else py_below
+)
+
+
+class PyTap:
+    """The compiled ``Tap``'s twin: the recorder's ``BeliefObserver`` in the cache's
+    ``Tee``.  An operation none of whose pages is recorded ends after the page test;
+    otherwise one record ``(clock(), kind, pool, recorded pages, their indices (None:
+    every page), extra (lookup: stop; invalidate: keep_pages), request)`` is
+    appended to ``queue``, or dropped and counted when it holds ``capacity``
+    records.  Never raises (a failure is counted in ``errors``)."""
+
+    __slots__ = ("bound", "queue", "capacity", "clock", "request", "dropped", "errors")
+
+    def __init__(
+        self, bound: str | None, queue: Any, capacity: int, clock: Callable[[], float]
+    ) -> None:
+        if bound is not None and not isinstance(bound, str):
+            raise TypeError("bound must be a str or None")
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        if not callable(clock):
+            raise TypeError("clock must be callable")
+        if not callable(getattr(queue, "append", None)):
+            raise TypeError("queue must have an append method")
+        self.bound = bound
+        self.queue = queue
+        self.capacity = capacity
+        self.clock = clock
+        self.request = 0
+        self.dropped = 0
+        self.errors = 0
+
+    def _put(
+        self, kind: str, pool: str, pages: tuple[str, ...], idx: list[int] | None, extra: Any
+    ) -> None:
+        try:
+            if len(self.queue) >= self.capacity:
+                self.dropped += 1
+                return
+            self.queue.append((self.clock(), kind, pool, pages, idx, extra, self.request))
+        except Exception:
+            self.errors += 1
+
+    def _offer(self, kind: str, pool: str, hashes: Sequence[str], extra: Any) -> None:
+        try:
+            if self.bound is None:
+                self._put(kind, pool, tuple(hashes), None, extra)
+                return
+            if not isinstance(hashes, (list, tuple)):
+                hashes = tuple(hashes)
+            idx = py_below(hashes, self.bound)
+        except Exception:
+            self.errors += 1
+            return
+        if idx:
+            self._put(kind, pool, tuple([hashes[i] for i in idx]), idx, extra)
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        self._offer(LOOKUP, pool, hashes, stop)
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        self._offer(ADD, pool, hashes, None)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        self._offer(INVALIDATE, pool, hashes, keep_pages)
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """In-flight refs are not part of the recorded stream."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        if not inflight_only:
+            self._put(CLEAR, pool, (), None, None)
+
+
+#: The tap the recorder puts in the cache's ``Tee``: compiled when built.
+Tap: Callable[..., Any] = _native.Tap if _native is not None else PyTap
+
+
+def sampled(page: str, rate: float) -> bool:
+    """Whether ``page`` is recorded at ``rate`` (the rule, for readers and tests)."""
+    b = bound(rate)
+    return b is None or page < b
+
+
+@dataclass(frozen=True)
+class RecorderSnapshot:
+    """The recorder's counters (exported as metrics)."""
+
+    #: Records written to disk, by kind.
+    records: Mapping[str, int]
+    #: Records dropped, by reason (``DROP_REASONS``).
+    dropped: Mapping[str, int]
+    #: Compressed bytes written (all files, deleted ones included).
+    written_bytes: int
+    #: Bytes on disk now, over this instance's files.
+    disk_bytes: int
+    files_deleted: int
+
+
+def instance_name(host: str, port: int | None, labels: Mapping[str, Any]) -> str:
+    """``host:port`` (or ``host``) plus the DP/TP/PP ranks: the trace's instance."""
+    name = f"{host}:{port}" if port else host
+    ranks = "".join(
+        f"-{key[:2]}{labels[key]}" for key in ("dp_rank", "tp_rank", "pp_rank") if key in labels
+    )
+    return name + ranks
+
+
+def _file_prefix(instance: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", instance)[:120] or "instance"
+
+
+class Recorder:
+    """Records the cache's traffic (see the module docstring).
+
+    It is a ``BeliefObserver`` (compose it with ``Tee``); the write path calls
+    ``written`` and ``prefetch``, the insert hook ``begin_request``/``end_request``.
+    ``start()`` starts the writer thread, ``close()`` drains and closes the file.
+    Scheduler-thread methods never raise and never block."""
+
+    def __init__(
+        self,
+        section: RecorderSection,
+        *,
+        instance: str | None = None,
+        header: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.rate = float(section.sample_rate)
+        self._bound = bound(self.rate)
+        self.directory = Path(section.path)
+        self.max_bytes = int(section.max_bytes)
+        self.file_bytes = min(int(section.file_bytes), self.max_bytes // 2)
+        self.capacity = int(section.queue_records)
+        self.flush_interval_s = float(section.flush_interval_s)
+        self.instance = instance or socket.gethostname()
+        self._prefix = _file_prefix(self.instance)
+        self._clock = clock
+        self._t0 = clock()
+        self.started_unix = wall()
+        self._header_extra = dict(header or {})
+        self.page_size = 0
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        #: What the cache's ``Tee`` calls (``Tap``): the hot path, in C.
+        self.tap = Tap(self._bound, self._queue, self.capacity, clock)
+        self._request = 0
+        # counters: the scheduler thread writes queue_full, the writer the rest
+        self.queue_full = 0
+        self.write_errors = 0
+        self._records = dict.fromkeys(KINDS, 0)
+        self.written_bytes = 0
+        self.files_deleted = 0
+        # writer state (writer thread only, after start)
+        self._files: list[tuple[Path, int]] = []  # closed files of this instance, oldest first
+        self._current: Path | None = None
+        self._raw: Any = None
+        self._part = 0
+        self._retry_at = 0.0
+        self._warned = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # writer vs close(): one drain at a time
+
+    @classmethod
+    def from_config(
+        cls,
+        section: RecorderSection,
+        labels: Any,
+        *,
+        instance: str | None = None,
+        host_mode: str = "",
+    ) -> Recorder | None:
+        """The recorder this process runs, or ``None`` (disabled, or ``ranks:
+        first`` on a rank other than TP and PP rank 0).  ``labels``: the
+        deployment labels (``DeploymentLabels``), put in every file's header."""
+        if not section.enabled:
+            return None
+        values = labels.as_dict()
+        if section.ranks == "first" and (values["tp_rank"] != "0" or values["pp_rank"] != "0"):
+            return None
+        name = instance or instance_name(socket.gethostname(), None, values)
+        header = {"labels": values, "host_memory_mode": host_mode}
+        return cls(section, instance=name, header=header)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> Recorder:
+        """Start the writer thread (records queue up before it)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hx-recorder", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued, close the file, stop the writer (bounded wait)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        if thread is None or not thread.is_alive():
+            with self._lock:
+                self._drain(final=True)
+                self._close_file()
+
+    def set_page_size(self, page_size: int) -> None:
+        """Tokens per page, for the header of the files opened from now on."""
+        if isinstance(page_size, int) and page_size > 0:
+            self.page_size = page_size
+
+    # -- the scheduler side ------------------------------------------------------------
+    def _put(self, kind: str, pool: str, pages: tuple[str, ...], extra: Any) -> None:
+        """Queue a record from the Python side (writes, prefetch queries, requests)."""
+        queue = self._queue
+        if len(queue) >= self.capacity:
+            self.queue_full += 1
+        else:
+            queue.append((self._clock(), kind, pool, pages, None, extra, 0))
+
+    def _pick(self, hashes: Sequence[str]) -> Sequence[int]:
+        """Indices of the recorded pages of ``hashes`` (the compiled test)."""
+        b = self._bound
+        if b is None:
+            return range(len(hashes))
+        try:
+            return below(hashes, b)
+        except Exception:  # a sequence the test cannot take: a copy, else nothing
+            try:
+                return py_below(list(hashes), b)
+            except Exception:
+                return ()
+
+    def _pages(self, hashes: Sequence[str], idx: Sequence[int]) -> tuple[str, ...]:
+        if self._bound is None:
+            return tuple(hashes)
+        return tuple([hashes[i] for i in idx])
+
+    # BeliefObserver, through the tap (the runtime puts ``tap`` itself in the Tee)
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        """A lookup walked ``hashes[:stop]`` (and missed at ``hashes[stop]``)."""
+        self.tap.touched(pool, hashes, stop)
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        self.tap.added(pool, hashes)
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        self.tap.invalidated(pool, hashes, keep_pages)
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """In-flight refs are not part of the stream (writes are recorded at launch)."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        self.tap.cleared(pool, inflight_only)
+
+    def written(self, pool: str, pages: Sequence[str]) -> None:
+        """The write path launched an L3 write of ``pages``."""
+        idx = self._pick(pages)
+        if idx:
+            self._put(WRITE, pool, self._pages(pages, idx), None)
+
+    def prefetch(self, pool: str, chain: Sequence[str], hit_pages: int) -> None:
+        """A rank-agreed prefetch hit query on ``chain``: L3 holds its first ``hit_pages``."""
+        idx = self._pick(chain)
+        if idx:
+            self._put(PREFETCH, pool, self._pages(chain, idx), bisect_left(idx, hit_pages))
+
+    def begin_request(self) -> None:
+        """An insert of a request's prompt starts: its lookups carry its number."""
+        self._request += 1
+        self.tap.request = self._request
+
+    def end_request(self) -> None:
+        number = self.tap.request
+        self.tap.request = 0
+        if number:
+            self._put(REQUEST, "", (), number)
+
+    # -- reading -----------------------------------------------------------------------
+    def snapshot(self) -> RecorderSnapshot:
+        """Counters now (any thread)."""
+        disk = sum(size for _, size in list(self._files))
+        raw = self._raw
+        if raw is not None:
+            with contextlib.suppress(Exception):
+                disk += raw.tell()
+        return RecorderSnapshot(
+            dict(self._records),
+            {
+                "queue_full": self.queue_full + self.tap.dropped,
+                "write_error": self.write_errors + self.tap.errors,
+            },
+            self.written_bytes,
+            disk,
+            self.files_deleted,
+        )
+
+    # -- the writer thread -------------------------------------------------------------
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):
+            self._scan()
+        while not self._stop.wait(self.flush_interval_s):
+            with self._lock:
+                try:
+                    self._drain()
+                except Exception as exc:  # never let the writer die silently
+                    self._warn(f"recorder writer error: {exc!r}")
+        with self._lock:
+            with contextlib.suppress(Exception):
+                self._drain(final=True)
+            self._close_file()
+
+    def _scan(self) -> None:
+        """This instance's files from earlier runs count against ``max_bytes``."""
+        found = []
+        for path in self.directory.glob(f"{self._prefix}-*{SUFFIX}"):
+            with contextlib.suppress(OSError):
+                found.append((path.stat().st_mtime, path.name, path, path.stat().st_size))
+        found.sort()
+        self._files = [(path, size) for _, _, path, size in found]
+
+    def _drain(self, final: bool = False) -> None:
+        queue = self._queue
+        chunk: list[str] = []
+        kinds: list[str] = []
+        size = 0
+        popleft = queue.popleft
+        while queue:
+            record = popleft()
+            try:
+                line = self._encode(record)
+            except Exception:
+                self.write_errors += 1
+                continue
+            if line is None:
+                continue
+            chunk.append(line)
+            kinds.append(record[1])
+            size += len(line)
+            if size >= CHUNK_BYTES:
+                self._write(chunk, kinds)
+                chunk, kinds, size = [], [], 0
+        if chunk:
+            self._write(chunk, kinds)
+
+    def _encode(self, r: tuple[Any, ...]) -> str | None:
+        """One record as a JSON line (``None``: nothing left to record)."""
+        t, kind, pool, pages, idx, extra, request = r
+        out: dict[str, Any] = {"timestamp": round((t - self._t0) * 1000.0, 3), "kind": kind}
+        if kind == REQUEST:
+            out["request"] = extra
+            return json.dumps(out, separators=(",", ":")) + "\n"
+        out["pool"] = str(pool)
+        if kind == LOOKUP:
+            if idx is None:
+                walked, miss = min(extra, len(pages)), extra < len(pages)
+            else:
+                walked = bisect_left(idx, extra)
+                miss = walked < len(idx) and idx[walked] == extra
+            out["pages"] = [str(p) for p in pages]
+            out["walked"] = walked
+            if miss:
+                out["miss"] = True
+            if request:
+                out["request"] = request
+        elif kind == INVALIDATE:
+            first = extra if idx is None else bisect_left(idx, extra)
+            if first >= len(pages):
+                return None
+            out["pages"] = [str(p) for p in pages[first:]]
+        elif kind != CLEAR:
+            out["pages"] = [str(p) for p in pages]
+            if kind == PREFETCH:
+                out["hit"] = extra
+        return json.dumps(out, separators=(",", ":")) + "\n"
+
+    def _write(self, lines: list[str], kinds: list[str]) -> None:
+        """Write one chunk as one complete gzip member (its records dropped and
+        counted on failure, the partial member cut off again)."""
+        if self._raw is None and not self._open():
+            self.write_errors += len(lines)
+            return
+        raw = self._raw
+        assert raw is not None
+        before = 0
+        try:
+            before = raw.tell()
+            self._member(raw, "".join(lines))
+            self.written_bytes += raw.tell() - before
+        except Exception as exc:
+            self.write_errors += len(lines)
+            self._warn(f"cannot write the trace to {self._current}: {exc!r}; records dropped")
+            with contextlib.suppress(Exception):
+                raw.seek(before)
+                raw.truncate()
+            self._close_file()
+            self._retry_at = self._clock() + RETRY_S
+            return
+        for kind in kinds:
+            self._records[kind] += 1
+        if raw.tell() >= self.file_bytes:
+            self._close_file()
+        self._bound_disk()
+
+    @staticmethod
+    def _member(raw: Any, text: str) -> None:
+        """``text`` as one gzip member: a file cut short by a killed process keeps
+        every member before the cut readable."""
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=6, mtime=0) as gz:
+            gz.write(text.encode("utf-8"))
+        raw.flush()
+
+    def _open(self) -> bool:
+        if self._clock() < self._retry_at:
+            return False
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started_unix))
+        stamp += f"{self.started_unix % 1:.3f}"[1:]
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for _ in range(1000):  # a name taken (another recorder of this process): the next
+                self._part += 1
+                name = f"{self._prefix}-{stamp}-{os.getpid()}-{self._part:05d}{SUFFIX}"
+                path = self.directory / name
+                try:
+                    raw = open(path, "xb")  # noqa: SIM115 (closed by _close_file)
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise FileExistsError(f"no free file name for {self._prefix} in {self.directory}")
+        except Exception as exc:
+            self._warn(f"cannot open a trace file in {self.directory}: {exc!r}; records dropped")
+            self._retry_at = self._clock() + RETRY_S
+            return False
+        try:
+            self._member(raw, self._header_line())
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                raw.close()
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._warn(f"cannot write the trace header to {path}: {exc!r}; records dropped")
+            self._retry_at = self._clock() + RETRY_S
+            return False
+        self._raw, self._current = raw, path
+        self.written_bytes += raw.tell()
+        return True
+
+    def _header_line(self) -> str:
+        header: dict[str, Any] = {
+            "format": FORMAT_TAG,
+            "version": VERSION,
+            "sample_rate": self.rate,
+            "sampling": SAMPLING,
+            "instance": self.instance,
+            "started_unix": round(self.started_unix, 3),
+            "pid": os.getpid(),
+            "part": self._part,
+        }
+        if self.page_size:
+            header["page_size"] = self.page_size
+        for key, value in self._header_extra.items():
+            header.setdefault(key, value)
+        return json.dumps(header, separators=(",", ":"), sort_keys=True) + "\n"
+
+    def _close_file(self) -> None:
+        raw, path = self._raw, self._current
+        self._raw = self._current = None
+        if raw is None or path is None:
+            return
+        size = 0
+        with contextlib.suppress(Exception):
+            size = raw.tell()
+        try:
+            raw.close()
+        except Exception as exc:
+            self._warn(f"cannot close the trace file {path}: {exc!r}")
+        with contextlib.suppress(OSError):
+            size = path.stat().st_size
+        self._files.append((path, size))
+
+    def _bound_disk(self) -> None:
+        """Delete this instance's oldest files while the total exceeds ``max_bytes``."""
+        current = 0
+        if self._raw is not None:
+            with contextlib.suppress(Exception):
+                current = self._raw.tell()
+        total = current + sum(size for _, size in self._files)
+        while self._files and total > self.max_bytes:
+            path, size = self._files.pop(0)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            total -= size
+            self.files_deleted += 1
+
+    def _warn(self, message: str) -> None:
+        now = self._clock()
+        if now - self._warned >= 60.0 or not self._warned:
+            self._warned = now or 1e-9
+            logger.warning("hicache-existence: %s", message)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Recorder rate={self.rate:g} path={str(self.directory)!r} queued={len(self._queue)}>"
+        )

@@ -1,0 +1,136 @@
+"""``hicache-existence doctor``: diagnose a live deployment from its series.
+
+Reads each server's metrics endpoint (SGLang's ``/metrics`` under
+``--enable-metrics``, or the package's standalone endpoint) twice, ``--interval``
+apart, or the same series from a Prometheus server (``--prometheus``), and reports
+findings ranked by severity and wasted L3 bytes, each with its evidence and its fix
+(docs/doctor.md).  Exit status: 0 nothing at warning or above, 1 something is,
+2 nothing could be read (with a one-line message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+NAME = "doctor"
+HELP = "diagnose live servers from their metrics: findings, evidence, fixes"
+
+DEFAULT_INTERVAL_S = 5.0
+DEFAULT_WINDOW = "15m"
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def _seconds(minimum_inclusive: bool) -> object:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        ok = value >= 0 if minimum_inclusive else value > 0
+        if not ok or not math.isfinite(value):
+            bound = ">= 0" if minimum_inclusive else "> 0"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "urls",
+        nargs="*",
+        metavar="URL",
+        help="metrics endpoints, one per server (http://host:port reads /metrics)",
+    )
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="read the series from this Prometheus server's HTTP API instead",
+    )
+    parser.add_argument(
+        "--selector",
+        default=None,
+        help="with --prometheus: narrow the series, e.g. '{job=\"sglang\"}'",
+    )
+    parser.add_argument(
+        "--window",
+        default=None,
+        help=f"with --prometheus: read the series this long apart (default {DEFAULT_WINDOW})",
+    )
+    parser.add_argument(
+        "--interval",
+        type=_seconds(True),  # type: ignore[arg-type]
+        default=None,
+        help=f"seconds between the two reads of each URL (default {DEFAULT_INTERVAL_S:g}; "
+        "0: one read, no rates)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds(False),  # type: ignore[arg-type]
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to wait for each answer (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _fail(text: str) -> int:
+    print(f"hicache-existence doctor: {' '.join(text.split())}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_existence.config import redact_url
+    from hicache_existence.doctor.diagnosis import diagnose
+    from hicache_existence.doctor.report import render_text
+    from hicache_existence.doctor.scrape import (
+        ReadError,
+        parse_duration,
+        read_direct,
+        read_prometheus,
+    )
+
+    if args.prometheus and args.urls:
+        return _fail("give metrics URLs or --prometheus URL, not both")
+    if not args.prometheus and not args.urls:
+        return _fail("give at least one metrics URL, or --prometheus URL")
+    if not args.prometheus and (args.selector is not None or args.window is not None):
+        return _fail("--selector and --window read from Prometheus: add --prometheus URL")
+    if args.prometheus and args.interval is not None:
+        return _fail("--interval is for metrics URLs; with --prometheus use --window")
+    try:
+        if args.prometheus:
+            window = args.window or DEFAULT_WINDOW
+            try:
+                window_s = parse_duration(window)
+            except ValueError as exc:
+                return _fail(f"--window: {exc}")
+            selector = args.selector if args.selector is not None else "{}"
+            readings = read_prometheus(args.prometheus, selector, window_s, args.timeout)
+            source = {
+                "mode": "prometheus",
+                "prometheus": redact_url(args.prometheus),
+                "selector": selector,
+                "window": window,
+                "window_s": window_s,
+            }
+        else:
+            interval = DEFAULT_INTERVAL_S if args.interval is None else args.interval
+            readings = read_direct(args.urls, interval, args.timeout)
+            source = {
+                "mode": "direct",
+                "urls": [r.instance for r in readings],
+                "interval_s": interval,
+            }
+        report = diagnose(readings, source)
+    except ReadError as exc:
+        return _fail(str(exc))
+    except Exception as exc:  # never a traceback for an operator: one line, exit 2
+        return _fail(f"internal error ({type(exc).__name__}: {exc}); please report it")
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(render_text(report))
+    return report.exit_code

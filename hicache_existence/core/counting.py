@@ -1,0 +1,174 @@
+"""The counting walk: one pool's lookups and their accounting, for both generations.
+
+Both cache generations keep a pool's beliefs in an ``LruIndex`` under a tag
+(the current generation: its own index, tag 0; the seed generation: one shared
+index, a tag per pool), and both count a lookup the same way: queries and their
+answers, pages checked, hits, rescues, the one miss that stops a walk and, with
+miss-reason memory, the reason of that miss (classified in batches by
+``settle``).  ``CountingPool`` is that accounting, written once: the current
+generation's ``PoolBeliefs`` is one, and the seed generation's per-pool record
+is one too, so a lookup counter is incremented in one place for both.
+
+The subclasses do their mutations (add, evict, invalidate, clear) and check
+their chains' arguments before ``_walk``; ``contains`` checks its own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Container, Sequence
+from itertools import islice
+
+from hicache_existence.core import _validate, lru
+from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.core.sampler import SamplerType
+from hicache_existence.core.stats import PoolCounters
+
+
+class CountingPool:
+    """One pool's counters, miss memory and sampler, and its counted lookups."""
+
+    __slots__ = (
+        "name",
+        "tag",
+        "_entries",
+        "_counters",
+        "_memory",
+        "_missed",
+        "_observer",
+        "_sampler",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        entries: lru.LruIndexType,
+        tag: int,
+        memory: MissMemory | None,
+        observer: BeliefObserver | None,
+        advisor: SamplerSource | None,
+    ) -> None:
+        self.name = name
+        #: This pool's tag in ``entries`` (0 for a pool with its own index).
+        self.tag = tag
+        self._entries = entries
+        self._counters = PoolCounters()
+        self._memory = memory
+        self._missed: list[str] = []
+        self._observer = observer
+        # The advisor's sampler is fed by the index itself; the walk reports
+        # only what the index cannot see end (misses, rescues, single lookups).
+        self._sampler: SamplerType | None = None
+        if advisor is not None:
+            self._sampler = advisor.sampler(name, lru.sampler_class(entries))
+            entries.attach(tag, self._sampler)
+
+    # -- lookups -----------------------------------------------------------------------
+    def contains(self, page_hash: str) -> bool:
+        """Whether one page is believed stored; a hit is LRU-touched."""
+        _validate.page_hash(page_hash)
+        c = self._counters
+        c.queries += 1
+        c.pages_checked += 1
+        if self._entries.touch(page_hash, self.tag):
+            c.page_hits += 1
+            c.query_hits += 1
+            stop = 1
+        else:
+            c.query_misses += 1
+            self._count_miss(page_hash)
+            stop = 0
+        if self._sampler is not None:
+            self._sampler.walked((page_hash,), stop, self.tag)
+        if self._observer is not None:
+            self._observer.touched(self.name, (page_hash,), stop)
+        return stop == 1
+
+    def _walk(self, seq: Sequence[str], cover: Container[str] | None) -> bool:
+        """A chain walk (``seq`` checked by the caller, its pages by the index):
+        every page believed stored, or (with ``cover``) in ``cover``?  The
+        believed prefix is touched in one C call; the rest only on a miss."""
+        n = len(seq)
+        pos = self._entries.touch_prefix(seq, self.tag)  # validates seq before any change
+        c = self._counters
+        c.queries += 1
+        if pos != n:
+            return self._walk_rest(seq, pos, cover or None)
+        c.query_hits += 1
+        c.pages_checked += n
+        c.page_hits += n
+        if n and self._observer is not None:
+            self._observer.touched(self.name, seq, n)
+        return True
+
+    def _walk_rest(self, seq: Sequence[str], pos: int, cover: Container[str] | None) -> bool:
+        """Finish a walk from ``seq[pos]``, the first page not believed; the pages
+        before it were hits.  A Python loop, like upstream's and the seed's: taken
+        only when a query misses or meets covered (in-flight) content."""
+        c = self._counters
+        hits = pos
+        rescues = 0
+        if cover is not None:
+            touch = self._entries.touch
+            tag = self.tag
+            for h in islice(seq, pos, None):
+                if touch(h, tag):
+                    hits += 1
+                elif h in cover:
+                    rescues += 1
+                else:
+                    break
+            else:
+                n = len(seq)
+                c.query_hits += 1
+                c.pages_checked += n
+                c.page_hits += hits
+                c.rescues += rescues
+                if self._sampler is not None:
+                    self._sampler.walked(seq, n, tag)
+                if self._observer is not None:
+                    self._observer.touched(self.name, seq, n)
+                return True
+        stop = hits + rescues
+        c.query_misses += 1
+        c.pages_checked += stop + 1
+        c.page_hits += hits
+        c.rescues += rescues
+        self._count_miss(seq[stop])
+        if self._sampler is not None:
+            self._sampler.walked(seq, stop, self.tag)
+        if self._observer is not None:
+            self._observer.touched(self.name, seq, stop)
+        return False
+
+    def _count_miss(self, page_hash: str) -> None:
+        self._counters.page_misses += 1
+        if self._memory is not None:
+            # Classified in a batch later (``settle``): a list append is all a
+            # miss pays for its reason.
+            self._missed.append(page_hash)
+
+    # -- miss reasons ------------------------------------------------------------------
+    def settle(self) -> None:
+        """Classify the misses recorded since the last call (miss reasons).
+
+        Runs automatically before the miss memory changes, so every miss gets
+        the reason it had when it happened; the per-step hook calls it so that
+        exported reasons lag by at most one step.  Scheduler thread only.
+        """
+        missed = self._missed
+        if not missed or self._memory is None:
+            return
+        self._missed = []
+        counts = self._counters.miss_reasons
+        for reason, n in Counter(self._memory.classify(missed)).items():
+            counts[reason] += n
+
+    def _remember(self, keys: list[str], reason: int) -> None:
+        """Record ``keys`` leaving the beliefs for ``reason`` (``EVICTED``, ...),
+        after classifying the misses pending from before they left."""
+        memory = self._memory
+        if memory is not None:
+            if self._missed:
+                self.settle()
+            memory.remember(keys, reason)

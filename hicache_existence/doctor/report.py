@@ -1,0 +1,127 @@
+"""The doctor's report as text (``--json`` prints ``Report.as_dict()`` instead).
+
+Headline figures per instance and pool, then the findings in rank order, each with
+its evidence (exact values, and their rates with two reads) and its fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hicache_existence.doctor import diagnosis as d
+from hicache_existence.doctor.diagnosis import Finding, InstanceReport, Report, View, number
+
+
+def _exact(value: float | None) -> str:
+    shown = number(value)
+    if shown is None:
+        return "-"
+    if isinstance(shown, int):
+        return f"{shown:,}"
+    return str(shown)
+
+
+def _rate(value: float | None) -> str:
+    return "" if value is None else f" ({value:,.4g}/s)"
+
+
+def _source(source: Mapping[str, Any], n: int) -> str:
+    what = f"{n} instance{'s' if n != 1 else ''}"
+    if source.get("mode") == "prometheus":
+        sel = source.get("selector") or "{}"
+        return (
+            f"doctor's report: {what} from Prometheus {source.get('prometheus')} "
+            f"{sel}, read {source.get('window')} apart"
+        )
+    interval = source.get("interval_s")
+    if interval:
+        return f"doctor's report: {what}, each read twice {interval:g} s apart"
+    return f"doctor's report: {what}, each read once (no rates)"
+
+
+def _instance(inst: InstanceReport) -> list[str]:
+    view = View(inst.instance, inst.figures, inst.seconds)
+    mode = inst.host_memory_mode or "host memory mode not exported"
+    if inst.write_policy:
+        mode += f", {inst.write_policy}"
+    if inst.cache_mode_dedup is not None and inst.host_memory_mode == "cache":
+        mode += f", dedup {'on' if inst.cache_mode_dedup else 'off'}"
+    lines = [
+        f"{inst.instance}: {mode}; {inst.ranks} rank{'s' if inst.ranks != 1 else ''}; "
+        f"pools: {', '.join(inst.pools) or 'none'}"
+    ]
+    resets = [d.key_text(k) for k, f in inst.figures.items() if f.reset]
+    if resets:
+        lines.append(f"  counters went down between the reads (a restart): {len(resets)} series")
+    for pool in inst.pools:
+        q = view.value(d.QUERIES, pool=pool)
+        checked = view.value(d.PAGES_CHECKED, pool=pool)
+        hits = view.value(d.PAGE_HITS, pool=pool)
+        w = view.value(d.WRITTEN, pool=pool)
+        r = view.value(d.REDUNDANT, pool=pool)
+        share = f" ({100 * r / w:.1f}%)" if w else ""
+        hit = f" (page hits {100 * hits / checked:.1f}%)" if checked else ""
+        lines.append(
+            f"  {pool}: lookups {_exact(q)}{hit}; written {_exact(w)} pages "
+            f"({d.human_bytes(view.value(d.WRITTEN_BYTES, pool=pool))}), redundant "
+            f"{_exact(r)}{share}, avoided {_exact(view.value(d.AVOIDED, pool=pool))}; "
+            f"entries {_exact(view.value(d.ENTRIES, pool=pool))} of cap "
+            f"{_exact(view.value(d.CAPACITY, pool=pool))}"
+        )
+    if any(k[0] in d.SGLANG_STORAGE_SERIES for k in inst.figures):
+        written = view.value(d.SGLANG_BACKUPED)
+        read = view.value(d.SGLANG_PREFETCHED)
+        lines.append(
+            f"  L3 by SGLang's count: written {_exact(written)} tokens, read back "
+            f"{_exact(read)}, prefetch hits {_exact(view.value(d.SGLANG_PREFETCH_HIT))}"
+        )
+    if view.has(d.RECONCILER_QUERIES):
+        answered = sum(view.value(d.RECONCILER_QUERIES, result=x) for x in d.ANSWERED)
+        failed = sum(view.value(d.RECONCILER_QUERIES, result=x) for x in d.FAILED_RESULTS)
+        breaker = "open" if view.value(d.CIRCUIT_OPEN) >= 1 else "closed"
+        lines.append(
+            f"  reconciler: answered {_exact(answered)}, failed {_exact(failed)}, stale "
+            f"positives {_exact(view.value(d.STALE_POSITIVES))}, breaker {breaker}"
+        )
+    return lines
+
+
+def _finding(i: int, f: Finding) -> list[str]:
+    where = "fleet" if f.instance is None else f.instance
+    if f.pool:
+        where += f", {f.pool}"
+    lines = [f"{i}. [{f.severity}] {f.id} ({where})", f"   {f.summary}"]
+    if f.wasted_bytes is not None:
+        lines.append(
+            f"   L3 bytes explained: {d.human_bytes(f.wasted_bytes)} "
+            f"({_exact(f.wasted_bytes)} B){_rate(f.wasted_bytes_per_s)}"
+        )
+    lines.append("   evidence:")
+    several = len({e.instance for e in f.evidence}) > 1
+    for e in f.evidence:
+        at = f"{e.instance}  " if several else ""
+        lines.append(f"     {at}{e.series} = {_exact(e.value)}{_rate(e.rate_per_s)}")
+    lines.append("   fix:")
+    lines += [f"     - {x}" for x in f.fix]
+    return lines
+
+
+def render_text(report: Report) -> str:
+    lines = [_source(report.source, len(report.instances)), ""]
+    for inst in report.instances:
+        lines += _instance(inst)
+    lines.append("")
+    if not report.findings:
+        lines.append("no findings")
+    else:
+        lines.append("findings (by severity, then L3 bytes explained):")
+        for i, f in enumerate(report.findings, 1):
+            lines += _finding(i, f)
+    counts = {s: sum(1 for f in report.findings if f.severity == s) for s in d.SEVERITIES}
+    lines.append("")
+    lines.append(
+        f"{counts['critical']} critical, {counts['warning']} warning, {counts['info']} info: "
+        f"exit {report.exit_code}"
+    )
+    return "\n".join(lines)

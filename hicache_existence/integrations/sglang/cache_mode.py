@@ -1,0 +1,361 @@
+"""HiCache cache mode's L3 writes: counted, and deduplicated on request.
+
+In ``--hicache-host-memory-mode cache`` (HiCache's default) host memory keeps a copy
+of every backed-up node and L3 is written from it: when the device-to-host copy of a
+node is acknowledged, ``UnifiedRadixCache.write_backup_storage(node_id)`` hands the
+node's pages to ``cache_controller.write_storage(host_indices, token_ids,
+hash_value, prefix_keys, extra_pools=...)``, the backup thread writes them, and the
+operation's ack comes back through the rank-synchronised storage drain, which pops it
+from ``tree.ongoing_backup``.  Upstream consults no existence cache on that path:
+every backed-up node is written whether or not L3 already holds its pages.
+
+``CacheModeWrites`` sits on that path (``write_hooks``):
+
+* **launch**: inside ``write_backup_storage`` (a TP-lockstep point: it runs at the
+  rank-agreed write-through ack), ``write_storage``'s pages are looked up in the
+  existence cache (one ``covered`` query per pool, as a buffer-mode admission), and
+  the pages actually passed to the backend are counted ``written``;
+* **dedup** (``cache_mode.dedup``): pages believed stored are left out of the
+  write (``avoided``).  Which pages may be left out is the ``WritePlan`` rule:
+  any believed page when the backend keys pages by their own hash and the node has
+  no extra pools; only a believed prefix when the backend takes prefix keys (the
+  prefix context is advanced past it, as upstream does for omitted pages); the
+  whole node or nothing when extra pools (hybrid models) ride along.  A node whose
+  every page is believed still gets an operation, an empty one: upstream's
+  bookkeeping (the host lock held until the ack, ``ongoing_backup``) stays as is;
+* **ack**: an operation leaves ``tree.ongoing_backup`` only at the storage drain;
+  the per-step hook (``reap``) sees it gone, in launch order (one backup thread,
+  FIFO queues), and counts this rank's outcome (acknowledged, failed, redundant by
+  the backend's own answer, with its cause).  The written pages become beliefs
+  unconditionally, as upstream's buffer mode does at its ack, so every rank adds
+  the same pages whatever its own backend answered.
+
+With ``dedup`` off the lookups, the beliefs and every counter are the same; only
+the write is upstream's, untouched.  A stale belief (L3 lost a page) can make dedup
+skip a page that is gone: the next prefetch hit query heals the belief
+(``heal_from_query``), and the page is recomputed and written again.  Data in L3 is
+keyed by the content-chained page hash, so a skipped write can cost a recompute,
+never a wrong output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache_existence.accounting.causes import CauseTracker
+from hicache_existence.accounting.recorder import Recorder
+from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.core.policies import ChainPagesPolicy, default_belief_policy
+
+KV = "kv"
+_CHAIN = ChainPagesPolicy()
+
+
+def pool_name(pool: object) -> str:
+    """``PoolName.KV`` -> ``"kv"`` (str enums), plain strings unchanged."""
+    return str.__str__(pool) if isinstance(pool, str) else str(pool)
+
+
+class Beliefs:
+    """The existence cache as cache mode uses it, for either API generation."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self._per_pool = callable(getattr(cache, "pool", None))
+        #: Flat generation: in-flight pages of cache-mode writes (its cache keeps none).
+        self._inflight: dict[str, dict[str, int]] = {}
+
+    def covered(self, pool: str, keys: Sequence[str]) -> bool:
+        """One lookup: every page believed stored or in flight (touches the LRU)."""
+        if self._per_pool:
+            return bool(self.cache.pool(pool).covered(keys))
+        cover = self._inflight.get(pool, {})
+        return bool(self.cache.covers_all(pool, keys, extra_cover=cover))
+
+    def believed(self, pool: str, keys: Sequence[str]) -> set[str]:
+        """The pages of ``keys`` believed stored (a read: no touch, no count)."""
+        if self._per_pool:
+            return set(self.cache.pool(pool).believed(keys))
+        return set(self.cache.believed(pool, keys))
+
+    def launched(self, pool: str, keys: Sequence[str]) -> None:
+        if self._per_pool:
+            self.cache.pool(pool).track_inflight(keys)
+            return
+        refs = self._inflight.setdefault(pool, {})
+        for k in keys:
+            refs[k] = refs.get(k, 0) + 1
+
+    def acked(self, pool: str, keys: Sequence[str]) -> None:
+        """The write's pages are believed stored (added whatever this rank's
+        backend answered, so that every rank adds the same pages)."""
+        if self._per_pool:
+            beliefs = self.cache.pool(pool)
+            beliefs.add(keys)
+            beliefs.untrack_inflight(keys)
+            return
+        self.cache.add(pool, keys)
+        refs = self._inflight.get(pool, {})
+        for k in keys:
+            n = refs.get(k, 0) - 1
+            if n > 0:
+                refs[k] = n
+            else:
+                refs.pop(k, None)
+
+    def heal(
+        self,
+        pool: str,
+        policy: Any,
+        chain: Sequence[str],
+        keys: Sequence[str],
+        hit: int,
+        evidence: bool,
+    ) -> None:
+        """A rank-agreed prefetch hit query's verdict on ``chain``."""
+        if self._per_pool:
+            policy.heal_from_query(self.cache.pool(pool), chain, keys, hit, evidence=evidence)
+        else:
+            policy.heal_from_query(_FlatPool(self.cache, pool), chain, keys, hit, evidence=evidence)
+
+    def inflight(self, pool: str) -> dict[str, int] | None:
+        """The flat generation's in-flight pages of cache-mode writes (reconciler)."""
+        return None if self._per_pool else self._inflight.get(pool, {})
+
+
+class _FlatPool:
+    """One pool of the flat cache, shaped as the heal policies expect."""
+
+    def __init__(self, cache: Any, pool: str) -> None:
+        self.cache, self.pool = cache, pool
+
+    def add(self, hashes: Sequence[str]) -> None:
+        self.cache.add(self.pool, hashes)
+
+    def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
+        self.cache.invalidate_beyond(self.pool, hashes, keep_pages)
+
+
+@dataclass
+class WritePlan:
+    """What one cache-mode node write sends to L3, and what it leaves out."""
+
+    #: Indices (into the node's KV pages) written, in order.
+    keep: list[int]
+    #: The node's KV pages.
+    pages: list[str]
+    #: KV pages believed stored at launch (redundant_believed at the ack).
+    believed: set[str]
+    #: Extra pools' keys (hybrid models), written whole or not at all.
+    extra: dict[str, list[str]] = field(default_factory=dict)
+    extra_written: bool = True
+
+    @property
+    def written_pages(self) -> list[str]:
+        return [self.pages[i] for i in self.keep]
+
+    @property
+    def skipped(self) -> int:
+        return len(self.pages) - len(self.keep)
+
+    @property
+    def whole(self) -> bool:
+        return len(self.keep) == len(self.pages) and self.extra_written
+
+
+@dataclass
+class _Launch:
+    """A launched cache-mode operation, until its ack."""
+
+    node_id: Any
+    pages: list[str]
+    believed: set[str]
+    extra: dict[str, list[str]]
+
+
+class CacheModeWrites:
+    """The cache-mode write path of one scheduler process (module docstring)."""
+
+    def __init__(
+        self,
+        writes: WriteAccounting,
+        cache: Any,
+        *,
+        dedup: bool,
+        causes: CauseTracker,
+        size_pool: Callable[[str], None],
+    ) -> None:
+        self.writes = writes
+        self.beliefs = Beliefs(cache)
+        self.dedup = dedup
+        self.causes = causes
+        self._size_pool = size_pool
+        self._sized: set[str] = set()
+        #: The node whose ``write_backup_storage`` is running (scheduler thread).
+        self._node: Any = None
+        self._in_node = False
+        #: Launched operations, in launch order (= ack order).
+        self._pending: dict[int, _Launch] = {}
+        #: The trace recorder (set by ``WritePath.attach_recorder``).
+        self.recorder: Recorder | None = None
+
+    # -- the node write --------------------------------------------------------------
+    def begin_node(self, node_id: Any) -> None:
+        """``write_backup_storage(node_id)`` starts: its ``write_storage`` is ours."""
+        self._node, self._in_node = node_id, True
+
+    def end_node(self) -> None:
+        self._node, self._in_node = None, False
+
+    @property
+    def in_node(self) -> bool:
+        return self._in_node
+
+    def claim(self) -> Any:
+        """The node of the running node write, for its one ``write_storage`` call
+        (later calls in the same node write are not ours)."""
+        node = self._node
+        self.end_node()
+        return node
+
+    def plan(
+        self,
+        pages: Sequence[str],
+        extra: dict[str, list[str]],
+        *,
+        prefix_keyed: bool,
+    ) -> WritePlan:
+        """Look the node's pages up and decide what is written (module docstring)."""
+        pages = list(pages)
+        covered = self.beliefs.covered(KV, pages) if pages else True
+        believed = set(pages) if covered else self.beliefs.believed(KV, pages)
+        extra_covered = not extra or all(
+            self.beliefs.covered(p, keys) for p, keys in extra.items() if keys
+        )
+        keep = list(range(len(pages)))
+        extra_written = True
+        if self.dedup:
+            if extra:
+                if covered and extra_covered:
+                    keep, extra_written = [], False
+            elif prefix_keyed:
+                first = next((i for i, p in enumerate(pages) if p not in believed), len(pages))
+                keep = keep[first:]
+            else:
+                keep = [i for i, p in enumerate(pages) if p not in believed]
+        return WritePlan(keep, pages, believed, extra, extra_written)
+
+    def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:
+        """The operation carrying ``plan``'s pages was queued for the backup thread."""
+        written = plan.written_pages
+        self._count(KV, written, plan.skipped)
+        if self.recorder is not None:
+            self.recorder.written(KV, written)
+        extra = plan.extra if plan.extra_written else {}
+        for pool, keys in plan.extra.items():
+            self._count(
+                pool, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
+            )
+        if written:
+            self.beliefs.launched(KV, written)
+        for pool, keys in extra.items():
+            self.beliefs.launched(pool, keys)
+        self.causes.launched(node, written)
+        self._pending[int(operation_id)] = _Launch(
+            node, written, plan.believed & set(written), extra
+        )
+
+    def _count(self, pool: str, written: Sequence[str], skipped: int) -> None:
+        if pool not in self._sized:
+            self._sized.add(pool)
+            self._size_pool(pool)
+        self.writes.written(pool, len(written))
+        if skipped:
+            self.writes.avoided(pool, skipped)
+
+    # -- the ack ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Operations launched and not yet acknowledged."""
+        return len(self._pending)
+
+    @property
+    def pending_operations(self) -> Mapping[int, object]:
+        """The pending operations themselves (a live, read-only view: the per-step
+        hook tests it for emptiness without a call)."""
+        return self._pending
+
+    def reap(self, ongoing: Any, take_outcome: Callable[[int], Any]) -> int:
+        """Per step: account the operations the storage drain acknowledged (gone
+        from ``ongoing``, upstream's ``ongoing_backup``), oldest first."""
+        done = 0
+        pending = self._pending
+        while pending:
+            op_id = next(iter(pending))
+            if op_id in ongoing:
+                break
+            launch = pending.pop(op_id)
+            self._acked(launch, take_outcome(op_id))
+            done += 1
+        return done
+
+    def _acked(self, launch: _Launch, outcome: Any) -> None:
+        pools = {KV: launch.pages, **launch.extra}
+        if outcome is not None:  # None: this rank wrote nothing (non-writer rank, backup_skip)
+            for pool, keys in pools.items():
+                if pool in outcome.stored:
+                    self._account(pool, keys, launch, outcome)
+        for pool, keys in pools.items():
+            if keys:
+                self.beliefs.acked(pool, keys)
+        self.causes.stored(launch.node_id, launch.pages)
+
+    def _account(self, pool: str, keys: list[str], launch: _Launch, outcome: Any) -> None:
+        """This rank's outcome of one pool's pages, and the causes of the redundant
+        ones (classified before the ack adds the pages to the beliefs)."""
+        stored = outcome.stored[pool]
+        existed = outcome.existed.get(pool, set()).intersection(keys)
+        already = min(len(existed), stored)
+        believed = min(len(existed & launch.believed), already) if pool == KV else 0
+        self.writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
+        if already:
+            redundant = [k for k in keys if k in existed][:already]
+            noted = launch.believed if pool == KV else set()
+            # The beliefs decided the write only with dedup on (its node rules).
+            held = noted if self.dedup else set()
+            causes = self.causes.classify(launch.node_id, redundant, noted, held, pool)
+            for cause, n in causes.items():
+                self.writes.redundant_cause(pool, cause, n)
+
+    def clear(self) -> None:
+        """The tree was reset: its operations will never be acknowledged."""
+        self._pending.clear()
+
+    # -- prefetch hit queries ----------------------------------------------------------------
+    def heal(self, operation: Any, chain: list[str], page_size: int) -> None:
+        """A rank-agreed prefetch hit query's verdict heals the beliefs (upstream
+        heals only in buffer mode): beyond the agreed boundary nothing is believed;
+        with the KV pool's own verdict, up to it is learnt.  A query cut by its
+        deadline is no verdict (its agreed hit may be a MIN over skipped lookups)."""
+        if getattr(operation, "deadline_expired", False) or page_size <= 0:
+            return
+        hit_tokens = int(getattr(operation, "storage_hit_count", 0) or 0)
+        folded = hit_tokens // page_size
+        verdicts = getattr(operation, "query_pool_hit_pages", None)
+        if isinstance(verdicts, dict):
+            own = {pool_name(p): int(v) for p, v in verdicts.items()}
+            if KV not in own:
+                return  # no rank-agreed KV verdict (e.g. assumed stored): unchanged
+        else:  # a controller without per-pool verdicts: the folded, agreed count
+            own = {KV: folded}
+        self.beliefs.heal(KV, _CHAIN, chain, chain, own[KV], True)
+        for transfer in getattr(operation, "pool_transfers", None) or ():
+            name = pool_name(transfer.name)
+            policy = default_belief_policy(getattr(transfer, "hit_policy", None))
+            hit, evidence = (own[name], True) if name in own else (folded, False)
+            self.beliefs.heal(name, policy, chain, list(transfer.keys or ()), hit, evidence)
+
+
+__all__ = ["Beliefs", "CacheModeWrites", "WritePlan"]

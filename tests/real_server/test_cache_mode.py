@@ -1,0 +1,214 @@
+"""HiCache's default cache mode in real servers: L3 writes counted against
+independent truth under each write policy, and ``cache_mode.dedup`` on against off.
+
+For each write policy two servers start side by side (``--hicache-host-memory-mode
+cache``, the file backend, ``--enable-hicache-existence``), one with
+``cache_mode.dedup`` off and one with it on, each with its own L3 directory, and
+serve the same multi-turn conversation workload (``harness.conversation_requests``:
+12 conversations of 8 turns, interleaved turn by turn) with L2 pressure: a
+4096-token device pool and a host pool twice its size hold less than the
+conversations' ~9,800 distinct tokens, so prefixes leave host memory and come back
+from L3 (``sglang:prefetched_tokens_total``), or are computed and written again.
+
+The truth the counters are held to never reads them: SGLang's own
+``sglang:backuped_tokens_total`` (counted at the same storage ack), the page files
+the file backend created (``HiCacheFile.set`` skips a page that exists, so a file
+is created once), and the greedy outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import (
+    Family,
+    Server,
+    ServerSpec,
+    conversation_requests,
+    launch_together,
+    settle,
+    sglang_total,
+)
+
+pytestmark = [pytest.mark.real_server]
+
+PAGE = 16
+P = "hicache_existence_"
+POLICIES = ("write_through", "write_back", "write_through_selective")
+WORKLOAD: dict[str, Any] = {
+    "conversations": 12,
+    "turns": 8,
+    "system_tokens": 64,
+    "user_tokens": (16, 96),
+    "reply_tokens": (16, 64),
+}
+COUNTERS = (
+    "written_pages",
+    "write_acknowledged_pages",
+    "write_failed_pages",
+    "redundant_written_pages",
+    "redundant_believed_pages",
+    "write_avoided_pages",
+)
+
+
+def spec(policy: str, dedup: bool) -> ServerSpec:
+    return ServerSpec(
+        host_memory_mode="cache",
+        write_policy=policy,
+        max_total_tokens=4096,
+        hicache_ratio=2.0,
+        config={"cache_mode": {"dedup": dedup}},
+    )
+
+
+def family(fams: dict[str, Family], name: str) -> Family:
+    """A family that must be on /metrics: a missing one fails, never reads as 0."""
+    assert name in fams, f"{name} is not on /metrics"
+    return fams[name]
+
+
+@dataclass
+class Run:
+    """One server's figures once its writes settled."""
+
+    counters: dict[str, float]
+    causes: dict[str, float]
+    mode: dict[str, str]
+    backuped_pages: float
+    prefetched_tokens: float
+    files: frozenset[str]
+    outputs: list[list[int]]
+
+
+def reading(srv: Server) -> tuple[dict[str, float], dict[str, float], float, int]:
+    fams = srv.metrics()
+    counters = {n: family(fams, P + n).total("_total") for n in COUNTERS}
+    causes: dict[str, float] = {}
+    for _, labels, value in family(fams, P + "redundant_cause_pages").samples:
+        causes[labels["cause"]] = causes.get(labels["cause"], 0.0) + value
+    backuped = sglang_total(fams, "sglang:backuped_tokens") / PAGE
+    return counters, causes, backuped, len(srv.l3_pages())
+
+
+def serve(srv: Server, outputs: list[list[int]]) -> None:
+    for turn in conversation_requests(**WORKLOAD):
+        outputs.append(srv.generate(turn.input_ids, max_new_tokens=2))
+
+
+def settled(srv: Server, outputs: list[list[int]]) -> Run:
+    srv.wait_writes_settled(quiet_s=2.0)
+    counters, causes, backuped, _ = settle(lambda: reading(srv), quiet_s=3.0)
+    fams = srv.metrics()
+    ((_, mode, _),) = family(fams, P + "mode_info").samples
+    prefetched = sglang_total(fams, "sglang:prefetched_tokens")
+    return Run(
+        counters,
+        causes,
+        dict(mode),
+        backuped,
+        prefetched,
+        frozenset(srv.l3_pages()),
+        outputs,
+    )
+
+
+@pytest.fixture(scope="module", params=POLICIES)
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Run, Run]]:
+    """(policy, dedup off, dedup on): the same workload through two servers."""
+    policy = request.param
+    workdir: Path = tmp_path_factory.mktemp(f"cache-mode-{policy}")
+    with launch_together([spec(policy, False), spec(policy, True)], workdir) as (off, on):
+        outs: tuple[list[list[int]], list[list[int]]] = ([], [])
+        threads = [threading.Thread(target=serve, args=(s, o)) for s, o in zip((off, on), outs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(outs[0]) == len(outs[1]) == WORKLOAD["conversations"] * WORKLOAD["turns"]
+        runs = (settled(off, outs[0]), settled(on, outs[1]))
+        for srv in (off, on):
+            assert "Traceback" not in srv.log.read_text(errors="replace"), srv.tail()
+    print(f"\n{policy}: " + "; ".join(f"{k}={v}" for k, v in describe(*runs).items()))
+    yield policy, *runs
+
+
+def describe(off: Run, on: Run) -> dict[str, Any]:
+    w_off, w_on = off.counters["written_pages"], on.counters["written_pages"]
+    r_off, r_on = off.counters["redundant_written_pages"], on.counters["redundant_written_pages"]
+    return {
+        "written off/on": f"{w_off:.0f}/{w_on:.0f}",
+        "redundant off/on": f"{r_off:.0f} ({r_off / max(w_off, 1):.1%})/{r_on:.0f}",
+        "avoided on": f"{on.counters['write_avoided_pages']:.0f}",
+        "files": len(off.files),
+        "causes off": {k: int(v) for k, v in off.causes.items() if v},
+        "prefetched tokens off/on": f"{off.prefetched_tokens:.0f}/{on.prefetched_tokens:.0f}",
+    }
+
+
+def test_counters_equal_sglangs_count_and_the_files_l3_created(pair) -> None:
+    """Both servers: written = SGLang's backed-up pages = acknowledged (nothing
+    failed); written - redundant = page files created; the causes add up to the
+    redundant pages; mode_info names the mode, the policy and the dedup setting."""
+    policy, off, on = pair
+    for dedup, run in ((False, off), (True, on)):
+        c = run.counters
+        assert c["written_pages"] == run.backuped_pages == c["write_acknowledged_pages"], c
+        assert c["write_failed_pages"] == 0, c
+        assert c["written_pages"] - c["redundant_written_pages"] == len(run.files), c
+        assert sum(run.causes.values()) == c["redundant_written_pages"], run.causes
+        want = {"host_memory_mode": "cache", "write_policy": policy}
+        want["cache_mode_dedup"] = "true" if dedup else "false"
+        assert {k: run.mode[k] for k in want} == want
+
+
+def test_dedup_changes_no_output_and_no_page_in_l3(pair) -> None:
+    """Dedup on and off: identical greedy outputs for every request and exactly
+    the same pages in L3.  Under write_through some requests are served from L3
+    (the same prefetched tokens on both); write_back's host keeps what this
+    workload comes back to, and selective writes too little to load back."""
+    policy, off, on = pair
+    assert on.outputs == off.outputs
+    assert on.files == off.files
+    assert on.prefetched_tokens == off.prefetched_tokens
+    if policy == "write_through":
+        assert off.prefetched_tokens > 0
+
+
+def test_dedup_removes_the_redundant_writes_it_was_told_about(pair) -> None:
+    """With L2 pressure, cache mode without dedup writes pages L3 held; every one
+    of them was believed stored (redundant_believed: what dedup would save).  With
+    dedup on those pages are left out (avoided), the rest is written as before
+    (written off = written on + avoided on), and redundant pages are at most 0.5%
+    of written (here none: one server, nothing forgotten by the cap)."""
+    policy, off, on = pair
+    c_off, c_on = off.counters, on.counters
+    assert c_off["redundant_believed_pages"] == c_off["redundant_written_pages"]
+    assert c_off["write_avoided_pages"] == 0
+    assert c_on["write_avoided_pages"] == c_off["redundant_believed_pages"]
+    assert c_off["written_pages"] == c_on["written_pages"] + c_on["write_avoided_pages"]
+    assert c_on["redundant_written_pages"] <= 0.005 * c_on["written_pages"]
+    assert c_on["redundant_written_pages"] == 0
+    if policy != "write_through_selective":
+        assert c_off["redundant_written_pages"] > 0, "the workload made no L2 pressure"
+
+
+def test_causes_name_the_mechanism_of_each_write_policy(pair) -> None:
+    """write_back rewrites the pages of nodes whose host copy was reclaimed while
+    they lived on the device (the same node backed up twice); write_through
+    rewrites recomputed prefixes (stored prefixes below the prefetch threshold,
+    or recomputed with no prefetch asked)."""
+    policy, off, _ = pair
+    got = {k for k, v in off.causes.items() if v}
+    if policy == "write_back":
+        assert got == {"host_copy_reclaimed"}
+    elif policy == "write_through":
+        assert got and got <= {"below_prefetch_threshold", "recompute", "prefetch_shortfall"}
+        assert "host_copy_reclaimed" not in got and "other_instance" not in got

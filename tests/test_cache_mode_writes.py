@@ -1,0 +1,342 @@
+"""Cache mode's L3 write path without sglang: the hooks on ``write_backup_storage``
+and ``write_storage`` called the way upstream calls them, around stand-ins with
+upstream's parameter names; our caches and accounting are the real ones.  The
+real path runs in tests/real_server/test_cache_mode.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+
+from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.integrations.sglang import write_hooks as wh
+from hicache_existence.integrations.sglang import write_path as wp
+
+PAGE = 4
+
+
+def pages(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:063x}" for i in range(n)]
+
+
+class Indices(list):  # type: ignore[type-arg]
+    """Host indices: a list that, like a tensor, takes a list of positions."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, list):
+            return Indices(list.__getitem__(self, i) for i in key)
+        got = list.__getitem__(self, key)
+        return Indices(got) if isinstance(key, slice) else got
+
+
+class Controller:
+    """Upstream's controller as far as the hooks see it: ``write_storage`` queues
+    an operation; ``run`` is the backup thread writing it to a file-like L3."""
+
+    page_size = PAGE
+    backup_skip = False
+
+    def __init__(self, l3: set[str]) -> None:
+        self.l3 = l3
+        self.calls: list[dict[str, Any]] = []
+        self.queue: list[NS] = []
+        self._next = 100
+
+    def write_storage(
+        self,
+        host_indices: Any,
+        token_ids: Any,
+        hash_value: Any = None,
+        prefix_keys: Any = None,
+        extra_pools: Any = None,
+    ) -> int:
+        self._next += 1
+        call = dict(host=list(host_indices), tokens=list(token_ids), pages=list(hash_value or ()))
+        call.update(prefix=prefix_keys, extra=extra_pools)
+        self.calls.append(call)
+        self.queue.append(NS(id=self._next, hash_value=list(hash_value or ()), completed_tokens=0))
+        return self._next
+
+    def extend_storage_prefix(self, prefix_keys: Any, hash_values: list[str]) -> Any:
+        return [*prefix_keys, *hash_values]
+
+
+def _write_backup_storage(self: Any, node_id: int) -> None: ...
+def _write_storage(
+    self: Any,
+    host_indices: Any,
+    token_ids: Any,
+    hash_value: Any = None,
+    prefix_keys: Any = None,
+    extra_pools: Any = None,
+) -> int: ...
+def _page_backup(self: Any, operation: Any) -> None: ...
+def file_set(self: Any, key: str, value: Any = None) -> bool: ...
+def file_exists(self: Any, key: str) -> bool: ...
+def _invalidate_absent_from_hit_query(self: Any, operation: Any) -> None: ...
+def _handle_prefetch_result(self: Any, operation: Any) -> None: ...
+
+
+around_node = wh.hook("UnifiedRadixCache.write_backup_storage").bound(_write_backup_storage)
+around_write = wh.hook("HybridCacheController.write_storage").bound(_write_storage)
+around_backup = wh.hook("HiCacheController._page_backup").bound(_page_backup)
+around_set = wh.hook("HiCacheFile.set").bound(file_set)
+around_exists = wh.hook("HiCacheFile.exists").bound(file_exists)
+after_query = wh.hook("._invalidate_absent_from_hit_query").bound(_invalidate_absent_from_hit_query)
+around_prefetch = wh.hook("._handle_prefetch_result").bound(_handle_prefetch_result)
+
+
+class Tree:
+    """``UnifiedRadixCache`` in cache mode: a node's backup calls
+    ``write_storage`` with the node's pages, as upstream's does."""
+
+    page_size = PAGE
+    prefetch_threshold = 4 * PAGE
+
+    def __init__(self, cache: Any, l3: set[str]) -> None:
+        self.storage_existence_cache = cache
+        self.cache_controller = Controller(l3)
+        self.ongoing_backup: dict[int, Any] = {}
+        self.nodes: dict[int, list[str]] = {}
+
+    def write_backup_storage(self, node_id: int, prefix_keys: Any = None) -> None:
+        def upstream(tree: Tree, node: int) -> None:
+            keys = tree.nodes[node]
+            host = Indices(range(1000 + 10 * node * PAGE, 1000 + (10 * node + len(keys)) * PAGE))
+            tokens = [7] * len(keys) * PAGE
+            cc = tree.cache_controller
+            op = around_write(cc.write_storage.__func__, cc, host, tokens, keys, prefix_keys)
+            tree.ongoing_backup[op] = node
+
+        around_node(upstream, self, node_id)
+
+    def run_backups(self) -> None:
+        """The backup thread writes every queued operation (file backend: a page
+        that exists is skipped, and said so by ``exists``)."""
+        cc = self.cache_controller
+
+        def backup(controller: Controller, operation: NS) -> None:
+            for key in operation.hash_value:
+
+                def file_set_(backend: Any, k: str, value: Any = None) -> bool:
+                    if around_exists(lambda b, kk: kk in cc.l3, backend, k):
+                        return True
+                    cc.l3.add(k)
+                    return True
+
+                around_set(file_set_, None, key)
+                operation.completed_tokens += PAGE
+
+        for op in cc.queue:
+            t = threading.Thread(target=around_backup, args=(backup, cc, op))
+            t.start()
+            t.join()
+        cc.queue.clear()
+
+    def drain_acks(self) -> None:
+        """The rank-synchronised drain pops every acknowledged operation."""
+        self.ongoing_backup.clear()
+
+
+@pytest.fixture
+def made():
+    feeds: list[wp.WritePath] = []
+
+    def make(dedup: bool, flat: bool = False) -> tuple[Tree, wp.WritePath, set[str]]:
+        cache: Any = FlatStorageExistenceCache(64) if flat else StorageExistenceCache(64)
+        feed = wp.WritePath(
+            WriteAccounting(), cache, "flat" if flat else "current", cache_mode=True, dedup=dedup
+        )
+        wp.attach(feed)
+        feeds.append(feed)
+        l3: set[str] = set()
+        return Tree(cache, l3), feed, l3
+
+    yield make
+    wp.detach()
+
+
+def cycle(tree: Tree, feed: wp.WritePath, *nodes: int) -> None:
+    for node in nodes:
+        tree.write_backup_storage(node)
+    tree.run_backups()
+    tree.drain_acks()
+    feed.step(tree)
+
+
+def test_dedup_off_writes_every_page_and_counts_against_l3(made) -> None:
+    """Dedup off: the node is written as upstream writes it; written = what the
+    backend received; redundant = the pages L3 already held, with causes; the
+    acked pages become beliefs, so the savings dedup would bring show as
+    redundant_believed."""
+    tree, feed, _l3 = made(dedup=False)
+    a = pages("a", 6)
+    tree.nodes = {1: a, 2: a}
+    cycle(tree, feed, 1)
+    assert [c["pages"] for c in tree.cache_controller.calls] == [a]
+    kv = feed.writes.stats()["kv"]
+    assert (kv.written, kv.acknowledged, kv.redundant, kv.avoided) == (6, 6, 0, 0)
+    assert tree.storage_existence_cache.pool("kv").believed(a) == a
+    cycle(tree, feed, 2)  # the same pages recomputed by another node
+    assert tree.cache_controller.calls[1]["pages"] == a
+    kv = feed.writes.stats()["kv"]
+    assert (kv.written, kv.redundant, kv.redundant_believed, kv.avoided) == (12, 6, 6, 0)
+    assert dict(kv.causes) == {"recompute": 6}
+
+
+def test_dedup_on_leaves_believed_pages_out(made) -> None:
+    """Dedup on: believed pages are not written (avoided), the rest are, with
+    their host indices and tokens; a node fully believed sends an empty write so
+    that upstream's bookkeeping (ongoing_backup, the host lock) is unchanged."""
+    tree, feed, l3 = made(dedup=True)
+    a, b = pages("a", 4), pages("b", 3)
+    tree.nodes = {1: a, 2: [*a[:2], *b, *a[2:]], 3: a}
+    cycle(tree, feed, 1)
+    cycle(tree, feed, 2)
+    call = tree.cache_controller.calls[1]
+    assert call["pages"] == b
+    assert call["host"] == [1000 + 20 * PAGE + i for i in range(2 * PAGE, 5 * PAGE)]
+    assert len(call["tokens"]) == 3 * PAGE
+    cycle(tree, feed, 3)
+    assert (
+        tree.cache_controller.calls[2]["pages"] == []
+        and tree.cache_controller.calls[2]["host"] == []
+    )
+    kv = feed.writes.stats()["kv"]
+    assert (kv.written, kv.avoided, kv.redundant, kv.acknowledged) == (7, 8, 0, 7)
+    assert l3 == {*a, *b}
+
+
+def test_prefix_keyed_backends_skip_only_a_believed_prefix(made) -> None:
+    """A backend that takes prefix keys: only the leading believed pages are left
+    out, and the prefix context is advanced past them."""
+    tree, feed, _l3 = made(dedup=True)
+    a, b = pages("a", 3), pages("b", 2)
+    tree.nodes = {1: a, 2: [*a[:2], *b, a[2]]}
+    cycle(tree, feed, 1)
+    tree.write_backup_storage(2, prefix_keys=["root"])
+    call = tree.cache_controller.calls[1]
+    assert call["pages"] == [*b, a[2]] and call["prefix"] == ["root", *a[:2]]
+    assert call["host"][0] == 1000 + 20 * PAGE + 2 * PAGE
+
+
+def test_acks_are_accounted_in_launch_order_once_drained(made) -> None:
+    """An operation counts as acknowledged only once the drain took it off
+    ``ongoing_backup``; until then it is pending (in flight: covered)."""
+    tree, feed, _l3 = made(dedup=True)
+    a, b = pages("a", 2), pages("b", 2)
+    tree.nodes = {1: a, 2: b, 3: a}
+    tree.write_backup_storage(1)
+    tree.write_backup_storage(2)
+    tree.run_backups()
+    feed.step(tree)
+    assert feed.cache_mode is not None and feed.cache_mode.pending == 2
+    assert feed.writes.stats()["kv"].acknowledged == 0
+    tree.write_backup_storage(3)  # a is in flight: covered, left out
+    assert tree.cache_controller.calls[-1]["pages"] == []
+    tree.ongoing_backup.pop(min(tree.ongoing_backup))
+    feed.step(tree)
+    assert feed.cache_mode.pending == 2 and feed.writes.stats()["kv"].acknowledged == 2
+    tree.run_backups()
+    tree.drain_acks()
+    feed.step(tree)
+    assert feed.cache_mode.pending == 0 and feed.writes.stats()["kv"].acknowledged == 4
+
+
+def test_hit_queries_heal_the_beliefs_and_name_the_cause(made) -> None:
+    """Cache mode: a rank-agreed hit query invalidates beliefs beyond its hit and
+    learns up to it; a stored prefix below the threshold, recomputed and
+    written again, is counted below_prefetch_threshold."""
+    tree, feed, l3 = made(dedup=False)
+    a = pages("a", 6)
+    kv = tree.storage_existence_cache.pool("kv")
+    kv.add(a)
+    l3.update(a[:2])
+    op = NS(all_hash_values=a, storage_hit_count=2 * PAGE, deadline_expired=False)
+    after_query(None, tree, op)
+    assert kv.believed(a) == a[:2]
+    tree.nodes = {9: a}
+    cycle(tree, feed, 9)
+    w = feed.writes.stats()["kv"]
+    assert (w.redundant, dict(w.causes)) == (2, {"below_prefetch_threshold": 2})
+
+
+def test_a_cut_query_is_no_verdict(made) -> None:
+    """A query cut by its deadline heals nothing."""
+    tree, _feed, _l3 = made(dedup=True)
+    a = pages("a", 4)
+    kv = tree.storage_existence_cache.pool("kv")
+    kv.add(a)
+    after_query(None, tree, NS(all_hash_values=a, storage_hit_count=0, deadline_expired=True))
+    assert kv.believed(a) == a
+
+
+def test_prefetch_results_split_loaded_from_short(made) -> None:
+    """``_handle_prefetch_result``: the loaded pages are a local record, the rest
+    of the hit a shortfall if written again."""
+    tree, feed, l3 = made(dedup=False)
+    a = pages("a", 8)
+    l3.update(a)
+    after_query(
+        None, tree, NS(all_hash_values=a, storage_hit_count=8 * PAGE, deadline_expired=False)
+    )
+    around_prefetch(lambda t, op: None, tree, NS(hash_value=a, completed_tokens=3 * PAGE))
+    tree.nodes = {4: a}
+    cycle(tree, feed, 4)
+    w = feed.writes.stats()["kv"]
+    assert dict(w.causes) == {"recompute": 3, "prefetch_shortfall": 5}
+    assert sum(w.causes.values()) == w.redundant == 8
+
+
+def test_the_flat_generation_dedups_too(made) -> None:
+    """0.5.19-0.5.21's cache (one index tagged by pool): the same decisions, its
+    in-flight pages tracked by the write path."""
+    tree, feed, _l3 = made(dedup=True, flat=True)
+    a = pages("a", 3)
+    tree.nodes = {1: a, 2: a}
+    tree.write_backup_storage(1)
+    assert feed.cache_mode is not None and feed.cache_mode.beliefs.inflight("kv") == dict.fromkeys(
+        a, 1
+    )
+    tree.write_backup_storage(2)  # in flight: covered
+    assert tree.cache_controller.calls[-1]["pages"] == []
+    tree.run_backups()
+    tree.drain_acks()
+    feed.step(tree)
+    assert tree.storage_existence_cache.believed("kv", a) == a
+    assert feed.cache_mode.beliefs.inflight("kv") == {}
+    w = feed.writes.stats()["kv"]
+    assert (w.written, w.avoided, w.acknowledged) == (3, 3, 3)
+
+
+def test_other_write_storage_calls_are_not_ours(made) -> None:
+    """``write_storage`` outside a cache-mode node write (the buffer pipeline's,
+    the decode offload's) is upstream's alone: not counted, not reduced."""
+    tree, feed, _l3 = made(dedup=True)
+    cc = tree.cache_controller
+    a = pages("a", 2)
+    tree.storage_existence_cache.pool("kv").add(a)
+    around_write(Controller.write_storage, cc, Indices(range(8)), [1] * 8, a, None)
+    assert cc.calls[-1]["pages"] == a and "kv" not in feed.writes.stats()
+
+
+def test_a_failing_plan_writes_as_upstream(made) -> None:
+    """Arguments the plan cannot read: counted as an error, upstream writes the
+    node untouched, exactly once."""
+    tree, feed, _l3 = made(dedup=True)
+    cc = tree.cache_controller
+
+    a = pages("a", 2)
+    broken = [NS(keys=["x"])]  # an extra pool without a name
+
+    def upstream(t: Tree, node: int) -> None:
+        around_write(Controller.write_storage, cc, Indices(range(8)), [1] * 8, a, None, broken)
+
+    around_node(upstream, tree, 1)
+    assert [c["pages"] for c in cc.calls] == [a] and cc.calls[0]["extra"] is broken
+    assert feed.errors == 1 and "kv" not in feed.writes.stats()

@@ -1,0 +1,741 @@
+"""The trace recorder: spatial sampling, the writer thread, rotation, the disk bound,
+drops, and the replay of what it wrote (``hicache_existence.accounting.recorder``)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_existence import cli
+from hicache_existence.accounting import recorder as rec
+from hicache_existence.accounting.advisor import MULTIPLIERS
+from hicache_existence.config import Config, ConfigError, RecorderSection
+from hicache_existence.core import lru
+from hicache_existence.replay.recorded import recorded_curves
+from hicache_existence.replay.trace import TraceError, read_trace
+from hicache_existence.runtime import ExistenceRuntime
+
+
+def page(i: int, salt: str = "") -> str:
+    return hashlib.sha256(f"{salt}{i}".encode()).hexdigest()
+
+
+def section(tmp_path: Path, **kw: Any) -> RecorderSection:
+    base = {"enabled": True, "path": str(tmp_path / "trace"), "flush_interval_s": 0.05}
+    return Config.from_mapping({"recorder": {**base, **kw}}).recorder
+
+
+def drain(r: rec.Recorder) -> list[tuple[Any, ...]]:
+    out = list(r._queue)
+    r._queue.clear()
+    return out
+
+
+# -- sampling --------------------------------------------------------------------------------
+
+
+def test_bound_is_the_rate_as_eight_hex_digits() -> None:
+    """The bound is rate x 2^32 in 8 lowercase hex digits; rate 1 records every page."""
+    assert rec.bound(0.5) == "80000000"
+    assert rec.bound(0.02) == "051eb851"
+    assert rec.bound(2.0**-32) == "00000001"
+    assert rec.bound(1.0) is None
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="sample_rate"):
+            rec.bound(bad)
+    with pytest.raises(TypeError, match="sample_rate"):
+        rec.bound(True)
+
+
+def test_share_of_sha256_pages_recorded_is_the_rate() -> None:
+    """Over 20,000 SHA-256 page hashes the recorded share is the rate (these exact
+    hashes: a deterministic count)."""
+    pages = [page(i) for i in range(20000)]
+    counts = {rate: len(rec.below(pages, rec.bound(rate) or "")) for rate in (0.02, 0.25, 0.5)}
+    assert counts == {0.02: 398, 0.25: 5006, 0.5: 9995}
+    for rate, n in counts.items():  # the first 32 bits of the hash, below rate x 2^32
+        assert n == sum(int(p[:8], 16) < int(rate * 2**32) for p in pages)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.text(min_size=0, max_size=12), max_size=40),
+    st.text(min_size=0, max_size=10),
+    st.booleans(),
+)
+def test_compiled_page_test_equals_the_python_twin(
+    keys: list[str], bound: str, as_tuple: bool
+) -> None:
+    """``below`` (compiled) answers exactly as ``[i for i, k in enumerate(keys) if k <
+    bound]`` for any strings (non-ASCII ones included), lists and tuples alike."""
+    native = lru.compiled("accounting._recorder")
+    seq = tuple(keys) if as_tuple else keys
+    expected = [i for i, k in enumerate(keys) if k < bound]
+    assert rec.py_below(seq, bound) == expected
+    if native is not None:
+        assert native.below(seq, bound) == expected
+
+
+BELOWS = [rec.py_below] + (
+    [lru.compiled("accounting._recorder").below]  # type: ignore[union-attr]
+    if lru.compiled("accounting._recorder") is not None
+    else []
+)
+
+
+@pytest.mark.parametrize("below", BELOWS)
+def test_the_page_test_refuses_bad_input(below: Any) -> None:
+    """Bad arguments raise TypeError naming them (both implementations alike)."""
+    with pytest.raises(TypeError, match="keys"):
+        below({"a"}, "b")
+    with pytest.raises(TypeError, match="bound"):
+        below(["a"], 5)
+    with pytest.raises(TypeError):
+        below(["a", 5], "b")
+
+
+def test_sampling_is_spatial_a_page_is_always_or_never_recorded(tmp_path: Path) -> None:
+    """Over random overlapping operations of every kind, each operation records exactly
+    its pages below the bound, in order: a page is recorded at every reference or
+    never, and two recorders (two ranks, or a restart) record the same pages."""
+    rng = random.Random(7)
+    universe = [page(i, "u") for i in range(400)]
+    rate = 0.25
+    b = rec.bound(rate)
+    assert b is not None
+    a, other = (
+        rec.Recorder(section(tmp_path, sample_rate=rate)),
+        rec.Recorder(section(tmp_path / "x", sample_rate=rate)),
+    )
+    ops = []
+    for _ in range(500):
+        start = rng.randrange(len(universe))
+        chain = universe[start : start + rng.randint(1, 60)]
+        kind = rng.choice(["touched", "added", "written", "prefetch"])
+        ops.append((kind, chain, rng.randint(0, len(chain))))
+    for r in (a, other):
+        for kind, chain, stop in ops:
+            if kind == "touched":
+                r.touched("kv", chain, stop)
+            elif kind == "added":
+                r.added("kv", chain)
+            elif kind == "written":
+                r.written("kv", chain)
+            else:
+                r.prefetch("kv", chain, stop)
+    got_a, got_other = drain(a), drain(other)
+    assert [x[1:6] for x in got_a] == [x[1:6] for x in got_other]
+    expected = [[p for p in chain if p < b] for _, chain, _ in ops]
+    assert [list(x[3]) for x in got_a] == [e for e in expected if e]
+    recorded = {p for x in got_a for p in x[3]}
+    referenced = {p for _, chain, _ in ops for p in chain}
+    assert recorded == {p for p in referenced if rec.sampled(p, rate)}
+
+
+def encoded(r: rec.Recorder) -> list[dict[str, Any]]:
+    """The queued records as the writer would write them (timestamps left out)."""
+    out = []
+    for record in drain(r):
+        line = r._encode(record)
+        if line is not None:
+            obj = json.loads(line)
+            del obj["timestamp"]
+            out.append(obj)
+    return out
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_a_lookup_record_says_how_far_it_walked_and_where_it_missed(
+    tmp_path: Path, rate: float
+) -> None:
+    """A lookup keeps its recorded pages, how many of them it walked, and whether it
+    stopped at a recorded page; an invalidation keeps its recorded pages from
+    keep_pages on (none left: no record); an in-flight-only clear is not recorded."""
+    b = rec.bound(rate)
+    chain = [page(i) for i in range(12)]
+    kept = [p for p in chain if b is None or p < b]
+    r = rec.Recorder(section(tmp_path, sample_rate=rate))
+    stop = chain.index(kept[2])  # the lookup misses at a recorded page
+    r.touched("kv", chain, stop)
+    r.touched("kv", chain, 12)
+    r.invalidated("kv", chain, chain.index(kept[-1]))
+    r.invalidated("kv", chain, 12)
+    r.cleared("kv", True)
+    r.cleared("kv", False)
+    assert encoded(r) == [
+        {"kind": "lookup", "pool": "kv", "pages": kept, "walked": 2, "miss": True},
+        {"kind": "lookup", "pool": "kv", "pages": kept, "walked": len(kept)},
+        {"kind": "invalidate", "pool": "kv", "pages": kept[-1:]},
+        {"kind": "clear", "pool": "kv"},
+    ]
+    assert 0 < len(kept) < 12 or rate == 1.0
+
+
+def test_lookups_inside_an_insert_carry_its_request_number(tmp_path: Path) -> None:
+    """begin/end_request number the inserts; lookups in between carry the number and
+    the request record closes it."""
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
+    chain = [page(i) for i in range(3)]
+    r.touched("kv", chain, 3)
+    r.begin_request()
+    r.touched("kv", chain, 3)
+    r.end_request()
+    r.begin_request()
+    r.end_request()
+    got = encoded(r)
+    assert [x.get("request", 0) for x in got if x["kind"] == "lookup"] == [0, 1]
+    assert [x for x in got if x["kind"] == "request"] == [
+        {"kind": "request", "request": 1},
+        {"kind": "request", "request": 2},
+    ]
+
+
+# -- the writer: files, rotation, bound, drops ------------------------------------------------
+
+
+def test_records_reach_a_readable_compressed_file_with_its_header(tmp_path: Path) -> None:
+    """The writer thread writes gzip JSON lines with a version-2 header naming the
+    instance, the rate and the page size; replay reads them back as events."""
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0), instance="h:30000-dp0-tp0-pp0")
+    r.set_page_size(16)
+    r.start()
+    chain = [page(i) for i in range(4)]
+    r.added("kv", chain)
+    r.touched("kv", chain, 2)
+    r.close()
+    (path,) = sorted((tmp_path / "trace").iterdir())
+    assert path.name.startswith("h_30000-dp0-tp0-pp0-") and path.name.endswith(".jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        header = json.loads(f.readline())
+    assert (header["version"], header["sample_rate"], header["page_size"]) == (2, 1.0, 16)
+    assert header["instance"] == "h:30000-dp0-tp0-pp0"
+    trace = read_trace(path)
+    assert [(e.kind, e.pages, e.walked, e.miss) for e in trace.events] == [
+        ("add", tuple(chain), 0, False),
+        ("lookup", tuple(chain), 2, True),
+    ]
+    snap = r.snapshot()
+    assert snap.records["add"] == 1 and snap.records["lookup"] == 1
+    assert snap.dropped == {"queue_full": 0, "write_error": 0}
+    assert snap.disk_bytes == path.stat().st_size
+
+
+def test_rotation_keeps_the_newest_files_within_max_bytes(tmp_path: Path) -> None:
+    """Past file_bytes a new file starts; the oldest are deleted so that the files on
+    disk never exceed max_bytes; the newest records survive and every kept file reads."""
+    minimum = 128 * 1024
+    s = section(tmp_path, sample_rate=1.0, max_bytes=4 * minimum, file_bytes=minimum)
+    r = rec.Recorder(s, instance="rot")
+    biggest = 0
+    for i in range(60):
+        for j in range(40):
+            r.added("kv", [page(i * 1000 + j * 20 + k, "rot") for k in range(20)])
+        r._drain()
+        total = sum(p.stat().st_size for p in (tmp_path / "trace").iterdir())
+        biggest = max(biggest, total)
+    r.close()
+    files = sorted((tmp_path / "trace").iterdir())
+    assert len(files) >= 2
+    assert biggest <= s.max_bytes
+    assert r.files_deleted > 0
+    last = read_trace(files[-1]).events[-1]
+    assert last.pages[-1] == page(59 * 1000 + 39 * 20 + 19, "rot")
+    for f in files:
+        read_trace(f)
+    parts = [int(f.name.rsplit("-", 1)[1].split(".")[0]) for f in files]
+    assert parts == list(range(parts[0], parts[0] + len(parts)))
+
+
+def test_earlier_runs_files_count_against_the_bound(tmp_path: Path) -> None:
+    """A restarted instance deletes its own older files first to stay within max_bytes."""
+    minimum = 128 * 1024
+    s = section(tmp_path, sample_rate=1.0, max_bytes=2 * minimum, file_bytes=minimum)
+    deleted = []
+    for run in range(3):
+        r = rec.Recorder(s, instance="again")
+        r.start()
+        for j in range(300):
+            r.added("kv", [page(run * 100000 + j * 20 + k, "again") for k in range(20)])
+        r.close()
+        assert r.snapshot().dropped == {"queue_full": 0, "write_error": 0}
+        assert r.snapshot().records["add"] == 300
+        deleted.append(r.files_deleted)
+    total = sum(p.stat().st_size for p in (tmp_path / "trace").iterdir())
+    assert total <= s.max_bytes
+    assert deleted[1] > 0 and deleted[2] > 0  # the earlier runs' files went first
+
+
+def test_an_unwritable_path_drops_and_counts_never_raises(tmp_path: Path) -> None:
+    """A path that cannot be a directory (a file is in the way): every record is
+    dropped as write_error, the scheduler-side calls return normally."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    s = dataclasses.replace(section(tmp_path), path=str(blocker / "trace"), sample_rate=1.0)
+    r = rec.Recorder(s).start()
+    for i in range(25):
+        r.added("kv", [page(i)])
+    r.close()
+    snap = r.snapshot()
+    assert snap.dropped == {"queue_full": 0, "write_error": 25}
+    assert sum(snap.records.values()) == 0
+
+
+def test_a_full_queue_drops_and_the_scheduler_never_waits(tmp_path: Path) -> None:
+    """With the writer stuck in I/O, scheduler-side calls keep returning at once; past
+    queue_records records are dropped as queue_full."""
+    s = section(tmp_path, sample_rate=1.0, queue_records=8)
+    stuck = threading.Event()
+    release = threading.Event()
+
+    class Stuck(rec.Recorder):
+        @staticmethod
+        def _member(raw: Any, text: str) -> None:
+            stuck.set()
+            release.wait(30)
+            rec.Recorder._member(raw, text)
+
+    r = Stuck(s).start()
+    r.added("kv", [page(0)])
+    assert stuck.wait(10)
+
+    def hammer() -> None:
+        for i in range(1, 101):
+            r.added("kv", [page(i)])
+            r.touched("kv", [page(i)], 1)
+
+    worker = threading.Thread(target=hammer)
+    t0 = time.monotonic()
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert time.monotonic() - t0 < 5
+    assert r.snapshot().dropped["queue_full"] == 200 - 8
+    release.set()
+    r.close()
+    assert r.snapshot().dropped["queue_full"] == 192
+
+
+def test_a_write_error_drops_that_chunk_and_keeps_the_file_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails (a full disk: ENOSPC) after part of a member drops that
+    chunk's records, cuts the partial member off, and the writer carries on later."""
+    monkeypatch.setattr(rec, "RETRY_S", 0.0)
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
+    calls = {"n": 0}
+    real = rec.Recorder._member
+
+    def member(raw: Any, text: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raw.write(b"\x1f\x8b\x08partial")
+            raise OSError(28, "No space left on device")
+        real(raw, text)
+
+    monkeypatch.setattr(rec.Recorder, "_member", staticmethod(member))
+    r.added("kv", [page(1)])
+    r._drain()  # header + chunk 1
+    r.added("kv", [page(2)])
+    r.added("kv", [page(3)])
+    r._drain()  # fails: 2 records dropped
+    r.added("kv", [page(4)])
+    r._drain()  # a new file
+    r.close()
+    assert r.snapshot().dropped["write_error"] == 2
+    files = sorted((tmp_path / "trace").iterdir())
+    assert len(files) == 2
+    kept = [e.pages[0] for f in files for e in read_trace(f).events]
+    assert kept == [page(1), page(4)]
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"sample_rate": 0}, "recorder.sample_rate"),
+        ({"sample_rate": 1.5}, "recorder.sample_rate"),
+        ({"max_bytes": 1000}, "recorder.max_bytes"),
+        ({"file_bytes": 10}, "recorder.file_bytes"),
+        ({"queue_records": 0}, "recorder.queue_records"),
+        ({"flush_interval_s": 0}, "recorder.flush_interval_s"),
+        ({"path": ""}, "recorder.path"),
+        ({"ranks": "some"}, "recorder.ranks"),
+    ],
+)
+def test_bad_recorder_settings_are_refused_by_name(values: dict[str, Any], key: str) -> None:
+    """Out-of-range recorder settings raise ConfigError naming the key."""
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        Config.from_mapping({"recorder": values})
+
+
+def test_only_the_first_rank_records_unless_all_are_asked_for(tmp_path: Path) -> None:
+    """``ranks: first`` records on TP and PP rank 0 only; ``all`` everywhere; off: none."""
+    from hicache_existence.exporters.catalog import DeploymentLabels
+
+    s = section(tmp_path)
+    assert rec.Recorder.from_config(s, DeploymentLabels(tp_rank=0, dp_rank=3)) is not None
+    assert rec.Recorder.from_config(s, DeploymentLabels(tp_rank=1)) is None
+    assert rec.Recorder.from_config(s, DeploymentLabels(pp_rank=1)) is None
+    every = dataclasses.replace(s, ranks="all")
+    assert rec.Recorder.from_config(every, DeploymentLabels(tp_rank=1)) is not None
+    off = dataclasses.replace(s, enabled=False)
+    assert rec.Recorder.from_config(off, DeploymentLabels()) is None
+
+
+# -- replay of a recorded trace --------------------------------------------------------------
+
+
+def _workload(rt: ExistenceRuntime, seed: int = 1) -> None:
+    kv = rt.cache.pool("kv")
+    rng = random.Random(seed)
+    docs = [[page(i, f"d{d}") for i in range(rng.randint(10, 80))] for d in range(120)]
+    recorder = rt.recorder
+    assert recorder is not None
+    for step in range(1500):
+        d = docs[min(int(rng.paretovariate(0.8)) - 1, len(docs) - 1)]
+        n = rng.randint(1, len(d))
+        recorder.begin_request()
+        kv.covered(d[:n])
+        recorder.end_request()
+        kv.add(d[:n])
+        if rng.random() < 0.03:
+            kv.invalidate_beyond(d, n // 2)
+        if step == 700:
+            kv.clear()
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_replayed_curves_match_the_advisor(tmp_path: Path, rate: float) -> None:
+    """A runtime with the advisor at rate 1: the recorded trace replays to its curves
+    exactly at recorder rate 1 (same stack, same stream), within 0.02 at 0.5."""
+    config = Config.from_mapping(
+        {
+            "cache": {"max_entries": 600},
+            "advisor": {"sampling_rate": 1.0},
+            "metrics": {"enabled": False},
+            "recorder": {"enabled": True, "path": str(tmp_path / "t"), "sample_rate": rate},
+        }
+    )
+    rt = ExistenceRuntime(config).start()
+    _workload(rt)
+    advice = rt._advice().pools["kv"]
+    rt.close()
+    caps = [int(600 * m) for m in MULTIPLIERS]
+    (curve,) = recorded_curves(read_trace(tmp_path / "t"), caps)
+    stream = [advice.estimates[m] for m in MULTIPLIERS]
+    lookups = [advice.lookup_estimates[m] for m in MULTIPLIERS]
+    if rate == 1.0:
+        assert list(curve.stream) == stream
+        assert list(curve.lookups) == lookups
+    else:
+        assert max(abs(a - b) for a, b in zip(curve.stream, stream)) <= 0.02  # type: ignore[operator]
+        assert max(abs(a - b) for a, b in zip(curve.lookups, lookups)) <= 0.02  # type: ignore[operator]
+    assert curve.events["clear"] > 0 and curve.events["invalidate"] > 0
+
+
+def test_requests_are_rebuilt_from_their_insert_walks(tmp_path: Path) -> None:
+    """Each request record becomes a request whose pages are its lookups' recorded
+    pages, in order, each once; lookups outside an insert belong to no request."""
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
+    a = [page(i, "a") for i in range(4)]
+    r.begin_request()
+    r.touched("kv", a[:2], 2)
+    r.touched("kv", a[1:], 1)
+    r.end_request()
+    r.touched("kv", a, 4)
+    r.begin_request()
+    r.end_request()
+    r.close()
+    trace = read_trace(tmp_path / "trace")
+    assert [(q.pool, q.pages) for q in trace.requests] == [("kv", tuple(a)), ("kv", ())]
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:  # argparse
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _recorded_file(tmp_path: Path) -> Path:
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
+    for i in range(50):
+        r.begin_request()
+        r.touched("kv", [page(j) for j in range(i % 7 + 1)], 0)
+        r.end_request()
+        r.added("kv", [page(j) for j in range(i % 7 + 1)])
+    r.close()
+    (path,) = sorted((tmp_path / "trace").iterdir())
+    return path
+
+
+def test_replay_reads_a_recorded_directory(tmp_path: Path) -> None:
+    """``replay DIR`` prints the recorded-stream table and runs the model on its requests."""
+    _recorded_file(tmp_path)
+    code, out, err = run_cli(
+        "replay", str(tmp_path / "trace"), "--caps", "4,8", "--quiet", "--no-plot",
+        "--jobs", "1", "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "recorded stream" in out and "buffer-mode write path" in out
+    report = json.loads((tmp_path / "o" / "replay.json").read_text())
+    assert report["sweep"]["trace"]["requests"] == 50
+
+
+def _gz(lines: list[str]) -> bytes:
+    return gzip.compress("".join(line + "\n" for line in lines).encode())
+
+
+HEADER = json.dumps({"format": "hicache-existence-trace", "version": 2, "sample_rate": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda good: good[: len(good) - 9], "truncated"),
+        (lambda good: good[:30] + b"\xff" * 40 + good[70:], "gzip"),
+        (lambda good: _gz([HEADER, '{"timestamp": 1, "kind": "evict", "pool": "kv"}']), "'kind'"),
+        (
+            lambda good: _gz([HEADER, '{"timestamp":1,"kind":"lookup","pages":["a"],"walked":2}']),
+            "'walked'",
+        ),
+        (
+            lambda good: _gz(
+                [HEADER, '{"timestamp":1,"kind":"lookup","pages":["a"],"walked":1,"miss":true}']
+            ),
+            "walked < len(pages)",
+        ),
+        (
+            lambda good: _gz([json.dumps({"format": "hicache-existence-trace", "version": 2})]),
+            "sample_rate",
+        ),
+        (lambda good: _gz([HEADER, '{"timestamp":1,"kind":"add","pages":["a"]']), "invalid JSON"),
+    ],
+)
+def test_a_bad_recorded_trace_is_a_clear_error(tmp_path: Path, make: Any, problem: str) -> None:
+    """Truncated or corrupt compression and malformed events: replay exits 2 with a
+    one-line error naming the file (and line), no traceback, no output files."""
+    good = _recorded_file(tmp_path).read_bytes()
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(make(good))
+    code, _, err = run_cli("replay", str(bad), "--quiet", "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert "Traceback" not in err
+    assert err.startswith(f"error: {bad}:") and problem in err, err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(TraceError):
+        read_trace(bad)
+
+
+def test_version_one_traces_still_read_compressed_or_not(tmp_path: Path) -> None:
+    """A version-1 page trace reads as before, plain or gzip-compressed."""
+    lines = [
+        json.dumps({"format": "hicache-existence-trace", "version": 1, "page_size": 64}),
+        json.dumps({"timestamp": 0, "pages": ["a", "b"]}),
+        json.dumps({"timestamp": 5, "pages": ["a"], "pool": "swa"}),
+    ]
+    plain = tmp_path / "v1.jsonl"
+    plain.write_text("\n".join(lines) + "\n")
+    packed = tmp_path / "v1.jsonl.gz"
+    packed.write_bytes(_gz(lines))
+    for path in (plain, packed):
+        trace = read_trace(path)
+        assert (trace.version, trace.page_size, trace.events) == (1, 64, ())
+        assert [(q.pool, q.pages) for q in trace.requests] == [("kv", ("a", "b")), ("swa", ("a",))]
+
+
+def test_the_runtime_exports_the_recorder_series(tmp_path: Path) -> None:
+    """A standalone scrape shows the recorder's records by kind, its drops by reason
+    (both reasons from the start), written and on-disk bytes, equal to its snapshot."""
+    import urllib.request
+
+    config = Config.from_mapping(
+        {
+            "metrics": {"mode": "standalone", "port": 0, "flush_interval_s": 0},
+            "recorder": {"enabled": True, "path": str(tmp_path / "t"), "sample_rate": 1.0},
+        }
+    )
+    rt = ExistenceRuntime(config).start()
+    try:
+        kv = rt.cache.pool("kv")
+        kv.add([page(i) for i in range(5)])
+        kv.covered([page(i) for i in range(7)])
+        recorder = rt.recorder
+        assert recorder is not None
+        with recorder._lock:
+            recorder._drain()
+        rt.telemetry.step()
+        with urllib.request.urlopen(rt.telemetry.server.url, timeout=10) as response:
+            text = response.read().decode()
+        snap = recorder.snapshot()
+    finally:
+        rt.close()
+    lines = [line for line in text.splitlines() if line.startswith("hicache_existence_recorder")]
+
+    def value(name: str, label: str = "") -> float:
+        (found,) = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name) and label in x]
+        return found
+
+    assert value("hicache_existence_recorder_records_total", 'kind="add"') == 1
+    assert value("hicache_existence_recorder_records_total", 'kind="lookup"') == 1
+    assert value("hicache_existence_recorder_dropped_records_total", 'reason="queue_full"') == 0
+    assert value("hicache_existence_recorder_dropped_records_total", 'reason="write_error"') == 0
+    assert value("hicache_existence_recorder_written_bytes_total") == snap.written_bytes > 0
+    assert value("hicache_existence_recorder_disk_bytes") == snap.disk_bytes > 0
+
+
+def test_a_restarted_instance_starts_from_an_empty_cache(tmp_path: Path) -> None:
+    """Two processes of one instance in one directory: the second's lookups of the
+    first's pages are cold (its cache started empty), and both runs' request 1 stay
+    two requests."""
+    s = section(tmp_path, sample_rate=1.0)
+    chain = [page(i, "restart") for i in range(4)]
+    first = rec.Recorder(s, instance="same", wall=lambda: 1_000_000.0)
+    first.begin_request()
+    first.touched("kv", chain, 0)
+    first.end_request()
+    first.added("kv", chain)
+    first.close()
+    second = rec.Recorder(s, instance="same", wall=lambda: 1_000_060.0)
+    second.begin_request()
+    second.touched("kv", chain, 0)
+    second.end_request()
+    second.close()
+    trace = read_trace(tmp_path / "trace")
+    assert trace.instances == ("same",)
+    assert [q.pages for q in trace.requests] == [tuple(chain), tuple(chain)]
+    (curve,) = recorded_curves(trace, [1000])
+    assert curve.lookups == (0.0,)  # both lookups missed: the second cache was empty
+    assert curve.events["clear"] == 1
+
+
+TAPS = [rec.PyTap] + (
+    [lru.compiled("accounting._recorder").Tap]  # type: ignore[union-attr]
+    if lru.compiled("accounting._recorder") is not None
+    else []
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["touched", "added", "invalidated", "inflight", "cleared", "req"]),
+            st.lists(st.sampled_from([page(i) for i in range(12)]), max_size=8),
+            st.integers(0, 8),
+            st.booleans(),
+        ),
+        max_size=30,
+    ),
+    st.sampled_from([None, "40000000", "c0000000"]),
+    st.integers(1, 40),
+)
+def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capacity: int) -> None:
+    """For any operation stream both taps queue the same records (only operations
+    with a recorded page, every one with bound None; clears that are not
+    in-flight-only; the request number of the moment) and drop the same ones once
+    the queue holds ``capacity`` records."""
+    seen = []
+    for tap_type in TAPS:
+        queue: collections.deque[Any] = collections.deque()
+        ticks = iter(range(10**6))
+        tap = tap_type(bound, queue, capacity, lambda ticks=ticks: float(next(ticks)))
+        for name, hashes, n, flag in ops:
+            if name == "touched":
+                tap.touched("kv", hashes, n)
+            elif name == "added":
+                tap.added("kv", hashes if flag else tuple(hashes))
+            elif name == "invalidated":
+                tap.invalidated("kv", hashes, n)
+            elif name == "inflight":
+                tap.inflight("kv", hashes, 1)
+            elif name == "req":
+                tap.request = n
+            else:
+                tap.cleared("kv", flag)
+        seen.append((list(queue), tap.dropped, tap.errors))
+    expected = []
+    request = 0
+    for name, hashes, n, flag in ops:
+        if name == "req":
+            request = n
+            continue
+        idx = None if bound is None else [i for i, h in enumerate(hashes) if h < bound]
+        kind = {"touched": "lookup", "added": "add", "invalidated": "invalidate"}.get(name)
+        if kind is not None and (idx is None or idx):
+            pages = tuple(hashes) if idx is None else tuple(hashes[i] for i in idx)
+            extra = None if name == "added" else n
+            expected.append((kind, "kv", pages, idx, extra, request))
+        elif name == "cleared" and not flag:
+            expected.append(("clear", "kv", (), None, None, request))
+    for queue_seen, dropped, errors in seen:
+        assert [r[1:] for r in queue_seen] == expected[:capacity]
+        assert dropped == max(0, len(expected) - capacity) and errors == 0
+
+
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_a_failing_clock_or_queue_never_reaches_the_cache(tap_type: Any) -> None:
+    """A clock or queue that raises is counted in the tap's errors; the call
+    returns None.  Bad constructor arguments raise TypeError/ValueError naming them."""
+
+    def broken() -> float:
+        raise OSError("clock")
+
+    tap = tap_type(None, collections.deque(), 10, broken)
+    assert tap.touched("kv", ["a"], 1) is None
+    assert tap.added("kv", ["a"]) is None
+    assert tap.cleared("kv", False) is None
+    assert tap.errors == 3
+
+    class BadQueue(list):  # type: ignore[type-arg]
+        def append(self, item: Any) -> None:
+            raise RuntimeError("full of surprises")
+
+    tap = tap_type("8", BadQueue(), 10, time.monotonic)
+    tap.added("kv", ["0"])
+    tap.added("kv", {"0", "1"})  # not a list or tuple: tested as a tuple
+    assert tap.errors == 2
+    with pytest.raises(TypeError, match="bound"):
+        tap_type(5, [], 10, time.monotonic)
+    with pytest.raises(ValueError, match="capacity"):
+        tap_type("8", [], 0, time.monotonic)
+    with pytest.raises(TypeError, match="clock"):
+        tap_type("8", [], 10, None)
+    with pytest.raises(TypeError, match="queue"):
+        tap_type("8", object(), 10, time.monotonic)
+
+
+def test_a_cache_operation_survives_a_broken_recorder(tmp_path: Path) -> None:
+    """A recorder whose clock fails after start-up never makes a cache operation
+    raise; the lost records are counted as write errors."""
+    calls = iter([0.0])
+
+    def clock() -> float:
+        return next(calls)  # StopIteration after the first call
+
+    rt = ExistenceRuntime(Config.from_mapping({"metrics": {"enabled": False}}))
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0), clock=clock)
+    rt.tee.append(r.tap)
+    kv = rt.cache.pool("kv")
+    kv.add([page(1)])
+    assert kv.covered([page(1)]) is True
+    assert r.snapshot().dropped["write_error"] == 2
