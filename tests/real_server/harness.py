@@ -25,6 +25,7 @@ API (stable; other tests build on it)::
     launch(spec, launcher=True)               # through ``hicache-existence launch --``
     proc_view(srv.proc.pid)                   # (argv, environ) of the running process
     family(fams, name), sample_value(fams, sample, **labels)   # strict readers of a scrape
+    our_totals(fams, names), cause_pages(fams)  # our counters; redundant pages by cause
     scrape(url)                               # another /metrics (a standalone exporter)
     free_ports(n)                             # n consecutive free ports
     FileCreations(l3_dir).close()             # page files renamed into place (inotify)
@@ -332,6 +333,25 @@ def sample_value(
     if not matched and not absent_ok:
         raise MissingSeries(f"no sample {sample} with labels {labels} on /metrics")
     return sum(matched)
+
+
+#: Our families' prefix on ``/metrics``.
+OURS = "hicache_existence_"
+
+
+def our_totals(fams: Mapping[str, Family], names: Sequence[str]) -> dict[str, float]:
+    """Each of our counters (name without the prefix), summed over pools; strict:
+    our families exist at 0 from the start, so a missing one is a defect."""
+    return {n: family(fams, OURS + n).total("_total") for n in names}
+
+
+def cause_pages(fams: Mapping[str, Family]) -> dict[str, float]:
+    """Redundant pages by cause, summed over pools (a cause never seen has no
+    sample: the family itself must be there)."""
+    out: dict[str, float] = {}
+    for _, labels, value in family(fams, OURS + "redundant_cause_pages").samples:
+        out[labels["cause"]] = out.get(labels["cause"], 0.0) + value
+    return out
 
 
 def scrape(url: str, timeout_s: float = 30.0) -> dict[str, Family]:

@@ -26,11 +26,13 @@ from typing import Any
 
 import pytest
 from harness import (
-    Family,
     Server,
     ServerSpec,
+    cause_pages,
     conversation_requests,
+    family,
     launch_together,
+    our_totals,
     settle,
     sglang_total,
 )
@@ -67,12 +69,6 @@ def spec(policy: str, dedup: bool) -> ServerSpec:
     )
 
 
-def family(fams: dict[str, Family], name: str) -> Family:
-    """A family that must be on /metrics: a missing one fails, never reads as 0."""
-    assert name in fams, f"{name} is not on /metrics"
-    return fams[name]
-
-
 @dataclass
 class Run:
     """One server's figures once its writes settled."""
@@ -88,10 +84,7 @@ class Run:
 
 def reading(srv: Server) -> tuple[dict[str, float], dict[str, float], float, int]:
     fams = srv.metrics()
-    counters = {n: family(fams, P + n).total("_total") for n in COUNTERS}
-    causes: dict[str, float] = {}
-    for _, labels, value in family(fams, P + "redundant_cause_pages").samples:
-        causes[labels["cause"]] = causes.get(labels["cause"], 0.0) + value
+    counters, causes = our_totals(fams, COUNTERS), cause_pages(fams)
     backuped = sglang_total(fams, "sglang:backuped_tokens") / PAGE
     return counters, causes, backuped, len(srv.l3_pages())
 

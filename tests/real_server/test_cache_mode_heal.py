@@ -25,7 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Server, ServerSpec, block_tokens_for, delta, launch_together, poll, settle
+from harness import (
+    Server,
+    ServerSpec,
+    block_tokens_for,
+    delta,
+    launch_together,
+    our_totals,
+    poll,
+    settle,
+    sglang_total,
+)
 
 pytestmark = [pytest.mark.real_server]
 
@@ -60,15 +70,11 @@ def spec(reconciler: bool) -> ServerSpec:
 def read(srv: Server) -> dict[str, float]:
     fams = srv.metrics()
     out: dict[str, float] = {}
-    for name in COUNTERS:
-        if name.startswith("reconciler_") and "reconciler" not in (srv.spec.config or {}):
-            continue
-        assert P + name in fams, f"{P + name} is not on /metrics"
-        out[name] = fams[P + name].total("_total")
+    reconciling = "reconciler" in (srv.spec.config or {})
+    names = [n for n in COUNTERS if reconciling or not n.startswith("reconciler_")]
+    out = our_totals(fams, names)
     out["files"] = float(len(srv.l3_pages()))
-    # SGLang creates its counter at its first backup: before that, none is 0.
-    backuped = fams.get("sglang:backuped_tokens")
-    out["sglang_backuped_pages"] = backuped.total("_total") / PAGE if backuped else 0.0
+    out["sglang_backuped_pages"] = sglang_total(fams, "sglang:backuped_tokens") / PAGE
     return out
 
 

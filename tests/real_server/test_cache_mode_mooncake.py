@@ -23,8 +23,10 @@ from harness import (
     Server,
     ServerSpec,
     block_tokens_for,
+    cause_pages,
     delta,
     launch_together,
+    our_totals,
     settle,
     sglang_total,
 )
@@ -53,12 +55,8 @@ def tokens(seed: int, pages: int) -> list[int]:
 
 def read(srv: Server, master: MooncakeMaster) -> dict[str, float]:
     fams = srv.metrics()
-    out: dict[str, float] = {}
-    for name in OURS:
-        assert P + name in fams, f"{P + name} is not on /metrics"
-        out[name] = fams[P + name].total("_total")
-    for _, labels, value in fams[P + "redundant_cause_pages"].samples:
-        out["cause_" + labels["cause"]] = out.get("cause_" + labels["cause"], 0.0) + value
+    out = our_totals(fams, OURS)
+    out.update({"cause_" + c: v for c, v in cause_pages(fams).items()})
     out["sglang_backuped_pages"] = sglang_total(fams, "sglang:backuped_tokens") / PAGE
     mm = master.metrics()
     out["mc_objects"] = mm["master_key_count"]

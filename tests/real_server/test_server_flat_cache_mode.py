@@ -16,7 +16,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Server, ServerSpec, block_tokens_for, delta, launch_together, settle
+from harness import (
+    Server,
+    ServerSpec,
+    block_tokens_for,
+    cause_pages,
+    delta,
+    launch_together,
+    our_totals,
+    settle,
+    sglang_total,
+)
 
 pytestmark = pytest.mark.real_server
 
@@ -34,14 +44,9 @@ A_TOKENS, B_TOKENS = 48, 32
 
 def read(srv: Server) -> dict[str, float]:
     fams = srv.metrics()
-    out: dict[str, float] = {}
-    for name in COUNTERS:
-        assert P + name in fams, f"{P + name} is not on /metrics"
-        out[name] = fams[P + name].total("_total")
-    for _, labels, value in fams[P + "redundant_cause_pages"].samples:
-        out["cause_" + labels["cause"]] = out.get("cause_" + labels["cause"], 0.0) + value
-    backuped = fams.get("sglang:backuped_tokens")  # created at SGLang's first backup
-    out["sglang_backuped_pages"] = backuped.total("_total") if backuped else 0.0
+    out = our_totals(fams, COUNTERS)
+    out.update({"cause_" + c: v for c, v in cause_pages(fams).items()})
+    out["sglang_backuped_pages"] = sglang_total(fams, "sglang:backuped_tokens")  # a page a token
     out["files"] = float(len(srv.l3_pages()))
     return out
 
