@@ -149,10 +149,9 @@ both 3.10 3.13 'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' 'leg 3.13 "$PY313" "${CORE
 both "3.10 python-index" "3.13 python-index" \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.10 python-index" "$PY310" "${STORAGE_TESTS[@]}"' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.13 python-index" "$PY313" "${STORAGE_TESTS[@]}"'
-both 3.12 "3.12 python-index" 'leg 3.12 "$PY312" "${CORE_TESTS[@]}"' \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"'
+both "3.12 sglang 0.5.23" 3.12 'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
+  'leg 3.12 "$PY312" "${CORE_TESTS[@]}"'
 one() { log "pytest [$1]"; leg "$@"; report "$1"; }
-one "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"
 #    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
 #    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
 #    (test_server_flat*.py are the flat generation's: they run in the 0.5.21 leg.)
@@ -168,8 +167,9 @@ done
 #    in buffer mode and in cache mode (dedup off and on).
 one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" \
   tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py
-HICACHE_EXISTENCE_BACKEND=python one "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" \
-  tests/sglang_integration/test_sglang_launcher.py
+both "3.11 python-index" "3.12 python-index" \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py' \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"'
 log "pytest [3.11]"
 set +e
 "$PY" -m pytest -p no:cacheprovider --ignore=tests/real_server "$@"
