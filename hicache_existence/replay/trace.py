@@ -292,18 +292,11 @@ def _mooncake(f: _Fields, block_tokens: int) -> Request:
 
 def _pages(f: _Fields) -> Request:
     timestamp = f.timestamp()
-    pages = f.array("pages")
-    if len(pages) > MAX_PAGES_PER_REQUEST:
-        raise f.fail(f"field 'pages' has too many entries: {len(pages)} > {MAX_PAGES_PER_REQUEST}")
-    for index, page in enumerate(pages):
-        if not isinstance(page, str):
-            raise f.fail(f"pages[{index}] must be a string page hash, got {_show(page)}")
-        if not 0 < len(page) <= MAX_HASH_CHARS:
-            raise f.fail(f"pages[{index}] must have 1..{MAX_HASH_CHARS} characters")
+    pages = _page_list(f)
     pool = f.obj.get("pool", "kv")
     if not isinstance(pool, str) or not 0 < len(pool) <= MAX_POOL_CHARS:
         raise f.fail(f"field 'pool' must be a non-empty string of <= {MAX_POOL_CHARS} characters")
-    return Request(f.line, timestamp, pool, 0, 0, (), tuple(pages))
+    return Request(f.line, timestamp, pool, 0, 0, (), pages)
 
 
 @dataclass

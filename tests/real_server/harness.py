@@ -337,6 +337,15 @@ def sample_value(
 
 #: Our families' prefix on ``/metrics``.
 OURS = "hicache_existence_"
+#: The write path's page counters (``our_totals`` reads them).
+WRITE_PAGES = (
+    "written_pages",
+    "write_acknowledged_pages",
+    "write_failed_pages",
+    "redundant_written_pages",
+    "redundant_believed_pages",
+    "write_avoided_pages",
+)
 
 
 def our_totals(fams: Mapping[str, Family], names: Sequence[str]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from harness import (
+    WRITE_PAGES,
     Server,
     ServerSpec,
     cause_pages,
@@ -49,14 +50,7 @@ WORKLOAD: dict[str, Any] = {
     "user_tokens": (16, 96),
     "reply_tokens": (16, 64),
 }
-COUNTERS = (
-    "written_pages",
-    "write_acknowledged_pages",
-    "write_failed_pages",
-    "redundant_written_pages",
-    "redundant_believed_pages",
-    "write_avoided_pages",
-)
+COUNTERS = WRITE_PAGES
 
 
 def spec(policy: str, dedup: bool) -> ServerSpec:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from harness import (
     REPO,
+    WRITE_PAGES,
     Server,
     ServerSpec,
     block_tokens_for,
@@ -39,14 +40,7 @@ pytestmark = [pytest.mark.real_server]
 PAGE = 16
 OBJECTS_PER_PAGE = 2
 P = "hicache_existence_"
-OURS = (
-    "written_pages",
-    "write_acknowledged_pages",
-    "write_failed_pages",
-    "redundant_written_pages",
-    "redundant_believed_pages",
-    "write_avoided_pages",
-)
+OURS = WRITE_PAGES
 
 
 def tokens(seed: int, pages: int) -> list[int]:

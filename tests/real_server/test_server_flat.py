@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 from harness import (
+    WRITE_PAGES,
     Server,
     ServerSpec,
     block_tokens_for,
@@ -37,15 +38,7 @@ pytestmark = pytest.mark.real_server
 
 P = "hicache_existence_"
 FLAT_CLASS = "hicache_existence.core.flat.FlatStorageExistenceCache"
-COUNTERS = (
-    "written_pages",
-    "write_acknowledged_pages",
-    "write_failed_pages",
-    "redundant_written_pages",
-    "redundant_believed_pages",
-    "write_avoided_pages",
-    "page_inserts",
-)
+COUNTERS = (*WRITE_PAGES, "page_inserts")
 A_TOKENS, B_TOKENS = 48, 32
 MAX_NEW = 2  # generated tokens per request
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from harness import (
+    WRITE_PAGES,
     Server,
     ServerSpec,
     block_tokens_for,
@@ -31,14 +32,7 @@ from harness import (
 pytestmark = pytest.mark.real_server
 
 P = "hicache_existence_"
-COUNTERS = (
-    "written_pages",
-    "write_acknowledged_pages",
-    "write_failed_pages",
-    "redundant_written_pages",
-    "redundant_believed_pages",
-    "write_avoided_pages",
-)
+COUNTERS = WRITE_PAGES
 A_TOKENS, B_TOKENS = 48, 32
 
 
