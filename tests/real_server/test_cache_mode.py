@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doctor_cli import Run as DoctorRun
+from doctor_cli import check_evidence, doctor, metrics_url
 from harness import (
     WRITE_PAGES,
     Server,
@@ -74,6 +76,9 @@ class Run:
     prefetched_tokens: float
     files: frozenset[str]
     outputs: list[list[int]]
+    doctor: DoctorRun | None = None
+    #: Evidence figures of every warning-or-above finding compared to /metrics.
+    evidence_compared: int = 0
 
 
 def reading(srv: Server) -> tuple[dict[str, float], dict[str, float], float, int]:
@@ -121,7 +126,11 @@ def pair(
             t.join()
         assert len(outs[0]) == len(outs[1]) == WORKLOAD["conversations"] * WORKLOAD["turns"]
         runs = (settled(off, outs[0]), settled(on, outs[1]))
-        for srv in (off, on):
+        for srv, run in zip((off, on), runs):
+            # hicache-existence doctor as an operator runs it, on the settled server;
+            # its evidence compared to the server's own series at once
+            run.doctor = doctor(metrics_url(srv), "--interval", "1", "--json")
+            run.evidence_compared = check_evidence_all(run.doctor, {metrics_url(srv): srv})
             assert "Traceback" not in srv.log.read_text(errors="replace"), srv.tail()
     print(f"\n{policy}: " + "; ".join(f"{k}={v}" for k, v in describe(*runs).items()))
     yield policy, *runs
@@ -199,3 +208,34 @@ def test_causes_name_the_mechanism_of_each_write_policy(pair) -> None:
     elif policy == "write_through":
         assert got and got <= {"below_prefetch_threshold", "recompute", "prefetch_shortfall"}
         assert "host_copy_reclaimed" not in got and "other_instance" not in got
+
+
+def check_evidence_all(run: DoctorRun, servers: dict[str, Server]) -> int:
+    assert run.code in (0, 1), run.out + run.err
+    return sum(check_evidence(f, servers) for f in run.doc["findings"] if f["severity"] != "info")
+
+
+def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
+    """``hicache-existence doctor`` on both servers: the dedup-off server gets
+    ``cache_mode_without_dedup`` (a warning: exit 1) exactly where it rewrote more
+    than the alert's share of its writes, with the pages dedup would have saved,
+    and every evidence figure equal to the server's own series; the dedup-on
+    server never gets it."""
+    from hicache_existence.doctor import diagnosis
+
+    policy, off, on = pair
+    assert off.doctor is not None and on.doctor is not None
+    c = off.counters
+    rewrites = (
+        c["written_pages"] >= diagnosis.MIN_WRITTEN_PAGES
+        and c["redundant_written_pages"] / c["written_pages"] > diagnosis.CACHE_MODE_REDUNDANT_RATIO
+    )
+    found = off.doctor.findings("cache_mode_without_dedup")
+    assert bool(found) == rewrites == (policy != "write_through_selective"), (policy, c)
+    assert not on.doctor.findings("cache_mode_without_dedup"), on.doctor.out
+    if found:
+        (f,) = found
+        assert f["severity"] == "warning" and off.doctor.code == 1
+        assert f"dedup would have saved {c['redundant_believed_pages']:,.0f} pages" in f["summary"]
+        assert any("cache_mode.dedup=true" in fix for fix in f["fix"]), f["fix"]
+        assert off.evidence_compared >= 3, off.doctor.out
