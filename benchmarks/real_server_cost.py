@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
     result = summarize_recorder(rounds, args) if args.recorder else summarize(rounds, args)
+    return report(rounds, result, args)
+
+
+def report(rounds: Any, result: dict[str, Any], args: Any) -> int:
+    """Print the summary (or every round and the summary as JSON)."""
     if args.json:
         print(json.dumps({"rounds": rounds, "summary": result}, indent=2))
     else:
@@ -294,12 +299,7 @@ def run_toggle(args: Any, stream: list[TraceRequest]) -> int:
         "recorder_ms_per_round_paired_median": round(med(paired_ms), 3),
         "target": "recorder_share_of_busy <= 0.1%",
     }
-    if args.json:
-        print(json.dumps({"rounds": rounds, "summary": result}, indent=2))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
-    return 0
+    return report(rounds, result, args)
 
 
 def recorder_share(r: dict[str, Any]) -> dict[str, float]:
