@@ -500,7 +500,7 @@ def test_every_route_of_the_prefill_recipe_starts_a_server_with_the_package(
 
 def test_decode_server_with_the_flag_keeps_upstreams_class(stack: Stack) -> None:
     """The decode server runs with --enable-hicache-existence (one environment for
-    every pod): not in buffer mode, it keeps upstream's StorageExistenceCache,
+    every pod): a PD decode server, it keeps upstream's StorageExistenceCache,
     says why once, and its /metrics carries none of our series."""
     dec = stack.pd.decode
     assert dec is not None and dec.proc is not None
@@ -508,7 +508,7 @@ def test_decode_server_with_the_flag_keeps_upstreams_class(stack: Stack) -> None
     assert "--enable-hicache-existence" in argv, argv
     assert {x["cache_class"] for x in dec.probes("tree")} == {UPSTREAM_CLASS}
     log = dec.log.read_text(errors="replace")
-    assert log.count("not observing this process's cache: HiCache buffer mode is off") == 1
+    assert log.count("not observing this process's cache: a PD decode server") == 1, dec.tail()
     ours = [name for name in parse_metrics(dec.metrics_text()) if name.startswith(P)]
     assert ours == [], ours
 
