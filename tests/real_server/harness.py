@@ -630,6 +630,31 @@ def launch_together(specs: Sequence[ServerSpec], workdir: Path) -> Iterator[list
         stop_together(servers)
 
 
+def side_by_side(*calls: Callable[[], T]) -> list[T]:
+    """Run ``calls`` at once (one thread each: the servers they drive work in
+    parallel), and return their results in order; the first exception raised in
+    any of them is raised here once all have finished."""
+    import threading
+
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int, call: Callable[[], T]) -> None:
+        try:
+            results[i] = call()
+        except BaseException as exc:  # raised on the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def stop_together(servers: Sequence[Server], grace_s: float = 15.0) -> None:
     """SIGINT to every server at once, one shared grace period, then ``stop``
     (SIGKILL of what is left): one grace period, not one per server."""

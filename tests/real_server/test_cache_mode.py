@@ -18,7 +18,6 @@ is created once), and the greedy outputs.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from harness import (
     our_totals,
     settle,
     sglang_total,
+    side_by_side,
 )
 
 pytestmark = [pytest.mark.real_server]
@@ -119,11 +119,7 @@ def pair(
     workdir: Path = tmp_path_factory.mktemp(f"cache-mode-{policy}")
     with launch_together([spec(policy, False), spec(policy, True)], workdir) as (off, on):
         outs: tuple[list[list[int]], list[list[int]]] = ([], [])
-        threads = [threading.Thread(target=serve, args=(s, o)) for s, o in zip((off, on), outs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        side_by_side(lambda: serve(off, outs[0]), lambda: serve(on, outs[1]))
         assert len(outs[0]) == len(outs[1]) == WORKLOAD["conversations"] * WORKLOAD["turns"]
         runs = (settled(off, outs[0]), settled(on, outs[1]))
         for srv, run in zip((off, on), runs):

@@ -26,9 +26,11 @@ from harness import (
     delta,
     family,
     launch,
+    launch_together,
     proc_view,
     sample_value,
     settle,
+    side_by_side,
     trace_requests,
 )
 
@@ -110,15 +112,26 @@ def serve_twice(srv: Server, ours: bool) -> Served:
 
 
 @pytest.fixture(scope="module")
-def enabled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with launch(ServerSpec(existence=True), tmp_path_factory.mktemp("enabled")) as srv:
-        yield serve_twice(srv, ours=True)
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Served]]:
+    """The server with the flag and the one without, started side by side (one
+    start-up's wall time), each serving the stream twice on its own L3."""
+    workdir = tmp_path_factory.mktemp("flag")
+    specs = [ServerSpec(existence=True), ServerSpec(existence=False)]
+    with launch_together(specs, workdir) as (on, off):
+        with_flag, without = side_by_side(
+            lambda: serve_twice(on, ours=True), lambda: serve_twice(off, ours=False)
+        )
+        yield with_flag, without
 
 
 @pytest.fixture(scope="module")
-def disabled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with launch(ServerSpec(existence=False), tmp_path_factory.mktemp("disabled")) as srv:
-        yield serve_twice(srv, ours=False)
+def enabled(pair: tuple[Served, Served]) -> Served:
+    return pair[0]
+
+
+@pytest.fixture(scope="module")
+def disabled(pair: tuple[Served, Served]) -> Served:
+    return pair[1]
 
 
 def our_samples(srv: Server) -> list[tuple[str, dict[str, str], float]]:

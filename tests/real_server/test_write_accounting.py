@@ -16,18 +16,21 @@ backed-up count say which failed).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import (
+    Server,
     ServerSpec,
     block_tokens_for,
     delta,
     family,
-    launch,
+    launch_together,
     poll,
     sample_value,
     settle,
+    side_by_side,
     trace_requests,
 )
 
@@ -86,27 +89,25 @@ def one(srv, ids: list[int]) -> None:
     srv.generate(ids, max_new_tokens=1)
 
 
-@pytest.fixture(scope="module")
-def scripted() -> Iterator[dict[str, dict[str, float]]]:
+def run_scripted(srv: Server) -> dict[str, Any]:
     """Default cap: A; flush; A+B (one node spanning believed A and new B); flush;
     A+B again; then 40 requests of the Mooncake trace with a flush every 10."""
     a, b = tokens(1, 10), tokens(2, 10)
-    with launch(ServerSpec()) as srv:
-        r: dict[str, dict[str, float]] = {"start": reading(srv)}
-        one(srv, a)
-        r["a"] = reading(srv)
-        srv.flush_cache()
-        one(srv, a + b)
-        r["a_b"] = reading(srv)
-        srv.flush_cache()
-        one(srv, a + b)
-        r["a_b_again"] = reading(srv)
-        for i, req in enumerate(trace_requests(limit=40, block_tokens=32, max_blocks=12)):
-            if i and i % 10 == 0:
-                srv.flush_cache()
-            one(srv, list(req.input_ids))
-        r["trace"] = reading(srv)
-        yield r
+    r: dict[str, Any] = {"start": reading(srv)}
+    one(srv, a)
+    r["a"] = reading(srv)
+    srv.flush_cache()
+    one(srv, a + b)
+    r["a_b"] = reading(srv)
+    srv.flush_cache()
+    one(srv, a + b)
+    r["a_b_again"] = reading(srv)
+    for i, req in enumerate(trace_requests(limit=40, block_tokens=32, max_blocks=12)):
+        if i and i % 10 == 0:
+            srv.flush_cache()
+        one(srv, list(req.input_ids))
+    r["trace"] = reading(srv)
+    return r
 
 
 #: The failing phase: a prompt of this many new pages while L3 takes only
@@ -114,16 +115,10 @@ def scripted() -> Iterator[dict[str, dict[str, float]]]:
 FAILING_PAGES, ALLOWED = 130, 128
 
 
-@pytest.fixture(scope="module")
-def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, float]]]:
+def capped_spec(trigger: Path) -> ServerSpec:
     """A cap of 10 beliefs, over SGLang's file backend with writes that can be made
-    to fail (``standins/hx_failing_storage.py``): A (10 pages); flush; C (10 other
-    pages: A's beliefs are evicted, its files stay); flush; A again; then F
-    (``FAILING_PAGES`` new pages) while L3 accepts only ``ALLOWED`` more page writes."""
-    a, c, f = tokens(1, 10), tokens(3, 10), tokens(4, FAILING_PAGES)
-    workdir = tmp_path_factory.mktemp("capped")
-    trigger = workdir / "fail-writes"
-    spec = ServerSpec(
+    to fail (``standins/hx_failing_storage.py``) once ``trigger`` exists."""
+    return ServerSpec(
         config={"cache": {"max_entries": 10}},
         storage_backend="dynamic",
         storage_extra_config={
@@ -133,34 +128,64 @@ def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[
             "fail_writes_file": str(trigger),
         },
     )
-    with launch(spec, workdir / "server") as srv:
-        r: dict[str, dict[str, float]] = {"start": reading(srv)}
-        one(srv, a)
-        r["a"] = reading(srv)
-        srv.flush_cache()
-        one(srv, c)
-        r["c"] = reading(srv)
-        srv.flush_cache()
-        one(srv, a)
-        r["a_replayed"] = reading(srv)
-        log_at = len(srv.log.read_bytes())
-        trigger.write_text(str(ALLOWED))
-        one(srv, f)
-        # the write is acknowledged (failed in part) after the request returns
-        poll(
-            lambda: (
-                (x := _read(srv))["written_pages"] > r["a_replayed"]["written_pages"]
-                and x["written_pages"] == x["write_acknowledged_pages"] + x["write_failed_pages"]
-            )
+
+
+def run_capped(srv: Server, trigger: Path) -> dict[str, Any]:
+    """A (10 pages); flush; C (10 other pages: A's beliefs are evicted, its files
+    stay); flush; A again; then F (``FAILING_PAGES`` new pages) while L3 accepts
+    only ``ALLOWED`` more page writes."""
+    a, c, f = tokens(1, 10), tokens(3, 10), tokens(4, FAILING_PAGES)
+    r: dict[str, Any] = {"start": reading(srv)}
+    one(srv, a)
+    r["a"] = reading(srv)
+    srv.flush_cache()
+    one(srv, c)
+    r["c"] = reading(srv)
+    srv.flush_cache()
+    one(srv, a)
+    r["a_replayed"] = reading(srv)
+    log_at = len(srv.log.read_bytes())
+    trigger.write_text(str(ALLOWED))
+    one(srv, f)
+    # the write is acknowledged (failed in part) after the request returns
+    poll(
+        lambda: (
+            (x := _read(srv))["written_pages"] > r["a_replayed"]["written_pages"]
+            and x["written_pages"] == x["write_acknowledged_pages"] + x["write_failed_pages"]
         )
-        r["failing"] = reading(srv)
-        trigger.unlink()
-        log = srv.log.read_bytes()[log_at:].decode(errors="replace")
-        r["failing_log"] = {
-            "sglang_failed_pages": float(sum(map(int, FAILED_LINE.findall(log)))),
-            "refused_probes": float(log.count('"kind": "write_refused"')),
-        }
-        yield r
+    )
+    r["failing"] = reading(srv)
+    trigger.unlink()
+    log = srv.log.read_bytes()[log_at:].decode(errors="replace")
+    r["failing_log"] = {
+        "sglang_failed_pages": float(sum(map(int, FAILED_LINE.findall(log)))),
+        "refused_probes": float(log.count('"kind": "write_refused"')),
+    }
+    return r
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Both workloads at once, on two servers started side by side (one start-up's
+    wall time): ``scripted`` on the defaults, ``capped`` on the capped, failing L3.
+    Each has its own L3 directory and sends its requests in order."""
+    workdir = tmp_path_factory.mktemp("write-accounting")
+    trigger = workdir / "fail-writes"
+    with launch_together([ServerSpec(), capped_spec(trigger)], workdir) as (plain, capped):
+        scripted, failing = side_by_side(
+            lambda: run_scripted(plain), lambda: run_capped(capped, trigger)
+        )
+    return {"scripted": scripted, "capped": failing}
+
+
+@pytest.fixture(scope="module")
+def scripted(servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return servers["scripted"]
+
+
+@pytest.fixture(scope="module")
+def capped(servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return servers["capped"]
 
 
 #: Distinct pages of the scripted workload (A, B and the 40 trace requests) and
