@@ -46,6 +46,7 @@ from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import write_path as _write_path
+from hicache_existence.integrations.sglang.cache_mode import Beliefs
 from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.targets import Generation
 from hicache_existence.integrations.sglang.topology import (
@@ -201,14 +202,10 @@ def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]
     """Whether this process has a record of a page: believed now, or once believed
     (the miss-reason memory's evicted / invalidated / cleared); ``None`` without
     that memory, when "not believed" cannot tell ours from another instance's."""
-    cache, ghosts = runtime.cache, runtime.ghosts
+    beliefs, ghosts = Beliefs(runtime.cache), runtime.ghosts
 
     def remembers(pool: str, page: str) -> bool | None:
-        if isinstance(cache, StorageExistenceCache):
-            believed = cache.pool(pool).believed([page])
-        else:
-            believed = cache.believed(pool, [page])
-        if believed:
+        if beliefs.believed(pool, (page,)):
             return True
         memory = ghosts.memories().get(pool) if ghosts is not None else None
         if memory is None:
