@@ -35,9 +35,12 @@ from hicache_existence.reconcile.redis_truth import LedgerSettings, RedisLedger 
 #: The scheduler-side budget per call into the reconciler (its own CPU work, without
 #: the garbage collections that ran in the call): every call but the slowest 1%.
 MAX_WAIT_S = 0.001
-#: The same for every call: a shared 2-core CI machine (hypervisor steal, cache misses
-#: after a context switch) stretches a rare call; a call that did the reconciler's
-#: queries on this thread would cost far more.
+#: The same for every call but the slowest: a shared 2-core CI machine (hypervisor
+#: steal, page faults, cache misses after a context switch) stretches a lone call past
+#: it (5.1 ms once in a CI run; 0.5 ms here in 3,000 calls beside a real-server leg),
+#: while a costly path the reconciler took now and then would show in two calls or more.
+#: That no call did a Redis round trip is checked exactly (``SCHEDULER_SENDS``), not
+#: inferred from its time.
 MAX_WAIT_WORST_S = 0.005
 #: Half the Redis socket timeout used here: no call may come near waiting on Redis.
 NEVER_BLOCKED_S = 0.025
@@ -82,6 +85,32 @@ def _report() -> Iterator[None]:
     print()
 
 
+#: Redis commands sent from inside a timed scheduler-side call (must stay empty: the
+#: reconciler's queries run on its worker, never on the scheduler thread).
+SCHEDULER_SENDS: list[str] = []
+_IN_CALL = threading.local()
+
+
+@pytest.fixture(autouse=True)
+def _scheduler_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every packet redis-py sends, from any connection: one sent while the scheduler
+    thread is inside a timed call is recorded with the call's name."""
+    cls = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
+    real = cls.send_packed_command
+
+    def send(self: Any, command: Any, check_health: bool = True) -> None:
+        name = getattr(_IN_CALL, "name", None)
+        if name is not None:
+            SCHEDULER_SENDS.append(name)
+        real(self, command, check_health)
+
+    monkeypatch.setattr(cls, "send_packed_command", send)
+    SCHEDULER_SENDS.clear()
+    yield
+    sent = SCHEDULER_SENDS
+    assert not sent, f"the scheduler thread sent {len(sent)} Redis commands in {sorted(set(sent))}"
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RedisServer]:
     s = RedisServer(tmp_path).start()
@@ -110,9 +139,10 @@ class Scheduler:
     Every call is timed twice: wall clock, and the scheduler thread's own CPU time.
     The reconciler never blocks the scheduler thread on I/O or on a lock held
     across I/O, so what it can cost a call is its own CPU work (asserted < 1 ms for
-    99% of calls and < 5 ms for every call, garbage collections aside) plus
+    99% of calls and < 5 ms for all calls but the slowest, garbage collections aside) plus
     waiting for the GIL while the worker runs Python (bounded by the worker's CPU
-    per query, reported).  Wall time also counts the OS running
+    per query, reported).  That no call sends a Redis command is checked on
+    redis-py's connections themselves (``SCHEDULER_SENDS``).  Wall time also counts the OS running
     other processes and process-wide garbage collections, which on a shared 2-core
     machine reach several ms; it is reported, and asserted below half the Redis
     socket timeout: a call that waited on Redis (DEBUG SLEEP 400 ms, SIGSTOP
@@ -136,10 +166,14 @@ class Scheduler:
 
     def _timed(self, fn: Any, *args: Any) -> None:
         g0 = GC_PAUSE_S[0]
+        _IN_CALL.name = getattr(fn, "__name__", repr(fn))
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        fn(*args)
-        wall = time.perf_counter() - t0
+        try:
+            fn(*args)
+        finally:
+            wall = time.perf_counter() - t0
+            _IN_CALL.name = None
         self.wall.append(wall)
         cpu = time.thread_time() - c0
         self.cpu.append(cpu)
@@ -188,7 +222,7 @@ class Scheduler:
         rec["cpu_ex_gc_p99"] = max(rec.get("cpu_ex_gc_p99", 0.0), own_p99)
         spent = f"{scenario}: scheduler thread spent"
         assert own_p99 < MAX_WAIT_S, f"{spent} {own_p99 * 1e3:.3f} ms (p99)"
-        assert own[-1] < MAX_WAIT_WORST_S, f"{spent} {own[-1] * 1e3:.3f} ms"
+        assert own[-2] < MAX_WAIT_WORST_S, f"{spent} {own[-2] * 1e3:.3f} ms in two calls"
         assert wall[-1] < NEVER_BLOCKED_S, f"{scenario}: a call took {wall[-1] * 1e3:.1f} ms"
 
 
