@@ -168,7 +168,16 @@ done
 #    in buffer mode and in cache mode (dedup off and on).
 one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" \
   tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py
-both "3.11 python-index" "3.12 python-index" \
+beside() { # two legs one after the other in the background, on the core the main pass
+  # (one pytest process) leaves idle; reported after it
+  log "pytest [$1] then [$2], beside the main pass"
+  (
+    eval "$3"
+    eval "$4"
+  ) &
+  BESIDE=("$1" "$2" $!)
+}
+beside "3.11 python-index" "3.12 python-index" \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"'
 log "pytest [3.11]"
@@ -177,7 +186,15 @@ set +e
 rc=$?
 set -e
 log "pytest [3.11] exit code $rc"
+wait "${BESIDE[2]}"
+report "${BESIDE[0]}"
+report "${BESIDE[1]}"
 if ((${#failed[@]})); then
+  # Each failed leg's short summary again, last: the top of a long log is often cut off.
+  for name in "${failed[@]}"; do
+    grep -E '^(FAILED|ERROR) |^=+ .*(failed|error).* =+$' "$LEGS/$name.log" | tail -n 40 \
+      | sed "s/^/[$name] /" || true
+  done
   log "failed legs: ${failed[*]}"
   [ "$rc" != 0 ] || rc=1
 fi

@@ -13,8 +13,9 @@ error here, so a new kind of leg cannot be left out of the table silently):
   flavour's sglang and torch pins come from ``tests/envs/sglang-requirements.txt``);
 * ``NAME=( ... )`` and ``NAME+=( ... )`` (also inside ``for V in ...; do ... done``):
   the argument lists legs use as ``"${NAME[@]}"``;
-* ``[VAR=value ...] one NAME "$PY" ARGS...``, and ``both NAME NAME 'leg ...' 'leg ...'``:
-  one leg each;
+* ``[VAR=value ...] one NAME "$PY" ARGS...``, and ``both NAME NAME 'leg ...' 'leg ...'``
+  (side by side) or ``beside NAME NAME 'leg ...' 'leg ...'`` (one after the other,
+  beside the main pass): one leg each;
 * ``"$PY" -m pytest ARGS...`` at top level: the main pass, named by the
   ``log "pytest [NAME]"`` line before it.
 """
@@ -144,9 +145,9 @@ def parse(text: str) -> RunAll:
             last_log = m.group(1) if m else last_log
         elif head == "one":
             legs.append(leg(words, env))
-        elif head == "both":
+        elif head in ("both", "beside"):
             if len(words) != 5:
-                raise ValueError(f"run-all.sh: both takes two names and two legs: {line.strip()}")
+                raise ValueError(f"run-all.sh: {head} takes two names and two legs: {line.strip()}")
             legs.extend(leg(shlex.split(cmd)) for cmd in words[3:])
         elif "pytest" in words and head.startswith("$") and head[1:] in pythons:
             if last_log is None:
