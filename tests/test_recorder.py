@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import random
 import threading
 import time
@@ -95,6 +96,120 @@ BELOWS = [rec.py_below] + (
     if lru.compiled("accounting._recorder") is not None
     else []
 )
+
+
+# -- the writer's encoder ---------------------------------------------------------------
+
+NATIVE = lru.compiled("accounting._recorder")
+KIND_NAMES = ["lookup", "add", "invalidate", "clear", "write", "prefetch", "request"]
+#: Pools and pages the compiled encoder takes (exact ASCII, escapes included) and
+#: ones it hands back to ``_encode`` (non-ASCII, a str subclass).
+ASCII_TEXT = st.text(st.characters(min_codepoint=0, max_codepoint=127), max_size=10)
+
+
+class Tagged(str):
+    pass
+
+
+@st.composite
+def records(draw: Any, plain: bool) -> tuple[Any, ...]:
+    """A record as the taps and ``Recorder._put`` queue it; ``plain``: only what the
+    compiled encoder must take itself (no hand-back)."""
+    kind = draw(st.sampled_from(KIND_NAMES))
+    text = ASCII_TEXT if plain else st.one_of(ASCII_TEXT, st.text(max_size=6))
+    pool = draw(text if not plain else st.one_of(st.just("kv"), ASCII_TEXT))
+    if not plain and draw(st.booleans()):
+        pool = Tagged(pool)
+    n = draw(st.integers(0, 8))
+    pages = tuple(draw(st.one_of(st.just(page(i)), text)) for i in range(n))
+    idx = None
+    if draw(st.booleans()):
+        idx = sorted(draw(st.sets(st.integers(0, 3 * n + 3), min_size=n, max_size=n)))
+    big = st.integers(-(2**70), 2**70) if not plain else st.integers(-(2**40), 2**40)
+    extra: Any = {
+        "lookup": draw(st.integers(0, 3 * n + 4)),
+        "invalidate": draw(st.integers(0, 3 * n + 4)),
+        "prefetch": draw(st.integers(0, n)),
+        "request": draw(st.integers(1, 2**40)),
+    }.get(kind)
+    if not plain and draw(st.integers(0, 9)) == 0:
+        extra = draw(st.one_of(big, st.booleans(), st.none(), st.floats(allow_nan=False)))
+    t = draw(st.floats(-1e12, 1e12, allow_nan=False))
+    if not plain and draw(st.integers(0, 9)) == 0:
+        t = draw(st.one_of(st.integers(-10, 10), st.floats()))
+    request = draw(st.one_of(st.just(0), st.integers(1, 2**40)))
+    return (t, kind, pool, pages, idx, extra, request)
+
+
+def python_line(record: tuple[Any, ...], t0: float) -> Any:
+    r = rec.Recorder.__new__(rec.Recorder)
+    r._t0 = t0
+    try:
+        return r._encode(record)
+    except Exception as exc:  # the writer counts it as a write error
+        return type(exc)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="compiled recorder not built")
+@settings(max_examples=1500, deadline=None)
+@given(records(plain=True), st.floats(-1e6, 1e6, allow_nan=False))
+def test_compiled_encoder_writes_the_python_line(record: tuple[Any, ...], t0: float) -> None:
+    """For every record the taps and ``_put`` make (exact ASCII pools and pages, control
+    characters and quotes included; float times; any indices, stops, keep_pages and
+    request numbers) the compiled encoder takes the record itself and writes exactly
+    ``_encode``'s JSON line, or ``None`` where it does."""
+    assert NATIVE is not None
+    assert NATIVE.encode(record, t0) == python_line(record, t0)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="compiled recorder not built")
+@settings(max_examples=800, deadline=None)
+@given(records(plain=False), st.one_of(st.floats(-1e6, 1e6), st.integers(-5, 5)))
+def test_compiled_encoder_hands_back_what_it_does_not_take(record: Any, t0: Any) -> None:
+    """Anything else (a non-ASCII or subclassed pool or page, an int or non-finite
+    time, a stop that is not an int, an int past 64 bits) raises TypeError and no
+    other error; what it does encode is ``_encode``'s line."""
+    assert NATIVE is not None
+    try:
+        line = NATIVE.encode(record, t0)
+    except TypeError:
+        return
+    assert line == python_line(record, t0)
+
+
+def test_the_writer_encodes_in_c_where_built_and_falls_back_per_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain uses the compiled encoder (CI: it must be built); a record it hands
+    back is written by ``_encode``, and the file holds every record either way."""
+    if os.environ.get("HICACHE_EXISTENCE_REQUIRE_ALL") == "1" and lru._choice() != "python":
+        assert rec._native_encode is not None
+    calls = {"c": 0, "python": 0}
+    real_c, real_py = rec._native_encode, rec.Recorder._encode
+
+    def c_encode(record: Any, t0: float) -> Any:
+        calls["c"] += 1
+        if real_c is None:
+            raise TypeError("not built")
+        return real_c(record, t0)
+
+    def py_encode(self: rec.Recorder, record: Any) -> Any:
+        calls["python"] += 1
+        return real_py(self, record)
+
+    monkeypatch.setattr(rec, "_native_encode", c_encode)
+    monkeypatch.setattr(rec.Recorder, "_encode", py_encode)
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0), instance="enc")
+    chain = [page(i) for i in range(4)]
+    r.tap.added("kv", chain)
+    r.tap.added("p\u00e9", chain)  # non-ASCII pool: handed back
+    r.tap.touched("kv", chain, 2)
+    r.close()
+    assert calls == {"c": 3, "python": 1 if real_c is not None else 3}
+    lines = []
+    for f in sorted((tmp_path / "trace").glob("*" + rec.SUFFIX)):
+        lines += gzip.decompress(f.read_bytes()).decode().splitlines()[1:]
+    assert [json.loads(x)["pool"] for x in lines] == ["kv", "p\u00e9", "kv"]
 
 
 @pytest.mark.parametrize("below", BELOWS)

@@ -19,6 +19,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <string.h>
 
 PyDoc_STRVAR(below_doc,
@@ -90,6 +91,36 @@ below_impl(PyObject *keys, PyObject *bound)
         }
     }
     return out;
+}
+
+/* Whether some key of a list or tuple of exact ASCII strs compares below an ASCII
+ * bound: 1 or 0, without allocating; -1 (no error set) when it cannot tell that way
+ * (another sequence, another kind of key): the caller then runs below_impl. */
+static int
+any_below(PyObject *keys, PyObject *bound)
+{
+    if ((!PyList_Check(keys) && !PyTuple_Check(keys)) || !PyUnicode_Check(bound)
+        || !PyUnicode_IS_COMPACT_ASCII(bound)) {
+        return -1;
+    }
+    const unsigned char *bd = (const unsigned char *)PyUnicode_DATA(bound);
+    Py_ssize_t blen = PyUnicode_GET_LENGTH(bound);
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *key = items[i];
+        if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_COMPACT_ASCII(key)) {
+            return -1;
+        }
+        const unsigned char *kd = (const unsigned char *)PyUnicode_DATA(key);
+        Py_ssize_t klen = PyUnicode_GET_LENGTH(key);
+        Py_ssize_t n = klen < blen ? klen : blen;
+        int c = memcmp(kd, bd, (size_t)n);
+        if (c < 0 || (c == 0 && klen < blen)) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static PyObject *
@@ -240,6 +271,10 @@ tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyO
         idx = Py_NewRef(Py_None);
     }
     else {
+        int maybe = any_below(hashes, self->bound);
+        if (maybe == 0) {
+            Py_RETURN_NONE; /* most operations: no page recorded, nothing allocated */
+        }
         idx = below_impl(hashes, self->bound);
         if (idx == NULL) { /* not a list or tuple: test its tuple */
             PyErr_Clear();
@@ -402,15 +437,336 @@ static PyTypeObject TapType = {
     .tp_getset = Tap_getset,
 };
 
+/*
+ * encode(record, t0, /) -> str: one record as the JSON line Recorder._encode writes
+ * (json.dumps of the same dict with separators (",", ":"), then "\n"), or None where
+ * _encode returns None (an invalidation with no recorded page left).
+ *
+ * Why it exists: the writer thread encodes every record while holding the GIL, and
+ * _encode's dict and json.dumps cost about 10 us a record, time the scheduler thread
+ * can spend waiting for the GIL; this costs well under 1 us.  It takes the records the
+ * taps and Recorder._put make (exact str pool and pages, exact ints, float times):
+ * anything else (a non-ASCII pool, a str subclass, an int clock, a non-finite time)
+ * raises TypeError, and the caller encodes that record with _encode instead.
+ */
+typedef struct {
+    char *data;
+    Py_ssize_t len;
+    Py_ssize_t cap;
+} Buf;
+
+static int
+buf_grow(Buf *b, Py_ssize_t more)
+{
+    if (b->len + more <= b->cap) {
+        return 0;
+    }
+    Py_ssize_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + more) {
+        cap *= 2;
+    }
+    char *data = PyMem_Realloc(b->data, (size_t)cap);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = data;
+    b->cap = cap;
+    return 0;
+}
+
+static int
+buf_put(Buf *b, const char *s, Py_ssize_t n)
+{
+    if (buf_grow(b, n) < 0) {
+        return -1;
+    }
+    memcpy(b->data + b->len, s, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+#define BUF_LIT(b, s) buf_put((b), (s), (Py_ssize_t)(sizeof(s) - 1))
+
+static int
+not_encodable(const char *what)
+{
+    PyErr_Format(PyExc_TypeError, "encode: %s", what);
+    return -1;
+}
+
+/* An exact ASCII str as a JSON string, escaped as json.dumps escapes it. */
+static int
+buf_str(Buf *b, PyObject *s)
+{
+    if (!PyUnicode_CheckExact(s) || !PyUnicode_IS_COMPACT_ASCII(s)) {
+        return not_encodable("not an exact ASCII str");
+    }
+    const unsigned char *d = (const unsigned char *)PyUnicode_DATA(s);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
+    if (buf_grow(b, 6 * n + 2) < 0) {
+        return -1;
+    }
+    char *o = b->data + b->len;
+    *o++ = '"';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char c = d[i];
+        if (c >= 0x20 && c != '"' && c != '\\' && c != 0x7f) {
+            *o++ = (char)c;
+            continue;
+        }
+        *o++ = '\\';
+        switch (c) {
+        case '"': *o++ = '"'; break;
+        case '\\': *o++ = '\\'; break;
+        case '\n': *o++ = 'n'; break;
+        case '\r': *o++ = 'r'; break;
+        case '\t': *o++ = 't'; break;
+        case '\b': *o++ = 'b'; break;
+        case '\f': *o++ = 'f'; break;
+        default: {
+            static const char hex[] = "0123456789abcdef";
+            *o++ = 'u';
+            *o++ = '0';
+            *o++ = '0';
+            *o++ = hex[c >> 4];
+            *o++ = hex[c & 15];
+        }
+        }
+    }
+    *o++ = '"';
+    b->len = o - b->data;
+    return 0;
+}
+
+static int
+buf_ssize(Buf *b, Py_ssize_t v)
+{
+    char tmp[32];
+    int n = snprintf(tmp, sizeof(tmp), "%zd", v);
+    return buf_put(b, tmp, n);
+}
+
+/* An exact int (any size) as json.dumps writes it. */
+static int
+buf_int(Buf *b, PyObject *v)
+{
+    if (!PyLong_CheckExact(v)) {
+        return not_encodable("not an exact int");
+    }
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow) {
+        return not_encodable("an int past 64 bits");
+    }
+    char tmp[32];
+    int n = snprintf(tmp, sizeof(tmp), "%lld", x);
+    return buf_put(b, tmp, n);
+}
+
+/* A tuple of exact ASCII strs (from ``first`` on) as a JSON list. */
+static int
+buf_pages(Buf *b, PyObject *pages, Py_ssize_t first)
+{
+    if (BUF_LIT(b, ",\"pages\":[") < 0) {
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(pages);
+    for (Py_ssize_t i = first; i < n; i++) {
+        if ((i > first && BUF_LIT(b, ",") < 0) || buf_str(b, PyTuple_GET_ITEM(pages, i)) < 0) {
+            return -1;
+        }
+    }
+    return BUF_LIT(b, "]");
+}
+
+/* bisect_left over a list of exact ints (the recorded indices, ascending). */
+static int
+bisect_idx(PyObject *idx, Py_ssize_t x, Py_ssize_t *out)
+{
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(idx);
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        PyObject *item = PyList_GET_ITEM(idx, mid);
+        if (!PyLong_CheckExact(item)) {
+            return not_encodable("an index that is not an exact int");
+        }
+        Py_ssize_t v = PyLong_AsSsize_t(item);
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (v < x) {
+            lo = mid + 1;
+        }
+        else {
+            hi = mid;
+        }
+    }
+    *out = lo;
+    return 0;
+}
+
+static Py_ssize_t
+idx_at(PyObject *idx, Py_ssize_t i)
+{
+    return PyLong_AsSsize_t(PyList_GET_ITEM(idx, i));
+}
+
+static int
+encode_into(Buf *b, PyObject *rec, double t0, int *skip)
+{
+    if (!PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) != 7) {
+        return not_encodable("not a record (a 7-tuple)");
+    }
+    PyObject *t = PyTuple_GET_ITEM(rec, 0), *kind = PyTuple_GET_ITEM(rec, 1);
+    PyObject *pool = PyTuple_GET_ITEM(rec, 2), *pages = PyTuple_GET_ITEM(rec, 3);
+    PyObject *idx = PyTuple_GET_ITEM(rec, 4), *extra = PyTuple_GET_ITEM(rec, 5);
+    PyObject *request = PyTuple_GET_ITEM(rec, 6);
+    if (!PyFloat_CheckExact(t) || !PyUnicode_CheckExact(kind) || !PyTuple_CheckExact(pages)
+        || (idx != Py_None && !PyList_CheckExact(idx)) || !PyLong_CheckExact(request)) {
+        return not_encodable("a field of an unexpected type");
+    }
+    double ms = (PyFloat_AS_DOUBLE(t) - t0) * 1000.0;
+    if (!isfinite(ms)) {
+        return not_encodable("a time that is not finite");
+    }
+    /* round(ms, 3), then repr: what json.dumps writes for the rounded float */
+    char *fixed = PyOS_double_to_string(ms, 'f', 3, 0, NULL);
+    if (fixed == NULL) {
+        return -1;
+    }
+    double rounded = PyOS_string_to_double(fixed, NULL, NULL);
+    PyMem_Free(fixed);
+    if (rounded == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    char *text = PyOS_double_to_string(rounded, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+    if (text == NULL) {
+        return -1;
+    }
+    int rc = BUF_LIT(b, "{\"timestamp\":") < 0 || buf_put(b, text, (Py_ssize_t)strlen(text)) < 0
+             || BUF_LIT(b, ",\"kind\":") < 0 || buf_str(b, kind) < 0;
+    PyMem_Free(text);
+    if (rc) {
+        return -1;
+    }
+    const char *k = PyUnicode_AsUTF8(kind);
+    if (k == NULL) {
+        return -1;
+    }
+    if (strcmp(k, "request") == 0) {
+        if (BUF_LIT(b, ",\"request\":") < 0 || buf_int(b, extra) < 0) {
+            return -1;
+        }
+        return BUF_LIT(b, "}\n");
+    }
+    if (BUF_LIT(b, ",\"pool\":") < 0 || buf_str(b, pool) < 0) {
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(pages);
+    if (strcmp(k, "lookup") == 0) {
+        if (!PyLong_CheckExact(extra)) {
+            return not_encodable("a lookup's stop that is not an exact int");
+        }
+        Py_ssize_t stop = PyLong_AsSsize_t(extra);
+        if (stop == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        Py_ssize_t walked;
+        int miss;
+        if (idx == Py_None) {
+            walked = stop < n ? stop : n;
+            miss = stop < n;
+        }
+        else {
+            if (bisect_idx(idx, stop, &walked) < 0) {
+                return -1;
+            }
+            miss = walked < PyList_GET_SIZE(idx) && idx_at(idx, walked) == stop;
+        }
+        if (buf_pages(b, pages, 0) < 0 || BUF_LIT(b, ",\"walked\":") < 0
+            || buf_ssize(b, walked) < 0 || (miss && BUF_LIT(b, ",\"miss\":true") < 0)) {
+            return -1;
+        }
+        int has_request = PyObject_IsTrue(request);
+        if (has_request < 0
+            || (has_request && (BUF_LIT(b, ",\"request\":") < 0 || buf_int(b, request) < 0))) {
+            return -1;
+        }
+    }
+    else if (strcmp(k, "invalidate") == 0) {
+        if (!PyLong_CheckExact(extra)) {
+            return not_encodable("an invalidation's keep_pages that is not an exact int");
+        }
+        Py_ssize_t keep = PyLong_AsSsize_t(extra);
+        if (keep == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        Py_ssize_t first = keep;
+        if (idx != Py_None && bisect_idx(idx, keep, &first) < 0) {
+            return -1;
+        }
+        if (first < 0) {
+            return not_encodable("a negative keep_pages");
+        }
+        if (first >= n) {
+            *skip = 1;
+            return 0;
+        }
+        if (buf_pages(b, pages, first) < 0) {
+            return -1;
+        }
+    }
+    else if (strcmp(k, "clear") != 0) {
+        if (buf_pages(b, pages, 0) < 0) {
+            return -1;
+        }
+        if (strcmp(k, "prefetch") == 0
+            && (BUF_LIT(b, ",\"hit\":") < 0 || buf_int(b, extra) < 0)) {
+            return -1;
+        }
+    }
+    return BUF_LIT(b, "}\n");
+}
+
+PyDoc_STRVAR(encode_doc,
+"encode(record, t0, /) -> str | None\n\n"
+"One record as Recorder._encode's JSON line (TypeError: encode it there instead).");
+
+static PyObject *
+recorder_encode(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "encode() takes 2 positional arguments");
+        return NULL;
+    }
+    if (!PyFloat_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "encode: t0 must be a float");
+        return NULL;
+    }
+    Buf b = {NULL, 0, 0};
+    int skip = 0;
+    PyObject *out = NULL;
+    if (encode_into(&b, args[0], PyFloat_AS_DOUBLE(args[1]), &skip) == 0) {
+        out = skip ? Py_NewRef(Py_None) : PyUnicode_DecodeASCII(b.data, b.len, NULL);
+    }
+    PyMem_Free(b.data);
+    return out;
+}
+
 static PyMethodDef recorder_methods[] = {
     {"below", (PyCFunction)(void (*)(void))recorder_below, METH_FASTCALL, below_doc},
+    {"encode", (PyCFunction)(void (*)(void))recorder_encode, METH_FASTCALL, encode_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef recorder_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hicache_existence.accounting._recorder",
-    .m_doc = "Compiled page test of the trace recorder (optional accelerator).",
+    .m_doc = "Compiled page test, tap and record encoder of the trace recorder (optional accelerator).",
     .m_size = -1,
     .m_methods = recorder_methods,
 };
