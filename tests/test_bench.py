@@ -124,3 +124,35 @@ def test_advisor_bench_measures_the_attached_advisor_and_reports_targets():
     text = bench.format_advisor_bench(result)
     assert "with the advisor attached" in text
     json.dumps(result.as_dict())  # the record the CLI writes
+
+
+def test_ab_trees_compares_two_trees_with_an_identical_copy_as_control(tmp_path):
+    """``benchmarks/ab_trees.py`` imports each tree afresh in one process and reports
+    every operation for the change (A/B) and for its control (A/A); a directory with
+    no package is refused by name before anything runs."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = str(repo / "benchmarks" / "ab_trees.py")
+    args = ["--quick", "--processes", "1", "--rounds", "1", "--reps", "1"]
+    out = subprocess.run(
+        [sys.executable, script, str(repo), str(repo), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    rows = [line.split() for line in out.splitlines() if "[hot]" in line or "add_steady" in line]
+    assert [r[0] for r in rows] == [
+        "flat.second_pool.contains_all[hot]",
+        "flat.second_pool.covers_all[hot]",
+        "current.contains_all[hot]",
+        "current.covered[hot]",
+        "current.covered_inflight[hot]",
+        "current.add_steady",
+    ]
+    assert all(len(r) == 5 and float(r[1]) > 0 and float(r[3]) > 0 for r in rows), out
+    bad = subprocess.run(
+        [sys.executable, script, str(tmp_path), str(repo), *args], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "no hicache_existence package there" in bad.stderr
