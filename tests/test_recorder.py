@@ -132,8 +132,11 @@ def records(draw: Any, plain: bool) -> tuple[Any, ...]:
         "prefetch": draw(st.integers(0, n)),
         "request": draw(st.integers(1, 2**40)),
     }.get(kind)
-    if not plain and draw(st.integers(0, 9)) == 0:
-        extra = draw(st.one_of(big, st.booleans(), st.none(), st.floats(allow_nan=False)))
+    odd = st.one_of(big, st.booleans(), st.none(), st.floats(allow_nan=False))
+    if not plain and draw(st.integers(0, 3)) == 0:
+        extra = draw(odd)
+    if not plain and idx and draw(st.integers(0, 3)) == 0:
+        idx[draw(st.integers(0, len(idx) - 1))] = draw(st.one_of(big, st.booleans(), st.floats()))
     t = draw(st.floats(-1e12, 1e12, allow_nan=False))
     if not plain and draw(st.integers(0, 9)) == 0:
         t = draw(st.one_of(st.integers(-10, 10), st.floats()))
@@ -175,6 +178,38 @@ def test_compiled_encoder_hands_back_what_it_does_not_take(record: Any, t0: Any)
     except TypeError:
         return
     assert line == python_line(record, t0)
+
+
+ODD_NUMBERS = [
+    ("lookup", None, 2**70),
+    ("lookup", None, 1.5),
+    ("lookup", None, True),
+    ("lookup", None, None),
+    ("lookup", [0, 2**70], 1),
+    ("lookup", [0, 1.5], 1),
+    ("lookup", [True, 3], 3),
+    ("invalidate", None, 2**70),
+    ("invalidate", [2**70], 0),
+    ("invalidate", None, -1),
+    ("request", None, 2**70),
+    ("request", None, True),
+    ("prefetch", None, 2**70),
+    ("prefetch", None, 0.5),
+]
+
+
+@pytest.mark.skipif(NATIVE is None, reason="compiled recorder not built")
+@pytest.mark.parametrize(("kind", "idx", "extra"), ODD_NUMBERS)
+def test_compiled_encoder_hands_back_numbers_it_cannot_take(
+    kind: str, idx: Any, extra: Any
+) -> None:
+    """A stop, keep_pages, index, request or hit that is not an int fitting 64 bits
+    (a bool, a float, None, 2**70, a negative keep) is handed back with TypeError,
+    never another error (the drain would count that record as lost)."""
+    assert NATIVE is not None
+    record = (5.0, kind, "kv", (page(0), page(1)), idx, extra, 0)
+    with pytest.raises(TypeError):
+        NATIVE.encode(record, 1.0)
 
 
 def test_the_writer_encodes_in_c_where_built_and_falls_back_per_record(

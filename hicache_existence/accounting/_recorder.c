@@ -583,6 +583,22 @@ buf_pages(Buf *b, PyObject *pages, Py_ssize_t first)
     return BUF_LIT(b, "]");
 }
 
+/* An exact int that fits a Py_ssize_t; anything else is handed back (TypeError). */
+static int
+as_ssize(PyObject *v, const char *what, Py_ssize_t *out)
+{
+    if (!PyLong_CheckExact(v)) {
+        return not_encodable(what);
+    }
+    Py_ssize_t x = PyLong_AsSsize_t(v);
+    if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return not_encodable(what);
+    }
+    *out = x;
+    return 0;
+}
+
 /* bisect_left over a list of exact ints (the recorded indices, ascending). */
 static int
 bisect_idx(PyObject *idx, Py_ssize_t x, Py_ssize_t *out)
@@ -590,12 +606,8 @@ bisect_idx(PyObject *idx, Py_ssize_t x, Py_ssize_t *out)
     Py_ssize_t lo = 0, hi = PyList_GET_SIZE(idx);
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
-        PyObject *item = PyList_GET_ITEM(idx, mid);
-        if (!PyLong_CheckExact(item)) {
-            return not_encodable("an index that is not an exact int");
-        }
-        Py_ssize_t v = PyLong_AsSsize_t(item);
-        if (v == -1 && PyErr_Occurred()) {
+        Py_ssize_t v;
+        if (as_ssize(PyList_GET_ITEM(idx, mid), "an index that is not a small int", &v) < 0) {
             return -1;
         }
         if (v < x) {
@@ -607,12 +619,6 @@ bisect_idx(PyObject *idx, Py_ssize_t x, Py_ssize_t *out)
     }
     *out = lo;
     return 0;
-}
-
-static Py_ssize_t
-idx_at(PyObject *idx, Py_ssize_t i)
-{
-    return PyLong_AsSsize_t(PyList_GET_ITEM(idx, i));
 }
 
 static int
@@ -668,15 +674,12 @@ encode_into(Buf *b, PyObject *rec, double t0, int *skip)
     }
     Py_ssize_t n = PyTuple_GET_SIZE(pages);
     if (strcmp(k, "lookup") == 0) {
-        if (!PyLong_CheckExact(extra)) {
-            return not_encodable("a lookup's stop that is not an exact int");
-        }
-        Py_ssize_t stop = PyLong_AsSsize_t(extra);
-        if (stop == -1 && PyErr_Occurred()) {
+        Py_ssize_t stop;
+        if (as_ssize(extra, "a lookup's stop that is not a small int", &stop) < 0) {
             return -1;
         }
         Py_ssize_t walked;
-        int miss;
+        int miss = 0;
         if (idx == Py_None) {
             walked = stop < n ? stop : n;
             miss = stop < n;
@@ -685,7 +688,14 @@ encode_into(Buf *b, PyObject *rec, double t0, int *skip)
             if (bisect_idx(idx, stop, &walked) < 0) {
                 return -1;
             }
-            miss = walked < PyList_GET_SIZE(idx) && idx_at(idx, walked) == stop;
+            if (walked < PyList_GET_SIZE(idx)) {
+                Py_ssize_t at;
+                if (as_ssize(PyList_GET_ITEM(idx, walked), "an index that is not a small int",
+                             &at) < 0) {
+                    return -1;
+                }
+                miss = at == stop;
+            }
         }
         if (buf_pages(b, pages, 0) < 0 || BUF_LIT(b, ",\"walked\":") < 0
             || buf_ssize(b, walked) < 0 || (miss && BUF_LIT(b, ",\"miss\":true") < 0)) {
@@ -698,11 +708,8 @@ encode_into(Buf *b, PyObject *rec, double t0, int *skip)
         }
     }
     else if (strcmp(k, "invalidate") == 0) {
-        if (!PyLong_CheckExact(extra)) {
-            return not_encodable("an invalidation's keep_pages that is not an exact int");
-        }
-        Py_ssize_t keep = PyLong_AsSsize_t(extra);
-        if (keep == -1 && PyErr_Occurred()) {
+        Py_ssize_t keep;
+        if (as_ssize(extra, "an invalidation's keep_pages that is not a small int", &keep) < 0) {
             return -1;
         }
         Py_ssize_t first = keep;
