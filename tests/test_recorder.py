@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import gzip
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -100,7 +101,17 @@ BELOWS = [rec.py_below] + (
 
 # -- the writer's encoder ---------------------------------------------------------------
 
-NATIVE = lru.compiled("accounting._recorder")
+
+def _built_encoder() -> Any:
+    """The compiled module as built, whatever backend the package was told to use (the
+    pure-Python legs still test the C encoder against ``_encode``)."""
+    try:
+        return importlib.import_module("hicache_existence.accounting._recorder")
+    except ImportError:
+        return None
+
+
+NATIVE = _built_encoder()
 KIND_NAMES = ["lookup", "add", "invalidate", "clear", "write", "prefetch", "request"]
 #: Pools and pages the compiled encoder takes (exact ASCII, escapes included) and
 #: ones it hands back to ``_encode`` (non-ASCII, a str subclass).
