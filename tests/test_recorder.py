@@ -165,7 +165,7 @@ def python_line(record: tuple[Any, ...], t0: float) -> Any:
 
 
 @pytest.mark.skipif(NATIVE is None, reason="compiled recorder not built")
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(records(plain=True), st.floats(-1e6, 1e6, allow_nan=False))
 def test_compiled_encoder_writes_the_python_line(record: tuple[Any, ...], t0: float) -> None:
     """For every record the taps and ``_put`` make (exact ASCII pools and pages, control
@@ -177,7 +177,7 @@ def test_compiled_encoder_writes_the_python_line(record: tuple[Any, ...], t0: fl
 
 
 @pytest.mark.skipif(NATIVE is None, reason="compiled recorder not built")
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(records(plain=False), st.one_of(st.floats(-1e6, 1e6), st.integers(-5, 5)))
 def test_compiled_encoder_hands_back_what_it_does_not_take(record: Any, t0: Any) -> None:
     """Anything else (a non-ASCII or subclassed pool or page, an int or non-finite
