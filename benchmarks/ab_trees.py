@@ -25,7 +25,6 @@ for A/A.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import math
@@ -40,17 +39,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hicache_existence_bench import workload
+
 #: Chains cached, pages per chain (``bench``'s 1024), hot chains, lookups per round.
 SIZES = {"full": (256, 1024, 8, 32), "quick": (16, 64, 4, 8)}
-
-
-def _chain(tag: object, n: int) -> list[str]:
-    out: list[str] = []
-    prev = str(tag).encode()
-    for i in range(n):
-        prev = hashlib.sha256(prev + i.to_bytes(4, "big")).hexdigest().encode()
-        out.append(prev.decode())
-    return out
 
 
 def _load(root: str) -> Any:
@@ -86,8 +78,8 @@ def _operations(
             pool.add(c)
         pools.append(pool)
     cur, inflight, adder = pools
-    inflight.track_inflight(_chain("inflight", 64))
-    fresh = [_chain(("fresh", i), pages) for i in range(8)]
+    inflight.track_inflight(workload.chain(0, 64, "inflight"))
+    fresh = workload.chains(8, pages, "fresh")
     turn = [0]
 
     def lookups(fn: Callable[..., bool], *head: str, on: list[list[str]]) -> Callable[[], None]:
@@ -120,8 +112,8 @@ def one_process(
     """Child: build both trees' caches, time them interleaved, print JSON ratios."""
     sizes = SIZES[size]
     chains, pages = sizes[:2]
-    kv = [_chain(("kv", i), pages) for i in range(chains)]
-    swa = [_chain(("swa", i), pages) for i in range(chains // 2)]
+    kv = workload.chains(chains, pages, "kv")
+    swa = workload.chains(chains // 2, pages, "swa")
     order = [("before", before), ("after", after)]
     if after_first:
         order.reverse()

@@ -26,8 +26,31 @@ PyDoc_STRVAR(below_doc,
 "below(keys, bound, /) -> list[int]\n\n"
 "Indices of the keys (a list or tuple) that compare below the str bound, in order.");
 
+/* key < bound for an exact compact ASCII key and an ASCII bound, as CPython compares
+ * str: byte by byte, then by length.  For a 64-hex page hash against an 8-digit bound
+ * the first character almost always decides. */
+static inline int
+ascii_lt(PyObject *key, const unsigned char *bd, Py_ssize_t blen)
+{
+    const unsigned char *kd = (const unsigned char *)PyUnicode_DATA(key);
+    Py_ssize_t klen = PyUnicode_GET_LENGTH(key);
+    if (klen && blen && kd[0] != bd[0]) {
+        return kd[0] < bd[0];
+    }
+    Py_ssize_t n = klen < blen ? klen : blen;
+    int c = memcmp(kd, bd, (size_t)n);
+    return c < 0 || (c == 0 && klen < blen);
+}
+
+static inline int
+is_fast_key(PyObject *key)
+{
+    return PyUnicode_CheckExact(key) && PyUnicode_IS_COMPACT_ASCII(key);
+}
+
+/* Indices of keys[start:] below bound (the keys before start are known not to be). */
 static PyObject *
-below_impl(PyObject *keys, PyObject *bound)
+below_impl(PyObject *keys, PyObject *bound, Py_ssize_t start)
 {
     if (!PyList_Check(keys) && !PyTuple_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "keys must be a list or a tuple");
@@ -38,31 +61,19 @@ below_impl(PyObject *keys, PyObject *bound)
         return NULL;
     }
     int bound_fast = PyUnicode_IS_COMPACT_ASCII(bound);
-    const char *bdata = bound_fast ? (const char *)PyUnicode_DATA(bound) : NULL;
+    const unsigned char *bd = bound_fast ? (const unsigned char *)PyUnicode_DATA(bound) : NULL;
     Py_ssize_t blen = PyUnicode_GET_LENGTH(bound);
     PyObject *out = PyList_New(0);
     if (out == NULL) {
         return NULL;
     }
-    const unsigned char *bd = (const unsigned char *)bdata;
     Py_ssize_t size = PySequence_Fast_GET_SIZE(keys);
     PyObject **items = PySequence_Fast_ITEMS(keys);
-    for (Py_ssize_t i = 0; i < size; i++) {
+    for (Py_ssize_t i = start; i < size; i++) {
         PyObject *key = items[i];
         int lt;
-        if (bound_fast && PyUnicode_CheckExact(key) && PyUnicode_IS_COMPACT_ASCII(key)) {
-            /* The common case, a 64-hex page hash against an 8-digit bound: the
-             * first character almost always decides. */
-            const unsigned char *kd = (const unsigned char *)PyUnicode_DATA(key);
-            Py_ssize_t klen = PyUnicode_GET_LENGTH(key);
-            if (klen && blen && kd[0] != bd[0]) {
-                lt = kd[0] < bd[0];
-            }
-            else {
-                Py_ssize_t n = klen < blen ? klen : blen;
-                int c = memcmp(kd, bd, (size_t)n);
-                lt = c < 0 || (c == 0 && klen < blen);
-            }
+        if (bound_fast && is_fast_key(key)) {
+            lt = ascii_lt(key, bd, blen);
         }
         else {
             /* Anything else compares as Python does; a str subclass's __lt__ may
@@ -93,34 +104,31 @@ below_impl(PyObject *keys, PyObject *bound)
     return out;
 }
 
-/* Whether some key of a list or tuple of exact ASCII strs compares below an ASCII
- * bound: 1 or 0, without allocating; -1 (no error set) when it cannot tell that way
- * (another sequence, another kind of key): the caller then runs below_impl. */
-static int
-any_below(PyObject *keys, PyObject *bound)
+/* The first key of a list or tuple of exact ASCII strs below an ASCII bound, without
+ * allocating: its index, NONE_BELOW, or CANNOT_TELL (no error set: another sequence,
+ * another kind of key) when the caller must run below_impl from 0. */
+#define NONE_BELOW (-1)
+#define CANNOT_TELL (-2)
+static Py_ssize_t
+first_below(PyObject *keys, PyObject *bound)
 {
     if ((!PyList_Check(keys) && !PyTuple_Check(keys)) || !PyUnicode_Check(bound)
         || !PyUnicode_IS_COMPACT_ASCII(bound)) {
-        return -1;
+        return CANNOT_TELL;
     }
     const unsigned char *bd = (const unsigned char *)PyUnicode_DATA(bound);
     Py_ssize_t blen = PyUnicode_GET_LENGTH(bound);
     Py_ssize_t size = PySequence_Fast_GET_SIZE(keys);
     PyObject **items = PySequence_Fast_ITEMS(keys);
     for (Py_ssize_t i = 0; i < size; i++) {
-        PyObject *key = items[i];
-        if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_COMPACT_ASCII(key)) {
-            return -1;
+        if (!is_fast_key(items[i])) {
+            return CANNOT_TELL;
         }
-        const unsigned char *kd = (const unsigned char *)PyUnicode_DATA(key);
-        Py_ssize_t klen = PyUnicode_GET_LENGTH(key);
-        Py_ssize_t n = klen < blen ? klen : blen;
-        int c = memcmp(kd, bd, (size_t)n);
-        if (c < 0 || (c == 0 && klen < blen)) {
-            return 1;
+        if (ascii_lt(items[i], bd, blen)) {
+            return i;
         }
     }
-    return 0;
+    return NONE_BELOW;
 }
 
 static PyObject *
@@ -130,7 +138,7 @@ recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "below() takes 2 positional arguments");
         return NULL;
     }
-    return below_impl(args[0], args[1]);
+    return below_impl(args[0], args[1], 0);
 }
 
 /*
@@ -271,15 +279,15 @@ tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyO
         idx = Py_NewRef(Py_None);
     }
     else {
-        int maybe = any_below(hashes, self->bound);
-        if (maybe == 0) {
+        Py_ssize_t first = first_below(hashes, self->bound);
+        if (first == NONE_BELOW) {
             Py_RETURN_NONE; /* most operations: no page recorded, nothing allocated */
         }
-        idx = below_impl(hashes, self->bound);
+        idx = below_impl(hashes, self->bound, first == CANNOT_TELL ? 0 : first);
         if (idx == NULL) { /* not a list or tuple: test its tuple */
             PyErr_Clear();
             seq = PySequence_Tuple(hashes);
-            idx = seq != NULL ? below_impl(seq, self->bound) : NULL;
+            idx = seq != NULL ? below_impl(seq, self->bound, 0) : NULL;
             hashes = seq;
         }
         if (idx != NULL) {

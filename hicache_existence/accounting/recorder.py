@@ -449,20 +449,19 @@ class Recorder:
         kinds: list[str] = []
         size = 0
         popleft = queue.popleft
-        encode, t0 = _native_encode, self._t0
-        if type(t0) is not float:
-            encode = None
+        t0 = self._t0
+        # (The compiled encoder takes float times only: a test's int clock skips it.)
+        encode = _native_encode if type(t0) is float else None
         while queue:
             record = popleft()
             try:
-                line = None
-                if encode is not None:
+                if encode is None:
+                    line = self._encode(record)
+                else:
                     try:
                         line = encode(record, t0)
                     except TypeError:  # a record the compiled encoder does not take
                         line = self._encode(record)
-                else:
-                    line = self._encode(record)
             except Exception:
                 self.write_errors += 1
                 continue
