@@ -323,7 +323,7 @@ class CapacityAdvisor:
         the GIL); the pure-Python sampler may be a reference apart between curves."""
         pools: dict[str, PoolAdvice] = {}
         lost = 0
-        for name, sampler in list(self._samplers.items()):
+        for name, sampler in self._samplers.copy().items():
             cap = (
                 capacities
                 if isinstance(capacities, int)

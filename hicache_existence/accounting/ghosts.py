@@ -376,4 +376,4 @@ class GhostFactory:
 
     def nbytes_by_pool(self) -> dict[str, int]:
         """Real bytes held per pool, O(pools); safe from another thread."""
-        return {pool: memory.nbytes for pool, memory in list(self._memories.items())}
+        return {pool: memory.nbytes for pool, memory in self._memories.copy().items()}

@@ -296,7 +296,7 @@ class WriteAccounting:
                         causes=MappingProxyType(dict(self._causes.get(name, {}))),
                         **{name: getattr(rec, name) for name in WRITE_FIELDS},
                     )
-                    for name, rec in list(self._pools.items())
+                    for name, rec in self._pools.copy().items()
                 }
             )
         )

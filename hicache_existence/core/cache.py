@@ -294,5 +294,5 @@ class StorageExistenceCache:
     def stats(self) -> CacheStats:
         """An immutable snapshot of every pool, O(pools); safe from another thread."""
         return make_cache_stats(
-            {name: beliefs.stats() for name, beliefs in list(self._pools.items())}
+            {name: beliefs.stats() for name, beliefs in self._pools.copy().items()}
         )

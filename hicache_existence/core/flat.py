@@ -244,7 +244,7 @@ class FlatStorageExistenceCache:
         return make_cache_stats(
             {
                 name: rec._counters.snapshot(name, rec.size, cap, 0)
-                for name, rec in list(self._pools.items())
+                for name, rec in self._pools.copy().items()
             },
             shared_capacity=True,
         )
