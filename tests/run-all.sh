@@ -112,7 +112,7 @@ CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.
   tests/test_reconcile_inflight.py tests/test_divergence_inprocess.py
   tests/test_exporter_prometheus.py tests/test_catalog.py tests/test_doctor.py
   tests/test_logs.py tests/test_runtime.py tests/test_layering.py tests/test_demo.py
-  tests/test_recorder.py
+  tests/test_recorder.py tests/test_snapshot_atomic.py
   tests/upstream/test_flat_seed_differential.py
   -m "not slow and not torch and not sglang")
 #    The sglang integration tests: plugin loading, hooks, construction by
@@ -169,9 +169,6 @@ both() { # two legs side by side (each is one pytest process, one core), then re
   report "$2"
 }
 both 3.10 3.13 'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' 'leg 3.13 "$PY313" "${CORE_TESTS[@]}"'
-both "3.10 python-index" "3.13 python-index" \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.10 python-index" "$PY310" "${STORAGE_TESTS[@]}"' \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.13 python-index" "$PY313" "${STORAGE_TESTS[@]}"'
 both "3.12 sglang 0.5.23" 3.12 'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
   'leg 3.12 "$PY312" "${CORE_TESTS[@]}"'
 one() { log "pytest [$1]"; leg "$@"; report "$1"; }
@@ -190,27 +187,30 @@ done
 #    in buffer mode and in cache mode (dedup off and on).
 HX_RERUN_FAILED_MODULES=1 one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" \
   tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py
-beside() { # two legs one after the other in the background, on the core the main pass
-  # (one pytest process) leaves idle; reported after it
-  log "pytest [$1] then [$2], beside the main pass"
+beside() { # NAME... LEG...: legs one after the other in the background, on the core
+  # the main pass (one pytest process) leaves idle; reported after it
+  local n=$(($# / 2)) names
+  names=("${@:1:n}")
+  log "pytest $(printf '[%s] ' "${names[@]}")one after the other, beside the main pass"
   (
-    eval "$3"
-    eval "$4"
+    for cmd in "${@:n+1}"; do eval "$cmd"; done
   ) &
-  BESIDE=("$1" "$2" $!)
+  BESIDE_PID=$!
+  BESIDE=("${names[@]}")
 }
-beside "3.11 python-index" "3.12 python-index" \
+beside "3.11 python-index" "3.12 python-index" "3.10 python-index" "3.13 python-index" \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py' \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"'
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"' \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.10 python-index" "$PY310" "${STORAGE_TESTS[@]}"' \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.13 python-index" "$PY313" "${STORAGE_TESTS[@]}"'
 log "pytest [3.11]"
 set +e
 "$PY" -m pytest -p no:cacheprovider --ignore=tests/real_server --ignore=tests/sglang_integration "$@"
 rc=$?
 set -e
 log "pytest [3.11] exit code $rc"
-wait "${BESIDE[2]}"
-report "${BESIDE[0]}"
-report "${BESIDE[1]}"
+wait "$BESIDE_PID"
+for name in "${BESIDE[@]}"; do report "$name"; done
 for name in ${flaky[@]+"${flaky[@]}"}; do
   # Flaky: failed once, passed when run again (the first failure, for whoever reads CI's tail).
   sed "s/^/[$name] flaky, passed when run again: /" "$LEGS/$name.flaky"

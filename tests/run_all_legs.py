@@ -14,8 +14,8 @@ error here, so a new kind of leg cannot be left out of the table silently):
 * ``NAME=( ... )`` and ``NAME+=( ... )`` (also inside ``for V in ...; do ... done``):
   the argument lists legs use as ``"${NAME[@]}"``;
 * ``[VAR=value ...] one NAME "$PY" ARGS...``, and ``both NAME NAME 'leg ...' 'leg ...'``
-  (side by side) or ``beside NAME NAME 'leg ...' 'leg ...'`` (one after the other,
-  beside the main pass): one leg each;
+  (side by side) or ``beside NAME... 'leg ...'...`` (N names, then N legs one after the
+  other, beside the main pass): one leg each;
 * ``"$PY" -m pytest ARGS...`` at top level: the main pass, named by the
   ``log "pytest [NAME]"`` line before it.
 """
@@ -145,10 +145,19 @@ def parse(text: str) -> RunAll:
             last_log = m.group(1) if m else last_log
         elif head == "one":
             legs.append(leg(words, env))
-        elif head in ("both", "beside"):
+        elif head == "both":
             if len(words) != 5:
-                raise ValueError(f"run-all.sh: {head} takes two names and two legs: {line.strip()}")
+                raise ValueError(f"run-all.sh: both takes two names and two legs: {line.strip()}")
             legs.extend(leg(shlex.split(cmd)) for cmd in words[3:])
+        elif head == "beside":
+            n = (len(words) - 1) // 2
+            if n < 1 or len(words) != 2 * n + 1:
+                raise ValueError(f"run-all.sh: beside takes N names and N legs: {line.strip()}")
+            for name, cmd in zip(words[1 : n + 1], words[n + 1 :]):
+                lg = leg(shlex.split(cmd))
+                if lg.name != name:
+                    raise ValueError(f"run-all.sh: beside names {name!r} for the leg {lg.name!r}")
+                legs.append(lg)
         elif "pytest" in words and head.startswith("$") and head[1:] in pythons:
             if last_log is None:
                 raise ValueError(f"run-all.sh: a pytest pass with no log line naming it: {line}")

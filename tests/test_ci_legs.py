@@ -104,3 +104,17 @@ def test_a_pytest_run_the_reader_does_not_know_fails_the_build(line: str) -> Non
     silently missing from the table."""
     with pytest.raises(ValueError, match=r"run-all\.sh"):
         run_all_legs.parse(SCRIPT + "\n" + line + "\n")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'beside "a" "b" \'leg "a" "$PY" tests/x.py\'',  # two names, one leg
+        'beside "b" \'leg "a" "$PY" tests/x.py\'',  # the name is not the leg's
+    ],
+)
+def test_a_beside_chain_whose_names_are_not_its_legs_fails_the_build(line: str) -> None:
+    """``beside`` names its legs before running them (the log line, the report):
+    a name without its leg, or naming another leg, would mislabel CI's output."""
+    with pytest.raises(ValueError, match=r"run-all\.sh: beside"):
+        run_all_legs.parse(SCRIPT + "\n" + line + "\n")
