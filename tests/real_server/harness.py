@@ -41,7 +41,8 @@ for raw text), ``hicache`` (buffer mode over the file backend), ``l3_dir`` (reus
 across servers for a warm L3), ``page_size``, ``metrics`` (``--enable-metrics``),
 ``tp_size``, ``hicache_ratio``, ``env`` (extra environment), ``extra_args``, ``storage_backend`` /
 ``storage_extra_config`` (e.g. ``dynamic`` with the ledger wrapper), ``standins_off``
-(turn single stand-ins off, to show what fails), ``max_total_tokens``.
+(turn single stand-ins off, to show what fails), ``max_total_tokens``,
+``sleep_on_idle`` (``--sleep-on-idle``, for stacks of three servers or more).
 
 Traffic: ``trace_requests()`` maps the repository's Mooncake trace to token ids:
 each hash id becomes a deterministic block of ``block_tokens`` ids (default 32, the
@@ -157,6 +158,13 @@ class ServerSpec:
     host_memory_mode: str = "buffer_only"
     #: ``--hicache-write-policy`` (``None``: sglang's default, ``write_through``).
     write_policy: str | None = None
+    #: ``--sleep-on-idle``: an idle scheduler waits in a poll (up to 1 s) instead of
+    #: spinning a core (sglang's default, kept everywhere else).  For stacks of three
+    #: servers or more on a 2-core machine, where the idle ones' spinning slows every
+    #: start-up and request of the others (the PD stack and doctor's fleet: 155 s less
+    #: of 388 s); one or two servers gain nothing, the poll delays their write acks.
+    #: ``HX_SERVER_SLEEP_ON_IDLE=0`` turns it off everywhere.
+    sleep_on_idle: bool = False
 
 
 def server_env(spec: ServerSpec, l3_dir: Path) -> dict[str, str]:
@@ -194,6 +202,11 @@ def server_env(spec: ServerSpec, l3_dir: Path) -> dict[str, str]:
     return env
 
 
+def sleep_on_idle_allowed() -> bool:
+    """``HX_SERVER_SLEEP_ON_IDLE=0`` runs every server on sglang's spinning idle loop."""
+    return os.environ.get("HX_SERVER_SLEEP_ON_IDLE", "1") != "0"
+
+
 def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list[str]:
     args = [
         sys.executable,
@@ -226,6 +239,8 @@ def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list
     ]
     if spec.metrics:
         args.append("--enable-metrics")
+    if spec.sleep_on_idle and sleep_on_idle_allowed():
+        args.append("--sleep-on-idle")
     if spec.hicache:
         args += [
             "--enable-hierarchical-cache",

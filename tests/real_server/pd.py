@@ -30,7 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import REPO, Server, ServerDied, ServerSpec, free_port, server_env, write_model
+from harness import (
+    REPO,
+    Server,
+    ServerDied,
+    ServerSpec,
+    free_port,
+    server_env,
+    sleep_on_idle_allowed,
+    write_model,
+)
 
 RECIPES = REPO / "integrations" / "sglang"
 SERVED_MODEL = "tiny-llama"
@@ -54,6 +63,8 @@ def cpu_args(max_total_tokens: int = 65536) -> list[str]:
         str(max_total_tokens),
         "--log-level",
         "info",
+        # The PD stack's servers share two cores: idle ones sleep instead of spinning.
+        *(["--sleep-on-idle"] if sleep_on_idle_allowed() else []),
     ]
 
 

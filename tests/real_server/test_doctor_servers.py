@@ -20,6 +20,7 @@ its evidence equals the server's own counter read from ``/metrics`` right after.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import subprocess
@@ -205,10 +206,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     redis.start()
     shared = root / "l3-shared"
     shared.mkdir()
+    # Three servers on two cores: idle ones sleep instead of spinning (harness.ServerSpec).
     specs = [
-        ServerSpec(l3_dir=shared),
-        ServerSpec(l3_dir=shared),
-        reconciler_spec(redis, root / "l3-r"),
+        dataclasses.replace(spec, sleep_on_idle=True)
+        for spec in (
+            ServerSpec(l3_dir=shared),
+            ServerSpec(l3_dir=shared),
+            reconciler_spec(redis, root / "l3-r"),
+        )
     ]
     with contextlib.ExitStack() as stack:
         stack.callback(redis.close)
