@@ -319,8 +319,9 @@ class CapacityAdvisor:
     ) -> AdvisorSnapshot:
         """Hit ratios at ``multipliers`` x each pool's cap.  ``capacities`` maps pool ->
         cap, or is one cap for every pool (shared-cap cache); pools without a cap get
-        no estimates.  Any thread: each sampler read is one C call (atomic under
-        the GIL); the pure-Python sampler may be a reference apart between curves."""
+        no estimates.  Any thread: the sampler dict is copied in one C call before it
+        is walked, and each sampler read is one C call (atomic under the GIL); the
+        pure-Python sampler may be a reference apart between curves."""
         pools: dict[str, PoolAdvice] = {}
         lost = 0
         for name, sampler in self._samplers.copy().items():

@@ -375,5 +375,6 @@ class GhostFactory:
         return MappingProxyType(self._memories)
 
     def nbytes_by_pool(self) -> dict[str, int]:
-        """Real bytes held per pool, O(pools); safe from another thread."""
+        """Real bytes held per pool, O(pools); safe from another thread (the dict is
+        copied in one C call before it is walked, as in the caches' ``stats``)."""
         return {pool: memory.nbytes for pool, memory in self._memories.copy().items()}

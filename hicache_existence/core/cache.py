@@ -292,7 +292,9 @@ class StorageExistenceCache:
         return f"StorageExistenceCache(max_entries={self._max_entries}, pools={list(self._pools)})"
 
     def stats(self) -> CacheStats:
-        """An immutable snapshot of every pool, O(pools); safe from another thread."""
+        """An immutable snapshot of every pool, O(pools); safe from another thread:
+        the pool dict is copied in one C call before it is walked (listing its items
+        can let a collection, then the scheduler thread, in between two pools)."""
         return make_cache_stats(
             {name: beliefs.stats() for name, beliefs in self._pools.copy().items()}
         )

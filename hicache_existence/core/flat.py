@@ -239,7 +239,9 @@ class FlatStorageExistenceCache:
         return tuple((names[tag], key) for tag, key in self._entries.items())
 
     def stats(self) -> CacheStats:
-        """An immutable snapshot of every pool, O(pools); safe from another thread."""
+        """An immutable snapshot of every pool, O(pools); safe from another thread:
+        the pool dict is copied in one C call before it is walked (listing its items
+        can let a collection, then the scheduler thread, in between two pools)."""
         cap = self._max_entries
         return make_cache_stats(
             {
