@@ -19,9 +19,9 @@ fail when a snapshot iterates the live dict.
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Callable, Iterator
-
-import pytest
+from typing import TypeVar
 
 import hicache_existence as he
 from hicache_existence.accounting.advisor import CapacityAdvisor
@@ -30,89 +30,81 @@ from hicache_existence.accounting.writes import WriteAccounting
 
 PAGE = "ab" * 32
 POOLS = [f"p{i}" for i in range(40)]
+T = TypeVar("T")
 
 
-@pytest.fixture
-def collect_inside() -> Iterator[Callable[[Callable[[], object], Callable[[], None]], object]]:
-    """``run(snapshot, grow)``: calls ``snapshot()`` with ``grow()`` run by every
-    collection that starts while it runs (and checks one did)."""
-    state: dict[str, object] = {"armed": False, "fired": 0}
+def collect_inside(snapshot: Callable[[], T], grow: Callable[[], object]) -> T:
+    """``snapshot()``, with ``grow()`` run by every collection that starts while it
+    runs (and a check that one did)."""
+    fired = 0
 
     def grow_now(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and state["armed"]:
-            state["fired"] = int(state["fired"]) + 1  # type: ignore[call-overload]
-            state["grow"]()  # type: ignore[operator]
+        nonlocal fired
+        if phase == "start":
+            fired += 1
+            grow()
 
-    def run(snapshot: Callable[[], object], grow: Callable[[], None]) -> object:
-        state["grow"] = grow
-        gc.collect()
-        # Small tuples come from a free list that never collects; hold enough of
-        # them that the snapshot's tuples are fresh allocations, as under load.
-        hold = [(i, -i) for i in range(10_000)]
-        old = gc.get_threshold()
-        gc.callbacks.append(grow_now)
-        gc.set_threshold(1, 1, 1)
-        state["armed"] = True
-        try:
-            result = snapshot()
-        finally:
-            state["armed"] = False
-            gc.set_threshold(*old)
-            gc.callbacks.remove(grow_now)
-        del hold
-        assert state["fired"], "no collection ran inside the snapshot"
-        return result
-
-    yield run
+    gc.collect()
+    # Small tuples come from a free list that never collects; hold enough of them
+    # that the snapshot's tuples are fresh allocations, as under load.
+    hold = [(i, -i) for i in range(10_000)]
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(grow_now)
+    try:
+        result = snapshot()
+    finally:
+        gc.callbacks.remove(grow_now)
+        gc.set_threshold(*old)
+    del hold
+    assert fired, "no collection ran inside the snapshot"
+    return result
 
 
 def _names() -> Iterator[str]:
-    i = 0
-    while True:
-        i += 1
-        yield f"late{i}"
+    return (f"late{i}" for i in itertools.count(1))
 
 
-def test_current_generation_stats(collect_inside):
+def test_current_generation_stats() -> None:
     cache = he.StorageExistenceCache(1000)
     for name in POOLS:
         cache.pool(name).add([PAGE])
     late = _names()
     stats = collect_inside(cache.stats, lambda: cache.pool(next(late)).add([PAGE]))
-    assert set(POOLS) <= set(stats)  # type: ignore[call-overload]
+    assert set(POOLS) <= set(stats)
 
 
-def test_flat_generation_stats(collect_inside):
+def test_flat_generation_stats() -> None:
     cache = he.FlatStorageExistenceCache(1000)
     for name in POOLS:
         cache.add(name, [PAGE])
     late = _names()
     stats = collect_inside(cache.stats, lambda: cache.add(next(late), [PAGE]))
-    assert set(POOLS) <= set(stats)  # type: ignore[call-overload]
+    assert set(POOLS) <= set(stats)
 
 
-def test_ghost_memory_by_pool(collect_inside):
+def test_ghost_memory_by_pool() -> None:
     ghosts = GhostFactory(64)
     for name in POOLS:
         ghosts(name)
     late = _names()
     sizes = collect_inside(ghosts.nbytes_by_pool, lambda: ghosts(next(late)))
-    assert set(POOLS) <= set(sizes)  # type: ignore[call-overload]
+    assert set(POOLS) <= set(sizes)
 
 
-def test_write_stats(collect_inside):
+def test_write_stats() -> None:
     writes = WriteAccounting(page_size_bytes=64)
     for name in POOLS:
         writes.written(name, 1)
     late = _names()
     stats = collect_inside(writes.stats, lambda: writes.written(next(late), 1))
-    assert set(POOLS) <= set(stats)  # type: ignore[call-overload]
+    assert set(POOLS) <= set(stats)
 
 
-def test_advisor_snapshot(collect_inside):
+def test_advisor_snapshot() -> None:
     advisor = CapacityAdvisor()
     for name in POOLS:
         advisor.sampler(name)
     late = _names()
     snap = collect_inside(lambda: advisor.snapshot(100), lambda: advisor.sampler(next(late)))
-    assert set(POOLS) <= set(snap.pools)  # type: ignore[attr-defined]
+    assert set(POOLS) <= set(snap.pools)
