@@ -5,7 +5,8 @@ Reads each server's metrics endpoint (SGLang's ``/metrics`` under
 apart, or the same series from a Prometheus server (``--prometheus``), and reports
 findings ranked by severity and wasted L3 bytes, each with its evidence and its fix
 (docs/doctor.md).  Exit status: 0 nothing at warning or above, 1 something is,
-2 nothing could be read (with a one-line message).
+2 nothing could be read (with a one-line message): also refused credentials, a
+certificate that does not verify, a missing token file.
 """
 
 from __future__ import annotations
@@ -74,6 +75,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"seconds to wait for each answer (default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    auth = parser.add_argument_group(
+        "secured endpoints",
+        "for every URL read (metrics endpoints or --prometheus); basic auth is the URL's "
+        "user info (https://user:password@host/metrics), masked in every output",
+    )
+    auth.add_argument(
+        "--bearer-token-file",
+        metavar="PATH",
+        help="send 'Authorization: Bearer <the file's content>' (surrounding whitespace dropped)",
+    )
+    auth.add_argument(
+        "--bearer-token-env",
+        metavar="VAR",
+        help="send the bearer token held by the environment variable VAR",
+    )
+    auth.add_argument(
+        "--ca-file",
+        metavar="PATH",
+        help="verify https servers against this CA bundle (PEM) instead of the system's",
+    )
+    auth.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do not verify https servers' certificates (testing only)",
+    )
+    auth.add_argument(
+        "--cert-file",
+        metavar="PATH",
+        help="client certificate (PEM) for https servers that ask for one",
+    )
+    auth.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="the client certificate's unencrypted private key (PEM), if not in --cert-file",
+    )
 
 
 def _fail(text: str) -> int:
@@ -87,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache_existence.doctor.report import render_text
     from hicache_existence.doctor.scrape import (
         ReadError,
+        http_options,
         parse_duration,
         read_direct,
         read_prometheus,
@@ -100,7 +137,28 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--selector and --window read from Prometheus: add --prometheus URL")
     if args.prometheus and args.interval is not None:
         return _fail("--interval is for metrics URLs; with --prometheus use --window")
+    urls = [args.prometheus] if args.prometheus else args.urls
+    tls = [
+        n
+        for n, v in (
+            ("--ca-file", args.ca_file),
+            ("--insecure", args.insecure),
+            ("--cert-file", args.cert_file),
+            ("--key-file", args.key_file),
+        )
+        if v
+    ]
+    if tls and not any(u.strip().lower().startswith("https://") for u in urls):
+        return _fail(f"{', '.join(tls)}: for https URLs, and no URL is https")
     try:
+        options = http_options(
+            bearer_token_file=args.bearer_token_file,
+            bearer_token_env=args.bearer_token_env,
+            ca_file=args.ca_file,
+            insecure=args.insecure,
+            cert_file=args.cert_file,
+            key_file=args.key_file,
+        )
         if args.prometheus:
             window = args.window or DEFAULT_WINDOW
             try:
@@ -108,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 return _fail(f"--window: {exc}")
             selector = args.selector if args.selector is not None else "{}"
-            readings = read_prometheus(args.prometheus, selector, window_s, args.timeout)
+            readings = read_prometheus(
+                args.prometheus, selector, window_s, args.timeout, options=options
+            )
             source = {
                 "mode": "prometheus",
                 "prometheus": redact_url(args.prometheus),
@@ -118,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             }
         else:
             interval = DEFAULT_INTERVAL_S if args.interval is None else args.interval
-            readings = read_direct(args.urls, interval, args.timeout)
+            readings = read_direct(args.urls, interval, args.timeout, options=options)
             source = {
                 "mode": "direct",
                 "urls": [r.instance for r in readings],

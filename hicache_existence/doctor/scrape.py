@@ -5,20 +5,29 @@ a body that is not the format, an answer that is not Prometheus' JSON, a body
 larger than ``MAX_BODY_BYTES``) is a ``ReadError`` whose message is one line naming
 the URL (credentials masked).  Nothing here is unpickled or evaluated: bodies are
 parsed by ``exposition.parse`` and ``json.loads`` only.
+
+Every read goes through ``fetch`` with one ``HTTPOptions``: basic auth from the URL's
+user info (taken out of the URL, sent as a header), a bearer token, the TLS context
+(CA bundle, client certificate, or no verification).  Credentials are never in a
+message or a ``repr``, and never follow a redirect to another origin.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import math
+import os
 import re
 import socket
+import ssl
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.config import redact_url
@@ -64,23 +73,217 @@ def endpoint_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts)
 
 
-def fetch(url: str, timeout_s: float, accept: str = ACCEPT) -> tuple[bytes, str]:
-    """GET ``url``: (body, content type).  Reads at most ``MAX_BODY_BYTES``."""
-    shown = redact_url(url)
-    request = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": USER_AGENT})
+@dataclass(frozen=True)
+class HTTPOptions:
+    """How every URL is read: a bearer token (never in the ``repr``) and the TLS
+    context for https URLs (``None``: the system's CAs, verified)."""
+
+    bearer_token: str | None = field(default=None, repr=False)
+    ssl_context: ssl.SSLContext | None = None
+
+
+#: A bearer token is sent as a header: visible ASCII only (RFC 6750's b64token and
+#: more), so that no byte of it can end the header or reach an error message.
+_TOKEN = re.compile(r"[\x21-\x7e]+")
+
+
+def _read_token(path: str | None, env_var: str | None, environ: Mapping[str, str]) -> str | None:
+    if path is not None and env_var is not None:
+        raise ReadError("give --bearer-token-file or --bearer-token-env, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read(65537).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ReadError(f"--bearer-token-file: cannot read {path} ({why})") from None
+        where = f"--bearer-token-file {path}"
+    elif env_var is not None:
+        if not env_var or "=" in env_var:
+            raise ReadError(f"--bearer-token-env: not an environment variable name: {env_var!r}")
+        token = environ.get(env_var, "").strip()
+        if not token:
+            raise ReadError(
+                f"--bearer-token-env: the environment variable {env_var} is unset or empty"
+            )
+        where = f"--bearer-token-env {env_var}"
+    else:
+        return None
+    if not token:
+        raise ReadError(f"{where}: the file is empty")
+    if len(token) > 65536 or not _TOKEN.fullmatch(token):
+        raise ReadError(f"{where}: not a bearer token (one line of visible ASCII, at most 64 KiB)")
+    return token
+
+
+def _no_passphrase() -> str:
+    raise ReadError("--key-file: the key is encrypted; give an unencrypted key file")
+
+
+def _tls_context(
+    ca_file: str | None, insecure: bool, cert_file: str | None, key_file: str | None
+) -> ssl.SSLContext | None:
+    if key_file is not None and cert_file is None:
+        raise ReadError("--key-file needs --cert-file (the client certificate)")
+    if insecure and ca_file is not None:
+        raise ReadError("--insecure does not verify the server: drop --ca-file, or --insecure")
+    if ca_file is None and not insecure and cert_file is None:
+        return None
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ReadError(f"--ca-file: cannot load {ca_file} ({_ssl_reason(exc)})") from None
+    if insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if cert_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+        except (OSError, ssl.SSLError) as exc:
+            what = f"--cert-file {cert_file}" + (f" / --key-file {key_file}" if key_file else "")
+            raise ReadError(
+                f"{what}: cannot load the client certificate ({_ssl_reason(exc)})"
+            ) from None
+    return context
+
+
+def http_options(
+    *,
+    bearer_token_file: str | None = None,
+    bearer_token_env: str | None = None,
+    ca_file: str | None = None,
+    insecure: bool = False,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> HTTPOptions:
+    """The options of the command line, checked and loaded: ``ReadError`` (one line
+    naming the option, never the secret) for a missing, empty or malformed token,
+    an unloadable CA bundle or client certificate, contradictory options."""
+    token = _read_token(
+        bearer_token_file, bearer_token_env, os.environ if environ is None else environ
+    )
+    return HTTPOptions(token, _tls_context(ca_file, insecure, cert_file, key_file))
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    """An OpenSSL error in a few words: its reason (``CERTIFICATE_VERIFY_FAILED``'s
+    verify message), not the C file and line."""
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message:
+        return _one_line(exc.verify_message)
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return _one_line(exc.reason).lower().replace("_", " ")
+    if isinstance(exc, OSError) and exc.strerror:
+        return _one_line(exc.strerror)
+    return _one_line(exc) or type(exc).__name__
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect with the credentials only to the same origin (scheme,
+    host, port): an auth proxy's ``/metrics`` -> ``/metrics/`` keeps working, a
+    redirect elsewhere (or to plain http) gets no password or token."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        auth = req.unredirected_hdrs.get("Authorization")
+        if new is not None and auth is not None and _origin(new.full_url) == _origin(req.full_url):
+            new.add_unredirected_header("Authorization", auth)
+        return new
+
+
+def _split_credentials(url: str) -> tuple[str, str | None]:
+    """The URL without its user info, and the ``Authorization`` header it gave
+    (basic auth; user and password percent-decoded, as RFC 3986 writes them)."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password) if colon else ''}"
+    header = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+    return urllib.parse.urlunsplit(parts._replace(netloc=hostport)), header
+
+
+def _refused(code: int, basic: bool, options: HTTPOptions) -> str:
+    """What a 401/403 means for the credentials that were (or were not) sent."""
+    sent = [
+        what
+        for what, given in (
+            ("the URL's user and password", basic),
+            ("the bearer token", options.bearer_token is not None),
+        )
+        if given
+    ]
+    if sent:
+        return f": {' and '.join(sent)} {'were' if len(sent) > 1 else 'was'} refused"
+    return (
+        ": the endpoint wants credentials (user:password@ in the URL, "
+        "--bearer-token-file or --bearer-token-env)"
+    )
+
+
+def fetch(
+    url: str,
+    timeout_s: float,
+    accept: str = ACCEPT,
+    options: HTTPOptions | None = None,
+) -> tuple[bytes, str]:
+    """GET ``url``: (body, content type).  Reads at most ``MAX_BODY_BYTES``."""
+    options = options or HTTPOptions()
+    shown = redact_url(url)
+    try:
+        target, basic = _split_credentials(url)
+    except ValueError as exc:
+        raise ReadError(f"{shown}: not a URL ({_one_line(exc)})") from None
+    if basic is not None and options.bearer_token is not None:
+        raise ReadError(f"{shown}: give user:password@ in the URL or a bearer token, not both")
+    request = urllib.request.Request(target, headers={"Accept": accept, "User-Agent": USER_AGENT})
+    if basic is not None:
+        request.add_unredirected_header("Authorization", basic)
+    elif options.bearer_token is not None:
+        request.add_unredirected_header("Authorization", f"Bearer {options.bearer_token}")
+    opener = urllib.request.build_opener(
+        urllib.request.HTTPSHandler(context=options.ssl_context), _Redirects()
+    )
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
             body = response.read(MAX_BODY_BYTES + 1)
             ctype = response.headers.get("Content-Type", "") or ""
     except urllib.error.HTTPError as exc:
-        raise ReadError(f"{shown}: HTTP {exc.code} {_one_line(exc.reason)}{_detail(exc)}") from None
+        refused = _refused(exc.code, basic is not None, options) if exc.code in (401, 403) else ""
+        raise ReadError(
+            f"{shown}: HTTP {exc.code} {_one_line(exc.reason)}{refused}{_detail(exc)}"
+        ) from None
     except urllib.error.URLError as exc:
         reason = exc.reason
         if isinstance(reason, (socket.timeout, TimeoutError)):
             raise ReadError(f"{shown}: no answer within {timeout_s:g} s") from None
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            raise ReadError(
+                f"{shown}: the server's certificate did not verify ({_ssl_reason(reason)}); "
+                "give its CA bundle with --ca-file"
+            ) from None
+        if isinstance(reason, ssl.SSLError):
+            raise ReadError(f"{shown}: TLS handshake failed ({_ssl_reason(reason)})") from None
         raise ReadError(f"{shown}: cannot connect ({_one_line(reason)})") from None
     except TimeoutError:
         raise ReadError(f"{shown}: no answer within {timeout_s:g} s") from None
+    except ssl.SSLError as exc:
+        raise ReadError(f"{shown}: TLS failed ({_ssl_reason(exc)})") from None
     except (http.client.HTTPException, OSError, ValueError) as exc:
         raise ReadError(f"{shown}: {type(exc).__name__}: {_one_line(exc)}") from None
     if len(body) > MAX_BODY_BYTES:
@@ -99,9 +302,9 @@ def _detail(exc: urllib.error.HTTPError) -> str:
     return ""
 
 
-def read_endpoint(url: str, timeout_s: float) -> Exposition:
+def read_endpoint(url: str, timeout_s: float, options: HTTPOptions | None = None) -> Exposition:
     """One read of a metrics endpoint, parsed."""
-    body, ctype = fetch(url, timeout_s)
+    body, ctype = fetch(url, timeout_s, options=options)
     shown = redact_url(url)
     try:
         exposition = parse(body)
@@ -117,6 +320,7 @@ def read_direct(
     timeout_s: float,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    options: HTTPOptions | None = None,
 ) -> list[Reading]:
     """Each endpoint read, then (``interval_s`` > 0) read again ``interval_s`` later."""
     targets = [endpoint_url(u) for u in urls]
@@ -125,7 +329,7 @@ def read_direct(
         raise ReadError("the same URL was given twice")
     first: list[tuple[Exposition, float]] = []
     for url in targets:
-        exposition = read_endpoint(url, timeout_s)
+        exposition = read_endpoint(url, timeout_s, options)
         _check(url, exposition)
         first.append((exposition, clock()))
     if interval_s <= 0:
@@ -133,7 +337,7 @@ def read_direct(
     sleep(interval_s)
     out = []
     for url, name, (before, t0) in zip(targets, names, first):
-        exposition = read_endpoint(url, timeout_s)
+        exposition = read_endpoint(url, timeout_s, options)
         _check(url, exposition)
         out.append(Reading(name, exposition, before, max(clock() - t0, 1e-6)))
     return out
@@ -180,7 +384,9 @@ def series_selector(selector: str) -> str:
     return "{" + names + (", " + inner if inner else "") + "}"
 
 
-def _api_query(base: str, query: str, at: float, timeout_s: float) -> list[Any]:
+def _api_query(
+    base: str, query: str, at: float, timeout_s: float, options: HTTPOptions | None
+) -> list[Any]:
     url = (
         base.rstrip("/")
         + "/api/v1/query?"
@@ -188,7 +394,7 @@ def _api_query(base: str, query: str, at: float, timeout_s: float) -> list[Any]:
     )
     shown = redact_url(base)
     try:
-        body, _ = fetch(url, timeout_s, accept="application/json")
+        body, _ = fetch(url, timeout_s, accept="application/json", options=options)
     except ReadError as exc:
         text = str(exc)
         # Prometheus answers a bad query with HTTP 400 and a JSON error: say which.
@@ -250,6 +456,7 @@ def read_prometheus(
     window_s: float,
     timeout_s: float,
     now: Callable[[], float] = time.time,
+    options: HTTPOptions | None = None,
 ) -> list[Reading]:
     """The same series read from Prometheus at ``now - window_s`` and ``now``: one
     ``Reading`` per (job, instance), as two scrapes ``window_s`` apart would give."""
@@ -260,8 +467,8 @@ def read_prometheus(
         raise ReadError(f"--selector: {exc}") from None
     t1 = now()
     t0 = t1 - window_s
-    last = _samples(base, _api_query(base, query, t1, timeout_s))
-    first = _samples(base, _api_query(base, query, t0, timeout_s))
+    last = _samples(base, _api_query(base, query, t1, timeout_s, options))
+    first = _samples(base, _api_query(base, query, t0, timeout_s, options))
     # Instances without the package's or SGLang's storage series (a decode server,
     # an unrelated job the selector caught) are not what the doctor diagnoses.
     last = {where: s for where, s in last.items() if readable(Exposition(tuple(s))) is None}
