@@ -382,6 +382,7 @@ def test_client_certificate_when_the_server_asks_for_one(
         code, out, err = doctor(capsys, caplog, *common)
         assert code == 2 and out == ""
         one_line(err, url(where))
+        assert "client certificate" in err or "Connection reset" in err, err
         code, out, err = doctor(
             capsys, caplog, *common, *cert, "--key-file", str(pki.client_key_encrypted)
         )

@@ -75,11 +75,13 @@ def endpoint_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class HTTPOptions:
-    """How every URL is read: a bearer token (never in the ``repr``) and the TLS
-    context for https URLs (``None``: the system's CAs, verified)."""
+    """How every URL is read: a bearer token (never in the ``repr``), the TLS
+    context for https URLs (``None``: the system's CAs, verified) and whether it
+    holds a client certificate."""
 
     bearer_token: str | None = field(default=None, repr=False)
     ssl_context: ssl.SSLContext | None = None
+    client_certificate: bool = False
 
 
 #: A bearer token is sent as a header: visible ASCII only (RFC 6750's b64token and
@@ -163,7 +165,8 @@ def http_options(
     token = _read_token(
         bearer_token_file, bearer_token_env, os.environ if environ is None else environ
     )
-    return HTTPOptions(token, _tls_context(ca_file, insecure, cert_file, key_file))
+    context = _tls_context(ca_file, insecure, cert_file, key_file)
+    return HTTPOptions(token, context, cert_file is not None)
 
 
 def _ssl_reason(exc: BaseException) -> str:
@@ -173,9 +176,19 @@ def _ssl_reason(exc: BaseException) -> str:
         return _one_line(exc.verify_message)
     if isinstance(exc, ssl.SSLError) and exc.reason:
         return _one_line(exc.reason).lower().replace("_", " ")
+    if isinstance(exc, ssl.SSLError):
+        text = _SSL_NOISE.sub("", _one_line(exc)).strip()
+        return _SSL_PLAIN.get(text, text) or type(exc).__name__
     if isinstance(exc, OSError) and exc.strerror:
         return _one_line(exc.strerror)
     return _one_line(exc) or type(exc).__name__
+
+
+_SSL_NOISE = re.compile(r"^\[SSL\]\s*|\s*\(_ssl\.c:\d+\)")
+_SSL_PLAIN = {
+    "PEM lib": "not a PEM file with a certificate and its key",
+    "EOF occurred in violation of protocol": "the server closed the connection",
+}
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -278,12 +291,16 @@ def fetch(
                 "give its CA bundle with --ca-file"
             ) from None
         if isinstance(reason, ssl.SSLError):
-            raise ReadError(f"{shown}: TLS handshake failed ({_ssl_reason(reason)})") from None
+            hint = "" if options.client_certificate else "; does it want a client certificate?"
+            raise ReadError(
+                f"{shown}: TLS handshake failed ({_ssl_reason(reason)}){hint}"
+            ) from None
         raise ReadError(f"{shown}: cannot connect ({_one_line(reason)})") from None
     except TimeoutError:
         raise ReadError(f"{shown}: no answer within {timeout_s:g} s") from None
-    except ssl.SSLError as exc:
-        raise ReadError(f"{shown}: TLS failed ({_ssl_reason(exc)})") from None
+    except ssl.SSLError as exc:  # TLS 1.3 reports a refused client certificate on read
+        hint = "" if options.client_certificate else "; does it want a client certificate?"
+        raise ReadError(f"{shown}: TLS failed ({_ssl_reason(exc)}){hint}") from None
     except (http.client.HTTPException, OSError, ValueError) as exc:
         raise ReadError(f"{shown}: {type(exc).__name__}: {_one_line(exc)}") from None
     if len(body) > MAX_BODY_BYTES:
