@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from types import ModuleType
 
 #: Sub-command modules under ``hicache_existence.commands``, in help order.
-COMMANDS: tuple[str, ...] = ("demo", "bench", "replay", "doctor", "reconcile_bench", "launch")
+COMMANDS: tuple[str, ...] = (
+    "demo",
+    "bench",
+    "replay",
+    "doctor",
+    "reconcile_bench",
+    "launch",
+    "assets",
+)
 
 
 def _load(name: str) -> ModuleType:
