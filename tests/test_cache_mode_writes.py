@@ -340,3 +340,53 @@ def test_a_failing_plan_writes_as_upstream(made) -> None:
     around_node(upstream, tree, 1)
     assert [c["pages"] for c in cc.calls] == [a] and cc.calls[0]["extra"] is broken
     assert feed.errors == 1 and "kv" not in feed.writes.stats()
+
+
+# -- extra pools (hybrid models): the whole node or nothing -------------------------------------
+def _extra_plan(made: Any, kv_believed: int, swa_believed: bool) -> tuple[Any, Any, Any]:
+    """A node of 4 KV pages and 2 sliding-window pages, ``kv_believed`` of its KV
+    pages and (or not) its SWA pages believed; returns (feed, plan, changes)."""
+    tree, feed, _l3 = made(dedup=True)
+    kv, swa = pages("k", 4), pages("s", 2)
+    cache = tree.storage_existence_cache
+    if kv_believed:
+        cache.pool("kv").add(kv[:kv_believed])
+    if swa_believed:
+        cache.pool("swa").add(swa)
+    host = Indices(range(4 * PAGE))
+    extra = [NS(name="swa", keys=swa)]
+    call = feed.plan_cache_write(tree.cache_controller, host, [7] * 4 * PAGE, kv, None, extra)
+    assert call is not None
+    return feed, *call
+
+
+@pytest.mark.parametrize(
+    ("kv_believed", "swa_believed"), [(4, False), (2, False), (2, True), (0, True), (0, False)]
+)
+def test_dedup_writes_a_node_with_extra_pools_whole_unless_all_is_believed(
+    made: Any, kv_believed: int, swa_believed: bool
+) -> None:
+    """Dedup may leave out a node carrying extra pools only when every one of its
+    pages, KV and extra, is believed: a node whose KV pages are believed but whose
+    sliding-window pages are not is written whole (dropping the SWA pages, or only
+    the believed KV ones, would leave L3 with a node it cannot serve)."""
+    feed, plan, changes = _extra_plan(made, kv_believed, swa_believed)
+    assert plan.whole and plan.extra_written and changes == {}
+    assert plan.written_pages == pages("k", 4) and plan.extra == {"swa": pages("s", 2)}
+    feed.cache_mode.launched(1, plan, 1)
+    stats = feed.writes.stats()
+    assert (stats["kv"].written, stats["kv"].avoided) == (4, 0)
+    assert (stats["swa"].written, stats["swa"].avoided) == (2, 0)
+
+
+def test_dedup_leaves_out_a_node_with_extra_pools_all_believed(made: Any) -> None:
+    """Every page believed, KV and extra: the write goes out empty (upstream's
+    bookkeeping unchanged), the extra pools dropped from it, all counted avoided."""
+    feed, plan, changes = _extra_plan(made, 4, True)
+    assert plan.keep == [] and not plan.extra_written
+    assert changes["hash_value"] == [] and changes["extra_pools"] is None
+    assert list(changes["host_indices"]) == [] and list(changes["token_ids"]) == []
+    feed.cache_mode.launched(1, plan, 1)
+    stats = feed.writes.stats()
+    assert (stats["kv"].written, stats["kv"].avoided) == (0, 4)
+    assert (stats["swa"].written, stats["swa"].avoided) == (0, 2)

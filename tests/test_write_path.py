@@ -331,39 +331,107 @@ def _any_target(
     """A stand-in target whose signature has every parameter a hook reads."""
 
 
+def _registering() -> tuple[list[str], Any, Any]:
+    got: list[str] = []
+    registry = NS(register=lambda target, fn, kind: got.append(target))
+    return got, registry, NS(AROUND="AROUND", AFTER="AFTER")
+
+
+_CACHE_MODE = (f"{wh.TREE}.write_backup_storage", f"{wh.CONTROLLER}.write_storage")
+
+
 def test_register_installs_what_resolves() -> None:
-    """Optional targets that do not resolve are skipped; a missing required one
-    registers nothing."""
-    got: list[tuple[str, str]] = []
-    registry = NS(register=lambda target, fn, kind: got.append((target, kind)))
-    kinds = NS(AROUND="AROUND", AFTER="AFTER")
+    """Optional targets that do not resolve are skipped, each with one warning that
+    names it and what stops being counted."""
+    got, registry, kinds = _registering()
+    said: list[str] = []
 
     def resolve_without_mooncake(target: str) -> object:
         if "mooncake" in target:
             raise LookupError(target)
         return _any_target
 
-    done = wh.register(registry, kinds, "current", resolve_without_mooncake)
-    assert done == [t for t, _ in got]
+    done = wh.register(registry, kinds, "current", resolve_without_mooncake, said.append)
+    assert done == got
     assert not any("mooncake" in t for t in done)
     assert f"{wh.PIPELINE}._write_intents" in done and wh.FLAT_COVERS_ALL not in done
     assert f"{wh.PIPELINE}.enqueue_backup_intent" not in done  # the d(d+1)/2 hot call
-    got.clear()
+    assert set(_CACHE_MODE) <= set(done)
+    mooncake = [h.target for h in wh.HOOKS if "mooncake" in h.target]
+    assert len(said) == len(mooncake) and all(t in m for t, m in zip(mooncake, said))
+    assert all("not counted: Mooncake backend" in m for m in said)
 
-    def resolve_without_pipeline(target: str) -> object:
-        if target.startswith(wh.PIPELINE):
+
+def test_a_missing_buffer_mode_target_leaves_cache_mode_counting() -> None:
+    """A buffer-mode pipeline method gone (both generations): the buffer-mode
+    hooks stay out, the cache-mode ones go in, and each missing target is named
+    once with the counters that stop."""
+    for generation in ("current", "flat"):
+        got, registry, kinds = _registering()
+        said: list[str] = []
+
+        def resolve_without_pipeline(target: str) -> object:
+            if target.startswith(wh.PIPELINE):
+                raise LookupError(target)
+            return _any_target
+
+        done = wh.register(registry, kinds, generation, resolve_without_pipeline, said.append)
+        assert done == got and set(_CACHE_MODE) <= set(done)
+        assert not any(t.startswith(wh.PIPELINE) or t == wh.FLAT_COVERS_ALL for t in done)
+        assert f"{wh.TREE}.insert" not in done  # buffer mode's (flat) walk bracket
+        assert f"{wh.CONTROLLER}._page_backup" in done  # both modes read the backend
+        pipeline = [
+            h.target
+            for h in wh.HOOKS
+            if generation in h.generations and h.target.startswith(wh.PIPELINE)
+        ]
+        assert len(said) == len(pipeline)
+        for target, message in zip(pipeline, said):
+            assert message.startswith(target)
+            assert "buffer-mode write counters" in message or "counted: buffer mode" in message
+
+
+def test_a_missing_cache_mode_target_leaves_buffer_mode_counting() -> None:
+    """The reverse: ``write_storage`` changed; cache mode is off, with a warning
+    naming it, and buffer mode counts as before."""
+    _, registry, kinds = _registering()
+    said: list[str] = []
+
+    def write_storage_renamed(self: Any, host_indices: Any, token_ids: Any) -> None: ...
+
+    def resolve(target: str) -> object:
+        return write_storage_renamed if target.endswith(".write_storage") else _any_target
+
+    done = wh.register(registry, kinds, "current", resolve, said.append)
+    assert not any(t in done for t in _CACHE_MODE)
+    assert f"{wh.PIPELINE}._write_intents" in done
+    assert f"{wh.PIPELINE}.finish_storage_write_ack" in done
+    assert len(said) == 2  # the two controllers' write_storage
+    assert said[0].startswith(f"{wh.CONTROLLER}.write_storage") and "cache-mode" in said[0]
+    assert said[1].startswith(f"{wh.HYBRID_CONTROLLER}.write_storage")
+    assert "not counted: cache mode, hybrid models" in said[1]
+
+
+def test_a_target_both_modes_need_turns_both_off() -> None:
+    """``HiCacheController._page_backup`` gives both modes this rank's outcome:
+    without it no counter would be right, so none is fed."""
+    got, registry, kinds = _registering()
+    said: list[str] = []
+
+    def resolve(target: str) -> object:
+        if target == f"{wh.CONTROLLER}._page_backup":
             raise LookupError(target)
         return _any_target
 
-    assert wh.register(registry, kinds, "flat", resolve_without_pipeline) == [] and got == []
+    assert wh.register(registry, kinds, "current", resolve, said.append) == [] and got == []
+    assert len(said) == 1 and "buffer-mode" in said[0] and "cache-mode" in said[0]
 
 
 def test_a_target_without_a_named_parameter_counts_as_missing() -> None:
     """Hooks read upstream's arguments by name: a required target whose signature
-    lacks the name registers nothing; an optional one is skipped alone."""
-    got: list[str] = []
-    registry = NS(register=lambda target, fn, kind: got.append(target))
-    kinds = NS(AROUND="AROUND", AFTER="AFTER")
+    lacks the name turns its mode off; an optional one is skipped alone."""
+    _, registry, kinds = _registering()
+    said: list[str] = []
 
     def renamed_ack(self: Any, op_id: int) -> None: ...
 
@@ -374,13 +442,34 @@ def test_a_target_without_a_named_parameter_counts_as_missing() -> None:
             return renamed_ack
         return _any_target
 
-    assert wh.register(registry, kinds, "current", resolve) == [] and got == []
+    done = wh.register(registry, kinds, "current", resolve, said.append)
+    assert not any(t.startswith(wh.PIPELINE) for t in done) and set(_CACHE_MODE) <= set(done)
+    assert len(said) == 1 and "operation_id" in said[0]
 
     def resolve_file(target: str) -> object:
         return renamed_file_key if target.startswith(wh.FILE_BACKEND) else _any_target
 
-    done = wh.register(registry, kinds, "current", resolve_file)
+    said.clear()
+    done = wh.register(registry, kinds, "current", resolve_file, said.append)
     assert done and not any(t.startswith(wh.FILE_BACKEND) for t in done)
+    assert f"{wh.PIPELINE}._write_intents" in done and len(said) == 2
+    assert all("has no parameter 'key'" in m and "file backend" in m for m in said)
+
+
+def test_a_backend_whose_dependency_is_absent_is_dropped_quietly(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """A backend module that is installed but needs a client library this host
+    lacks is an optional part of the deployment: a debug line, no warning; a
+    target whose module is gone altogether is a change of upstream's: a warning."""
+    pkg = tmp_path / "hx_fake_backend"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "store.py").write_text("import hx_client_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert wh.targets.dependency_missing("hx_fake_backend.store.Store.put")
+    assert not wh.targets.dependency_missing("hx_fake_backend.gone.Store.put")
+    assert not wh.targets.dependency_missing("hx_fake_backend.Store.put")
 
 
 def test_parameters_are_read_by_name_wherever_upstream_puts_them() -> None:

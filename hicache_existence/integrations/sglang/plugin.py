@@ -13,10 +13,13 @@ before the scheduler exists.  What it registers:
   scheduler processes it launches): REPLACE of upstream's
   ``StorageExistenceCache`` by ours of the generation the installed class's
   API shape shows, AFTER on ``UnifiedRadixCache.check_hicache_events``, and
-  the write-accounting hooks on the buffer-mode write path (``write_path.py``).
+  the write-accounting hooks of both host memory modes (``write_hooks.py``).
 
 A target the installed sglang lacks, an API shape this package does not know,
-or an invalid configuration produce one warning and no hook of that group:
+an upstream existence cache with a public name ours does not serve
+(``conformance.py``), or an invalid configuration produce one warning and no
+hook of that group (a write-path target turns off only its host memory mode's
+counting, with one warning naming it):
 sglang then runs exactly as it would without this package.  ``register()``
 itself never raises.
 """
@@ -31,6 +34,8 @@ from typing import Any
 
 from hicache_existence import logs
 from hicache_existence.config import Config, ConfigError
+from hicache_existence.core import lru as _lru
+from hicache_existence.integrations.sglang import conformance as _conformance
 from hicache_existence.integrations.sglang import flags as _flags
 from hicache_existence.integrations.sglang import hooks as _hooks
 from hicache_existence.integrations.sglang import recorder_hooks as _recorder_hooks
@@ -160,12 +165,21 @@ def register_cache_hooks(
             "API; the plugin stays inactive and sglang runs unmodified",
         )
         return False
+    gaps = _conformance.gaps(generation, upstream)
+    if gaps:
+        _warn(
+            report,
+            f"the installed sglang's existence cache has {', '.join(gaps)}, which this "
+            f"package's {generation}-generation cache does not serve; upstream's "
+            "StorageExistenceCache stays, the plugin stays inactive and sglang runs unmodified",
+        )
+        return False
     replacement = _hooks.replacement_class(generation, upstream)
     registry.register(_targets.CACHE_CLASS, replacement, hook_type.REPLACE)
     registry.register(_targets.STEP_METHOD, _hooks.after_check_hicache_events, hook_type.AFTER)
     try:
         report["write_hooks"] = _write_hooks.register(
-            registry, hook_type, generation, _targets.resolve
+            registry, hook_type, generation, _targets.resolve, lambda m: _warn(report, m)
         )
     except Exception as exc:  # the cache hooks stand without the write accounting
         _warn(report, f"write accounting hooks not registered ({exc!r}); write counters stay 0")
@@ -175,5 +189,11 @@ def register_cache_hooks(
         _warn(report, f"recorder hook not registered ({exc!r}); traces have no request boundaries")
     report["cache"] = True
     report["generation"] = generation
-    logger.info("hicache-existence: enabled; %s-generation cache hooks registered", generation)
+    logger.info(
+        "hicache-existence: enabled; %s-generation cache hooks registered; %s LRU index "
+        "(%.0f B per entry)",
+        generation,
+        "compiled" if _lru.BACKEND == "c" else "pure-Python",
+        _lru.BYTES_PER_ENTRY,
+    )
     return True

@@ -9,6 +9,8 @@ rename, the methods it has are what our replacement must provide.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import pkgutil
 from collections.abc import Iterable
@@ -46,6 +48,29 @@ def resolve(target: str) -> object:
         return pkgutil.resolve_name(target)
     except Exception as exc:  # ImportError, AttributeError, or a module failing to import
         raise TargetMissing(target, f"{type(exc).__name__}: {exc}") from None
+
+
+def dependency_missing(target: str) -> bool:
+    """Whether ``target``'s module is installed but does not import for want of
+    another module (a backend whose client library is absent, e.g. Mooncake's):
+    an optional part of this deployment, not a change of upstream's API."""
+    parts = target.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:end])
+        try:
+            spec = importlib.util.find_spec(name)
+        except Exception:  # a parent package that does not import
+            continue
+        if spec is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            return exc.name != name  # the module's own file is there; a dependency is not
+        except Exception:
+            return False
+        return False
+    return False
 
 
 def first_missing(targets: Iterable[str]) -> TargetMissing | None:

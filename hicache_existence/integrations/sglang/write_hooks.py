@@ -121,6 +121,18 @@ class Params(Mapping[str, Param]):
         return cls(found)
 
 
+Mode = Literal["buffer", "cache"]
+BUFFER: frozenset[Mode] = frozenset({"buffer"})
+CACHE: frozenset[Mode] = frozenset({"cache"})
+MODES: frozenset[Mode] = BUFFER | CACHE
+
+#: What stops being counted, per host memory mode, when that mode loses a required hook.
+MODE_COUNTERS: Mapping[Mode, str] = {
+    "buffer": "buffer-mode write counters (buffer_only servers) stay 0",
+    "cache": "cache-mode write counters and dedup (cache-mode servers) are off",
+}
+
+
 @dataclass(frozen=True)
 class Hook:
     """One hook of the write path."""
@@ -134,8 +146,13 @@ class Hook:
     generations: frozenset[str]
     #: Upstream parameters the hook reads (``"name?"``: may be absent).
     params: tuple[str, ...] = ()
-    #: Without it nothing is counted: a missing one registers none of the hooks.
-    required: bool = False
+    #: Host memory modes whose accounting is wrong without it: a missing one turns
+    #: off that mode's hooks (its counters stay absent, never wrong), not the other's.
+    required: frozenset[Mode] = frozenset()
+    #: What is not counted when this (optional) hook is missing.
+    loses: str = ""
+    #: Host memory modes it feeds: installed while one of them has all its required hooks.
+    serves: frozenset[Mode] = MODES
 
     def bound(self, target: object) -> Hooked:
         """The callable to install on ``target`` (raises ``LookupError`` when its
@@ -540,32 +557,48 @@ _BOTH = frozenset({"current", "flat"})
 #: Every hook of the write path, in registration order.
 HOOKS: tuple[Hook, ...] = (
     Hook(f"{PIPELINE}.enqueue_backup_intent", "AROUND", _enqueue_backup_intent, _FLAT,
-         ("node_id",), required=True),
+         ("node_id",), required=BUFFER, serves=BUFFER),
     Hook(f"{PIPELINE}._refresh_pending_backup_intents", "AROUND", _refresh_pending, _CUR,
-         required=True),
-    Hook(f"{PIPELINE}._backup_pool_keys", "AFTER", _backup_pool_keys, _CUR),
-    Hook(f"{PIPELINE}._write_intents", "AROUND", _write_intents, _CUR, required=True),
-    Hook(f"{PIPELINE}._drop_queue_head", "AROUND", _drop_queue_head, _CUR, ("dropped",)),
-    Hook(FLAT_COVERS_ALL, "AROUND", _flat_covers_all, _FLAT, ("pool", "hashes"), required=True),
-    Hook(f"{TREE}.insert", "AROUND", _tree_insert, _FLAT),
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._backup_pool_keys", "AFTER", _backup_pool_keys, _CUR,
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._write_intents", "AROUND", _write_intents, _CUR,
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._drop_queue_head", "AROUND", _drop_queue_head, _CUR, ("dropped",),
+         loses="buffer mode: queued writes retired before launch (avoided)",
+         serves=BUFFER),
+    Hook(FLAT_COVERS_ALL, "AROUND", _flat_covers_all, _FLAT, ("pool", "hashes"),
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{TREE}.insert", "AROUND", _tree_insert, _FLAT, required=BUFFER, serves=BUFFER),
     Hook(f"{PIPELINE}._stage_backup_intent", "AFTER", _stage_backup_intent, _BOTH,
-         ("intent", "keys_by_pool?"), required=True),
+         ("intent", "keys_by_pool?"), required=BUFFER, serves=BUFFER),
     Hook(f"{PIPELINE}.finish_storage_write_ack", "AROUND", _storage_write_ack, _BOTH,
-         ("operation_id",), required=True),
-    Hook(f"{CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",)),
-    Hook(f"{HYBRID_CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",)),
-    Hook(f"{FILE_BACKEND}.set", "AROUND", _file_set, _BOTH, ("key",)),
-    Hook(f"{FILE_BACKEND}.exists", "AROUND", _file_exists, _BOTH, ("key",)),
-    Hook(f"{MOONCAKE_BACKEND}.batch_set_v1", "AROUND", _mooncake_batch_set_v1, _BOTH, ("keys",)),
-    Hook(f"{MOONCAKE_BACKEND}._batch_exist", "AROUND", _mooncake_batch_exist, _BOTH),
+         ("operation_id",), required=BUFFER, serves=BUFFER),
+    Hook(f"{CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
+         required=MODES),
+    Hook(f"{HYBRID_CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
+         loses="hybrid models: acknowledged, failed and redundant pages"),
+    Hook(f"{FILE_BACKEND}.set", "AROUND", _file_set, _BOTH, ("key",),
+         loses="file backend: redundant pages (the backend's own answer)"),
+    Hook(f"{FILE_BACKEND}.exists", "AROUND", _file_exists, _BOTH, ("key",),
+         loses="file backend: redundant pages (the backend's own answer)"),
+    Hook(f"{MOONCAKE_BACKEND}.batch_set_v1", "AROUND", _mooncake_batch_set_v1, _BOTH, ("keys",),
+         loses="Mooncake backend: redundant pages (the backend's own answer)"),
+    Hook(f"{MOONCAKE_BACKEND}._batch_exist", "AROUND", _mooncake_batch_exist, _BOTH,
+         loses="Mooncake backend: redundant pages (the backend's own answer)"),
     # cache mode, and the prefetch dispositions behind the causes (both modes)
-    Hook(f"{TREE}.write_backup_storage", "AROUND", _write_backup_storage, _BOTH, ("node_id",)),
+    Hook(f"{TREE}.write_backup_storage", "AROUND", _write_backup_storage, _BOTH, ("node_id",),
+         required=CACHE, serves=CACHE),
     Hook(f"{CONTROLLER}.write_storage", "AROUND", _write_storage, _BOTH,
-         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?")),
+         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?"),
+         required=CACHE, serves=CACHE),
     Hook(f"{HYBRID_CONTROLLER}.write_storage", "AROUND", _write_storage, _BOTH,
-         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?")),
-    Hook(f"{TREE}._invalidate_absent_from_hit_query", "AFTER", _hit_query, _BOTH, ("operation",)),
-    Hook(f"{TREE}._handle_prefetch_result", "AROUND", _prefetch_result, _BOTH, ("operation",)),
+         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?"),
+         loses="cache mode, hybrid models: L3 writes and dedup", serves=CACHE),
+    Hook(f"{TREE}._invalidate_absent_from_hit_query", "AFTER", _hit_query, _BOTH, ("operation",),
+         loses="prefetch shortfalls (cause prefetch_shortfall) and cache mode's heal"),
+    Hook(f"{TREE}._handle_prefetch_result", "AROUND", _prefetch_result, _BOTH, ("operation",),
+         loses="prefetch dispositions behind the redundant-write causes"),
 )  # fmt: skip
 
 
@@ -578,14 +611,24 @@ def hook(target_suffix: str, generation: str = "current") -> Hook:
 
 
 def register(
-    registry: Any, hook_type: Any, generation: str, resolve: Callable[[str], object]
+    registry: Any,
+    hook_type: Any,
+    generation: str,
+    resolve: Callable[[str], object],
+    warn: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Register the write-path hooks the installed sglang has, for ``generation``.
 
-    Returns the targets registered; none when a required one is missing or has
-    another signature (the write counters then stay 0).  A backend module that
-    does not import (Mooncake without its client) only drops that backend's hooks."""
-    chosen: list[tuple[Hook, Hooked]] = []
+    Each host memory mode stands alone: a required hook of one mode that is missing
+    or has another signature turns off that mode's hooks (its counters then stay
+    absent) and leaves the other mode counting.  Every missing or changed target
+    gets one ``warn`` (default: a log warning) naming it and what stops being
+    counted; a backend whose module is there but does not import (Mooncake without
+    its client) drops that backend's hooks with a debug line only.  Returns the
+    targets registered."""
+    say = warn if warn is not None else _log_warning
+    found: list[tuple[Hook, Hooked]] = []
+    off: set[Mode] = set()
     for h in HOOKS:
         if generation not in h.generations:
             continue
@@ -593,14 +636,20 @@ def register(
             installed = h.bound(resolve(h.target))
         except Exception as exc:
             if h.required:
-                logger.warning(
-                    "hicache-existence: %s is missing or changed (%s); write accounting is not fed",
-                    h.target,
-                    exc,
-                )
-                return []
+                off |= h.required
+                stops = "; ".join(MODE_COUNTERS[m] for m in sorted(h.required))
+                say(f"{h.target} is missing or changed ({exc}); {stops}")
+            elif targets.dependency_missing(h.target):
+                logger.debug("hicache-existence: %s not importable (%s); not hooked", h.target, exc)
+            else:
+                say(f"{h.target} is missing or changed ({exc}); not counted: {h.loses}")
             continue
-        chosen.append((h, installed))
-    for h, installed in chosen:
+        found.append((h, installed))
+    kept = [(h, installed) for h, installed in found if h.serves - off]
+    for h, installed in kept:
         registry.register(h.target, installed, getattr(hook_type, h.kind))
-    return [h.target for h, _ in chosen]
+    return [h.target for h, _ in kept]
+
+
+def _log_warning(message: str) -> None:
+    logger.warning("hicache-existence: %s", message)
