@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from hicache_existence import docs_tables  # noqa: E402
+from hicache_existence.doctor.diagnosis import ALERT_SEVERITY  # noqa: E402
 from hicache_existence.exporters import catalog  # noqa: E402
 
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
@@ -194,9 +195,12 @@ def names_in(expr: str) -> set[str]:
 class Settings:
     """Everything a deployment may want to tune, in one object."""
 
-    runbook_url: str = (
-        "https://github.com/hicache-existence/hicache-existence/blob/main/docs/runbooks.md"
-    )
+    #: Where each alert's ``runbook_url`` points (``<runbook_url>#<alert name, lower
+    #: case>``): by default the runbooks in this repository, a path from its root. A
+    #: deployment that serves the docs sets its address here (e.g.
+    #: ``https://git.example.com/you/hicache-existence/blob/main/docs/runbooks.md``) and
+    #: reruns the build (docs/runbooks.md).
+    runbook_url: str = "docs/runbooks.md"
     #: Labels recording rules keep: one deployment's pool, summed over ranks and
     #: instances (level ``pool`` in the rule names).
     keep: tuple[str, ...] = ("job", "model_name", "engine_type", "storage_backend", "pool")
@@ -1195,84 +1199,85 @@ _WHERE = "pool {{ $labels.pool }} of {{ $labels.model_name }} ({{ $labels.job }}
 _DEPLOYMENT = "{{ $labels.model_name }} ({{ $labels.job }}, engine {{ $labels.engine_type }})"
 
 
+def _alert(name: str, expr: str, for_: str, summary: str, description: str) -> Alert:
+    """An alert with the severity of the one table the doctor reads too
+    (``hicache_existence.doctor.diagnosis.ALERT_SEVERITY``)."""
+    if name not in ALERT_SEVERITY:
+        raise ValueError(f"alert {name!r} has no severity in diagnosis.ALERT_SEVERITY")
+    return Alert(name, expr, for_, ALERT_SEVERITY[name], summary, description)
+
+
 def alerts() -> tuple[Alert, ...]:
     s = SETTINGS
     keep = ", ".join(k for k in s.keep if k != "pool")
     failed = "|".join(FAILED_RESULTS)
     answered = "|".join(ANSWERED_RESULTS)
     return (
-        Alert(
+        _alert(
             "HicacheExistenceEvictionChurn",
             f"{CHURN_RATIO} > {s.churn_ratio}\nand\n{_rec(QUERIES)} > {s.min_queries_per_s}",
             s.churn_for,
-            "warning",
             "Capacity misses are {{ $value | humanizePercentage }} of lookups in " + _WHERE + ".",
             f"For {s.churn_for} more than {s.churn_ratio:.0%} of existence-cache lookups missed a "
             "page the cap had evicted: the working set does not fit, so pages already in L3 are "
             "copied and written again. Check the capacity advice and raise cache.max_entries.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceHitRatioCollapse",
             f"{HIT_RATIO}\n  < {s.collapse_fraction} * ({HIT_RATIO} offset {s.collapse_offset})\n"
             f"and\n({HIT_RATIO} offset {s.collapse_offset}) > {s.collapse_min_previous}\n"
             f"and\n{_rec(QUERIES)} > {s.min_queries_per_s}",
             s.collapse_for,
-            "warning",
             "Page hit ratio fell to {{ $value | humanizePercentage }} in " + _WHERE + ".",
             f"The page hit ratio has been below {s.collapse_fraction:.0%} of its value "
             f"{s.collapse_offset} earlier for {s.collapse_for} while lookups continue: beliefs "
             "were lost (clear, restart, heal storm) or the workload changed.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceTPDivergence",
             f"sum by ({keep}, dp_rank, pp_rank) "
             f"(increase({DIVERGENCES.sample}[{s.divergence_window}])) > 0",
             "0m",
-            "critical",
             "Existence-cache replicas diverged across TP ranks of " + _DEPLOYMENT + ".",
             "A divergence check found cache replicas that differ between ranks of dp_rank "
             "{{ $labels.dp_rank }}, pp_rank {{ $labels.pp_rank }} in the last "
             f"{s.divergence_window}. Replicas must stay identical; a divergence precedes "
             "collective hangs and silently lowers prefetch hits.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceTPChecksStopped",
             f"min by ({keep}, dp_rank, pp_rank) ({DIV_ACTIVE.sample}) == 0",
             s.checks_stopped_for,
-            "warning",
             "TP-replica divergence checks stopped in " + _DEPLOYMENT + ".",
             "A rank of dp_rank {{ $labels.dp_rank }}, pp_rank {{ $labels.pp_rank }} has not "
             f"been comparing its replica with the other TP ranks for {s.checks_stopped_for}: a "
             "check's collective failed (timeout or error) or the ranks are configured "
             "differently. A divergence would now go unnoticed.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceReconcilerDown",
             f'sum by ({keep}) (rate({REC_QUERIES.sample}{{result=~"{failed}"}}'
             f"[{s.reconciler_down_window}])) > 0\n"
             f'unless\nsum by ({keep}) (rate({REC_QUERIES.sample}{{result=~"{answered}"}}'
             f"[{s.reconciler_down_window}])) > 0",
             s.reconciler_down_for,
-            "warning",
             "The reconciler of " + _DEPLOYMENT + " gets no answers from ground truth.",
             f"For {s.reconciler_down_for} ground-truth verifications failed (error, timeout, or "
             "rejected by the open circuit) and none was answered (present, absent or untrusted): "
             "beliefs are not being verified or healed.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceReconcilerCircuitOpen",
             f"max by ({keep}) ({REC_CIRCUIT.sample}) == 1",
             s.circuit_open_for,
-            "warning",
             "The reconciler circuit breaker of " + _DEPLOYMENT + " is open.",
             f"The circuit breaker has been open for {s.circuit_open_for}: ground truth kept "
             "failing, so verifications are skipped and retried with exponential backoff.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceStalePositivesHigh",
             f"{STALE_RATIO} > {s.stale_ratio}\nand\n{ANSWERED_RATE} > {s.stale_min_answered_per_s}",
             s.stale_for,
-            "warning",
             "{{ $value | humanizePercentage }} of verifications find stale positives in "
             + _WHERE
             + ".",
@@ -1280,13 +1285,12 @@ def alerts() -> tuple[Alert, ...]:
             "verifications found pages believed stored that L3 no longer holds: L3 drops pages "
             "sooner than the beliefs forget them, so write-backs are skipped for missing pages.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceAtCapRedundantWritesRising",
             f"{REDUNDANT_RATIO} > {s.redundant_ratio}\n"
             f"and\n{REDUNDANT_RATIO} > ({REDUNDANT_RATIO} offset {s.redundant_offset})\n"
             f"and\n{FILL_RATIO} >= {s.at_cap_fill}",
             s.redundant_for,
-            "info",
             "Redundant writes are {{ $value | humanizePercentage }} of writes and rising in "
             + _WHERE
             + ", at cap.",
@@ -1294,22 +1298,23 @@ def alerts() -> tuple[Alert, ...]:
             f"{s.redundant_ratio:.0%} of written pages were already in L3, a higher share than "
             f"{s.redundant_offset} earlier: evictions make the cache forget pages L3 still holds.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceCacheModeRedundantWrites",
             f"{REDUNDANT_RATIO} > {s.cache_mode_redundant_ratio}\n"
             f"and\n{_rec(WRITTEN_PAGES)} > {s.fleet_min_written_per_s}\n"
             f"and on ({keep})\ncount by ({keep}) "
             f'({MODE_INFO.sample}{{host_memory_mode="cache", cache_mode_dedup="false"}}) > 0',
             s.cache_mode_redundant_for,
-            "warning",
             "{{ $value | humanizePercentage }} of L3 writes in HiCache cache mode were already "
             "stored, in " + _WHERE + " (cache_mode.dedup is off).",
             f"For {s.cache_mode_redundant_for} more than {s.cache_mode_redundant_ratio:.0%} of "
             "the pages written to L3 by servers in HiCache's cache mode were already there. "
-            "Upstream writes every backed-up node whatever L3 holds; with cache_mode.dedup on, "
-            "pages the existence cache believes stored are left out of the write.",
+            "Upstream writes every backed-up node whatever L3 holds, by design, so this is a "
+            "ticket, not a page. The fix is the opt-in: set cache_mode.dedup=true "
+            "(HICACHE_EXISTENCE_CACHE_MODE__DEDUP=1) and restart the server; pages the "
+            "existence cache believes stored are then left out of the write.",
         ),
-        Alert(
+        _alert(
             "HicacheExistenceFleetRedundantWrites",
             f"{REDUNDANT_RATIO} > {s.fleet_redundant_ratio}\n"
             f"and\n{FILL_RATIO} < {s.at_cap_fill}\n"
@@ -1317,7 +1322,6 @@ def alerts() -> tuple[Alert, ...]:
             f"and\ncount by ({', '.join(s.keep)}) "
             f"(count by ({', '.join(s.keep)}, instance) ({WRITTEN_PAGES.sample})) > 1",
             s.fleet_redundant_for,
-            "warning",
             "{{ $value | humanizePercentage }} of the fleet's L3 writes were already stored, "
             "below the cap, in " + _WHERE + ".",
             f"For {s.fleet_redundant_for} more than {s.fleet_redundant_ratio:.0%} of the pages "

@@ -352,8 +352,28 @@ def test_the_alerts_the_issue_asks_for_exist():
         "HicacheExistenceStalePositivesHigh": "warning",
         "HicacheExistenceAtCapRedundantWritesRising": "info",
         "HicacheExistenceFleetRedundantWrites": "warning",
-        "HicacheExistenceCacheModeRedundantWrites": "warning",
+        "HicacheExistenceCacheModeRedundantWrites": "info",
     }
+
+
+def test_alert_severities_are_the_doctors_table():
+    """Every rendered alert has the severity of diagnosis.ALERT_SEVERITY (the table
+    the doctor's findings read), and every alert a finding answers to is rendered."""
+    from hicache_existence.doctor import diagnosis
+
+    severity = {r["alert"]: r["labels"]["severity"] for r in alert_rules(committed_rules())}
+    assert severity == diagnosis.ALERT_SEVERITY
+    answered = {a for alerts in diagnosis.FINDING_ALERTS.values() for a in alerts}
+    assert answered <= set(severity), answered - set(severity)
+
+
+def test_runbook_url_points_at_the_runbooks_of_this_repository_by_default():
+    """The default base of every runbook_url is docs/runbooks.md of this repository
+    (a path from its root that exists), not a placeholder host."""
+    base = build.SETTINGS.runbook_url
+    assert (ROOT / base).resolve() == RUNBOOKS.resolve()
+    for r in alert_rules(committed_rules()):
+        assert r["annotations"]["runbook_url"].startswith(f"{base}#"), r["alert"]
 
 
 # -- runbooks --------------------------------------------------------------------------

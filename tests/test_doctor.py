@@ -15,6 +15,7 @@ import math
 import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -318,14 +319,14 @@ def mode_row(mode: str, dedup: str, policy: str = "write_through") -> Row:
 
 
 def test_cache_mode_without_dedup_while_redundant_writes_are_high() -> None:
-    """Cache mode, dedup off, 3% redundant (over the alert's 2%): a warning whose fix
-    is the config key and whose bytes are the believed redundant pages (what dedup
-    would have saved)."""
+    """Cache mode, dedup off, 3% redundant (over the alert's 2%): info, as the alert (a
+    ticket: only the opt-in removes it), whose fix is the config key and whose bytes
+    are the believed redundant pages (what dedup would have saved)."""
     rows = [*healthy_rows(1000, 30), mode_row("cache", "false")]
     rows = replace(rows, P + "redundant_believed_pages_total", 24, pool="kv")
     rep = report(expo(rows))
     (f,) = found(rep, "cache_mode_without_dedup")
-    assert f.severity == "warning" and f.wasted_bytes == 24 * 4096
+    assert f.severity == "info" and f.wasted_bytes == 24 * 4096
     assert "`cache_mode.dedup=true`" in f.fix[0]
     assert "HICACHE_EXISTENCE_CACHE_MODE__DEDUP=1" in f.fix[0]
     inst = rep.instances[0]
@@ -398,7 +399,7 @@ def test_cap_too_small_without_a_curve_doubles_and_with_a_flat_curve_is_info() -
 
 def test_cap_too_small_at_a_full_cap_without_evicted_misses() -> None:
     """A full pool writing 30% of its pages twice, its misses all reported cold (the
-    miss-reason memory forgot the evictions): a warning, as the at-cap alert, with the
+    miss-reason memory forgot the evictions): info, as the at-cap alert, with the
     hint to give the miss-reason memory more room."""
     rows = churn_rows(None)
     rows = replace(rows, P + "page_misses_total", 0, pool="kv", reason="evicted")
@@ -407,7 +408,7 @@ def test_cap_too_small_at_a_full_cap_without_evicted_misses() -> None:
         (P + "miss_memory_bytes", {"pool": "kv"}, 4000),
     ]
     (f,) = found(report(expo(rows)), "cap_too_small")
-    assert f.severity == "warning"
+    assert f.severity == "info"
     assert "30.0%" in f.summary and "`miss_reasons.memory_fraction=0.2`" in f.fix[-1]
     assert "10.0% of the cache's memory" in f.fix[-1]
     rows = replace(rows, P + "miss_memory_bytes", 24000, pool="kv")  # 0.6: already large
@@ -415,6 +416,145 @@ def test_cap_too_small_at_a_full_cap_without_evicted_misses() -> None:
     assert not any("memory_fraction" in x for x in f.fix)
     rows = replace(rows, P + "entries", 1000, pool="kv")  # below the cap: nothing to say
     assert not found(report(expo(rows)), "cap_too_small")
+
+
+def buffer_cap_64_rows(curve: Mapping[str, float]) -> list[Row]:
+    """The buffer-mode server of issue 28: cap 64, full, 3,900 pages written of which
+    4.2% twice (so about 3,700 distinct pages stored), 26 lookups missing an evicted
+    page, the advisor's curve up to 8x (512 entries)."""
+    rows = healthy_rows(3900, 164)
+    rows = replace(rows, P + "page_misses_total", 26, pool="kv", reason="evicted")
+    rows = replace(rows, P + "queries_total", 2000, pool="kv")
+    rows = replace(rows, P + "evictions_total", 3650, pool="kv")
+    rows = replace(rows, P + "entries", 64, pool="kv")
+    rows = replace(rows, P + "capacity_entries", 64, pool="kv")
+    rows = replace(rows, P + "redundant_believed_pages_total", 40, pool="kv")
+    for m, v in curve.items():
+        rows.append(
+            (P + "advisor_estimated_lookup_hit_ratio", {"pool": "kv", "cap_multiplier": m}, v)
+        )
+    return rows
+
+
+@pytest.mark.parametrize(
+    "curve",
+    [
+        {"0.5": 0.30, "1": 0.305, "2": 0.306, "4": 0.307, "8": 0.308},  # flat to 8x
+        {"0.5": 0.10, "1": 0.20, "2": 0.30, "4": 0.40, "8": 0.55},  # still rising at 8x
+    ],
+    ids=["flat", "rising"],
+)
+def test_cap_advice_never_extrapolates_past_the_advisors_largest_cap(
+    curve: Mapping[str, float],
+) -> None:
+    """Cap 64, 3,736 distinct pages stored, the curve ending at 8x = 512: a warning
+    that says the curve's range is below what was stored and recommends a cap that
+    covers it (4096), never "leave it" nor the curve's 512."""
+    (f,) = found(report(expo(buffer_cap_64_rows(curve))), "cap_too_small")
+    assert f.severity == "warning"
+    assert f.fix[0].startswith("`cache.max_entries=4096`"), f.fix[0]
+    assert "3,736 distinct pages" in f.fix[0] and "8x = 512 entries" in f.fix[0]
+    assert not any("leave" in x or "max_entries=512" in x for x in f.fix)
+    assert evidence(f)["distinct pages stored (written - redundant - failed)"] == 3736
+
+
+def test_cap_advice_within_the_advisors_range_is_kept() -> None:
+    """When the largest multiple covers what was stored, a flat curve still says
+    leave the cap (info) and a plateau inside the range gives its multiple."""
+    flat = {"0.5": 0.30, "1": 0.305, "2": 0.306, "4": 0.307, "8": 0.308, "64": 0.309}
+    (f,) = found(report(expo(buffer_cap_64_rows(flat))), "cap_too_small")
+    assert f.severity == "info" and "flat" in f.fix[0]
+    plateau = {"0.5": 0.10, "1": 0.20, "2": 0.60, "4": 0.61, "8": 0.61}
+    (f,) = found(report(expo(buffer_cap_64_rows(plateau))), "cap_too_small")
+    assert f.fix[0].startswith("`cache.max_entries=128` (2x the cap)")
+    assert d.cap_covering(3736) == 4096 and d.cap_covering(4096) == 4096
+    assert d.cap_covering(0) == 1
+    with pytest.raises(ValueError, match="pages must be a finite number"):
+        d.cap_covering(math.inf)
+
+
+def rendered_severities() -> dict[str, str]:
+    """{alert: severity} of the committed integrations/prometheus/rules.yml."""
+    yaml = pytest.importorskip("yaml")
+    path = Path(__file__).resolve().parents[1] / "integrations" / "prometheus" / "rules.yml"
+    rules = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return {
+        r["alert"]: r["labels"]["severity"]
+        for g in rules["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
+
+
+def test_findings_at_their_alerts_condition_have_the_alerts_severity() -> None:
+    """Each finding that answers to an alert, at that alert's condition, has the
+    severity of the alert as rules.yml renders it (a change to either side fails)."""
+    at_cap = replace(churn_rows(None), P + "page_misses_total", 0, pool="kv", reason="evicted")
+    cache_mode = replace(
+        [*healthy_rows(1000, 30), mode_row("cache", "false")],
+        P + "redundant_believed_pages_total",
+        24,
+        pool="kv",
+    )
+    stopped = [*healthy_rows(), (P + "divergence_active", {}, 0)]
+    diverged = [*healthy_rows(), (P + "divergences_total", {}, 2)]
+    cases: list[tuple[str, str, list[str]]] = [
+        ("cap_too_small", "HicacheExistenceEvictionChurn", [expo(churn_rows(None))]),
+        ("cap_too_small", "HicacheExistenceAtCapRedundantWritesRising", [expo(at_cap)]),
+        (
+            "cache_mode_without_dedup",
+            "HicacheExistenceCacheModeRedundantWrites",
+            [expo(cache_mode)],
+        ),
+        (
+            "fleet_redundant_writes",
+            "HicacheExistenceFleetRedundantWrites",
+            [expo(healthy_rows(200, 60)), expo(healthy_rows(200, 40))],
+        ),
+        (
+            "stale_beliefs",
+            "HicacheExistenceStalePositivesHigh",
+            [expo(reconciler_rows(present=70, absent=30, stale=30))],
+        ),
+        (
+            "reconciler_unhealthy",
+            "HicacheExistenceReconcilerCircuitOpen",
+            [expo(reconciler_rows(present=50, error=5, open=1))],
+        ),
+        (
+            "reconciler_unhealthy",
+            "HicacheExistenceReconcilerDown",
+            [expo(reconciler_rows(error=5))],
+        ),
+        ("tp_divergence", "HicacheExistenceTPDivergence", [expo(diverged)]),
+        ("tp_checks_stopped", "HicacheExistenceTPChecksStopped", [expo(stopped)]),
+    ]
+    severity = rendered_severities()
+    covered = {(fid, alert) for fid, alert, _ in cases}
+    table = {(fid, a) for fid, alerts in d.FINDING_ALERTS.items() for a in alerts}
+    assert covered == table
+    for fid, alert, bodies in cases:
+        (f,) = found(report(*bodies), fid)
+        assert (fid, alert, f.severity) == (fid, alert, severity[alert])
+        assert d.alert_severity(fid, alert) == severity[alert]
+    with pytest.raises(ValueError, match="does not answer to alert"):
+        d.alert_severity("redundant_writes", "HicacheExistenceEvictionChurn")
+
+
+def test_cache_mode_rewrites_only_dedup_removes_do_not_make_a_warning() -> None:
+    """Cache mode without dedup, 28.8% of the pages written twice, all believed when
+    written (dedup's to save): redundant_writes and cache_mode_without_dedup are info
+    and the doctor exits 0; the same share not believed is still a warning."""
+    rows = [*healthy_rows(1000, 288), mode_row("cache", "false", "write_back")]
+    rep = report(expo(rows))
+    assert {f.id: f.severity for f in rep.findings} == {
+        "redundant_writes": "info",
+        "cache_mode_without_dedup": "info",
+    }
+    assert rep.exit_code == 0
+    rows = replace(rows, P + "redundant_believed_pages_total", 0, pool="kv")
+    (f,) = found(report(expo(rows)), "redundant_writes")
+    assert f.severity == "warning"
 
 
 def test_l3_written_but_not_read_back() -> None:

@@ -131,6 +131,59 @@ RANK_LABELS = ("tp_rank", "dp_rank", "pp_rank")
 ANSWERED = ("present", "absent", "untrusted")
 FAILED_RESULTS = ("error", "timeout", "rejected")
 
+# -- the alerts' severities: one table for the alerts and the doctor ----------------
+
+#: Every alert's severity (``integrations/prometheus/rules.yml``): dashboards/build.py
+#: renders each alert with the severity named here, and a finding that asks an
+#: alert's question (``FINDING_ALERTS``) takes the same one, so the two cannot
+#: disagree (tests/test_dashboards.py and tests/test_doctor.py compare them).
+ALERT_SEVERITY: dict[str, Severity] = {
+    "HicacheExistenceEvictionChurn": "warning",
+    "HicacheExistenceHitRatioCollapse": "warning",
+    "HicacheExistenceTPDivergence": "critical",
+    "HicacheExistenceTPChecksStopped": "warning",
+    "HicacheExistenceReconcilerDown": "warning",
+    "HicacheExistenceReconcilerCircuitOpen": "warning",
+    "HicacheExistenceStalePositivesHigh": "warning",
+    # A tuning signal: the cap is a choice, and a growing share a trend to look at.
+    "HicacheExistenceAtCapRedundantWritesRising": "info",
+    # A ticket, not a page: upstream's cache mode rewrites pages by design (3% under
+    # write_through, 29% under write_back measured) and only the opt-in
+    # cache_mode.dedup removes it.
+    "HicacheExistenceCacheModeRedundantWrites": "info",
+    "HicacheExistenceFleetRedundantWrites": "warning",
+}
+
+#: The alerts each finding answers to (docs/doctor.md): at its alert's condition a
+#: finding is reported with that alert's severity.
+FINDING_ALERTS: dict[str, tuple[str, ...]] = {
+    "cap_too_small": (
+        "HicacheExistenceEvictionChurn",
+        "HicacheExistenceAtCapRedundantWritesRising",
+    ),
+    "cache_mode_without_dedup": ("HicacheExistenceCacheModeRedundantWrites",),
+    "fleet_redundant_writes": ("HicacheExistenceFleetRedundantWrites",),
+    "stale_beliefs": ("HicacheExistenceStalePositivesHigh",),
+    "reconciler_unhealthy": (
+        "HicacheExistenceReconcilerDown",
+        "HicacheExistenceReconcilerCircuitOpen",
+    ),
+    "tp_divergence": ("HicacheExistenceTPDivergence",),
+    "tp_checks_stopped": ("HicacheExistenceTPChecksStopped",),
+}
+
+
+def alert_severity(finding: str, alert: str) -> Severity:
+    """The severity of ``alert``, which ``finding`` must answer to."""
+    if alert not in FINDING_ALERTS.get(finding, ()):
+        raise ValueError(f"finding {finding!r} does not answer to alert {alert!r}")
+    return ALERT_SEVERITY[alert]
+
+
+def _worst(*severities: Severity) -> Severity:
+    return max(severities, key=SEVERITIES.index)
+
+
 # -- thresholds (docs/doctor.md, "Thresholds"; the alerts' where they overlap) ------
 
 #: Written pages below which ratios of writes are reported at most as info.
@@ -601,7 +654,13 @@ def _redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> l
     w = view.value(WRITTEN, pool=pool)
     rb = view.value(REDUNDANT_BYTES, pool=pool)
     share = _ratio(r, w)
-    high = share > REDUNDANT_RATIO and w >= MIN_WRITTEN_PAGES
+    # In cache mode without dedup the pages dedup would have saved (believed when
+    # written) are cache_mode_without_dedup's, a ticket as its alert: only the rest
+    # can make this a warning, or installing cache mode would page.
+    counted = r
+    if mode == "cache" and dedup is False:
+        counted = max(0.0, r - view.value(REDUNDANT_BELIEVED, pool=pool))
+    high = _ratio(counted, w) > REDUNDANT_RATIO and w >= MIN_WRITTEN_PAGES
     evidence = [
         view.evidence(REDUNDANT, pool=pool),
         view.evidence(REDUNDANT_BYTES, pool=pool),
@@ -673,7 +732,7 @@ def _dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> l
     return [
         Finding(
             "cache_mode_without_dedup",
-            "warning",
+            alert_severity("cache_mode_without_dedup", "HicacheExistenceCacheModeRedundantWrites"),
             f"{pool}: cache mode writes {_pct(share)} of its L3 pages twice and dedup is off; "
             f"dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})",
             (
@@ -724,6 +783,23 @@ def miss_memory_fraction(view: View, pool: str) -> float | None:
     return miss / beliefs
 
 
+def stored_pages(view: View, pool: str) -> float:
+    """Distinct pages this instance stored in L3: its written pages that L3 did not
+    hold yet and that it acknowledged (each new page counts once)."""
+    written = view.value(WRITTEN, pool=pool)
+    return max(
+        0.0,
+        written - view.value(REDUNDANT, pool=pool) - view.value(FAILED, pool=pool),
+    )
+
+
+def cap_covering(pages: float) -> int:
+    """The smallest power of two of at least ``pages`` entries."""
+    if not (math.isfinite(pages) and pages >= 0):
+        raise ValueError(f"pages must be a finite number >= 0, got {pages!r}")
+    return 1 << max(0, math.ceil(pages) - 1).bit_length()
+
+
 def recommended_multiple(curve: Mapping[float, float]) -> float | None:
     """The smallest multiple whose estimate is within ``ADVICE_TOLERANCE`` of the best."""
     if not curve:
@@ -767,7 +843,29 @@ def _cap(view: View, pool: str) -> list[Finding]:
             view.evidence(ADVISOR_LOOKUP, pool=pool, cap_multiplier=m)
             for m in sorted(view.values_by(ADVISOR_LOOKUP, "cap_multiplier", pool=pool), key=float)
         ]
-    if multiple is not None and multiple > 1 and cap > 0:
+    # The advisor's curve ends at its largest multiple: below what the pool stored it
+    # cannot tell a flat curve from a working set beyond its range.
+    stored = stored_pages(view, pool)
+    top = max(curve) * cap if curve else 0.0
+    beyond = (
+        multiple is not None
+        and cap > 0
+        and stored > top
+        and (multiple <= 1 or multiple == max(curve))
+    )
+    if beyond:
+        covering = cap_covering(stored)
+        evidence.append(
+            Evidence(view.instance, "distinct pages stored (written - redundant - failed)", stored)
+        )
+        fixes.append(
+            f"`cache.max_entries={covering}` (`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={covering}`)"
+            f": this instance stored {_n(stored)} distinct pages, more than the advisor's "
+            f"largest cap ({max(curve):g}x = {_n(top)} entries), so its curve says nothing "
+            f"about a cap that holds them; a cap of {covering} covers them (about 40 B per "
+            "entry per rank), then read the curve again"
+        )
+    elif multiple is not None and multiple > 1 and cap > 0:
         here = curve.get(1.0)
         now = "" if here is None else f" from {here:.3f}"
         fixes.append(
@@ -799,7 +897,16 @@ def _cap(view: View, pool: str) -> list[Finding]:
     churn_high = churn > CHURN_RATIO and q >= MIN_QUERIES
     # As HicacheExistenceAtCapRedundantWritesRising: full, and writing pages twice.
     redundant_high = at_cap and _ratio(r, w) > REDUNDANT_RATIO and w >= MIN_WRITTEN_PAGES
-    high = (churn_high or redundant_high) and not flat
+    severity: Severity = "info"
+    if churn_high and not flat:
+        severity = alert_severity("cap_too_small", "HicacheExistenceEvictionChurn")
+    if redundant_high and not flat:
+        severity = _worst(
+            severity,
+            alert_severity("cap_too_small", "HicacheExistenceAtCapRedundantWritesRising"),
+        )
+    if beyond:
+        severity = _worst(severity, "warning")
     per_page = _ratio(view.value(REDUNDANT_BYTES, pool=pool), r)
     wasted = not_believed * per_page if per_page else None
     full = f", full ({_n(entries)} of {_n(cap)} entries)" if at_cap else ""
@@ -814,7 +921,7 @@ def _cap(view: View, pool: str) -> list[Finding]:
     return [
         Finding(
             "cap_too_small",
-            "warning" if high else "info",
+            severity,
             summary,
             tuple(evidence),
             tuple(fixes),
@@ -897,7 +1004,9 @@ def _stale(view: View, pool: str) -> list[Finding]:
         return [
             Finding(
                 "stale_beliefs",
-                "warning" if high else "info",
+                alert_severity("stale_beliefs", "HicacheExistenceStalePositivesHigh")
+                if high
+                else "info",
                 f"{pool}: {_n(stale)} of {_n(answered)} answered verifications ({_pct(share)}) "
                 f"found believed pages missing from L3; "
                 f"{_n(view.value(RECONCILER_INVALIDATED, pool=pool))} beliefs removed",
@@ -964,7 +1073,13 @@ def _reconciler_health(view: View) -> list[Finding]:
     total_errors = sum(errors.values())
     if not (open_ or down or failed > 0 or total_errors > 0):
         return []
-    severity: Severity = "warning" if open_ or down else "info"
+    severity: Severity = "info"
+    if open_:
+        severity = alert_severity("reconciler_unhealthy", "HicacheExistenceReconcilerCircuitOpen")
+    if down:
+        severity = _worst(
+            severity, alert_severity("reconciler_unhealthy", "HicacheExistenceReconcilerDown")
+        )
     kinds = ", ".join(f"{k} {_n(n)}" for k, n in sorted(errors.items()) if n > 0) or "none"
     state = "circuit breaker open" if open_ else ("no answers" if down else "answering")
     evidence = [
@@ -1001,7 +1116,7 @@ def _divergence(view: View) -> list[Finding]:
         out.append(
             Finding(
                 "tp_divergence",
-                "critical",
+                alert_severity("tp_divergence", "HicacheExistenceTPDivergence"),
                 f"{_n(diverged)} checks found TP replicas of the beliefs differing "
                 f"({_n(view.value(DIVERGENCE_HEALS))} heals)",
                 (
@@ -1039,7 +1154,7 @@ def _divergence(view: View) -> list[Finding]:
         out.append(
             Finding(
                 "tp_checks_stopped",
-                "warning",
+                alert_severity("tp_checks_stopped", "HicacheExistenceTPChecksStopped"),
                 "TP divergence checks stopped on at least one rank "
                 f"({_n(sum(failures.values()))} failed checks, {_n(mismatches)} config "
                 "mismatches): a divergence would go unnoticed",
@@ -1227,7 +1342,9 @@ def _fleet(views: Sequence[View]) -> list[Finding]:
     return [
         Finding(
             "fleet_redundant_writes",
-            "warning" if high else "info",
+            alert_severity("fleet_redundant_writes", "HicacheExistenceFleetRedundantWrites")
+            if high
+            else "info",
             f"fleet of {n}: {_n(total_r)} of {_n(total_w)} written pages ({_pct(share)}) were "
             f"already in L3; share of the redundant pages: {shares}; the routing costs "
             f"{human_bytes(cost_bytes)} ({how})",
