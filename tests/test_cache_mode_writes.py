@@ -390,3 +390,27 @@ def test_dedup_leaves_out_a_node_with_extra_pools_all_believed(made: Any) -> Non
     stats = feed.writes.stats()
     assert (stats["kv"].written, stats["kv"].avoided) == (0, 4)
     assert (stats["swa"].written, stats["swa"].avoided) == (0, 2)
+
+
+def test_a_non_writer_rank_believes_what_the_writer_rank_believes(made: Any) -> None:
+    """MLA: one rank of the TP group writes L3 for the group and the others skip
+    (``backup_skip``).  Every rank adds the written pages to its beliefs at the
+    ack whatever its own backend did, so the replicas stay identical; only the
+    writer counts the backend's outcome."""
+    writer, writer_feed, writer_l3 = made(dedup=True)
+    skipper, skipper_feed, skipper_l3 = made(dedup=True)
+    skipper.cache_controller.backup_skip = True
+    a, b = pages("a", 4), pages("b", 3)
+    for tree, feed in ((writer, writer_feed), (skipper, skipper_feed)):
+        tree.nodes = {1: a, 2: [*a[:2], *b]}
+        wp.attach(feed)
+        cycle(tree, feed, 1)
+        cycle(tree, feed, 2)
+    beliefs = [t.storage_existence_cache.pool("kv") for t in (writer, skipper)]
+    assert list(beliefs[0].lru_keys()) == list(beliefs[1].lru_keys())  # same order too
+    assert set(beliefs[1].lru_keys()) == {*a, *b}
+    assert [c["pages"] for c in skipper.cache_controller.calls] == [a, b]  # same plan
+    w, s = writer_feed.writes.stats()["kv"], skipper_feed.writes.stats()["kv"]
+    assert (w.written, w.acknowledged, w.avoided) == (7, 7, 2)
+    assert (s.written, s.avoided) == (7, 2) and s.acknowledged == 0
+    assert writer_l3 == {*a, *b}

@@ -267,6 +267,10 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
         "no_plugin": lambda: s.run("disabled", argv, env=s.env(SGLANG_PLUGINS="some_other_plugin")),
         "missing_target": lambda: s.run("missing_target", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
         "unknown_shape": lambda: s.run("unknown_shape", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
+        "upstream_grew": lambda: s.run("upstream_grew", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
+        "buffer_method_removed": lambda: s.run(
+            "buffer_method_removed", env=s.env(HICACHE_EXISTENCE_ENABLED="1")
+        ),
         "flags": lambda: s.run("flags"),
         "detokenizer": lambda: s.run("detokenizer", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
         "logging_settings": lambda: s.run(

@@ -725,6 +725,70 @@ def unknown_shape() -> dict[str, Any]:
     }
 
 
+@scenario
+def upstream_grew() -> dict[str, Any]:
+    """A newer sglang whose existence cache has a public method ours lacks (added
+    to the per-pool beliefs on the current generation, to the cache on the flat
+    one) and that its scheduler calls: one warning naming it, upstream's class
+    stays, and the call works on the tree's cache."""
+    import sglang.srt.mem_cache.buffer_mode.storage_existence_cache as sec
+
+    from hicache_existence.integrations.sglang import targets
+
+    generation = targets.detect_generation(sec.StorageExistenceCache)
+    grown = sec.StorageExistenceCache
+    if generation == "current":
+        grown = type(sec.StorageExistenceCache(max_entries=8).pool("kv"))
+
+    def hx_future_sweep(self: Any, budget: int = 0) -> str:
+        return "upstream's"
+
+    grown.hx_future_sweep = hx_future_sweep
+    logs = capture_logs()
+    load_plugins()
+    from hicache_existence.integrations.sglang import hooks, plugin
+
+    publish(server_args())
+    tree = build_tree()
+    cache = tree.storage_existence_cache
+    target = cache.pool("kv") if generation == "current" else cache
+    return {
+        "status": plugin.status(),
+        "registry": registry_state(),
+        "class_module": type(cache).__module__,
+        "called": target.hx_future_sweep(1),
+        "entry": hooks.current() is not None,
+        "warnings": logs.warnings(),
+    }
+
+
+@scenario
+def buffer_method_removed() -> dict[str, Any]:
+    """A newer sglang without one of buffer mode's pipeline methods: one warning
+    names it and says the buffer-mode counters stop; cache mode's hooks and the
+    cache replacement stay."""
+    import sglang.srt.mem_cache.buffer_mode.pipeline as pipeline
+
+    from hicache_existence.integrations.sglang import targets
+
+    sec = __import__("sglang.srt.mem_cache.buffer_mode.storage_existence_cache", fromlist=["x"])
+    generation = targets.detect_generation(sec.StorageExistenceCache)
+    name = "_write_intents" if generation == "current" else "enqueue_backup_intent"
+    for cls in pipeline.BufferModePipeline.__mro__:
+        if name in vars(cls):
+            delattr(cls, name)
+    logs = capture_logs()
+    load_plugins()
+    from hicache_existence.integrations.sglang import plugin
+
+    return {
+        "removed": f"sglang.srt.mem_cache.buffer_mode.pipeline.BufferModePipeline.{name}",
+        "status": plugin.status(),
+        "registry": registry_state(),
+        "warnings": logs.warnings(),
+    }
+
+
 def _child_reads(args: Any, queue: Any) -> None:
     from hicache_existence.integrations.sglang.flags import stored_values
 

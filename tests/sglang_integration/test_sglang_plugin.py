@@ -26,6 +26,11 @@ STEP = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache
 ADD = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM = "sglang.srt.server_args.ServerArgs.from_cli_args"
 UPSTREAM_MODULE = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache"
+PIPELINE = "sglang.srt.mem_cache.buffer_mode.pipeline.BufferModePipeline"
+WRITE_BACKUP_STORAGE = (
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.write_backup_storage"
+)
+WRITE_STORAGE = "sglang.srt.managers.cache_controller.HiCacheController.write_storage"
 #: The installed wheel's cache generation (flat up to sglang 0.5.21, current from 0.5.22).
 GENERATION = installed_generation()
 OUR_CLASS = {
@@ -167,6 +172,51 @@ def test_unknown_api_shape_one_warning_and_untouched(scenarios: Scenarios) -> No
     assert len(r["warnings"]) == 1 and "API this package does not know" in r["warnings"][0]
     assert set(r["registry"]) == {ADD, FROM}
     assert r["still_unknown"] is True
+
+
+def test_an_upstream_method_ours_lacks_keeps_upstreams_class(scenarios: Scenarios) -> None:
+    """A public method added upstream (and called by its scheduler) that our
+    cache does not serve: one warning names it, no cache hook is registered, the
+    tree's cache is upstream's and the call answers as upstream's does."""
+    r = scenarios.get("upstream_grew").value()
+    assert len(r["warnings"]) == 1, r["warnings"]
+    assert "hx_future_sweep" in r["warnings"][0]
+    assert "upstream's StorageExistenceCache stays" in r["warnings"][0]
+    assert set(r["registry"]) == {ADD, FROM}
+    assert r["class_module"] == UPSTREAM_MODULE and r["entry"] is False
+    assert r["called"] == "upstream's" and r["status"]["cache"] is False
+
+
+def test_a_removed_buffer_mode_method_leaves_cache_mode_counting(scenarios: Scenarios) -> None:
+    """One buffer-mode pipeline method gone: one warning names it and the
+    buffer-mode counters; the cache-mode write hooks and the cache stay."""
+    r = scenarios.get("buffer_method_removed").value()
+    named = [w for w in r["warnings"] if r["removed"] in w]
+    assert len(named) == 1 and "buffer-mode write counters" in named[0], r["warnings"]
+    hooked = set(r["status"]["write_hooks"])
+    assert {WRITE_BACKUP_STORAGE, WRITE_STORAGE} <= hooked <= set(r["registry"])
+    assert not any(t.startswith(PIPELINE) for t in hooked)
+    assert r["status"]["cache"] is True and CACHE_CLASS in r["registry"]
+
+
+def test_ours_serve_every_public_name_of_the_installed_upstream() -> None:
+    """Every public name of the installed sglang's existence cache (and, on the
+    current generation, of the per-pool beliefs its ``pool()`` returns) exists on
+    ours, read straight from the wheel: a release that adds one fails here."""
+    import sglang.srt.mem_cache.buffer_mode.storage_existence_cache as sec
+
+    from hicache_existence.integrations.sglang import conformance
+
+    upstream = sec.StorageExistenceCache
+    ours = conformance.ours_for(GENERATION)
+    pairs = [(upstream(max_entries=8), ours(max_entries=8))]
+    if GENERATION == "current":
+        pairs.append((pairs[0][0].pool("kv"), pairs[0][1].pool("kv")))
+    for theirs, mine in pairs:
+        public = {n for n in dir(theirs) if not n.startswith("_")}
+        assert public, theirs
+        assert public <= set(dir(mine)), public - set(dir(mine))
+    assert conformance.gaps(GENERATION, upstream) == []
 
 
 def test_real_detokenizer_entry_gets_no_cache_hooks(scenarios: Scenarios) -> None:
