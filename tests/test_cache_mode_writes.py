@@ -398,7 +398,7 @@ def test_a_non_writer_rank_believes_what_the_writer_rank_believes(made: Any) -> 
     ack whatever its own backend did, so the replicas stay identical; only the
     writer counts the backend's outcome."""
     writer, writer_feed, writer_l3 = made(dedup=True)
-    skipper, skipper_feed, skipper_l3 = made(dedup=True)
+    skipper, skipper_feed, _skipper_l3 = made(dedup=True)
     skipper.cache_controller.backup_skip = True
     a, b = pages("a", 4), pages("b", 3)
     for tree, feed in ((writer, writer_feed), (skipper, skipper_feed)):
