@@ -305,6 +305,14 @@ def test_recompute_is_the_cap_in_buffer_mode_and_host_memory_in_cache_mode() -> 
     assert "--hicache-ratio" in f.fix[0]
 
 
+def test_every_cause_fix_is_for_a_cause_the_write_path_gives() -> None:
+    """The doctor's fixes are exactly for the causes accounting/causes.py emits (no
+    fix for a cause that does not exist, no cause without a fix)."""
+    from hicache_existence.accounting.causes import CAUSES
+
+    assert set(d.CAUSE_FIXES) == set(CAUSES)
+
+
 def test_redundant_writes_below_the_threshold_or_on_little_traffic_are_info() -> None:
     """5% exactly is not above the threshold; 50% of 20 pages is too little to judge."""
     (f,) = found(report(expo(healthy_rows(1000, 50))), "redundant_writes")

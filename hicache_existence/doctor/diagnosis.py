@@ -610,10 +610,6 @@ CAUSE_FIXES: dict[str, str] = {
         "`--hicache-storage-backend-extra-config`, or `--hicache-storage-prefetch-policy "
         "wait_complete`"
     ),
-    "split": (
-        "fragments of split nodes were backed up again (SGLang's node split; no setting): "
-        "in cache mode `cache_mode.dedup=true` skips them"
-    ),
     "host_copy_reclaimed": (
         "under `write_back`, host pressure reclaimed the host copy of a node also on the "
         "device, and its next eviction backed it up again: "
@@ -628,7 +624,10 @@ CAUSE_FIXES: dict[str, str] = {
         "buffer mode writes a node whole when any of its pages is new (SGLang's write rule; "
         "no setting removes it)"
     ),
-    "unclassified": "the write path could not tell the cause",
+    "unclassified": (
+        "the pool has no miss-reason memory, so a page not believed now cannot be told "
+        "`recompute` or `other_instance`: `miss_reasons.enabled=true`"
+    ),
 }
 
 
@@ -1279,9 +1278,10 @@ def _fleet(views: Sequence[View]) -> list[Finding]:
     # forgets nothing it stored, so its redundant pages that were not believed when
     # written came from elsewhere: another instance (or a previous process).  At
     # its cap that cannot be told apart from its own forgotten pages: there only
-    # the cause series' other_instance pages count (a page another instance stored
-    # may also be classified below_prefetch_threshold or prefetch_shortfall, which
-    # come first, so this is a lower bound there).
+    # the cause series' other_instance pages count, an estimate both ways: a page
+    # another instance stored may be classified below_prefetch_threshold or
+    # prefetch_shortfall first (missed), and an own page whose eviction the
+    # miss-reason memory forgot is other_instance too (over-counted).
     cost_bytes = 0.0
     cost_rate: float | None = 0.0
     evidence: list[Evidence] = []

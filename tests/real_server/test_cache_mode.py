@@ -208,12 +208,16 @@ def test_causes_name_the_mechanism_of_each_write_policy(pair) -> None:
 
 def check_evidence_all(run: DoctorRun, servers: dict[str, Server]) -> int:
     assert run.code in (0, 1), run.out + run.err
-    return sum(check_evidence(f, servers) for f in run.doc["findings"] if f["severity"] != "info")
+    return sum(
+        check_evidence(f, servers)
+        for f in run.doc["findings"]
+        if f["severity"] != "info" or f["id"] == "cache_mode_without_dedup"
+    )
 
 
 def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
     """``hicache-existence doctor`` on both servers: the dedup-off server gets
-    ``cache_mode_without_dedup`` (a warning: exit 1) exactly where it rewrote more
+    ``cache_mode_without_dedup`` (info, as its alert: a ticket) exactly where it rewrote more
     than the alert's share of its writes, with the pages dedup would have saved,
     and every evidence figure equal to the server's own series; the dedup-on
     server never gets it."""
@@ -231,7 +235,9 @@ def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
     assert not on.doctor.findings("cache_mode_without_dedup"), on.doctor.out
     if found:
         (f,) = found
-        assert f["severity"] == "warning" and off.doctor.code == 1
+        assert f["severity"] == "info"
+        worse = any(x["severity"] != "info" for x in off.doctor.doc["findings"])
+        assert off.doctor.code == (1 if worse else 0), off.doctor.out
         assert f"dedup would have saved {c['redundant_believed_pages']:,.0f} pages" in f["summary"]
         assert any("cache_mode.dedup=true" in fix for fix in f["fix"]), f["fix"]
         assert off.evidence_compared >= 3, off.doctor.out
