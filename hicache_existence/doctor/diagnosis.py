@@ -1181,7 +1181,8 @@ def _liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]
                 "the package is not enabled on this server",
                 (view.evidence(SGLANG_BACKUPED), view.evidence(SGLANG_PREFETCH_HIT)),
                 (
-                    "`pip install hicache-existence` in the server's environment and start "
+                    "install the package in the server's environment (a wheel built from the "
+                    "checkout: docs/enable.md, section 1) and start "
                     "SGLang with `--enable-hicache-existence` (and `--enable-metrics`, so its "
                     "series are on this endpoint); docs/enable.md",
                 ),

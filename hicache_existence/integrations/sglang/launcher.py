@@ -165,7 +165,8 @@ def preflight(entry: str) -> list[str]:
     ):
         problems.append(
             "the hicache_existence entry point (group sglang.srt.plugins) is not installed: "
-            "pip install hicache-existence in this interpreter's environment"
+            "install the package in this interpreter's environment (a wheel built from the "
+            "checkout: docs/enable.md, section 1)"
         )
     return problems
 
