@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import socket
@@ -213,3 +215,97 @@ def test_redis_dying_mid_run_leaves_the_demo_running(tmp_path: Path) -> None:
     assert gauge, "the circuit-open gauge never read 1 on /metrics"
     assert "demo finished: 600 steps" in text
     assert re.search(r"circuit breaker opened [1-9]\d* time", text), text
+
+
+def _session_members(sid: int) -> dict[int, str]:
+    """Every live process of session ``sid`` (its pid: its command line), from /proc."""
+    members: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
+            members[int(entry.name)] = cmdline
+    return members
+
+
+def _torch_in(python: str) -> bool:
+    probe = subprocess.run([python, "-c", "import torch.distributed"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("sig", "keep_running"),
+    [
+        (signal.SIGTERM, True),
+        (signal.SIGTERM, False),
+        (signal.SIGINT, False),
+        (signal.SIGKILL, True),
+    ],
+    ids=["sigterm-keep-running", "sigterm-one-pass", "sigint-one-pass", "sigkill-keep-running"],
+)
+def test_a_signal_to_the_demo_stops_every_process_it_started(
+    tmp_path: Path, sig: signal.Signals, keep_running: bool
+) -> None:
+    """A supervisor's ``kill PID`` (SIGTERM), a Ctrl-C (SIGINT), even a SIGKILL of the
+    demo's own process: no rank process it spawned (two gloo ranks with torch, one
+    without) outlives it, and SIGTERM / SIGINT end it with its summary."""
+    ranks = 2 if _torch_in(sys.executable) else 1
+    mode = ["--keep-running"] if keep_running else ["--steps", "100000"]
+    # Files, not pipes: an orphaned rank holding a pipe open would hang the reader.
+    with (tmp_path / "stdout").open("w") as out, (tmp_path / "stderr").open("w") as err:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "hicache_existence", "demo"),
+                *("--ranks", "2", "--port", "0", "--steps-per-s", "20", *mode),
+            ],
+            stdout=out,
+            stderr=err,
+            start_new_session=True,  # the demo's pid is its session id: its processes
+        )
+    exited = True
+    try:
+        deadline = time.monotonic() + 120
+        workers: dict[int, str] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            members = _session_members(proc.pid)
+            workers = {p: c for p, c in members.items() if "spawn_main" in c}
+            if len(workers) == ranks:
+                break
+            time.sleep(0.2)
+        assert len(workers) == ranks, (workers, proc.poll())
+        while time.monotonic() < deadline and proc.poll() is None:  # the ranks are stepping
+            if re.search(r"^step \d+", (tmp_path / "stdout").read_text(), re.M):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None
+        proc.send_signal(sig)  # the demo's process only, as `kill PID` does
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            exited = False
+        deadline = time.monotonic() + 10
+        left = _session_members(proc.pid)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = _session_members(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _session_members(proc.pid):  # leave no orphan behind a failure
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    stdout, stderr = ((tmp_path / name).read_text() for name in ("stdout", "stderr"))
+    assert exited, f"the demo still ran 60 s after {sig.name}: {stdout + stderr}"
+    assert not left, f"still running after the demo exited: {left}"
+    if sig != signal.SIGKILL:
+        assert proc.returncode == (0 if keep_running else 128 + sig), stdout + stderr
+        assert "demo finished" in stdout, stdout + stderr
+        assert "Traceback" not in stdout + stderr, stdout + stderr

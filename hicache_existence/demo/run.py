@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,10 @@ class DemoOptions:
     keep_running: bool = False
     progress: bool = True
     config: Config = field(default_factory=Config)
+    #: The ranks' logging, as the CLI resolved it (``logging.level`` or
+    #: ``--log-level``); empty: a rank leaves its logging unconfigured.
+    log_level: str = ""
+    log_json: bool = False
 
 
 def bundled_trace() -> Path:
@@ -181,11 +185,32 @@ def rank_main(
     # Ctrl-C goes to the parent, which sets ``stop``; ranks then stop together
     # at an agreed step (a rank leaving on its own would strand the collectives).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+    if opts.log_level:  # a spawned process starts with logging unconfigured
+        from hicache_existence.logs import configure_logging
+
+        configure_logging(opts.log_level, json_output=opts.log_json)
     try:
         _rank_loop(rank, world, dist_port, opts, reports, stop)
     except BaseException as exc:  # report, then let the parent decide
         reports.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
         raise
+
+
+def _exit_with_parent(interval_s: float = 0.5) -> None:
+    """End this rank as soon as the parent is gone, however it went (even SIGKILL,
+    which leaves it no chance to stop us): a rank re-parented to init would serve
+    no one and hold its port, memory and gloo peers."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hicache-existence-parent-watch", daemon=True).start()
 
 
 def _rank_loop(
@@ -242,7 +267,7 @@ def _rank_loop(
     while True:
         if not opts.keep_running and step >= steps:
             break
-        if opts.keep_running and _stop_agreed(stop, world, step):
+        if _stop_agreed(stop, world, step):  # SIGINT / SIGTERM to the parent
             break
         scheduler.step(next(batches))
         step += 1
@@ -482,8 +507,41 @@ def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
     return "\n".join(lines)
 
 
+#: Seconds the ranks get to stop at an agreed step after SIGINT / SIGTERM.
+STOP_GRACE_S = 15.0
+
+
+class _Forced(KeyboardInterrupt):
+    """A second SIGINT / SIGTERM: stop the ranks now, without their summary."""
+
+
+def _on_stop_signals(stop: Any, received: list[int]) -> Callable[[], None]:
+    """SIGINT and SIGTERM (a supervisor's ``kill``) ask the ranks to stop together
+    (``stop``); a second one forces it.  Returns the restorer of the old handlers."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        if received:
+            raise _Forced(signum)
+        received.append(signum)
+        stop.set()
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+    return restore
+
+
 def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
-    """Run the demo; returns the exit status."""
+    """Run the demo; returns the exit status (``128 + signal`` if a signal cut a
+    one-pass run short; 0 when it ends a ``keep_running`` one)."""
     ranks = opts.ranks
     if ranks > 1 and not torch_available():
         out("torch is not installed: running one TP rank (pip install torch for two)")
@@ -494,6 +552,8 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     stop = ctx.Event()
+    received: list[int] = []
+    restore = _on_stop_signals(stop, received)
     endpoint: MetricsEndpoint | None = None
     procs: list[Any] = []
     status = 0
@@ -515,22 +575,29 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
         ]
         for p in procs:
             p.start()
-        summary = _follow(reports, procs, ranks, opts, stop, out)
+        summary = _follow(reports, procs, ranks, opts, received, out)
         for p in procs:
-            p.join(timeout=30)
-        if summary is None or any(p.exitcode for p in procs):
-            status = 1
-        else:
+            p.join(timeout=STOP_GRACE_S if received else 30)
+        if summary is not None and not any(p.exitcode for p in procs):
             out(format_summary(summary, ranks))
-        if opts.keep_running and status == 0 and sys.stdin is not None:
-            pass
-    except KeyboardInterrupt:
+            status = 0
+        else:
+            status = 1
+        if received and (status or not opts.keep_running):
+            status = 128 + received[0]
+    except _Forced as exc:
+        status = 128 + int(exc.args[0])
+    except KeyboardInterrupt:  # a SIGINT outside the main thread's handler
         stop.set()
         status = 130
     finally:
+        restore()
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
                 p.join(timeout=5)
         if endpoint is not None:
             endpoint.close()
@@ -547,40 +614,45 @@ def _follow(
     procs: list[Any],
     ranks: int,
     opts: DemoOptions,
-    stop: Any,
+    received: list[int],
     out: Callable[[str], None],
 ) -> dict[str, Any] | None:
+    """The ranks' reports until each is done (``None``: a rank failed, or did not
+    stop within ``STOP_GRACE_S`` of a signal)."""
     done = 0
     summary: dict[str, Any] | None = None
     tty = sys.stderr.isatty()
     last_print = 0.0
-    try:
-        while done < ranks:
-            try:
-                msg = reports.get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
+    stop_by = math.inf
+    while done < ranks:
+        if received and stop_by == math.inf:
+            stop_by = time.monotonic() + STOP_GRACE_S
+        if time.monotonic() > stop_by:
+            out(f"the ranks did not stop within {STOP_GRACE_S:g} s; terminating them")
+            return None
+        try:
+            msg = reports.get(timeout=0.5)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                if not received:
                     out("a rank exited with an error")
-                    return None
-                continue
-            if "error" in msg:
-                out(f"rank {msg['rank']} failed: {msg['error']}")
                 return None
-            if "progress" in msg and opts.progress:
-                now = time.monotonic()
-                if tty:
-                    sys.stderr.write("\r" + _line(msg["progress"])[:200])
-                    sys.stderr.flush()
-                elif now - last_print >= 2.0:
-                    out(_line(msg["progress"]))
-                    last_print = now
-            if msg.get("done"):
-                done += 1
-                if msg.get("summary") is not None:
-                    summary = msg["summary"]
-    except KeyboardInterrupt:
-        stop.set()
-        return _follow(reports, procs, ranks, replace(opts, progress=False), stop, out)
+            continue
+        if "error" in msg:
+            out(f"rank {msg['rank']} failed: {msg['error']}")
+            return None
+        if "progress" in msg and opts.progress and not received:
+            now = time.monotonic()
+            if tty:
+                sys.stderr.write("\r" + _line(msg["progress"])[:200])
+                sys.stderr.flush()
+            elif now - last_print >= 2.0:
+                out(_line(msg["progress"]))
+                last_print = now
+        if msg.get("done"):
+            done += 1
+            if msg.get("summary") is not None:
+                summary = msg["summary"]
     if tty:
         sys.stderr.write("\n")
     return summary
