@@ -76,10 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"hicache-existence: invalid configuration in the environment: {exc}", file=sys.stderr
         )
         return 2
-    configure_logging(
-        args.log_level or section.level or "warning",
-        json_output=section.json if args.log_json is None else args.log_json,
-    )
+    # Resolved once, here; commands that spawn processes (the demo) pass them on.
+    args.log_level = args.log_level or section.level or "warning"
+    args.log_json = section.json if args.log_json is None else args.log_json
+    configure_logging(args.log_level, json_output=args.log_json)
     try:
         return int(args._run(args))
     except KeyboardInterrupt:

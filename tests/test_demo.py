@@ -309,3 +309,41 @@ def test_a_signal_to_the_demo_stops_every_process_it_started(
         assert proc.returncode == (0 if keep_running else 128 + sig), stdout + stderr
         assert "demo finished" in stdout, stdout + stderr
         assert "Traceback" not in stdout + stderr, stdout + stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("env", "flags", "shown"),
+    [
+        ({}, [], False),
+        ({"HICACHE_EXISTENCE_LOGGING__LEVEL": "info"}, [], True),
+        ({"HICACHE_EXISTENCE_LOGGING__LEVEL": "info"}, ["--log-level", "error"], False),
+    ],
+)
+def test_demo_ranks_log_at_the_configured_level(env, flags, shown) -> None:
+    """logging.level from the environment reaches the spawned ranks (their start-up
+    event is logged at info), and --log-level wins over it."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hicache_existence",
+            *flags,
+            "demo",
+            "--no-progress",
+            "--ranks",
+            "1",
+            "--steps",
+            "10",
+            "--steps-per-s",
+            "0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_EXISTENCE_")} | env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("hicache_existence.startup" in out.stderr) is shown, out.stderr

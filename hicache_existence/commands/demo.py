@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         keep_running=args.keep_running,
         progress=not args.no_progress,
+        log_level=getattr(args, "log_level", None) or "",
+        log_json=bool(getattr(args, "log_json", False)),
     )
     problem = preflight(opts)
     if problem is not None:
