@@ -101,7 +101,13 @@ def _millis(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", type=Path, metavar="TRACE", help="JSONL trace file")
+    parser.add_argument(
+        "trace",
+        type=Path,
+        metavar="TRACE",
+        help="JSONL trace file (.jsonl or .jsonl.gz), or a recorder directory "
+        "(recorder.path: its *.jsonl.gz files, read as one trace)",
+    )
     parser.add_argument(
         "--format",
         choices=("auto", "mooncake", "pages"),
