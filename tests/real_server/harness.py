@@ -124,10 +124,11 @@ def free_ports(n: int, attempts: int = 50) -> int:
     raise RuntimeError(f"no {n} consecutive free ports in {attempts} attempts")
 
 
-def write_model(root: Path, **overrides: Any) -> Path:
+def write_model(root: Path, drop: Sequence[str] = (), **overrides: Any) -> Path:
     """A model directory holding only ``config.json`` (weights are random: ``dummy``)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({**TINY_LLAMA, **overrides}))
+    config = {k: v for k, v in TINY_LLAMA.items() if k not in drop}
+    (root / "config.json").write_text(json.dumps({**config, **overrides}))
     return root
 
 
@@ -165,6 +166,12 @@ class ServerSpec:
     #: of 388 s); one or two servers gain nothing, the poll delays their write acks.
     #: ``HX_SERVER_SLEEP_ON_IDLE=0`` turns it off everywhere.
     sleep_on_idle: bool = False
+    #: ``config.json`` of the served model: ``TINY_LLAMA`` updated with these keys
+    #: (another architecture's whole config for the MLA and hybrid shapes).
+    model: Mapping[str, Any] = field(default_factory=dict)
+    #: Keys of ``TINY_LLAMA`` left out of the served config (``model`` replaces the
+    #: rest): another architecture's config must not inherit Llama-only keys.
+    model_drop: Sequence[str] = ()
 
 
 def server_env(spec: ServerSpec, l3_dir: Path) -> dict[str, str]:
@@ -395,7 +402,7 @@ class Server:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / "server.log"
-        self.model = write_model(workdir / "model")
+        self.model = write_model(workdir / "model", drop=spec.model_drop, **spec.model)
         self.args = server_args(spec, self.model, port, workdir)
         self.env = server_env(spec, l3_dir)
         self.proc: subprocess.Popen[bytes] | None = None
