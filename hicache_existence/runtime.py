@@ -77,7 +77,7 @@ class ExistenceRuntime:
         agreement: Agreement | None = None,
         env: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        host_mode: tuple[str, str, bool] = ("buffer_only", "", False),
+        host_mode: tuple[str, str, bool | str] = ("buffer_only", "", False),
         instance: str | None = None,
     ) -> None:
         self.config = config = config or Config()

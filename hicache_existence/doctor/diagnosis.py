@@ -556,7 +556,8 @@ class View:
                 return (
                     labels.get("host_memory_mode"),
                     labels.get("write_policy"),
-                    None if dedup is None else dedup == "true",
+                    # "upstream": sglang deduplicates itself (the package only counts).
+                    None if dedup is None else dedup in ("true", "upstream"),
                 )
         return None, None, None
 

@@ -339,7 +339,8 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "gauge",
         "mode",
         "1, labelled with the HiCache host memory mode this process serves (buffer_only "
-        "or cache), SGLang's write policy and whether cache_mode.dedup is on.",
+        "or cache), SGLang's write policy and whether cache_mode.dedup is on (true, false, or "
+        "upstream: SGLang deduplicates cache-mode writes itself and the package only counts).",
         "1",
         ("host_memory_mode", "write_policy", "cache_mode_dedup"),
     ),

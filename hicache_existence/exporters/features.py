@@ -34,7 +34,7 @@ class FeatureSources:
     reconciler: Callable[[], Any] | None = None
     advisor: Callable[[], Any] | None = None
     #: The host memory mode served: ``(host_memory_mode, write_policy, dedup)``.
-    mode: Callable[[], tuple[str, str, bool]] | None = None
+    mode: Callable[[], tuple[str, str, bool | str]] | None = None
     #: The trace recorder's counters (``Recorder.snapshot``).
     recorder: Callable[[], Any] | None = None
 
@@ -59,7 +59,8 @@ def sample_features(
     histograms: HistogramSamples = {}
     if sources.mode is not None:
         host_mode, policy, dedup = sources.mode()
-        scalars[_name("mode_info")] = {(host_mode, policy, "true" if dedup else "false"): 1.0}
+        dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
+        scalars[_name("mode_info")] = {(host_mode, policy, dedup_text): 1.0}
     if sources.divergence is not None:
         _divergence(scalars, sources.divergence())
     if sources.reconciler is not None:

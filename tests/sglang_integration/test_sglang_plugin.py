@@ -219,6 +219,27 @@ def test_ours_serve_every_public_name_of_the_installed_upstream() -> None:
     assert conformance.gaps(GENERATION, upstream) == []
 
 
+def test_the_installed_sglang_overlaps_nowhere_and_the_detector_reads_its_code() -> None:
+    """sglang 0.5.21 and 0.5.23 neither deduplicate cache-mode writes nor emit
+    EXTERNAL storage events (``upstream_overlap``), read from the real wheel; the
+    detector does read the real functions (their code names are not empty), so a
+    release whose write path consults the existence cache fails here first."""
+    from hicache_existence.integrations.sglang import targets, upstream_overlap
+
+    overlap = upstream_overlap.detect(targets.resolve)
+    assert overlap == upstream_overlap.Overlap(), overlap
+    read = 0
+    for target in upstream_overlap.DEDUP_PATH:
+        try:
+            fn = targets.resolve(target)
+        except targets.TargetMissing:
+            continue
+        names = upstream_overlap.code_names(fn)
+        assert names, target
+        read += 1
+    assert read >= 1 if GENERATION == "flat" else read >= 2
+
+
 def test_real_detokenizer_entry_gets_no_cache_hooks(scenarios: Scenarios) -> None:
     """sglang's own run_detokenizer_process loads the enabled plugin, which
     recognises the detokenizer by its real entry function and registers the

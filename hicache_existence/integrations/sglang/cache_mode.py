@@ -23,6 +23,9 @@ every backed-up node is written whether or not L3 already holds its pages.
   whole node or nothing when extra pools (hybrid models) ride along.  A node whose
   every page is believed still gets an operation, an empty one: upstream's
   bookkeeping (the host lock held until the ack, ``ongoing_backup``) stays as is;
+* **upstream dedup**: on an sglang that deduplicates these writes itself
+  (``upstream_overlap``), ours is off and the launch only counts: no second
+  lookup (sglang's went through this cache), every page handed over ``written``;
 * **ack**: an operation leaves ``tree.ongoing_backup`` only at the storage drain;
   the per-step hook (``reap``) sees it gone, in launch order (one backup thread,
   FIFO queues), and counts this rank's outcome (acknowledged, failed, redundant by
@@ -186,10 +189,14 @@ class CacheModeWrites:
         dedup: bool,
         causes: CauseTracker,
         size_pool: Callable[[str], None],
+        upstream_dedup: bool = False,
     ) -> None:
         self.writes = writes
         self.beliefs = Beliefs(cache)
-        self.dedup = dedup
+        #: sglang deduplicates these writes itself (``upstream_overlap``): ours never
+        #: does, and the launch reads the beliefs without a counted lookup.
+        self.upstream_dedup = upstream_dedup
+        self.dedup = dedup and not upstream_dedup
         self.causes = causes
         self._size_pool = size_pool
         self._sized: set[str] = set()
@@ -229,6 +236,11 @@ class CacheModeWrites:
     ) -> WritePlan:
         """Look the node's pages up and decide what is written (module docstring)."""
         pages = list(pages)
+        if self.upstream_dedup:
+            # sglang looked these pages up in this cache already (counted there) and
+            # left out what it skips: count what it sends, classify without a lookup.
+            believed = self.beliefs.believed(KV, pages) if pages else set()
+            return WritePlan(list(range(len(pages))), pages, believed, extra, True)
         covered = self.beliefs.covered(KV, pages) if pages else True
         believed = set(pages) if covered else self.beliefs.believed(KV, pages)
         extra_covered = not extra or all(

@@ -45,6 +45,8 @@ from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
+from hicache_existence.integrations.sglang import targets as _targets
+from hicache_existence.integrations.sglang import upstream_overlap as _overlap
 from hicache_existence.integrations.sglang import write_path as _write_path
 from hicache_existence.integrations.sglang.cache_mode import Beliefs
 from hicache_existence.integrations.sglang.process import PROCESS
@@ -71,8 +73,11 @@ class ProcessEntry:
         group: DeferredGroup | None,
         agreement: DeferredAgreement | None,
         truth: TreeCacheGroundTruth | None,
+        overlap: _overlap.Overlap | None = None,
     ) -> None:
         self.pid = os.getpid()
+        #: What the installed sglang does itself (``upstream_overlap``).
+        self.overlap = overlap = overlap or _overlap.Overlap()
         self.runtime = runtime
         self.facts = facts
         self.group = group
@@ -84,7 +89,8 @@ class ProcessEntry:
             runtime.cache,
             runtime.generation,
             cache_mode=facts.cache_mode,
-            dedup=dedup_effective(runtime.config, facts),
+            dedup=dedup_effective(runtime.config, facts, overlap),
+            upstream_dedup=facts.cache_mode and overlap.dedups_cache_mode is not None,
             remembers=remembers_of(runtime),
         )
         self.write_path.attach_recorder(runtime.recorder)
@@ -215,14 +221,38 @@ def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]
     return remembers
 
 
-def dedup_effective(config: Config, facts: _facts.SchedulerFacts) -> bool:
-    """Whether ``cache_mode.dedup`` applies: cache mode with an L3 backend."""
+def dedup_effective(
+    config: Config, facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None = None
+) -> bool:
+    """Whether ``cache_mode.dedup`` applies: cache mode with an L3 backend, on an
+    sglang that does not deduplicate those writes itself (no second dedup)."""
+    if overlap is not None and overlap.dedups_cache_mode is not None:
+        return False
     return config.cache_mode.dedup and facts.cache_mode and bool(facts.storage_backend)
 
 
-def _warn_dedup_misplaced(config: Config, facts: _facts.SchedulerFacts) -> None:
+def dedup_label(
+    config: Config, facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None = None
+) -> bool | str:
+    """``mode_info``'s ``cache_mode_dedup``: ours on or off, or ``"upstream"``
+    (a cache-mode server whose sglang deduplicates its L3 writes itself)."""
+    if overlap is not None and overlap.dedups_cache_mode is not None and facts.cache_mode:
+        return "upstream"
+    return dedup_effective(config, facts, overlap)
+
+
+def _warn_dedup_misplaced(
+    config: Config, facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None = None
+) -> None:
     """``cache_mode.dedup`` where it cannot act: one warning naming the key."""
-    if not config.cache_mode.dedup or dedup_effective(config, facts):
+    if not config.cache_mode.dedup or dedup_effective(config, facts, overlap):
+        return
+    if overlap is not None and overlap.dedups_cache_mode is not None and facts.cache_mode:
+        logger.warning(
+            "hicache-existence: cache_mode.dedup is set but the installed sglang "
+            "deduplicates cache-mode L3 writes itself (%s); the package only counts them",
+            overlap.dedups_cache_mode,
+        )
         return
     where = (
         f"host memory mode {facts.host_memory_mode!r} (dedup acts in 'cache' mode only; "
@@ -251,10 +281,20 @@ def _per_rank_port(config: Config, facts: _facts.SchedulerFacts) -> Config:
 
 
 def build_entry(
-    generation: Generation, max_entries: int | None, facts: _facts.SchedulerFacts, config: Config
+    generation: Generation,
+    max_entries: int | None,
+    facts: _facts.SchedulerFacts,
+    config: Config,
+    overlap: _overlap.Overlap | None = None,
 ) -> ProcessEntry:
-    """The runtime of this process, wired to sglang (not yet registered)."""
+    """The runtime of this process, wired to sglang (not yet registered);
+    ``max_entries`` is the resolved cap (``upstream_overlap.resolve_cap``)."""
     config = _per_rank_port(config, facts)
+    if max_entries is not None and max_entries != config.cache.max_entries:
+        # Before the runtime exists: the miss-reason memory is sized from it.
+        config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, max_entries=max_entries)
+        )
     logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
     # Also with divergence checks off: the rank must still join the start-up
@@ -273,15 +313,13 @@ def build_entry(
         host_mode=(
             facts.host_memory_mode or "buffer_only",
             facts.write_policy if facts.cache_mode else "",
-            dedup_effective(config, facts),
+            dedup_label(config, facts, overlap),
         ),
         instance=instance_name(socket.gethostname(), facts.port, labels.as_dict()),
     )
-    if max_entries is not None:
-        runtime.cache.max_entries = max_entries
     if runtime.recorder is not None:
         runtime.recorder.set_page_size(facts.page_size)
-    return ProcessEntry(runtime, facts, group, agreement, truth)
+    return ProcessEntry(runtime, facts, group, agreement, truth, overlap)
 
 
 def _construct(
@@ -294,7 +332,7 @@ def _construct(
             _decline("a second existence cache in one process (only the first is observed)")
             return upstream(*args, **kw)
         try:
-            max_entries = kw.get("max_entries", args[0] if args else None)
+            passed = kw.get("max_entries", args[0] if args else None)
             facts = _facts.gather()
             config = load_config(facts)
             if not config.enabled:
@@ -315,8 +353,16 @@ def _construct(
                     "buffer_only nor cache"
                 )
                 return upstream(*args, **kw)
-            _warn_dedup_misplaced(config, facts)
-            entry = build_entry(generation, max_entries, facts, config)
+            overlap = _overlap.detect(_targets.resolve)
+            _warn_dedup_misplaced(config, facts, overlap)
+            flags = facts.flags
+            given = Config.given_keys(flags.config if flags is not None else None, os.environ)
+            cap = _overlap.resolve_cap(
+                config.cache.max_entries, "cache.max_entries" in given, os.environ, passed
+            )
+            if cap.warning:
+                logger.warning("hicache-existence: %s", cap.warning)
+            entry = build_entry(generation, cap.entries, facts, config, overlap)
         except Exception as exc:
             _decline(f"setting up failed ({exc!r}); upstream's cache is used", logging.WARNING)
             return upstream(*args, **kw)
@@ -332,16 +378,26 @@ def _construct(
         )
     atexit.register(entry.close)
     cache_mode = entry.write_path.cache_mode
-    dedup = "on" if cache_mode is not None and cache_mode.dedup else "off"
+    dedup = (
+        "upstream's"
+        if cache_mode is not None and cache_mode.upstream_dedup
+        else "on"
+        if cache_mode is not None and cache_mode.dedup
+        else "off"
+    )
+    overlaps = entry.overlap.describe()
     logger.info(
         "hicache-existence: observing the %s-generation existence cache "
-        "(host memory mode %s%s; tp_rank=%d pp_rank=%d dp_rank=%d engine=%s metrics=%s, "
-        "facts from %s)",
+        "(host memory mode %s%s; cap %d entries from %s%s; tp_rank=%d pp_rank=%d "
+        "dp_rank=%d engine=%s metrics=%s, facts from %s)",
         generation,
         facts.host_memory_mode or "unknown",
         f", write policy {facts.write_policy}, cache_mode.dedup {dedup}"
         if facts.cache_mode
         else "",
+        cap.entries,
+        cap.source,
+        f"; {overlaps}" if overlaps else "",
         facts.tp_rank,
         facts.pp_rank,
         facts.dp_rank,

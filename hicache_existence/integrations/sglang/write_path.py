@@ -104,6 +104,7 @@ class WritePath:
         *,
         cache_mode: bool = False,
         dedup: bool = False,
+        upstream_dedup: bool = False,
         remembers: Remembers | None = None,
     ) -> None:
         self.writes = writes
@@ -113,7 +114,14 @@ class WritePath:
         self.causes = CauseTracker(remembers)
         #: The cache-mode write path (``None``: buffer mode).
         self.cache_mode: CacheModeWrites | None = (
-            CacheModeWrites(writes, cache, dedup=dedup, causes=self.causes, size_pool=self._size)
+            CacheModeWrites(
+                writes,
+                cache,
+                dedup=dedup,
+                upstream_dedup=upstream_dedup,
+                causes=self.causes,
+                size_pool=self._size,
+            )
             if cache_mode
             else None
         )

@@ -1,0 +1,246 @@
+"""Where the installed sglang already does part of this package's job.
+
+Three upstream changes overlap the package (open pull requests when this was
+written): sglang deduplicating cache-mode L3 writes through its existence cache
+(#39845), a cap read from ``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES`` (#39747),
+and ``BlockStored`` KV events with medium ``EXTERNAL`` at the storage ack (#29923).
+If one lands, the package must not deduplicate a second time, count a lookup
+twice, fight sglang over the cap, or go quiet without saying why.
+
+Each is recognised from the installed code itself, never from a version string
+(a release can backport or rename): the names a function's bytecode reads
+(``co_names``, nested code objects included) are enough to tell whether the
+cache-mode write path consults the existence cache, or whether any function on
+the HiCache paths emits ``StorageMedium.EXTERNAL`` events.  sglang 0.5.21 and
+0.5.23 do neither (``tests/test_upstream_overlap.py`` checks the installed wheel).
+
+What the package does with each (``docs/enable.md`` §8):
+
+* **upstream dedups cache-mode writes**: ``cache_mode.dedup`` stays off whatever
+  the configuration says (one warning when it asked for it); the write hooks
+  only count: the pages sglang hands to the backend are ``written``, and the
+  launch reads the beliefs without a counted lookup (sglang's own lookup went
+  through this package's cache and was counted there once).  ``mode_info``'s
+  ``cache_mode_dedup`` label says ``upstream``;
+* **the cap** comes from one place, ``resolve_cap``: ``cache.max_entries`` when
+  the operator set it, else ``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES`` when
+  set, else what sglang's constructor passed, else the package's default; the
+  start-up line names the source, and one warning names both when the two
+  settings disagree;
+* **upstream emits EXTERNAL storage events**: routers already hear about L3 from
+  sglang; the package emits no storage-tier event of its own (it emits none
+  today), and the start-up line says that sglang does.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: sglang's variable for the existence cache's capacity (#39747).
+CAP_ENV = "SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES"
+
+_TREE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+#: The cache-mode write path: the node write and the controllers' launches.
+DEDUP_PATH: tuple[str, ...] = (
+    f"{_TREE}.write_backup_storage",
+    "sglang.srt.managers.cache_controller.HiCacheController.write_storage",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.write_storage",
+)
+#: The attribute upstream's tree keeps its existence cache under.
+_BELIEFS_ATTRIBUTE = "storage_existence_cache"
+#: Modules whose functions would emit storage-tier events at the storage ack.
+EVENT_MODULES: tuple[str, ...] = (
+    "sglang.srt.mem_cache.unified_radix_cache",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core",
+    "sglang.srt.managers.cache_controller",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+)
+_EXTERNAL = "EXTERNAL"
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What the installed sglang does itself (module docstring)."""
+
+    #: The cache-mode write path consults the existence cache (the target that does).
+    dedups_cache_mode: str | None = None
+    #: A function that emits storage-tier (``EXTERNAL``) KV events.
+    external_events: str | None = None
+
+    def describe(self) -> str:
+        """The start-up line's clause ("" when nothing overlaps)."""
+        parts = []
+        if self.dedups_cache_mode:
+            parts.append("sglang deduplicates cache-mode L3 writes itself: counting only")
+        if self.external_events:
+            parts.append("sglang emits EXTERNAL storage events itself")
+        return "; ".join(parts)
+
+
+def code_names(fn: object) -> frozenset[str]:
+    """Every name the bytecode of ``fn`` (and its nested functions, lambdas and
+    comprehensions) reads as a global or an attribute; empty for a non-function."""
+    fn = getattr(fn, "__func__", fn)
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return frozenset()
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return frozenset(names)
+
+
+def _methods_called(cls: type, names: Iterable[str]) -> list[object]:
+    """The methods of ``cls`` among ``names`` (what ``self.<name>(...)`` may call)."""
+    out: list[object] = []
+    for name in names:
+        attr = inspect_static(cls, name)
+        if isinstance(attr, (types.FunctionType, staticmethod, classmethod)):
+            out.append(attr)
+    return out
+
+
+def inspect_static(cls: type, name: str) -> object:
+    """``cls.name`` without running descriptors (a property stays a property)."""
+    for klass in getattr(cls, "__mro__", (cls,)):
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def dedup_target(resolve: Callable[[str], object]) -> str | None:
+    """The cache-mode write target that reads the existence cache, looked one call
+    deep into the tree's own methods; ``None`` when none does (sglang <= 0.5.23)."""
+    for target in DEDUP_PATH:
+        try:
+            fn = resolve(target)
+        except Exception:  # absent: write_hooks warns about it
+            continue
+        names = code_names(fn)
+        if _BELIEFS_ATTRIBUTE in names:
+            return target
+        owner_name = target.rsplit(".", 1)[0]
+        try:
+            owner = resolve(owner_name)
+        except Exception:
+            continue
+        if not isinstance(owner, type):
+            continue
+        for callee in _methods_called(owner, names):
+            if _BELIEFS_ATTRIBUTE in code_names(callee):
+                return f"{target} (through {getattr(callee, '__name__', callee)})"
+    return None
+
+
+def external_events_target(import_module: Callable[[str], Any]) -> str | None:
+    """The first function of ``EVENT_MODULES`` that reads ``EXTERNAL`` (a
+    ``StorageMedium.EXTERNAL`` event), or ``None``."""
+    for module_name in EVENT_MODULES:
+        try:
+            module = import_module(module_name)
+        except Exception:
+            continue
+        for owner_name, fn in _functions(module):
+            if _EXTERNAL in code_names(fn):
+                return f"{module_name}.{owner_name}"
+    return None
+
+
+def _functions(module: Any) -> Iterable[tuple[str, object]]:
+    """(qualified name, function) of the module's own functions and class methods."""
+    name = getattr(module, "__name__", "")
+    for attr_name, value in list(vars(module).items()):
+        if getattr(value, "__module__", None) != name:
+            continue
+        if isinstance(value, types.FunctionType):
+            yield attr_name, value
+        elif isinstance(value, type):
+            for method_name, method in list(vars(value).items()):
+                fn = getattr(method, "__func__", method)
+                if isinstance(fn, types.FunctionType):
+                    yield f"{attr_name}.{method_name}", fn
+                elif isinstance(method, property) and method.fget is not None:
+                    yield f"{attr_name}.{method_name}", method.fget
+
+
+def detect(
+    resolve: Callable[[str], object], import_module: Callable[[str], Any] | None = None
+) -> Overlap:
+    """What the installed sglang does itself; never raises."""
+    if import_module is None:
+        import importlib
+
+        import_module = importlib.import_module
+    try:
+        dedup = dedup_target(resolve)
+    except Exception:
+        dedup = None
+    try:
+        events = external_events_target(import_module)
+    except Exception:
+        events = None
+    return Overlap(dedup, events)
+
+
+@dataclass(frozen=True)
+class Cap:
+    """The existence cache's capacity and where it came from."""
+
+    entries: int
+    #: ``cache.max_entries``, ``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES``,
+    #: ``sglang's constructor`` or ``the default``.
+    source: str
+    #: A warning to log once (settings that disagree, an unusable variable).
+    warning: str | None = None
+
+
+def resolve_cap(
+    configured: int,
+    configured_given: bool,
+    env: Mapping[str, str],
+    passed: object,
+) -> Cap:
+    """The one rule for the cap (module docstring): the operator's
+    ``cache.max_entries`` wins, then sglang's variable, then sglang's argument."""
+    raw = env.get(CAP_ENV)
+    env_cap: int | None = None
+    warning: str | None = None
+    if raw is not None and raw.strip():
+        try:
+            env_cap = int(raw.strip())
+        except ValueError:
+            env_cap = None
+        if env_cap is None or env_cap < 1:
+            warning = f"{CAP_ENV}={raw.strip()!r} is not a positive integer; ignored"
+            env_cap = None
+    if configured_given:
+        if env_cap is not None and env_cap != configured:
+            warning = (
+                f"cache.max_entries={configured} and {CAP_ENV}={env_cap} disagree; "
+                f"cache.max_entries wins (the cap is {configured})"
+            )
+        return Cap(configured, "cache.max_entries", warning)
+    if env_cap is not None:
+        return Cap(env_cap, CAP_ENV, warning)
+    if isinstance(passed, int) and not isinstance(passed, bool) and passed >= 1:
+        return Cap(passed, "sglang's constructor", warning)
+    return Cap(configured, "the default", warning)
+
+
+__all__ = [
+    "CAP_ENV",
+    "Cap",
+    "Overlap",
+    "code_names",
+    "dedup_target",
+    "detect",
+    "external_events_target",
+    "resolve_cap",
+]
