@@ -414,3 +414,64 @@ def test_a_non_writer_rank_believes_what_the_writer_rank_believes(made: Any) -> 
     assert (w.written, w.acknowledged, w.avoided) == (7, 7, 2)
     assert (s.written, s.avoided) == (7, 2) and s.acknowledged == 0
     assert writer_l3 == {*a, *b}
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_node_written_again_after_its_host_copy_went_is_host_copy_reclaimed(
+    made: Any, flat: bool
+) -> None:
+    """The same tree node writing its pages a second time (its host copy was
+    reclaimed and backed up again): the redundant pages are ``host_copy_reclaimed``,
+    not a recompute by another node; with dedup on the second write is avoided."""
+    tree, feed, _l3 = made(dedup=False, flat=flat)
+    a = pages("a", 5)
+    tree.nodes = {3: a, 4: a}
+    cycle(tree, feed, 3)
+    cycle(tree, feed, 3)
+    w = feed.writes.stats()["kv"]
+    assert (w.written, w.redundant, dict(w.causes)) == (10, 5, {"host_copy_reclaimed": 5})
+    cycle(tree, feed, 4)  # another node, same pages: that one is a recompute
+    assert dict(feed.writes.stats()["kv"].causes) == {"host_copy_reclaimed": 5, "recompute": 5}
+
+
+def test_in_flight_pages_are_released_at_the_ack_and_not_before(made: Any) -> None:
+    """Current generation: a launched page is in flight (covered, not believed)
+    from the launch until the drain acknowledges its operation, even after the
+    backup thread wrote it; a page in two operations is released once per ack."""
+    tree, feed, _l3 = made(dedup=False)
+    kv = tree.storage_existence_cache.pool("kv")
+    a = pages("a", 3)
+    tree.nodes = {1: a, 2: a}
+    tree.write_backup_storage(1)
+    tree.write_backup_storage(2)
+    assert kv.inflight_refs() == dict.fromkeys(a, 2) and kv.believed(a) == []
+    tree.run_backups()  # written by the backup thread, not yet drained
+    feed.step(tree)
+    assert kv.inflight_refs() == dict.fromkeys(a, 2) and kv.believed(a) == []
+    tree.ongoing_backup.pop(min(tree.ongoing_backup))
+    feed.step(tree)
+    assert kv.inflight_refs() == dict.fromkeys(a, 1) and kv.believed(a) == a
+    tree.drain_acks()
+    feed.step(tree)
+    assert kv.inflight_refs() == {} and kv.believed(a) == a
+
+
+def test_the_flat_generation_heals_from_hit_queries(made: Any) -> None:
+    """0.5.21's cache: a rank-agreed hit query unlearns the beliefs beyond its hit
+    (the pages L3 lost) and learns the pages up to it, as the current one does."""
+    tree, feed, l3 = made(dedup=True, flat=True)
+    cache = tree.storage_existence_cache
+    a, b = pages("a", 6), pages("b", 4)
+    cache.add("kv", a)
+    l3.update(a[:2])
+    after_query(
+        None, tree, NS(all_hash_values=a, storage_hit_count=2 * PAGE, deadline_expired=False)
+    )
+    assert cache.believed("kv", a) == a[:2]
+    after_query(
+        None, tree, NS(all_hash_values=b, storage_hit_count=3 * PAGE, deadline_expired=False)
+    )
+    assert cache.believed("kv", b) == b[:3]
+    tree.nodes = {5: a}
+    cycle(tree, feed, 5)  # dedup leaves out only what is still believed
+    assert tree.cache_controller.calls[-1]["pages"] == a[2:]
