@@ -5,6 +5,7 @@ real path runs in tests/real_server/test_cache_mode.py."""
 
 from __future__ import annotations
 
+import enum
 import threading
 from types import SimpleNamespace as NS
 from typing import Any
@@ -475,3 +476,27 @@ def test_the_flat_generation_heals_from_hit_queries(made: Any) -> None:
     tree.nodes = {5: a}
     cycle(tree, feed, 5)  # dedup leaves out only what is still believed
     assert tree.cache_controller.calls[-1]["pages"] == a[2:]
+
+
+def test_a_pool_never_seen_is_counted_under_its_own_name_never_as_kv(made: Any) -> None:
+    """A new hybrid component (a pool name no release had, given as a str enum like
+    upstream's ``PoolName``): its pages are counted under its own pool, KV's counts
+    are KV's alone, and its pages become its own beliefs."""
+
+    class NewPool(str, enum.Enum):
+        GDN = "gdn_state"
+
+    tree, feed, _l3 = made(dedup=False)
+    kv, gdn = pages("k", 3), pages("g", 1)
+    host = Indices(range(3 * PAGE))
+    extra = [NS(name=NewPool.GDN, keys=gdn)]
+    call = feed.plan_cache_write(tree.cache_controller, host, [7] * 3 * PAGE, kv, None, extra)
+    assert call is not None
+    plan, _changes = call
+    feed.cache_mode.launched(1, plan, 1)
+    stats = feed.writes.stats()
+    assert set(stats) == {"kv", "gdn_state"}
+    assert (stats["kv"].written, stats["gdn_state"].written) == (3, 1)
+    feed.cache_mode._acked(feed.cache_mode._pending.pop(1), None)
+    assert tree.storage_existence_cache.pool("gdn_state").believed(gdn) == gdn
+    assert tree.storage_existence_cache.pool("kv").believed(gdn) == []

@@ -527,3 +527,44 @@ def test_divergence_settings_from_the_environment() -> None:
     ).divergence
     assert (cfg.policy, cfg.interval_steps, cfg.timeout_s) == ("heal", 500, 2.5)
     assert (cfg.audit_every_checks, cfg.pool_slots) == (100, 16)
+
+
+def test_ranks_that_disagree_on_which_pools_exist_are_told_apart() -> None:
+    """A hybrid model whose ranks disagree on the pools (rank 1 has a sliding-window
+    pool rank 0 never created, with the same KV beliefs): every rank reports the
+    divergence, the rank that has the pool names it and the other says which slot
+    holds a pool it lacks; no rank raises (policy ``log``)."""
+    world = InProcessWorld(2, timeout_s=5)
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            replica = Replica()
+            checker = DivergenceChecker(
+                replica.digest,
+                world.group(rank),
+                DivergenceSection(interval_steps=1),
+                cache=replica.cache,
+            )
+            replica.cache.pool("kv").add([f"{i:064x}" for i in range(8)])
+            assert checker.on_step() is not None  # handshake + a healthy check
+            if rank == 1:
+                replica.cache.pool("swa").add(["5" * 64])
+            results[rank] = checker.on_step()
+        except BaseException as exc:  # the test fails below with it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    events = {rank: results[rank].event for rank in (0, 1)}
+    assert all(e is not None for e in events.values())
+    assert events[1]["diverged_pools"] == ["swa"] and events[1]["unnamed_slots"] == []
+    # rank 0 has no such pool: it cannot name it, and says which slot it is in
+    assert events[0]["diverged_pools"] == []
+    assert events[0]["unnamed_slots"] == [slot_of("swa", DivergenceSection().pool_slots)]
+    assert events[0]["diverged_ranks"] == events[1]["diverged_ranks"] == [1]

@@ -581,7 +581,11 @@ class DivergenceChecker:
         reference = ordered[0]
         diverged = sorted(i for idx in ordered[1:] for i in idx)
         slot_set = set(slots)
-        pools = [name for name in self._local_pools() if slot_of(name, k) in slot_set]
+        local = self._local_pools()
+        pools = [name for name in local if slot_of(name, k) in slot_set]
+        # A diverged slot holding none of this rank's pools: a pool only other ranks
+        # have (ranks that disagree on which pools exist); those ranks name it.
+        unnamed = sorted(slot_set - {slot_of(name, k) for name in local})
         replicas = []
         for idx in ordered:
             vec = gathered[idx[0]]
@@ -622,6 +626,7 @@ class DivergenceChecker:
             "diverged_ranks": [group.ranks[i] for i in diverged],
             "diverged_slots": slots,
             "diverged_pools": pools,
+            "unnamed_slots": unnamed,
             "replicas": replicas,
             "local": {
                 name: {
