@@ -328,6 +328,21 @@ class Config:
         config = cls.from_env(env)
         return cls.from_json(text, config) if text else config
 
+    @staticmethod
+    def given_keys(text: str | None = None, env: Mapping[str, str] | None = None) -> frozenset[str]:
+        """The dotted keys (``cache.max_entries``) that ``load(text, env)`` takes from
+        a source rather than from the defaults: where a setting must yield to the
+        operator's own choice only (the cap against sglang's variable)."""
+        env = os.environ if env is None else env
+        keys: set[str] = set()
+        for blob in (env.get(ENV_CONFIG), text):
+            if blob:
+                keys.update(_dotted(_load_json(blob), ""))
+        for key in env:
+            if is_setting_variable(key):
+                keys.add(".".join(key[len(ENV_PREFIX) :].lower().split("__")))
+        return frozenset(k.replace("-", "_") for k in keys)
+
     # -- output --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -346,21 +361,6 @@ def redact_url(url: str) -> str:
     """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
     if not url:
         return url
-    @staticmethod
-    def given_keys(text: str | None = None, env: Mapping[str, str] | None = None) -> frozenset[str]:
-        """The dotted keys (``cache.max_entries``) that ``load(text, env)`` takes from
-        a source rather than from the defaults: where a setting must yield to the
-        operator's own choice only (the cap against sglang's variable)."""
-        env = os.environ if env is None else env
-        keys: set[str] = set()
-        for blob in (env.get(ENV_CONFIG), text):
-            if blob:
-                keys.update(_dotted(_load_json(blob), ""))
-        for key in env:
-            if is_setting_variable(key):
-                keys.add(".".join(key[len(ENV_PREFIX) :].lower().split("__")))
-        return frozenset(k.replace("-", "_") for k in keys)
-
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -395,6 +395,14 @@ def _load_json(text: str) -> Mapping[str, Any]:
     return data
 
 
+def _dotted(data: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            yield from _dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
 _T = TypeVar("_T")
 
 
@@ -413,14 +421,6 @@ def _merge(obj: _T, data: Mapping[str, Any], prefix: str) -> _T:
             changes[name] = _merge(current, value, f"{prefix}{name}.")
         else:
             changes[name] = _coerce(value, hints[name], f"{prefix}{name}")
-def _dotted(data: Mapping[str, Any], prefix: str) -> Iterator[str]:
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            yield from _dotted(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}"
-
-
     result = dataclasses.replace(obj, **changes)  # type: ignore[type-var]
     _check_ranges(result, prefix)
     return result
