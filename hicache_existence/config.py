@@ -65,6 +65,20 @@ class ConfigError(ValueError):
     """A configuration value is unknown, malformed or out of range."""
 
 
+#: ``recorder.path`` by default: fixed and absolute (docs/replay.md, "Recording a trace").
+RECORDER_DEFAULT_PATH = "/tmp/hicache-existence-trace"
+#: Settings that name a file or directory: made absolute where they are loaded
+#: (``os.path.abspath`` after ``~`` is expanded), never later in a process that
+#: may run elsewhere.
+_PATHS = frozenset({"recorder.path"})
+
+
+def _absolute(path: str) -> str:
+    """``path`` with ``~`` expanded, made absolute against the working directory
+    (empty stays empty, and is refused by the range check)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
 @dataclass(frozen=True)
 class CacheSection:
     """The cache itself."""
@@ -245,7 +259,11 @@ class RecorderSection:
     enabled: bool = False
     #: Directory of the trace files (created if missing); each recording scheduler
     #: writes its own rotated ``*.jsonl.gz`` files there, named after its instance.
-    path: str = "hicache-existence-trace"
+    #: The default is absolute, like SGLang's own diagnostic outputs under /tmp, so it
+    #: never depends on where a supervisor starts the server; a relative path (or
+    #: ``~``) is made absolute once, when the configuration is loaded, against that
+    #: process's working directory.  The recorder logs the directory at start.
+    path: str = RECORDER_DEFAULT_PATH
     #: Share of pages recorded, chosen by page hash (the first 32 bits of SGLang's
     #: hex hash below rate x 2^32): a page is recorded at every reference or never,
     #: on every rank and across restarts.  1: every page.
@@ -421,6 +439,8 @@ def _merge(obj: _T, data: Mapping[str, Any], prefix: str) -> _T:
             changes[name] = _merge(current, value, f"{prefix}{name}.")
         else:
             changes[name] = _coerce(value, hints[name], f"{prefix}{name}")
+            if f"{prefix}{name}" in _PATHS:
+                changes[name] = _absolute(changes[name])
     result = dataclasses.replace(obj, **changes)  # type: ignore[type-var]
     _check_ranges(result, prefix)
     return result

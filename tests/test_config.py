@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -99,3 +100,52 @@ def test_round_trip_through_json():
     """to_json() output loads back to an equal Config."""
     config = Config.from_mapping({"enabled": True, "metrics": {"port": 9500}})
     assert Config.from_json(config.to_json()) == config
+
+
+def test_the_recorder_path_defaults_to_one_absolute_directory(tmp_path, monkeypatch):
+    """``recorder.path`` by default names the same absolute directory wherever the
+    server's working directory is (a supervisor may start it anywhere)."""
+    from hicache_existence.config import RECORDER_DEFAULT_PATH
+
+    seen = set()
+    for where in (tmp_path, tmp_path / "elsewhere"):
+        where.mkdir(exist_ok=True)
+        monkeypatch.chdir(where)
+        seen.add(Config.load(None, env={}).recorder.path)
+        seen.add(Config().recorder.path)
+    assert seen == {RECORDER_DEFAULT_PATH}
+    assert os.path.isabs(RECORDER_DEFAULT_PATH)
+
+
+def test_a_relative_recorder_path_is_made_absolute_when_loaded(tmp_path, monkeypatch):
+    """A relative ``recorder.path`` (JSON, a file, a variable) or one with ``~`` is
+    resolved once, at load, against the loading process's working directory: the
+    loaded object and its JSON (what ``hicache-existence launch`` hands the server)
+    keep naming that directory after the working directory changed."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    start = tmp_path / "start"
+    start.mkdir()
+    monkeypatch.chdir(start)
+    config_file = start / "hx.json"
+    config_file.write_text(json.dumps({"recorder": {"path": "from-file"}}))
+    loaded = {
+        "json": Config.load('{"recorder": {"path": "traces"}}', env={}).recorder.path,
+        "dots": Config.load('{"recorder": {"path": "./a/../traces"}}', env={}).recorder.path,
+        "file": Config.load(str(config_file), env={}).recorder.path,
+        "env": Config.from_env({"HICACHE_EXISTENCE_RECORDER__PATH": "from-env"}).recorder.path,
+        "home": Config.load('{"recorder": {"path": "~/hx"}}', env={}).recorder.path,
+    }
+    assert loaded == {
+        "json": str(start / "traces"),
+        "dots": str(start / "traces"),
+        "file": str(start / "from-file"),
+        "env": str(start / "from-env"),
+        "home": str(home / "hx"),
+    }
+    config = Config.load('{"recorder": {"path": "traces"}}', env={})
+    monkeypatch.chdir(tmp_path)
+    assert config.recorder.path == str(start / "traces")
+    assert Config.from_json(config.to_json()).recorder.path == str(start / "traces")
+    with pytest.raises(ConfigError, match=r"recorder\.path must not be empty"):
+        Config.load('{"recorder": {"path": ""}}', env={})

@@ -329,6 +329,18 @@ def test_default_tables_show_the_config_defaults() -> None:
     assert not wrong, "defaults that are not Config's:\n" + "\n".join(wrong)
 
 
+def test_the_recorder_table_lists_every_recorder_key() -> None:
+    """docs/replay.md's recorder table (checked above for its defaults) has a row for
+    every ``recorder`` setting, so a new one cannot be left out of it."""
+    text = (REPO / "docs" / "replay.md").read_text(encoding="utf-8")
+    tables = [
+        {k for _, cell, _ in rows for k in re.findall(r"`recorder\.([a-z_]+)`", cell)}
+        for _, rows in _default_tables(text)
+    ]
+    shown = next((keys for keys in tables if keys), set())
+    assert shown == {f.name for f in fields(config.RecorderSection)}
+
+
 def test_the_default_table_check_can_fail() -> None:
     """A wrong default, or a key of no section, is refused."""
     good = [(1, "`timeout_ms` / `connect_timeout_ms`", "50 / 50"), (2, "`method`", "`lua`")]

@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import io
 import json
+import logging
 import os
 import random
 import threading
@@ -900,3 +901,29 @@ def test_a_cache_operation_survives_a_broken_recorder(tmp_path: Path) -> None:
     kv.add([page(1)])
     assert kv.covered([page(1)]) is True
     assert r.snapshot().dropped["write_error"] == 2
+
+
+def test_a_relative_path_writes_where_it_was_loaded_and_is_logged_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``recorder.path: "trace"`` loaded in one directory: the start-up line names
+    the absolute directory, and the files land there although the process's working
+    directory changed before the writer opened them."""
+    loaded_in = tmp_path / "loaded-in"
+    loaded_in.mkdir()
+    monkeypatch.chdir(loaded_in)
+    config = Config.from_mapping(
+        {"recorder": {"enabled": True, "path": "trace", "sample_rate": 1.0}}
+    )
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    monkeypatch.chdir(moved)
+    r = rec.Recorder(config.recorder, instance="rel")
+    with caplog.at_level(logging.INFO, logger="hicache_existence.recorder"):
+        r.start()
+    r.added("kv", [page(1)])
+    r.close()
+    (line,) = [m for m in caplog.messages if "recording a trace" in m]
+    assert f"to {loaded_in / 'trace'}/rel-*.jsonl.gz" in line, line
+    assert len(list((loaded_in / "trace").glob("rel-*" + rec.SUFFIX))) == 1
+    assert not list(moved.iterdir())

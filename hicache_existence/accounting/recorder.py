@@ -255,7 +255,9 @@ class Recorder:
     ) -> None:
         self.rate = float(section.sample_rate)
         self._bound = bound(self.rate)
-        self.directory = Path(section.path)
+        # Absolute already when it came through Config (config._PATHS); a section
+        # built by hand is resolved here, once.
+        self.directory = Path(section.path).expanduser().absolute()
         self.max_bytes = int(section.max_bytes)
         self.file_bytes = min(int(section.file_bytes), self.max_bytes // 2)
         self.capacity = int(section.queue_records)
@@ -313,6 +315,13 @@ class Recorder:
     def start(self) -> Recorder:
         """Start the writer thread (records queue up before it)."""
         if self._thread is None:
+            logger.info(
+                "hicache-existence: recording a trace (sample rate %g) to %s/%s-*%s",
+                self.rate,
+                self.directory,
+                self._prefix,
+                SUFFIX,
+            )
             self._thread = threading.Thread(target=self._run, name="hx-recorder", daemon=True)
             self._thread.start()
         return self
