@@ -35,8 +35,11 @@
 #   HICACHE_EXISTENCE_ENV_KEEP_OLD=1  keep envs of the same Python and flavour with
 #                                     other keys (default: removed after a successful build)
 #
-# Concurrency: one flock on <root>/.lock serialises builds and repo installs; the env
-# is built in <root>/.tmp-* and renamed into place, so a reader never sees half an env.
+# Concurrency: a flock per key (<root>/.lock-<key>) serialises the builds of one env,
+# so envs of different keys build side by side (run-all.sh builds them all at once);
+# one flock on <root>/.lock serialises the editable installs of this repo (they build
+# its C extensions into the one work tree).  The env is built in <root>/.tmp-<key>-*
+# and renamed into place, so a reader never sees half an env.
 # Quiet on the warm path; progress of a build goes to stderr, pip's output to a log.
 set -euo pipefail
 
@@ -140,11 +143,11 @@ if [ "${HICACHE_EXISTENCE_ENV_REBUILD:-0}" != 1 ] && ready; then
   exit 0
 fi
 
-# --- slow path, serialised -------------------------------------------------------------
+# --- slow path, serialised per key ------------------------------------------------------
 mkdir -p "$ROOT"
-exec 9>"$ROOT/.lock"
+exec 9>"$ROOT/.lock-$KEY"
 if ! flock -n 9; then
-  log "another ensure-env.sh holds $ROOT/.lock; waiting"
+  log "another ensure-env.sh is building $KEY; waiting"
   flock 9
 fi
 
@@ -175,8 +178,8 @@ run_logged() {
 
 if [ ! -d "$ENV" ]; then
   START=$(date +%s)
-  # We hold the lock: any .tmp-* left here is a dead build's.
-  rm -rf -- "$ROOT"/.tmp-*
+  # We hold this key's lock: any .tmp-<key>-* left here is a dead build's.
+  rm -rf -- "$ROOT"/.tmp-"$KEY"-*
   TMP="$ROOT/.tmp-$KEY-$$"
   BLOG="$TMP/.hicache-env-build.log"
   log "building $KEY (flavour $FLAVOR) in $ROOT"
@@ -220,6 +223,12 @@ for name in sys.argv[1:]:
 fi
 
 if [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" != "$REPO_STAMP" ] || ! built_in_place; then
+  # The repo's editable installs take turns: each builds the C extensions in place.
+  exec 8>"$ROOT/.lock"
+  if ! flock -n 8; then
+    log "another ensure-env.sh is installing a repo; waiting"
+    flock 8
+  fi
   if [ -f "$REPO/pyproject.toml" ]; then
     log "installing $REPO[$EXTRAS] (editable)"
     # The pins constrain whatever the extras pull in, so a test dependency cannot
