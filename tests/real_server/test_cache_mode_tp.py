@@ -1,6 +1,6 @@
 """Cache mode with ``cache_mode.dedup`` on under TP=2: two real scheduler
 processes (gloo), each with its own replica of the existence cache and its own
-slice of every page (file names end in ``_<rank>_2``).
+slice of every page (file names end in ``_<rank>_2``), on 64-token pages.
 
 Dedup decides at TP-lockstep points only (the node write runs at the rank-agreed
 write-through ack; beliefs change at the rank-synchronised storage drain and at the
@@ -22,6 +22,12 @@ from harness import Server, ServerSpec, block_tokens_for, conversation_requests,
 pytestmark = [pytest.mark.real_server, pytest.mark.torch]
 
 P = "hicache_existence_"
+#: SGLang's usual GPU page size: this is cache mode's 64-token module
+#: (tests/real_server/test_server_tp.py is buffer mode's).
+PAGE = 64
+#: A's and B's pages: 192 tokens, below sglang's 256-token prefetch threshold, so a
+#: flushed A is computed again (and its write avoided), not fetched from L3.
+N = 3
 WORKLOAD: dict[str, Any] = {
     "conversations": 4,
     "turns": 4,
@@ -42,15 +48,16 @@ def per_rank(srv: Server, name: str) -> dict[str, float]:
 
 
 def test_both_ranks_take_the_same_dedup_decisions_and_stay_identical(tmp_path: Path) -> None:
-    """TP=2, dedup on: a conversation workload, then A (10 pages); flush; A+B
+    """TP=2, dedup on: a conversation workload, then A (N pages); flush; A+B
     (A computed again, below the prefetch threshold): each rank wrote and
-    avoided exactly the same pages (its own slice of each), A's 10 avoided on
+    avoided exactly the same pages (its own slice of each), A's N avoided on
     both, the same number of beliefs; the divergence checks ran on both ranks
     and found none."""
     spec = ServerSpec(
         tp_size=2,
+        page_size=PAGE,
         host_memory_mode="cache",
-        max_total_tokens=2048,
+        max_total_tokens=4096,
         hicache_ratio=2.0,
         config={
             "cache_mode": {"dedup": True},
@@ -69,8 +76,8 @@ def test_both_ranks_take_the_same_dedup_decisions_and_stay_identical(tmp_path: P
             } | {"entries": per_rank(srv, "entries")}
 
         before = settle(figures, quiet_s=3.0)
-        a = block_tokens_for(1, 16 * 10, salt="cache-mode-tp")
-        b = block_tokens_for(2, 16 * 10, salt="cache-mode-tp")
+        a = block_tokens_for(1, PAGE * N, salt="cache-mode-tp")
+        b = block_tokens_for(2, PAGE * N, salt="cache-mode-tp")
         srv.generate(a, max_new_tokens=1)
         srv.wait_writes_settled()
         srv.flush_cache()
@@ -82,7 +89,7 @@ def test_both_ranks_take_the_same_dedup_decisions_and_stay_identical(tmp_path: P
         for rank in ("0", "1"):
             avoided = got["write_avoided_pages"][rank] - before["write_avoided_pages"][rank]
             written = got["written_pages"][rank] - before["written_pages"][rank]
-            assert (avoided, written) == (10, 20), (rank, before, got)
+            assert (avoided, written) == (N, 2 * N), (rank, before, got)
         assert got["redundant_written_pages"]["0"] == 0, got
         names = srv.l3_pages()
         slices = Counter(n.rsplit("_", 2)[-2] for n in names)

@@ -4,6 +4,8 @@ sglang 0.5.23's CPU engine runs ``--tp-size 2`` here once the TP group skips
 pynccl (the ``tp_gloo`` stand-in) and each rank is bound to a core
 (``SGLANG_CPU_OMP_THREADS_BIND``, set by the harness).
 
+Pages are 64 tokens here, SGLang's usual GPU setting (the buffer-mode module of
+the 64-token shape; tests/real_server/test_cache_mode_tp.py is cache mode's).
 One server for the module, started the way docs/enable.md's environment route
 says: ``python -m sglang.launch_server`` with no flag of ours, the package
 enabled and configured by ``HICACHE_EXISTENCE_*`` variables only, and without
@@ -38,9 +40,10 @@ pytestmark = [pytest.mark.real_server, pytest.mark.torch]
 
 P = "hicache_existence_"
 TP = 2
-PAGE = 16
+#: SGLang's usual GPU page size (64 tokens); the other modules use 16.
+PAGE = 64
 #: One rank's share of a page of the tiny Llama: 2 layers x (K, V) x 1 of its
-#: 2 KV heads x 16 dims x 2 bytes (bf16) x 16 tokens.
+#: 2 KV heads x 16 dims x 2 bytes (bf16) x 64 tokens.
 RANK_PAGE_BYTES = 2 * 2 * 1 * 16 * 2 * PAGE
 WRITES = ("written", "redundant_written", "write_acknowledged", "write_failed")
 OUR_FLAGS = ("--enable-hicache-existence", "--hicache-existence-config")
@@ -64,6 +67,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPServer]:
     port = free_ports(TP)
     spec = ServerSpec(
         tp_size=TP,
+        page_size=PAGE,
         existence=False,  # no --enable-hicache-existence: the environment enables it
         metrics=False,  # no --enable-metrics: each scheduler serves its own /metrics
         env={
