@@ -14,10 +14,21 @@ Keys are derived from the backend's own attributes (its tenant/model prefix,
 the per-rank suffix, MLA or MHA layout, split heads), the way SGLang names a
 KV page's objects: ``<prefix>_<page hash>_<suffix>_k`` (and ``_v`` for MHA).
 Only the KV pool is answered.
+
+Every object ``batch_is_exist`` finds is leased by the master
+(``MasterService::BatchExistKey``): it cannot be evicted for
+``default_kv_lease_ttl`` (a master flag, 10 s by default), and since the master
+evicts the objects with the earliest lease deadline first (a put sets it to the
+put time, a query to its time plus the TTL), a probed object is evicted after
+every object put or last read before the probe, after the lease too.  The
+store client has no existence call that does not lease, so the reconciler's
+probes keep the pages they sample alive longer (measured in docs/reconciler.md,
+"Probes lease what they find"); ``lease_counts()`` counts those leases.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +64,17 @@ class MooncakeGroundTruth:
                 f"backend must be an SGLang MooncakeStore, got {type(backend).__name__}"
             )
         self._backend = backend
+        self._lock = threading.Lock()
+        self._leasing_queries = 0
+        self._leased_objects = 0
+
+    def lease_counts(self) -> dict[str, int]:
+        """Answers that leased something on the master: ``queries`` (that found
+        at least one object), ``objects`` (objects found present, each leased for
+        the master's ``default_kv_lease_ttl`` and moved behind every object put
+        or read before in its eviction order).  Safe from any thread."""
+        with self._lock:
+            return {"queries": self._leasing_queries, "objects": self._leased_objects}
 
     def _objects(self, hashes: Sequence[str]) -> tuple[list[str], int]:
         """The store keys of ``hashes`` in page order and how many each page has."""
@@ -84,6 +106,11 @@ class MooncakeGroundTruth:
         bad = next((c for c in codes if c not in (0, 1) or isinstance(c, bool)), None)
         if bad is not None:
             raise TruthUnavailable(f"Mooncake store client error code {bad!r}")
+        found = sum(1 for c in codes if c == 1)
+        if found:
+            with self._lock:
+                self._leasing_queries += 1
+                self._leased_objects += found
         return list(codes), per_page
 
     def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
