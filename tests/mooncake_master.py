@@ -44,11 +44,13 @@ def need_mooncake() -> str:
 
 class MooncakeMaster:
     """One ``mooncake_master`` process; ``restart`` keeps its ports (and loses
-    its metadata: objects stored before are unknown to the new master)."""
+    its metadata: objects stored before are unknown to the new master).
+    ``args`` are extra master flags (``--default_kv_lease_ttl=500``, ...)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, args: tuple[str, ...] = ()) -> None:
         self.binary = need_mooncake()
         self.workdir = workdir
+        self.args = tuple(args)
         self.port = free_port()
         self.metadata_port = free_port()
         self.metrics_port = free_port()
@@ -64,6 +66,7 @@ class MooncakeMaster:
                 "--http_metadata_server_host=127.0.0.1",
                 f"--http_metadata_server_port={self.metadata_port}",
                 f"--metrics_port={self.metrics_port}",
+                *self.args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
