@@ -33,6 +33,7 @@ def main() -> None:
     from hicache_existence.config import Config
     from hicache_existence.exporters.catalog import DeploymentLabels
     from hicache_existence.integrations.sglang import hooks
+    from hicache_existence.integrations.sglang.facts import SchedulerFacts
     from hicache_existence.integrations.sglang.process import PROCESS
     from hicache_existence.runtime import ExistenceRuntime
 
@@ -42,7 +43,7 @@ def main() -> None:
     class Tree:
         storage_existence_cache = runtime.cache
 
-    entry = hooks.ProcessEntry(runtime, None, None, None, None)  # type: ignore[arg-type]
+    entry = hooks.ProcessEntry(runtime, SchedulerFacts(), None, None, None)
     hooks._ENTRIES[PROCESS.pid] = entry
 
     def empty(result: Any, *a: Any, **k: Any) -> None:

@@ -19,6 +19,7 @@ purpose is to raise.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -90,6 +91,14 @@ class ExistenceRuntime:
         self._logger = logs.get_logger("hicache_existence.runtime")
         self._errors = logs.RateLimiter(1 / 60, clock=clock)
         self.steps = 0
+        #: The per-step fast path (``step``): the first step with step-counted work,
+        #: the clock value of the next metrics flush, the steps already handed to
+        #: the checker and the reconciler.
+        self._clock = clock
+        self._wake = 1
+        self._flush_at = -math.inf
+        self._credited = 0
+
 
         max_entries = config.cache.max_entries
         self.ghosts = (
@@ -181,9 +190,29 @@ class ExistenceRuntime:
     # -- the per-step hook -------------------------------------------------------
     def step(self) -> None:
         """Everything due once per scheduler step; call it on every rank at the
-        same lockstep point (after ``check_hicache_events``)."""
-        self.steps += 1
+        same lockstep point (after ``check_hicache_events``).
+
+        A step with nothing due (no divergence check, no reconciler agreement by
+        step count, no metrics flush by time) costs one integer and one clock
+        compare: the step counts of the checker and the reconciler are credited at
+        the next step that has work.  "Due" by step count is the same on every rank,
+        so the lockstep points stay where they were."""
+        n = self.steps = self.steps + 1
+        if n < self._wake and self._clock() < self._flush_at:
+            return
+        self._step_due(n)
+
+    def _step_due(self, n: int) -> None:
+        skipped = n - 1 - self._credited
+        self._credited = n
         reconciler = self.reconciler
+        if skipped:
+            self.checker.advance(skipped)
+            if reconciler is not None:
+                try:
+                    reconciler.advance(skipped)
+                except Exception as exc:
+                    self._report("reconciler", exc)
         if reconciler is not None:
             try:
                 reconciler.apply(self.steps)
@@ -194,6 +223,15 @@ class ExistenceRuntime:
             self.telemetry.step()
         except Exception as exc:
             self._report("telemetry", exc)
+        try:
+            wake = self.checker.steps_to_due()
+            if reconciler is not None:
+                wake = min(wake, reconciler.steps_to_due())
+            self._flush_at = self.telemetry.due_at
+        except Exception as exc:  # then every step takes this path, as before
+            self._report("step schedule", exc)
+            wake, self._flush_at = 1, math.inf
+        self._wake = n + wake
 
     def _check(self) -> None:
         checker = self.checker

@@ -254,3 +254,83 @@ def test_feature_metrics_aggregate_in_multiprocess_mode(tmp_path):
     )
     for rank in ("0", "1"):
         assert _value(samples, "hicache_existence_divergence_active", tp_rank=rank) == 1
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("div_interval", "rec_interval"), [(5, 3), (7, 7), (1, 4), (64, 10)])
+def test_the_idle_fast_path_runs_what_every_step_would(div_interval, rec_interval):
+    """``step()`` skips the components on steps with nothing due and credits the
+    skipped steps at the next due one: the divergence checks and the reconciler's
+    agreements land on exactly the steps of a checker and a reconciler called on
+    every step (the reference here), so the TP lockstep points do not move."""
+    from hicache_existence.replicas.divergence import DivergenceChecker, InProcessWorld
+
+    config = Config.from_mapping(
+        {
+            "enabled": True,
+            "metrics": {"mode": "off", "flush_interval_s": 10},
+            "divergence": {"interval_steps": div_interval},
+            "reconciler": {"enabled": True, "agree_interval_steps": rec_interval},
+        }
+    )
+    clock = _Clock()
+    shard = L3Shard(capacity_pages=1024)
+    runtime = ExistenceRuntime(config, truth=shard, clock=clock)
+    reference = DivergenceChecker(
+        runtime.digest, InProcessWorld(1).group(0), config.divergence, cache=runtime.cache
+    )
+    checked_at, reference_at = [], []
+    for step in range(1, 301):
+        before = runtime.checker.stats().checks
+        runtime.step()
+        if runtime.checker.stats().checks > before:
+            checked_at.append(step)
+        if reference.on_step() is not None and reference.stats().last_check_step == step:
+            reference_at.append(step)
+    assert checked_at == reference_at and len(checked_at) == 300 // div_interval
+    assert runtime.steps == reference.step == 300
+    # the checker's own count catches up at its next due step, never later
+    assert 300 - div_interval < runtime.checker.step <= 300
+    assert runtime.reconciler is not None
+    assert runtime.reconciler.counters.apply_calls == 300 // rec_interval
+    runtime.close()
+
+
+def test_the_fast_path_still_flushes_metrics_on_time():
+    """Steps between flushes do not flush; the first step past ``flush_interval_s``
+    does, whatever the step counts."""
+    config = Config.from_mapping(
+        {
+            "enabled": True,
+            "metrics": {"mode": "off", "flush_interval_s": 10},
+            "divergence": {"enabled": False},
+        }
+    )
+    clock = _Clock()
+    runtime = ExistenceRuntime(config, clock=clock)
+    flushes = []
+    real = runtime.telemetry.step
+
+    def counted() -> bool:
+        flushed = real()
+        if flushed:
+            flushes.append(runtime.steps)
+        return flushed
+
+    runtime.telemetry.step = counted  # type: ignore[method-assign]
+    for _ in range(50):
+        runtime.step()
+    clock.now = 10.5
+    for _ in range(50):
+        runtime.step()
+    clock.now = 21.0  # the flush at 10.5 made the next one due at 20.5
+    runtime.step()
+    assert flushes == [1, 51, 101]
+    runtime.close()

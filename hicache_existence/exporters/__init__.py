@@ -125,6 +125,11 @@ class Telemetry:
             config=self.config.redacted(),
         )
 
+    @property
+    def due_at(self) -> float:
+        """The clock value from which ``step`` flushes again."""
+        return self._due
+
     def step(self) -> bool:
         """Flush metrics and derive log events if ``flush_interval_s`` passed."""
         now = self._clock()

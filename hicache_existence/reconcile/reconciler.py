@@ -437,6 +437,19 @@ class Reconciler:
             self._internal_error("cleared")
 
     # -- the lockstep point ----------------------------------------------------------
+    def steps_to_due(self) -> int:
+        """How many more ``apply`` calls until one agrees and applies (1: the next);
+        counted in steps, the same on every rank."""
+        if not self._on:
+            return 1 << 62
+        return self._interval - self._steps % self._interval
+
+    def advance(self, steps: int) -> None:
+        """Count ``steps`` steps on which nothing is due (fewer than
+        ``steps_to_due()``): what that many ``apply`` calls would have done."""
+        if self._on:
+            self._steps += steps
+
     def apply(self, step: int = -1) -> None:
         """Call once per scheduler step on every rank, after the HiCache events
         are drained.  Every ``agree_interval_steps`` calls it agrees with the other

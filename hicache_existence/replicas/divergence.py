@@ -47,6 +47,9 @@ from hicache_existence.replicas.digest import (
     slot_of,
 )
 
+#: ``steps_to_due`` of work that never comes (checks off or stopped).
+NEVER = 1 << 62
+
 logger = logging.getLogger(__name__)
 _events = logs.get_logger(__name__)
 
@@ -390,6 +393,21 @@ class DivergenceChecker:
     def step(self) -> int:
         """Steps counted so far (calls of ``on_step``)."""
         return self._step
+
+    def steps_to_due(self) -> int:
+        """How many more ``on_step`` calls until one has work (1: the next), for a
+        caller that credits the steps in between with ``advance`` instead of calling.
+        It counts steps only, so it is the same on every rank."""
+        if not self._started:
+            return 1
+        if not self._active:
+            return NEVER
+        return self._interval - self._step % self._interval
+
+    def advance(self, steps: int) -> None:
+        """Count ``steps`` scheduler steps on which nothing is due (fewer than
+        ``steps_to_due()``): what that many ``on_step`` calls would have done."""
+        self._step += steps
 
     def on_step(self) -> CheckResult | None:
         """Count one scheduler step; run the check when it is due.
