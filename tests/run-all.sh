@@ -30,6 +30,7 @@ command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)  # the Redis Cluster tests
+command -v kubectl >/dev/null 2>&1 || need_apt+=(kubernetes-client)  # kubectl kustomize
 # Mooncake's transfer engine and store client (mooncake_master, the L3 tests) link it.
 [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] \
   || need_apt+=(libibverbs1)
