@@ -16,6 +16,9 @@ if os.environ.get("HX_CPU_STANDINS", "1") != "0":
     import hx_cpu_standins
 
     hx_cpu_standins.install()
+    import hx_mla_standins
+
+    hx_mla_standins.install()
     if os.environ.get("HX_PROBES") == "1":
         import hx_probes
 
