@@ -64,7 +64,9 @@ class ExistenceRuntime:
     rank).  ``host_mode`` is what ``mode_info`` exports: HiCache's host memory
     mode, SGLang's write policy and whether ``cache_mode.dedup`` acts.
     ``instance`` names this process in a recorded trace (``recorder``; default:
-    the host name and the ranks).
+    the host name and the ranks).  ``count_writes`` false: the write accounting
+    is not fed (this host memory mode's write-path hooks are missing), so its
+    families are not exported at all.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class ExistenceRuntime:
         clock: Callable[[], float] = time.monotonic,
         host_mode: tuple[str, str, bool | str] = ("buffer_only", "", False),
         instance: str | None = None,
+        count_writes: bool = True,
     ) -> None:
         self.config = config = config or Config()
         if generation not in ("current", "flat"):
@@ -149,6 +152,9 @@ class ExistenceRuntime:
             config,
             self.labels,
             writes=self.writes,
+            # A host memory mode whose write path is not hooked: its write families
+            # are left out (absent, not 0 while L3 is written).
+            write_families=count_writes,
             ghosts=self.ghosts,
             env=env,
             clock=clock,

@@ -75,6 +75,7 @@ class Telemetry:
         clock: Callable[[], float] | None = None,
         env: dict[str, str] | None = None,
         features: FeatureSources | None = None,
+        write_families: bool = True,
     ) -> None:
         self.config = config or Config()
         section = self.config.metrics
@@ -90,6 +91,7 @@ class Telemetry:
             max_pools=section.max_pools,
             initial_pools=parse_pools(section.initial_pools),
             features=features,
+            write_families=write_families,
         )
         self.monitor = Monitor(clock=self._clock)
         self.feeder: Any = None

@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, valu
 
 from hicache_existence import logs
 from hicache_existence.exporters.catalog import (
-    CATALOG,
     GAUGE_MULTIPROCESS_MODE,
     DeploymentLabels,
     FeatureSpec,
@@ -76,7 +75,7 @@ class MultiprocessFeeder:
         self._clock = clock or time.monotonic
         self._deployment = (labels or DeploymentLabels()).values()
         self._metrics: dict[str, Any] = {}
-        for spec in CATALOG:
+        for spec in series_reader.specs:
             if spec.kind == "counter":
                 self._metrics[spec.name] = Counter(
                     spec.name, spec.help, spec.label_names, unit=spec.unit, registry=registry
@@ -149,7 +148,7 @@ class MultiprocessFeeder:
     def _apply(self, samples: Samples, histograms: HistogramSamples, *, counters: bool) -> None:
         previous = self._previous
         scalar_specs: list[MetricSpec | FeatureSpec] = [
-            *CATALOG,
+            *self.series_reader.specs,
             *(f for f in self._features if f.kind != "histogram"),
         ]
         for spec in scalar_specs:

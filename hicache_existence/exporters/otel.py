@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from hicache_existence.exporters.catalog import (
-    CATALOG,
     DEPLOYMENT_LABELS,
     DeploymentLabels,
     FeatureSpec,
@@ -85,7 +84,7 @@ class OTelExporter:
         self.snapshots = 0
         self.instruments: list[Any] = []
         specs: list[MetricSpec | FeatureSpec] = [
-            *CATALOG,
+            *series_reader.specs,
             # Histograms are left to Prometheus: an observable instrument cannot
             # carry pre-bucketed counts.
             *(f for f in series_reader.feature_specs() if f.kind != "histogram"),

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from hicache_existence import logs
 from hicache_existence.core import _validate
-from hicache_existence.exporters.catalog import CATALOG, DeploymentLabels, FeatureSpec, MetricSpec
+from hicache_existence.exporters.catalog import DeploymentLabels, FeatureSpec, MetricSpec
 from hicache_existence.exporters.features import HistogramSamples
 from hicache_existence.exporters.series import Samples, SeriesReader
 
@@ -55,7 +55,10 @@ class PrometheusCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         """Families without samples: registration does not take a snapshot."""
-        specs: list[MetricSpec | FeatureSpec] = [*CATALOG, *self.series_reader.feature_specs()]
+        specs: list[MetricSpec | FeatureSpec] = [
+            *self.series_reader.specs,
+            *self.series_reader.feature_specs(),
+        ]
         return [_family(spec) for spec in specs]
 
     def collect(self) -> Iterator[Metric]:
@@ -66,7 +69,7 @@ class PrometheusCollector(Collector):
         self, samples: Samples, histograms: HistogramSamples | None = None
     ) -> Iterator[Metric]:
         deployment = list(self._deployment)
-        for spec in CATALOG:
+        for spec in self.series_reader.specs:
             family = _family(spec)
             for key, value in samples[spec.name].items():
                 family.add_metric([*deployment, *key], value)

@@ -92,6 +92,7 @@ class SeriesReader:
         initial_pools: Iterable[str] = ("kv",),
         bytes_per_entry: float = CACHE_BYTES_PER_ENTRY,
         features: FeatureSources | None = None,
+        write_families: bool = True,
     ) -> None:
         if features is not None and not isinstance(features, FeatureSources):
             raise TypeError(f"features must be FeatureSources, got {type(features).__name__}")
@@ -111,6 +112,13 @@ class SeriesReader:
         self.bytes_per_entry = float(bytes_per_entry)
         self.labeler = PoolLabeler(max_pools, initial_pools)
         self.features = features or FeatureSources()
+        #: The scalar families exported: without ``write_families`` (a host memory
+        #: mode whose write path could not be hooked) the write families are left
+        #: out, absent rather than 0 while L3 is written.
+        self.write_families = bool(write_families)
+        self.specs: tuple[MetricSpec, ...] = (
+            CATALOG if write_families else tuple(s for s in CATALOG if s.source != "writes")
+        )
         self._lock = threading.Lock()
 
     def feature_specs(self) -> tuple[FeatureSpec, ...]:
@@ -149,11 +157,13 @@ class SeriesReader:
         label = self.labeler.label
         for pool in cache_stats:
             label(pool)
+        if not self.write_families:
+            write_stats = None
         if write_stats is not None:
             for pool in write_stats:
                 label(pool)
-        out: Samples = {spec.name: {} for spec in CATALOG}
-        for spec in CATALOG:
+        out: Samples = {spec.name: {} for spec in self.specs}
+        for spec in self.specs:
             series = out[spec.name]
             for pool_label in self.labeler.labels():
                 for key in _series_of(spec, pool_label):
@@ -175,7 +185,7 @@ class SeriesReader:
         shared_capacity: bool,
     ) -> None:
         key = (pool_label,)
-        for spec in CATALOG:
+        for spec in self.specs:
             if spec.source != "cache":
                 continue
             series = out[spec.name]

@@ -174,6 +174,19 @@ class ProcessEntry:
 _LOCK = threading.Lock()
 _ENTRIES: dict[int, ProcessEntry] = {}
 _DECLINED: dict[int, str] = {}
+#: Host memory modes ("buffer", "cache") whose write-path hooks are missing in
+#: this process (``write_hooks.register``), by process id.
+_UNCOUNTED: dict[int, frozenset[str]] = {}
+
+
+def set_uncounted_modes(modes: set[str] | frozenset[str]) -> None:
+    """The plugin's record of the host memory modes left without write accounting:
+    a runtime built for one of them exports no write families."""
+    _UNCOUNTED[os.getpid()] = frozenset(modes)
+
+
+def uncounted_modes() -> frozenset[str]:
+    return _UNCOUNTED.get(os.getpid(), frozenset())
 
 
 def current() -> ProcessEntry | None:
@@ -316,6 +329,7 @@ def build_entry(
             dedup_label(config, facts, overlap),
         ),
         instance=instance_name(socket.gethostname(), facts.port, labels.as_dict()),
+        count_writes=("cache" if facts.cache_mode else "buffer") not in uncounted_modes(),
     )
     if runtime.recorder is not None:
         runtime.recorder.set_page_size(facts.page_size)

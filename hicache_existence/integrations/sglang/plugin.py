@@ -177,12 +177,22 @@ def register_cache_hooks(
     replacement = _hooks.replacement_class(generation, upstream)
     registry.register(_targets.CACHE_CLASS, replacement, hook_type.REPLACE)
     registry.register(_targets.STEP_METHOD, _hooks.after_check_hicache_events, hook_type.AFTER)
+    modes_off: set[str] = set()
     try:
         report["write_hooks"] = _write_hooks.register(
-            registry, hook_type, generation, _targets.resolve, lambda m: _warn(report, m)
+            registry,
+            hook_type,
+            generation,
+            _targets.resolve,
+            lambda m: _warn(report, m),
+            off=modes_off,
         )
     except Exception as exc:  # the cache hooks stand without the write accounting
-        _warn(report, f"write accounting hooks not registered ({exc!r}); write counters stay 0")
+        modes_off.update(_write_hooks.MODES)
+        _warn(report, f"write accounting hooks not registered ({exc!r}); write counters are off")
+    # A mode without its write path exports no write families (absent, never 0).
+    report["write_modes_off"] = sorted(modes_off)
+    _hooks.set_uncounted_modes(modes_off)
     try:
         report["recorder_hooks"] = _recorder_hooks.register(registry, hook_type, _targets.resolve)
     except Exception as exc:  # the recorder then has no request boundaries

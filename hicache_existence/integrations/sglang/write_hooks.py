@@ -128,7 +128,7 @@ MODES: frozenset[Mode] = BUFFER | CACHE
 
 #: What stops being counted, per host memory mode, when that mode loses a required hook.
 MODE_COUNTERS: Mapping[Mode, str] = {
-    "buffer": "buffer-mode write counters (buffer_only servers) stay 0",
+    "buffer": "buffer-mode write counters (buffer_only servers) are off",
     "cache": "cache-mode write counters and dedup (cache-mode servers) are off",
 }
 
@@ -153,6 +153,9 @@ class Hook:
     loses: str = ""
     #: Host memory modes it feeds: installed while one of them has all its required hooks.
     serves: frozenset[Mode] = MODES
+    #: A class (dotted) without which the hook does not apply at all: when the
+    #: installed sglang lacks that class, the hook is skipped with a debug line only.
+    only_with: str = ""
 
     def bound(self, target: object) -> Hooked:
         """The callable to install on ``target`` (raises ``LookupError`` when its
@@ -576,8 +579,11 @@ HOOKS: tuple[Hook, ...] = (
          ("operation_id",), required=BUFFER, serves=BUFFER),
     Hook(f"{CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
          required=MODES),
+    # Every tree of sglang 0.5.21-0.5.23 writes L3 through a HybridCacheController
+    # (hybrid_pool_assembler builds one for plain models too): its hooks are as
+    # required as HiCacheController's, where that class exists.
     Hook(f"{HYBRID_CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
-         loses="hybrid models: acknowledged, failed and redundant pages"),
+         required=MODES, only_with=HYBRID_CONTROLLER),
     Hook(f"{FILE_BACKEND}.set", "AROUND", _file_set, _BOTH, ("key",),
          loses="file backend: redundant pages (the backend's own answer)"),
     Hook(f"{FILE_BACKEND}.exists", "AROUND", _file_exists, _BOTH, ("key",),
@@ -594,7 +600,7 @@ HOOKS: tuple[Hook, ...] = (
          required=CACHE, serves=CACHE),
     Hook(f"{HYBRID_CONTROLLER}.write_storage", "AROUND", _write_storage, _BOTH,
          ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?"),
-         loses="cache mode, hybrid models: L3 writes and dedup", serves=CACHE),
+         required=CACHE, serves=CACHE, only_with=HYBRID_CONTROLLER),
     Hook(f"{TREE}._invalidate_absent_from_hit_query", "AFTER", _hit_query, _BOTH, ("operation",),
          loses="prefetch shortfalls (cause prefetch_shortfall) and cache mode's heal"),
     Hook(f"{TREE}._handle_prefetch_result", "AROUND", _prefetch_result, _BOTH, ("operation",),
@@ -616,27 +622,32 @@ def register(
     generation: str,
     resolve: Callable[[str], object],
     warn: Callable[[str], None] | None = None,
+    off: set[str] | None = None,
 ) -> list[str]:
     """Register the write-path hooks the installed sglang has, for ``generation``.
 
     Each host memory mode stands alone: a required hook of one mode that is missing
     or has another signature turns off that mode's hooks (its counters then stay
-    absent) and leaves the other mode counting.  Every missing or changed target
-    gets one ``warn`` (default: a log warning) naming it and what stops being
-    counted; a backend whose module is there but does not import (Mooncake without
-    its client) drops that backend's hooks with a debug line only.  Returns the
+    absent: ``off`` receives the modes turned off, for the runtime to leave their
+    write families out) and leaves the other mode counting.  Every missing or
+    changed target gets one ``warn`` (default: a log warning) naming it and what
+    stops being counted; a backend whose module is there but does not import
+    (Mooncake without its client), or a hook whose ``only_with`` class the
+    installed sglang lacks, is dropped with a debug line only.  Returns the
     targets registered."""
     say = warn if warn is not None else _log_warning
     found: list[tuple[Hook, Hooked]] = []
-    off: set[Mode] = set()
+    modes_off: set[Mode] = set()
     for h in HOOKS:
         if generation not in h.generations:
             continue
         try:
             installed = h.bound(resolve(h.target))
         except Exception as exc:
-            if h.required:
-                off |= h.required
+            if h.only_with and not _resolves(resolve, h.only_with):
+                logger.debug("hicache-existence: no %s here; %s not hooked", h.only_with, h.target)
+            elif h.required:
+                modes_off |= h.required
                 stops = "; ".join(MODE_COUNTERS[m] for m in sorted(h.required))
                 say(f"{h.target} is missing or changed ({exc}); {stops}")
             elif targets.dependency_missing(h.target):
@@ -645,10 +656,20 @@ def register(
                 say(f"{h.target} is missing or changed ({exc}); not counted: {h.loses}")
             continue
         found.append((h, installed))
-    kept = [(h, installed) for h, installed in found if h.serves - off]
+    kept = [(h, installed) for h, installed in found if h.serves - modes_off]
     for h, installed in kept:
         registry.register(h.target, installed, getattr(hook_type, h.kind))
+    if off is not None:
+        off.update(modes_off)
     return [h.target for h, _ in kept]
+
+
+def _resolves(resolve: Callable[[str], object], target: str) -> bool:
+    try:
+        resolve(target)
+    except Exception:
+        return False
+    return True
 
 
 def _log_warning(message: str) -> None:
