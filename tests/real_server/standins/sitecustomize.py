@@ -1,4 +1,5 @@
-"""Loads the CPU stand-ins (and, with ``HX_PROBES=1``, the test probes) into every
+"""Loads the CPU stand-ins (and, with ``HX_PROBES=1``, the test probes; with
+``HX_DRIFT=<case>``, one simulated upstream change, ``hx_drift.py``) into every
 Python process of a test server.
 
 sglang spawns its scheduler and detokenizer processes, so a patch made in the
@@ -23,3 +24,7 @@ if os.environ.get("HX_CPU_STANDINS", "1") != "0":
         import hx_probes
 
         hx_probes.install()
+    if os.environ.get("HX_DRIFT"):
+        import hx_drift
+
+        hx_drift.install()
