@@ -17,6 +17,9 @@ if os.environ.get("HX_CPU_STANDINS", "1") != "0":
     import hx_cpu_standins
 
     hx_cpu_standins.install()
+    import hx_swa_attention
+
+    hx_swa_attention.install()
     import hx_mla_standins
 
     hx_mla_standins.install()
