@@ -14,10 +14,19 @@ The truth the counters are held to never reads them: SGLang's own
 ``sglang:backuped_tokens_total`` (counted at the same storage ack), the page files
 the file backend created (``HiCacheFile.set`` skips a page that exists, so a file
 is created once), and the greedy outputs.
+
+The ``write_through`` pair also runs the trace recorder at sampling rate 1 (every
+page recorded), with a relative ``recorder.path``: its records are held to the same
+truth (the write records' pages to the written pages, SGLang's backed-up pages and
+the page files; the prefetch records' ``hit`` to SGLang's
+``sglang:storage_prefetch_hit_tokens_total``), and its files must be where the
+relative path pointed when the server loaded its configuration.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,15 +62,29 @@ WORKLOAD: dict[str, Any] = {
     "reply_tokens": (16, 64),
 }
 COUNTERS = WRITE_PAGES
+#: The policy whose servers also record a trace at rate 1 (it reads L3 back, so its
+#: prefetch records carry hits).
+RECORDED = "write_through"
+#: Relative on purpose: made absolute when the server loads its configuration,
+#: against its working directory (``Server.workdir``).
+TRACE_DIR = "trace"
 
 
 def spec(policy: str, dedup: bool) -> ServerSpec:
+    config: dict[str, Any] = {"cache_mode": {"dedup": dedup}}
+    if policy == RECORDED:
+        config["recorder"] = {
+            "enabled": True,
+            "path": TRACE_DIR,
+            "sample_rate": 1.0,
+            "flush_interval_s": 0.25,
+        }
     return ServerSpec(
         host_memory_mode="cache",
         write_policy=policy,
         max_total_tokens=4096,
         hicache_ratio=2.0,
-        config={"cache_mode": {"dedup": dedup}},
+        config=config,
     )
 
 
@@ -79,6 +102,13 @@ class Run:
     doctor: DoctorRun | None = None
     #: Evidence figures of every warning-or-above finding compared to /metrics.
     evidence_compared: int = 0
+    #: The recorder (``RECORDED`` only): SGLang's L3 hit tokens, our records
+    #: series, the start-up line, and the records read once the server stopped.
+    prefetch_hit_tokens: float = 0.0
+    recorder_series: dict[str, dict[str, float]] | None = None
+    recorder_line: str = ""
+    workdir: Path | None = None
+    trace: list[dict[str, Any]] | None = None
 
 
 def reading(srv: Server) -> tuple[dict[str, float], dict[str, float], float, int]:
@@ -99,7 +129,7 @@ def settled(srv: Server, outputs: list[list[int]]) -> Run:
     fams = srv.metrics()
     ((_, mode, _),) = family(fams, P + "mode_info").samples
     prefetched = sglang_total(fams, "sglang:prefetched_tokens")
-    return Run(
+    run = Run(
         counters,
         causes,
         dict(mode),
@@ -108,6 +138,28 @@ def settled(srv: Server, outputs: list[list[int]]) -> Run:
         frozenset(srv.l3_pages()),
         outputs,
     )
+    if srv.spec.config and "recorder" in srv.spec.config:
+        # Strict: this policy reads L3 back, so SGLang has counted hits.
+        run.prefetch_hit_tokens = family(fams, "sglang:storage_prefetch_hit_tokens").total("_total")
+        run.recorder_series = {
+            name: {
+                lab[key]: v for n, lab, v in family(fams, P + name).samples if n.endswith("_total")
+            }
+            for name, key in (("recorder_records", "kind"), ("recorder_dropped_records", "reason"))
+        }
+        lines = srv.log.read_text(errors="replace").splitlines()
+        run.recorder_line = next((x for x in lines if "recording a trace" in x), "")
+        run.workdir = srv.workdir
+    return run
+
+
+def read_trace_dir(directory: Path) -> list[dict[str, Any]]:
+    """Every record of the recorder's files in ``directory``, headers first per file."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(directory.glob("*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            out += [json.loads(line) for line in f]
+    return out
 
 
 @pytest.fixture(scope="module", params=POLICIES)
@@ -128,6 +180,9 @@ def pair(
             run.doctor = doctor(metrics_url(srv), "--interval", "1", "--json")
             run.evidence_compared = check_evidence_all(run.doctor, {metrics_url(srv): srv})
             assert "Traceback" not in srv.log.read_text(errors="replace"), srv.tail()
+    for run in runs:  # the servers stopped: the recorder closed its last file
+        if run.workdir is not None:
+            run.trace = read_trace_dir(run.workdir / TRACE_DIR)
     print(f"\n{policy}: " + "; ".join(f"{k}={v}" for k, v in describe(*runs).items()))
     yield policy, *runs
 
@@ -241,3 +296,45 @@ def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
         assert f"dedup would have saved {c['redundant_believed_pages']:,.0f} pages" in f["summary"]
         assert any("cache_mode.dedup=true" in fix for fix in f["fix"]), f["fix"]
         assert off.evidence_compared >= 3, off.doctor.out
+
+
+def test_the_recorder_at_rate_1_records_every_write_and_every_l3_hit(pair) -> None:
+    """Cache mode, every page recorded: the write records carry exactly the pages
+    written (our counter, SGLang's backed-up pages) and, as a set, exactly the pages
+    whose files L3 holds; the prefetch records' ``hit`` pages add up to SGLang's
+    own count of L3 hit tokens, and every page a hit reports was written to this
+    server's L3 before it.  The files are under the server's working directory, where
+    the relative ``recorder.path`` pointed, and the start-up line names that
+    directory as an absolute path."""
+    policy, off, on = pair
+    if policy != RECORDED:
+        pytest.skip(f"the recorder runs with {RECORDED} only")
+    for run in (off, on):
+        assert run.trace is not None and run.workdir is not None
+        trace_dir = run.workdir / TRACE_DIR
+        assert f"to {trace_dir}/" in run.recorder_line, run.recorder_line
+        headers = [r for r in run.trace if r.get("format") == "hicache-existence-trace"]
+        assert headers and all(h["sample_rate"] == 1.0 for h in headers), headers
+        assert {h["host_memory_mode"] for h in headers} == {"cache"}
+        page = headers[0]["page_size"]
+        assert page == PAGE
+        records = [r for r in run.trace if "kind" in r]
+        series = run.recorder_series or {}
+        assert series["recorder_dropped_records"] == {"queue_full": 0.0, "write_error": 0.0}
+        kinds = {k: sum(1 for r in records if r["kind"] == k) for k in series["recorder_records"]}
+        assert kinds == series["recorder_records"]
+        writes = [r for r in records if r["kind"] == "write"]
+        written = [p for r in writes for p in r["pages"]]
+        c = run.counters
+        assert len(written) == c["written_pages"] == run.backuped_pages > 0
+        assert set(written) == {name[:64] for name in run.files}
+        prefetches = [r for r in records if r["kind"] == "prefetch"]
+        assert all(0 <= r["hit"] <= len(r["pages"]) for r in prefetches)
+        hit_pages = sum(r["hit"] for r in prefetches)
+        assert hit_pages * page == run.prefetch_hit_tokens > 0, (hit_pages, run.prefetch_hit_tokens)
+        seen: set[str] = set()
+        for r in sorted(records, key=lambda r: r["timestamp"]):
+            if r["kind"] == "write":
+                seen.update(r["pages"])
+            elif r["kind"] == "prefetch":
+                assert set(r["pages"][: r["hit"]]) <= seen, r

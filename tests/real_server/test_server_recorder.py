@@ -8,7 +8,12 @@ recorder's files are replayed with ``hicache-existence replay`` and its recorded
 curves are compared with the advisor's ``hicache_existence_advisor_estimated_hit_ratio``
 (and lookup) series at every multiplier: within 0.02 at the recorded rate.  The
 recorder's own series (records by kind, no drops) and the trace's header (instance,
-rate, page size) are checked against the server too.
+rate, page size) are checked against the server too, and its write records against
+L3 itself: at rate 0.5 the pages recorded as written are, as a set, exactly the
+page files of the L3 directory whose hash the sampling rule (docs/replay.md: the
+hash's first 32 bits below rate x 2^32, computed here from that rule) selects.
+(Exact counts at rate 1, and the prefetch records' hits against SGLang's own
+count, are checked in cache mode: ``test_cache_mode.py``.)
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ def _advisor(srv: Server) -> dict[str, Any]:
     out["dropped"] = {
         lab["reason"]: v for lab, v in srv.samples(P + "recorder_dropped_records_total")
     }
+    out["written"] = srv.value(P + "written_pages_total")
+    out["failed"] = srv.value(P + "write_failed_pages_total")
     return out
 
 
@@ -71,8 +78,11 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         srv.wait_writes_settled()
         seen = settle(lambda: _advisor(srv), quiet_s=2.0)
         port = srv.port
+        l3 = sorted(srv.l3_pages())
         srv.stop()
-    yield {"advisor": seen, "trace": trace_dir, "root": root, "port": port, "turns": len(turns)}
+        log = srv.log.read_text(errors="replace")
+    yield {"advisor": seen, "trace": trace_dir, "root": root, "port": port, "turns": len(turns),
+           "l3": l3, "log": log}  # fmt: skip
 
 
 def _replay(trace: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -106,6 +116,41 @@ def test_the_recorder_wrote_a_trace_without_drops(recorded: dict[str, Any]) -> N
     assert header["page_size"] == 16
     assert header["instance"].endswith(f":{recorded['port']}-dp0-tp0-pp0")
     assert header["host_memory_mode"] == "buffer_only"
+
+
+def _records(trace: Path) -> list[dict[str, Any]]:
+    import gzip
+
+    out: list[dict[str, Any]] = []
+    for path in sorted(trace.glob("*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            out += [r for r in map(json.loads, f) if "kind" in r]
+    return out
+
+
+def test_write_records_are_the_sampled_pages_l3_holds(recorded: dict[str, Any]) -> None:
+    """Every page file L3 holds whose hash the sampling rule selects was recorded
+    as written, and nothing else was; every page a prefetch record reports as an
+    L3 hit was recorded as written before it; the start-up line names the
+    directory the files are in."""
+    seen = recorded["advisor"]
+    assert seen["failed"] == 0 and seen["written"] > 0
+    records = _records(recorded["trace"])
+    written = [p for r in records if r["kind"] == "write" for p in r["pages"]]
+    assert sum(1 for r in records if r["kind"] == "write") == seen["records"]["write"]
+    sampled = {
+        name[:64] for name in recorded["l3"] if int(name[:8], 16) < RATE * 2**32
+    }  # the documented rule, not the package's code
+    assert sampled and set(written) == sampled
+    assert 0 < len(written) < seen["written"]  # a sample, of every write
+    recorded_written: set[str] = set()
+    for r in sorted(records, key=lambda r: r["timestamp"]):
+        if r["kind"] == "write":
+            recorded_written.update(r["pages"])
+        elif r["kind"] == "prefetch":
+            assert 0 <= r["hit"] <= len(r["pages"]), r
+            assert set(r["pages"][: r["hit"]]) <= recorded_written, r
+    assert f"recording a trace (sample rate {RATE:g}) to {recorded['trace']}/" in recorded["log"]
 
 
 def test_replayed_curve_agrees_with_the_advisor(recorded: dict[str, Any]) -> None:
