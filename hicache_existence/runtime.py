@@ -102,7 +102,6 @@ class ExistenceRuntime:
         self._flush_at = -math.inf
         self._credited = 0
 
-
         max_entries = config.cache.max_entries
         self.ghosts = (
             GhostFactory.from_config(config, max_entries) if config.miss_reasons.enabled else None

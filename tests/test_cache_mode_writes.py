@@ -500,3 +500,24 @@ def test_a_pool_never_seen_is_counted_under_its_own_name_never_as_kv(made: Any) 
     feed.cache_mode._acked(feed.cache_mode._pending.pop(1), None)
     assert tree.storage_existence_cache.pool("gdn_state").believed(gdn) == gdn
     assert tree.storage_existence_cache.pool("kv").believed(gdn) == []
+
+
+def test_an_extra_pool_s_believed_pages_written_again_are_redundant_believed(made: Any) -> None:
+    """Dedup off, a hybrid node whose SWA pages are believed (its KV pages not): the
+    SWA pages L3 already held are ``redundant_believed`` in their own pool, as
+    KV's are: what dedup would have saved there (0 before: only KV counted)."""
+    tree, feed, _l3 = made(dedup=False)
+    kv, swa = pages("k", 4), pages("s", 2)
+    tree.storage_existence_cache.pool("swa").add(swa)
+    host = Indices(range(4 * PAGE))
+    extra = [NS(name="swa", keys=swa)]
+    call = feed.plan_cache_write(tree.cache_controller, host, [7] * 4 * PAGE, kv, None, extra)
+    assert call is not None
+    plan, _changes = call
+    feed.cache_mode.launched(1, plan, 1)
+    outcome = wp.Outcome(stored={"kv": 4, "swa": 2}, existed={"swa": set(swa)})
+    feed.cache_mode._acked(feed.cache_mode._pending.pop(1), outcome)
+    stats = feed.writes.stats()
+    assert (stats["swa"].redundant, stats["swa"].redundant_believed) == (2, 2)
+    assert (stats["kv"].redundant, stats["kv"].redundant_believed) == (0, 0)
+    assert dict(stats["swa"].causes) == {"recompute": 2}

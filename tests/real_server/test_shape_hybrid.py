@@ -413,6 +413,8 @@ def test_a_node_whose_every_pool_is_believed_is_left_out_by_dedup(
     whole = {"kv": 6, "swa": 6}
     none = {"kv": 0, "swa": 0}
     assert off["written_pages"] == off["redundant_written_pages"] == whole, off
+    # what dedup saves, per pool: the believed pages written again (swa too)
+    assert off["redundant_believed_pages"] == whole, off
     assert off["write_avoided_pages"] == none and off["files"] == none, off
     assert off["l3_kv"] == {"kv": 6}, off
     assert on["written_pages"] == none and on["l3_kv"] == {"kv": 0}, on

@@ -154,6 +154,8 @@ class WritePlan:
     #: Extra pools' keys (hybrid models), written whole or not at all.
     extra: dict[str, list[str]] = field(default_factory=dict)
     extra_written: bool = True
+    #: Extra pools' keys believed stored at launch (their redundant_believed).
+    extra_believed: dict[str, set[str]] = field(default_factory=dict)
 
     @property
     def written_pages(self) -> list[str]:
@@ -176,6 +178,11 @@ class _Launch:
     pages: list[str]
     believed: set[str]
     extra: dict[str, list[str]]
+    #: Per extra pool, its written keys believed at launch.
+    extra_believed: dict[str, set[str]] = field(default_factory=dict)
+
+    def believed_of(self, pool: str) -> set[str]:
+        return self.believed if pool == KV else self.extra_believed.get(pool, set())
 
 
 class CacheModeWrites:
@@ -236,11 +243,14 @@ class CacheModeWrites:
     ) -> WritePlan:
         """Look the node's pages up and decide what is written (module docstring)."""
         pages = list(pages)
+        # A read (no touch, no count): which extra-pool keys were believed, for their
+        # redundant_believed at the ack.
+        extra_believed = {p: self.beliefs.believed(p, keys) for p, keys in extra.items() if keys}
         if self.upstream_dedup:
             # sglang looked these pages up in this cache already (counted there) and
             # left out what it skips: count what it sends, classify without a lookup.
             believed = self.beliefs.believed(KV, pages) if pages else set()
-            return WritePlan(list(range(len(pages))), pages, believed, extra, True)
+            return WritePlan(list(range(len(pages))), pages, believed, extra, True, extra_believed)
         covered = self.beliefs.covered(KV, pages) if pages else True
         believed = set(pages) if covered else self.beliefs.believed(KV, pages)
         extra_covered = not extra or all(
@@ -257,7 +267,7 @@ class CacheModeWrites:
                 keep = keep[first:]
             else:
                 keep = [i for i, p in enumerate(pages) if p not in believed]
-        return WritePlan(keep, pages, believed, extra, extra_written)
+        return WritePlan(keep, pages, believed, extra, extra_written, extra_believed)
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:
         """The operation carrying ``plan``'s pages was queued for the backup thread."""
@@ -276,7 +286,11 @@ class CacheModeWrites:
             self.beliefs.launched(pool, keys)
         self.causes.launched(node, written)
         self._pending[int(operation_id)] = _Launch(
-            node, written, plan.believed & set(written), extra
+            node,
+            written,
+            plan.believed & set(written),
+            extra,
+            {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()},
         )
 
     def _count(self, pool: str, written: Sequence[str], skipped: int) -> None:
@@ -330,11 +344,11 @@ class CacheModeWrites:
         stored = outcome.stored[pool]
         existed = outcome.existed.get(pool, set()).intersection(keys)
         already = min(len(existed), stored)
-        believed = min(len(existed & launch.believed), already) if pool == KV else 0
+        noted = launch.believed_of(pool)
+        believed = min(len(existed & noted), already)
         self.writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
         if already:
             redundant = [k for k in keys if k in existed][:already]
-            noted = launch.believed if pool == KV else set()
             # The beliefs decided the write only with dedup on (its node rules).
             held = noted if self.dedup else set()
             causes = self.causes.classify(launch.node_id, redundant, noted, held, pool)

@@ -388,7 +388,9 @@ class WritePath:
         plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
         page = int(getattr(controller, "page_size", 0) or 0)
         if plan.whole or page <= 0 or len(host_indices) != len(pages) * page:
-            return WritePlan(list(range(len(pages))), pages, plan.believed, extra), {}
+            return WritePlan(
+                list(range(len(pages))), pages, plan.believed, extra, True, plan.extra_believed
+            ), {}
         keep = plan.keep
         if not keep and not plan.extra_written:
             changes = {
