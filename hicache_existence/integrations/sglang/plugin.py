@@ -13,7 +13,7 @@ before the scheduler exists.  What it registers:
   scheduler processes it launches): REPLACE of upstream's
   ``StorageExistenceCache`` by ours of the generation the installed class's
   API shape shows, AFTER on ``UnifiedRadixCache.check_hicache_events``, and
-  the write-accounting hooks of both host memory modes (``write_hooks.py``).
+  the write-accounting hooks of both host memory modes (``write_hooks``).
 
 A target the installed sglang lacks, an API shape this package does not know,
 an upstream existence cache with a public name ours does not serve

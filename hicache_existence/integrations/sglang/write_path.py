@@ -1,6 +1,6 @@
 """Write accounting of one scheduler process, fed from SGLang's real L3 write path.
 
-``WritePath`` holds what the hooks (``write_hooks.py``) learn between a write's
+``WritePath`` holds what the hooks (``write_hooks``) learn between a write's
 decision, its launch and its storage ack, and turns it into ``WriteAccounting``
 calls.  Its state changes only through its own methods; the hooks only read
 upstream's arguments and call them.  Where each counter is taken (buffer mode,

@@ -1,0 +1,122 @@
+"""The backup thread's hooks: this rank's outcome, and the backends' own answers.
+
+``_page_backup`` collects, during one storage write, which pages the file or
+Mooncake backend said it already held (redundant writes by the backend's own
+answer), then hands the outcome to the scheduler thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache_existence.integrations.sglang.write_hooks.binding import (
+    Hooked,
+    Params,
+    guard,
+)
+from hicache_existence.integrations.sglang.write_path import current
+
+
+# -- the backup thread ------------------------------------------------------------------------
+def _page_backup(p: Params) -> Hooked:
+    operation_of = p["operation"]
+
+    def around_page_backup(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``_page_backup`` (backup thread): collect the backend's existence
+        answers during the write, then hand this rank's outcome to the scheduler."""
+        feed = current()
+        answers = feed.begin_backup(controller) if feed is not None else None
+        if feed is None or answers is None:
+            return original(controller, *a, **kw)
+        try:
+            return original(controller, *a, **kw)
+        finally:
+            try:
+                feed.end_backup(controller, operation_of(a, kw), answers)
+            except Exception as exc:
+                feed.abandon_backup()
+                feed.error(exc)
+
+    return around_page_backup
+
+
+def _file_set(p: Params) -> Hooked:
+    key_of = p["key"]
+
+    def around_file_set(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``HiCacheFile.set``: it asks ``exists`` first and skips a stored page."""
+        feed = current()
+        answers = feed.collecting() if feed is not None else None
+        key = key_of(a, kw)
+        if answers is None or not isinstance(key, str):
+            return original(backend, *a, **kw)
+        answers.probe, answers.answer = key, None
+        try:
+            ok = original(backend, *a, **kw)
+        finally:
+            answers.probe = None
+        if ok and answers.answer:
+            answers.saw(key)
+        return ok
+
+    return around_file_set
+
+
+def _file_exists(p: Params) -> Hooked:
+    key_of = p["key"]
+
+    def around_file_exists(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``HiCacheFile.exists``: the answer ``set`` acts on."""
+        answer = original(backend, *a, **kw)
+        feed = current()
+        answers = feed.collecting() if feed is not None else None
+        if answers is not None and answers.probe is not None and key_of(a, kw) == answers.probe:
+            answers.answer = bool(answer)
+        return answer
+
+    return around_file_exists
+
+
+def _mooncake_batch_set_v1(p: Params) -> Hooked:
+    keys_of = p["keys"]
+
+    def around_mooncake_batch_set_v1(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``MooncakeStore.batch_set_v1``: it asks ``batch_is_exist`` and puts
+        only missing objects; the pages it writes are the next query's."""
+        feed = current()
+        answers = feed.collecting() if feed is not None else None
+        if feed is None or answers is None:
+            return original(backend, *a, **kw)
+        try:
+            answers.batch_pages = list(keys_of(a, kw))
+        except Exception as exc:
+            feed.error(exc)
+        try:
+            return original(backend, *a, **kw)
+        finally:
+            answers.batch_pages = None
+
+    return around_mooncake_batch_set_v1
+
+
+def _mooncake_batch_exist(p: Params) -> Hooked:
+    def around_mooncake_batch_exist(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``MooncakeStore._batch_exist``: a page existed when all of its
+        objects did (objects are laid out page by page)."""
+        answer = original(backend, *a, **kw)
+        feed = current()
+        answers = feed.collecting() if feed is not None else None
+        pages = answers.batch_pages if answers is not None else None
+        if feed is not None and answers is not None and pages:
+            answers.batch_pages = None  # only the write's own query
+
+            def existed() -> None:
+                per = len(answer) // len(pages)
+                for i, page in enumerate(pages):
+                    if per and all(int(s) == 1 for s in answer[i * per : (i + 1) * per]):
+                        answers.saw_page("kv", page)
+
+            guard(feed, existed)
+        return answer
+
+    return around_mooncake_batch_exist

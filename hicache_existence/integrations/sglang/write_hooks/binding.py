@@ -1,0 +1,198 @@
+"""How a write-path hook is declared and bound, and what every hook shares.
+
+A ``Hook`` names its upstream target, its kind, the API generations and host
+memory modes it serves, and the upstream parameters it reads; ``Params.bind``
+reads where each parameter sits from the target's own signature, so no hook
+indexes upstream's arguments by a guessed position.  ``current_feed``,
+``guard``, ``bracketed`` and ``replaced`` are the prelude, the error guard, the
+begin/end bracket and the argument rewrite every hook module uses, written once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hicache_existence.integrations.sglang import targets
+from hicache_existence.integrations.sglang.write_path import WritePath, current
+
+Kind = Literal["AROUND", "AFTER"]
+Hooked = Callable[..., Any]
+
+
+class Param:
+    """One named parameter of an upstream method, read from a hook's ``(args,
+    kwargs)`` (``self`` excluded) at the position the target's signature gives it."""
+
+    __slots__ = ("name", "index")
+
+    #: The index of an optional parameter the target does not have.
+    ABSENT = 1 << 30
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name = name
+        #: Position among the positional arguments after ``self``; -1: keyword-only.
+        self.index = index
+
+    @property
+    def present(self) -> bool:
+        """Whether the target has this parameter (optional ones may be absent)."""
+        return self.index != Param.ABSENT
+
+    def __call__(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], default: Any = None
+    ) -> Any:
+        i = self.index
+        if 0 <= i < len(args):
+            return args[i]
+        return kwargs.get(self.name, default)
+
+    def __repr__(self) -> str:
+        return f"Param({self.name!r}, {self.index})"
+
+
+class Params(Mapping[str, Param]):
+    """The named parameters one hook reads, bound to its target's signature.
+
+    ``"name?"`` in a hook's ``params`` is optional: absent from the signature,
+    it reads as ``None`` (one API generation has it, the other not)."""
+
+    def __init__(self, found: Mapping[str, Param]) -> None:
+        self._found = dict(found)
+
+    def __getitem__(self, name: str) -> Param:
+        return self._found[name]
+
+    def __iter__(self) -> Any:
+        return iter(self._found)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    @classmethod
+    def bind(cls, target: object, names: tuple[str, ...]) -> Params:
+        """Where each of ``names`` sits in ``target``'s signature.
+
+        Raises ``LookupError`` naming a required parameter the signature lacks."""
+        fn = targets.original_of(target)
+        try:
+            signature = inspect.signature(fn)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise LookupError(f"no signature for {target!r}: {exc}") from None
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = list(signature.parameters.values())
+        if params and params[0].name in ("self", "cls"):
+            params = params[1:]
+        where: dict[str, int] = {}
+        for i, p in enumerate(params):
+            if p.kind in positional:
+                where[p.name] = i
+            elif p.kind is inspect.Parameter.KEYWORD_ONLY:
+                where[p.name] = -1
+        found: dict[str, Param] = {}
+        for raw in names:
+            name = raw.rstrip("?")
+            if name in where:
+                found[name] = Param(name, where[name])
+            elif name == raw:
+                raise LookupError(f"{getattr(fn, '__qualname__', fn)} has no parameter {name!r}")
+            else:  # optional: never in the call, always the default
+                found[name] = Param(name, Param.ABSENT)
+        return cls(found)
+
+
+Mode = Literal["buffer", "cache"]
+BUFFER: frozenset[Mode] = frozenset({"buffer"})
+CACHE: frozenset[Mode] = frozenset({"cache"})
+MODES: frozenset[Mode] = BUFFER | CACHE
+
+#: What stops being counted, per host memory mode, when that mode loses a required hook.
+MODE_COUNTERS: Mapping[Mode, str] = {
+    "buffer": "buffer-mode write counters (buffer_only servers) are off",
+    "cache": "cache-mode write counters and dedup (cache-mode servers) are off",
+}
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One hook of the write path."""
+
+    #: Dotted path of the upstream callable (what ``HookRegistry`` patches).
+    target: str
+    kind: Kind
+    #: Factory of the installed callable, given the target's bound parameters.
+    build: Callable[[Params], Hooked]
+    #: API generations it serves (``current``: 0.5.22+, ``flat``: 0.5.19-0.5.21).
+    generations: frozenset[str]
+    #: Upstream parameters the hook reads (``"name?"``: may be absent).
+    params: tuple[str, ...] = ()
+    #: Host memory modes whose accounting is wrong without it: a missing one turns
+    #: off that mode's hooks (its counters stay absent, never wrong), not the other's.
+    required: frozenset[Mode] = frozenset()
+    #: What is not counted when this (optional) hook is missing.
+    loses: str = ""
+    #: Host memory modes it feeds: installed while one of them has all its required hooks.
+    serves: frozenset[Mode] = MODES
+    #: A class (dotted) without which the hook does not apply at all: when the
+    #: installed sglang lacks that class, the hook is skipped with a debug line only.
+    only_with: str = ""
+
+    def bound(self, target: object) -> Hooked:
+        """The callable to install on ``target`` (raises ``LookupError`` when its
+        signature lacks a parameter the hook reads)."""
+        return self.build(Params.bind(target, self.params))
+
+
+def guard(feed: WritePath, fn: Callable[[], None]) -> None:
+    """Run ``fn``; a failure is counted (``WritePath.error``), never raised."""
+    try:
+        fn()
+    except Exception as exc:  # accounting never raises into the scheduler
+        feed.error(exc)
+
+
+#: What ``bracketed``'s ``enter`` returns for a call that is not ours.
+SKIP = object()
+
+
+def bracketed(
+    enter: Callable[[WritePath, Any, tuple[Any, ...], dict[str, Any]], Any],
+    leave: Callable[[WritePath, Any], None],
+    name: str,
+    doc: str,
+) -> Hooked:
+    """An AROUND hook that brackets upstream's call: ``enter(feed, owner, a, kw)``
+    (``SKIP``: not ours, upstream runs alone) before it, ``leave(feed, token)``
+    after it, even when upstream raises.  Upstream is called exactly once."""
+
+    def around(original: Hooked, owner: Any, *a: Any, **kw: Any) -> Any:
+        feed = current()
+        token = SKIP if feed is None else enter(feed, owner, a, kw)
+        if token is SKIP:
+            return original(owner, *a, **kw)
+        assert feed is not None
+        try:
+            return original(owner, *a, **kw)
+        finally:
+            leave(feed, token)
+
+    around.__name__ = around.__qualname__ = name
+    around.__doc__ = doc
+    return around
+
+
+def replaced(
+    a: tuple[Any, ...], kw: dict[str, Any], changes: Mapping[str, Any], params: tuple[Param, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(a, kw)`` with the named parameters in ``changes`` replaced where they sit."""
+    args, kwargs = list(a), dict(kw)
+    for param in params:
+        if param.name not in changes or not param.present:
+            continue
+        if 0 <= param.index < len(args):
+            args[param.index] = changes[param.name]
+        else:
+            kwargs[param.name] = changes[param.name]
+    return tuple(args), kwargs

@@ -1,0 +1,170 @@
+"""Buffer mode's write-path hooks: admission, D2H launch, storage ack.
+
+Both API generations: the current one decides admissions in
+``BufferModePipeline._write_intents``, the flat one (0.5.19-0.5.21) in
+``enqueue_backup_intent`` through our flat cache's ``covers_all``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hicache_existence.integrations.sglang.write_hooks.binding import (
+    SKIP,
+    Hooked,
+    Params,
+    bracketed,
+    guard,
+)
+from hicache_existence.integrations.sglang.write_path import WritePath, current
+
+
+# -- admission (current generation) ---------------------------------------------------------
+def _refresh_pending(p: Params) -> Hooked:
+    return bracketed(
+        lambda feed, pipeline, a, kw: feed.begin_refresh(),
+        lambda feed, _: feed.end_refresh(),
+        "around_refresh_pending",
+        """AROUND ``_refresh_pending_backup_intents``: its split repairs re-examine
+        admitted intents through ``_write_intents``; they are not new decisions.""",
+    )
+
+
+def _backup_pool_keys(p: Params) -> Hooked:
+    def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
+        """AFTER ``_backup_pool_keys`` (called by ``_write_intents`` only): the keys
+        the decision is about."""
+        feed = current()
+        if feed is not None:
+            feed.note_pool_keys(result)
+        return None
+
+    return after_backup_pool_keys
+
+
+def _write_intents(p: Params) -> Hooked:
+    def around_write_intents(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``_write_intents``: outside a queue refresh it is an admission
+        (``enqueue_backup_intent`` calls it once per node per insert walk, after
+        upstream's own dedupe), and the pools it left out were covered: avoided."""
+        intents = original(pipeline, *a, **kw)
+        feed = current()
+        if feed is not None:
+            pool_keys = feed.take_pool_keys()
+            if pool_keys is not None and feed.owns_pipeline(pipeline):
+                guard(feed, lambda: feed.admitted(pipeline, pool_keys, intents))
+        return intents
+
+    return around_write_intents
+
+
+def _drop_queue_head(p: Params) -> Hooked:
+    dropped_of = p["dropped"]
+
+    def around_drop_queue_head(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``_drop_queue_head``: ``dropped=False`` retires a queued intent
+        whose pool became covered before its launch (avoided at that decision)."""
+        feed = current()
+        head = None
+        if feed is not None and feed.owns_pipeline(pipeline) and dropped_of(a, kw, True) is False:
+            queue = getattr(pipeline, "pending_write_queue", None)
+            head = queue[0] if queue else None
+        result = original(pipeline, *a, **kw)
+        if feed is not None and head is not None:
+            guard(feed, lambda: feed.retired(head.pool, head.keys))
+        return result
+
+    return around_drop_queue_head
+
+
+# -- admission (flat generation) --------------------------------------------------------------
+def _enqueue_backup_intent(p: Params) -> Hooked:
+    node_of = p["node_id"]
+
+    def enter(feed: WritePath, pipeline: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        if not feed.owns_pipeline(pipeline):
+            return SKIP
+        return feed.begin_admission(node_of(a, kw))
+
+    return bracketed(
+        enter,
+        lambda feed, _: feed.end_admission(),
+        "around_enqueue_backup_intent",
+        """AROUND ``enqueue_backup_intent`` (flat generation): one admission
+        decision, counted at most once per node per insert walk.""",
+    )
+
+
+def _flat_covers_all(p: Params) -> Hooked:
+    pool_of, hashes_of = p["pool"], p["hashes"]
+
+    def around_flat_covers_all(original: Hooked, cache: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND our flat cache's ``covers_all``: True inside an admission is avoided."""
+        covered = original(cache, *a, **kw)
+        if covered:
+            feed = current()
+            if feed is not None and cache is feed.cache:
+                guard(feed, lambda: feed.covered_in_admission(pool_of(a, kw), hashes_of(a, kw, ())))
+        return covered
+
+    return around_flat_covers_all
+
+
+def _tree_insert(p: Params) -> Hooked:
+    return bracketed(
+        lambda feed, tree, a, kw: feed.begin_walk() if feed.owns_tree(tree) else SKIP,
+        lambda feed, outer: feed.end_walk(outer),
+        "around_tree_insert",
+        """AROUND ``UnifiedRadixCache.insert`` (flat): one insert walk, inside which
+        a node's admission counts once.""",
+    )
+
+
+# -- launch and ack ---------------------------------------------------------------------------
+def _stage_backup_intent(p: Params) -> Hooked:
+    intent_of, keys_of = p["intent"], p["keys_by_pool"]
+
+    def after_stage_backup_intent(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
+        """AFTER ``_stage_backup_intent``: True is the D2H launch of the intent's
+        pages (flat generation: the node's KV pages, it passes no ``keys_by_pool``)."""
+        if result is not True:
+            return None
+        feed = current()
+        if feed is None or not feed.owns_pipeline(pipeline):
+            return None
+
+        def launched() -> None:
+            intent = intent_of(a, kw)
+            keys = keys_of(a, kw)
+            by_pool = keys if isinstance(keys, Mapping) else {"kv": intent.snapshot.hash_values}
+            feed.launched(pipeline, intent, by_pool)
+
+        guard(feed, launched)
+        return None
+
+    return after_stage_backup_intent
+
+
+def _storage_write_ack(p: Params) -> Hooked:
+    op_of = p["operation_id"]
+
+    def around_storage_write_ack(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``finish_storage_write_ack``: this rank's outcome of the write,
+        read before upstream pops the pipeline's entry."""
+        feed = current()
+        if feed is None or not feed.owns_pipeline(pipeline):
+            return original(pipeline, *a, **kw)
+        entry = outcome = None
+        try:
+            op_id = op_of(a, kw)
+            entry = pipeline.ongoing_backup.get(op_id)
+            outcome = feed.take_outcome(op_id)
+        except Exception as exc:
+            feed.error(exc)
+        result = original(pipeline, *a, **kw)
+        if entry is not None:
+            guard(feed, lambda: feed.acked(entry, outcome))
+        return result
+
+    return around_storage_write_ack

@@ -1,0 +1,175 @@
+"""The table of every write-path hook, and its registration per host memory mode."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from hicache_existence.integrations.sglang import targets
+from hicache_existence.integrations.sglang.write_hooks.backends import (
+    _file_exists,
+    _file_set,
+    _mooncake_batch_exist,
+    _mooncake_batch_set_v1,
+    _page_backup,
+)
+from hicache_existence.integrations.sglang.write_hooks.binding import (
+    BUFFER,
+    CACHE,
+    MODE_COUNTERS,
+    MODES,
+    Hook,
+    Hooked,
+    Mode,
+)
+from hicache_existence.integrations.sglang.write_hooks.buffer_mode import (
+    _backup_pool_keys,
+    _drop_queue_head,
+    _enqueue_backup_intent,
+    _flat_covers_all,
+    _refresh_pending,
+    _stage_backup_intent,
+    _storage_write_ack,
+    _tree_insert,
+    _write_intents,
+)
+from hicache_existence.integrations.sglang.write_hooks.cache_mode import (
+    _hit_query,
+    _prefetch_result,
+    _write_backup_storage,
+    _write_storage,
+)
+
+logger = logging.getLogger("hicache_existence.integrations.sglang")
+
+_MM = "sglang.srt.mem_cache"
+PIPELINE = f"{_MM}.buffer_mode.pipeline.BufferModePipeline"
+TREE = f"{_MM}.unified_radix_cache.UnifiedRadixCache"
+CONTROLLER = "sglang.srt.managers.cache_controller.HiCacheController"
+HYBRID_CONTROLLER = f"{_MM}.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+FILE_BACKEND = f"{_MM}.hicache_storage.HiCacheFile"
+MOONCAKE_BACKEND = f"{_MM}.storage.mooncake_store.mooncake_store.MooncakeStore"
+FLAT_COVERS_ALL = "hicache_existence.core.flat.FlatStorageExistenceCache.covers_all"
+
+_CUR = frozenset({"current"})
+_FLAT = frozenset({"flat"})
+_BOTH = frozenset({"current", "flat"})
+
+#: Every hook of the write path, in registration order.
+HOOKS: tuple[Hook, ...] = (
+    Hook(f"{PIPELINE}.enqueue_backup_intent", "AROUND", _enqueue_backup_intent, _FLAT,
+         ("node_id",), required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._refresh_pending_backup_intents", "AROUND", _refresh_pending, _CUR,
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._backup_pool_keys", "AFTER", _backup_pool_keys, _CUR,
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._write_intents", "AROUND", _write_intents, _CUR,
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._drop_queue_head", "AROUND", _drop_queue_head, _CUR, ("dropped",),
+         loses="buffer mode: queued writes retired before launch (avoided)",
+         serves=BUFFER),
+    Hook(FLAT_COVERS_ALL, "AROUND", _flat_covers_all, _FLAT, ("pool", "hashes"),
+         required=BUFFER, serves=BUFFER),
+    Hook(f"{TREE}.insert", "AROUND", _tree_insert, _FLAT, required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}._stage_backup_intent", "AFTER", _stage_backup_intent, _BOTH,
+         ("intent", "keys_by_pool?"), required=BUFFER, serves=BUFFER),
+    Hook(f"{PIPELINE}.finish_storage_write_ack", "AROUND", _storage_write_ack, _BOTH,
+         ("operation_id",), required=BUFFER, serves=BUFFER),
+    Hook(f"{CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
+         required=MODES),
+    # Every tree of sglang 0.5.21-0.5.23 writes L3 through a HybridCacheController
+    # (hybrid_pool_assembler builds one for plain models too): its hooks are as
+    # required as HiCacheController's, where that class exists.
+    Hook(f"{HYBRID_CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
+         required=MODES, only_with=HYBRID_CONTROLLER),
+    Hook(f"{FILE_BACKEND}.set", "AROUND", _file_set, _BOTH, ("key",),
+         loses="file backend: redundant pages (the backend's own answer)"),
+    Hook(f"{FILE_BACKEND}.exists", "AROUND", _file_exists, _BOTH, ("key",),
+         loses="file backend: redundant pages (the backend's own answer)"),
+    Hook(f"{MOONCAKE_BACKEND}.batch_set_v1", "AROUND", _mooncake_batch_set_v1, _BOTH, ("keys",),
+         loses="Mooncake backend: redundant pages (the backend's own answer)"),
+    Hook(f"{MOONCAKE_BACKEND}._batch_exist", "AROUND", _mooncake_batch_exist, _BOTH,
+         loses="Mooncake backend: redundant pages (the backend's own answer)"),
+    # cache mode, and the prefetch dispositions behind the causes (both modes)
+    Hook(f"{TREE}.write_backup_storage", "AROUND", _write_backup_storage, _BOTH, ("node_id",),
+         required=CACHE, serves=CACHE),
+    Hook(f"{CONTROLLER}.write_storage", "AROUND", _write_storage, _BOTH,
+         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?"),
+         required=CACHE, serves=CACHE),
+    Hook(f"{HYBRID_CONTROLLER}.write_storage", "AROUND", _write_storage, _BOTH,
+         ("host_indices", "token_ids", "hash_value", "prefix_keys", "extra_pools?"),
+         required=CACHE, serves=CACHE, only_with=HYBRID_CONTROLLER),
+    Hook(f"{TREE}._invalidate_absent_from_hit_query", "AFTER", _hit_query, _BOTH, ("operation",),
+         loses="prefetch shortfalls (cause prefetch_shortfall) and cache mode's heal"),
+    Hook(f"{TREE}._handle_prefetch_result", "AROUND", _prefetch_result, _BOTH, ("operation",),
+         loses="prefetch dispositions behind the redundant-write causes"),
+)  # fmt: skip
+
+
+def hook(target_suffix: str, generation: str = "current") -> Hook:
+    """The hook whose target ends with ``target_suffix`` (tests, diagnostics)."""
+    for h in HOOKS:
+        if h.target.endswith(target_suffix) and generation in h.generations:
+            return h
+    raise KeyError(target_suffix)
+
+
+def register(
+    registry: Any,
+    hook_type: Any,
+    generation: str,
+    resolve: Callable[[str], object],
+    warn: Callable[[str], None] | None = None,
+    off: set[str] | None = None,
+) -> list[str]:
+    """Register the write-path hooks the installed sglang has, for ``generation``.
+
+    Each host memory mode stands alone: a required hook of one mode that is missing
+    or has another signature turns off that mode's hooks (its counters then stay
+    absent: ``off`` receives the modes turned off, for the runtime to leave their
+    write families out) and leaves the other mode counting.  Every missing or
+    changed target gets one ``warn`` (default: a log warning) naming it and what
+    stops being counted; a backend whose module is there but does not import
+    (Mooncake without its client), or a hook whose ``only_with`` class the
+    installed sglang lacks, is dropped with a debug line only.  Returns the
+    targets registered."""
+    say = warn if warn is not None else _log_warning
+    found: list[tuple[Hook, Hooked]] = []
+    modes_off: set[Mode] = set()
+    for h in HOOKS:
+        if generation not in h.generations:
+            continue
+        try:
+            installed = h.bound(resolve(h.target))
+        except Exception as exc:
+            if h.only_with and not _resolves(resolve, h.only_with):
+                logger.debug("hicache-existence: no %s here; %s not hooked", h.only_with, h.target)
+            elif h.required:
+                modes_off |= h.required
+                stops = "; ".join(MODE_COUNTERS[m] for m in sorted(h.required))
+                say(f"{h.target} is missing or changed ({exc}); {stops}")
+            elif targets.dependency_missing(h.target):
+                logger.debug("hicache-existence: %s not importable (%s); not hooked", h.target, exc)
+            else:
+                say(f"{h.target} is missing or changed ({exc}); not counted: {h.loses}")
+            continue
+        found.append((h, installed))
+    kept = [(h, installed) for h, installed in found if h.serves - modes_off]
+    for h, installed in kept:
+        registry.register(h.target, installed, getattr(hook_type, h.kind))
+    if off is not None:
+        off.update(modes_off)
+    return [h.target for h, _ in kept]
+
+
+def _resolves(resolve: Callable[[str], object], target: str) -> bool:
+    try:
+        resolve(target)
+    except Exception:
+        return False
+    return True
+
+
+def _log_warning(message: str) -> None:
+    logger.warning("hicache-existence: %s", message)
