@@ -1221,14 +1221,16 @@ def _liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]
                 "write_accounting_not_fed",
                 "warning",
                 f"SGLang wrote {_n(backuped)} tokens to L3 but the package's write counters "
-                "stay 0: the write-path hooks are missing, so redundant writes go uncounted",
+                "are absent or 0: the write-path hooks are missing, so redundant writes go "
+                "uncounted",
                 (
                     view.evidence(SGLANG_BACKUPED),
                     view.evidence(WRITTEN),
                     view.evidence(ACKNOWLEDGED),
                 ),
                 (
-                    'look for the plugin\'s warning "write accounting hooks not registered" in '
+                    "look for the plugin's warning naming the missing write-path target (\"... "
+                    'write counters ... are off") or "write accounting hooks not registered" in '
                     "the server log; run a SGLang version the package supports (docs/enable.md) "
                     "and a package version that accounts this host memory mode"
                     + (f" ({mode})" if mode else ""),
