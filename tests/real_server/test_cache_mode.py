@@ -298,6 +298,7 @@ def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
         assert off.evidence_compared >= 3, off.doctor.out
 
 
+@pytest.mark.parametrize("pair", [RECORDED], indirect=True)  # the recorded pair only: no skip
 def test_the_recorder_at_rate_1_records_every_write_and_every_l3_hit(pair) -> None:
     """Cache mode, every page recorded: the write records carry exactly the pages
     written (our counter, SGLang's backed-up pages) and, as a set, exactly the pages
@@ -307,8 +308,7 @@ def test_the_recorder_at_rate_1_records_every_write_and_every_l3_hit(pair) -> No
     the relative ``recorder.path`` pointed, and the start-up line names that
     directory as an absolute path."""
     policy, off, on = pair
-    if policy != RECORDED:
-        pytest.skip(f"the recorder runs with {RECORDED} only")
+    assert policy == RECORDED
     for run in (off, on):
         assert run.trace is not None and run.workdir is not None
         trace_dir = run.workdir / TRACE_DIR
