@@ -121,6 +121,8 @@ def run(workdir: Path, probe: str, args: tuple[str, ...] = (), wait_s: float = 0
                 rec.apply(step)
             step_until_idle(rec)
             queries = rec.snapshot().queries
+            # what the metric exports is the truth's own count
+            assert rec.snapshot().objects_leased == truth.lease_counts()["objects"] > 0
             rec.close()
         elif probe == "admin":
             sample_keys = [k for i in SAMPLE for k in truth._objects(chains[i])[0]]

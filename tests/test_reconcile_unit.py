@@ -954,3 +954,33 @@ def test_wrapper_needs_a_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HICACHE_EXISTENCE_CONFIG", raising=False)
     with pytest.raises(ValueError, match="HICACHE_EXISTENCE_RECONCILER__REDIS_URL"):
         storage_adapters.LedgerRecordingStorage(StorageConfig(), {}, inner=FakeBackend())
+
+
+def test_the_objects_a_truth_leased_are_exported_and_never_go_back() -> None:
+    """``objects_leased`` is the ground truth's own ``leased_objects()`` (Mooncake's
+    read leases), 0 for a truth without it or one whose count fails; the tree-cache
+    truth keeps the count of a backend it replaced, so the counter never falls."""
+    from hicache_existence.config import ReconcilerSection
+    from hicache_existence.core.cache import StorageExistenceCache
+    from hicache_existence.integrations.sglang.tree_cache_truth import TreeCacheGroundTruth
+    from hicache_existence.reconcile.reconciler import Reconciler
+
+    class Leasing:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def leased_objects(self) -> int:
+            return self.n
+
+    class Broken:
+        def leased_objects(self) -> int:
+            raise RuntimeError("no")
+
+    for truth, want in ((Leasing(7), 7), (Broken(), 0), (object(), 0)):
+        rec = Reconciler(StorageExistenceCache(16), truth)  # type: ignore[arg-type]
+        assert rec.snapshot().objects_leased == want
+        rec.close()
+    tree_truth = TreeCacheGroundTruth(ReconcilerSection())
+    tree_truth._truth = Leasing(5)  # type: ignore[assignment]
+    tree_truth._leased_before = 3
+    assert tree_truth.leased_objects() == 8

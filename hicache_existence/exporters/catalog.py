@@ -468,6 +468,17 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "1",
     ),
     _f(
+        "reconciler_objects_leased",
+        "counter",
+        "reconciler",
+        "L3 objects the reconciler's existence probes found and the backend leased for "
+        "reading: Mooncake grants a read lease per object an existence query finds, which "
+        "moves it behind every object put or read before in the master's eviction order, so "
+        "the probes keep what they sample alive longer (docs/reconciler.md); 0 on backends "
+        "that lease nothing.",
+        "{object}",
+    ),
+    _f(
         "reconciler_outstanding_queries",
         "gauge",
         "reconciler",

@@ -159,9 +159,14 @@ class ReconcilerSnapshot:
     #: Longest CPU time the worker spent on one query: it bounds how long the
     #: worker can hold the GIL while the scheduler thread waits for it.
     max_query_cpu_s: float = 0.0
+    #: L3 objects the probes found and the backend leased for reading (Mooncake
+    #: grants a read lease per object an existence query finds; 0 elsewhere).
+    objects_leased: int = 0
 
 
-def snapshot(c: ReconcilerCounters, circuit_state: int, circuit_opened: int) -> ReconcilerSnapshot:
+def snapshot(
+    c: ReconcilerCounters, circuit_state: int, circuit_opened: int, objects_leased: int = 0
+) -> ReconcilerSnapshot:
     """Copy ``c`` (safe from any thread: dict copies are atomic under the GIL)."""
     queries: Counter[tuple[str, str]] = Counter(dict(c.worker_results))
     queries.update(dict(c.scheduler_results))
@@ -189,4 +194,5 @@ def snapshot(c: ReconcilerCounters, circuit_state: int, circuit_opened: int) -> 
         max_observe_s=c.max_observe_s,
         max_agreement_s=c.max_agreement_s,
         max_query_cpu_s=c.max_query_cpu_s,
+        objects_leased=objects_leased,
     )

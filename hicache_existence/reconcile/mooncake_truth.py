@@ -76,6 +76,12 @@ class MooncakeGroundTruth:
         with self._lock:
             return {"queries": self._leasing_queries, "objects": self._leased_objects}
 
+    def leased_objects(self) -> int:
+        """``lease_counts()["objects"]``: what the reconciler exports
+        (``hicache_existence_reconciler_objects_leased_total``)."""
+        with self._lock:
+            return self._leased_objects
+
     def _objects(self, hashes: Sequence[str]) -> tuple[list[str], int]:
         """The store keys of ``hashes`` in page order and how many each page has."""
         b = self._backend

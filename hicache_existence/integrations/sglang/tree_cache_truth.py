@@ -44,6 +44,9 @@ class TreeCacheGroundTruth:
         self._backend: Any = None
         self._truth: GroundTruth | None = None
         self._logged = False
+        #: Objects leased by the truths of backends attached before (a counter
+        #: never goes back when the backend is re-attached).
+        self._leased_before = 0
 
     def bind(self, tree_cache: Any) -> None:
         """The tree cache whose storage backend holds the truth (scheduler thread)."""
@@ -66,9 +69,15 @@ class TreeCacheGroundTruth:
             if backend is self._backend and self._truth is not None:
                 return self._truth
             truth = self._build(backend, controller)
+            self._leased_before += _leased(self._truth)
             self._backend, self._truth = backend, truth
             logger.info("hicache-existence: reconciler ground truth: %s", self.describe())
             return truth
+
+    def leased_objects(self) -> int:
+        """L3 objects this process's probes leased, over every backend attached."""
+        with self._lock:
+            return self._leased_before + _leased(self._truth)
 
     def _build(self, backend: Any, controller: Any) -> GroundTruth:
         ledger = getattr(backend, "ledger_ground_truth", None)
@@ -125,3 +134,14 @@ class TreeCacheGroundTruth:
     def absence_is_evidence(self) -> bool:
         truth = self._truth
         return True if truth is None else absence_is_evidence(truth)
+
+
+def _leased(truth: Any) -> int:
+    """A truth's ``leased_objects()`` (0: it leases nothing, or cannot say)."""
+    leased = getattr(truth, "leased_objects", None)
+    if not callable(leased):
+        return 0
+    try:
+        return int(leased())
+    except Exception:
+        return 0
