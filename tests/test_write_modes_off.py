@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_write_path import _any_target
 
 import hicache_existence as he
 from hicache_existence.accounting.writes import WriteAccounting
@@ -29,26 +30,8 @@ WRITE_FAMILIES = {spec.name for spec in CATALOG if spec.source == "writes"}
 CACHE_FAMILIES = {spec.name for spec in CATALOG if spec.source == "cache"}
 
 
-def _target(
-    self: Any,
-    node_id: Any = None,
-    pool: Any = None,
-    hashes: Any = None,
-    intent: Any = None,
-    keys_by_pool: Any = None,
-    operation_id: Any = None,
-    operation: Any = None,
-    key: Any = None,
-    keys: Any = None,
-    host_indices: Any = None,
-    token_ids: Any = None,
-    hash_value: Any = None,
-    prefix_keys: Any = None,
-    extra_pools: Any = None,
-    *,
-    dropped: bool = True,
-) -> None:
-    """A stand-in target whose signature has every parameter a hook reads."""
+#: A stand-in target whose signature has every parameter a hook reads.
+_target = _any_target
 
 
 def _write_storage_param_renamed(

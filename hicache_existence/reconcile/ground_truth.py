@@ -89,6 +89,18 @@ def absence_is_evidence(truth: object) -> bool:
     return bool(probe())
 
 
+def leased_objects(truth: object) -> int:
+    """L3 objects ``truth``'s answers leased on the store (``leased_objects()``:
+    Mooncake's read leases); 0 for a truth that leases nothing or cannot say."""
+    leased = getattr(truth, "leased_objects", None)
+    if not callable(leased):
+        return 0
+    try:
+        return int(leased())
+    except Exception:
+        return 0
+
+
 def check_chain(pool: str, hashes: Iterable[str]) -> tuple[str, Sequence[str]]:
     """Validate a query's arguments (naming them) before any I/O."""
     name = _validate.pool_name(pool, "pool")

@@ -78,6 +78,7 @@ from hicache_existence.reconcile.ground_truth import (
     GroundTruth,
     GroundTruthError,
     absence_is_evidence,
+    leased_objects,
 )
 
 logger = logging.getLogger(__name__)
@@ -726,19 +727,8 @@ class Reconciler:
     def snapshot(self) -> ReconcilerSnapshot:
         """Counters for the metrics layer (any thread)."""
         return snapshot(
-            self.counters, self._breaker.state, self._breaker.opened, self._objects_leased()
+            self.counters, self._breaker.state, self._breaker.opened, leased_objects(self._truth)
         )
-
-    def _objects_leased(self) -> int:
-        """What the ground truth says its answers leased (``leased_objects``;
-        Mooncake's), 0 for a truth that leases nothing or cannot say."""
-        leased = getattr(self._truth, "leased_objects", None)
-        if not callable(leased):
-            return 0
-        try:
-            return int(leased())
-        except Exception:
-            return 0
 
     @property
     def circuit_state(self) -> int:

@@ -29,6 +29,7 @@ from hicache_existence.reconcile.ground_truth import (
     GroundTruth,
     TruthUnavailable,
     absence_is_evidence,
+    leased_objects,
 )
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
@@ -69,7 +70,7 @@ class TreeCacheGroundTruth:
             if backend is self._backend and self._truth is not None:
                 return self._truth
             truth = self._build(backend, controller)
-            self._leased_before += _leased(self._truth)
+            self._leased_before += leased_objects(self._truth)
             self._backend, self._truth = backend, truth
             logger.info("hicache-existence: reconciler ground truth: %s", self.describe())
             return truth
@@ -77,7 +78,7 @@ class TreeCacheGroundTruth:
     def leased_objects(self) -> int:
         """L3 objects this process's probes leased, over every backend attached."""
         with self._lock:
-            return self._leased_before + _leased(self._truth)
+            return self._leased_before + leased_objects(self._truth)
 
     def _build(self, backend: Any, controller: Any) -> GroundTruth:
         ledger = getattr(backend, "ledger_ground_truth", None)
@@ -134,14 +135,3 @@ class TreeCacheGroundTruth:
     def absence_is_evidence(self) -> bool:
         truth = self._truth
         return True if truth is None else absence_is_evidence(truth)
-
-
-def _leased(truth: Any) -> int:
-    """A truth's ``leased_objects()`` (0: it leases nothing, or cannot say)."""
-    leased = getattr(truth, "leased_objects", None)
-    if not callable(leased):
-        return 0
-    try:
-        return int(leased())
-    except Exception:
-        return 0
