@@ -302,11 +302,11 @@ def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
 def test_the_recorder_at_rate_1_records_every_write_and_every_l3_hit(pair) -> None:
     """Cache mode, every page recorded: the write records carry exactly the pages
     written (our counter, SGLang's backed-up pages) and, as a set, exactly the pages
-    whose files L3 holds; the prefetch records' ``hit`` pages add up to SGLang's
-    own count of L3 hit tokens, and every page a hit reports was written to this
-    server's L3 before it.  The files are under the server's working directory, where
-    the relative ``recorder.path`` pointed, and the start-up line names that
-    directory as an absolute path."""
+    whose files L3 holds; the prefetch records' ``hit`` pages cover at least SGLang's
+    own count of L3 hit tokens (it leaves out hits whose request already left), and
+    every page a hit reports was written to this server's L3 before it.  The files
+    are under the server's working directory, where the relative ``recorder.path``
+    pointed, and the start-up line names that directory as an absolute path."""
     policy, off, on = pair
     assert policy == RECORDED
     for run in (off, on):
@@ -331,7 +331,10 @@ def test_the_recorder_at_rate_1_records_every_write_and_every_l3_hit(pair) -> No
         prefetches = [r for r in records if r["kind"] == "prefetch"]
         assert all(0 <= r["hit"] <= len(r["pages"]) for r in prefetches)
         hit_pages = sum(r["hit"] for r in prefetches)
-        assert hit_pages * page == run.prefetch_hit_tokens > 0, (hit_pages, run.prefetch_hit_tokens)
+        # SGLang counts a rank-agreed hit only while its request still waits for the
+        # prefetch (``_record_storage_prefetch_hit``; a request gone by the drain is
+        # discarded uncounted: timing), the recorder every hit query: at least as many.
+        assert hit_pages * page >= run.prefetch_hit_tokens > 0, (hit_pages, run.prefetch_hit_tokens)
         seen: set[str] = set()
         for r in sorted(records, key=lambda r: r["timestamp"]):
             if r["kind"] == "write":
