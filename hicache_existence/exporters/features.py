@@ -131,7 +131,7 @@ def _reconciler(
     out[_name("reconciler_errors")] = errors
     out[_name("reconciler_circuit_open")] = {(): 0.0 if snap.circuit_state == 0 else 1.0}
     out[_name("reconciler_outstanding_queries")] = {(): float(snap.outstanding)}
-    out[_name("reconciler_objects_leased")] = {(): float(getattr(snap, "objects_leased", 0))}
+    out[_name("reconciler_objects_leased")] = {(): float(snap.objects_leased)}
     q = snap.query_seconds
     hist[_name("reconciler_query_seconds")] = {
         (): (tuple(q.bounds), tuple(q.cumulative), float(q.sum))

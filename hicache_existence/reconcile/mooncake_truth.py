@@ -79,8 +79,7 @@ class MooncakeGroundTruth:
     def leased_objects(self) -> int:
         """``lease_counts()["objects"]``: what the reconciler exports
         (``hicache_existence_reconciler_objects_leased_total``)."""
-        with self._lock:
-            return self._leased_objects
+        return self.lease_counts()["objects"]
 
     def _objects(self, hashes: Sequence[str]) -> tuple[list[str], int]:
         """The store keys of ``hashes`` in page order and how many each page has."""

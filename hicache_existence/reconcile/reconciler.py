@@ -440,16 +440,13 @@ class Reconciler:
     # -- the lockstep point ----------------------------------------------------------
     def steps_to_due(self) -> int:
         """How many more ``apply`` calls until one agrees and applies (1: the next);
-        counted in steps, the same on every rank."""
-        if not self._on:
-            return 1 << 62
+        counted in steps, the same on every rank (off, the call it names returns at once)."""
         return self._interval - self._steps % self._interval
 
     def advance(self, steps: int) -> None:
         """Count ``steps`` steps on which nothing is due (fewer than
         ``steps_to_due()``): what that many ``apply`` calls would have done."""
-        if self._on:
-            self._steps += steps
+        self._steps += steps
 
     def apply(self, step: int = -1) -> None:
         """Call once per scheduler step on every rank, after the HiCache events

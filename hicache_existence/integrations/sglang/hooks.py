@@ -90,7 +90,7 @@ class ProcessEntry:
             runtime.generation,
             cache_mode=facts.cache_mode,
             dedup=dedup_effective(runtime.config, facts, overlap),
-            upstream_dedup=facts.cache_mode and overlap.dedups_cache_mode is not None,
+            upstream_dedup=upstream_dedups(facts, overlap),
             remembers=remembers_of(runtime),
         )
         self.write_path.attach_recorder(runtime.recorder)
@@ -234,12 +234,17 @@ def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]
     return remembers
 
 
+def upstream_dedups(facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None) -> bool:
+    """A cache-mode server whose sglang deduplicates its L3 writes itself."""
+    return facts.cache_mode and overlap is not None and overlap.dedups_cache_mode is not None
+
+
 def dedup_effective(
     config: Config, facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None = None
 ) -> bool:
     """Whether ``cache_mode.dedup`` applies: cache mode with an L3 backend, on an
     sglang that does not deduplicate those writes itself (no second dedup)."""
-    if overlap is not None and overlap.dedups_cache_mode is not None:
+    if upstream_dedups(facts, overlap):
         return False
     return config.cache_mode.dedup and facts.cache_mode and bool(facts.storage_backend)
 
@@ -249,7 +254,7 @@ def dedup_label(
 ) -> bool | str:
     """``mode_info``'s ``cache_mode_dedup``: ours on or off, or ``"upstream"``
     (a cache-mode server whose sglang deduplicates its L3 writes itself)."""
-    if overlap is not None and overlap.dedups_cache_mode is not None and facts.cache_mode:
+    if upstream_dedups(facts, overlap):
         return "upstream"
     return dedup_effective(config, facts, overlap)
 
@@ -260,7 +265,8 @@ def _warn_dedup_misplaced(
     """``cache_mode.dedup`` where it cannot act: one warning naming the key."""
     if not config.cache_mode.dedup or dedup_effective(config, facts, overlap):
         return
-    if overlap is not None and overlap.dedups_cache_mode is not None and facts.cache_mode:
+    if upstream_dedups(facts, overlap):
+        assert overlap is not None
         logger.warning(
             "hicache-existence: cache_mode.dedup is set but the installed sglang "
             "deduplicates cache-mode L3 writes itself (%s); the package only counts them",

@@ -34,6 +34,7 @@ What the package does with each (``docs/enable.md`` §8):
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -101,18 +102,10 @@ def _methods_called(cls: type, names: Iterable[str]) -> list[object]:
     """The methods of ``cls`` among ``names`` (what ``self.<name>(...)`` may call)."""
     out: list[object] = []
     for name in names:
-        attr = inspect_static(cls, name)
+        attr = inspect.getattr_static(cls, name, None)  # a property stays a property
         if isinstance(attr, (types.FunctionType, staticmethod, classmethod)):
             out.append(attr)
     return out
-
-
-def inspect_static(cls: type, name: str) -> object:
-    """``cls.name`` without running descriptors (a property stays a property)."""
-    for klass in getattr(cls, "__mro__", (cls,)):
-        if name in vars(klass):
-            return vars(klass)[name]
-    return None
 
 
 def dedup_target(resolve: Callable[[str], object]) -> str | None:

@@ -37,6 +37,7 @@ on its ack queue.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Container, Iterable, Mapping
@@ -388,9 +389,7 @@ class WritePath:
         plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
         page = int(getattr(controller, "page_size", 0) or 0)
         if plan.whole or page <= 0 or len(host_indices) != len(pages) * page:
-            return WritePlan(
-                list(range(len(pages))), pages, plan.believed, extra, True, plan.extra_believed
-            ), {}
+            return dataclasses.replace(plan, keep=list(range(len(pages))), extra_written=True), {}
         keep = plan.keep
         if not keep and not plan.extra_written:
             changes = {
