@@ -8,7 +8,8 @@ schemaVersion 41, like SGLang's own dashboard), ``integrations/prometheus/rules.
 (recording and alerting rules), ``integrations/kubernetes/prometheusrule.yaml``
 (the same rules as a PrometheusRule), the generated tables of
 ``docs/metrics.md`` (every metric), ``docs/enable.md`` (every configuration
-key) and ``docs/design.md`` (every ``PoolStats`` field), and CONTRIBUTING.md's
+key), ``docs/design.md`` (every ``PoolStats`` field), ``docs/doctor.md`` (the
+findings' thresholds) and ``docs/runbooks.md`` (the alerts' index), and CONTRIBUTING.md's
 table of CI legs (read from ``tests/run-all.sh`` by ``tests/run_all_legs.py``).
 All are committed; the test suite runs ``--check``, as kubernetes-mixin does, so
 none of them can drift from its source.
@@ -17,8 +18,9 @@ Metric names, kinds and labels are spelt once, in
 ``hicache_existence.exporters.catalog``: ``family(name)`` looks a family up and
 fails the build for a name the catalog does not export.  Panel ids derive from
 each panel's key (its title unless given), so adding or moving a panel leaves
-every other id, and so every ``viewPanel=`` link, unchanged.  Thresholds and the
-runbook location live in ``Settings``.
+every other id, and so every ``viewPanel=`` link, unchanged.  Thresholds, the
+runbook location and every alert live in ``hicache_existence.doctor.judgements``
+(with the doctor's findings): ``alerts()`` renders its table.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from hicache_existence import docs_tables  # noqa: E402
-from hicache_existence.doctor.diagnosis import ALERT_SEVERITY  # noqa: E402
+from hicache_existence.accounting import advisor  # noqa: E402
+from hicache_existence.doctor import judgements  # noqa: E402
 from hicache_existence.exporters import catalog  # noqa: E402
 
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
@@ -46,6 +49,8 @@ METRICS_DOC_PATH = ROOT / "docs" / "metrics.md"
 CONFIG_DOC_PATH = ROOT / "docs" / "enable.md"
 CONTRIBUTING_PATH = ROOT / "CONTRIBUTING.md"
 DESIGN_DOC_PATH = ROOT / "docs" / "design.md"
+DOCTOR_DOC_PATH = ROOT / "docs" / "doctor.md"
+RUNBOOKS_PATH = ROOT / "docs" / "runbooks.md"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
 PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
 #: The renderer of the PrometheusRule (located from this file, not ``ROOT``).
@@ -170,7 +175,9 @@ FAILED_RESULTS: tuple[str, ...] = ("error", "timeout", "rejected")
 #: Neither: the answer was discarded because the pool was cleared meanwhile.
 DISCARDED_RESULTS: tuple[str, ...] = ("void",)
 #: ``cap_multiplier`` label values of the advisor gauge, ascending.
-CAP_MULTIPLIERS: tuple[str, ...] = ("0.25", "0.5", "1", "2", "4", "8")
+CAP_MULTIPLIERS: tuple[str, ...] = tuple(
+    advisor.multiplier_label(m) for m in sorted(advisor.MULTIPLIERS)
+)
 #: ``cap_multiplier`` label values compared by the "gain from doubling" panel.
 CAP_NOW, CAP_DOUBLE = "1", "2"
 
@@ -190,65 +197,10 @@ def names_in(expr: str) -> set[str]:
 
 # -- settings: thresholds and the runbook location ------------------------------
 
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything a deployment may want to tune, in one object."""
-
-    #: Where each alert's ``runbook_url`` points (``<runbook_url>#<alert name, lower
-    #: case>``): by default the runbooks in this repository, a path from its root. A
-    #: deployment that serves the docs sets its address here (e.g.
-    #: ``https://git.example.com/you/hicache-existence/blob/main/docs/runbooks.md``) and
-    #: reruns the build (docs/runbooks.md).
-    runbook_url: str = "docs/runbooks.md"
-    #: Labels recording rules keep: one deployment's pool, summed over ranks and
-    #: instances (level ``pool`` in the rule names).
-    keep: tuple[str, ...] = ("job", "model_name", "engine_type", "storage_backend", "pool")
-    #: Lookups per second (summed over ranks) below which ratio alerts stay quiet.
-    min_queries_per_s: float = 1.0
-    #: Capacity (evicted) misses per lookup that count as churn.
-    churn_ratio: float = 0.05
-    churn_for: str = "15m"
-    #: Hit ratio collapse: below this fraction of its value ``collapse_offset`` ago ...
-    collapse_fraction: float = 0.5
-    collapse_offset: str = "1h"
-    #: ... when that earlier value was at least this (a tiny ratio halving is noise).
-    collapse_min_previous: float = 0.1
-    collapse_for: str = "15m"
-    divergence_window: str = "10m"
-    #: A rank not checking its replica for this long (start-up handshake included).
-    checks_stopped_for: str = "10m"
-    reconciler_down_window: str = "10m"
-    reconciler_down_for: str = "10m"
-    circuit_open_for: str = "5m"
-    #: Verifications that found a stale positive, over answered verifications.
-    stale_ratio: float = 0.1
-    #: Answered verifications per second below which the stale ratio is noise.
-    stale_min_answered_per_s: float = 0.05
-    stale_for: str = "15m"
-    #: Entries over cap that count as "at cap".
-    at_cap_fill: float = 0.99
-    #: Redundant written pages over written pages that count as significant.
-    redundant_ratio: float = 0.05
-    redundant_offset: str = "1h"
-    redundant_for: str = "30m"
-    #: Fleet-wide redundant written pages over written pages, below the cap (instances
-    #: sharing one L3 rewriting each other's pages), with more than one instance.
-    fleet_redundant_ratio: float = 0.1
-    fleet_redundant_for: str = "30m"
-    #: Written pages per second (fleet) below which the fleet ratio is noise.
-    fleet_min_written_per_s: float = 1.0
-    #: Cache mode without cache_mode.dedup: redundant written pages over written
-    #: pages that make dedup worth turning on.
-    cache_mode_redundant_ratio: float = 0.02
-    cache_mode_redundant_for: str = "30m"
-    #: The recommended cap is the smallest multiple of the cap whose estimated hit
-    #: ratio is within this of the best estimate (as ``hicache-existence demo``
-    #: recommends).
-    advice_tolerance: float = 0.01
-
-
-SETTINGS = Settings()
+#: Every threshold and the runbook location: ``judgements.Settings``, the one
+#: object the doctor's findings read too.
+Settings = judgements.Settings
+SETTINGS = judgements.SETTINGS
 
 # -- PromQL helpers ---------------------------------------------------------------
 
@@ -299,13 +251,14 @@ def advisor_at(multiplier: str, metric: Metric | None = None) -> str:
 
 def recommended(value: Callable[[str], str]) -> str:
     """``value(m)`` per pool at the smallest cap multiple ``m`` whose lookup-curve
-    estimate is within ``advice_tolerance`` of the pool's best estimate.
+    estimate is within ``ADVICE_TOLERANCE`` of the pool's best estimate: the rule of
+    ``hicache_existence.accounting.advisor.recommended_multiple``, in PromQL.
 
     PromQL cannot read a label as a number, so each multiple is one term, kept
     only where it qualifies, and the terms are joined with ``or`` in ascending
     order: ``or`` keeps the first term per pool, i.e. the smallest multiple."""
     best = f"max by (pool) ({selector(ADVISOR_LOOKUP)})"
-    tolerance = SETTINGS.advice_tolerance
+    tolerance = advisor.ADVICE_TOLERANCE
     return "\nor\n".join(
         f"(\n  {value(m)}\n  and on (pool)\n  ({advisor_at(m)} >= {best} - {tolerance})\n)"
         for m in CAP_MULTIPLIERS
@@ -315,6 +268,8 @@ def recommended(value: Callable[[str], str]) -> str:
 # -- dashboard model ---------------------------------------------------------------
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+#: Grafana's grid: 24 columns.
+GRID_WIDTH = 24
 PanelType = Literal["timeseries", "stat", "bargauge"]
 
 
@@ -375,7 +330,7 @@ def _ratio(num: str, den: str) -> str:
 
 def rows() -> tuple[Row, ...]:
     """Every row and panel of the dashboard."""
-    s = SETTINGS
+    s = judgements.SETTINGS
     overview = Row(
         "Overview",
         (
@@ -848,13 +803,13 @@ def rows() -> tuple[Row, ...]:
                 ),
                 type="stat",
                 width=6,
-                steps=((None, "green"), (0.02, "orange")),
+                steps=((None, "green"), (s.doubling_gain, "orange")),
             ),
             Panel(
                 "Recommended cap (entries)",
                 "Per pool: the current cap, and the smallest multiple of it (0.25x to 8x) "
                 "whose estimated lookup hit ratio is within "
-                f"{s.advice_tolerance * 100:g} percentage point(s) of the best estimate. At "
+                f"{advisor.ADVICE_TOLERANCE * 100:g} percentage point(s) of the best estimate. At "
                 "8x the curve may still rise beyond; below 1x the cap could shrink.",
                 "short",
                 (
@@ -1053,12 +1008,12 @@ def _layout(all_rows: Sequence[Row]) -> Iterator[dict[str, Any]]:
             "type": "row",
             "title": row.title,
             "collapsed": False,
-            "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+            "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": y},
             "panels": [],
         }
         y, x, line = y + 1, 0, 0
         for panel in row.panels:
-            if x + panel.width > 24:
+            if x + panel.width > GRID_WIDTH:
                 x, y = 0, y + line
                 line = 0
             yield _panel_json(panel, panel.id, x, y)
@@ -1150,7 +1105,7 @@ FILL_RATIO = f"pool:{ENTRIES.name}_per_{CAPACITY.name.removeprefix(P)}:ratio"
 
 def recordings() -> tuple[Recording, ...]:
     """Per-pool 5m rates and ratios, summed over ranks and instances."""
-    keep = SETTINGS.keep
+    keep = judgements.SETTINGS.keep
     rated = (
         QUERIES,
         PAGES_CHECKED,
@@ -1195,150 +1150,44 @@ def recordings() -> tuple[Recording, ...]:
     return tuple(out)
 
 
-_WHERE = "pool {{ $labels.pool }} of {{ $labels.model_name }} ({{ $labels.job }})"
-_DEPLOYMENT = "{{ $labels.model_name }} ({{ $labels.job }}, engine {{ $labels.engine_type }})"
-
-
-def _alert(name: str, expr: str, for_: str, summary: str, description: str) -> Alert:
-    """An alert with the severity of the one table the doctor reads too
-    (``hicache_existence.doctor.diagnosis.ALERT_SEVERITY``)."""
-    if name not in ALERT_SEVERITY:
-        raise ValueError(f"alert {name!r} has no severity in diagnosis.ALERT_SEVERITY")
-    return Alert(name, expr, for_, ALERT_SEVERITY[name], summary, description)
-
-
 def alerts() -> tuple[Alert, ...]:
-    s = SETTINGS
-    keep = ", ".join(k for k in s.keep if k != "pool")
-    failed = "|".join(FAILED_RESULTS)
-    answered = "|".join(ANSWERED_RESULTS)
-    return (
-        _alert(
-            "HicacheExistenceEvictionChurn",
-            f"{CHURN_RATIO} > {s.churn_ratio}\nand\n{_rec(QUERIES)} > {s.min_queries_per_s}",
-            s.churn_for,
-            "Capacity misses are {{ $value | humanizePercentage }} of lookups in " + _WHERE + ".",
-            f"For {s.churn_for} more than {s.churn_ratio:.0%} of existence-cache lookups missed a "
-            "page the cap had evicted: the working set does not fit, so pages already in L3 are "
-            "copied and written again. Check the capacity advice and raise cache.max_entries.",
-        ),
-        _alert(
-            "HicacheExistenceHitRatioCollapse",
-            f"{HIT_RATIO}\n  < {s.collapse_fraction} * ({HIT_RATIO} offset {s.collapse_offset})\n"
-            f"and\n({HIT_RATIO} offset {s.collapse_offset}) > {s.collapse_min_previous}\n"
-            f"and\n{_rec(QUERIES)} > {s.min_queries_per_s}",
-            s.collapse_for,
-            "Page hit ratio fell to {{ $value | humanizePercentage }} in " + _WHERE + ".",
-            f"The page hit ratio has been below {s.collapse_fraction:.0%} of its value "
-            f"{s.collapse_offset} earlier for {s.collapse_for} while lookups continue: beliefs "
-            "were lost (clear, restart, heal storm) or the workload changed.",
-        ),
-        _alert(
-            "HicacheExistenceTPDivergence",
-            f"sum by ({keep}, dp_rank, pp_rank) "
-            f"(increase({DIVERGENCES.sample}[{s.divergence_window}])) > 0",
-            "0m",
-            "Existence-cache replicas diverged across TP ranks of " + _DEPLOYMENT + ".",
-            "A divergence check found cache replicas that differ between ranks of dp_rank "
-            "{{ $labels.dp_rank }}, pp_rank {{ $labels.pp_rank }} in the last "
-            f"{s.divergence_window}. Replicas must stay identical; a divergence precedes "
-            "collective hangs and silently lowers prefetch hits.",
-        ),
-        _alert(
-            "HicacheExistenceTPChecksStopped",
-            f"min by ({keep}, dp_rank, pp_rank) ({DIV_ACTIVE.sample}) == 0",
-            s.checks_stopped_for,
-            "TP-replica divergence checks stopped in " + _DEPLOYMENT + ".",
-            "A rank of dp_rank {{ $labels.dp_rank }}, pp_rank {{ $labels.pp_rank }} has not "
-            f"been comparing its replica with the other TP ranks for {s.checks_stopped_for}: a "
-            "check's collective failed (timeout or error) or the ranks are configured "
-            "differently. A divergence would now go unnoticed.",
-        ),
-        _alert(
-            "HicacheExistenceReconcilerDown",
-            f'sum by ({keep}) (rate({REC_QUERIES.sample}{{result=~"{failed}"}}'
-            f"[{s.reconciler_down_window}])) > 0\n"
-            f'unless\nsum by ({keep}) (rate({REC_QUERIES.sample}{{result=~"{answered}"}}'
-            f"[{s.reconciler_down_window}])) > 0",
-            s.reconciler_down_for,
-            "The reconciler of " + _DEPLOYMENT + " gets no answers from ground truth.",
-            f"For {s.reconciler_down_for} ground-truth verifications failed (error, timeout, or "
-            "rejected by the open circuit) and none was answered (present, absent or untrusted): "
-            "beliefs are not being verified or healed.",
-        ),
-        _alert(
-            "HicacheExistenceReconcilerCircuitOpen",
-            f"max by ({keep}) ({REC_CIRCUIT.sample}) == 1",
-            s.circuit_open_for,
-            "The reconciler circuit breaker of " + _DEPLOYMENT + " is open.",
-            f"The circuit breaker has been open for {s.circuit_open_for}: ground truth kept "
-            "failing, so verifications are skipped and retried with exponential backoff.",
-        ),
-        _alert(
-            "HicacheExistenceStalePositivesHigh",
-            f"{STALE_RATIO} > {s.stale_ratio}\nand\n{ANSWERED_RATE} > {s.stale_min_answered_per_s}",
-            s.stale_for,
-            "{{ $value | humanizePercentage }} of verifications find stale positives in "
-            + _WHERE
-            + ".",
-            f"For {s.stale_for} more than {s.stale_ratio:.0%} of answered ground-truth "
-            "verifications found pages believed stored that L3 no longer holds: L3 drops pages "
-            "sooner than the beliefs forget them, so write-backs are skipped for missing pages.",
-        ),
-        _alert(
-            "HicacheExistenceAtCapRedundantWritesRising",
-            f"{REDUNDANT_RATIO} > {s.redundant_ratio}\n"
-            f"and\n{REDUNDANT_RATIO} > ({REDUNDANT_RATIO} offset {s.redundant_offset})\n"
-            f"and\n{FILL_RATIO} >= {s.at_cap_fill}",
-            s.redundant_for,
-            "Redundant writes are {{ $value | humanizePercentage }} of writes and rising in "
-            + _WHERE
-            + ", at cap.",
-            f"The cache is at its cap and for {s.redundant_for} more than "
-            f"{s.redundant_ratio:.0%} of written pages were already in L3, a higher share than "
-            f"{s.redundant_offset} earlier: evictions make the cache forget pages L3 still holds.",
-        ),
-        _alert(
-            "HicacheExistenceCacheModeRedundantWrites",
-            f"{REDUNDANT_RATIO} > {s.cache_mode_redundant_ratio}\n"
-            f"and\n{_rec(WRITTEN_PAGES)} > {s.fleet_min_written_per_s}\n"
-            f"and on ({keep})\ncount by ({keep}) "
-            f'({MODE_INFO.sample}{{host_memory_mode="cache", cache_mode_dedup="false"}}) > 0',
-            s.cache_mode_redundant_for,
-            "{{ $value | humanizePercentage }} of L3 writes in HiCache cache mode were already "
-            "stored, in " + _WHERE + " (cache_mode.dedup is off).",
-            f"For {s.cache_mode_redundant_for} more than {s.cache_mode_redundant_ratio:.0%} of "
-            "the pages written to L3 by servers in HiCache's cache mode were already there. "
-            "Upstream writes every backed-up node whatever L3 holds, by design, so this is a "
-            "ticket, not a page. The fix is the opt-in: set cache_mode.dedup=true "
-            "(HICACHE_EXISTENCE_CACHE_MODE__DEDUP=1) and restart the server; pages the "
-            "existence cache believes stored are then left out of the write.",
-        ),
-        _alert(
-            "HicacheExistenceFleetRedundantWrites",
-            f"{REDUNDANT_RATIO} > {s.fleet_redundant_ratio}\n"
-            f"and\n{FILL_RATIO} < {s.at_cap_fill}\n"
-            f"and\n{_rec(WRITTEN_PAGES)} > {s.fleet_min_written_per_s}\n"
-            f"and\ncount by ({', '.join(s.keep)}) "
-            f"(count by ({', '.join(s.keep)}, instance) ({WRITTEN_PAGES.sample})) > 1",
-            s.fleet_redundant_for,
-            "{{ $value | humanizePercentage }} of the fleet's L3 writes were already stored, "
-            "below the cap, in " + _WHERE + ".",
-            f"For {s.fleet_redundant_for} more than {s.fleet_redundant_ratio:.0%} of the pages "
-            "the prefill instances sharing this L3 wrote were already there, while no instance "
-            "is at its cap: instances are writing each other's pages again (requests of one "
-            "conversation spread over instances that do not learn what the others stored).",
-        ),
-    )
+    """Every alert of the judgements' table (``hicache_existence.doctor.judgements``),
+    its texts filled from ``SETTINGS`` and the recording rules and label sets here."""
+    s = judgements.SETTINGS
+    names = {
+        "churn": CHURN_RATIO,
+        "hit_ratio": HIT_RATIO,
+        "redundant": REDUNDANT_RATIO,
+        "stale": STALE_RATIO,
+        "answered_rate": ANSWERED_RATE,
+        "fill": FILL_RATIO,
+        "rate_queries": _rec(QUERIES),
+        "rate_written": _rec(WRITTEN_PAGES),
+        "deployment": ", ".join(k for k in s.keep if k != "pool"),
+        "failed": "|".join(FAILED_RESULTS),
+        "answered": "|".join(ANSWERED_RESULTS),
+    }
+    out = []
+    for j, a in judgements.alerting():
+        out.append(
+            Alert(
+                a.name,
+                j.render(a.expr, names),
+                j.render(f"%({a.for_})s", names) if a.for_ else "0m",
+                j.severity,
+                j.render(a.summary, names),
+                j.render(a.description, names),
+            )
+        )
+    return tuple(out)
 
 
-def runbook_anchor(alert_name: str) -> str:
-    """GitHub's anchor of a ``## <alert name>`` heading."""
-    return alert_name.lower()
+runbook_anchor = judgements.runbook_anchor
 
 
 def rules() -> dict[str, Any]:
     """The rule groups as Prometheus loads them."""
+    base = judgements.SETTINGS.runbook_url
     return {
         "groups": [
             {
@@ -1356,7 +1205,7 @@ def rules() -> dict[str, Any]:
                         "annotations": {
                             "summary": a.summary,
                             "description": a.description,
-                            "runbook_url": f"{SETTINGS.runbook_url}#{runbook_anchor(a.name)}",
+                            "runbook_url": f"{base}#{runbook_anchor(a.name)}",
                         },
                     }
                     for a in alerts()
@@ -1410,6 +1259,14 @@ def outputs() -> dict[Path, str]:
         DESIGN_DOC_PATH: docs_tables.replace_between(
             DESIGN_DOC_PATH.read_text(encoding="utf-8"), "stats", docs_tables.stats_table()
         ),
+        DOCTOR_DOC_PATH: docs_tables.replace_between(
+            DOCTOR_DOC_PATH.read_text(encoding="utf-8"),
+            "thresholds",
+            docs_tables.thresholds_table(),
+        ),
+        RUNBOOKS_PATH: docs_tables.replace_between(
+            RUNBOOKS_PATH.read_text(encoding="utf-8"), "alerts", docs_tables.alerts_table()
+        ),
         CONTRIBUTING_PATH: docs_tables.replace_between(
             CONTRIBUTING_PATH.read_text(encoding="utf-8"), "ci-legs", _script(_LEGS_SCRIPT).table()
         ),
@@ -1420,7 +1277,7 @@ def _script(path: Path) -> Any:
     """A helper script of the repository, loaded as a module."""
     import importlib.util
 
-    name = f"hicache_existence_build_{path.stem}"
+    name = f"hx_build_{path.stem}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)

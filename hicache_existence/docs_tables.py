@@ -25,6 +25,7 @@ from typing import Any
 from hicache_existence import config as config_module
 from hicache_existence.config import ENV_PREFIX, Config
 from hicache_existence.core import stats as stats_module
+from hicache_existence.doctor import judgements
 from hicache_existence.exporters.catalog import CATALOG, FEATURE_CATALOG, MISS_REASON_LABELS
 
 
@@ -186,4 +187,53 @@ def stats_table() -> str:
             metric = f"`{exported[f.name]}`"
         assert meaning, f"PoolStats.{f.name} has no #: comment in core/stats.py"
         rows.append(f"| `{f.name}` | {kind} | {_md(meaning)} | {metric} |")
+    return "\n".join(rows)
+
+
+def _past(j: judgements.Judgement) -> str:
+    """``> `name` = value``: the judgement's threshold ("-" without one)."""
+    if j.threshold is None:
+        return "-"
+    value = judgements.SETTINGS.value(j.threshold)
+    return f"{'>' if j.direction == 'above' else '<'} `{j.threshold}` = {value:g}"
+
+
+def _guard(name: str | None, unit: str = "") -> str:
+    return "-" if name is None else f"`{name}` = {judgements.SETTINGS.value(name):g}{unit}"
+
+
+def thresholds_table() -> str:
+    """docs/doctor.md's thresholds: every finding judged by a ratio, from the
+    judgements' table and ``judgements.SETTINGS``."""
+    rows = [
+        "| finding | severity | ratio | past | on at least | alert |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for j in judgements.JUDGEMENTS:
+        if j.finding is None or j.ratio is None:
+            continue
+        alert = "-"
+        if j.alert is not None:
+            alert = f"[{j.alert.name}](runbooks.md#{judgements.runbook_anchor(j.alert.name)})"
+        rows.append(
+            f"| [`{j.finding}`](#{j.finding}) | {j.severity} | {_md(j.ratio.text())} | "
+            f"{_past(j)} | {_guard(j.guard)} | {alert} |"
+        )
+    return "\n".join(rows)
+
+
+def alerts_table() -> str:
+    """docs/runbooks.md's index: every alert with its severity, thresholds and the
+    doctor's finding, from the judgements' table and ``judgements.SETTINGS``."""
+    rows = [
+        "| alert | severity | threshold | traffic at least | for | doctor's finding |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for j, a in judgements.alerting():
+        for_ = getattr(judgements.SETTINGS, a.for_) if a.for_ else "0m"
+        finding = "-" if j.finding is None else f"[`{j.finding}`](doctor.md#{j.finding})"
+        rows.append(
+            f"| [{a.name}](#{judgements.runbook_anchor(a.name)}) | {j.severity} | {_past(j)} | "
+            f"{_guard(j.rate_guard, '/s')} | {for_} | {finding} |"
+        )
     return "\n".join(rows)

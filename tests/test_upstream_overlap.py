@@ -285,15 +285,15 @@ def test_mode_info_exports_who_deduplicates(dedup, label) -> None:
 
 def test_the_doctor_reads_upstream_dedup_as_dedup_on() -> None:
     """A server whose sglang deduplicates is never told to turn cache_mode.dedup on."""
-    from hicache_existence.doctor import diagnosis
+    from hicache_existence.doctor import figures
 
     labels = (
         ("cache_mode_dedup", "upstream"),
         ("host_memory_mode", "cache"),
         ("write_policy", "write_through"),
     )
-    view = diagnosis.View.__new__(diagnosis.View)  # only .figures is read
-    view.figures = {(diagnosis.MODE_INFO, labels): types.SimpleNamespace(value=1.0)}  # type: ignore[misc]
+    view = figures.View.__new__(figures.View)  # only .figures is read
+    view.figures = {(figures.series("mode_info"), labels): types.SimpleNamespace(value=1.0)}  # type: ignore[misc]
     assert view.mode() == ("cache", "write_through", True)
 
 

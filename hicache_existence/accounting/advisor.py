@@ -72,6 +72,22 @@ def multiplier_label(multiplier: float) -> str:
     return f"{multiplier:g}"
 
 
+#: The recommended cap is the smallest multiple whose estimated hit ratio is within
+#: this of the best estimate: a cap that buys less than one point is not worth it.
+ADVICE_TOLERANCE = 0.01
+
+
+def recommended_multiple(curve: Mapping[float, float]) -> float | None:
+    """The smallest cap multiple whose estimate is within ``ADVICE_TOLERANCE`` of the
+    curve's best (None for an empty curve): the one cap-advice rule, which the doctor,
+    ``hicache-existence demo`` and the dashboard's PromQL (dashboards/build.py renders
+    it from ``ADVICE_TOLERANCE`` and ``MULTIPLIERS``) all apply."""
+    if not curve:
+        return None
+    best = max(curve.values())
+    return min(m for m, v in curve.items() if v >= best - ADVICE_TOLERANCE)
+
+
 def hit_ratios(
     sampler: SamplerType,
     caps: Sequence[int],

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache_existence.accounting.advisor import recommended_multiple
 from hicache_existence.config import Config
 from hicache_existence.exporters.catalog import DeploymentLabels
 
@@ -494,10 +495,9 @@ def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
             continue
         cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known))
         lines.append(f"    {pool}: {cells}")
-        best = max(v for _, v in known)
-        enough = min(m for m, v in known if v >= best - 0.01)
+        enough = recommended_multiple(dict(known))
         here = dict(known).get(1.0)
-        if here is not None and enough > 1.0:
+        if here is not None and enough is not None and enough > 1.0:
             lines.append(
                 f"      -> a cap of about {int(cap * enough)} ({enough:g}x) would raise it from "
                 f"{here:.3f} to {dict(known)[enough]:.3f}"

@@ -9,8 +9,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hicache_existence.doctor import diagnosis as d
-from hicache_existence.doctor.diagnosis import Finding, InstanceReport, Report, View, number
+from hicache_existence.doctor.figures import (
+    SGLANG_BACKUPED,
+    SGLANG_PREFETCH_HIT,
+    SGLANG_PREFETCHED,
+    SGLANG_STORAGE_SERIES,
+    View,
+    key_text,
+)
+from hicache_existence.doctor.judgements import SEVERITIES
+from hicache_existence.doctor.model import Finding, InstanceReport, Report, human_bytes, number
+from hicache_existence.doctor.rules import ANSWERED, FAILED_RESULTS
 
 
 def _exact(value: float | None) -> str:
@@ -40,6 +49,20 @@ def _source(source: Mapping[str, Any], n: int) -> str:
     return f"doctor's report: {what}, each read once (no rates)"
 
 
+#: The families of each pool's headline line.
+_HEADLINE = (
+    "queries",
+    "pages_checked",
+    "page_hits",
+    "written_pages",
+    "written_bytes",
+    "redundant_written_pages",
+    "write_avoided_pages",
+    "entries",
+    "capacity_entries",
+)
+
+
 def _instance(inst: InstanceReport) -> list[str]:
     view = View(inst.instance, inst.figures, inst.seconds)
     mode = inst.host_memory_mode or "host memory mode not exported"
@@ -51,38 +74,34 @@ def _instance(inst: InstanceReport) -> list[str]:
         f"{inst.instance}: {mode}; {inst.ranks} rank{'s' if inst.ranks != 1 else ''}; "
         f"pools: {', '.join(inst.pools) or 'none'}"
     ]
-    resets = [d.key_text(k) for k, f in inst.figures.items() if f.reset]
+    resets = [key_text(k) for k, f in inst.figures.items() if f.reset]
     if resets:
         lines.append(f"  counters went down between the reads (a restart): {len(resets)} series")
     for pool in inst.pools:
-        q = view.value(d.QUERIES, pool=pool)
-        checked = view.value(d.PAGES_CHECKED, pool=pool)
-        hits = view.value(d.PAGE_HITS, pool=pool)
-        w = view.value(d.WRITTEN, pool=pool)
-        r = view.value(d.REDUNDANT, pool=pool)
+        v = {n: view.value(n, pool=pool) for n in _HEADLINE}
+        w, r, checked = v["written_pages"], v["redundant_written_pages"], v["pages_checked"]
         share = f" ({100 * r / w:.1f}%)" if w else ""
-        hit = f" (page hits {100 * hits / checked:.1f}%)" if checked else ""
+        hit = f" (page hits {100 * v['page_hits'] / checked:.1f}%)" if checked else ""
         lines.append(
-            f"  {pool}: lookups {_exact(q)}{hit}; written {_exact(w)} pages "
-            f"({d.human_bytes(view.value(d.WRITTEN_BYTES, pool=pool))}), redundant "
-            f"{_exact(r)}{share}, avoided {_exact(view.value(d.AVOIDED, pool=pool))}; "
-            f"entries {_exact(view.value(d.ENTRIES, pool=pool))} of cap "
-            f"{_exact(view.value(d.CAPACITY, pool=pool))}"
+            f"  {pool}: lookups {_exact(v['queries'])}{hit}; written {_exact(w)} pages "
+            f"({human_bytes(v['written_bytes'])}), redundant {_exact(r)}{share}, avoided "
+            f"{_exact(v['write_avoided_pages'])}; entries {_exact(v['entries'])} of cap "
+            f"{_exact(v['capacity_entries'])}"
         )
-    if any(k[0] in d.SGLANG_STORAGE_SERIES for k in inst.figures):
-        written = view.value(d.SGLANG_BACKUPED)
-        read = view.value(d.SGLANG_PREFETCHED)
+    if any(k[0] in SGLANG_STORAGE_SERIES for k in inst.figures):
+        written = view.value(SGLANG_BACKUPED)
+        read = view.value(SGLANG_PREFETCHED)
         lines.append(
             f"  L3 by SGLang's count: written {_exact(written)} tokens, read back "
-            f"{_exact(read)}, prefetch hits {_exact(view.value(d.SGLANG_PREFETCH_HIT))}"
+            f"{_exact(read)}, prefetch hits {_exact(view.value(SGLANG_PREFETCH_HIT))}"
         )
-    if view.has(d.RECONCILER_QUERIES):
-        answered = sum(view.value(d.RECONCILER_QUERIES, result=x) for x in d.ANSWERED)
-        failed = sum(view.value(d.RECONCILER_QUERIES, result=x) for x in d.FAILED_RESULTS)
-        breaker = "open" if view.value(d.CIRCUIT_OPEN) >= 1 else "closed"
+    if view.has("reconciler_queries"):
+        answered = view.value("reconciler_queries", result=ANSWERED)
+        failed = view.value("reconciler_queries", result=FAILED_RESULTS)
+        breaker = "open" if view.value("reconciler_circuit_open") >= 1 else "closed"
         lines.append(
             f"  reconciler: answered {_exact(answered)}, failed {_exact(failed)}, stale "
-            f"positives {_exact(view.value(d.STALE_POSITIVES))}, breaker {breaker}"
+            f"positives {_exact(view.value('reconciler_stale_positives'))}, breaker {breaker}"
         )
     return lines
 
@@ -94,7 +113,7 @@ def _finding(i: int, f: Finding) -> list[str]:
     lines = [f"{i}. [{f.severity}] {f.id} ({where})", f"   {f.summary}"]
     if f.wasted_bytes is not None:
         lines.append(
-            f"   L3 bytes explained: {d.human_bytes(f.wasted_bytes)} "
+            f"   L3 bytes explained: {human_bytes(f.wasted_bytes)} "
             f"({_exact(f.wasted_bytes)} B){_rate(f.wasted_bytes_per_s)}"
         )
     lines.append("   evidence:")
@@ -118,7 +137,7 @@ def render_text(report: Report) -> str:
         lines.append("findings (by severity, then L3 bytes explained):")
         for i, f in enumerate(report.findings, 1):
             lines += _finding(i, f)
-    counts = {s: sum(1 for f in report.findings if f.severity == s) for s in d.SEVERITIES}
+    counts = {s: sum(1 for f in report.findings if f.severity == s) for s in SEVERITIES}
     lines.append("")
     lines.append(
         f"{counts['critical']} critical, {counts['warning']} warning, {counts['info']} info: "

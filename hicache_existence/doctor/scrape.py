@@ -31,18 +31,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.config import redact_url
-from hicache_existence.doctor.diagnosis import (
-    SGLANG_SERIES,
-    Reading,
-    is_read,
-    readable,
-)
 from hicache_existence.doctor.exposition import (
     MAX_BODY_BYTES,
     Exposition,
     ExpositionError,
     Sample,
     parse,
+)
+from hicache_existence.doctor.figures import (
+    SGLANG_SERIES,
+    Reading,
+    is_read,
+    readable,
 )
 
 #: What a metrics endpoint is asked for: the text format (prometheus_client and
@@ -395,7 +395,7 @@ def series_selector(selector: str) -> str:
         raise ValueError(f'a selector is written {{label="value", ...}}, got {selector!r}')
     inner = text[1:-1].strip().rstrip(",")
     # Both spellings: Prometheus stores sglang:x as sglang_x when it scraped
-    # OpenMetrics (diagnosis.canonical).
+    # OpenMetrics (figures.canonical).
     sglang = "|".join(sorted(SGLANG_SERIES | {n.replace(":", "_", 1) for n in SGLANG_SERIES}))
     names = f'__name__=~"hicache_existence_.+|{sglang}"'
     return "{" + names + (", " + inner if inner else "") + "}"

@@ -278,14 +278,14 @@ def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
     than the alert's share of its writes, with the pages dedup would have saved,
     and every evidence figure equal to the server's own series; the dedup-on
     server never gets it."""
-    from hicache_existence.doctor import diagnosis
+    from hicache_existence.doctor.judgements import SETTINGS
 
     policy, off, on = pair
     assert off.doctor is not None and on.doctor is not None
     c = off.counters
     rewrites = (
-        c["written_pages"] >= diagnosis.MIN_WRITTEN_PAGES
-        and c["redundant_written_pages"] / c["written_pages"] > diagnosis.CACHE_MODE_REDUNDANT_RATIO
+        c["written_pages"] >= SETTINGS.min_written_pages
+        and c["redundant_written_pages"] / c["written_pages"] > SETTINGS.cache_mode_redundant_ratio
     )
     found = off.doctor.findings("cache_mode_without_dedup")
     assert bool(found) == rewrites == (policy != "write_through_selective"), (policy, c)
@@ -294,12 +294,12 @@ def test_doctor_names_cache_mode_without_dedup_where_it_rewrites(pair) -> None:
     # wrote nothing that failed, hold far fewer pages than the default cap and run no
     # reconciler or second rank, and cache mode's rewrites are a ticket (info), so
     # the one warning they can earn is L3 written and never read back (documented
-    # rule: no prefetched token, no hit token, at least MIN_L3_TOKENS written), which
+    # rule: no prefetched token, no hit token, at least min_l3_tokens written), which
     # write_back's eviction-time writes earn on this workload.
     for run in (off, on):
         assert run.counters["write_failed_pages"] == 0, run.counters
         never_read = run.prefetched_tokens == 0 and run.prefetch_hit_tokens == 0
-        warned = never_read and run.backuped_pages * PAGE >= diagnosis.MIN_L3_TOKENS
+        warned = never_read and run.backuped_pages * PAGE >= SETTINGS.min_l3_tokens
         assert run.doctor is not None and run.doctor.code == (1 if warned else 0), run.doctor.out
     if found:
         (f,) = found

@@ -55,6 +55,10 @@ from harness import (
     trace_requests,
 )
 
+from hicache_existence.accounting.advisor import recommended_multiple
+from hicache_existence.doctor import rules
+from hicache_existence.doctor.judgements import SETTINGS
+
 sys.path.insert(0, str(REPO / "tests"))
 from reconcile_redis_server import RedisServer
 
@@ -320,8 +324,8 @@ def test_tiny_cap_eviction_churn(stack: Stack) -> None:
         if s.startswith(P + "advisor_estimated_lookup_hit_ratio")
     }
     assert curve, "the advisor sampled every reference: its curve is evidence"
-    best = max(curve.values())
-    multiple = min(m for m, v in curve.items() if v >= best - 0.01)
+    multiple = recommended_multiple(curve)
+    assert multiple is not None
     written = ev[P + 'written_pages_total{pool="kv"}']
     redundant = ev[P + 'redundant_written_pages_total{pool="kv"}']
     # Not in this finding's evidence: read from the server (strict, never a default 0).
@@ -330,17 +334,18 @@ def test_tiny_cap_eviction_churn(stack: Stack) -> None:
     beyond = stored > max(curve) * TINY_CAP and (multiple <= 1 or multiple == max(curve))
     if beyond:
         # The curve stops below what was stored: a cap that covers it, never "leave it".
-        from hicache_existence.doctor import diagnosis
-
-        covering = diagnosis.cap_covering(stored)
+        covering = rules.cap_covering(stored)
         assert f["fix"][0].startswith(f"`cache.max_entries={covering}`"), f["fix"]
         severity = "warning"
     elif multiple > 1:
         assert f["fix"][0].startswith(f"`cache.max_entries={int(TINY_CAP * multiple)}`"), f["fix"]
-        # Churn is a warning as HicacheExistenceEvictionChurn; redundancy at a full
-        # cap alone is info, as HicacheExistenceAtCapRedundantWritesRising.
-        churn = evicted / queries > 0.05 and queries >= 32
-        severity = "warning" if churn else "info"
+        # Churn is a warning as HicacheExistenceEvictionChurn, and so is redundancy
+        # at a full cap, as HicacheExistenceAtCapRedundantWritesRising.
+        s = SETTINGS
+        churn = evicted / queries > s.churn_ratio and queries >= s.min_queries
+        full = ev[P + 'entries{pool="kv"}'] >= s.at_cap_fill * TINY_CAP
+        rewrites = redundant / written > s.redundant_ratio and written >= s.min_written_pages
+        severity = "warning" if churn or (full and rewrites) else "info"
     else:
         assert "flat" in f["fix"][0]
         severity = "info"
@@ -517,9 +522,9 @@ def test_two_instances_in_round_robin_fleet_view(fleet: Stack) -> None:
     and its routing cost follows the documented rule.  The exit status is held to
     what the servers' counters call for under the documented thresholds (never to
     the report's own findings): every instance that rewrote more than
-    ``REDUNDANT_RATIO`` of its pages, and the fleet past ``FLEET_REDUNDANT_RATIO``,
+    ``redundant_ratio`` of its pages, and the fleet past ``fleet_redundant_ratio``,
     are warnings, so the doctor exits 1."""
-    from hicache_existence.doctor import diagnosis
+    s = SETTINGS
 
     servers = {metrics_url(fleet.a): fleet.a, metrics_url(fleet.b): fleet.b}
     run = doctor(*servers, "--interval", "1", "--json")
@@ -539,18 +544,14 @@ def test_two_instances_in_round_robin_fleet_view(fleet: Stack) -> None:
     assert shares == {u: redundant[u] / sum(redundant.values()) for u in servers}
     assert f["wasted_bytes"] == pytest.approx(expected_routing_cost(servers), rel=1e-12)
     ratio = sum(redundant.values()) / sum(written.values())
-    assert f["severity"] == ("warning" if ratio > diagnosis.FLEET_REDUNDANT_RATIO else "info")
+    assert f["severity"] == ("warning" if ratio > s.fleet_redundant_ratio else "info")
     # Warnings the counters call for (buffer mode: redundant_writes by its share).
     due = {
         ("redundant_writes", u)
         for u in servers
-        if written[u] >= diagnosis.MIN_WRITTEN_PAGES
-        and redundant[u] / written[u] > diagnosis.REDUNDANT_RATIO
+        if written[u] >= s.min_written_pages and redundant[u] / written[u] > s.redundant_ratio
     }
-    if (
-        ratio > diagnosis.FLEET_REDUNDANT_RATIO
-        and sum(written.values()) >= diagnosis.MIN_WRITTEN_PAGES
-    ):
+    if ratio > s.fleet_redundant_ratio and sum(written.values()) >= s.min_written_pages:
         due.add(("fleet_redundant_writes", None))  # the fleet finding names no instance
     assert due, f"the workload made no redundancy past the thresholds: {redundant} of {written}"
     warned = {

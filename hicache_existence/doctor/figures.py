@@ -1,0 +1,325 @@
+"""The doctor's figures: the series it reads, aggregated over ranks, per instance.
+
+Input: one ``Reading`` per instance (a server's metrics endpoint, or one
+``instance`` of a Prometheus server): the samples read last, and optionally the
+samples read ``seconds`` earlier.  The series are the package's (every family of
+``hicache_existence.exporters.catalog``, looked up there by name: ``SERIES``) and
+SGLang's HiCache/L3 storage series (declared below: they are upstream's).
+
+A series' samples are summed over the labels that tell ranks and processes apart
+(counters: the sum, as ``sum by (pool, reason, ...)`` in PromQL; gauges: the
+largest value, except ``divergence_active``: the smallest), keeping ``KEPT_LABELS``.
+A counter's change between the two reads is taken per raw series; a series whose
+value went down was reset (a restart) and counts from 0, as ``increase()`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from hicache_existence.doctor.exposition import Exposition, Labels, Sample
+from hicache_existence.exporters.catalog import CATALOG, FEATURE_CATALOG, PREFIX
+
+#: Every exported family's sample name by its name without the prefix
+#: (``queries`` -> ``hicache_existence_queries_total``): the only spelling of the
+#: package's series the doctor, the rules and the docs tables use.
+SERIES: dict[str, str] = {
+    **{spec.name.removeprefix(PREFIX): spec.exposed_name for spec in CATALOG},
+    **{
+        spec.name.removeprefix(PREFIX): spec.exposed_name
+        for spec in FEATURE_CATALOG
+        if spec.kind != "histogram"
+    },
+}
+
+S = "sglang:"
+#: L3 (storage) series of SGLang 0.5.23 (``StorageMetricsCollector``): any of them
+#: present means the endpoint is a HiCache server with an L3 backend and metrics on.
+SGLANG_BACKUPED = S + "backuped_tokens_total"
+SGLANG_PREFETCHED = S + "prefetched_tokens_total"
+SGLANG_PREFETCH_HIT = S + "storage_prefetch_hit_tokens_total"
+SGLANG_UNFULFILLED = S + "storage_prefetch_unfulfilled_tokens_total"
+SGLANG_STORAGE_SERIES: tuple[str, ...] = (
+    SGLANG_BACKUPED,
+    SGLANG_PREFETCHED,
+    SGLANG_PREFETCH_HIT,
+    SGLANG_UNFULFILLED,
+    S + "storage_prefetch_deferred_tokens_total",
+    S + "hicache_backup_dropped_tokens_total",
+    S + "hicache_prefetch_aux_alloc_failed_tokens_total",
+)
+#: Host-memory (L2) series of HiCache, read beside the storage series.
+SGLANG_HICACHE_SERIES: tuple[str, ...] = (
+    S + "hicache_backup_bytes_total",
+    S + "hicache_backup_tokens_total",
+    S + "hicache_dropped_tokens_total",
+    S + "hicache_host_used_tokens",
+    S + "hicache_host_total_tokens",
+)
+SGLANG_SERIES = frozenset(SGLANG_STORAGE_SERIES + SGLANG_HICACHE_SERIES)
+
+#: Labels a figure keeps; every other label (ranks, model, pid, job, instance) is
+#: summed over.
+KEPT_LABELS = frozenset(
+    {
+        "pool",
+        "reason",
+        "result",
+        "kind",
+        "cause",
+        "cap_multiplier",
+        "host_memory_mode",
+        "write_policy",
+        "cache_mode_dedup",
+    }
+)
+#: Gauges aggregated with min instead of max: one stopped rank matters.
+MIN_GAUGES = frozenset({SERIES["divergence_active"]})
+_SKIPPED_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
+RANK_LABELS = ("tp_rank", "dp_rank", "pp_rank")
+
+
+def series(name: str) -> str:
+    """A series' sample name: ``sglang:...`` as given (it must be declared above),
+    any other name a catalog family's (a name the catalog lacks fails here)."""
+    if name.startswith(S):
+        if name not in SGLANG_SERIES:
+            raise KeyError(f"{name} is not an SGLang series the doctor reads")
+        return name
+    try:
+        return SERIES[name]
+    except KeyError:
+        raise KeyError(f"{PREFIX}{name} is not in hicache_existence.exporters.catalog") from None
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One instance: the samples read last and, for rates, those read ``seconds``
+    earlier (``first`` None: one read, no rates)."""
+
+    instance: str
+    last: Exposition
+    first: Exposition | None = None
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.instance, str) or not self.instance:
+            raise ValueError("instance must be a non-empty str")
+        if self.first is not None and not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"seconds must be > 0 with two reads, got {self.seconds!r}")
+
+
+def canonical(name: str) -> str:
+    """SGLang's series under their own names: prometheus_client writes the colon of
+    ``sglang:x`` as ``sglang_x`` in OpenMetrics, which Prometheus negotiates when it
+    scrapes, so Prometheus stores them so."""
+    if name.startswith("sglang_"):
+        colon = S + name[len("sglang_") :]
+        if colon in SGLANG_SERIES:
+            return colon
+    return name
+
+
+def is_package(name: str) -> bool:
+    return name.startswith(PREFIX) and not name.endswith(_SKIPPED_SUFFIXES)
+
+
+def is_read(name: str) -> bool:
+    """A series the doctor reads (the package's counters and gauges, SGLang's HiCache
+    storage and host series, under either spelling)."""
+    return is_package(name) or canonical(name) in SGLANG_SERIES
+
+
+def readable(exposition: Exposition) -> str | None:
+    """Why the doctor cannot diagnose this body (None: it can)."""
+    names = {canonical(n) for n in exposition.names()}
+    if any(is_package(n) for n in names) or names & set(SGLANG_STORAGE_SERIES):
+        return None
+    return (
+        f"no {PREFIX}* series and no SGLang storage series ({SGLANG_BACKUPED}"
+        " ...): is this SGLang's /metrics with --enable-metrics and an L3 backend, or the"
+        " package's own endpoint?"
+    )
+
+
+Key = tuple[str, Labels]
+
+
+def key_text(key: Key) -> str:
+    """``name{label="value",...}``: a figure's name in the output."""
+    name, labels = key
+    if not labels:
+        return name
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    return f"{name}{{{inner}}}"
+
+
+def _escape(value: str) -> str:
+    """A label value as the exposition format writes it."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _kept(labels: Labels) -> Labels:
+    return tuple((k, v) for k, v in labels if k in KEPT_LABELS)
+
+
+def _is_counter(name: str) -> bool:
+    return name.endswith("_total")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One series of one instance: its value at the last read, and (two reads) its
+    change and rate; ``reset`` when one of its counters went down in between."""
+
+    value: float
+    delta: float | None = None
+    rate_per_s: float | None = None
+    reset: bool = False
+
+
+def figures_of(reading: Reading) -> dict[Key, Figure]:
+    """Every series the doctor reads, aggregated over ranks (module docstring)."""
+    last = _aggregate(reading.last.samples)
+    if reading.first is None:
+        return {k: Figure(v) for k, v in sorted(last.items())}
+    before = {
+        (canonical(s.name), s.labels): s.value for s in reading.first.samples if is_read(s.name)
+    }
+    deltas: dict[Key, float] = {}
+    resets: set[Key] = set()
+    for s in reading.last.samples:
+        if not is_read(s.name) or not _is_counter(s.name):
+            continue
+        name = canonical(s.name)
+        key = (name, _kept(s.labels))
+        prior = before.get((name, s.labels))
+        if prior is None:
+            d = s.value  # a new series: counted from 0
+        elif s.value < prior:
+            d = s.value  # reset (a restart): counted from 0
+            resets.add(key)
+        else:
+            d = s.value - prior
+        deltas[key] = deltas.get(key, 0.0) + d
+    out: dict[Key, Figure] = {}
+    for k, v in sorted(last.items()):
+        if k in deltas:
+            d = deltas[k]
+            out[k] = Figure(v, d, d / reading.seconds, k in resets)
+        else:
+            out[k] = Figure(v)
+    return out
+
+
+def _aggregate(samples: Iterable[Sample]) -> dict[Key, float]:
+    sums: dict[Key, float] = {}
+    for s in samples:
+        if not is_read(s.name):
+            continue
+        name = canonical(s.name)
+        key = (name, _kept(s.labels))
+        if key not in sums:
+            sums[key] = s.value
+        elif _is_counter(name):
+            sums[key] += s.value
+        elif name in MIN_GAUGES:
+            sums[key] = min(sums[key], s.value)
+        else:
+            sums[key] = max(sums[key], s.value)
+    return sums
+
+
+def ranks_of(exposition: Exposition) -> int:
+    """Distinct (tp, dp, pp) rank label sets among the package's series."""
+    seen = {
+        tuple(s.label(r) for r in RANK_LABELS) for s in exposition.samples if is_package(s.name)
+    }
+    return len(seen)
+
+
+#: A label filter: one value, or several whose figures are summed.
+Match = str | tuple[str, ...]
+
+
+class View:
+    """Read access to one instance's figures by series (``series()``: a catalog
+    family's short name or an SGLang series) and label filter."""
+
+    def __init__(self, instance: str, figures: Mapping[Key, Figure], seconds: float | None):
+        self.instance = instance
+        self.figures = figures
+        self.seconds = seconds
+
+    def _matching(self, name: str, labels: Mapping[str, Match]) -> list[tuple[Key, Figure]]:
+        full = series(name)
+        want = {k: (v,) if isinstance(v, str) else v for k, v in labels.items()}
+        return [
+            (k, f)
+            for k, f in self.figures.items()
+            if k[0] == full and all(dict(k[1]).get(a) in b for a, b in want.items())
+        ]
+
+    def has(self, name: str) -> bool:
+        full = series(name)
+        return any(k[0] == full for k in self.figures)
+
+    def value(self, name: str, **labels: Match) -> float:
+        """Sum of the matching figures (0 when none)."""
+        return sum(f.value for _, f in self._matching(name, labels))
+
+    def rate(self, name: str, **labels: Match) -> float | None:
+        """Sum of the matching figures' rates (None without two reads or a match)."""
+        rates = [f.rate_per_s for _, f in self._matching(name, labels)]
+        if not rates or any(r is None for r in rates):
+            return None
+        return sum(r for r in rates if r is not None)
+
+    def delta(self, name: str, **labels: Match) -> float | None:
+        deltas = [f.delta for _, f in self._matching(name, labels)]
+        if not deltas or any(d is None for d in deltas):
+            return None
+        return sum(d for d in deltas if d is not None)
+
+    def values_by(self, name: str, label: str, **labels: Match) -> dict[str, float]:
+        """{label value: summed value} of the matching figures."""
+        out: dict[str, float] = {}
+        for k, f in self._matching(name, labels):
+            v = dict(k[1]).get(label)
+            if v is not None:
+                out[v] = out.get(v, 0.0) + f.value
+        return out
+
+    def pools(self) -> tuple[str, ...]:
+        return tuple(
+            sorted(
+                {
+                    dict(k[1])["pool"]
+                    for k in self.figures
+                    if is_package(k[0]) and "pool" in dict(k[1])
+                }
+            )
+        )
+
+    def mode_labels(self) -> Labels:
+        """The labels of ``mode_info`` (empty when not exported)."""
+        full = series("mode_info")
+        for k, f in self.figures.items():
+            if k[0] == full and f.value >= 1:
+                return k[1]
+        return ()
+
+    def mode(self) -> tuple[str | None, str | None, bool | None]:
+        """(host_memory_mode, write_policy, cache_mode_dedup) from ``mode_info``."""
+        labels = dict(self.mode_labels())
+        if not labels:
+            return None, None, None
+        dedup = labels.get("cache_mode_dedup")
+        return (
+            labels.get("host_memory_mode"),
+            labels.get("write_policy"),
+            # "upstream": sglang deduplicates itself (the package only counts).
+            None if dedup is None else dedup in ("true", "upstream"),
+        )

@@ -1,0 +1,786 @@
+"""The findings (docs/doctor.md, "Findings"): each judges one instance's figures (or
+the fleet's) by its declaration in ``hicache_existence.doctor.judgements``, whose
+threshold, guard, severity and fix it takes; what is left here is what needs
+code: the evidence each finding shows, the causes, the cap's advice, the fleet's
+routing cost.  Series are named by catalog family (``figures.series``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from hicache_existence.accounting.advisor import recommended_multiple
+from hicache_existence.doctor import judgements as J
+from hicache_existence.doctor.figures import (
+    SGLANG_BACKUPED,
+    SGLANG_PREFETCH_HIT,
+    SGLANG_PREFETCHED,
+    SGLANG_UNFULFILLED,
+    View,
+    is_package,
+    key_text,
+    series,
+)
+from hicache_existence.doctor.judgements import Judgement, Severity, worst
+from hicache_existence.doctor.model import Evidence, Finding, human_bytes
+
+ANSWERED = ("present", "absent", "untrusted")
+FAILED_RESULTS = ("error", "timeout", "rejected")
+
+#: What to do about redundant writes of each cause (an unknown cause is reported as is).
+CAUSE_FIXES: dict[str, str] = {
+    "recompute": (
+        "stored pages left host and device memory and were computed and written again: give "
+        "host memory more room (`--hicache-ratio` or `--hicache-size`); in cache mode "
+        "`cache_mode.dedup=true` skips the rewrite"
+    ),
+    "below_prefetch_threshold": (
+        "stored prefixes shorter than the prefetch threshold were recomputed and written again: "
+        "lower the threshold, e.g. `--hicache-storage-backend-extra-config "
+        "'{\"prefetch_threshold\": 64}'` (SGLang's default is 256 tokens)"
+    ),
+    "prefetch_shortfall": (
+        "prefetches stopped short (a deadline, a failed transfer, no host memory for them) "
+        "and the rest was written again: more host memory (`--hicache-ratio`), raise "
+        "`prefetch_timeout_base` / `prefetch_timeout_per_ki_token` in "
+        "`--hicache-storage-backend-extra-config`, or `--hicache-storage-prefetch-policy "
+        "wait_complete`"
+    ),
+    "host_copy_reclaimed": (
+        "under `write_back`, host pressure reclaimed the host copy of a node also on the "
+        "device, and its next eviction backed it up again: "
+        "`SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM=1` in the server's environment keeps "
+        "those copies; in cache mode `cache_mode.dedup=true` skips the rewrite"
+    ),
+    "other_instance": (
+        "pages another instance had stored (no local record): route requests by prefix "
+        "(the router's `cache_aware` policy), see the fleet view"
+    ),
+    "believed_node": (
+        "buffer mode writes a node whole when any of its pages is new (SGLang's write rule; "
+        "no setting removes it)"
+    ),
+    "unclassified": (
+        "the pool has no miss-reason memory, so a page not believed now cannot be told "
+        "`recompute` or `other_instance`: `miss_reasons.enabled=true`"
+    ),
+}
+
+#: ``recompute`` outside cache mode: buffer mode keeps no host copy, so a page this
+#: instance stored is written again when its belief was dropped (the cap, a heal).
+RECOMPUTE_BUFFER_FIX = (
+    "pages this instance had stored, computed again after its belief was dropped (mostly by "
+    "the cap): see cap_too_small (`cache.max_entries`)"
+)
+
+
+def cause_fix(cause: str, mode: str | None) -> str:
+    """What to do about redundant writes of ``cause`` in host memory ``mode``."""
+    if cause == "recompute" and mode != "cache":
+        return RECOMPUTE_BUFFER_FIX
+    return CAUSE_FIXES.get(cause, "a cause this doctor does not know")
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _n(x: float) -> str:
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.3g}"
+
+
+def evidence(view: View, name: str, **labels: str) -> Evidence:
+    """The figure ``name{labels}`` (summed over the labels not given)."""
+    key = (series(name), tuple(sorted(labels.items())))
+    return Evidence(
+        view.instance, key_text(key), view.value(name, **labels), view.rate(name, **labels)
+    )
+
+
+def finding(
+    j: Judgement,
+    severity: Severity,
+    view: View | None,
+    summary: str,
+    evidence: Sequence[Evidence],
+    fix: Sequence[str] | None = None,
+    pool: str | None = None,
+    wasted: float | None = None,
+    wasted_rate: float | None = None,
+) -> Finding:
+    """``j``'s finding (its fix unless given)."""
+    return Finding(
+        id=str(j.finding),
+        severity=severity,
+        instance=None if view is None else view.instance,
+        pool=pool,
+        summary=summary,
+        wasted_bytes=wasted,
+        wasted_bytes_per_s=wasted_rate,
+        evidence=tuple(evidence),
+        fix=tuple(j.fix if fix is None else fix),
+    )
+
+
+def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
+    r = view.value("redundant_written_pages", pool=pool)
+    if r <= 0:
+        return []
+    w = view.value("written_pages", pool=pool)
+    rb = view.value("redundant_written_bytes", pool=pool)
+    believed = view.value("redundant_believed_pages", pool=pool)
+    # In cache mode without dedup the pages dedup would have saved (believed when
+    # written) are cache_mode_without_dedup's, a ticket as its alert: only the rest
+    # can make this a warning, or installing cache mode would page.
+    counted = max(0.0, r - believed) if mode == "cache" and dedup is False else r
+    ev = [
+        evidence(view, n, pool=pool)
+        for n in (
+            "redundant_written_pages",
+            "redundant_written_bytes",
+            "written_pages",
+            "redundant_believed_pages",
+        )
+    ]
+    causes = view.values_by("redundant_cause_pages", "cause", pool=pool)
+    fixes: list[str] = []
+    cause_text = ""
+    if causes:
+        ranked = sorted(((n, c) for c, n in causes.items() if n > 0), reverse=True)
+        ev += [evidence(view, "redundant_cause_pages", pool=pool, cause=c) for _, c in ranked]
+        cause_text = "; by cause: " + ", ".join(f"{c} {_n(n)}" for n, c in ranked)
+        fixes += [f"{c} ({_n(n)} pages): {cause_fix(c, mode)}" for n, c in ranked]
+    else:
+        misses = view.values_by("page_misses", "reason", pool=pool)
+        ev += [
+            evidence(view, "page_misses", pool=pool, reason=m)
+            for m in sorted(misses)
+            if misses[m] > 0
+        ]
+        if believed > 0:
+            cause_text = f"; {_n(believed)} were believed stored (their node was written whole)"
+            fixes.append(f"believed pages ({_n(believed)}): {CAUSE_FIXES['believed_node']}")
+        if misses.get("evicted", 0) > 0:
+            fixes.append(
+                "pages whose belief the cap evicted: see cap_too_small (`cache.max_entries`)"
+            )
+        if misses.get("cold", 0) > 0 and r > believed:
+            fixes.append(
+                "pages this instance did not believe (`cold`: written by another instance or "
+                "before a restart, or evicted longer ago than the miss-reason memory remembers): "
+                "route by prefix (the router's `cache_aware` policy); see cap_too_small if the "
+                "pool is full"
+            )
+    if mode == "cache" and dedup is False:
+        fixes.append(
+            "cache mode without dedup: `cache_mode.dedup=true` (see cache_mode_without_dedup)"
+        )
+    j = J.REDUNDANT_WRITES
+    return [
+        finding(
+            j,
+            j.severity_if(j.exceeds(counted, w)),
+            view,
+            f"{pool}: {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in "
+            f"L3, {human_bytes(rb)} written twice{cause_text}",
+            ev,
+            fixes or None,
+            pool,
+            rb,
+            view.rate("redundant_written_bytes", pool=pool),
+        )
+    ]
+
+
+def dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
+    j = J.CACHE_MODE_REWRITES
+    r = view.value("redundant_written_pages", pool=pool)
+    w = view.value("written_pages", pool=pool)
+    if mode != "cache" or dedup is not False or not j.exceeds(r, w):
+        return []
+    saved = view.value("redundant_believed_pages", pool=pool)
+    per_page = _ratio(view.value("redundant_written_bytes", pool=pool), r)
+    rate = view.rate("redundant_believed_pages", pool=pool)
+    return [
+        finding(
+            j,
+            j.severity,
+            view,
+            f"{pool}: cache mode writes {_pct(_ratio(r, w))} of its L3 pages twice and dedup "
+            f"is off; dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})",
+            (
+                Evidence(view.instance, key_text((series("mode_info"), view.mode_labels())), 1.0),
+                *(
+                    evidence(view, n, pool=pool)
+                    for n in (
+                        "redundant_written_pages",
+                        "written_pages",
+                        "redundant_believed_pages",
+                    )
+                ),
+            ),
+            pool=pool,
+            wasted=saved * per_page,
+            wasted_rate=None if rate is None else rate * per_page,
+        )
+    ]
+
+
+def advisor_curve(view: View, pool: str) -> dict[float, float]:
+    """{cap multiplier: estimated lookup hit ratio} (the largest over ranks)."""
+    out: dict[float, float] = {}
+    for m, v in view.values_by(
+        "advisor_estimated_lookup_hit_ratio", "cap_multiplier", pool=pool
+    ).items():
+        try:
+            multiplier = float(m)
+        except ValueError:
+            continue
+        if math.isfinite(multiplier) and multiplier > 0 and math.isfinite(v):
+            out[multiplier] = v
+    return out
+
+
+def miss_memory_fraction(view: View, pool: str) -> float | None:
+    """The miss-reason memory's size over the beliefs' (``miss_reasons.memory_fraction``
+    as configured, measured), None without the memory gauges."""
+    miss = view.value("miss_memory_bytes", pool=pool)
+    beliefs = view.value("memory_bytes", pool=pool) - miss
+    if not view.has("miss_memory_bytes") or beliefs <= 0:
+        return None
+    return miss / beliefs
+
+
+def stored_pages(view: View, pool: str) -> float:
+    """Distinct pages this instance stored in L3: its written pages that L3 did not
+    hold yet and that it acknowledged (each new page counts once)."""
+    written = view.value("written_pages", pool=pool)
+    return max(
+        0.0,
+        written
+        - view.value("redundant_written_pages", pool=pool)
+        - view.value("write_failed_pages", pool=pool),
+    )
+
+
+def cap_covering(pages: float) -> int:
+    """The smallest power of two of at least ``pages`` entries."""
+    if not (math.isfinite(pages) and pages >= 0):
+        raise ValueError(f"pages must be a finite number >= 0, got {pages!r}")
+    return 1 << max(0, math.ceil(pages) - 1).bit_length()
+
+
+def _cap_fixes(
+    view: View, pool: str, curve: Mapping[float, float], cap: float, ev: list[Evidence]
+) -> tuple[list[str], bool, bool]:
+    """The cap's advice from the advisor's curve: (fixes, the curve is flat, the
+    curve's range is below what the pool stored)."""
+    multiple = recommended_multiple(curve)
+    # The advisor's curve ends at its largest multiple: below what the pool stored it
+    # cannot tell a flat curve from a working set beyond its range.
+    stored = stored_pages(view, pool)
+    top = max(curve) * cap if curve else 0.0
+    beyond = (
+        multiple is not None
+        and cap > 0
+        and stored > top
+        and (multiple <= 1 or multiple == max(curve))
+    )
+    if beyond:
+        covering = cap_covering(stored)
+        ev.append(
+            Evidence(view.instance, "distinct pages stored (written - redundant - failed)", stored)
+        )
+        return (
+            [
+                f"`cache.max_entries={covering}` "
+                f"(`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={covering}`): this instance stored "
+                f"{_n(stored)} distinct pages, more than the advisor's "
+                f"largest cap ({max(curve):g}x = {_n(top)} entries), so its curve says nothing "
+                f"about a cap that holds them; a cap of {covering} covers them (about 40 B per "
+                "entry per rank), then read the curve again"
+            ],
+            False,
+            True,
+        )
+    if multiple is not None and multiple > 1 and cap > 0:
+        here = curve.get(1.0)
+        now = "" if here is None else f" from {here:.3f}"
+        entries = int(cap * multiple)
+        return (
+            [
+                f"`cache.max_entries={entries}` ({multiple:g}x the cap): the advisor estimates "
+                f"the lookup hit ratio rises{now} to {curve[multiple]:.3f} "
+                f"(`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={entries}`); about 40 B per "
+                "entry per rank"
+            ],
+            False,
+            False,
+        )
+    if multiple is not None:
+        return (
+            [
+                "the advisor's curve is flat: a larger cap would not raise the hit ratio on "
+                "this traffic; leave `cache.max_entries` as it is"
+            ],
+            True,
+            False,
+        )
+    if cap > 0:
+        return (
+            [
+                f"`cache.max_entries={int(cap * 2)}` (twice the cap), then read the advisor's "
+                "curve (`advisor.enabled=true`) to size it"
+            ],
+            False,
+            False,
+        )
+    return [], False, False
+
+
+def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
+    s = J.SETTINGS
+    evicted = view.value("page_misses", pool=pool, reason="evicted")
+    evictions = view.value("evictions", pool=pool)
+    q = view.value("queries", pool=pool)
+    capacity = view.value("capacity_entries", pool=pool)
+    entries = view.value("entries", pool=pool)
+    r = view.value("redundant_written_pages", pool=pool)
+    w = view.value("written_pages", pool=pool)
+    at_cap = capacity > 0 and entries >= s.at_cap_fill * capacity
+    # Redundant pages not believed at their launch: the cap's share of them is at
+    # most this (the rest: another instance, heals, clears).
+    not_believed = max(0.0, r - view.value("redundant_believed_pages", pool=pool))
+    if evicted <= 0 and not (at_cap and evictions > 0 and not_believed > 0):
+        return []
+    churn = _ratio(evicted, q)
+    ev = [
+        evidence(view, "page_misses", pool=pool, reason="evicted"),
+        evidence(view, "page_misses", pool=pool, reason="cold"),
+        *(
+            evidence(view, n, pool=pool)
+            for n in (
+                "queries",
+                "evictions",
+                "entries",
+                "capacity_entries",
+                "redundant_written_pages",
+                "redundant_believed_pages",
+                "written_pages",
+            )
+        ),
+    ]
+    curve = advisor_curve(view, pool)
+    if curve:
+        lookup = "advisor_estimated_lookup_hit_ratio"
+        ev += [
+            evidence(view, lookup, pool=pool, cap_multiplier=m)
+            for m in sorted(view.values_by(lookup, "cap_multiplier", pool=pool), key=float)
+        ]
+    fixes, flat, beyond = _cap_fixes(view, pool, curve, capacity, ev)
+    cold = view.value("page_misses", pool=pool, reason="cold")
+    fraction = miss_memory_fraction(view, pool)
+    if at_cap and cold > evicted and fraction is not None and fraction < s.miss_memory_small:
+        proposed = min(1.0, max(s.miss_memory_floor, 2 * fraction))
+        fixes.append(
+            "cold misses at a full cap may be evictions older than the miss-reason memory "
+            f"remembers (it is {_pct(fraction)} of the cache's memory): "
+            f"`miss_reasons.memory_fraction={proposed:.2g}` classifies more of them"
+        )
+    churn_high = J.EVICTION_CHURN.exceeds(evicted, q)
+    # As HicacheExistenceAtCapRedundantWritesRising: full, writing pages twice, and
+    # not in cache mode without dedup (no cap removes those rewrites).
+    rewrites_by_design = mode == "cache" and dedup is False
+    redundant_high = at_cap and not rewrites_by_design and J.AT_CAP_REDUNDANT.exceeds(r, w)
+    severity = worst(
+        J.EVICTION_CHURN.severity_if(churn_high and not flat),
+        J.AT_CAP_REDUNDANT.severity_if(redundant_high and not flat),
+        "warning" if beyond else "info",
+    )
+    per_page = _ratio(view.value("redundant_written_bytes", pool=pool), r)
+    wasted = not_believed * per_page if per_page else None
+    full = f", full ({_n(entries)} of {_n(capacity)} entries)" if at_cap else ""
+    summary = (
+        f"{pool}: {_n(evicted)} lookups ({_pct(churn)} of {_n(q)}) missed a page the cap had "
+        f"evicted while L3 kept it; {_n(evictions)} evictions{full}"
+    )
+    if at_cap and r > 0:
+        summary += f"; {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in L3"
+    if wasted is not None:
+        summary += f"; at most {human_bytes(wasted)} rewritten for it"
+    return [finding(J.EVICTION_CHURN, severity, view, summary, ev, fixes, pool, wasted)]
+
+
+def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
+    j = J.L3_NOT_READ_BACK
+    written = view.value(SGLANG_BACKUPED)
+    read = view.value(SGLANG_PREFETCHED)
+    if written <= 0 or not j.past(read, written):
+        return []
+    hit = view.value(SGLANG_PREFETCH_HIT)
+    share = _ratio(read, written)
+    never = read <= 0 and hit <= 0
+    unfulfilled = view.values_by(SGLANG_UNFULFILLED, "reason")
+    ranked = sorted(((n, r) for r, n in unfulfilled.items() if n > 0), reverse=True)
+    ev = [
+        evidence(view, SGLANG_BACKUPED),
+        evidence(view, SGLANG_PREFETCHED),
+        evidence(view, SGLANG_PREFETCH_HIT),
+        *(evidence(view, SGLANG_UNFULFILLED, reason=r) for _, r in ranked),
+    ]
+    fixes: list[str] = []
+    if ranked and ranked[0][1] == "below_threshold":
+        fixes.append(
+            "L3 holds the prefixes but they are shorter than the prefetch threshold: lower it, "
+            "e.g. `--hicache-storage-backend-extra-config '{\"prefetch_threshold\": 64}'`"
+        )
+    elif ranked and ranked[0][1] in ("deadline", "storage_transfer"):
+        fixes.append(
+            "prefetches run out of time or fail: raise `prefetch_timeout_base` in "
+            "`--hicache-storage-backend-extra-config`, or `--hicache-storage-prefetch-policy "
+            "wait_complete`"
+        )
+    wasted = None if bytes_per_token is None else (written - read) * bytes_per_token
+    rate = view.rate(SGLANG_BACKUPED)
+    rate_read = view.rate(SGLANG_PREFETCHED)
+    wasted_rate = None
+    if bytes_per_token is not None and rate is not None and rate_read is not None:
+        wasted_rate = max(0.0, rate - rate_read) * bytes_per_token
+    return [
+        finding(
+            j,
+            j.severity_if(never and j.exceeds(read, written)),
+            view,
+            f"L3 was written {_n(written)} tokens and read back "
+            + (
+                "none (no prefetch hit either)"
+                if never
+                else f"{_n(read)} ({_pct(share)}; {_n(hit)} tokens hit in L3 queries)"
+            ),
+            ev,
+            [*fixes, *j.fix],
+            wasted=wasted,
+            wasted_rate=wasted_rate,
+        )
+    ]
+
+
+def stale(view: View, pool: str) -> list[Finding]:
+    j = J.STALE_POSITIVES
+    positives = view.value("reconciler_stale_positives", pool=pool)
+    if positives > 0:
+        answered = view.value("reconciler_queries", pool=pool, result=ANSWERED)
+        invalidated = view.value("reconciler_pages_invalidated", pool=pool)
+        return [
+            finding(
+                j,
+                j.severity_if(j.exceeds(positives, answered)),
+                view,
+                f"{pool}: {_n(positives)} of {_n(answered)} answered verifications "
+                f"({_pct(_ratio(positives, answered))}) found believed pages missing from L3; "
+                f"{_n(invalidated)} beliefs removed",
+                (
+                    evidence(view, "reconciler_stale_positives", pool=pool),
+                    *(evidence(view, "reconciler_queries", pool=pool, result=r) for r in ANSWERED),
+                    evidence(view, "reconciler_pages_invalidated", pool=pool),
+                    evidence(view, "page_misses", pool=pool, reason="invalidated"),
+                ),
+                pool=pool,
+            )
+        ]
+    healed = view.value("invalidations", pool=pool)
+    if view.has("reconciler_queries") or healed <= 0:
+        return []
+    return [
+        finding(
+            j,
+            "info",
+            view,
+            f"{pool}: {_n(healed)} beliefs were dropped by heals after prefetch shortfalls "
+            "(L3 lacked pages believed stored); no reconciler looks for the others",
+            (
+                evidence(view, "invalidations", pool=pool),
+                evidence(view, "page_misses", pool=pool, reason="invalidated"),
+            ),
+            (
+                "turn the reconciler on to find stale beliefs before a prefetch trips on them: "
+                "`reconciler.enabled=true` with `reconciler.redis_url` (docs/reconciler.md)",
+            ),
+            pool,
+        )
+    ]
+
+
+def reconciler_health(view: View) -> list[Finding]:
+    if not view.has("reconciler_queries") and not view.has("reconciler_circuit_open"):
+        return []
+    failed = view.value("reconciler_queries", result=FAILED_RESULTS)
+    answered = view.value("reconciler_queries", result=ANSWERED)
+    errors = view.values_by("reconciler_errors", "kind")
+    open_ = view.value("reconciler_circuit_open") >= 1
+    if view.seconds is not None and view.has("reconciler_queries"):
+        d_failed = [view.delta("reconciler_queries", result=r) for r in FAILED_RESULTS]
+        d_answered = [view.delta("reconciler_queries", result=r) for r in ANSWERED]
+        down = sum(d or 0.0 for d in d_failed) > 0 and sum(d or 0.0 for d in d_answered) == 0
+    else:
+        down = failed > 0 and answered == 0
+    if not (open_ or down or failed > 0 or sum(errors.values()) > 0):
+        return []
+    severity = worst(J.CIRCUIT_OPEN.severity_if(open_), J.RECONCILER_DOWN.severity_if(down))
+    kinds = ", ".join(f"{k} {_n(n)}" for k, n in sorted(errors.items()) if n > 0) or "none"
+    state = "circuit breaker open" if open_ else ("no answers" if down else "answering")
+    return [
+        finding(
+            J.RECONCILER_DOWN,
+            severity,
+            view,
+            f"reconciler: {state}; {_n(failed)} verifications failed and {_n(answered)} were "
+            f"answered; errors by kind: {kinds}",
+            (
+                evidence(view, "reconciler_circuit_open"),
+                *(
+                    evidence(view, "reconciler_queries", result=r)
+                    for r in (*FAILED_RESULTS, *ANSWERED)
+                ),
+                *(
+                    evidence(view, "reconciler_errors", kind=k)
+                    for k in sorted(errors)
+                    if errors[k] > 0
+                ),
+            ),
+        )
+    ]
+
+
+def divergence(view: View) -> list[Finding]:
+    out: list[Finding] = []
+    diverged = view.value("divergences")
+    if diverged > 0:
+        j = J.TP_DIVERGENCE
+        out.append(
+            finding(
+                j,
+                j.severity,
+                view,
+                f"{_n(diverged)} checks found TP replicas of the beliefs differing "
+                f"({_n(view.value('divergence_heals'))} heals)",
+                [
+                    evidence(view, n)
+                    for n in ("divergences", "divergence_heals", "divergence_checks")
+                ],
+            )
+        )
+    failures = view.values_by("divergence_check_failures", "reason")
+    mismatches = view.value("divergence_config_mismatches")
+    stopped = view.has("divergence_active") and view.value("divergence_active") < 1
+    if mismatches > 0 or sum(failures.values()) > 0 or stopped:
+        fixes = []
+        if mismatches > 0:
+            fixes.append(
+                "ranks run different `divergence.*` settings: make every rank's configuration "
+                "identical and restart the server"
+            )
+        if failures.get("timeout", 0) > 0:
+            fixes.append(
+                "a peer did not arrive in time: find the slow rank, or raise "
+                "`divergence.timeout_s`; restart the server to resume checks"
+            )
+        if failures.get("error", 0) > 0 or not fixes:
+            fixes.append("restart the server (every rank) to resume checks")
+        j = J.TP_CHECKS_STOPPED
+        out.append(
+            finding(
+                j,
+                j.severity,
+                view,
+                "TP divergence checks stopped on at least one rank "
+                f"({_n(sum(failures.values()))} failed checks, {_n(mismatches)} config "
+                "mismatches): a divergence would go unnoticed",
+                (
+                    evidence(view, "divergence_active"),
+                    *(
+                        evidence(view, "divergence_check_failures", reason=r)
+                        for r in sorted(failures)
+                    ),
+                    evidence(view, "divergence_config_mismatches"),
+                ),
+                fixes,
+            )
+        )
+    return out
+
+
+def liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]:
+    backuped = view.value(SGLANG_BACKUPED)
+    if not any(is_package(k[0]) for k in view.figures):
+        j = J.PLUGIN_NOT_LOADED
+        return [
+            finding(
+                j,
+                j.severity,
+                view,
+                "SGLang reports L3 storage activity but exports no hicache_existence_* series: "
+                "the package is not enabled on this server",
+                (evidence(view, SGLANG_BACKUPED), evidence(view, SGLANG_PREFETCH_HIT)),
+            )
+        ]
+    out: list[Finding] = []
+    written = view.value("written_pages")
+    expects_queries = mode != "cache" or dedup is True
+    active = backuped > 0 or written > 0 or view.value("page_inserts") > 0
+    if expects_queries and view.value("queries") == 0 and active:
+        j = J.PLUGIN_NOT_LIVE
+        out.append(
+            finding(
+                j,
+                j.severity,
+                view,
+                "the existence cache is never consulted: 0 lookups while L3 is written "
+                f"({_n(backuped)} tokens by SGLang's count)",
+                [
+                    *(evidence(view, n) for n in ("queries", "page_inserts", "written_pages")),
+                    evidence(view, SGLANG_BACKUPED),
+                ],
+            )
+        )
+    if backuped > 0 and written == 0 and view.value("write_acknowledged_pages") == 0:
+        j = J.WRITE_ACCOUNTING_NOT_FED
+        out.append(
+            finding(
+                j,
+                j.severity,
+                view,
+                f"SGLang wrote {_n(backuped)} tokens to L3 but the package's write counters "
+                "are absent or 0: the write-path hooks are missing, so redundant writes go "
+                "uncounted",
+                (
+                    evidence(view, SGLANG_BACKUPED),
+                    evidence(view, "written_pages"),
+                    evidence(view, "write_acknowledged_pages"),
+                ),
+                [j.fix[0] + (f" ({mode})" if mode else "")],
+            )
+        )
+    return out
+
+
+def write_failures(view: View, pool: str) -> list[Finding]:
+    failed = view.value("write_failed_pages", pool=pool)
+    if failed <= 0:
+        return []
+    j = J.WRITE_FAILURES
+    w = view.value("written_pages", pool=pool)
+    return [
+        finding(
+            j,
+            j.severity_if(j.exceeds(failed, w)),
+            view,
+            f"{pool}: L3 did not store {_n(failed)} of {_n(w)} written pages "
+            f"({_pct(_ratio(failed, w))})",
+            [
+                evidence(view, n, pool=pool)
+                for n in ("write_failed_pages", "write_failed_bytes", "written_pages")
+            ],
+            pool=pool,
+            wasted=view.value("write_failed_bytes", pool=pool),
+            wasted_rate=view.rate("write_failed_bytes", pool=pool),
+        )
+    ]
+
+
+def fleet(views: Sequence[View]) -> list[Finding]:
+    if len(views) < 2:
+        return []
+    s = J.SETTINGS
+    written = {v.instance: v.value("written_pages") for v in views}
+    redundant = {v.instance: v.value("redundant_written_pages") for v in views}
+    total_w, total_r = sum(written.values()), sum(redundant.values())
+    share = _ratio(total_r, total_w)
+    writers = sum(1 for w in written.values() if w > 0)
+    # What the routing costs, per instance.  Below its cap (no eviction) a cache
+    # forgets nothing it stored, so its redundant pages that were not believed when
+    # written came from elsewhere: another instance (or a previous process).  At
+    # its cap that cannot be told apart from its own forgotten pages: there only
+    # the cause series' other_instance pages count, an estimate both ways: a page
+    # another instance stored may be classified below_prefetch_threshold or
+    # prefetch_shortfall first (missed), and an own page whose eviction the
+    # miss-reason memory forgot is other_instance too (over-counted).
+    cost_bytes = 0.0
+    cost_rate: float | None = 0.0
+    ev: list[Evidence] = []
+    methods: set[str] = set()
+    for v in views:
+        r, b = v.value("redundant_written_pages"), v.value("redundant_believed_pages")
+        per_page = _ratio(v.value("redundant_written_bytes"), r)
+        rate: float | None = 0.0
+        ev += [
+            evidence(v, n)
+            for n in (
+                "written_pages",
+                "redundant_written_pages",
+                "redundant_believed_pages",
+                "evictions",
+            )
+        ]
+        if v.value("evictions") == 0:
+            methods.add("not believed below the cap")
+            pages = max(0.0, r - b)
+            r_rate, b_rate = v.rate("redundant_written_pages"), v.rate("redundant_believed_pages")
+            rate = None if r_rate is None or b_rate is None else max(0.0, r_rate - b_rate)
+        elif v.has("redundant_cause_pages"):
+            methods.add("other_instance at the cap")
+            pages = v.value("redundant_cause_pages", cause="other_instance")
+            rate = v.rate("redundant_cause_pages", cause="other_instance")
+            ev.append(evidence(v, "redundant_cause_pages", cause="other_instance"))
+        else:
+            methods.add("none counted at the cap without the cause series")
+            pages = 0.0
+        cost_bytes += pages * per_page
+        cost_rate = None if cost_rate is None or rate is None else cost_rate + rate * per_page
+        ev.append(Evidence(v.instance, "share of the fleet's redundant pages", _ratio(r, total_r)))
+    j = J.FLEET_REDUNDANT
+    high = j.exceeds(total_r, total_w) and writers > 1
+    shares = ", ".join(
+        f"{name} {_pct(_ratio(redundant[name], total_r))}" for name in sorted(redundant)
+    )
+    n = len(views)
+    lopsided = [
+        name
+        for name in redundant
+        if total_r > 0 and redundant[name] / total_r > min(s.lopsided_share, 2 / n)
+    ]
+    fixes = list(j.fix)
+    if lopsided:
+        fixes.append(
+            f"{', '.join(sorted(lopsided))} writes far more than 1/{n} of the redundant pages: "
+            "its beliefs were emptied (a restart, /flush_cache) or its cap is smaller"
+        )
+    return [
+        finding(
+            j,
+            j.severity_if(high),
+            None,
+            f"fleet of {n}: {_n(total_r)} of {_n(total_w)} written pages ({_pct(share)}) were "
+            f"already in L3; share of the redundant pages: {shares}; the routing costs "
+            f"{human_bytes(cost_bytes)} ({'; '.join(sorted(methods))})",
+            ev,
+            fixes,
+            wasted=cost_bytes,
+            wasted_rate=cost_rate,
+        )
+    ]
+
+
+def bytes_per_token(view: View) -> float | None:
+    """L3 bytes per token this instance writes: the package's acknowledged bytes over
+    SGLang's backed-up tokens, counted at the same storage ack (docs/metrics.md)."""
+    tokens = view.value(SGLANG_BACKUPED)
+    acked = view.value("write_acknowledged_bytes") + view.value("write_failed_bytes")
+    if tokens > 0 and acked > 0:
+        return acked / tokens
+    return None
