@@ -283,6 +283,29 @@ class RecorderSection:
 
 
 @dataclass(frozen=True)
+class EventsSection:
+    """Storage-tier KV events for routers and KV indexers (docs/kv-events.md):
+    ``BlockStored`` when L3 acknowledges a write, ``BlockRemoved`` only when a
+    verdict proves a page absent, in SGLang's ``KVEventBatch`` format.  Published
+    by TP and PP rank 0 of each DP replica."""
+
+    #: Publish the events (opt-in).
+    enabled: bool = False
+    #: ZeroMQ PUB endpoint of the package's own publisher, bound when SGLang runs
+    #: without ``--kv-events-config`` (with it, SGLang's own publisher carries the
+    #: events); the port is offset by the DP rank, as SGLang offsets its own.
+    endpoint: str = "tcp://127.0.0.1:5560"
+    #: ``auto``: ``DISK`` for the file backend, ``EXTERNAL`` for every other one.
+    medium: Literal["auto", "DISK", "EXTERNAL"] = "auto"
+    #: Event lists waiting for the publisher thread at most; beyond it events are
+    #: dropped and counted, never waited for.
+    queue_size: int = 4096
+    #: Published blocks remembered (for "once until removed" and for removals);
+    #: the oldest confirmed are forgotten first.
+    max_blocks: int = 1 << 20
+
+
+@dataclass(frozen=True)
 class LoggingSection:
     """The package's own log events (the ``hicache_existence`` loggers), in the
     SGLang processes it runs in and in the ``hicache-existence`` command line."""
@@ -308,6 +331,7 @@ class Config:
     advisor: AdvisorSection = field(default_factory=AdvisorSection)
     cache_mode: CacheModeSection = field(default_factory=CacheModeSection)
     recorder: RecorderSection = field(default_factory=RecorderSection)
+    events: EventsSection = field(default_factory=EventsSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     # -- construction --------------------------------------------------------
@@ -506,6 +530,8 @@ _POSITIVE = {
     "reconciler.write_batch",
     "advisor.max_sampled_pages",
     "recorder.queue_records",
+    "events.queue_size",
+    "events.max_blocks",
 }
 _NON_NEGATIVE = {
     "metrics.port",
@@ -557,5 +583,7 @@ def _check_ranges(obj: Any, prefix: str) -> None:
                 )
         if not obj.path:
             raise ConfigError("recorder.path must not be empty")
+    if prefix == "events." and not obj.endpoint:
+        raise ConfigError("events.endpoint must not be empty")
     if prefix == "metrics." and obj.port > 65535:
         raise ConfigError(f"metrics.port must be <= 65535, got {obj.port}")

@@ -33,6 +33,7 @@ from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.observers import BeliefObserver, Tee
+from hicache_existence.events import emitter as _events
 from hicache_existence.exporters import FeatureSources, Telemetry
 from hicache_existence.exporters.catalog import DeploymentLabels
 from hicache_existence.exporters.otel import SPAN_DIVERGENCE_CHECK, span
@@ -83,6 +84,7 @@ class ExistenceRuntime:
         host_mode: tuple[str, str, bool | str] = ("buffer_only", "", False),
         instance: str | None = None,
         count_writes: bool = True,
+        events: _events.Placement | None = None,
     ) -> None:
         self.config = config = config or Config()
         if generation not in ("current", "flat"):
@@ -137,6 +139,23 @@ class ExistenceRuntime:
                 config.reconciler, self.cache, truth, agreement
             )
             self.tee.append(self.reconciler)
+        #: Storage-tier KV events (``events``; ``None``: off, or not this rank's to
+        #: publish; default placement: TP and PP rank 0, the package's own publisher).
+        self.events = _events.from_config(
+            config.events,
+            events
+            or _events.Placement(
+                self.labels.tp_rank == 0 and self.labels.pp_rank == 0,
+                self.labels.dp_rank,
+                self.labels.storage_backend,
+            ),
+        )
+        if self.events is not None:
+            self.tee.append(self.events)
+            reconciler = self.reconciler
+            if reconciler is not None:
+                reconciler.verdict_observer = self.events.verified
+                self.events.source = lambda: "reconciler" if reconciler.applying else "hit_query"
 
         self._check_interval = config.divergence.interval_steps
         if group is None:
@@ -165,6 +184,7 @@ class ExistenceRuntime:
                 advisor=self._advice if self.advisor is not None else None,
                 mode=lambda: host_mode,
                 recorder=self.recorder.snapshot if self.recorder is not None else None,
+                events=self.events.snapshot if self.events is not None else None,
             ),
         )
 
@@ -174,6 +194,8 @@ class ExistenceRuntime:
         and log the configuration."""
         if self.recorder is not None:
             self.recorder.start()
+        if self.events is not None:
+            self.events.start()
         self.telemetry.start()
         return self
 
@@ -184,6 +206,8 @@ class ExistenceRuntime:
             self.reconciler.close()
         if self.recorder is not None:
             self.recorder.close()
+        if self.events is not None:
+            self.events.close()
         self.telemetry.close()
 
     def __enter__(self) -> ExistenceRuntime:

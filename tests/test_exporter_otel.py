@@ -117,7 +117,12 @@ def test_every_family_but_histograms_is_an_instrument_and_the_doc_says_so():
         raise AssertionError("collected")
 
     sources = FeatureSources(
-        divergence=unused, reconciler=unused, advisor=unused, mode=unused, recorder=unused
+        divergence=unused,
+        reconciler=unused,
+        advisor=unused,
+        mode=unused,
+        recorder=unused,
+        events=unused,
     )
     cache = he.StorageExistenceCache(10)
     reader = SeriesReader(cache, features=sources)

@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     "exporters.": 3,
     "replay.": 3,
     "doctor.": 3,  # the doctor's parser, diagnosis and HTTP reads (reads the catalog)
+    "events.": 3,  # storage-tier KV events: read the write path's acks and the verdicts
     # wiring: one process's runtime and the integrations that build it
     "runtime": 4,
     "integrations.": 4,
@@ -67,6 +68,7 @@ ALLOWED_THIRD_PARTY: dict[str, tuple[str, ...]] = {
     # runtime import path: only the `bench` command reaches them.
     "hicache_existence_bench": ("commands.bench",),
     "matplotlib": ("replay.",),
+    "zmq": ("events.zmq_sink",),
 }
 
 

@@ -496,3 +496,47 @@ def test_every_hook_has_a_docstring() -> None:
     for h in wh.HOOKS:
         fn = h.bound(_any_target)
         assert fn.__doc__ and fn.__doc__.strip(), h.target
+
+
+def test_storage_tier_events_only_at_the_ack_and_only_for_stored_pages(feed_of) -> None:
+    """KV events: nothing at the launch; at the storage ack, BlockStored for the
+    leading pages this rank's backend stored (2 of 3 here), with their tokens."""
+    from hicache_existence.events.emitter import KvEvents
+    from hicache_existence.events.wire import Stored, block_hash
+
+    sent: list[Any] = []
+    sink = NS(send=lambda ts, events: sent.extend(events), close=lambda: None)
+    events = KvEvents(lambda: sink, medium="DISK")  # type: ignore[arg-type,return-value]
+    assert events.start()
+    cache = StorageExistenceCache(64)
+    feed = feed_of(cache, "current")
+    feed.events = events
+    p = pipeline(cache, {"kv": host(256, 4)})
+    a = pages("e", 3)
+    key = NS(token_ids=list(range(12)), extra_key=None, cache_salt=None, is_bigram=False)
+    snapshot = NS(hash_values=a, key=key, parent_is_root=True, parent_last_hash=None)
+    intent = NS(pool="kv", keys=a, snapshot=snapshot)
+    after_stage_backup_intent(True, p, intent, None, [], {"kv": a})
+    operation = NS(id=12, hash_value=a, completed_tokens=0, pool_transfers=None)
+
+    def page_backup(controller: Any, op: NS) -> None:
+        op.completed_tokens = 2 * controller.page_size  # the third page failed
+
+    worker = threading.Thread(
+        target=around_page_backup, args=(page_backup, p._cache.cache_controller, operation)
+    )
+    worker.start()
+    worker.join()
+    events.close()
+    assert sent == []  # launched and written, not acknowledged
+    events = KvEvents(lambda: sink, medium="DISK")  # type: ignore[arg-type,return-value]
+    assert events.start()
+    feed.events = events
+    p.ongoing_backup[12] = NS(intent=intent, keys_by_pool={"kv": a})
+    around_storage_write_ack(lambda pipe, op_id: pipe.ongoing_backup.pop(op_id), p, 12)
+    events.close()
+    (event,) = sent
+    assert isinstance(event, Stored)
+    assert event.block_hashes == (block_hash(a[0]), block_hash(a[1]))
+    assert event.token_ids == tuple(range(8)) and event.parent_block_hash is None
+    assert feed.errors == 0

@@ -295,7 +295,7 @@ BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 # feature metrics: TP-divergence checks, the reconciler, the capacity advisor, the recorder
 
 FeatureKind = Literal["counter", "gauge", "histogram"]
-FeatureSource = Literal["mode", "divergence", "reconciler", "advisor", "recorder"]
+FeatureSource = Literal["mode", "divergence", "reconciler", "advisor", "recorder", "events"]
 
 
 @dataclass(frozen=True)
@@ -551,6 +551,49 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "recorder",
         "Bytes this instance's trace files take on disk now (bounded by recorder.max_bytes).",
         "By",
+    ),
+    _f(
+        "events_published_blocks",
+        "counter",
+        "events",
+        "Storage-tier KV event blocks published (events.enabled; docs/kv-events.md): stored "
+        "(BlockStored at an L3 acknowledgement) or removed (BlockRemoved on a verified absence).",
+        "{block}",
+        ("kind",),
+    ),
+    _f(
+        "events_dropped_blocks",
+        "counter",
+        "events",
+        "Storage-tier KV event blocks not published: queue_full (the publisher thread fell "
+        "behind; the scheduler never waits) or send_error (the socket refused the batch).",
+        "{block}",
+        ("reason",),
+    ),
+    _f(
+        "events_removals",
+        "counter",
+        "events",
+        "Published blocks removed, by the verdict that proved them absent: reconciler (a "
+        "ground-truth query) or hit_query (a prefetch hit query found fewer pages).",
+        "{block}",
+        ("source",),
+    ),
+    _f(
+        "events_unknown_blocks",
+        "counter",
+        "events",
+        "L3-acknowledged pages published as no event: their block hash, parent or tokens "
+        "are not the ones SGLang's own events carry (a namespaced or bigram key).",
+        "{block}",
+    ),
+    _f(
+        "events_oldest_unverified_store_seconds",
+        "gauge",
+        "events",
+        "Seconds since the least recently confirmed published block was last confirmed "
+        "present in L3 (by its acknowledgement, a hit query or a reconciler verdict).",
+        "s",
     ),
 )
 

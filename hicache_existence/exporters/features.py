@@ -37,6 +37,8 @@ class FeatureSources:
     mode: Callable[[], tuple[str, str, bool | str]] | None = None
     #: The trace recorder's counters (``Recorder.snapshot``).
     recorder: Callable[[], Any] | None = None
+    #: The storage-tier KV events' counters (``KvEvents.snapshot``).
+    events: Callable[[], Any] | None = None
 
     def specs(self) -> tuple[FeatureSpec, ...]:
         """The feature metric families these sources export."""
@@ -46,6 +48,7 @@ class FeatureSources:
             "reconciler": self.reconciler is not None,
             "advisor": self.advisor is not None,
             "recorder": self.recorder is not None,
+            "events": self.events is not None,
         }
         return tuple(spec for spec in FEATURE_CATALOG if on[spec.source])
 
@@ -69,6 +72,8 @@ def sample_features(
         _advisor(scalars, sources.advisor(), label)
     if sources.recorder is not None:
         _recorder(scalars, sources.recorder())
+    if sources.events is not None:
+        _events(scalars, sources.events())
     return scalars, histograms
 
 
@@ -158,3 +163,11 @@ def _recorder(out: FeatureSamples, snap: Any) -> None:
     out[_name("recorder_dropped_records")] = {(str(k),): float(n) for k, n in snap.dropped.items()}
     out[_name("recorder_written_bytes")] = {(): float(snap.written_bytes)}
     out[_name("recorder_disk_bytes")] = {(): float(snap.disk_bytes)}
+
+
+def _events(out: FeatureSamples, snap: Any) -> None:
+    out[_name("events_published_blocks")] = {(k,): float(n) for k, n in snap.published.items()}
+    out[_name("events_dropped_blocks")] = {(k,): float(n) for k, n in snap.dropped.items()}
+    out[_name("events_removals")] = {(k,): float(n) for k, n in snap.removals.items()}
+    out[_name("events_unknown_blocks")] = {(): float(snap.unknown)}
+    out[_name("events_oldest_unverified_store_seconds")] = {(): float(snap.oldest_unverified_s)}

@@ -293,6 +293,9 @@ class Reconciler:
         #: In-flight pages the cache does not track (seed generation): the
         #: integration sets it to the write pipeline's in-flight set.
         self.inflight_cover: InflightCover | None = inflight_cover
+        #: Told every applied verdict, ``(pool, chain, leading)``: ``chain[:leading]``
+        #: was found in L3 (the storage-tier KV events' verification time).
+        self.verdict_observer: Callable[[str, Sequence[str], int], None] | None = None
 
         self.counters = ReconcilerCounters()
         self._lock = threading.Lock()  # guards a query's state hand-off
@@ -551,10 +554,19 @@ class Reconciler:
         self._admit(min(admit, self._tokens_milli // 1000))
         self.counters.outstanding = len(self._outstanding)
 
+    @property
+    def applying(self) -> bool:
+        """Whether verdicts are being applied now (an invalidation seen meanwhile
+        is the reconciler's, not a prefetch hit query's)."""
+        return self._applying
+
     def _apply_verdict(self, q: _Query, leading: int, trusted: bool) -> None:
         pool, chain = q.pool, q.chain
         c = self.counters
         target = self._target
+        observer = self.verdict_observer
+        if observer is not None:
+            observer(pool, chain, leading)
         if leading < len(chain) and trusted:
             doomed = self._not_written_since(q, leading)
             if doomed is None:

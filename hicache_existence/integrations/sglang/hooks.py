@@ -45,6 +45,7 @@ from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
+from hicache_existence.integrations.sglang import kv_events as _kv_events
 from hicache_existence.integrations.sglang import targets as _targets
 from hicache_existence.integrations.sglang import upstream_overlap as _overlap
 from hicache_existence.integrations.sglang import write_path as _write_path
@@ -94,6 +95,7 @@ class ProcessEntry:
             remembers=remembers_of(runtime),
         )
         self.write_path.attach_recorder(runtime.recorder)
+        self.write_path.events = runtime.events
         if runtime.reconciler is not None and runtime.generation == "flat":
             # The seed cache keeps no in-flight refs; the pipeline (buffer mode)
             # or the cache-mode write path does.
@@ -336,6 +338,13 @@ def build_entry(
         ),
         instance=instance_name(socket.gethostname(), facts.port, labels.as_dict()),
         count_writes=("cache" if facts.cache_mode else "buffer") not in uncounted_modes(),
+        events=(
+            _kv_events.placement(
+                facts.storage_backend, (facts.tp_rank, facts.pp_rank, facts.dp_rank)
+            )
+            if config.events.enabled
+            else None
+        ),
     )
     if runtime.recorder is not None:
         runtime.recorder.set_page_size(facts.page_size)

@@ -38,6 +38,7 @@ from hicache_existence.core import lru as _lru
 from hicache_existence.integrations.sglang import conformance as _conformance
 from hicache_existence.integrations.sglang import flags as _flags
 from hicache_existence.integrations.sglang import hooks as _hooks
+from hicache_existence.integrations.sglang import kv_events as _kv_events
 from hicache_existence.integrations.sglang import recorder_hooks as _recorder_hooks
 from hicache_existence.integrations.sglang import targets as _targets
 from hicache_existence.integrations.sglang import write_hooks as _write_hooks
@@ -197,6 +198,10 @@ def register_cache_hooks(
         report["recorder_hooks"] = _recorder_hooks.register(registry, hook_type, _targets.resolve)
     except Exception as exc:  # the recorder then has no request boundaries
         _warn(report, f"recorder hook not registered ({exc!r}); traces have no request boundaries")
+    try:  # inert: it keeps a reference; events.enabled may come from a flag, read later
+        report["events_hooks"] = _kv_events.register(registry, hook_type, _targets.resolve)
+    except Exception as exc:  # storage-tier events then cannot join SGLang's stream
+        _warn(report, f"KV events hook not registered ({exc!r}); SGLang's stream lacks them")
     report["cache"] = True
     report["generation"] = generation
     logger.info(

@@ -47,6 +47,8 @@ from typing import Any
 from hicache_existence.accounting.causes import CauseTracker, Remembers
 from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.events.emitter import KvEvents
+from hicache_existence.integrations.sglang import kv_events
 from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites, WritePlan
 from hicache_existence.integrations.sglang.process import PROCESS
 
@@ -128,6 +130,8 @@ class WritePath:
         )
         #: The trace recorder (``attach_recorder``; ``None``: not recording).
         self.recorder: Recorder | None = None
+        #: Storage-tier KV events (``None``: off, or another rank publishes).
+        self.events: KvEvents | None = None
         #: The controller whose backup thread writes this cache's pages (first launch).
         self.controller: Any = None
         #: The pipeline of the first launch (its in-flight set, seed generation).
@@ -362,6 +366,8 @@ class WritePath:
                     self.writes.redundant_cause(name, cause, n)
             if name == "kv":  # buffer mode keeps no node record (no host copy to lose)
                 self.causes.stored(None, keys)
+                if self.events is not None:  # the stored pages, leading ones (end_backup)
+                    kv_events.feed(self.events, entry.intent, keys, stored)
 
     # -- cache mode ------------------------------------------------------------------------
     def plan_cache_write(

@@ -1,0 +1,388 @@
+"""Verified L3 residency as KV events: stores at the ack, removals only when verified.
+
+Routers and KV indexers score instances by the blocks each tier holds, from the
+events engines publish; SGLang publishes the device and host tiers only.  This
+emitter publishes the storage tier from what the package already knows:
+
+* **``BlockStored`` at the ack.**  ``stored(blocks)`` is called by the write path
+  when the storage drain acknowledges a write, with the pages this rank's backend
+  stored (never at launch, never for a page only believed).  A block is published
+  once until it is removed; an acknowledgement of a block already published
+  refreshes its verification time only.  A page whose block hash, parent or tokens
+  the write path cannot give as SGLang's own events would (a namespaced or bigram
+  key) is counted (``unknown``), not published.
+* **``BlockRemoved`` only when absence is verified.**  The emitter observes the
+  cache (``BeliefObserver``): ``invalidate_beyond(chain, keep)`` is only ever
+  called on a verdict (a reconciler query or a prefetch hit query that found
+  ``chain[keep]`` missing), and every page past it is unreachable by a prefix
+  lookup, since a page hash chains its whole prefix.  Published blocks among
+  ``chain[keep:]`` are removed, by source.  The LRU forgetting a belief (an
+  eviction inside ``add``) and ``clear`` say nothing about L3: no event.
+* **Off the scheduler thread.**  The scheduler thread only updates a dict and puts
+  one list of events per call on a bounded queue; a full queue drops the events
+  and counts them, never blocks.  A publisher thread encodes and sends
+  (``Sink``: the package's own ZeroMQ publisher, or SGLang's, see
+  ``integrations/sglang/kv_events.py``).
+* **Verification age.**  Each published block carries the time it was last
+  confirmed present (its ack, a hit query or a reconciler verdict that reached
+  past it); ``oldest_unverified_s`` is the age of the least recently confirmed.
+
+Nothing here raises into the cache: a failure is counted (``errors``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from hicache_existence.events.wire import Event, Removed, Stored, block_hash
+
+if TYPE_CHECKING:
+    from hicache_existence.config import EventsSection
+
+logger = logging.getLogger(__name__)
+
+#: Removal sources (label ``source``).
+REMOVAL_SOURCES = ("reconciler", "hit_query")
+#: Published kinds (label ``kind``).
+KINDS = ("stored", "removed")
+#: Drop reasons (label ``reason``).
+DROP_REASONS = ("queue_full", "send_error")
+#: The pool whose pages are KV blocks (the other pools have no block events).
+KV = "kv"
+
+#: One acknowledged page: (page hash, parent page hash or None at the root, tokens).
+Block = tuple[str, "str | None", Sequence[int]]
+
+
+class Sink(Protocol):
+    """Where encoded batches go (on the publisher thread)."""
+
+    def send(self, ts: float, events: Sequence[Event]) -> None:
+        """Publish one batch; raise on failure (counted as ``send_error``)."""
+
+    def close(self) -> None:
+        """Release the socket."""
+
+
+@dataclass(frozen=True)
+class EventsSnapshot:
+    """The emitter's counters (exported as metrics)."""
+
+    #: Blocks published, by kind (``stored``, ``removed``).
+    published: dict[str, int]
+    #: Blocks dropped, by reason.
+    dropped: dict[str, int]
+    #: Blocks removed, by the verdict's source.
+    removals: dict[str, int]
+    #: Acknowledged pages not published: their block hash is not known.
+    unknown: int
+    #: Seconds since the least recently confirmed published block was confirmed.
+    oldest_unverified_s: float
+    #: Blocks published and not removed (bounded by ``max_blocks``).
+    blocks: int
+    errors: int
+
+
+class KvEvents:
+    """The storage tier's KV events of one publishing scheduler (module docstring)."""
+
+    def __init__(
+        self,
+        sink: Callable[[], Sink | None],
+        *,
+        medium: str,
+        queue_size: int = 4096,
+        max_blocks: int = 1 << 20,
+        source: Callable[[], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        if queue_size < 1 or max_blocks < 1:
+            raise ValueError("queue_size and max_blocks must be >= 1")
+        self._open = sink
+        self.medium = medium
+        self._max = max_blocks
+        #: Names the source of the verdict behind an invalidation (the runtime
+        #: sets it: ``reconciler`` while the reconciler applies its verdicts).
+        self.source: Callable[[], str] = source or (lambda: "hit_query")
+        self._clock = clock
+        self._wall = wall
+        #: page hash -> when it was last confirmed present (clock), oldest first.
+        self._published: OrderedDict[str, float] = OrderedDict()
+        self._queue: queue.Queue[list[Event] | None] = queue.Queue(maxsize=queue_size)
+        self.published = dict.fromkeys(KINDS, 0)
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self.removals = dict.fromkeys(REMOVAL_SOURCES, 0)
+        self.unknown = 0
+        self.errors = 0
+        self._oldest = 0.0
+        self._sink: Sink | None = None
+        self._thread: threading.Thread | None = None
+        self.running = False
+
+    # -- life cycle ------------------------------------------------------------
+    def start(self) -> bool:
+        """Open the sink and start the publisher thread; False (and no events
+        from then on) when the sink cannot be opened (its factory warned)."""
+        try:
+            self._sink = self._open()
+        except Exception as exc:
+            logger.warning("hicache-existence: KV events off: publisher failed (%r)", exc)
+            self._sink = None
+        if self._sink is None:
+            return False
+        self.running = True
+        self._thread = threading.Thread(
+            target=self._run, name="hicache-existence-kv-events", daemon=True
+        )
+        self._thread.start()
+        return True
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Send what is queued (up to ``timeout_s``), stop the thread, close the sink."""
+        if not self.running:
+            return
+        self.running = False
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self._sink is not None:
+            try:
+                self._sink.close()
+            except Exception:
+                logger.debug("KV event sink close failed", exc_info=True)
+
+    # -- the write path (scheduler thread) --------------------------------------
+    def stored(self, blocks: Sequence[Block]) -> None:
+        """L3 acknowledged these pages (this rank's backend stored them), in chain
+        order: publish those not published since their last removal."""
+        if not self.running:
+            return
+        try:
+            now = self._clock()
+            published = self._published
+            events: list[Event] = []
+            run: list[int] = []
+            tokens: list[int] = []
+            parent: int | None = None
+            size = 0
+            last: str | None = None
+            for page, parent_page, page_tokens in blocks:
+                if page in published:
+                    published[page] = now
+                    published.move_to_end(page)
+                    continue
+                published[page] = now
+                h = block_hash(page)
+                if run and parent_page == last and len(page_tokens) == size:
+                    run.append(h)
+                    tokens.extend(page_tokens)
+                else:
+                    if run:
+                        events.append(Stored(tuple(run), parent, tuple(tokens), size, self.medium))
+                    run, tokens, size = [h], list(page_tokens), len(page_tokens)
+                    parent = block_hash(parent_page) if parent_page is not None else None
+                last = page
+            if run:
+                events.append(Stored(tuple(run), parent, tuple(tokens), size, self.medium))
+            while len(published) > self._max:
+                published.popitem(last=False)
+            self._put(events)
+        except Exception as exc:
+            self._error(exc)
+
+    def unknown_pages(self, n: int) -> None:
+        """``n`` acknowledged pages whose block hash is not known (no event)."""
+        self.unknown += n
+
+    # -- BeliefObserver (the cache's operation stream, scheduler thread) ----------
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        """Beliefs added: not an L3 acknowledgement by itself (``stored`` is)."""
+
+    def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+        """A lookup: says nothing about L3."""
+
+    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
+        """A write launched or retired: not an acknowledgement."""
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        """The beliefs were reset: L3 itself is unchanged, nothing is removed."""
+
+    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
+        """A verdict: ``hashes[keep_pages]`` is missing from L3, the pages past it
+        are unreachable; ``hashes[:keep_pages]`` were found."""
+        if not self.running or pool != KV:
+            return
+        try:
+            published = self._published
+            now = self._clock()
+            for page in hashes[:keep_pages]:
+                if page in published:
+                    published[page] = now
+                    published.move_to_end(page)
+            gone = [block_hash(p) for p in hashes[keep_pages:] if published.pop(p, None)]
+            if gone:
+                source = self.source()
+                self.removals[source] = self.removals.get(source, 0) + len(gone)
+                self._put([Removed(tuple(gone), self.medium)])
+        except Exception as exc:
+            self._error(exc)
+
+    def verified(self, pool: str, chain: Sequence[str], leading: int) -> None:
+        """A reconciler verdict found ``chain[:leading]`` in L3 (its absences come
+        through ``invalidated``)."""
+        if not self.running or pool != KV:
+            return
+        try:
+            published = self._published
+            now = self._clock()
+            for page in chain[:leading]:
+                if page in published:
+                    published[page] = now
+                    published.move_to_end(page)
+        except Exception as exc:
+            self._error(exc)
+
+    # -- internals -----------------------------------------------------------------
+    def _put(self, events: list[Event]) -> None:
+        if not events:
+            return
+        try:
+            self._queue.put_nowait(events)
+        except queue.Full:
+            self.dropped["queue_full"] += _blocks(events)
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            try:
+                item = get(timeout=0.5)
+            except queue.Empty:
+                if not self.running:
+                    return
+                continue
+            batch: list[Event] = []
+            done = item is None
+            if item is not None:
+                batch.extend(item)
+            while not done and len(batch) < 1024:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    done = True
+                else:
+                    batch.extend(more)
+            if batch:
+                self._send(batch)
+            if done:
+                return
+
+    def _send(self, batch: list[Event]) -> None:
+        sink = self._sink
+        try:
+            assert sink is not None
+            sink.send(self._wall(), batch)
+        except Exception as exc:
+            self.dropped["send_error"] += _blocks(batch)
+            if self.dropped["send_error"] == _blocks(batch):
+                logger.warning("hicache-existence: a KV event batch was not sent (%r)", exc)
+            return
+        for event in batch:
+            kind = "stored" if isinstance(event, Stored) else "removed"
+            self.published[kind] += len(event.block_hashes)
+
+    def _error(self, exc: BaseException) -> None:
+        self.errors += 1
+        if self.errors <= 3:
+            logger.warning("hicache-existence: KV events skipped an update: %r", exc)
+
+    def snapshot(self) -> EventsSnapshot:
+        """Counters now (any thread)."""
+        try:
+            first = next(iter(self._published.values()), None)
+            self._oldest = 0.0 if first is None else max(0.0, self._clock() - first)
+        except RuntimeError:  # mutated while read: the last value stands
+            pass
+        return EventsSnapshot(
+            dict(self.published),
+            dict(self.dropped),
+            dict(self.removals),
+            self.unknown,
+            self._oldest,
+            len(self._published),
+            self.errors,
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process's events go: whether it publishes (one scheduler per
+    KV cache: TP and PP rank 0), the DP rank tagged on its batches, the storage
+    backend (for ``medium: auto``) and the sink (``None``: the package's own
+    ZeroMQ publisher at ``events.endpoint``)."""
+
+    publishes: bool
+    dp_rank: int = 0
+    backend: str = ""
+    sink: Callable[[], Sink | None] | None = None
+
+
+def medium_for(setting: str, backend: str) -> str:
+    """``events.medium`` resolved: ``auto`` gives ``DISK`` to the file backend
+    (pages are files on a file system this host mounts) and ``EXTERNAL`` to every
+    other one (Mooncake, 3FS, NIXL, dynamic: a pool shared over the network)."""
+    if setting != "auto":
+        return setting
+    return "DISK" if backend == "file" else "EXTERNAL"
+
+
+def from_config(section: EventsSection, placement: Placement) -> KvEvents | None:
+    """The emitter this process runs, or ``None`` (events off, or a rank whose
+    replica's events another rank publishes)."""
+    if not section.enabled or not placement.publishes:
+        return None
+    sink = placement.sink
+    if sink is None:
+        endpoint, dp_rank = section.endpoint, placement.dp_rank
+
+        def own() -> Sink | None:
+            from hicache_existence.events.zmq_sink import ZmqSink
+
+            return ZmqSink.open(endpoint, dp_rank=dp_rank)
+
+        sink = own
+    return KvEvents(
+        sink,
+        medium=medium_for(section.medium, placement.backend),
+        queue_size=section.queue_size,
+        max_blocks=section.max_blocks,
+    )
+
+
+def _blocks(events: Sequence[Event]) -> int:
+    return sum(len(e.block_hashes) for e in events)
+
+
+__all__ = [
+    "DROP_REASONS",
+    "KINDS",
+    "REMOVAL_SOURCES",
+    "Block",
+    "EventsSnapshot",
+    "KvEvents",
+    "Placement",
+    "Sink",
+    "from_config",
+    "medium_for",
+]

@@ -1,0 +1,163 @@
+"""The KV-event wire format routers already read, written without a third-party codec.
+
+SGLang's ``--kv-events-config`` publisher (and vLLM's, which Dynamo decodes with the
+same code path) sends each batch as a ZeroMQ multipart message ``(topic, seq,
+payload)``: ``seq`` an 8-byte big-endian counter, ``payload`` a msgpack array
+``[ts, events, dp_rank]``.  Every event is a msgpack map tagged by its class name
+under ``"type"`` whose other keys are its field names; a field with a default is
+left out while it holds that default, the others are always present.  The events
+are ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
+``block_size``, ``lora_id`` and here ``medium``), ``BlockRemoved``
+(``block_hashes``, ``medium``) and ``AllBlocksCleared``.
+
+This module writes that format from plain values: the package's runtime path has no
+msgpack dependency, and the encoding is checked against SGLang's own classes, which
+decode it (``tests/test_events_sglang.py``).  Only the msgpack types the events
+use are written: nil, booleans, 64-bit integers, float64, UTF-8 strings, arrays
+and string-keyed maps.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: The storage media of SGLang's ``StorageMedium`` for the L3 tier.
+MEDIA = ("DISK", "EXTERNAL")
+
+_INT64_MIN = -(1 << 63)
+_UINT64_MAX = (1 << 64) - 1
+
+
+def block_hash(page: str) -> int:
+    """The event block hash of an SGLang page hash (64 hex digits): its first 64
+    bits as a signed integer, as SGLang's own events derive it from the same
+    page hash (``hash_str_to_int64``)."""
+    value = int(page[:16], 16)
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One ``BlockStored``: a run of blocks, each the child of the one before."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str
+
+
+@dataclass(frozen=True)
+class Removed:
+    """One ``BlockRemoved``."""
+
+    block_hashes: tuple[int, ...]
+    medium: str
+
+
+Event = Stored | Removed
+
+
+def event_map(event: Event) -> dict[str, Any]:
+    """The tagged map of one event, in SGLang's field order."""
+    if isinstance(event, Stored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": event.medium,
+        }
+    return {
+        "type": "BlockRemoved",
+        "block_hashes": list(event.block_hashes),
+        "medium": event.medium,
+    }
+
+
+def encode_batch(ts: float, events: Sequence[Event], dp_rank: int | None) -> bytes:
+    """The msgpack payload of one ``KVEventBatch``: ``[ts, events, dp_rank]``."""
+    out = bytearray()
+    _pack([float(ts), [event_map(e) for e in events], dp_rank], out)
+    return bytes(out)
+
+
+def _pack(value: Any, out: bytearray) -> None:
+    if value is None:
+        out.append(0xC0)
+    elif value is True:
+        out.append(0xC3)
+    elif value is False:
+        out.append(0xC2)
+    elif isinstance(value, int):
+        _pack_int(value, out)
+    elif isinstance(value, float):
+        out.append(0xCB)
+        out += struct.pack(">d", value)
+    elif isinstance(value, str):
+        data = value.encode("utf-8")
+        n = len(data)
+        if n < 32:
+            out.append(0xA0 | n)
+        elif n < 1 << 8:
+            out += struct.pack(">BB", 0xD9, n)
+        elif n < 1 << 16:
+            out += struct.pack(">BH", 0xDA, n)
+        else:
+            out += struct.pack(">BI", 0xDB, n)
+        out += data
+    elif isinstance(value, (list, tuple)):
+        _header(len(value), 0x90, 0xDC, out)
+        for item in value:
+            _pack(item, out)
+    elif isinstance(value, Mapping):
+        _header(len(value), 0x80, 0xDE, out)
+        for key, item in value.items():
+            _pack(str(key), out)
+            _pack(item, out)
+    else:
+        raise TypeError(f"cannot encode {type(value).__name__} as a KV event field")
+
+
+def _header(n: int, fix: int, wide: int, out: bytearray) -> None:
+    """An array (``fix`` 0x90) or map (0x80) header of ``n`` entries."""
+    if n < 16:
+        out.append(fix | n)
+    elif n < 1 << 16:
+        out += struct.pack(">BH", wide, n)
+    else:
+        out += struct.pack(">BI", wide + 1, n)
+
+
+def _pack_int(v: int, out: bytearray) -> None:
+    if v < _INT64_MIN or v > _UINT64_MAX:
+        raise ValueError(f"integer {v} does not fit in 64 bits")
+    if 0 <= v < 0x80:
+        out.append(v)
+    elif -32 <= v < 0:
+        out.append(v & 0xFF)
+    elif v >= 0:
+        if v < 1 << 8:
+            out += struct.pack(">BB", 0xCC, v)
+        elif v < 1 << 16:
+            out += struct.pack(">BH", 0xCD, v)
+        elif v < 1 << 32:
+            out += struct.pack(">BI", 0xCE, v)
+        else:
+            out += struct.pack(">BQ", 0xCF, v)
+    elif v >= -(1 << 7):
+        out += struct.pack(">Bb", 0xD0, v)
+    elif v >= -(1 << 15):
+        out += struct.pack(">Bh", 0xD1, v)
+    elif v >= -(1 << 31):
+        out += struct.pack(">Bi", 0xD2, v)
+    else:
+        out += struct.pack(">Bq", 0xD3, v)
+
+
+__all__ = ["MEDIA", "Event", "Removed", "Stored", "block_hash", "encode_batch", "event_map"]
