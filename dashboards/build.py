@@ -114,54 +114,28 @@ def family(name: str) -> Metric:
 
 # The families the expressions below use (references into the catalog).
 QUERIES = family("queries")
-QUERY_HITS = family("query_hits")
 PAGES_CHECKED = family("pages_checked")
 PAGE_HITS = family("page_hits")
-PAGE_RESCUES = family("page_rescues")
 PAGE_MISSES = family("page_misses")
-PAGE_INSERTS = family("page_inserts")
-PAGE_REFRESHES = family("page_refreshes")
 EVICTIONS = family("evictions")
-INVALIDATIONS = family("invalidations")
-CLEARED_PAGES = family("cleared_pages")
 ENTRIES = family("entries")
 CAPACITY = family("capacity_entries")
-INFLIGHT = family("inflight_pages")
-MEMORY = family("memory_bytes")
-MISS_MEMORY = family("miss_memory_bytes")
 WRITTEN_PAGES = family("written_pages")
-WRITTEN_BYTES = family("written_bytes")
 AVOIDED_PAGES = family("write_avoided_pages")
-AVOIDED_BYTES = family("write_avoided_bytes")
 REDUNDANT_PAGES = family("redundant_written_pages")
-REDUNDANT_BYTES = family("redundant_written_bytes")
-REDUNDANT_BELIEVED = family("redundant_believed_pages")
 REDUNDANT_CAUSES = family("redundant_cause_pages")
-MODE_INFO = family("mode_info")
 DIV_CHECKS = family("divergence_checks")
-DIVERGENCES = family("divergences")
-DIV_HEALS = family("divergence_heals")
-DIV_FAILURES = family("divergence_check_failures")
-DIV_MISMATCHES = family("divergence_config_mismatches")
 #: A counter of seconds: with DIV_CHECKS it gives the mean check duration.
 DIV_SECONDS = family("divergence_check_seconds")
-DIV_LAST_STEP = family("divergence_last_check_step")
-DIV_DETECTED_STEP = family("divergence_last_detected_step")
-DIV_ACTIVE = family("divergence_active")
 REC_QUERIES = family("reconciler_queries")
 REC_STALE = family("reconciler_stale_positives")
-REC_INVALIDATED = family("reconciler_pages_invalidated")
 REC_LEARNT = family("reconciler_pages_learnt")
-REC_WITHHELD = family("reconciler_verdicts_withheld")
-REC_ERRORS = family("reconciler_errors")
 REC_CIRCUIT = family("reconciler_circuit_open")
-REC_OUTSTANDING = family("reconciler_outstanding_queries")
 REC_SECONDS = family("reconciler_query_seconds")
 # Capacity advisor: the reference-stream curve, and the lookup curve (the one to
 # size the cap by in buffer mode, docs/capacity.md).
 ADVISOR = family("advisor_estimated_hit_ratio")
 ADVISOR_LOOKUP = family("advisor_estimated_lookup_hit_ratio")
-ADVISOR_DROPPED = family("advisor_dropped_references")
 
 #: Label values the expressions rely on (one place, like the names;
 #: tests/test_dashboards.py checks them against the package's own tuples).
@@ -197,9 +171,8 @@ def names_in(expr: str) -> set[str]:
 
 # -- settings: thresholds and the runbook location ------------------------------
 
-#: Every threshold and the runbook location: ``judgements.Settings``, the one
-#: object the doctor's findings read too.
-Settings = judgements.Settings
+#: Every threshold and the runbook location: ``judgements.SETTINGS``, the one
+#: object the doctor's findings read too (the build reads it at call time).
 SETTINGS = judgements.SETTINGS
 
 # -- PromQL helpers ---------------------------------------------------------------
@@ -348,7 +321,7 @@ def rows() -> tuple[Row, ...]:
                 "Lookups (contains / contains_all / covered) that answered True over all "
                 "lookups, per pool.",
                 "percentunit",
-                (_t(_ratio(rate(QUERY_HITS), rate(QUERIES)), "{{pool}}"),),
+                (_t(_ratio(rate(family("query_hits")), rate(QUERIES)), "{{pool}}"),),
                 ratio=True,
             ),
             Panel(
@@ -369,9 +342,9 @@ def rows() -> tuple[Row, ...]:
                 "metrics.page_size_bytes is not set).",
                 "binBps",
                 (
-                    _t(rate(AVOIDED_BYTES), "{{pool}} avoided"),
-                    _t(rate(WRITTEN_BYTES), "{{pool}} written"),
-                    _t(rate(REDUNDANT_BYTES), "{{pool}} redundant"),
+                    _t(rate(family("write_avoided_bytes")), "{{pool}} avoided"),
+                    _t(rate(family("written_bytes")), "{{pool}} written"),
+                    _t(rate(family("redundant_written_bytes")), "{{pool}} redundant"),
                 ),
             ),
             Panel(
@@ -401,8 +374,11 @@ def rows() -> tuple[Row, ...]:
                 "selected ranks.",
                 "bytes",
                 (
-                    _t(f"sum by (pool) ({selector(MEMORY)})", "{{pool}} total"),
-                    _t(f"sum by (pool) ({selector(MISS_MEMORY)})", "{{pool}} miss-reason memory"),
+                    _t(f"sum by (pool) ({selector(family('memory_bytes'))})", "{{pool}} total"),
+                    _t(
+                        f"sum by (pool) ({selector(family('miss_memory_bytes'))})",
+                        "{{pool}} miss-reason memory",
+                    ),
                 ),
             ),
             Panel(
@@ -410,14 +386,14 @@ def rows() -> tuple[Row, ...]:
                 "Distinct pages with in-flight writes (D2H launched, storage ack pending), "
                 "summed over the selected ranks.",
                 "short",
-                (_t(f"sum by (pool) ({selector(INFLIGHT)})", "{{pool}}"),),
+                (_t(f"sum by (pool) ({selector(family('inflight_pages'))})", "{{pool}}"),),
             ),
             Panel(
                 "Rescues (pages/s)",
                 "Examined pages not believed but covered by an in-flight write: lookups the "
                 "in-flight refs saved from a redundant write.",
                 "ops",
-                (_t(rate(PAGE_RESCUES), "{{pool}}"),),
+                (_t(rate(family("page_rescues")), "{{pool}}"),),
             ),
             Panel(
                 "Redundant writes by cause (pages/s)",
@@ -430,7 +406,7 @@ def rows() -> tuple[Row, ...]:
                 "ops",
                 (
                     _t(rate(REDUNDANT_CAUSES, ("cause",)), "{{cause}}"),
-                    _t(rate(REDUNDANT_BELIEVED, ()), "believed (dedup would save)"),
+                    _t(rate(family("redundant_believed_pages"), ()), "believed (dedup would save)"),
                 ),
                 width=12,
             ),
@@ -443,7 +419,7 @@ def rows() -> tuple[Row, ...]:
                 (
                     _t(
                         f"count by (host_memory_mode, write_policy, cache_mode_dedup) "
-                        f"({selector(MODE_INFO)})",
+                        f"({selector(family('mode_info'))})",
                         "{{host_memory_mode}} {{write_policy}} dedup={{cache_mode_dedup}}",
                     ),
                 ),
@@ -491,8 +467,8 @@ def rows() -> tuple[Row, ...]:
                 "eviction) and pages added that were already believed (refreshes).",
                 "ops",
                 (
-                    _t(rate(PAGE_INSERTS), "{{pool}} inserts"),
-                    _t(rate(PAGE_REFRESHES), "{{pool}} refreshes"),
+                    _t(rate(family("page_inserts")), "{{pool}} inserts"),
+                    _t(rate(family("page_refreshes")), "{{pool}} refreshes"),
                 ),
                 width=12,
             ),
@@ -502,8 +478,8 @@ def rows() -> tuple[Row, ...]:
                 "by clears.",
                 "ops",
                 (
-                    _t(rate(INVALIDATIONS), "{{pool}} invalidated"),
-                    _t(rate(CLEARED_PAGES), "{{pool}} cleared"),
+                    _t(rate(family("invalidations")), "{{pool}} invalidated"),
+                    _t(rate(family("cleared_pages")), "{{pool}} cleared"),
                 ),
                 width=12,
             ),
@@ -525,8 +501,8 @@ def rows() -> tuple[Row, ...]:
                 "every rank at the same step), per interval. Any divergence pages (critical).",
                 "short",
                 (
-                    _t(increase(DIVERGENCES, ("tp_rank",)), "tp {{tp_rank}} divergences"),
-                    _t(increase(DIV_HEALS, ("tp_rank",)), "tp {{tp_rank}} heals"),
+                    _t(increase(family("divergences"), ("tp_rank",)), "tp {{tp_rank}} divergences"),
+                    _t(increase(family("divergence_heals"), ("tp_rank",)), "tp {{tp_rank}} heals"),
                 ),
             ),
             Panel(
@@ -536,7 +512,12 @@ def rows() -> tuple[Row, ...]:
                 "stopped until restart; a warning alert fires after "
                 f"{s.checks_stopped_for}).",
                 "short",
-                (_t(f"min by (tp_rank) ({selector(DIV_ACTIVE)})", "tp {{tp_rank}}"),),
+                (
+                    _t(
+                        f"min by (tp_rank) ({selector(family('divergence_active'))})",
+                        "tp {{tp_rank}}",
+                    ),
+                ),
                 type="stat",
                 mappings=(
                     {
@@ -557,10 +538,13 @@ def rows() -> tuple[Row, ...]:
                 "short",
                 (
                     _t(
-                        increase(DIV_FAILURES, ("tp_rank", "reason")),
+                        increase(family("divergence_check_failures"), ("tp_rank", "reason")),
                         "tp {{tp_rank}} {{reason}}",
                     ),
-                    _t(increase(DIV_MISMATCHES, ("tp_rank",)), "tp {{tp_rank}} config mismatch"),
+                    _t(
+                        increase(family("divergence_config_mismatches"), ("tp_rank",)),
+                        "tp {{tp_rank}} config mismatch",
+                    ),
                 ),
             ),
             Panel(
@@ -569,9 +553,12 @@ def rows() -> tuple[Row, ...]:
                 "together) and of its last detected divergence (0: none).",
                 "short",
                 (
-                    _t(f"max by (tp_rank) ({selector(DIV_LAST_STEP)})", "tp {{tp_rank}} checked"),
                     _t(
-                        f"max by (tp_rank) ({selector(DIV_DETECTED_STEP)})",
+                        f"max by (tp_rank) ({selector(family('divergence_last_check_step'))})",
+                        "tp {{tp_rank}} checked",
+                    ),
+                    _t(
+                        f"max by (tp_rank) ({selector(family('divergence_last_detected_step'))})",
                         "tp {{tp_rank}} detected",
                     ),
                 ),
@@ -628,9 +615,9 @@ def rows() -> tuple[Row, ...]:
                 "stale and the beliefs past it are kept (verifications/s, docs/reconciler.md).",
                 "ops",
                 (
-                    _t(rate(REC_INVALIDATED), "{{pool}} invalidated"),
+                    _t(rate(family("reconciler_pages_invalidated")), "{{pool}} invalidated"),
                     _t(rate(REC_LEARNT), "{{pool}} learnt"),
-                    _t(rate(REC_WITHHELD), "{{pool}} withheld"),
+                    _t(rate(family("reconciler_verdicts_withheld")), "{{pool}} withheld"),
                 ),
             ),
             Panel(
@@ -650,14 +637,19 @@ def rows() -> tuple[Row, ...]:
                 "Ground-truth errors per second by kind (connection, timeout, garbage, "
                 "ledger_empty, ...). An error is never evidence of absence.",
                 "ops",
-                (_t(rate(REC_ERRORS, ("kind",)), "{{kind}}"),),
+                (_t(rate(family("reconciler_errors"), ("kind",)), "{{kind}}"),),
                 width=6,
             ),
             Panel(
                 "Outstanding verifications",
                 "Verifications queued or in flight, per rank (bounded by reconciler.queue_size).",
                 "short",
-                (_t(f"max by (tp_rank) ({selector(REC_OUTSTANDING)})", "tp {{tp_rank}}"),),
+                (
+                    _t(
+                        f"max by (tp_rank) ({selector(family('reconciler_outstanding_queries'))})",
+                        "tp {{tp_rank}}",
+                    ),
+                ),
                 width=6,
             ),
             Panel(
@@ -773,7 +765,7 @@ def rows() -> tuple[Row, ...]:
                 "low (lower advisor.max_sampled_pages or advisor.sampling_rate, or give the "
                 "scheduler process more memory).",
                 "ops",
-                (_t(rate(ADVISOR_DROPPED, ("tp_rank",)), "tp {{tp_rank}}"),),
+                (_t(rate(family("advisor_dropped_references"), ("tp_rank",)), "tp {{tp_rank}}"),),
             ),
             Panel(
                 "Estimated lookup hit ratio now, by cap",

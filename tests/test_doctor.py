@@ -1052,14 +1052,13 @@ def test_every_package_series_the_doctor_reads_is_in_the_catalog() -> None:
                 continue
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            args = node.args[1:] if called == "evidence" else node.args[:1]
-            if called in {"value", "has", "rate", "delta", "values_by", "evidence"}:
+            args = node.args[1:2] if called in ("evidence", "evidences") else node.args[:1]
+            if called in {"value", "has", "rate", "delta", "values_by", "evidence", "evidences"}:
                 names |= {a.value for a in args if isinstance(a, ast.Constant)}
-        for node in ast.walk(tree):  # tuples of families read in a loop
-            if isinstance(node, ast.Tuple) and all(
-                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
-            ):
-                names |= {e.value for e in node.elts if e.value in fg.SERIES}
+        for node in ast.walk(tree):  # the report's headline families
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_HEADLINE":
+                names.add(str(ast.literal_eval(node.value)))
+    names = {n for text in names for n in text.split()}
     assert len(names) > 25
     for name in names:
         fg.series(name)  # raises for a name the catalog does not export

@@ -51,15 +51,8 @@ def _source(source: Mapping[str, Any], n: int) -> str:
 
 #: The families of each pool's headline line.
 _HEADLINE = (
-    "queries",
-    "pages_checked",
-    "page_hits",
-    "written_pages",
-    "written_bytes",
-    "redundant_written_pages",
-    "write_avoided_pages",
-    "entries",
-    "capacity_entries",
+    "queries pages_checked page_hits written_pages written_bytes redundant_written_pages "
+    "write_avoided_pages entries capacity_entries"
 )
 
 
@@ -78,7 +71,7 @@ def _instance(inst: InstanceReport) -> list[str]:
     if resets:
         lines.append(f"  counters went down between the reads (a restart): {len(resets)} series")
     for pool in inst.pools:
-        v = {n: view.value(n, pool=pool) for n in _HEADLINE}
+        v = {n: view.value(n, pool=pool) for n in _HEADLINE.split()}
         w, r, checked = v["written_pages"], v["redundant_written_pages"], v["pages_checked"]
         share = f" ({100 * r / w:.1f}%)" if w else ""
         hit = f" (page hits {100 * v['page_hits'] / checked:.1f}%)" if checked else ""

@@ -102,6 +102,11 @@ def evidence(view: View, name: str, **labels: str) -> Evidence:
     )
 
 
+def evidences(view: View, names: str, **labels: str) -> list[Evidence]:
+    """``evidence`` of each of the space-separated ``names``."""
+    return [evidence(view, name, **labels) for name in names.split()]
+
+
 def finding(
     j: Judgement,
     severity: Severity,
@@ -138,15 +143,8 @@ def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
     # written) are cache_mode_without_dedup's, a ticket as its alert: only the rest
     # can make this a warning, or installing cache mode would page.
     counted = max(0.0, r - believed) if mode == "cache" and dedup is False else r
-    ev = [
-        evidence(view, n, pool=pool)
-        for n in (
-            "redundant_written_pages",
-            "redundant_written_bytes",
-            "written_pages",
-            "redundant_believed_pages",
-        )
-    ]
+    names = "redundant_written_pages redundant_written_bytes written_pages redundant_believed_pages"
+    ev = evidences(view, names, pool=pool)
     causes = view.values_by("redundant_cause_pages", "cause", pool=pool)
     fixes: list[str] = []
     cause_text = ""
@@ -215,13 +213,10 @@ def dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
             f"is off; dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})",
             (
                 Evidence(view.instance, key_text((series("mode_info"), view.mode_labels())), 1.0),
-                *(
-                    evidence(view, n, pool=pool)
-                    for n in (
-                        "redundant_written_pages",
-                        "written_pages",
-                        "redundant_believed_pages",
-                    )
+                *evidences(
+                    view,
+                    "redundant_written_pages written_pages redundant_believed_pages",
+                    pool=pool,
                 ),
             ),
             pool=pool,
@@ -275,10 +270,10 @@ def cap_covering(pages: float) -> int:
     return 1 << max(0, math.ceil(pages) - 1).bit_length()
 
 
-def _cap_fixes(
+def _cap_fix(
     view: View, pool: str, curve: Mapping[float, float], cap: float, ev: list[Evidence]
-) -> tuple[list[str], bool, bool]:
-    """The cap's advice from the advisor's curve: (fixes, the curve is flat, the
+) -> tuple[str | None, bool, bool]:
+    """The cap's advice from the advisor's curve: (the fix, the curve is flat, the
     curve's range is below what the pool stored)."""
     multiple = recommended_multiple(curve)
     # The advisor's curve ends at its largest multiple: below what the pool stored it
@@ -297,14 +292,11 @@ def _cap_fixes(
             Evidence(view.instance, "distinct pages stored (written - redundant - failed)", stored)
         )
         return (
-            [
-                f"`cache.max_entries={covering}` "
-                f"(`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={covering}`): this instance stored "
-                f"{_n(stored)} distinct pages, more than the advisor's "
-                f"largest cap ({max(curve):g}x = {_n(top)} entries), so its curve says nothing "
-                f"about a cap that holds them; a cap of {covering} covers them (about 40 B per "
-                "entry per rank), then read the curve again"
-            ],
+            f"`cache.max_entries={covering}` (`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={covering}`)"
+            f": this instance stored {_n(stored)} distinct pages, more than the advisor's "
+            f"largest cap ({max(curve):g}x = {_n(top)} entries), so its curve says nothing "
+            f"about a cap that holds them; a cap of {covering} covers them (about 40 B per "
+            "entry per rank), then read the curve again",
             False,
             True,
         )
@@ -313,34 +305,27 @@ def _cap_fixes(
         now = "" if here is None else f" from {here:.3f}"
         entries = int(cap * multiple)
         return (
-            [
-                f"`cache.max_entries={entries}` ({multiple:g}x the cap): the advisor estimates "
-                f"the lookup hit ratio rises{now} to {curve[multiple]:.3f} "
-                f"(`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={entries}`); about 40 B per "
-                "entry per rank"
-            ],
+            f"`cache.max_entries={entries}` ({multiple:g}x the cap): the advisor estimates the "
+            f"lookup hit ratio rises{now} to {curve[multiple]:.3f} "
+            f"(`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={entries}`); about 40 B per entry per rank",
             False,
             False,
         )
     if multiple is not None:
         return (
-            [
-                "the advisor's curve is flat: a larger cap would not raise the hit ratio on "
-                "this traffic; leave `cache.max_entries` as it is"
-            ],
+            "the advisor's curve is flat: a larger cap would not raise the hit ratio on this "
+            "traffic; leave `cache.max_entries` as it is",
             True,
             False,
         )
     if cap > 0:
         return (
-            [
-                f"`cache.max_entries={int(cap * 2)}` (twice the cap), then read the advisor's "
-                "curve (`advisor.enabled=true`) to size it"
-            ],
+            f"`cache.max_entries={int(cap * 2)}` (twice the cap), then read the advisor's "
+            "curve (`advisor.enabled=true`) to size it",
             False,
             False,
         )
-    return [], False, False
+    return None, False, False
 
 
 def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
@@ -362,17 +347,11 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     ev = [
         evidence(view, "page_misses", pool=pool, reason="evicted"),
         evidence(view, "page_misses", pool=pool, reason="cold"),
-        *(
-            evidence(view, n, pool=pool)
-            for n in (
-                "queries",
-                "evictions",
-                "entries",
-                "capacity_entries",
-                "redundant_written_pages",
-                "redundant_believed_pages",
-                "written_pages",
-            )
+        *evidences(
+            view,
+            "queries evictions entries capacity_entries redundant_written_pages "
+            "redundant_believed_pages written_pages",
+            pool=pool,
         ),
     ]
     curve = advisor_curve(view, pool)
@@ -382,7 +361,8 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
             evidence(view, lookup, pool=pool, cap_multiplier=m)
             for m in sorted(view.values_by(lookup, "cap_multiplier", pool=pool), key=float)
         ]
-    fixes, flat, beyond = _cap_fixes(view, pool, curve, capacity, ev)
+    fix, flat, beyond = _cap_fix(view, pool, curve, capacity, ev)
+    fixes = [] if fix is None else [fix]
     cold = view.value("page_misses", pool=pool, reason="cold")
     fraction = miss_memory_fraction(view, pool)
     if at_cap and cold > evicted and fraction is not None and fraction < s.miss_memory_small:
@@ -569,10 +549,7 @@ def divergence(view: View) -> list[Finding]:
                 view,
                 f"{_n(diverged)} checks found TP replicas of the beliefs differing "
                 f"({_n(view.value('divergence_heals'))} heals)",
-                [
-                    evidence(view, n)
-                    for n in ("divergences", "divergence_heals", "divergence_checks")
-                ],
+                evidences(view, "divergences divergence_heals divergence_checks"),
             )
         )
     failures = view.values_by("divergence_check_failures", "reason")
@@ -643,7 +620,7 @@ def liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]:
                 "the existence cache is never consulted: 0 lookups while L3 is written "
                 f"({_n(backuped)} tokens by SGLang's count)",
                 [
-                    *(evidence(view, n) for n in ("queries", "page_inserts", "written_pages")),
+                    *evidences(view, "queries page_inserts written_pages"),
                     evidence(view, SGLANG_BACKUPED),
                 ],
             )
@@ -682,10 +659,7 @@ def write_failures(view: View, pool: str) -> list[Finding]:
             view,
             f"{pool}: L3 did not store {_n(failed)} of {_n(w)} written pages "
             f"({_pct(_ratio(failed, w))})",
-            [
-                evidence(view, n, pool=pool)
-                for n in ("write_failed_pages", "write_failed_bytes", "written_pages")
-            ],
+            evidences(view, "write_failed_pages write_failed_bytes written_pages", pool=pool),
             pool=pool,
             wasted=view.value("write_failed_bytes", pool=pool),
             wasted_rate=view.rate("write_failed_bytes", pool=pool),
@@ -718,15 +692,9 @@ def fleet(views: Sequence[View]) -> list[Finding]:
         r, b = v.value("redundant_written_pages"), v.value("redundant_believed_pages")
         per_page = _ratio(v.value("redundant_written_bytes"), r)
         rate: float | None = 0.0
-        ev += [
-            evidence(v, n)
-            for n in (
-                "written_pages",
-                "redundant_written_pages",
-                "redundant_believed_pages",
-                "evictions",
-            )
-        ]
+        ev += evidences(
+            v, "written_pages redundant_written_pages redundant_believed_pages evictions"
+        )
         if v.value("evictions") == 0:
             methods.add("not believed below the cap")
             pages = max(0.0, r - b)
