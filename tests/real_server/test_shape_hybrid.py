@@ -68,7 +68,8 @@ kernels (``causal_conv1d_*_cpu``, ``chunk_gated_delta_rule_cpu``,
 ``fused_gdn_gating_cpu``, ``fused_sigmoid_gating_delta_rule_update_cpu``) live
 only in sgl_kernel's CPU build, which is not on PyPI; Mamba2 mixers
 (``layers/attention/mamba/mamba.py``) bind ``causal_conv1d_fn`` on CUDA, NPU and
-XPU only and scan with Triton.
+XPU only and scan with Triton.  sglang's own Mamba HiCache classes run in process
+instead: ``tests/sglang_integration/test_sglang_mamba.py``.
 """
 
 from __future__ import annotations

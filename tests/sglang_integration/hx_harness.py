@@ -263,6 +263,13 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
             "1",
             env=s.env(HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_CACHE__MAX_ENTRIES="8"),
         ),
+        "mamba_writes": lambda: s.run(
+            "mamba_cache_writes", env=s.env(HICACHE_EXISTENCE_ENABLED="1")
+        ),
+        "mamba_writes_dedup": lambda: s.run(
+            "mamba_cache_writes",
+            env=s.env(HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_CACHE_MODE__DEDUP="1"),
+        ),
         "disabled": lambda: s.run("disabled", argv),
         "no_plugin": lambda: s.run("disabled", argv, env=s.env(SGLANG_PLUGINS="some_other_plugin")),
         "missing_target": lambda: s.run("missing_target", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),

@@ -599,6 +599,15 @@ def buffer_writes(cap: str = "0") -> dict[str, Any]:
 
 
 @scenario
+def mamba_cache_writes() -> dict[str, Any]:
+    """A hybrid Mamba tree's cache-mode L3 writes through sglang's own classes
+    (``hx_mamba.py``), dedup as the environment says."""
+    import hx_mamba
+
+    return hx_mamba.cache_writes(sys.modules[__name__])
+
+
+@scenario
 def disabled(argv_json: str = '["--model-path", "dummy"]') -> dict[str, Any]:
     """Installed but not enabled: only the parser hooks exist; sglang's classes,
     methods and parse results are untouched."""
