@@ -155,8 +155,8 @@ def _verdict_cost(new: Any, base: Any, label: str, rounds: int) -> None:
     stopping at page 500 (524 believed pages invalidated), 256 other pages added
     since the query (and, second case, also in flight)."""
     from hicache_existence.core.cache import StorageExistenceCache
-    from hicache_existence.reconcile import reconciler as shipped
     from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
+    from hicache_existence.reconcile.worker import Query
 
     chain = tuple(_pages("verdict", 1024))
     other = _pages("other", 256)
@@ -166,8 +166,9 @@ def _verdict_cost(new: Any, base: Any, label: str, rounds: int) -> None:
         rec = cls(cache, InMemoryGroundTruth(), sampling_rate=1e-9)
         if inflight:
             cache.pool("kv").track_inflight(other)
-        rec._recent["kv"] = dict.fromkeys(other, 1)
-        q = shipped._Query(0, "kv", chain, 0.0)
+        writes = getattr(rec, "_writes", rec)  # ``WritesSince`` since the reconciler's split
+        writes._recent["kv"] = dict.fromkeys(other, 1)
+        q = Query(0, "kv", chain, 0.0)
         q.adds_before = 0
         return cache, rec, q
 

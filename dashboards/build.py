@@ -44,6 +44,9 @@ from hicache_existence.accounting import advisor  # noqa: E402
 from hicache_existence.doctor import judgements  # noqa: E402
 from hicache_existence.exporters import catalog  # noqa: E402
 
+# Reconciler results: answered (stale positives come from ``absent``) and failed.
+from hicache_existence.reconcile.counters import ANSWERED_RESULTS, FAILED_RESULTS  # noqa: E402
+
 DASHBOARD_PATH = ROOT / "dashboards" / "hicache-existence-dashboard.json"
 METRICS_DOC_PATH = ROOT / "docs" / "metrics.md"
 CONFIG_DOC_PATH = ROOT / "docs" / "enable.md"
@@ -140,14 +143,6 @@ ADVISOR_LOOKUP = family("advisor_estimated_lookup_hit_ratio")
 #: Label values the expressions rely on (one place, like the names;
 #: tests/test_dashboards.py checks them against the package's own tuples).
 REASON_EVICTED = "evicted"
-#: Reconciler results (``hicache_existence.reconcile.counters.RESULTS``): answers
-#: from ground truth; stale positives come from ``absent`` answers.
-ANSWERED_RESULTS: tuple[str, ...] = ("present", "absent", "untrusted")
-#: Queries that got no answer: ground truth raised, timed out, or the open
-#: circuit rejected them without I/O.
-FAILED_RESULTS: tuple[str, ...] = ("error", "timeout", "rejected")
-#: Neither: the answer was discarded because the pool was cleared meanwhile.
-DISCARDED_RESULTS: tuple[str, ...] = ("void",)
 #: ``cap_multiplier`` label values of the advisor gauge, ascending.
 CAP_MULTIPLIERS: tuple[str, ...] = tuple(
     advisor.multiplier_label(m) for m in sorted(advisor.MULTIPLIERS)

@@ -41,10 +41,9 @@ from hicache_existence.reconcile.ground_truth import (
     UnsupportedPool,
 )
 from hicache_existence.reconcile.ledger_writer import LedgerWriter
-from hicache_existence.reconcile.reconciler import (
-    Reconciler,
-    default_learns,
-)
+from hicache_existence.reconcile.reconciler import Reconciler
+from hicache_existence.reconcile.vector import UNDONE, Vector
+from hicache_existence.reconcile.verdicts import default_learns
 
 fakeredis = pytest.importorskip("fakeredis")
 
@@ -355,6 +354,22 @@ def test_in_process_group_min_reduces() -> None:
     assert SingleRank().min_reduce([3, 4]) == [3, 4]
     with pytest.raises(TypeError, match=r"values\[1\]"):
         SingleRank().min_reduce([1, 2.5])  # type: ignore[list-item]
+
+
+def test_agreement_vector_slots() -> None:
+    """The vector every rank MIN-reduces has 3 + 2 * slots words, named slots in
+    a fixed order (docs/reconciler.md's budget table), padding that never wins a
+    MIN against an answer, and an idle vector that admits nothing and refills
+    no rank's bucket; a vector of another length is refused."""
+    v = Vector.local([(5, 1), (-1, 0)], admit=3, elapsed_ms=70, slots=4)
+    words = v.words()
+    assert words == [2, 3, 70, 5, -1, UNDONE, UNDONE, 1, 0, 0, 0]
+    assert Vector.from_words(words, 4) == v
+    agreed = Vector.from_words([min(a, b) for a, b in zip(words, Vector.idle(4).words())], 4)
+    assert (agreed.done, agreed.admit, agreed.elapsed_ms) == (0, 0, 0)
+    assert agreed.leading == [5, -1, UNDONE, UNDONE]
+    with pytest.raises(ValueError, match="11"):
+        Vector.from_words(words[:-1], 4)
 
 
 # -- the reconciler ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,22 @@ def test_alternating_turns_on_two_instances_by_hand(learn_rate: float) -> None:
     assert m2.l3_hit_pages == 0
     assert m2.writes_issued - m.writes_issued == m2.redundant_writes - m.redundant_writes == 6 * 20
     assert m.writes_avoided - m2.writes_avoided == 6 * 20
+
+
+def test_fleet_verdicts_are_the_reconcilers() -> None:
+    """Fleet learning applies the reconciler's verdict code: a trailing-window
+    pool (``swa``) learns nothing while ``kv`` on the same stream does, and a
+    verdict whose leading pages are all believed adds nothing (the cache's own
+    ``adds`` equal learning off's, no LRU refresh)."""
+    rng = random.Random(5)
+    kv = random_trace(rng, requests=200)
+    swa = PageTrace("swa", "pages", 64, tuple(replace(r, pool="swa") for r in kv.requests))
+    cfg = ModelConfig(device_pages=0, prefetch_threshold_tokens=100_000)
+    fleet = FleetConfig(2, learn_rate=1.0)
+    assert run_fleet(kv, 3, cfg, fleet).pages_learnt > 0
+    on = run_fleet(swa, 3, cfg, fleet)
+    assert on.verifications > 0 and on.pages_learnt == 0
+    # At a cap nothing is evicted from, every verified head is believed already.
+    off, on = run_fleet(kv, 10_000, cfg, FleetConfig(2)), run_fleet(kv, 10_000, cfg, fleet)
+    assert on.verifications > 0 and on.pages_learnt == 0
+    assert on.model.cache_stats["adds"] == off.model.cache_stats["adds"]

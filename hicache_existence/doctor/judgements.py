@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from hicache_existence.doctor.figures import SERIES, SGLANG_BACKUPED, SGLANG_PREFETCHED
+from hicache_existence.reconcile.counters import ANSWERED_RESULTS
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITIES: tuple[Severity, ...] = ("info", "warning", "critical")
@@ -218,7 +219,6 @@ _WHERE = "pool {{ $labels.pool }} of {{ $labels.model_name }} ({{ $labels.job }}
 _DEPLOYMENT = "{{ $labels.model_name }} ({{ $labels.job }}, engine {{ $labels.engine_type }})"
 _MODE_NO_DEDUP = '%(mode_info)s{host_memory_mode="cache", cache_mode_dedup="false"}'
 _WRITES = Ratio("redundant_written_pages", "written_pages")
-_ANSWERED = ("present", "absent", "untrusted")
 
 EVICTION_CHURN = Judgement(
     "cap_too_small",
@@ -347,7 +347,11 @@ STALE_POSITIVES = Judgement(
         "verifications found pages believed stored that L3 no longer holds: L3 drops pages "
         "sooner than the beliefs forget them, so write-backs are skipped for missing pages.",
     ),
-    Ratio("reconciler_stale_positives", "reconciler_queries", den_match=(("result", _ANSWERED),)),
+    Ratio(
+        "reconciler_stale_positives",
+        "reconciler_queries",
+        den_match=(("result", ANSWERED_RESULTS),),
+    ),
     threshold="stale_ratio",
     guard="min_answered",
     rate_guard="stale_min_answered_per_s",

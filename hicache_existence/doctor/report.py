@@ -19,7 +19,8 @@ from hicache_existence.doctor.figures import (
 )
 from hicache_existence.doctor.judgements import SEVERITIES
 from hicache_existence.doctor.model import Finding, InstanceReport, Report, human_bytes, number
-from hicache_existence.doctor.rules import ANSWERED, FAILED_RESULTS
+from hicache_existence.reconcile.counters import ANSWERED_RESULTS as ANSWERED
+from hicache_existence.reconcile.counters import FAILED_RESULTS
 
 
 def _exact(value: float | None) -> str:

@@ -24,9 +24,8 @@ from hicache_existence.doctor.figures import (
 )
 from hicache_existence.doctor.judgements import Judgement, Severity, worst
 from hicache_existence.doctor.model import Evidence, Finding, human_bytes
-
-ANSWERED = ("present", "absent", "untrusted")
-FAILED_RESULTS = ("error", "timeout", "rejected")
+from hicache_existence.reconcile.counters import ANSWERED_RESULTS as ANSWERED
+from hicache_existence.reconcile.counters import FAILED_RESULTS
 
 #: What to do about redundant writes of each cause (an unknown cause is reported as is).
 CAUSE_FIXES: dict[str, str] = {

@@ -12,16 +12,22 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
-#: Query outcomes (label ``result``).
-RESULTS = (
-    "present",  # every verified page is in L3
-    "absent",  # a believed or verified page is missing from L3 (trusted)
-    "untrusted",  # short answer while the ledger cannot prove absence
-    "error",  # ground truth raised (see errors by kind)
-    "timeout",  # no answer within the per-query timeout (scheduler side)
-    "rejected",  # failed fast: circuit open
-    "void",  # discarded: the pool was cleared while the query was out
-)
+#: Query outcomes (label ``result``), in three groups: the doctor, the alerts
+#: and the dashboard read these names, never spell them.
+PRESENT = "present"  # every verified page is in L3
+ABSENT = "absent"  # a believed or verified page is missing from L3 (trusted)
+UNTRUSTED = "untrusted"  # short answer while the ledger cannot prove absence
+ERROR = "error"  # ground truth raised (see errors by kind)
+TIMEOUT = "timeout"  # no answer within the per-query timeout (scheduler side)
+REJECTED = "rejected"  # failed fast: circuit open
+VOID = "void"  # discarded: the pool was cleared while the query was out
+#: Ground truth answered.
+ANSWERED_RESULTS = (PRESENT, ABSENT, UNTRUSTED)
+#: No answer: ground truth failed, was too slow, or the circuit was open.
+FAILED_RESULTS = (ERROR, TIMEOUT, REJECTED)
+#: Neither: the question no longer mattered.
+DISCARDED_RESULTS = (VOID,)
+RESULTS = (*ANSWERED_RESULTS, *FAILED_RESULTS, *DISCARDED_RESULTS)
 
 #: Error kinds (label ``kind``).
 ERROR_KINDS = (

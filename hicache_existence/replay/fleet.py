@@ -26,16 +26,17 @@ of the real one are not modelled.
 
 from __future__ import annotations
 
-import random
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 from typing import Any, Literal
 
 from hicache_existence.core.cache import StorageExistenceCache
-from hicache_existence.reconcile.reconciler import invalidation_span
+from hicache_existence.reconcile.sampling import Candidates, Sampler
+from hicache_existence.reconcile.target import CacheTarget
+from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
 from hicache_existence.replay.model import (
     CACHE_STATS,
     ModelConfig,
@@ -49,8 +50,6 @@ from hicache_existence.replay.pages import PageRequest, PageTrace
 
 Router = Literal["round-robin", "prefix-affinity"]
 ROUTERS: tuple[Router, ...] = ("round-robin", "prefix-affinity")
-#: The reconciler's sampling seed (every instance draws the same gap sequence).
-_SEED = 0x68696361636865
 MAX_INSTANCES = 4096
 
 
@@ -161,36 +160,19 @@ class FleetResult:
 
 
 class _Learner:
-    """The reconciler's sampling as a cache observer: picks looked-up chains
-    with its gap sequence; the fleet verifies them at the instance's next step."""
+    """The reconciler's sampling (``reconcile.sampling``) as a cache observer:
+    picks looked-up chains with its gap sequence; the fleet verifies them at
+    the instance's next step (no budget: every pick is verified)."""
 
     def __init__(self, rate: float, pages_per_query: int) -> None:
-        self._span = max(1, round(2.0 / rate) - 1) if rate > 0 else 0
-        self._rng = random.Random(_SEED)
-        self._pages = pages_per_query
-        self._countdown = self._gap()
-        self.picked: list[tuple[str, tuple[str, ...]]] = []
-        self._pending: set[tuple[str, str]] = set()
-
-    def _gap(self) -> int:
-        if self._span <= 0:
-            return 1 << 62
-        return 1 + ((self._rng.getrandbits(32) * self._span) >> 32)
+        self.sampler = Sampler(rate, pages_per_query)
+        self.picked = Candidates(sys.maxsize)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        self._countdown -= 1
-        if self._countdown > 0:
-            return
-        self._countdown = self._gap()
-        n = min(len(hashes), self._pages)
-        if n and (pool, hashes[n - 1]) not in self._pending:
-            self._pending.add((pool, hashes[n - 1]))
-            self.picked.append((pool, tuple(islice(hashes, n))))
-
-    def take(self) -> list[tuple[str, tuple[str, ...]]]:
-        picked, self.picked = self.picked, []
-        self._pending.clear()
-        return picked
+        sampler = self.sampler
+        sampler.countdown -= 1
+        if sampler.countdown <= 0 and (n := sampler.picked(len(hashes))):
+            self.picked.offer(pool, hashes, n)
 
     def added(self, pool: str, hashes: Sequence[str]) -> None:
         """Nothing to do."""
@@ -219,6 +201,7 @@ class _Instance:
             _Learner(fleet.learn_rate, fleet.pages_per_query) if fleet.learn_rate else None
         )
         self.cache = StorageExistenceCache(cap, observer=self.learner)
+        self.target = CacheTarget(self.cache)
         self.config = config
         self.page_size = page_size
         self.stores = stores
@@ -248,29 +231,32 @@ class _Instance:
         return sum(len(r.beliefs) for r in self.runs.values())
 
     def verify(self) -> None:
-        """Apply the verdicts of the chains picked since the last step."""
+        """Apply the verdicts of the chains picked since the last step, with the
+        reconciler's own verdict code (``reconcile.verdicts``)."""
         if self.learner is None or not self.learner.picked:
             return
         share = self.share
-        for pool, chain in self.learner.take():
+        picked = self.learner.picked
+        for pool, chain in picked.take():
+            picked.release(pool, chain)
             held = self.stores[pool].pages
             leading = next((i for i, h in enumerate(chain) if h not in held), len(chain))
             share.verifications += 1
-            beliefs = self.cache.pool(pool)
-            if leading < len(chain):
+            refs = self.cache.pool(pool).inflight_refs()
+            outcome = apply_verdict(
+                self.target,
+                pool,
+                chain,
+                leading,
+                True,  # the ledger here is exact: absence is evidence
                 # The answer is taken now: a page written since it is one in
-                # flight on this instance (the reconciler's rule).
-                span = invalidation_span(chain, leading, beliefs.inflight_refs().__contains__)
-                if span is None:
-                    share.verdicts_withheld += 1
-                else:
-                    before = beliefs.stats().invalidations
-                    beliefs.invalidate_beyond(span, leading)
-                    share.pages_invalidated += beliefs.stats().invalidations - before
-            if leading:
-                before = beliefs.stats().inserts
-                beliefs.add(chain[:leading])
-                share.pages_learnt += beliefs.stats().inserts - before
+                # flight on this instance.
+                lambda: invalidation_span(chain, leading, refs.__contains__),  # noqa: B023
+                default_learns(pool),
+            )
+            share.verdicts_withheld += outcome.withheld
+            share.pages_invalidated += outcome.invalidated
+            share.pages_learnt += outcome.learnt
 
 
 def route(req: PageRequest, number: int, fleet: FleetConfig) -> int:

@@ -1,0 +1,200 @@
+"""What an agreed answer does to the beliefs, and the writes it must not undo.
+
+An answer taken at time T says nothing about a page whose write was in flight
+at T or launched after it: the write lands (and the ledger records it) after
+the answer.  Such a page is *written since the query* when, at the moment the
+verdict is applied, it is in flight (the cache's in-flight refs; for the seed
+generation the write path's in-flight set, ``inflight_cover``) or it was added
+(``add``: the storage ack inserts a write's pages, then releases them from
+flight) after the query was admitted (admission precedes T, so the window is
+conservative).  Every page whose write overlaps T is one of those: launched
+before T and still out (in flight), launched before T and acked since (added
+since), launched after T (in flight, or added since).  Checking in-flight
+membership alone misses the acked-since pages; an epoch taken at the query
+alone misses writes launched before it and still out.  A release without an
+add is a launch that failed (the page really is absent); a reset of the write
+pipeline (``clear_inflight``), whose writes may land with no ack, voids the
+answers out.
+
+If the first missing page was written since the query, the verdict's
+invalidation is withheld (the chain is verified again when a later lookup
+picks it): past an unfinished write the answer proves nothing.  Otherwise the
+pages beyond it are dropped except those written since the query.  Every rank
+sees the same writes at the same lockstep points, so every rank withholds the
+same verdicts.  Fleet replay (``replay.fleet``) applies its verdicts with
+``apply_verdict`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Protocol
+
+#: Pools whose keys are a trailing window of the chain (upstream TRAILING_PAGES):
+#: a verdict only invalidates there, as upstream's ``TrailingWindowPolicy``.
+TRAILING_POOLS = frozenset({"swa", "auxiliary_swa", "mamba", "draft_swa"})
+
+
+def default_learns(pool: str) -> bool:
+    """Whether verdicts may add presence to ``pool`` (all-pages pools only)."""
+    return pool not in TRAILING_POOLS and not pool.endswith("_state")
+
+
+def invalidation_span(
+    chain: Sequence[str], leading: int, written: Callable[[str], bool]
+) -> Sequence[str] | None:
+    """The chain to pass to ``invalidate_beyond(..., leading)`` for an absence
+    verdict, given ``written(page)``: whether the page was written since the
+    answer was taken (in flight, or acknowledged since).  None (withhold) when
+    ``chain[leading]``, the page the answer stopped at, was: the answer
+    predates its write and proves nothing about the pages after it.  Otherwise
+    the chain without the later pages that were written since."""
+    if written(chain[leading]):
+        return None
+    rest = chain[leading + 1 :]
+    if not any(map(written, rest)):
+        return chain
+    return (*chain[: leading + 1], *(p for p in rest if not written(p)))
+
+
+def _disjoint(pages: Container[str], tail: Sequence[str]) -> bool:
+    """Whether ``pages`` certainly holds none of ``tail`` (in C for dicts and
+    sets; other containers answer False and take the page-by-page check)."""
+    if isinstance(pages, dict):
+        return pages.keys().isdisjoint(tail)
+    if isinstance(pages, (set, frozenset)):
+        return pages.isdisjoint(tail)
+    return False
+
+
+class WritesSince:
+    """The pages each pool added (storage acks) while one of its queries was
+    out, with the ordinal of the add, so a verdict can tell which pages were
+    written since its query was admitted."""
+
+    #: Pages recorded per pool at most; past it the verdicts cannot tell.
+    CAP = 1 << 18
+
+    def __init__(self) -> None:
+        # pool -> {page: ordinal of the add that last added it}, kept only
+        # while a query of the pool is out (and until the next admission).
+        self._recent: dict[str, dict[str, int]] = {}
+        #: The pools recorded now (read-only to callers, one dict for good).
+        self.recording: Container[str] = self._recent
+        self._adds = 0
+        self._out: dict[str, int] = {}
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        recent = self._recent.get(pool)
+        if recent is not None and len(recent) < self.CAP:
+            self._adds += 1
+            recent.update(zip(hashes, repeat(self._adds)))
+
+    def opened(self, pool: str) -> int:
+        """A query of ``pool`` was admitted: record its adds from now; returns
+        the add ordinal the query's answer predates."""
+        self._out[pool] = self._out.get(pool, 0) + 1
+        self._recent.setdefault(pool, {})
+        return self._adds
+
+    def closed(self, pool: str) -> None:
+        """A query of ``pool`` was retired (its verdict still reads the adds)."""
+        left = self._out.get(pool, 0) - 1
+        if left > 0:
+            self._out[pool] = left
+        else:
+            self._out.pop(pool, None)
+
+    def prune(self) -> None:
+        """Forget the adds of pools with nothing out."""
+        for pool in [p for p in self._recent if p not in self._out]:
+            del self._recent[pool]
+
+    def span(
+        self,
+        pool: str,
+        chain: Sequence[str],
+        leading: int,
+        since: int,
+        inflight: Sequence[Container[str] | None],
+    ) -> Sequence[str] | None:
+        """What ``invalidate_beyond(chain, leading)`` may drop for an absence
+        answer whose query was admitted at add ordinal ``since``, given the
+        pool's in-flight page sets (``invalidation_span``).  O(1) when the
+        pool has no write in flight and none acked since the query."""
+        recent = self._recent.get(pool)
+        if recent is None:
+            recent = {}
+        elif len(recent) >= self.CAP:
+            return None  # stopped recording: cannot tell, keep the beliefs
+        sources = [s for s in inflight if s]
+        if not recent and not sources:
+            return chain
+        tail = chain[leading:]
+        if all(_disjoint(s, tail) for s in (recent, *sources)):
+            return chain  # the common case, in C: nothing written touches the tail
+        get = recent.get
+
+        def written(page: str) -> bool:
+            return get(page, -1) > since or any(page in s for s in sources)
+
+        return invalidation_span(chain, leading, written)
+
+
+class Target(Protocol):
+    """The cache a verdict acts on, per pool (``target.CacheTarget``)."""
+
+    def invalidate_beyond(self, pool: str, chain: Sequence[str], keep: int) -> None: ...
+
+    def add(self, pool: str, chain: Sequence[str]) -> None: ...
+
+    def counts(self, pool: str) -> tuple[int, int]: ...
+
+    def believes_all(self, pool: str, chain: Sequence[str]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one verdict did: beliefs removed (``stale``: at least one),
+    whether its invalidation was withheld, pages learnt."""
+
+    invalidated: int = 0
+    withheld: bool = False
+    learnt: int = 0
+
+    @property
+    def stale(self) -> bool:
+        return self.invalidated > 0
+
+
+def apply_verdict(
+    target: Target,
+    pool: str,
+    chain: Sequence[str],
+    leading: int,
+    trusted: bool,
+    doomed: Callable[[], Sequence[str] | None],
+    learn: bool,
+) -> Outcome:
+    """Apply the agreed answer ``leading`` (of ``len(chain)``) to ``pool``:
+    when absence is ``trusted``, ``invalidate_beyond(doomed(), leading)``
+    (withheld when ``doomed()`` is None: see the module docstring); when
+    ``learn``, add the leading pages the beliefs lack."""
+    invalidated, withheld, learnt = 0, False, 0
+    if leading < len(chain) and trusted:
+        span = doomed()
+        if span is None:
+            withheld = True
+        else:
+            before, _ = target.counts(pool)
+            target.invalidate_beyond(pool, span, leading)
+            invalidated = target.counts(pool)[0] - before
+    if learn and leading > 0:
+        head = chain[:leading]
+        if not target.believes_all(pool, head):
+            _, before = target.counts(pool)
+            target.add(pool, head)
+            learnt = target.counts(pool)[1] - before
+    return Outcome(max(invalidated, 0), withheld, max(learnt, 0))
