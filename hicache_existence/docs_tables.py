@@ -6,7 +6,7 @@
   environment variable and meaning (``Config``'s dataclasses and the ``#:``
   comment above each field in config.py), for docs/enable.md;
 * ``stats_table()``: every field of a pool's ``PoolStats`` snapshot, its kind,
-  its meaning (the ``#:`` comment in core/stats.py) and the metric it is
+  its meaning (the help text declared beside it in core/stats.py) and the metric it is
   exported as (the catalog), for docs/design.md.
 
 ``dashboards/build.py`` writes them between the docs' ``<!-- NAME:begin -->`` /
@@ -159,8 +159,8 @@ def replace_between(text: str, name: str, block: str) -> str:
 
 
 def stats_table() -> str:
-    """The markdown table of every ``PoolStats`` field (``cache.stats()[pool]``)."""
-    comments = _field_comments(stats_module)
+    """The markdown table of every ``PoolStats`` field (``cache.stats()[pool]``):
+    its meaning is the help text declared beside it, as /metrics says it."""
     exported = {spec.field: spec.exposed_name for spec in CATALOG if spec.source == "cache"}
     by_reason = next(spec for spec in CATALOG if spec.field == "misses_by_reason")
     rows = [
@@ -180,12 +180,12 @@ def stats_table() -> str:
             metric = f'`{by_reason.exposed_name}{{reason="{reason}"}}`'
             kind = "counter"
         elif f.name == "page_misses":
-            meaning = comments.get(("PoolStats", f.name), "").lstrip("~")
+            meaning = f.metadata["help"]
             metric = f"`{by_reason.exposed_name}`, summed over `reason`"
         else:
-            meaning = comments.get(("PoolStats", f.name), "").lstrip("~")
+            meaning = f.metadata["help"]
             metric = f"`{exported[f.name]}`"
-        assert meaning, f"PoolStats.{f.name} has no #: comment in core/stats.py"
+        assert meaning, f"PoolStats.{f.name} has no help text in core/stats.py"
         rows.append(f"| `{f.name}` | {kind} | {_md(meaning)} | {metric} |")
     return "\n".join(rows)
 

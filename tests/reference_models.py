@@ -1,8 +1,12 @@
 """Plain reference models of the cache's contract (upstream's semantics, docs/design.md).
 
-Written for clarity, not speed, and independently of ``hicache_existence``: the LRU
-order is a Python list (oldest first), every walk is an explicit loop, and every
-accounting counter is bumped where the contract says it happens.  The stateful
+Written for clarity, not speed, and independently of ``hicache_existence``'s code
+(only the counter names come from its declaration): the LRU order is a Python
+list (oldest first), every walk is an explicit loop, and every accounting counter
+is bumped where the contract says it happens.  Both generations are one model,
+``RefBeliefs``: an LRU list with per-pool counters, where the current
+generation's pool has a list of its own and the seed generation's pools share
+one, so each counter is bumped in one place for both.  The stateful
 tests drive the real caches and these models with the same calls and compare
 return values, state, LRU order, in-flight refs and every ``stats()`` field.
 
@@ -11,28 +15,13 @@ The models assume valid input (tests/test_bad_input.py covers the rest).
 
 from __future__ import annotations
 
-COUNTERS = (
-    "queries",
-    "query_hits",
-    "query_misses",
-    "pages_checked",
-    "page_hits",
-    "rescues",
-    "page_misses",
-    "adds",
-    "inserts",
-    "refreshes",
-    "evictions",
-    "invalidate_calls",
-    "invalidations",
-    "clears",
-    "cleared_pages",
-    "inflight_tracked",
-    "inflight_released",
-    "inflight_clears",
-    "inflight_unmatched",
-)
-GAUGES = ("entries", "capacity", "inflight")
+from hicache_existence.core.stats import COUNTER_FIELDS, GAUGE_FIELDS
+
+# The field names are the package's one declaration (PoolStats); what the models
+# count, and when, is written here independently (tests/test_declarations.py
+# checks that they count every declared counter).
+COUNTERS = COUNTER_FIELDS
+GAUGES = GAUGE_FIELDS
 FIELDS = COUNTERS + GAUGES
 # Why a missed page was not believed: the last way it left the beliefs, or "cold".
 MISS_REASONS = ("cold", "evicted", "invalidated", "cleared")
@@ -72,76 +61,138 @@ def add_stats(a, b):
 
 
 # --------------------------------------------------------------------------
-# Current generation: one LRU (+ in-flight refs) per pool, cap per pool.
+# Both generations: an LRU list of keys with per-pool accounting.
 # --------------------------------------------------------------------------
 
 
-class RefPool:
-    """Reference model of ``PoolBeliefs``: one pool's LRU and in-flight refs."""
+class RefBeliefs:
+    """An LRU list of keys (oldest first) under one cap, with each pool's
+    counters, miss reasons and how each key last left.  ``key(pool, h)`` is the
+    key of a page and ``pool_of(key)`` its pool: a page hash in a current-
+    generation pool's own list, ``(pool, page hash)`` in the seed generation's
+    shared one (where an eviction is counted in the evicted entry's pool)."""
 
-    def __init__(self, name, max_entries):
-        self.name = name
+    def __init__(self, max_entries):
         self.max_entries = max_entries
-        self.lru = []  # page hashes, oldest first
-        self.refs = {}  # page hash -> positive ref count
-        self.counters = zero_counters()
-        self.departed = {}  # page hash -> how it last left the beliefs
-        self.miss_reasons = zero_reasons()
+        self.lru = []  # keys, oldest first
+        self.counts = {}  # pool -> counters; a pool is known once a call names it
+        self.reasons = {}  # pool -> miss-reason counts
+        self.departed = {}  # key -> how it last left the beliefs
 
-    # -- helpers --
-    def _touch(self, h):
-        self.lru.remove(h)
-        self.lru.append(h)
+    def key(self, pool, h):
+        raise NotImplementedError
 
-    def _finish_query(self, answer):
-        self.counters["queries"] += 1
-        if answer:
-            self.counters["query_hits"] += 1
-        else:
-            self.counters["query_misses"] += 1
-        return answer
+    def pool_of(self, key):
+        raise NotImplementedError
 
-    def _walk(self, hashes, rescue):
+    def _known(self, pool):
+        if pool not in self.counts:
+            self.counts[pool] = zero_counters()
+            self.reasons[pool] = zero_reasons()
+        return self.counts[pool]
+
+    def _touch(self, key):
+        self.lru.remove(key)
+        self.lru.append(key)
+
+    def walk(self, pool, hashes, rescue):
         """Walk pages in order; believed -> touch + hit; rescue(h) -> rescue;
         else one miss and stop."""
+        c = self._known(pool)
+        answer = True
         for h in hashes:
-            self.counters["pages_checked"] += 1
-            if h in self.lru:
-                self._touch(h)
-                self.counters["page_hits"] += 1
+            c["pages_checked"] += 1
+            key = self.key(pool, h)
+            if key in self.lru:
+                self._touch(key)
+                c["page_hits"] += 1
             elif rescue(h):
-                self.counters["rescues"] += 1
+                c["rescues"] += 1
             else:
-                self.counters["page_misses"] += 1
-                self.miss_reasons[self.departed.get(h, "cold")] += 1
-                return self._finish_query(False)
-        return self._finish_query(True)
+                c["page_misses"] += 1
+                self.reasons[pool][self.departed.get(key, "cold")] += 1
+                answer = False
+                break
+        c["queries"] += 1
+        c["query_hits" if answer else "query_misses"] += 1
+        return answer
 
-    # -- API --
-    def add(self, hashes):
-        hashes = list(hashes)
-        self.counters["adds"] += 1
+    def add_pages(self, pool, hashes):
+        c = self._known(pool)
+        c["adds"] += 1
         for h in hashes:
-            if h in self.lru:
-                self.counters["refreshes"] += 1
-                self.lru.remove(h)
+            key = self.key(pool, h)
+            if key in self.lru:
+                c["refreshes"] += 1
+                self.lru.remove(key)
             else:
-                self.counters["inserts"] += 1
-            self.lru.append(h)
+                c["inserts"] += 1
+            self.lru.append(key)
         # The batch may overshoot the cap; evict oldest-first at its end.
         while len(self.lru) > self.max_entries:
             evicted = self.lru.pop(0)
             self.departed[evicted] = "evicted"
-            self.counters["evictions"] += 1
+            self.counts[self.pool_of(evicted)]["evictions"] += 1
+
+    def invalidate_pages(self, pool, hashes, keep_pages):
+        c = self._known(pool)
+        c["invalidate_calls"] += 1
+        for h in list(hashes)[keep_pages:]:
+            key = self.key(pool, h)
+            if key in self.lru:
+                self.lru.remove(key)
+                self.departed[key] = "invalidated"
+                c["invalidations"] += 1
+
+    def clear_pages(self):
+        """Forget every key; each known pool counts a clear and its entries."""
+        for pool, c in self.counts.items():
+            c["clears"] += 1
+            c["cleared_pages"] += self.entries_of(pool)
+        for key in self.lru:
+            self.departed[key] = "cleared"
+        self.lru = []
+
+    def entries_of(self, pool):
+        return sum(1 for key in self.lru if self.pool_of(key) == pool)
+
+    def __len__(self):
+        return len(self.lru)
+
+
+# --------------------------------------------------------------------------
+# Current generation: one LRU (+ in-flight refs) per pool, cap per pool.
+# --------------------------------------------------------------------------
+
+
+class RefPool(RefBeliefs):
+    """Reference model of ``PoolBeliefs``: one pool's LRU and in-flight refs."""
+
+    def __init__(self, name, max_entries):
+        super().__init__(max_entries)
+        self.name = name
+        self.refs = {}  # page hash -> positive ref count
+        self.counters = self._known(name)
+        self.miss_reasons = self.reasons[name]
+
+    def key(self, pool, h):
+        return h
+
+    def pool_of(self, key):
+        return self.name
+
+    # -- API --
+    def add(self, hashes):
+        self.add_pages(self.name, list(hashes))
 
     def contains(self, h):
-        return self._walk([h], rescue=lambda page: False)
+        return self.walk(self.name, [h], rescue=lambda page: False)
 
     def contains_all(self, hashes):
-        return self._walk(list(hashes), rescue=lambda page: False)
+        return self.walk(self.name, list(hashes), rescue=lambda page: False)
 
     def covered(self, hashes):
-        return self._walk(list(hashes), rescue=lambda page: page in self.refs)
+        return self.walk(self.name, list(hashes), rescue=lambda page: page in self.refs)
 
     def track_inflight(self, hashes):
         for h in hashes:
@@ -159,28 +210,15 @@ class RefPool:
                 del self.refs[h]
 
     def invalidate_beyond(self, hashes, keep_pages):
-        hashes = list(hashes)
-        self.counters["invalidate_calls"] += 1
-        for h in hashes[keep_pages:]:
-            if h in self.lru:
-                self.lru.remove(h)
-                self.departed[h] = "invalidated"
-                self.counters["invalidations"] += 1
+        self.invalidate_pages(self.name, hashes, keep_pages)
 
     def clear(self):
-        self.counters["clears"] += 1
-        self.counters["cleared_pages"] += len(self.lru)
-        for h in self.lru:
-            self.departed[h] = "cleared"
-        self.lru = []
+        self.clear_pages()
         self.refs = {}
 
     def clear_inflight(self):
         self.counters["inflight_clears"] += 1
         self.refs = {}
-
-    def __len__(self):
-        return len(self.lru)
 
     def stats(self):
         out = dict(self.counters)
@@ -250,100 +288,38 @@ def ref_heal_from_transfer(pool, keys, delivered_pages):
 # --------------------------------------------------------------------------
 
 
-class RefFlat:
-    """Reference model of ``FlatStorageExistenceCache``."""
+class RefFlat(RefBeliefs):
+    """Reference model of ``FlatStorageExistenceCache``: one LRU of
+    ``(pool, page hash)`` keys, one shared cap."""
 
     def __init__(self, max_entries):
-        self.max_entries = max_entries
-        self.lru = []  # (pool, page hash), oldest first
-        self.counters = {}  # pool -> counters; a pool is known once a call names it
-        self.departed = {}  # (pool, page hash) -> how it last left the beliefs
-        self.miss_reasons = {}  # pool -> miss-reason counts
+        super().__init__(max_entries)
+        self.counters = self.counts
+        self.miss_reasons = self.reasons
 
-    def _known(self, pool):
-        if pool not in self.counters:
-            self.counters[pool] = zero_counters()
-            self.miss_reasons[pool] = zero_reasons()
-        return self.counters[pool]
+    def key(self, pool, h):
+        return (pool, h)
 
-    def _touch(self, key):
-        self.lru.remove(key)
-        self.lru.append(key)
-
-    def _walk(self, pool, hashes, rescue):
-        c = self._known(pool)
-        answer = True
-        for h in hashes:
-            c["pages_checked"] += 1
-            key = (pool, h)
-            if key in self.lru:
-                self._touch(key)
-                c["page_hits"] += 1
-            elif rescue(h):
-                c["rescues"] += 1
-            else:
-                c["page_misses"] += 1
-                self.miss_reasons[pool][self.departed.get(key, "cold")] += 1
-                answer = False
-                break
-        c["queries"] += 1
-        c["query_hits" if answer else "query_misses"] += 1
-        return answer
+    def pool_of(self, key):
+        return key[0]
 
     def add(self, pool, hashes):
-        hashes = list(hashes)
-        c = self._known(pool)
-        c["adds"] += 1
-        for h in hashes:
-            key = (pool, h)
-            if key in self.lru:
-                c["refreshes"] += 1
-                self.lru.remove(key)
-            else:
-                c["inserts"] += 1
-            self.lru.append(key)
-        while len(self.lru) > self.max_entries:
-            evicted = self.lru.pop(0)
-            self.departed[evicted] = "evicted"
-            self.counters[evicted[0]]["evictions"] += 1  # the evicted entry's pool
+        self.add_pages(pool, list(hashes))
 
     def contains(self, pool, h):
-        return self._walk(pool, [h], rescue=lambda page: False)
+        return self.walk(pool, [h], rescue=lambda page: False)
 
     def contains_all(self, pool, hashes):
-        return self._walk(pool, list(hashes), rescue=lambda page: False)
+        return self.walk(pool, list(hashes), rescue=lambda page: False)
 
     def covers_all(self, pool, hashes, extra_cover=frozenset()):
-        return self._walk(pool, list(hashes), rescue=lambda page: page in extra_cover)
+        return self.walk(pool, list(hashes), rescue=lambda page: page in extra_cover)
 
     def invalidate_beyond(self, pool, hashes, keep_pages):
-        hashes = list(hashes)
-        c = self._known(pool)
-        c["invalidate_calls"] += 1
-        for h in hashes[keep_pages:]:
-            key = (pool, h)
-            if key in self.lru:
-                self.lru.remove(key)
-                self.departed[key] = "invalidated"
-                c["invalidations"] += 1
+        self.invalidate_pages(pool, hashes, keep_pages)
 
     def clear(self):
-        for pool, c in self.counters.items():
-            c["clears"] += 1
-            c["cleared_pages"] += self.entries_of(pool)
-        for key in self.lru:
-            self.departed[key] = "cleared"
-        self.lru = []
-
-    def entries_of(self, pool):
-        n = 0
-        for p, _ in self.lru:
-            if p == pool:
-                n += 1
-        return n
-
-    def __len__(self):
-        return len(self.lru)
+        self.clear_pages()
 
     def pool_names(self):
         return tuple(self.counters)

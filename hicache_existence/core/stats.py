@@ -8,13 +8,14 @@ nothing was asked, and snapshots subtract to deltas so exporters and tests can
 reason about an interval.
 
 One declaration: the fields of ``PoolStats``, each marked ``counter()``,
-``gauge()`` or ``miss_reason()``.  From it come ``COUNTER_FIELDS`` /
-``GAUGE_FIELDS``, the live ``PoolCounters`` class (one slot per counter) and its
-``snapshot()`` (by keyword), so a new counter is one field here, its increments
-(``core/counting.py`` for lookups, which both generations share; the
-generations' own mutations otherwise), and its catalog entry
-(``exporters/catalog.py``); the tests check that the increments, the catalog and
-the reference models cover exactly these fields (CONTRIBUTING, "Adding a counter").
+``gauge()`` or ``miss_reason()`` with its help text, exported family name and
+unit beside it.  From it come ``COUNTER_FIELDS`` / ``GAUGE_FIELDS``, the live
+``PoolCounters`` class (one slot per counter) and its ``snapshot()`` (by
+keyword), the catalog's cache families (``exporters/catalog.py``: /metrics,
+OpenTelemetry, docs/metrics.md, the dashboard) and docs/design.md's counter
+table.  A new counter is one field here plus its increments (``core/counting.py``
+for lookups, which both generations share; the generations' own mutations
+otherwise) and the reference model's (CONTRIBUTING, "Adding a counter").
 """
 
 from __future__ import annotations
@@ -31,21 +32,33 @@ COLD, EVICTED, INVALIDATED, CLEARED = range(4)
 Kind = Literal["counter", "gauge", "miss_reason"]
 
 
-def counter() -> Any:
-    """A monotonic counter of ``PoolStats``: live in ``PoolCounters``, bumped by
-    the cache, subtracted by ``-`` (deltas)."""
-    return field(default=0, metadata={"kind": "counter"})
+def _declared(kind: Kind, help: str, family: str, otel_unit: str) -> Any:
+    return field(
+        default=0,
+        metadata={"kind": kind, "help": help, "family": family, "otel_unit": otel_unit},
+    )
 
 
-def gauge() -> Any:
-    """A point-in-time value of ``PoolStats``, read from the pool at snapshot time
-    (kept, not subtracted, by ``-``)."""
-    return field(default=0, metadata={"kind": "gauge"})
+def counter(help: str = "", *, family: str = "", otel_unit: str = "") -> Any:
+    """A monotonic counter: live in the counters record, bumped by its owner,
+    subtracted by ``-`` (deltas).  ``help`` (what it counts, as operators read it
+    on ``/metrics`` and in docs/metrics.md), ``family`` (the exported name without
+    the prefix; default: the field's name) and ``otel_unit`` are its one
+    declaration: ``exporters/catalog.py`` builds the ``PoolStats`` families from
+    them."""
+    return _declared("counter", help, family, otel_unit)
+
+
+def gauge(help: str = "", *, family: str = "", otel_unit: str = "") -> Any:
+    """A point-in-time value, read from the pool at snapshot time (kept, not
+    subtracted, by ``-``); declared like ``counter()``."""
+    return _declared("gauge", help, family, otel_unit)
 
 
 def miss_reason() -> Any:
     """A classified-miss counter ``misses_<reason>`` (one per ``MISS_REASONS``),
-    kept in ``PoolCounters.miss_reasons``."""
+    kept in ``PoolCounters.miss_reasons`` and exported as a ``reason`` label of
+    ``page_misses``."""
     return field(default=0, metadata={"kind": "miss_reason"})
 
 
@@ -64,50 +77,72 @@ class PoolStats:
     """
 
     pool: str
-    #: Lookups: contains, contains_all, covered and covers_all calls.
-    queries: int = counter()
-    #: Lookups that answered True (every page covered).
-    query_hits: int = counter()
-    #: Lookups that answered False (stopped at an uncovered page).
-    query_misses: int = counter()
-    #: Pages examined by lookups, up to and including the stopping page.
-    pages_checked: int = counter()
-    #: Examined pages found believed stored (LRU-touched).
-    page_hits: int = counter()
-    #: Examined pages not believed but covered by in-flight refs / ``extra_cover``.
-    rescues: int = counter()
-    #: Examined pages not covered (at most one per lookup).
-    page_misses: int = counter()
-    #: ``add()`` calls.
-    adds: int = counter()
-    #: Pages added that were not believed before.
-    inserts: int = counter()
-    #: Pages added that were already believed (moved to most recent).
-    refreshes: int = counter()
-    #: Entries dropped by the cap.
-    evictions: int = counter()
-    #: ``invalidate_beyond()`` calls.
-    invalidate_calls: int = counter()
-    #: Entries dropped by ``invalidate_beyond()``.
-    invalidations: int = counter()
-    #: ``clear()`` calls that reached the pool.
-    clears: int = counter()
-    #: Entries dropped by clears.
-    cleared_pages: int = counter()
-    #: In-flight refs taken.
-    inflight_tracked: int = counter()
-    #: In-flight refs released.
-    inflight_released: int = counter()
-    #: ``clear_inflight()`` calls that reached the pool.
-    inflight_clears: int = counter()
-    #: Pages passed to ``untrack_inflight()`` that held no in-flight ref.
-    inflight_unmatched: int = counter()
-    #: Entries believed now.
-    entries: int = gauge()
-    #: The cap (per pool, or the one shared cap of the seed generation).
-    capacity: int = gauge()
-    #: Distinct pages with in-flight refs now.
-    inflight: int = gauge()
+    queries: int = counter(
+        "Lookups: contains, contains_all, covered and covers_all calls.", otel_unit="{query}"
+    )
+    query_hits: int = counter(
+        "Lookups that answered True (every page covered).", otel_unit="{query}"
+    )
+    query_misses: int = counter(
+        "Lookups that answered False (stopped at an uncovered page).", otel_unit="{query}"
+    )
+    pages_checked: int = counter(
+        "Pages examined by lookups, up to and including the stopping page.", otel_unit="{page}"
+    )
+    page_hits: int = counter(
+        "Examined pages found believed stored (LRU-touched).", otel_unit="{page}"
+    )
+    rescues: int = counter(
+        "Examined pages not believed but covered by an in-flight write (covered) or "
+        "extra_cover (covers_all).",
+        family="page_rescues",
+        otel_unit="{page}",
+    )
+    page_misses: int = counter(
+        "Examined pages not covered (at most one per lookup), by reason: cold (never "
+        "believed), evicted (dropped by the cap), invalidated (dropped by "
+        "invalidate_beyond or a heal), cleared; unclassified without miss-reason memory.",
+        otel_unit="{page}",
+    )
+    adds: int = counter(
+        "add() calls (storage acks and fill commits).", family="add_calls", otel_unit="{call}"
+    )
+    inserts: int = counter(
+        "Pages added that were not believed before.", family="page_inserts", otel_unit="{page}"
+    )
+    refreshes: int = counter(
+        "Pages added that were already believed (moved to most recent).",
+        family="page_refreshes",
+        otel_unit="{page}",
+    )
+    evictions: int = counter(
+        "Entries dropped by the cap (least recently used first).", otel_unit="{entry}"
+    )
+    invalidate_calls: int = counter(
+        "invalidate_beyond() calls (heals after a prefetch shortfall).", otel_unit="{call}"
+    )
+    invalidations: int = counter("Entries dropped by invalidate_beyond().", otel_unit="{entry}")
+    clears: int = counter("clear() calls that reached the pool.", otel_unit="{call}")
+    cleared_pages: int = counter("Entries dropped by clears.", otel_unit="{entry}")
+    inflight_tracked: int = counter("In-flight refs taken at D2H launch.", otel_unit="{ref}")
+    inflight_released: int = counter("In-flight refs released at storage ack.", otel_unit="{ref}")
+    inflight_clears: int = counter(
+        "clear_inflight() calls that reached the pool.", otel_unit="{call}"
+    )
+    inflight_unmatched: int = counter(
+        "Pages acknowledged by untrack_inflight() that held no in-flight ref (an ack after "
+        "clear_inflight, or a second ack of one launch).",
+        otel_unit="{page}",
+    )
+    entries: int = gauge("Page hashes currently believed stored.", otel_unit="{entry}")
+    capacity: int = gauge(
+        "The cap: per pool (current generation) or the one cap shared by every pool (seed).",
+        family="capacity_entries",
+        otel_unit="{entry}",
+    )
+    inflight: int = gauge(
+        "Distinct pages with in-flight refs.", family="inflight_pages", otel_unit="{page}"
+    )
     misses_cold: int = miss_reason()
     misses_evicted: int = miss_reason()
     misses_invalidated: int = miss_reason()

@@ -18,7 +18,7 @@ from typing import Literal
 
 from hicache_existence.accounting.causes import CAUSES
 from hicache_existence.config import redact_url
-from hicache_existence.core.stats import MISS_REASONS
+from hicache_existence.core.stats import MISS_REASONS, PoolStats
 
 PREFIX = "hicache_existence_"
 
@@ -90,97 +90,41 @@ def _g(name: str, help: str, field: str, otel_unit: str, source: Source = "cache
     return MetricSpec(PREFIX + name, "gauge", help, unit, source, field, otel_unit)
 
 
+#: The ``PoolStats`` field exported as one family split by a label, and how:
+#: ``page_misses`` by classified reason (read from ``misses_by_reason``).
+_BY_REASON = {"page_misses": ("misses_by_reason", ("reason",))}
+
+
+def _pool_stats_families() -> tuple[MetricSpec, ...]:
+    """The cache families, from ``PoolStats``'s declaration: each counter and
+    gauge field carries its help text, family name and unit
+    (``core/stats.py``), so they are written once, beside the counter."""
+    out = []
+    for f in fields(PoolStats):
+        kind = f.metadata.get("kind")
+        if kind not in ("counter", "gauge"):
+            continue
+        family = f.metadata["family"] or f.name
+        source_field, labels = _BY_REASON.get(f.name, (f.name, ()))
+        unit = "bytes" if family.endswith("_bytes") else ""
+        out.append(
+            MetricSpec(
+                PREFIX + family,
+                kind,
+                f.metadata["help"],
+                unit,
+                "cache",
+                source_field,
+                f.metadata["otel_unit"],
+                labels,
+            )
+        )
+    return tuple(out)
+
+
 CATALOG: tuple[MetricSpec, ...] = (
-    # -- lookups ---------------------------------------------------------------
-    _c(
-        "queries",
-        "Lookups: contains, contains_all, covered and covers_all calls.",
-        "queries",
-        "{query}",
-    ),
-    _c("query_hits", "Lookups that answered True (every page covered).", "query_hits", "{query}"),
-    _c(
-        "query_misses",
-        "Lookups that answered False (stopped at an uncovered page).",
-        "query_misses",
-        "{query}",
-    ),
-    _c(
-        "pages_checked",
-        "Pages examined by lookups, up to and including the stopping page.",
-        "pages_checked",
-        "{page}",
-    ),
-    _c("page_hits", "Examined pages found believed stored (LRU-touched).", "page_hits", "{page}"),
-    _c(
-        "page_rescues",
-        "Examined pages not believed but covered by an in-flight write (covered) or "
-        "extra_cover (covers_all): extra-cover rescues.",
-        "rescues",
-        "{page}",
-    ),
-    MetricSpec(
-        PREFIX + "page_misses",
-        "counter",
-        "Examined pages not covered (at most one per lookup), by reason: cold (never "
-        "believed), evicted (dropped by the cap), invalidated (dropped by "
-        "invalidate_beyond or a heal), cleared; unclassified without miss-reason memory.",
-        "",
-        "cache",
-        "misses_by_reason",
-        "{page}",
-        ("reason",),
-    ),
-    # -- mutations -------------------------------------------------------------
-    _c("add_calls", "add() calls (storage acks and fill commits).", "adds", "{call}"),
-    _c("page_inserts", "Pages added that were not believed before.", "inserts", "{page}"),
-    _c(
-        "page_refreshes",
-        "Pages added that were already believed (moved to most recent).",
-        "refreshes",
-        "{page}",
-    ),
-    _c(
-        "evictions",
-        "Entries dropped by the cap (least recently used first).",
-        "evictions",
-        "{entry}",
-    ),
-    _c(
-        "invalidate_calls",
-        "invalidate_beyond() calls (heals after a prefetch shortfall).",
-        "invalidate_calls",
-        "{call}",
-    ),
-    _c("invalidations", "Entries dropped by invalidate_beyond().", "invalidations", "{entry}"),
-    _c("clears", "clear() calls that reached the pool.", "clears", "{call}"),
-    _c("cleared_pages", "Entries dropped by clears.", "cleared_pages", "{entry}"),
-    _c("inflight_tracked", "In-flight refs taken at D2H launch.", "inflight_tracked", "{ref}"),
-    _c(
-        "inflight_released", "In-flight refs released at storage ack.", "inflight_released", "{ref}"
-    ),
-    _c(
-        "inflight_unmatched",
-        "Pages acknowledged by untrack_inflight() that held no in-flight ref (an ack after "
-        "clear_inflight, or a second ack of one launch).",
-        "inflight_unmatched",
-        "{page}",
-    ),
-    _c(
-        "inflight_clears",
-        "clear_inflight() calls that reached the pool.",
-        "inflight_clears",
-        "{call}",
-    ),
-    # -- state -----------------------------------------------------------------
-    _g("entries", "Page hashes currently believed stored.", "entries", "{entry}"),
-    _g(
-        "capacity_entries",
-        "The cap: per pool (current generation) or the one cap shared by every pool (seed).",
-        "capacity",
-        "{entry}",
-    ),
-    _g("inflight_pages", "Distinct pages with in-flight refs.", "inflight", "{page}"),
+    *_pool_stats_families(),
+    # -- memory ------------------------------------------------------------------
     _g(
         "memory_bytes",
         "Estimated memory: entries x measured bytes per entry, plus the miss-reason "
