@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from test_replay_trace import mooncake_trace
 
 from hicache_existence.accounting.advisor import (
-    GAUGE_NAME,
     MULTIPLIERS,
     SHARED_POOL,
     CapacityAdvisor,
@@ -31,6 +30,7 @@ from hicache_existence.core import lru
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.sampler import PySampler
+from hicache_existence.exporters.catalog import FEATURE_BY_NAME
 from hicache_existence.replay.mattson import belief_only_curves
 from hicache_existence.replay.model import ModelConfig, run_model
 from hicache_existence.replay.pages import PageRequest, PageTrace, expand
@@ -335,7 +335,8 @@ def test_snapshot_gauges_and_ranges() -> None:
     assert "0.25" in labels and "8" not in labels
     assert not snap.gauge_samples(lookups=True)  # adds only: no lookups to estimate
     assert multiplier_label(1.0) == "1" and multiplier_label(0.5) == "0.5"
-    assert GAUGE_NAME == "hicache_existence_advisor_estimated_hit_ratio"
+    gauge = FEATURE_BY_NAME["hicache_existence_advisor_estimated_hit_ratio"]
+    assert (gauge.source, gauge.labels) == ("advisor", ("pool", "cap_multiplier"))
     assert advisor.snapshot().pools["kv"].estimates == {}
     assert advisor.estimate("nope", 4) is None
 

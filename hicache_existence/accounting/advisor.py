@@ -56,10 +56,6 @@ if TYPE_CHECKING:
 
 #: Cap multipliers reported per pool (a fixed set: bounded label cardinality).
 MULTIPLIERS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-#: Proposed gauge: ``{pool, cap_multiplier}`` -> estimated hit ratio of the reference stream.
-GAUGE_NAME = "hicache_existence_advisor_estimated_hit_ratio"
-#: Proposed gauge: the same for lookups alone (what decides writes in buffer mode).
-LOOKUP_GAUGE_NAME = "hicache_existence_advisor_estimated_lookup_hit_ratio"
 #: Pool name under which a shared-cap (flat generation) cache is reported.
 SHARED_POOL = "all"
 
@@ -170,8 +166,10 @@ class AdvisorSnapshot:
         return None if advice is None else advice.lookup_estimates.get(multiplier)
 
     def gauge_samples(self, lookups: bool = False) -> list[tuple[dict[str, str], float]]:
-        """``(labels, value)`` pairs for ``GAUGE_NAME`` (``LOOKUP_GAUGE_NAME`` with
-        ``lookups=True``); unknown estimates are left out."""
+        """``(labels, value)`` pairs, ``{pool, cap_multiplier}`` -> the estimated hit
+        ratio of the reference stream (with ``lookups=True``: of lookups alone, what
+        decides writes in buffer mode), exported as the catalog's advisor gauges;
+        unknown estimates are left out."""
         out = []
         for pool, advice in self.pools.items():
             values = advice.lookup_estimates if lookups else advice.estimates

@@ -255,6 +255,10 @@ class FeatureSpec:
     source: FeatureSource
     labels: tuple[str, ...]
     otel_unit: str
+    #: What it is read from: the source snapshot's attribute (or the value
+    #: ``exporters/features.py`` derives under that key), so the family's name is
+    #: written here only.
+    field: str
 
     @property
     def exposed_name(self) -> str:
@@ -269,18 +273,20 @@ def _f(
     name: str,
     kind: FeatureKind,
     source: FeatureSource,
+    field: str,
     help: str,
     otel_unit: str,
     labels: tuple[str, ...] = (),
 ) -> FeatureSpec:
     unit = "seconds" if name.endswith("_seconds") else "bytes" if name.endswith("_bytes") else ""
-    return FeatureSpec(PREFIX + name, kind, help, unit, source, labels, otel_unit)
+    return FeatureSpec(PREFIX + name, kind, help, unit, source, labels, otel_unit, field)
 
 
 FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
     _f(
         "mode_info",
         "gauge",
+        "mode",
         "mode",
         "1, labelled with the HiCache host memory mode this process serves (buffer_only "
         "or cache), SGLang's write policy and whether cache_mode.dedup is on (true, false, or "
@@ -292,6 +298,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_checks",
         "counter",
         "divergence",
+        "checks",
         "Cross-rank replica checks completed.",
         "{check}",
     ),
@@ -299,6 +306,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergences",
         "counter",
         "divergence",
+        "divergences",
         "Checks that found this rank's replica differing from the others (or others from it).",
         "{check}",
     ),
@@ -306,6 +314,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_heals",
         "counter",
         "divergence",
+        "heals",
         "Heals: pools cleared on every rank at the same step after a divergence.",
         "{heal}",
     ),
@@ -313,6 +322,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_check_failures",
         "counter",
         "divergence",
+        "failures",
         "Checks whose collective failed (reason: timeout, error); the checker stops after one.",
         "{check}",
         ("reason",),
@@ -321,6 +331,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_config_mismatches",
         "counter",
         "divergence",
+        "config_mismatches",
         "Start-up handshakes that found ranks configured differently (checks stay off).",
         "{check}",
     ),
@@ -328,6 +339,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_check_seconds",
         "counter",
         "divergence",
+        "check_seconds",
         "Seconds spent in checks (with checks_total: the mean check duration).",
         "s",
     ),
@@ -335,6 +347,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_last_check_step",
         "gauge",
         "divergence",
+        "last_check_step",
         "Scheduler step of the last completed check (0: none yet).",
         "{step}",
     ),
@@ -342,6 +355,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_last_detected_step",
         "gauge",
         "divergence",
+        "last_divergence_step",
         "Scheduler step of the last detected divergence (0: none).",
         "{step}",
     ),
@@ -349,6 +363,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "divergence_active",
         "gauge",
         "divergence",
+        "active",
         "1 while checks run (enabled, handshake passed, no failed collective).",
         "1",
     ),
@@ -356,6 +371,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_queries",
         "counter",
         "reconciler",
+        "queries",
         "Ground-truth verifications by result: present (every page in L3), absent (a page "
         "is missing, trusted), untrusted (a short answer the ledger cannot prove), error, "
         "timeout, rejected (circuit open), void (the pool was cleared meanwhile).",
@@ -366,6 +382,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_stale_positives",
         "counter",
         "reconciler",
+        "stale_positives",
         "Verifications that found believed pages missing from L3.",
         "{query}",
         ("pool",),
@@ -374,6 +391,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_pages_invalidated",
         "counter",
         "reconciler",
+        "pages_invalidated",
         "Beliefs removed by agreed ground-truth verdicts.",
         "{page}",
         ("pool",),
@@ -382,6 +400,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_pages_learnt",
         "counter",
         "reconciler",
+        "pages_learnt",
         "Pages added to beliefs because L3 holds them (e.g. written by another instance).",
         "{page}",
         ("pool",),
@@ -390,6 +409,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_verdicts_withheld",
         "counter",
         "reconciler",
+        "invalidations_withheld",
         "Absence verdicts not acted on because the page the answer stopped at was being "
         "written (in flight, or acknowledged since the query): the answer predates that "
         "write, so the beliefs past it are kept.",
@@ -400,6 +420,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_errors",
         "counter",
         "reconciler",
+        "errors",
         "Ground-truth errors by kind (never evidence of absence).",
         "{error}",
         ("kind",),
@@ -408,6 +429,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_circuit_open",
         "gauge",
         "reconciler",
+        "circuit_state",
         "1 while the circuit breaker is open or half-open (queries paused), else 0.",
         "1",
     ),
@@ -415,6 +437,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_objects_leased",
         "counter",
         "reconciler",
+        "objects_leased",
         "L3 objects the reconciler's existence probes found and the backend leased for "
         "reading: Mooncake grants a read lease per object an existence query finds, which "
         "moves it behind every object put or read before in the master's eviction order, so "
@@ -426,6 +449,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_outstanding_queries",
         "gauge",
         "reconciler",
+        "outstanding",
         "Verifications queued or in flight.",
         "{query}",
     ),
@@ -433,6 +457,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "reconciler_query_seconds",
         "histogram",
         "reconciler",
+        "query_seconds",
         "Ground-truth query latency, worker side.",
         "s",
     ),
@@ -440,6 +465,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "advisor_estimated_hit_ratio",
         "gauge",
         "advisor",
+        "estimated_hit_ratio",
         "Estimated page hit ratio if the pool's cap were cap_multiplier x the current cap "
         "(SHARDS sampling; absent until enough references were seen).",
         "1",
@@ -449,6 +475,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "advisor_estimated_lookup_hit_ratio",
         "gauge",
         "advisor",
+        "estimated_lookup_hit_ratio",
         "Estimated hit ratio of lookups alone (each lookup's walked pages and its miss page) "
         "at cap_multiplier x the current cap: the curve to size the cap by in buffer mode, "
         "where prefetch healing re-teaches beliefs (docs/capacity.md).",
@@ -459,6 +486,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "advisor_dropped_references",
         "counter",
         "advisor",
+        "dropped_references",
         "Sampled page references the advisor could not record (its sampler could not "
         "allocate memory; the estimate is biased low while this grows).",
         "{page}",
@@ -467,6 +495,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "recorder_records",
         "counter",
         "recorder",
+        "records",
         "Records the trace recorder wrote to its files, by kind (lookup, add, invalidate, "
         "clear, write, prefetch, request; docs/replay.md).",
         "{record}",
@@ -476,6 +505,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "recorder_dropped_records",
         "counter",
         "recorder",
+        "dropped",
         "Records the trace recorder dropped: queue_full (the writer thread fell behind; the "
         "scheduler never waits) or write_error (the path could not be opened or written, "
         "e.g. a full disk). A trace with drops under-counts references.",
@@ -486,6 +516,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "recorder_written_bytes",
         "counter",
         "recorder",
+        "written_bytes",
         "Compressed bytes the trace recorder wrote (rotated and deleted files included).",
         "By",
     ),
@@ -493,6 +524,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "recorder_disk_bytes",
         "gauge",
         "recorder",
+        "disk_bytes",
         "Bytes this instance's trace files take on disk now (bounded by recorder.max_bytes).",
         "By",
     ),
@@ -500,6 +532,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "events_published_blocks",
         "counter",
         "events",
+        "published",
         "Storage-tier KV event blocks published (events.enabled; docs/kv-events.md): stored "
         "(BlockStored at an L3 acknowledgement) or removed (BlockRemoved on a verified absence).",
         "{block}",
@@ -509,6 +542,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "events_dropped_blocks",
         "counter",
         "events",
+        "dropped",
         "Storage-tier KV event blocks not published: queue_full (the publisher thread fell "
         "behind; the scheduler never waits) or send_error (the socket refused the batch).",
         "{block}",
@@ -518,6 +552,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "events_removals",
         "counter",
         "events",
+        "removals",
         "Published blocks removed, by the verdict that proved them absent: reconciler (a "
         "ground-truth query) or hit_query (a prefetch hit query found fewer pages).",
         "{block}",
@@ -527,6 +562,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "events_unknown_blocks",
         "counter",
         "events",
+        "unknown",
         "L3-acknowledged pages published as no event: their block hash, parent or tokens "
         "are not the ones SGLang's own events carry (a namespaced or bigram key).",
         "{block}",
@@ -535,6 +571,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "events_oldest_unverified_store_seconds",
         "gauge",
         "events",
+        "oldest_unverified_s",
         "Seconds since the least recently confirmed published block was last confirmed "
         "present in L3 (by its acknowledgement, a hit query or a reconciler verdict).",
         "s",

@@ -53,49 +53,64 @@ class FeatureSources:
         return tuple(spec for spec in FEATURE_CATALOG if on[spec.source])
 
 
+#: A source's values: the feature spec's ``field`` -> its series (scalars) or
+#: histogram series.
+_Values = dict[str, Any]
+
+
 def sample_features(
     sources: FeatureSources, label: Callable[[str], str], pool_labels: tuple[str, ...]
 ) -> tuple[FeatureSamples, HistogramSamples]:
     """Every feature series' value now; ``label`` folds pool names into bounded
-    labels and ``pool_labels`` lists the labels handed out so far."""
-    scalars: FeatureSamples = {}
-    histograms: HistogramSamples = {}
+    labels and ``pool_labels`` lists the labels handed out so far.  Each source's
+    values are keyed by the ``field`` its catalog specs read, so the families'
+    names are written only in the catalog."""
+    by_source: dict[str, _Values] = {}
     if sources.mode is not None:
         host_mode, policy, dedup = sources.mode()
         dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
-        scalars[_name("mode_info")] = {(host_mode, policy, dedup_text): 1.0}
+        by_source["mode"] = {"mode": {(host_mode, policy, dedup_text): 1.0}}
     if sources.divergence is not None:
-        _divergence(scalars, sources.divergence())
+        by_source["divergence"] = _divergence(sources.divergence())
     if sources.reconciler is not None:
-        _reconciler(scalars, histograms, sources.reconciler(), label, pool_labels)
+        by_source["reconciler"] = _reconciler(sources.reconciler(), label, pool_labels)
     if sources.advisor is not None:
-        _advisor(scalars, sources.advisor(), label)
+        by_source["advisor"] = _advisor(sources.advisor(), label)
     if sources.recorder is not None:
-        _recorder(scalars, sources.recorder())
+        by_source["recorder"] = _recorder(sources.recorder())
     if sources.events is not None:
-        _events(scalars, sources.events())
+        by_source["events"] = _events(sources.events())
+    scalars: FeatureSamples = {}
+    histograms: HistogramSamples = {}
+    for spec in FEATURE_CATALOG:
+        values = by_source.get(spec.source)
+        if values is not None:
+            out: dict[str, Any] = histograms if spec.kind == "histogram" else scalars
+            out[spec.name] = values[spec.field]
     return scalars, histograms
 
 
-def _name(short: str) -> str:
-    return "hicache_existence_" + short
+def _scalar(value: float) -> dict[tuple[str, ...], float]:
+    return {(): float(value)}
 
 
-def _divergence(out: FeatureSamples, stats: Any) -> None:
+def _divergence(stats: Any) -> _Values:
     failures = int(stats.failures)
     timeouts = int(stats.timeouts)
-    out[_name("divergence_checks")] = {(): float(stats.checks)}
-    out[_name("divergences")] = {(): float(stats.divergences)}
-    out[_name("divergence_heals")] = {(): float(stats.heals)}
-    out[_name("divergence_check_failures")] = {
-        ("timeout",): float(timeouts),
-        ("error",): float(max(0, failures - timeouts)),
+    return {
+        "checks": _scalar(stats.checks),
+        "divergences": _scalar(stats.divergences),
+        "heals": _scalar(stats.heals),
+        "failures": {
+            ("timeout",): float(timeouts),
+            ("error",): float(max(0, failures - timeouts)),
+        },
+        "config_mismatches": _scalar(stats.config_mismatches),
+        "check_seconds": _scalar(stats.check_seconds),
+        "last_check_step": _scalar(stats.last_check_step),
+        "last_divergence_step": _scalar(stats.last_divergence_step),
+        "active": _scalar(1.0 if stats.active else 0.0),
     }
-    out[_name("divergence_config_mismatches")] = {(): float(stats.config_mismatches)}
-    out[_name("divergence_check_seconds")] = {(): float(stats.check_seconds)}
-    out[_name("divergence_last_check_step")] = {(): float(stats.last_check_step)}
-    out[_name("divergence_last_detected_step")] = {(): float(stats.last_divergence_step)}
-    out[_name("divergence_active")] = {(): 1.0 if stats.active else 0.0}
 
 
 def _per_pool(
@@ -108,66 +123,58 @@ def _per_pool(
     return series
 
 
-def _reconciler(
-    out: FeatureSamples,
-    hist: HistogramSamples,
-    snap: Any,
-    label: Callable[[str], str],
-    pool_labels: tuple[str, ...],
-) -> None:
+def _reconciler(snap: Any, label: Callable[[str], str], pool_labels: tuple[str, ...]) -> _Values:
     for pool, _result in snap.queries:
         label(pool)
     queries: dict[tuple[str, ...], float] = {(p, r): 0.0 for p in pool_labels for r in RESULTS}
     for (pool, result), n in snap.queries.items():
         key = (label(pool), str(result))
         queries[key] = queries.get(key, 0.0) + float(n)
-    out[_name("reconciler_queries")] = queries
-    out[_name("reconciler_stale_positives")] = _per_pool(snap.stale_positives, label, pool_labels)
-    out[_name("reconciler_pages_invalidated")] = _per_pool(
-        snap.pages_invalidated, label, pool_labels
-    )
-    out[_name("reconciler_pages_learnt")] = _per_pool(snap.pages_learnt, label, pool_labels)
-    out[_name("reconciler_verdicts_withheld")] = _per_pool(
-        snap.invalidations_withheld, label, pool_labels
-    )
     errors: dict[tuple[str, ...], float] = {(k,): 0.0 for k in ERROR_KINDS}
     for kind, n in snap.errors.items():
         errors[(str(kind),)] = errors.get((str(kind),), 0.0) + float(n)
-    out[_name("reconciler_errors")] = errors
-    out[_name("reconciler_circuit_open")] = {(): 0.0 if snap.circuit_state == 0 else 1.0}
-    out[_name("reconciler_outstanding_queries")] = {(): float(snap.outstanding)}
-    out[_name("reconciler_objects_leased")] = {(): float(snap.objects_leased)}
     q = snap.query_seconds
-    hist[_name("reconciler_query_seconds")] = {
-        (): (tuple(q.bounds), tuple(q.cumulative), float(q.sum))
+    return {
+        "queries": queries,
+        "stale_positives": _per_pool(snap.stale_positives, label, pool_labels),
+        "pages_invalidated": _per_pool(snap.pages_invalidated, label, pool_labels),
+        "pages_learnt": _per_pool(snap.pages_learnt, label, pool_labels),
+        "invalidations_withheld": _per_pool(snap.invalidations_withheld, label, pool_labels),
+        "errors": errors,
+        "circuit_state": _scalar(0.0 if snap.circuit_state == 0 else 1.0),
+        "outstanding": _scalar(snap.outstanding),
+        "objects_leased": _scalar(snap.objects_leased),
+        "query_seconds": {(): (tuple(q.bounds), tuple(q.cumulative), float(q.sum))},
     }
 
 
-def _advisor(out: FeatureSamples, snap: Any, label: Callable[[str], str]) -> None:
-    for name, lookups in (
-        ("advisor_estimated_hit_ratio", False),
-        ("advisor_estimated_lookup_hit_ratio", True),
-    ):
+def _advisor(snap: Any, label: Callable[[str], str]) -> _Values:
+    out: _Values = {"dropped_references": _scalar(snap.dropped_references)}
+    for field, lookups in (("estimated_hit_ratio", False), ("estimated_lookup_hit_ratio", True)):
         series: dict[tuple[str, ...], float] = {}
         for labels, value in snap.gauge_samples(lookups=lookups):
             pool_label = label(labels["pool"])
             if pool_label == OTHER_POOL:
                 continue  # an estimate of several folded pools would mean nothing
             series[(pool_label, labels["cap_multiplier"])] = float(value)
-        out[_name(name)] = series
-    out[_name("advisor_dropped_references")] = {(): float(snap.dropped_references)}
+        out[field] = series
+    return out
 
 
-def _recorder(out: FeatureSamples, snap: Any) -> None:
-    out[_name("recorder_records")] = {(str(k),): float(n) for k, n in snap.records.items()}
-    out[_name("recorder_dropped_records")] = {(str(k),): float(n) for k, n in snap.dropped.items()}
-    out[_name("recorder_written_bytes")] = {(): float(snap.written_bytes)}
-    out[_name("recorder_disk_bytes")] = {(): float(snap.disk_bytes)}
+def _recorder(snap: Any) -> _Values:
+    return {
+        "records": {(str(k),): float(n) for k, n in snap.records.items()},
+        "dropped": {(str(k),): float(n) for k, n in snap.dropped.items()},
+        "written_bytes": _scalar(snap.written_bytes),
+        "disk_bytes": _scalar(snap.disk_bytes),
+    }
 
 
-def _events(out: FeatureSamples, snap: Any) -> None:
-    out[_name("events_published_blocks")] = {(k,): float(n) for k, n in snap.published.items()}
-    out[_name("events_dropped_blocks")] = {(k,): float(n) for k, n in snap.dropped.items()}
-    out[_name("events_removals")] = {(k,): float(n) for k, n in snap.removals.items()}
-    out[_name("events_unknown_blocks")] = {(): float(snap.unknown)}
-    out[_name("events_oldest_unverified_store_seconds")] = {(): float(snap.oldest_unverified_s)}
+def _events(snap: Any) -> _Values:
+    return {
+        "published": {(k,): float(n) for k, n in snap.published.items()},
+        "dropped": {(k,): float(n) for k, n in snap.dropped.items()},
+        "removals": {(k,): float(n) for k, n in snap.removals.items()},
+        "unknown": _scalar(snap.unknown),
+        "oldest_unverified_s": _scalar(snap.oldest_unverified_s),
+    }

@@ -217,6 +217,8 @@ class SeriesReader:
                 out[spec.name][key] += getattr(stats, spec.field)
 
 
-_MEMORY = "hicache_existence_memory_bytes"
-_MISS_MEMORY = "hicache_existence_miss_memory_bytes"
+#: The memory families, by the field they read (their names live in the catalog).
+_MEMORY_FAMILY = {spec.field: spec.name for spec in CATALOG if spec.source == "memory"}
+_MEMORY = _MEMORY_FAMILY["memory_bytes"]
+_MISS_MEMORY = _MEMORY_FAMILY["miss_memory_bytes"]
 _WRITE_SPECS = tuple(spec for spec in CATALOG if spec.source == "writes")
