@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from hicache_existence.core import _validate
+
 ENV_PREFIX = "HICACHE_EXISTENCE_"
 ENV_CONFIG = "HICACHE_EXISTENCE_CONFIG"
 #: Variables with the prefix that are not settings: tooling switches read by
@@ -497,7 +499,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return int(value)
             except ValueError:
                 raise ConfigError(f"{key} must be an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _validate.is_int(value):
             raise ConfigError(f"{key} must be an integer, got {type(value).__name__}")
         return value
     if hint is float:
@@ -506,7 +508,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return float(value)
             except ValueError:
                 raise ConfigError(f"{key} must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not _validate.is_number(value):
             raise ConfigError(f"{key} must be a number, got {type(value).__name__}")
         return float(value)
     if hint is str:

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import IO, Any
 
+from hicache_existence.core import _validate
+
 try:  # optional extra
     import structlog as _structlog
 except ImportError:  # pragma: no cover - exercised by the bare-import check
@@ -126,12 +128,9 @@ class RateLimiter:
     def __init__(
         self, rate: float, burst: float = 1.0, clock: Callable[[], float] | None = None
     ) -> None:
-        for name, value in (("rate", rate), ("burst", burst)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not rate >= 0:
+        if not _validate.number(rate, "rate") >= 0:
             raise ValueError(f"rate must be >= 0, got {rate}")
-        if not burst >= 1:
+        if not _validate.number(burst, "burst") >= 1:
             raise ValueError(f"burst must be >= 1, got {burst}")
         self._rate = float(rate)
         self._burst = float(burst)

@@ -97,14 +97,6 @@ def test_span_wraps_slow_work_with_attributes():
         pass
 
 
-def test_bad_arguments_name_themselves():
-    """The exporter rejects a non-SeriesReader and non-DeploymentLabels labels."""
-    with pytest.raises(TypeError, match="series_reader"):
-        otel.OTelExporter(object())  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="labels"):
-        otel.OTelExporter(SeriesReader(he.StorageExistenceCache(1)), {"tp_rank": 0})  # type: ignore[arg-type]
-
-
 def test_every_family_but_histograms_is_an_instrument_and_the_doc_says_so():
     """With every feature on, OTel has one instrument per catalog family except the
     histograms, and docs/metrics.md names each histogram as Prometheus-only."""

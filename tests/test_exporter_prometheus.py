@@ -191,18 +191,6 @@ def test_exposition_passes_promtool_lint():
     assert run.returncode == 0, run.stdout.decode() + run.stderr.decode()
 
 
-def test_bad_arguments_name_themselves():
-    """Exporter constructors reject wrong types and out-of-range ports."""
-    with pytest.raises(TypeError, match="cache"):
-        SeriesReader(object())  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="max_pools"):
-        SeriesReader(he.StorageExistenceCache(1), max_pools=0)
-    with pytest.raises(TypeError, match="series_reader"):
-        PrometheusCollector(object())  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="port"):
-        serve(SeriesReader(he.StorageExistenceCache(1)), port=70000)
-
-
 def test_telemetry_standalone_serves_configured_address():
     """Telemetry in standalone mode serves on metrics.host:port and step() feeds
     the monitor at most once per flush interval."""

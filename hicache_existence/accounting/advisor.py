@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from hicache_existence.core import lru
+from hicache_existence.core import _validate, lru
 from hicache_existence.core.sampler import SamplerType, threshold
 
 if TYPE_CHECKING:
@@ -216,18 +216,10 @@ class CapacityAdvisor:
         shared: bool = False,
         sampler_factory: Callable[..., SamplerType] | None = None,
     ) -> None:
-        if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, float)):
-            raise TypeError(f"sampling_rate must be a number, got {type(sampling_rate).__name__}")
-        if not 0.0 < sampling_rate <= 1.0:
+        if not 0.0 < _validate.number(sampling_rate, "sampling_rate") <= 1.0:
             raise ValueError(f"sampling_rate must be within (0, 1], got {sampling_rate}")
-        for name, value, low in (
-            ("max_sampled_pages", max_sampled_pages, 1),
-            ("half_life_references", half_life_references, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+        max_sampled_pages = _validate.count(max_sampled_pages, "max_sampled_pages", 1)
+        half_life_references = _validate.count(half_life_references, "half_life_references")
         if max_sampled_pages > 1 << 28:
             raise ValueError(f"max_sampled_pages must be <= {1 << 28}, got {max_sampled_pages}")
         self.sampling_rate = float(sampling_rate)
@@ -312,8 +304,7 @@ class CapacityAdvisor:
     def estimate(self, pool: str, cap: int, *, lookups: bool = False) -> float | None:
         """Estimated hit ratio of ``pool`` at ``cap`` entries: of the reference stream,
         or with ``lookups=True`` of the pages lookups asked for (None: no data yet)."""
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+        _validate.count(cap, "cap", 1)
         sampler = self._samplers.get(SHARED_POOL if self.shared else pool)
         if sampler is None:
             return None

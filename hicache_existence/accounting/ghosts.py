@@ -115,11 +115,7 @@ class FingerprintGhosts:
     ) -> None:
         slots = _validate.count(slots, "slots", 1)
         self.pool = _validate.pool_name(pool, "pool")
-        if isinstance(debug_events_per_s, bool) or not isinstance(debug_events_per_s, (int, float)):
-            raise TypeError(
-                f"debug_events_per_s must be a number, got {type(debug_events_per_s).__name__}"
-            )
-        if not debug_events_per_s >= 0:
+        if not _validate.number(debug_events_per_s, "debug_events_per_s") >= 0:
             raise ValueError(f"debug_events_per_s must be >= 0, got {debug_events_per_s}")
         self._sample_every = _validate.count(sample_every, "sample_every", 1)
         self._levels, top, self.slots = _layout(slots)
@@ -333,9 +329,7 @@ class GhostFactory:
             ("memory_fraction", memory_fraction),
             ("bytes_per_entry", bytes_per_entry),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not value > 0:
+            if not _validate.number(value, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if memory_fraction > 1:
             raise ValueError(f"memory_fraction must be <= 1, got {memory_fraction}")

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache_existence.core import lru
+from hicache_existence.core import _validate, lru
 
 if TYPE_CHECKING:
     from hicache_existence.config import RecorderSection
@@ -94,9 +94,7 @@ _native = lru.compiled("accounting._recorder")
 def bound(rate: float) -> str | None:
     """The str a page hash must compare below to be recorded (``None``: rate 1,
     every page).  Rates are resolved to 2^-32."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-        raise TypeError(f"sample_rate must be a number, got {type(rate).__name__}")
-    if not 0.0 < rate <= 1.0:
+    if not 0.0 < _validate.number(rate, "sample_rate") <= 1.0:
         raise ValueError(f"sample_rate must be within (0, 1], got {rate}")
     if rate >= 1.0:
         return None

@@ -109,6 +109,25 @@ def pool_name(name: object, arg: str = "pool") -> str:
     return str.__str__(name)
 
 
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an int to Python, never a
+    count or a setting's number here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def number(value: object, arg: str) -> float:
+    """Return ``value`` as a ``float``, or raise ``TypeError`` naming ``arg``
+    (bools refused); the caller checks its own range."""
+    if not is_number(value):
+        raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
+    return float(value)  # type: ignore[arg-type]
+
+
 def count(value: object, arg: str, minimum: int = 0) -> int:
     """Return ``value`` as an ``int`` >= ``minimum``; bools and floats are refused."""
     if isinstance(value, bool):

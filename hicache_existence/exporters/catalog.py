@@ -18,6 +18,7 @@ from typing import Literal
 
 from hicache_existence.accounting.causes import CAUSES
 from hicache_existence.config import redact_url
+from hicache_existence.core import _validate
 from hicache_existence.core.stats import MISS_REASONS, PoolStats
 
 PREFIX = "hicache_existence_"
@@ -597,10 +598,7 @@ class DeploymentLabels:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_rank"):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(f"{f.name} must be an int, got {type(value).__name__}")
-                if value < 0:
-                    raise ValueError(f"{f.name} must be >= 0, got {value}")
+                _validate.count(value, f.name)
             else:
                 if not isinstance(value, str):
                     raise TypeError(f"{f.name} must be a str, got {type(value).__name__}")

@@ -29,14 +29,6 @@ class Monitor:
         clock: Callable[[], float] | None = None,
         logger: logs.EventLogger | None = None,
     ) -> None:
-        for name, value in (
-            ("burst_fraction", burst_fraction),
-            ("burst_events_per_s", burst_events_per_s),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
         self.burst_fraction = float(burst_fraction)
         self._burst_rate = float(burst_events_per_s)
         self._clock = clock or time.monotonic

@@ -60,16 +60,6 @@ class MultiprocessFeeder:
         clock: Callable[[], float] | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        if not isinstance(series_reader, SeriesReader):
-            raise TypeError(
-                f"series_reader must be a SeriesReader, got {type(series_reader).__name__}"
-            )
-        if labels is not None and not isinstance(labels, DeploymentLabels):
-            raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
-        if isinstance(flush_interval_s, bool) or not isinstance(flush_interval_s, (int, float)):
-            raise TypeError("flush_interval_s must be a number of seconds")
-        if not flush_interval_s >= 0:
-            raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
         self.series_reader = series_reader
         self.flush_interval_s = float(flush_interval_s)
         self._clock = clock or time.monotonic

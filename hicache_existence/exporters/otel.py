@@ -68,12 +68,6 @@ class OTelExporter:
                 "OpenTelemetry export needs opentelemetry-api: "
                 "pip install 'hicache-existence[otel]'"
             )
-        if not isinstance(series_reader, SeriesReader):
-            raise TypeError(
-                f"series_reader must be a SeriesReader, got {type(series_reader).__name__}"
-            )
-        if labels is not None and not isinstance(labels, DeploymentLabels):
-            raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
         self.series_reader = series_reader
         self._deployment = dict(zip(DEPLOYMENT_LABELS, (labels or DeploymentLabels()).values()))
         provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()

@@ -24,7 +24,6 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from hicache_existence import logs
-from hicache_existence.core import _validate
 from hicache_existence.exporters.catalog import DeploymentLabels, FeatureSpec, MetricSpec
 from hicache_existence.exporters.features import HistogramSamples
 from hicache_existence.exporters.series import Samples, SeriesReader
@@ -44,12 +43,6 @@ class PrometheusCollector(Collector):
     """Renders the catalog from a ``SeriesReader`` at each scrape."""
 
     def __init__(self, series_reader: SeriesReader, labels: DeploymentLabels | None = None) -> None:
-        if not isinstance(series_reader, SeriesReader):
-            raise TypeError(
-                f"series_reader must be a SeriesReader, got {type(series_reader).__name__}"
-            )
-        if labels is not None and not isinstance(labels, DeploymentLabels):
-            raise TypeError(f"labels must be DeploymentLabels, got {type(labels).__name__}")
         self.series_reader = series_reader
         self._deployment = (labels or DeploymentLabels()).values()
 
@@ -102,13 +95,7 @@ class MetricsServer:
         host: str = DEFAULT_HOST,
         port: int = DEFAULT_PORT,
     ) -> None:
-        if not isinstance(registry, CollectorRegistry):
-            raise TypeError(f"registry must be a CollectorRegistry, got {type(registry).__name__}")
-        if not isinstance(host, str) or not host:
-            raise TypeError("host must be a non-empty str address")
-        port = _validate.count(port, "port")
-        if port > 65535:
-            raise ValueError(f"port must be <= 65535, got {port}")
+        # host and port are metrics.host / metrics.port, checked by Config.
         self.registry = registry
         self._httpd: Any
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)

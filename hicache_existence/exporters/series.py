@@ -15,7 +15,6 @@ from typing import Protocol
 
 from hicache_existence.accounting.ghosts import CACHE_BYTES_PER_ENTRY, GhostFactory
 from hicache_existence.accounting.writes import PoolWriteStats, WriteAccounting, WriteStats
-from hicache_existence.core import _validate
 from hicache_existence.core.stats import MISS_REASONS, CacheStats, PoolStats
 from hicache_existence.exporters.catalog import (
     CATALOG,
@@ -49,11 +48,11 @@ class PoolLabeler:
     pool's series never move between labels and counters never go backwards."""
 
     def __init__(self, max_pools: int = 16, initial: Iterable[str] = ("kv",)) -> None:
-        self.max_pools = _validate.count(max_pools, "max_pools", 1)
+        self.max_pools = max_pools  # metrics.max_pools, >= 1 (Config checks it)
         self._labels: dict[str, str] = {}
         self._order: list[str] = []
         for pool in initial:
-            self.label(_validate.pool_name(pool, "initial pools"))
+            self.label(pool)
 
     def label(self, pool: str) -> str:
         label = self._labels.get(pool)
@@ -94,18 +93,8 @@ class SeriesReader:
         features: FeatureSources | None = None,
         write_families: bool = True,
     ) -> None:
-        if features is not None and not isinstance(features, FeatureSources):
-            raise TypeError(f"features must be FeatureSources, got {type(features).__name__}")
-        if not callable(getattr(cache, "stats", None)):
-            raise TypeError("cache must have a stats() method (either cache generation)")
-        if writes is not None and not isinstance(writes, WriteAccounting):
-            raise TypeError(f"writes must be a WriteAccounting, got {type(writes).__name__}")
-        if ghosts is not None and not isinstance(ghosts, GhostFactory):
-            raise TypeError(f"ghosts must be a GhostFactory, got {type(ghosts).__name__}")
-        if isinstance(bytes_per_entry, bool) or not isinstance(bytes_per_entry, (int, float)):
-            raise TypeError("bytes_per_entry must be a number")
-        if bytes_per_entry < 0:
-            raise ValueError(f"bytes_per_entry must be >= 0, got {bytes_per_entry}")
+        # Internal and typed: the collaborators are the runtime's own, the
+        # settings come from a validated ``Config`` (checks live at that edge).
         self.cache = cache
         self.writes = writes
         self.ghosts = ghosts
