@@ -270,6 +270,9 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
             "mamba_cache_writes",
             env=s.env(HICACHE_EXISTENCE_ENABLED="1", HICACHE_EXISTENCE_CACHE_MODE__DEDUP="1"),
         ),
+        "mamba_writes_buffer": lambda: s.run(
+            "mamba_cache_writes", "buffer_only", env=s.env(HICACHE_EXISTENCE_ENABLED="1")
+        ),
         "disabled": lambda: s.run("disabled", argv),
         "no_plugin": lambda: s.run("disabled", argv, env=s.env(SGLANG_PLUGINS="some_other_plugin")),
         "missing_target": lambda: s.run("missing_target", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),

@@ -1,5 +1,7 @@
-"""A hybrid Mamba model's HiCache cache-mode L3 writes, through sglang's own classes
-in process (the scenario ``mamba_cache_writes`` of ``hx_scenarios.py``).
+"""A hybrid Mamba model's HiCache L3 writes, through sglang's own classes in process
+(the scenario ``mamba_cache_writes`` of ``hx_scenarios.py``), in cache mode (the
+default) or buffer mode (``buffer_only``: upstream's pipeline admits each pool's
+pages through the existence cache, and writes L3 from a staging buffer).
 
 Why in process: a Mamba hybrid does not start as a real server on sglang's CPU
 engine (``docs/enable.md`` §9 says where it stops), but every class its HiCache
@@ -29,7 +31,7 @@ builds them for a ``FULL`` + ``MAMBA`` model:
   the package's beliefs stay).
 
 The package is installed the way sglang installs it (``load_plugins``, the
-entry point), in cache mode with ``cache_mode.dedup`` from the environment.  The
+entry point), with ``cache_mode.dedup`` from the environment.  The
 truth never reads the package: every ``HiCacheFile.set`` call (a probe wrapped
 around the class attribute, outermost: the pages the backend was asked to store,
 per pool by their storage key) and the page files per pool.  CPU stand-ins: the
@@ -71,11 +73,11 @@ def pool_of_file(name: str) -> str:
     return pool_of_key(name.split("_", 1)[0])
 
 
-class MambaCacheModeServer:
-    """A prefill scheduler's hybrid Mamba tree in HiCache cache mode over the real
-    file backend, on CPU."""
+class MambaHiCacheServer:
+    """A prefill scheduler's hybrid Mamba tree with HiCache (host memory mode
+    ``mode``) over the real file backend, on CPU."""
 
-    def __init__(self, hs: Any) -> None:
+    def __init__(self, hs: Any, mode: str = "cache") -> None:
         import torch
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.environ import envs
@@ -91,7 +93,7 @@ class MambaCacheModeServer:
         self.l3 = Path(tempfile.mkdtemp(prefix="hx-l3-mamba-"))
         args = hs.server_args(
             served_model_name="model-7b",
-            hicache_host_memory_mode="cache",
+            hicache_host_memory_mode=mode,
             hicache_io_backend="direct",
             hicache_mem_layout="page_first_direct",
             hicache_write_policy="write_through",
@@ -215,6 +217,9 @@ class MambaCacheModeServer:
             self.tree.check_hicache_events()
             steps += 1
             idle = not self.tree.ongoing_write_through and not self.tree.ongoing_backup
+            pipeline = self.tree.buffer_pipeline
+            if pipeline is not None:
+                idle = not pipeline.inflight_backup_node_ids and not pipeline.ongoing_backup
             if idle and (feed is None or feed.cache_mode is None or not feed.cache_mode.pending):
                 break
             time.sleep(0.005)
@@ -268,14 +273,20 @@ def _written_samples(hs: Any, entry: Any) -> dict[str, float]:
     return out
 
 
-def cache_writes(hs: Any) -> dict[str, Any]:
+def cache_writes(hs: Any, mode: str = "cache") -> dict[str, Any]:
     """A (8 pages) written; after a flush A4 (A's first 4 pages: its ``kv`` pages
     believed, its Mamba page, keyed by A3, not); after another flush A4 again
     (everything believed).  Per phase: the package's counters per pool, the
     backend's ``set`` keys per pool, the page files per pool, the beliefs."""
     logs = hs.capture_logs()
     hs.load_plugins()
-    server = MambaCacheModeServer(hs)
+    try:
+        server = MambaHiCacheServer(hs, mode)
+    except ValueError as exc:
+        if mode != "buffer_only":
+            raise
+        # sglang <= 0.5.21: init_hicache refuses a Mamba tree in buffer mode.
+        return {"refused": str(exc), "warnings": logs.warnings()}
     entry = server.entry
     feed = entry.write_path if entry else None
     a = list(range(1, 8 * PAGE + 1))

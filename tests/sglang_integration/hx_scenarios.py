@@ -599,12 +599,12 @@ def buffer_writes(cap: str = "0") -> dict[str, Any]:
 
 
 @scenario
-def mamba_cache_writes() -> dict[str, Any]:
-    """A hybrid Mamba tree's cache-mode L3 writes through sglang's own classes
-    (``hx_mamba.py``), dedup as the environment says."""
+def mamba_cache_writes(mode: str = "cache") -> dict[str, Any]:
+    """A hybrid Mamba tree's L3 writes through sglang's own classes
+    (``hx_mamba.py``) in host memory mode ``mode``, dedup as the environment says."""
     import hx_mamba
 
-    return hx_mamba.cache_writes(sys.modules[__name__])
+    return hx_mamba.cache_writes(sys.modules[__name__], mode)
 
 
 @scenario

@@ -1,7 +1,8 @@
-"""A hybrid Mamba model's HiCache cache-mode L3 writes, counted per pool, through
-sglang's own classes in process (``hx_mamba.py`` builds them: ``MambaComponent`` in
-a ``UnifiedRadixCache``, ``HybridReqToTokenPool``/``MambaPool``, ``MambaPoolHost``,
-``HybridCacheController``, the file backend), with ``cache_mode.dedup`` off and on.
+"""A hybrid Mamba model's HiCache L3 writes, counted per pool, through sglang's own
+classes in process (``hx_mamba.py`` builds them: ``MambaComponent`` in a
+``UnifiedRadixCache``, ``HybridReqToTokenPool``/``MambaPool``, ``MambaPoolHost``,
+``HybridCacheController``, the file backend): cache mode with ``cache_mode.dedup``
+off and on, and buffer mode.
 
 A Mamba hybrid does not run as a real server on sglang's CPU engine (``docs/enable.md``
 §9); these tests are where its write path is proven.  Workload: ``A`` (8 pages of 4
@@ -19,13 +20,21 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hx_harness import Scenarios
+from hx_harness import Scenarios, installed_generation
 
 pytestmark = [pytest.mark.sglang]
 
 POOLS = ("kv", "mamba")
 COUNTERS = ("written", "acknowledged", "failed", "avoided", "redundant", "redundant_believed")
 BOTH = pytest.mark.parametrize("key", ["mamba_writes", "mamba_writes_dedup"])
+#: Whether the installed sglang runs a Mamba tree in buffer mode: 0.5.22 and later;
+#: 0.5.21's ``init_hicache`` refuses one ("buffer_only supports only FULL/SWA unified
+#: trees"), which ``test_buffer_mode_admits_each_pool_on_its_own`` checks there.
+BUFFER_MAMBA = installed_generation() == "current"
+#: Cache mode with dedup off and on, and buffer mode (``buffer_only``) where it runs.
+ALL = pytest.mark.parametrize(
+    "key", ["mamba_writes", "mamba_writes_dedup"] + ["mamba_writes_buffer"] * BUFFER_MAMBA
+)
 
 
 def _delta(r: dict[str, Any], before: str | None, after: str) -> dict[str, dict[str, int]]:
@@ -49,7 +58,7 @@ def _sets(r: dict[str, Any], phase: str, pool: str) -> list[str]:
 PHASES = [(None, "a"), ("a", "a4"), ("a4", "a4_again")]
 
 
-@BOTH
+@ALL
 def test_sglang_s_own_hybrid_mamba_classes_write_l3(scenarios: Scenarios, key: str) -> None:
     """The tree, host pools and controller are sglang's Mamba-hybrid ones, our
     cache is the tree's, nothing failed or warned; the Mamba page file holds the
@@ -65,7 +74,7 @@ def test_sglang_s_own_hybrid_mamba_classes_write_l3(scenarios: Scenarios, key: s
     assert all(r["phases"][p]["drained"] for _, p in PHASES)
 
 
-@BOTH
+@ALL
 def test_every_phase_counts_each_pool_against_the_backend(scenarios: Scenarios, key: str) -> None:
     """Per pool and phase: written = the keys the backend was asked to store,
     acknowledged = written (nothing failed), written - redundant = the page
@@ -87,7 +96,7 @@ def test_every_phase_counts_each_pool_against_the_backend(scenarios: Scenarios, 
         assert sum(last[pool]["causes"].values()) == last[pool]["redundant"], pool
 
 
-@BOTH
+@ALL
 def test_first_write_kv_pages_and_the_trailing_mamba_page(scenarios: Scenarios, key: str) -> None:
     """A: 8 kv pages and one mamba page keyed by the node's last page, each a new
     file; after the ack exactly those are believed, per pool."""
@@ -166,3 +175,25 @@ def test_dedup_avoids_exactly_what_dedup_off_rewrites_believed(scenarios: Scenar
             assert d_on[pool]["avoided"] == skipped, (after, pool)
             if skipped:
                 assert skipped == d_off[pool]["redundant_believed"], (after, pool)
+
+
+def test_buffer_mode_admits_each_pool_on_its_own(scenarios: Scenarios) -> None:
+    """Buffer mode (upstream's admission, pool by pool, through this cache): A4's
+    believed kv pages are not written (4 avoided), its mamba page A3 is (a new
+    file, then believed); A4 again: nothing is handed to the backend, 4 kv and 1
+    mamba page avoided."""
+    r = scenarios.get("mamba_writes_buffer").value()
+    if not BUFFER_MAMBA:  # sglang 0.5.21: upstream refuses the tree, nothing to count
+        assert "buffer_only supports only" in r["refused"] and "MAMBA" in r["refused"]
+        return
+    kv = r["keys"]["kv"]
+    d = _delta(r, "a", "a4")
+    assert _sets(r, "a4", "kv") == [] and _sets(r, "a4", "mamba") == [kv[3]]
+    assert (d["kv"]["written"], d["kv"]["avoided"]) == (0, 4)
+    assert (d["mamba"]["written"], d["mamba"]["avoided"], d["mamba"]["redundant"]) == (1, 0, 0)
+    assert r["phases"]["a4"]["believed_mamba"] == [kv[3], kv[7]]
+    d = _delta(r, "a4", "a4_again")
+    assert r["phases"]["a4_again"]["sets"] == {}
+    assert (d["kv"]["written"], d["kv"]["avoided"]) == (0, 4)
+    assert (d["mamba"]["written"], d["mamba"]["avoided"]) == (0, 1)
+    assert r["phases"]["a4_again"]["files"] == {"kv": 8, "mamba": 2}
