@@ -99,7 +99,8 @@ def test_every_phase_counts_each_pool_against_the_backend(scenarios: Scenarios, 
 @ALL
 def test_first_write_kv_pages_and_the_trailing_mamba_page(scenarios: Scenarios, key: str) -> None:
     """A: 8 kv pages and one mamba page keyed by the node's last page, each a new
-    file; after the ack exactly those are believed, per pool."""
+    file; after the ack exactly those are believed, per pool; the mamba pool's
+    bytes are its own page size (the page file's)."""
     r = scenarios.get(key).value()
     kv, mamba = r["keys"]["kv"], r["keys"]["mamba"]
     assert len(kv) == 8 and mamba == [kv[-1]]
@@ -109,6 +110,11 @@ def test_first_write_kv_pages_and_the_trailing_mamba_page(scenarios: Scenarios, 
     assert r["phases"]["a"]["files"] == {"kv": 8, "mamba": 1}
     assert r["phases"]["a"]["believed_kv"] == kv
     assert r["phases"]["a"]["believed_mamba"] == [kv[-1]]
+    # Bytes per pool: a mamba page is one host slot of MambaPoolHost (every Mamba
+    # layer's conv and SSM state), the size of its page file, not a kv page.
+    mamba_w, kv_w = r["phases"]["a"]["writes"]["mamba"], r["phases"]["a"]["writes"]["kv"]
+    assert mamba_w["page_size_bytes"] == r["mamba_state_bytes"] != kv_w["page_size_bytes"]
+    assert mamba_w["written_bytes"] == mamba_w["page_size_bytes"]
 
 
 @BOTH
