@@ -10,6 +10,7 @@ import json
 import os
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from test_replay_trace import mooncake, mooncake_trace, write_lines
 
 from hicache_existence.cli import main
 from hicache_existence.replay import report
+from hicache_existence.replay.l3 import L3
 from hicache_existence.replay.model import ModelConfig, run_model
 from hicache_existence.replay.pages import PageRequest, PageTrace, chunk_ends
 from hicache_existence.replay.sweep import parse_caps, sweep
@@ -506,3 +508,35 @@ def test_cli_on_a_page_trace_with_pools(tmp_path: Path, capsys: pytest.CaptureFi
     assert set(doc["belief_only"]) == {"kv", "swa"}
     assert doc["trace"]["page_size"] == 16
     assert not (tmp_path / "o" / "replay.png").exists()
+
+
+def test_l3_model_drops_evicts_and_tells_the_ledger() -> None:
+    """The simulators' one L3 (``replay.l3``): every ``drop_every``-th write loses
+    the oldest of the last 64 pages written, a redundant write refreshes, the
+    capacity evicts the least recent, a read refreshes and a probe does not, and
+    the ledger hears every page stored and removed."""
+    log: list[tuple[str, str, tuple[str, ...]]] = []
+
+    class Ledger:
+        def record_stored(self, pool: str, pages: Sequence[str]) -> None:
+            log.append(("stored", pool, tuple(pages)))
+
+        def record_removed(self, pool: str, pages: Sequence[str]) -> None:
+            log.append(("removed", pool, tuple(pages)))
+
+    l3 = L3(3, drop_every=2, ledger=Ledger())
+    assert l3.write("kv", ["a", "b", "c"]) == 0  # write 2 drops "a"
+    assert l3.write("kv", ["b", "d", "e"]) == 1  # "b" again; "c" evicted
+    assert (list(l3.held("kv")), l3.dropped, l3.evictions) == (["b", "d", "e"], 1, 1)
+    assert log == [
+        ("stored", "kv", ("a", "b", "c")),
+        ("removed", "kv", ("a",)),
+        ("stored", "kv", ("b", "d", "e")),
+        ("removed", "kv", ("c",)),
+    ]
+    assert l3.leading("kv", ["b", "d", "x"], read=False) == 2
+    assert list(l3.held("kv")) == ["b", "d", "e"]
+    assert l3.leading("kv", ["b", "d", "x"]) == 2
+    assert list(l3.held("kv")) == ["e", "b", "d"]
+    unbounded = L3()
+    assert unbounded.write("kv", ["a", "a", "b"]) == 1 and len(unbounded) == 2

@@ -390,7 +390,7 @@ def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> di
         if rec
         else None,
         "ledger": writer.writer.counts() if writer is not None else None,
-        "l3": {"evicted": scheduler.shard.evicted, "dropped": scheduler.shard.dropped},
+        "l3": {"evicted": scheduler.shard.evictions, "dropped": scheduler.shard.dropped},
         "stats_total": stats.total.as_dict(),
     }
 

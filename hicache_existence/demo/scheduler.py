@@ -13,21 +13,21 @@ server:
 * ``runtime.step()`` once per step, the hook the SGLang plugin runs after
   ``check_hicache_events``.
 
-L3 is a per-rank shard with a capacity and LRU eviction (``L3Shard``), so beliefs
-go stale the way they do in production and the reconciler has something to find.
+L3 is a per-rank shard with a capacity and LRU eviction (``L3Shard``: the replay's
+L3 model, ``replay.l3``), so beliefs go stale the way they do in production and
+the reconciler has something to find.
 Every rank runs the same deterministic stream, which keeps replicas identical.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hicache_existence.core.policies import ChainPagesPolicy, TrailingWindowPolicy
 from hicache_existence.reconcile.ground_truth import check_chain
+from hicache_existence.replay.l3 import L3
 from hicache_existence.replay.pages import PageRequest
 from hicache_existence.runtime import ExistenceRuntime
 
@@ -35,78 +35,27 @@ KV = "kv"
 SWA = "swa"
 
 
-class L3Shard:
-    """One rank's L3 shard: an LRU of stored pages per pool, with a capacity.
-
-    Thread-safe: the reconciler's worker reads it (``GroundTruth``) while the
-    scheduler writes.  ``drop_every`` loses one page in that many writes, as an
-    L3 node that fails or expires pages early would (stale positives).
-    """
+class L3Shard(L3):
+    """One rank's L3 shard: the simulators' one L3 model (``replay.l3``),
+    bounded, and the rank's ground truth (the reconciler's worker reads it while
+    the scheduler writes).  ``drop_every`` loses one page in that many writes,
+    as an L3 node that fails or expires pages early would (stale positives)."""
 
     def __init__(self, capacity_pages: int, *, drop_every: int = 0, ledger: Any = None) -> None:
         if capacity_pages < 1:
             raise ValueError(f"capacity_pages must be >= 1, got {capacity_pages}")
-        self.capacity = capacity_pages
-        self.drop_every = drop_every
-        #: A ledger (``record_stored`` / ``record_removed``, e.g. the Redis one)
-        #: mirrored on every change, as the wrapping storage backend would.
-        self.ledger = ledger
-        self._lock = threading.Lock()
-        self._pages: dict[str, OrderedDict[str, None]] = {}
-        self._writes = 0
-        self._recent: deque[str] = deque(maxlen=64)
-        self.evicted = 0
-        self.dropped = 0
-
-    def _pool(self, pool: str) -> OrderedDict[str, None]:
-        return self._pages.setdefault(pool, OrderedDict())
-
-    def write(self, pool: str, pages: Sequence[str]) -> int:
-        """Store ``pages``; returns how many were already stored (redundant)."""
-        removed: list[str] = []
-        with self._lock:
-            held = self._pool(pool)
-            already = 0
-            for page in pages:
-                if page in held:
-                    already += 1
-                    held.move_to_end(page)
-                else:
-                    held[page] = None
-                self._writes += 1
-                self._recent.append(page)
-                if self.drop_every and self._writes % self.drop_every == 0:
-                    # Lose a recently written page (a failed node, an early expiry):
-                    # the beliefs still say it is stored.
-                    victim = self._recent[0]
-                    if victim in held:
-                        del held[victim]
-                        removed.append(victim)
-                        self.dropped += 1
-            while len(held) > self.capacity:
-                removed.append(held.popitem(last=False)[0])
-                self.evicted += 1
-        if self.ledger is not None:
-            self.ledger.record_stored(pool, pages)
-            if removed:
-                self.ledger.record_removed(pool, removed)
-        return already
+        super().__init__(capacity_pages, drop_every=drop_every, ledger=ledger)
 
     def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
         """``batch_exists`` semantics; reads refresh nothing (a probe, not a hit)."""
         name, seq = check_chain(pool, hashes)
-        with self._lock:
-            held: Mapping[str, None] = self._pages.get(name, {})
-            for index, page in enumerate(seq):
-                if page not in held:
-                    return index
-            return len(seq)
+        return self.leading(name, seq, read=False)
 
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         name, seq = check_chain(pool, hashes)
         with self._lock:
-            held: Mapping[str, None] = self._pages.get(name, {})
-            return [page in held for page in seq]
+            held = self.pools.get(name)
+            return [held is not None and page in held for page in seq]
 
 
 @dataclass

@@ -37,13 +37,13 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.reconcile.sampling import Candidates, Sampler
 from hicache_existence.reconcile.target import CacheTarget
 from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
+from hicache_existence.replay.l3 import L3
 from hicache_existence.replay.model import (
     CACHE_STATS,
     ModelConfig,
     ModelResult,
     _Ack,
     _PoolRun,
-    _Store,
     bytes_per_entry,
 )
 from hicache_existence.replay.pages import PageRequest, PageTrace
@@ -194,7 +194,7 @@ class _Instance:
         config: ModelConfig,
         fleet: FleetConfig,
         page_size: int,
-        stores: dict[str, _Store],
+        l3: L3,
         writing: dict[str, dict[str, int]],
     ) -> None:
         self.learner = (
@@ -204,7 +204,7 @@ class _Instance:
         self.target = CacheTarget(self.cache)
         self.config = config
         self.page_size = page_size
-        self.stores = stores
+        self.l3 = l3
         self.writing = writing
         self.runs: dict[str, _PoolRun] = {}
         self.result = ModelResult(cap=cap)
@@ -214,15 +214,13 @@ class _Instance:
     def run(self, pool: str) -> _PoolRun:
         run = self.runs.get(pool)
         if run is None:
-            store = self.stores.get(pool)
-            if store is None:
-                store = self.stores[pool] = _Store(self.config.l3_pages)
             run = self.runs[pool] = _PoolRun(
                 self.cache.pool(pool),
                 self.config,
                 self.page_size,
-                store=store,
-                writing=self.writing.setdefault(pool, {}),
+                self.l3,
+                pool,
+                self.writing.setdefault(pool, {}),
             )
         return run
 
@@ -239,7 +237,7 @@ class _Instance:
         picked = self.learner.picked
         for pool, chain in picked.take():
             picked.release(pool, chain)
-            held = self.stores[pool].pages
+            held = self.l3.held(pool)
             leading = next((i for i, h in enumerate(chain) if h not in held), len(chain))
             share.verifications += 1
             refs = self.cache.pool(pool).inflight_refs()
@@ -287,11 +285,10 @@ def run_fleet(
         raise ValueError(f"cap must be an int >= 1, got {cap!r}")
     config = config or ModelConfig()
     fleet = fleet or FleetConfig()
-    stores: dict[str, _Store] = {}
+    l3 = L3(config.l3_pages)
     writing: dict[str, dict[str, int]] = {}
     instances = [
-        _Instance(cap, config, fleet, trace.page_size, stores, writing)
-        for _ in range(fleet.instances)
+        _Instance(cap, config, fleet, trace.page_size, l3, writing) for _ in range(fleet.instances)
     ]
     owner: dict[int, _Instance] = {}
     acks: deque[_Ack] = deque()
@@ -342,7 +339,7 @@ def run_fleet(
     peak = max(peak, land(None))
     for inst in instances:
         inst.verify()
-    fleet_result = _sum(cap, instances, stores, peak)
+    fleet_result = _sum(cap, instances, l3, peak)
     fleet_result.elapsed_s = time.perf_counter() - started
     times = [r.timestamp_ms for r in trace.requests]
     span = (max(times) - min(times)) / 1000.0 if times else 0.0
@@ -352,7 +349,7 @@ def run_fleet(
         model=fleet_result,
         instances=[i.share for i in instances],
         span_s=max(span, 1.0),
-        l3_pages_held=sum(len(s.pages) for s in stores.values()),
+        l3_pages_held=len(l3),
     )
 
 
@@ -369,7 +366,7 @@ _SUMMED = (
 )
 
 
-def _sum(cap: int, instances: list[_Instance], stores: dict[str, _Store], peak: int) -> ModelResult:
+def _sum(cap: int, instances: list[_Instance], l3: L3, peak: int) -> ModelResult:
     """Fleet totals in a ``ModelResult``: counters summed over instances; the
     cache's counters summed too; ``peak_entries`` is the largest instance's."""
     total = ModelResult(cap=cap)
@@ -388,7 +385,7 @@ def _sum(cap: int, instances: list[_Instance], stores: dict[str, _Store], peak: 
     total.heal_invalidations = stats["invalidations"] - sum(
         i.share.pages_invalidated for i in instances
     )
-    total.l3_evictions = sum(s.evictions for s in stores.values())
+    total.l3_evictions = l3.evictions
     total.peak_entries = max(peak, *(i.entries() for i in instances))
     total.memory_bytes = int(total.peak_entries * bytes_per_entry())
     return total

@@ -18,8 +18,9 @@ docs/replay.md for the sources and every assumption):
   or ``contains(parent's last page)``) and the whole node is written:
   ``track_inflight`` at the launch, ``add`` + ``untrack_inflight`` at the storage
   ack ``ack_latency_ms`` later (drained before the next request at or after it);
-* **L3 store**: keeps every page written, or the ``l3_pages`` most recently
-  written or read (LRU) when bounded, which is what makes beliefs stale.
+* **L3 store** (``replay.l3``, the demo's too): keeps every page written, or the
+  ``l3_pages`` most recently written or read (LRU) when bounded, which is what
+  makes beliefs stale.
 
 The cache under test is ``StorageExistenceCache`` itself (one per run, cap per
 pool), so its LRU, eviction, in-flight refcounts, healing and counters are the
@@ -32,7 +33,7 @@ from __future__ import annotations
 import time
 import tracemalloc
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from itertools import repeat
@@ -40,11 +41,9 @@ from typing import Any
 
 from hicache_existence.core.cache import PoolBeliefs, StorageExistenceCache
 from hicache_existence.core.policies import ChainPagesPolicy
+from hicache_existence.replay.l3 import L3, exhaust, leading
 from hicache_existence.replay.pages import PageRequest, PageTrace
 
-#: Drains an iterator in C.
-_sink: deque[object] = deque(maxlen=0)
-_exhaust: Callable[[Iterable[object]], None] = _sink.extend
 _HEAL = ChainPagesPolicy()
 
 
@@ -131,45 +130,6 @@ def bytes_per_entry() -> float:
     return (after - before) / len(keys)
 
 
-def _leading(held: OrderedDict[str, None], pages: Sequence[str]) -> int:
-    """How many leading ``pages`` are in ``held``, moving them to most recent (in C)."""
-    try:
-        _exhaust(map(held.move_to_end, pages))
-    except KeyError as miss:
-        # Any earlier occurrence of the missing page would have raised there.
-        return pages.index(miss.args[0])
-    return len(pages)
-
-
-class _Store:
-    """L3: the pages it holds, LRU over writes and reads when bounded."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.pages: OrderedDict[str, None] = OrderedDict()
-        self.evictions = 0
-
-    def leading(self, pages: Sequence[str]) -> int:
-        """``batch_exists`` then the load: how many leading pages are stored (those
-        are read, which refreshes them in a bounded store's LRU)."""
-        return _leading(self.pages, pages)
-
-    def write(self, pages: Sequence[str]) -> int:
-        """Store ``pages``; returns how many were already held (redundant)."""
-        held = self.pages
-        before = len(held)
-        held.update(zip(pages, repeat(None)))
-        redundant = len(pages) - (len(held) - before)
-        if self.capacity:
-            if redundant:
-                _exhaust(map(held.move_to_end, pages))
-            excess = len(held) - self.capacity
-            if excess > 0:
-                _exhaust(map(held.popitem, repeat(False, excess)))
-                self.evictions += excess
-        return redundant
-
-
 class _Device:
     """The device prefix cache: prefix match, leaf-first LRU eviction."""
 
@@ -181,7 +141,7 @@ class _Device:
         """Pages of the longest cached prefix (touched; ``insert`` re-orders them)."""
         if not self.capacity:
             return 0
-        return _leading(self.pages, pages)
+        return leading(self.pages, pages)
 
     def insert(self, pages: Sequence[str]) -> None:
         if not self.capacity:
@@ -189,10 +149,10 @@ class _Device:
         held = self.pages
         backwards = pages[::-1]
         held.update(zip(backwards, repeat(None)))
-        _exhaust(map(held.move_to_end, backwards))
+        exhaust(map(held.move_to_end, backwards))
         excess = len(held) - self.capacity
         if excess > 0:
-            _exhaust(map(held.popitem, repeat(False, excess)))
+            exhaust(map(held.popitem, repeat(False, excess)))
 
 
 #: A write waiting for its storage ack: (due time in ms, pool state, pages).
@@ -207,25 +167,27 @@ class _PoolRun:
         beliefs: PoolBeliefs,
         config: ModelConfig,
         page_size: int,
-        *,
-        store: _Store | None = None,
+        l3: L3,
+        pool: str,
         writing: dict[str, int] | None = None,
     ) -> None:
         self.beliefs = beliefs
         self.config = config
         self.page_size = page_size
         self.device = _Device(config.device_pages)
-        #: L3 (shared by the instances of a fleet, see ``replay.fleet``).
-        self.store = store if store is not None else _Store(config.l3_pages)
+        #: L3 (shared by the instances of a fleet, see ``replay.fleet``) and this pool's part.
+        self.l3 = l3
+        self.pool = pool
+        self.held = l3.held(pool)
         #: Pages with a write launched and not yet landed (ground truth, refcounted;
-        #: shared by a fleet's instances like the store).
+        #: shared by a fleet's instances like L3).
         self.writing: dict[str, int] = writing if writing is not None else {}
         #: Nodes (by last page) with a write not yet acked: they vouch for children.
         self.pending_nodes: dict[str, int] = {}
 
     def land(self, keys: Sequence[str], result: ModelResult) -> None:
         """The storage ack: L3 holds the pages, the beliefs learn them."""
-        result.redundant_writes += self.store.write(keys)
+        result.redundant_writes += self.l3.write(self.pool, keys)
         self.beliefs.add(keys)
         self.beliefs.untrack_inflight(keys)
         writing = self.writing
@@ -250,7 +212,7 @@ class _PoolRun:
         result.device_hit_pages += matched
         rest = pages[matched:]
         if rest and len(rest) * self.page_size >= config.prefetch_threshold_tokens:
-            hit = self.store.leading(rest)
+            hit = self.l3.leading(self.pool, rest)
             if config.heal:
                 _HEAL.heal_from_query(beliefs, rest, rest, hit, evidence=True)
             result.l3_hit_pages += hit
@@ -261,7 +223,7 @@ class _PoolRun:
         pages = req.pages
         beliefs = self.beliefs
         bounded_store = bool(self.config.l3_pages)
-        held = self.store.pages
+        held = self.held
         writing = self.writing
         pending = self.pending_nodes
         due = req.timestamp_ms + self.config.ack_latency_ms
@@ -329,6 +291,7 @@ def run_model(
     elif len(cache) or cache.max_entries != cap:
         raise ValueError("cache must be empty and have max_entries == cap")
     runs: dict[str, _PoolRun] = {}
+    l3 = L3(config.l3_pages)
     acks: deque[_Ack] = deque()
     total = len(trace.requests)
     step = max(1, total // 20)
@@ -344,7 +307,9 @@ def run_model(
             peak = max(peak, sum(len(r.beliefs) for r in runs.values()))
         run = runs.get(req.pool)
         if run is None:
-            run = runs[req.pool] = _PoolRun(cache.pool(req.pool), config, trace.page_size)
+            run = runs[req.pool] = _PoolRun(
+                cache.pool(req.pool), config, trace.page_size, l3, req.pool
+            )
         run.request(req, result, acks)
         entries = sum(len(r.beliefs) for r in runs.values()) if len(runs) > 1 else len(run.beliefs)
         if entries > peak:
@@ -365,7 +330,7 @@ def run_model(
     result.belief_hit_ratio = stats.page_hits / stats.pages_checked if stats.pages_checked else 1.0
     result.evictions = stats.evictions
     result.heal_invalidations = stats.invalidations
-    result.l3_evictions = sum(r.store.evictions for r in runs.values())
+    result.l3_evictions = l3.evictions
     result.peak_entries = peak
     result.memory_bytes = int(peak * bytes_per_entry())
     result.elapsed_s = time.perf_counter() - started
