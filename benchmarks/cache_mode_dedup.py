@@ -47,7 +47,7 @@ from harness import (  # noqa: E402
     settle,
     sglang_total,
 )
-from real_server_cost import busy_share, fresh_cost  # noqa: E402
+from real_server_cost import breakdown, busy_share, by_name_split, fresh_cost  # noqa: E402
 
 PAGE = 16
 P = "hicache_existence_"
@@ -85,6 +85,7 @@ def one_round(srv: Server, probe: Path, stream: list[Any]) -> dict[str, Any]:
         busy=[a - b for a, b in zip(after_cost["busy"], before_cost["busy"])],
         poll=[a - b for a, b in zip(after_cost["poll"], before_cost["poll"])],
         timer_ns_per_call=after_cost["timer_ns"],
+        by_name_split=by_name_split(before_cost, after_cost),
     )
     return rec
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--pressures", default="low,high")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--inner", action="store_true", help="time the per-step hook's due work too")
     args = ap.parse_args(argv)
 
     results: dict[str, Any] = {}
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                     max_total_tokens=PRESSURES[pressure],
                     hicache_ratio=2.0,
                     config={"cache_mode": {"dedup": dedup}},
-                    env={"HX_PROBE_COST_DIR": str(probe)},
+                    env={"HX_PROBE_COST_DIR": str(probe)}
+                    | ({"HX_PROBE_COST_INNER": "1"} if args.inner else {}),
                 )
                 servers[name] = (stack.enter_context(launch(spec, root / name)), probe)
             stream = conversation_requests(
@@ -170,6 +173,10 @@ def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "prefetch_hit_tokens": int(total["prefetch_hit_tokens"]),
             "package_share_of_busy_median": f"{100 * statistics.median(shares):.2f}%",
             "package_share_of_busy_max": f"{100 * max(shares):.2f}%",
+            "hook_us_per_poll_iteration_median": round(
+                statistics.median(busy_share(r)["hook_us_per_poll_iteration"] for r in kept), 3
+            ),
+            "package_ms_by_function_per_round": breakdown(kept),
         }
     out["target"] = "package_share_of_busy <= 0.5%"
     return out

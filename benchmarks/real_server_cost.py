@@ -73,10 +73,12 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         for k in ("busy", "poll", "rec_busy", "rec_poll"):
             total[k] = [a + int(b) for a, b in zip(total[k], rec.get(k, total[k]))]
         total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
-        for name, (ns, calls) in rec.get("by_name", {}).items():
-            slot = by_name.setdefault(name, [0, 0])
-            slot[0] += ns
-            slot[1] += calls
+        for name, counts in rec.get("by_name", {}).items():
+            # [ns, calls, (current iteration's ns, calls,) busy ns, calls, poll ns, calls]
+            counts = [*counts[:2], *counts[4:8]] if len(counts) >= 8 else [*counts[:2], 0, 0, 0, 0]
+            slot = by_name.setdefault(name, [0] * 6)
+            for j, v in enumerate(counts):
+                slot[j] += int(v)
     total["by_name"] = by_name
     states = {json.loads(f.read_text()).get("recorder_on") for f in files}
     total["recorder_on"] = states.pop() if len(states) == 1 else None
@@ -124,10 +126,43 @@ def one_round(
         "rec_poll": [a - b for a, b in zip(after["rec_poll"], before["rec_poll"])],
         "timer_ns_per_call": after["timer_ns"],
         "by_name_ms": {
-            name: round((ns - before["by_name"].get(name, [0, 0])[0]) / 1e6, 3)
-            for name, (ns, _) in after["by_name"].items()
+            name: round((counts[0] - before["by_name"].get(name, [0])[0]) / 1e6, 3)
+            for name, counts in after["by_name"].items()
         },
+        "by_name_split": by_name_split(before, after),
     }
+
+
+def by_name_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[int]]:
+    """Per function, this round's ``[busy ns, busy calls, poll ns, poll calls]``
+    (top-level calls, timers included) in the iterations that ran a batch and in
+    the polling ones."""
+    out: dict[str, list[int]] = {}
+    for name, counts in after["by_name"].items():
+        prev = before["by_name"].get(name, [0] * 6)
+        diff = [a - b for a, b in zip(counts[2:6], prev[2:6])]
+        if any(diff):
+            out[name] = diff
+    return out
+
+
+def breakdown(recs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per function, medians over ``recs`` (rounds) of the busy and poll time per
+    round (ms, net of the timers: calls x the timer's own cost) and the calls per
+    round, the costliest first: where the package's time goes."""
+    med = statistics.median
+    names = sorted({n for r in recs for n in r.get("by_name_split", {})})
+    rows: dict[str, dict[str, float]] = {}
+    for name in names:
+        cols = [r.get("by_name_split", {}).get(name, [0, 0, 0, 0]) for r in recs]
+        timer = [r["timer_ns_per_call"] for r in recs]
+        rows[name] = {
+            "busy_ms": round(med(max(0.0, c[0] - c[1] * t) for c, t in zip(cols, timer)) / 1e6, 3),
+            "busy_calls": med(c[1] for c in cols),
+            "poll_ms": round(med(max(0.0, c[2] - c[3] * t) for c, t in zip(cols, timer)) / 1e6, 3),
+            "poll_calls": med(c[3] for c in cols),
+        }
+    return dict(sorted(rows.items(), key=lambda kv: -(kv[1]["busy_ms"] + kv[1]["poll_ms"])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--recorder without timing the recorder's calls (no nested timers: the "
         "recorder's cost is then only the difference of the package's share)",
     )
+    ap.add_argument(
+        "--inner",
+        action="store_true",
+        help="also time the per-step hook's due work (HX_PROBE_COST_INNER: the step's "
+        "due path, the metrics flush, cache mode's ack reaping) in the breakdown",
+    )
     args = ap.parse_args(argv)
 
     stream = trace_requests(limit=args.requests, max_blocks=args.max_blocks, max_new_tokens=4)
@@ -167,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             probe_dir = root / f"{name}-probe"
             probe_dir.mkdir()
             env = {"HX_PROBE_COST_DIR": str(probe_dir)}
+            if args.inner:
+                env["HX_PROBE_COST_INNER"] = "1"
             config = None
             if name == "recorder_on":
                 if not args.no_recorder_probe:
@@ -393,6 +436,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, A
         "package_ms_by_function_top5": dict(
             sorted(((k, round(v, 2)) for k, v in names.items()), key=lambda kv: -kv[1])[:5]
         ),
+        "package_ms_by_function_per_round": breakdown(rounds["enabled"][1:]),
         "target": "package_share_of_busy <= 1%",
     }
 

@@ -49,6 +49,11 @@ from hicache_existence.replicas.divergence import (
 )
 
 Generation = Literal["current", "flat"]
+
+#: A scheduler iteration longer than this ran a batch (an idle polling iteration
+#: takes about 0.1 ms of CPU): a metrics flush that falls due right after one waits
+#: for the first step after a short iteration (``ExistenceRuntime.step``).
+BUSY_STEP_S = 0.002
 AnyCache = StorageExistenceCache | FlatStorageExistenceCache
 
 
@@ -103,6 +108,10 @@ class ExistenceRuntime:
         self._wake = 1
         self._flush_at = -math.inf
         self._credited = 0
+        #: The clock at the previous step, and how long a due flush may wait for an
+        #: idle step (half the flush interval; a longer pause is no busy stretch).
+        self._last = -math.inf
+        self._defer_s = config.metrics.flush_interval_s / 2
 
         max_entries = config.cache.max_entries
         self.ghosts = (
@@ -225,13 +234,24 @@ class ExistenceRuntime:
         step count, no metrics flush by time) costs one integer and one clock
         compare: the step counts of the checker and the reconciler are credited at
         the next step that has work.  "Due" by step count is the same on every rank,
-        so the lockstep points stay where they were."""
+        so the lockstep points stay where they were.  A metrics flush (rank-local,
+        by time) that falls due in a busy stretch, right after an iteration longer
+        than ``BUSY_STEP_S``, waits for the first step after a short (idle)
+        iteration, at most half a flush interval: it then costs the scheduler's
+        idle time, not a batch's."""
         n = self.steps = self.steps + 1
-        if n < self._wake and self._clock() < self._flush_at:
+        now = self._clock()
+        gap, self._last = now - self._last, now
+        if n < self._wake and (now < self._flush_at or self._busy(now, gap)):
             return
-        self._step_due(n)
+        self._step_due(n, now, gap)
 
-    def _step_due(self, n: int) -> None:
+    def _busy(self, now: float, gap: float) -> bool:
+        """Whether a due flush waits: the iteration before this step ran a batch
+        (longer than ``BUSY_STEP_S``, shorter than a pause), and it may wait still."""
+        return BUSY_STEP_S < gap < self._defer_s and now < self._flush_at + self._defer_s
+
+    def _step_due(self, n: int, now: float, gap: float) -> None:
         skipped = n - 1 - self._credited
         self._credited = n
         reconciler = self.reconciler
@@ -248,10 +268,8 @@ class ExistenceRuntime:
             except Exception as exc:  # observability never takes the scheduler down
                 self._report("reconciler", exc)
         self._check()
-        try:
-            self.telemetry.step()
-        except Exception as exc:
-            self._report("telemetry", exc)
+        if now >= self._flush_at and not self._busy(now, gap):
+            self.telemetry.step()  # never raises (its own guard)
         try:
             wake = self.checker.steps_to_due()
             if reconciler is not None:
@@ -284,4 +302,6 @@ class ExistenceRuntime:
         assert self.advisor is not None
         if isinstance(self.cache, FlatStorageExistenceCache):
             return self.advisor.snapshot(self.cache.max_entries)
-        return self.advisor.snapshot({pool: s.capacity for pool, s in self.cache.stats().items()})
+        # Each pool's cap, without a stats() snapshot of every counter (the flush
+        # takes one already).
+        return self.advisor.snapshot({b.name: b.max_entries for b in self.cache.pools()})

@@ -521,3 +521,54 @@ def test_an_extra_pool_s_believed_pages_written_again_are_redundant_believed(mad
     assert (stats["swa"].redundant, stats["swa"].redundant_believed) == (2, 2)
     assert (stats["kv"].redundant, stats["kv"].redundant_believed) == (0, 0)
     assert dict(stats["swa"].causes) == {"recompute": 2}
+
+
+def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged() -> None:
+    """The per-step call (``ProcessEntry.stepper``) hands the write path a step only
+    when the oldest pending operation has left upstream's ``ongoing_backup`` (acks
+    drain in launch order): with writes in flight and none drained, a step is one
+    membership test; once the oldest is drained, that step accounts it."""
+    from hicache_existence.config import Config
+    from hicache_existence.integrations.sglang import hooks
+    from hicache_existence.integrations.sglang.facts import SchedulerFacts
+    from hicache_existence.runtime import ExistenceRuntime
+
+    config = Config.from_mapping({"enabled": True, "metrics": {"mode": "off"}})
+    runtime = ExistenceRuntime(config, generation="current")
+    facts = SchedulerFacts(host_memory_mode="cache", storage_backend="file")
+    entry = hooks.ProcessEntry(runtime, facts, None, None, None)
+    feed = entry.write_path
+    assert feed.cache_mode is not None
+    reaps: list[int] = []
+    reap = feed.step
+
+    def counted(tree: Any) -> None:
+        reaps.append(runtime.steps)
+        reap(tree)
+
+    feed.step = counted  # type: ignore[method-assign]
+    wp.attach(feed)
+    try:
+        tree = Tree(runtime.cache, set())
+        step = entry.stepper(tree)
+        step()  # nothing pending
+        a, b = pages("a", 2), pages("b", 3)
+        tree.nodes = {1: a, 2: b}
+        tree.write_backup_storage(1)
+        tree.write_backup_storage(2)
+        tree.run_backups()
+        step()
+        step()  # written, not yet drained: nothing to reap
+        assert reaps == [] and feed.cache_mode.pending == 2
+        tree.ongoing_backup.pop(min(tree.ongoing_backup))
+        step()
+        assert reaps == [3] and feed.cache_mode.pending == 1
+        assert feed.writes.stats()["kv"].acknowledged == 2
+        step()  # the second still in ongoing_backup
+        tree.drain_acks()
+        step()
+        assert reaps == [3, 5] and feed.cache_mode.pending == 0
+        assert feed.writes.stats()["kv"].acknowledged == 5
+    finally:
+        wp.detach()
+        runtime.close()

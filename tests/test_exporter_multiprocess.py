@@ -292,3 +292,34 @@ def test_flush_never_raises_into_the_scheduler(caplog):
         assert feeder.flush(force=True) is False
     events = [r for r in caplog.records if getattr(r, "hicache_event", "") == logs.EXPORTER_ERROR]
     assert len(events) == 1 and "boom" in events[0].hicache_fields["error"]
+
+
+def test_a_flush_writes_only_the_series_that_moved():
+    """Between two flushes most series do not move (an idle scheduler: none):
+    an unchanged counter or gauge is neither looked up nor written; a moved one
+    is, and the registry shows every value."""
+    cache = he.StorageExistenceCache(10)
+    registry = CollectorRegistry()
+    feeder = MultiprocessFeeder(SeriesReader(cache), DeploymentLabels(), registry=registry)
+    kv = cache.pool("kv")
+    kv.add(["a", "b"])
+    assert feeder.flush(force=True)
+    touched: list[str] = []
+    child = feeder._child
+
+    def counted(name, key):
+        touched.append(name)
+        return child(name, key)
+
+    feeder._child = counted  # type: ignore[method-assign]
+    assert feeder.flush(force=True)
+    assert touched == []  # nothing moved
+    kv.add(["c"])
+    assert feeder.flush(force=True)
+    assert "hicache_existence_page_inserts" in touched
+    assert "hicache_existence_entries" in touched
+    assert "hicache_existence_capacity_entries" not in touched  # a gauge that did not move
+    labels = {**DeploymentLabels().as_dict(), "pool": "kv"}
+    assert registry.get_sample_value("hicache_existence_entries", labels) == 3
+    assert registry.get_sample_value("hicache_existence_capacity_entries", labels) == 10
+    assert registry.get_sample_value("hicache_existence_page_inserts_total", labels) == 3

@@ -334,3 +334,57 @@ def test_the_fast_path_still_flushes_metrics_on_time():
     runtime.step()
     assert flushes == [1, 51, 101]
     runtime.close()
+
+
+def test_a_flush_due_in_a_busy_stretch_waits_for_an_idle_step():
+    """A flush that falls due right after a long (batch) iteration waits for the
+    first step after a short (polling) one, at most half a flush interval; a step
+    after a pause longer than that is no busy stretch and flushes at once."""
+    from hicache_existence.runtime import BUSY_STEP_S
+
+    config = Config.from_mapping(
+        {
+            "enabled": True,
+            "metrics": {"mode": "off", "flush_interval_s": 10},
+            "divergence": {"enabled": False},
+        }
+    )
+    clock = _Clock()
+    runtime = ExistenceRuntime(config, clock=clock)
+    flushes = []
+    real = runtime.telemetry.step
+
+    def counted() -> bool:
+        flushed = real()
+        if flushed:
+            flushes.append(runtime.steps)
+        return flushed
+
+    runtime.telemetry.step = counted  # type: ignore[method-assign]
+    poll, batch = BUSY_STEP_S / 20, BUSY_STEP_S * 5
+
+    def steps(n: int, gap: float) -> None:
+        for _ in range(n):
+            clock.now += gap
+            runtime.step()
+
+    steps(1, 0.0)  # step 1 flushes (the first one always does); next due at 10
+    clock.now = 9.999
+    steps(1, 0.0)  # step 2, after a long pause, before the flush is due
+    steps(3, batch)  # steps 3-5: due from step 3 (10.009), each after a batch
+    assert flushes == [1]
+    steps(2, poll)  # step 6 comes after a polling iteration: it flushes
+    assert flushes == [1, 6]
+    due = clock.now + 10
+    at = {}
+    while clock.now < due + 5 + batch:  # a busy stretch past the longest wait
+        steps(1, batch)
+        at[runtime.steps] = clock.now
+    # no step of the stretch flushed before half an interval past due, the first after did
+    (last,) = flushes[2:]
+    assert at[last] >= due + 5 > at[last - 1]
+    # a pause (a scheduler that slept) is no busy stretch: due 1 s ago, flushed at once
+    clock.now = at[last] + 10 + 1
+    runtime.step()
+    assert flushes[-1] == runtime.steps
+    runtime.close()

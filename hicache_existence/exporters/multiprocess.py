@@ -28,7 +28,6 @@ from hicache_existence.exporters.catalog import (
     GAUGE_MULTIPROCESS_MODE,
     DeploymentLabels,
     FeatureSpec,
-    MetricSpec,
 )
 from hicache_existence.exporters.features import HistogramSamples
 from hicache_existence.exporters.series import Samples, SeriesKey, SeriesReader
@@ -97,7 +96,13 @@ class MultiprocessFeeder:
                 )
             # histograms are created at the first sample, which carries their buckets
         self._children: dict[tuple[str, SeriesKey], Any] = {}
+        #: The value last applied per series: a counter's total, a gauge's value.
         self._previous: dict[tuple[str, SeriesKey], float] = {}
+        #: (name, is a gauge) of every scalar family, in catalog order.
+        self._scalars: tuple[tuple[str, bool], ...] = (
+            *((spec.name, spec.kind == "gauge") for spec in series_reader.specs),
+            *((f.name, f.kind == "gauge") for f in self._features if f.kind != "histogram"),
+        )
         self._previous_hist: dict[tuple[str, SeriesKey], tuple[tuple[int, ...], float]] = {}
         self._last: float | None = None
         self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
@@ -136,25 +141,29 @@ class MultiprocessFeeder:
         return child
 
     def _apply(self, samples: Samples, histograms: HistogramSamples, *, counters: bool) -> None:
+        """Write what changed since the previous flush: a counter's increment, a
+        gauge whose value moved.  An unchanged series costs a dict lookup and a
+        compare (a flush runs on the scheduler thread, and between two flushes
+        most series do not move), and its child is not even looked up."""
         previous = self._previous
-        scalar_specs: list[MetricSpec | FeatureSpec] = [
-            *self.series_reader.specs,
-            *(f for f in self._features if f.kind != "histogram"),
-        ]
-        for spec in scalar_specs:
-            name = spec.name
-            for key, value in samples.get(name, {}).items():
-                child = self._child(name, key)
-                if spec.kind == "gauge":
-                    child.set(value)
-                    continue
-                if not counters:
-                    continue  # the child exists at 0; the first flush adds it all
+        get = previous.get
+        for name, gauge in self._scalars:
+            series = samples.get(name)
+            if not series:
+                continue
+            for key, value in series.items():
                 slot = (name, key)
-                delta = value - previous.get(slot, 0.0)
-                if delta > 0:
-                    child.inc(delta)
-                    previous[slot] = value
+                if gauge:
+                    if get(slot) != value or slot not in self._children:
+                        self._child(name, key).set(value)
+                        previous[slot] = value
+                elif not counters:
+                    self._child(name, key)  # the child exists at 0; the first flush adds it all
+                else:
+                    delta = value - get(slot, 0.0)
+                    if delta > 0:
+                        self._child(name, key).inc(delta)
+                        previous[slot] = value
         for fspec in self._features:
             if fspec.kind == "histogram":
                 self._apply_histogram(fspec, histograms.get(fspec.name, {}), counters)

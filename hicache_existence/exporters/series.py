@@ -109,6 +109,23 @@ class SeriesReader:
             CATALOG if write_families else tuple(s for s in CATALOG if s.source != "writes")
         )
         self._lock = threading.Lock()
+        self._zeros_for: tuple[str, ...] | None = None
+        self._zeros_of: dict[str, dict[SeriesKey, float]] = {}
+        #: The cache snapshot of the latest ``sample_all`` (the per-step flush hands
+        #: it to the log monitor instead of taking another).
+        self.last_cache_stats: CacheStats | None = None
+
+    def _zeros(self) -> dict[str, dict[SeriesKey, float]]:
+        """Every series of every scalar family at 0, for the labels handed out so
+        far (rebuilt only when a label is added: a pool seen for the first time)."""
+        labels = self.labeler.labels()
+        if self._zeros_for != labels:
+            self._zeros_of = {
+                spec.name: {key: 0.0 for label in labels for key in _series_of(spec, label)}
+                for spec in self.specs
+            }
+            self._zeros_for = labels
+        return self._zeros_of
 
     def feature_specs(self) -> tuple[FeatureSpec, ...]:
         """Feature metric families exported (those whose source is set)."""
@@ -126,7 +143,7 @@ class SeriesReader:
 
     def sample_all(self) -> tuple[Samples, HistogramSamples]:
         """Scalar samples plus the feature histograms, from one set of snapshots."""
-        cache_stats = self.cache.stats()
+        cache_stats = self.last_cache_stats = self.cache.stats()
         write_stats = self.writes.stats() if self.writes is not None else None
         memory = self.ghosts.nbytes_by_pool() if self.ghosts is not None else {}
         with self._lock:
@@ -151,12 +168,7 @@ class SeriesReader:
         if write_stats is not None:
             for pool in write_stats:
                 label(pool)
-        out: Samples = {spec.name: {} for spec in self.specs}
-        for spec in self.specs:
-            series = out[spec.name]
-            for pool_label in self.labeler.labels():
-                for key in _series_of(spec, pool_label):
-                    series[key] = 0.0
+        out: Samples = {name: dict(zeros) for name, zeros in self._zeros().items()}
         shared = cache_stats.shared_capacity
         for pool, stats in cache_stats.items():
             self._add_pool(out, label(pool), stats, memory.get(pool), shared)

@@ -156,8 +156,10 @@ class ProcessEntry:
 
     def stepper(self, tree_cache: Any) -> Any:
         """The per-step call: in cache mode the write path's acknowledged writes
-        first (only while some are pending: one truth test otherwise), then the
-        runtime's step."""
+        first, then the runtime's step.  Nothing pending costs one truth test;
+        writes pending, one membership test: the oldest one still in upstream's
+        ``ongoing_backup`` (acks come in launch order) means none was acknowledged,
+        and the reaping (``WritePath.step``) waits for a step where one was."""
         runtime_step = self.runtime.step
         cache_mode = self.write_path.cache_mode
         if cache_mode is None:
@@ -167,7 +169,12 @@ class ProcessEntry:
 
         def step() -> None:
             if pending:
-                reap(tree_cache)
+                try:
+                    acked = next(iter(pending)) not in tree_cache.ongoing_backup
+                except Exception:  # WritePath.step reports what is wrong
+                    acked = True
+                if acked:
+                    reap(tree_cache)
             runtime_step()
 
         return step

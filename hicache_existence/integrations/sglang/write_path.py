@@ -393,8 +393,10 @@ class WritePath:
             else {}
         )
         plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
+        if plan.whole:  # dedup off, or nothing believed: upstream's call as it is
+            return plan, {}
         page = int(getattr(controller, "page_size", 0) or 0)
-        if plan.whole or page <= 0 or len(host_indices) != len(pages) * page:
+        if page <= 0 or len(host_indices) != len(pages) * page:
             return dataclasses.replace(plan, keep=list(range(len(pages))), extra_written=True), {}
         keep = plan.keep
         if not keep and not plan.extra_written:

@@ -76,7 +76,10 @@ class _Cost:
         self.depth = 0
         self.main: int | None = None
         self.pid = os.getpid()
+        #: name -> [ns, calls, this iteration's ns, calls, busy ns, calls, poll ns, calls]
         self.by_name: dict[str, list[int]] = {}
+        #: The slots of ``by_name`` touched in the current iteration.
+        self.touched: list[list[int]] = []
         # Scheduler loop iterations: "busy" ones ran a batch or processed a batch's
         # result; "poll" ones did neither (idle, or waiting for transfers/storage).
         self.it_t0 = 0
@@ -105,7 +108,7 @@ def _timed(fn: Any) -> Any:
     perf = time.thread_time_ns
     get_ident = threading.get_ident
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", "wrapped"))
-    slot = _COST.by_name.setdefault(name, [0, 0])
+    slot = _COST.by_name.setdefault(name, [0] * 8)
     is_hook = name == _HOOK
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -123,6 +126,10 @@ def _timed(fn: Any) -> Any:
                 _COST.hook_ns += dt
             slot[0] += dt
             slot[1] += 1
+            if not slot[3]:
+                _COST.touched.append(slot)
+            slot[2] += dt
+            slot[3] += 1
             _COST.depth = 0
 
     wrapper.__name__ = getattr(fn, "__name__", "wrapped")
@@ -151,6 +158,56 @@ def _rec_timed(fn: Any) -> Any:
     wrapper.__name__ = getattr(fn, "__name__", "wrapped")
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
+
+
+def _inner_timed(fn: Any, name: str) -> Any:
+    """A function inside the package's timed calls (``HX_PROBE_COST_INNER=1``), timed
+    whatever the nesting into its own ``by_name`` slot ``inner:<name>`` (not added
+    to the package's total, which already holds it): where a timed call's time goes."""
+    import threading
+    import time
+
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+    slot = _COST.by_name.setdefault(f"inner:{name}", [0] * 8)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if get_ident() != _COST.main:
+            return fn(*args, **kwargs)
+        t0 = perf()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dt = perf() - t0
+            slot[0] += dt
+            slot[1] += 1
+            if not slot[3]:
+                _COST.touched.append(slot)
+            slot[2] += dt
+            slot[3] += 1
+
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+#: ``HX_PROBE_COST_INNER=1``: module -> (class, method) timed as ``_inner_timed``.
+_INNER = {
+    "hicache_existence.runtime": (("ExistenceRuntime", "_step_due"),),
+    "hicache_existence.exporters": (("Telemetry", "step"),),
+    "hicache_existence.exporters.multiprocess": (("MultiprocessFeeder", "flush"),),
+    "hicache_existence.integrations.sglang.write_path": (("WritePath", "step"),),
+}
+
+
+def _probe_inner(mod: ModuleType) -> None:
+    for cls_name, method in _INNER.get(mod.__name__, ()):
+        cls = getattr(mod, cls_name, None)
+        fn = getattr(cls, method, None) if cls is not None else None
+        if fn is not None:
+            setattr(
+                cls, method, _inner_timed(getattr(fn, "__wrapped__", fn), f"{cls_name}.{method}")
+            )
 
 
 class _TimedTap:
@@ -254,6 +311,12 @@ def _iteration_marks(cls: type) -> None:
                     q[2] += dns
                     q[3] += dcalls
                     q[4] += c.hook_ns - c.it_hook0
+                at = 4 if c.it_work else 6
+                for slot in c.touched:
+                    slot[at] += slot[2]
+                    slot[at + 1] += slot[3]
+                    slot[2] = slot[3] = 0
+                c.touched.clear()
             c.it_t0, c.it_ns0, c.it_calls0, c.it_hook0 = now, c.ns, c.calls, c.hook_ns
             c.it_rec0 = (c.rec_ns, c.rec_calls)
             c.it_work = False
@@ -397,6 +460,9 @@ def install() -> None:
         hx_cpu_standins.on_import("hicache_existence.accounting.causes", _probe_cost_causes)
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
+        if os.environ.get("HX_PROBE_COST_INNER"):
+            for module in _INNER:
+                hx_cpu_standins.on_import(module, _probe_inner)
         if os.environ.get("HX_PROBE_RECORDER"):
             hx_cpu_standins.on_import("hicache_existence.accounting.recorder", _probe_cost_recorder)
     if os.environ.get("HX_PROBE_DIVERGE_FILE"):
