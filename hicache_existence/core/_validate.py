@@ -130,6 +130,8 @@ def number(value: object, arg: str) -> float:
 
 def count(value: object, arg: str, minimum: int = 0) -> int:
     """Return ``value`` as an ``int`` >= ``minimum``; bools and floats are refused."""
+    if type(value) is int and value >= minimum:  # the common case, one type test
+        return value
     if isinstance(value, bool):
         raise TypeError(f"{arg} must be an int, got bool")
     try:

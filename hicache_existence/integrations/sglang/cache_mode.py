@@ -141,7 +141,7 @@ class _FlatPool:
         self.cache.invalidate_beyond(self.pool, hashes, keep_pages)
 
 
-@dataclass
+@dataclass(slots=True)
 class WritePlan:
     """What one cache-mode node write sends to L3, and what it leaves out."""
 
@@ -159,6 +159,8 @@ class WritePlan:
 
     @property
     def written_pages(self) -> list[str]:
+        if len(self.keep) == len(self.pages):  # written whole: keep is every index
+            return self.pages
         return [self.pages[i] for i in self.keep]
 
     @property
@@ -170,7 +172,7 @@ class WritePlan:
         return len(self.keep) == len(self.pages) and self.extra_written
 
 
-@dataclass
+@dataclass(slots=True)
 class _Launch:
     """A launched cache-mode operation, until its ack."""
 
@@ -288,9 +290,12 @@ class CacheModeWrites:
         self._pending[int(operation_id)] = _Launch(
             node,
             written,
-            plan.believed & set(written),
+            # believed is a subset of the node's pages: whole, it is the write's
+            plan.believed if written is plan.pages else plan.believed & set(written),
             extra,
-            {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()},
+            {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()}
+            if extra
+            else {},
         )
 
     def _count(self, pool: str, written: Sequence[str], skipped: int) -> None:

@@ -406,7 +406,13 @@ class WritePath:
                 "hash_value": [],
                 "extra_pools": None,
             }
-        elif keep and keep == list(range(keep[0], len(pages))):  # a believed prefix left out
+        elif not keep:  # every page believed, no extra pool: an empty write, no gather
+            changes = {
+                "host_indices": host_indices[:0],
+                "token_ids": token_ids[:0],
+                "hash_value": [],
+            }
+        elif keep == list(range(keep[0], len(pages))):  # a believed prefix left out
             first = keep[0]
             changes = {
                 "host_indices": host_indices[first * page :],
