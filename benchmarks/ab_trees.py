@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--reps", type=int, default=4, help="timings per round and tree (the fastest)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not figures)")
+    ap.add_argument("--json", action="store_true", help="print the ratios as JSON")
     ap.add_argument("--child", choices=("before-first", "after-first"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     size = "quick" if args.quick else "full"
@@ -172,14 +173,31 @@ def main(argv: list[str] | None = None) -> int:
                 for op, ratio in json.loads(line.splitlines()[-1]).items():
                     results[label].setdefault(op, []).append(ratio)
                 print(f"process {i + 1}/{args.processes} {label} done", file=sys.stderr, flush=True)
+
+    def gmean(xs: list[float]) -> float:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    label: {
+                        op: {"gmean": round(gmean(xs), 4), "min": min(xs), "max": max(xs)}
+                        for op, xs in ops.items()
+                    }
+                    for label, ops in results.items()
+                },
+                indent=2,
+            )
+        )
+        return 0
     print("after/before time (below 1: after faster); geometric mean over processes [range]")
     print(f"{'operation':38s} {'A/B (the change)':>26s} {'A/A (identical code)':>26s}")
     for op, ab in results["A/B"].items():
         aa = results["A/A"][op]
 
         def cell(xs: list[float]) -> str:
-            gm = math.exp(sum(math.log(x) for x in xs) / len(xs))
-            return f"{gm:.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+            return f"{gmean(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
         print(f"{op:38s} {cell(ab):>26s} {cell(aa):>26s}")
     return 0

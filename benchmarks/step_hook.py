@@ -13,6 +13,7 @@ rounds of thread CPU time.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=100_000)
+    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     from hicache_existence.config import Config
@@ -57,6 +59,19 @@ def main() -> None:
         base.append(_time(empty, tree, args.calls))
     mid = args.rounds // 2
     o, b = sorted(ours)[mid], sorted(base)[mid]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "rounds": args.rounds,
+                    "calls": args.calls,
+                    "hook_ns_per_call_median": round(o, 1),
+                    "empty_hook_ns_per_call_median": round(b, 1),
+                    "own_ns_per_call": round(o - b, 1),
+                }
+            )
+        )
+        return
     print(
         f"step hook {o:.0f} ns/call, empty hook {b:.0f} ns/call (medians of {args.rounds}): "
         f"{o - b:.0f} ns of our own per event-loop iteration"
