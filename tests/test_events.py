@@ -74,10 +74,7 @@ def emitter(sink: Capture, **kw: object) -> em.KvEvents:
 
 def drain(events: em.KvEvents) -> None:
     """Wait until the publisher thread sent everything queued."""
-    deadline = time.monotonic() + 5
-    while not events._queue.empty() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    time.sleep(0.05)
+    assert events.flush()
 
 
 def test_stored_blocks_carry_hash_parent_and_tokens_as_one_chain() -> None:
@@ -263,11 +260,14 @@ def test_oldest_unverified_store_age_follows_confirmations() -> None:
     now[0] = 110.0
     events.stored(chain([b], first_parent=a))
     now[0] = 130.0
+    drain(events)
     assert events.snapshot().oldest_unverified_s == pytest.approx(30.0)
     events.verified("kv", [a], 1)
+    drain(events)
     assert events.snapshot().oldest_unverified_s == pytest.approx(20.0)
     now[0] = 135.0
     events.invalidated("kv", [a, b], 2)  # a hit query found both
+    drain(events)
     assert events.snapshot().oldest_unverified_s == pytest.approx(0.0)
     events.close()
 
@@ -276,6 +276,7 @@ def test_max_blocks_bounds_the_published_set() -> None:
     """At most max_blocks published blocks are remembered, oldest confirmed first."""
     events = emitter(Capture(), max_blocks=3)
     events.stored(chain(pages(5)))
+    drain(events)
     assert events.snapshot().blocks == 3
     events.close()
 
@@ -311,3 +312,86 @@ def test_bad_events_configuration_is_refused() -> None:
     ):
         with pytest.raises(ConfigError, match=key):
             Config.from_mapping({"events": bad})
+
+
+def test_the_scheduler_side_is_one_queue_item_per_call() -> None:
+    """An acknowledgement of any number of pages, a verdict and a refresh each put
+    one item on the queue and touch nothing per page on the calling thread: the
+    blocks are resolved, deduplicated and built on the publisher thread."""
+    gate = threading.Event()
+    sink = Capture(gate)
+    events = emitter(sink)
+    events.stored(chain(pages(1, "first")))
+    assert sink.sent.wait(0) is False
+    time.sleep(0.05)  # the publisher holds the first batch at the gate
+    threads: list[str] = []
+
+    def resolve(blocks: list[em.Block]) -> tuple[list[em.Block], int]:
+        threads.append(threading.current_thread().name)
+        return blocks, 2
+
+    hashes = pages(500)
+    events.stored_from(resolve, (chain(hashes),), 502)
+    events.invalidated("kv", hashes, 250)
+    events.verified("kv", hashes, 250)
+    assert events._queue.qsize() == 3
+    assert threads == [] and events.snapshot().blocks == 1
+    gate.set()
+    drain(events)
+    assert threads == ["hicache-existence-kv-events"]
+    snap = events.snapshot()
+    assert snap.unknown == 2
+    assert snap.published == {"stored": 501, "removed": 250}
+    assert snap.blocks == 251
+    events.close()
+
+
+def test_a_verdict_chain_is_copied_at_the_call() -> None:
+    """The publisher reads a verdict later: a caller reusing its chain list after
+    the call changes nothing (the emitter keeps its own tuple)."""
+    gate = threading.Event()
+    sink = Capture(gate)
+    events = emitter(sink)
+    hashes = pages(4)
+    events.stored(chain(hashes))
+    time.sleep(0.05)
+    verdict = list(hashes)
+    events.invalidated("kv", verdict, 2)
+    verdict[2:] = pages(2, "other")
+    gate.set()
+    events.close()
+    assert sink.removed() == [block_hash(p) for p in hashes[2:]]
+
+
+def test_counters_stay_consistent_while_read_from_another_thread() -> None:
+    """Stores and verdicts from one thread, snapshots from another, the publisher
+    in a third: no error, and every published block is accounted for (published
+    stored minus removed is the published set; the sink got exactly those)."""
+    sink = Capture()
+    events = emitter(sink, queue_size=1 << 16)
+    stop = threading.Event()
+    seen: list[em.EventsSnapshot] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            seen.append(events.snapshot())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for round_ in range(200):
+            hashes = pages(16, f"r{round_ % 20}-")
+            events.stored(chain(hashes))
+            events.invalidated("kv", hashes, round_ % 17)
+            events.verified("kv", hashes, 3)
+        drain(events)
+    finally:
+        stop.set()
+        t.join()
+    snap = events.snapshot()
+    assert snap.errors == 0 and snap.dropped == {"queue_full": 0, "send_error": 0}
+    assert snap.published["stored"] - snap.published["removed"] == snap.blocks
+    assert len(sink.stored()) == snap.published["stored"]
+    assert len(sink.removed()) == snap.published["removed"] == sum(snap.removals.values())
+    assert seen and all(s.errors == 0 for s in seen)
+    events.close()

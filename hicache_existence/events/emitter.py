@@ -18,11 +18,16 @@ emitter publishes the storage tier from what the package already knows:
   lookup, since a page hash chains its whole prefix.  Published blocks among
   ``chain[keep:]`` are removed, by source.  The LRU forgetting a belief (an
   eviction inside ``add``) and ``clear`` say nothing about L3: no event.
-* **Off the scheduler thread.**  The scheduler thread only updates a dict and puts
-  one list of events per call on a bounded queue; a full queue drops the events
-  and counts them, never blocks.  A publisher thread encodes and sends
-  (``Sink``: the package's own ZeroMQ publisher, or SGLang's, see
-  ``integrations/sglang/kv_events.py``).
+* **Off the scheduler thread.**  The scheduler thread puts one item per call on a
+  bounded queue (an acknowledgement: references to the write's own snapshot and
+  the function that reads its blocks; a verdict: its chain as a tuple and its
+  source), whatever the number of pages; a full queue drops the item and counts
+  its pages, never blocks.  The publisher thread owns everything per page: the
+  blocks of an acknowledgement, the published set (once per block until
+  removed), the events, their encoding and sending (``Sink``: the package's own
+  ZeroMQ publisher, or SGLang's, see ``integrations/sglang/kv_events.py``).  As
+  one queue carries stores and verdicts in call order, the publisher sees them
+  in the order the scheduler made them.
 * **Verification age.**  Each published block carries the time it was last
   confirmed present (its ack, a hit query or a reconciler verdict that reached
   past it); ``oldest_unverified_s`` is the age of the least recently confirmed.
@@ -40,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hicache_existence.events.wire import Event, Removed, Stored, block_hash
 
@@ -60,6 +65,16 @@ KV = "kv"
 
 #: One acknowledged page: (page hash, parent page hash or None at the root, tokens).
 Block = tuple[str, "str | None", Sequence[int]]
+#: Gives an acknowledgement's blocks and how many of its pages have no known block
+#: hash (called on the publisher thread).
+Resolve = Callable[..., "tuple[Sequence[Block], int]"]
+
+# Queue item tags: (tag, clock, ...).
+_STORE, _VERDICT, _REFRESH = 0, 1, 2
+
+
+def _given(blocks: Sequence[Block]) -> tuple[Sequence[Block], int]:
+    return blocks, 0
 
 
 class Sink(Protocol):
@@ -92,7 +107,16 @@ class EventsSnapshot:
 
 
 class KvEvents:
-    """The storage tier's KV events of one publishing scheduler (module docstring)."""
+    """The storage tier's KV events of one publishing scheduler (module docstring).
+
+    Threads: the scheduler thread only calls ``stored``, ``stored_from``,
+    ``invalidated`` and ``verified``, each of which puts one item on the queue;
+    the publisher thread alone reads and writes ``_published`` and builds events.
+    Every counter has one writing thread: ``dropped["queue_full"]`` and
+    ``_hot_errors`` the scheduler's, every other counter the publisher's;
+    ``snapshot`` (any thread) reads them (whole ints and a ``dict`` copy, atomic
+    under the GIL) and never iterates ``_published``.
+    """
 
     def __init__(
         self,
@@ -115,18 +139,30 @@ class KvEvents:
         self.source: Callable[[], str] = source or (lambda: "hit_query")
         self._clock = clock
         self._wall = wall
-        #: page hash -> when it was last confirmed present (clock), oldest first.
+        #: Publisher thread only: page hash -> when it was last confirmed present
+        #: (clock), oldest first.
         self._published: OrderedDict[str, float] = OrderedDict()
-        self._queue: queue.Queue[list[Event] | None] = queue.Queue(maxsize=queue_size)
+        #: When the least recently confirmed published block was confirmed (None:
+        #: none); written by the publisher thread after each batch.
+        self._first: float | None = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        #: Whether a store was ever queued (scheduler thread): before the first one,
+        #: nothing is published and a verdict has nothing to remove or refresh.
+        self._any_store = False
         self.published = dict.fromkeys(KINDS, 0)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.removals = dict.fromkeys(REMOVAL_SOURCES, 0)
         self.unknown = 0
-        self.errors = 0
-        self._oldest = 0.0
+        self._hot_errors = 0
+        self._pub_errors = 0
         self._sink: Sink | None = None
         self._thread: threading.Thread | None = None
         self.running = False
+
+    @property
+    def errors(self) -> int:
+        """Updates skipped on a failure (either thread)."""
+        return self._hot_errors + self._pub_errors
 
     # -- life cycle ------------------------------------------------------------
     def start(self) -> bool:
@@ -161,48 +197,43 @@ class KvEvents:
             except Exception:
                 logger.debug("KV event sink close failed", exc_info=True)
 
-    # -- the write path (scheduler thread) --------------------------------------
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything queued before this call is processed and sent
+        (tests, shutdown; never the scheduler thread).  False on timeout."""
+        if not self.running:
+            return True
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(timeout_s)
+
+    # -- the write path (scheduler thread): one queue item per call ----------------
     def stored(self, blocks: Sequence[Block]) -> None:
         """L3 acknowledged these pages (this rank's backend stored them), in chain
         order: publish those not published since their last removal."""
         if not self.running:
             return
-        try:
-            now = self._clock()
-            published = self._published
-            events: list[Event] = []
-            run: list[int] = []
-            tokens: list[int] = []
-            parent: int | None = None
-            size = 0
-            last: str | None = None
-            for page, parent_page, page_tokens in blocks:
-                if page in published:
-                    published[page] = now
-                    published.move_to_end(page)
-                    continue
-                published[page] = now
-                h = block_hash(page)
-                if run and parent_page == last and len(page_tokens) == size:
-                    run.append(h)
-                    tokens.extend(page_tokens)
-                else:
-                    if run:
-                        events.append(Stored(tuple(run), parent, tuple(tokens), size, self.medium))
-                    run, tokens, size = [h], list(page_tokens), len(page_tokens)
-                    parent = block_hash(parent_page) if parent_page is not None else None
-                last = page
-            if run:
-                events.append(Stored(tuple(run), parent, tuple(tokens), size, self.medium))
-            while len(published) > self._max:
-                published.popitem(last=False)
-            self._put(events)
-        except Exception as exc:
-            self._error(exc)
+        self._put_store(_given, (blocks,), len(blocks))
 
-    def unknown_pages(self, n: int) -> None:
-        """``n`` acknowledged pages whose block hash is not known (no event)."""
-        self.unknown += n
+    def stored_from(self, resolve: Resolve, args: tuple[Any, ...], pages: int) -> None:
+        """An acknowledgement whose blocks ``resolve(*args)`` gives, with how many
+        acknowledged pages have no known block hash; it runs on the publisher thread,
+        so ``args`` must be the write's own snapshot, never mutated after the ack.
+        ``pages``: the pages acknowledged (what a full queue counts as dropped)."""
+        if not self.running:
+            return
+        self._put_store(resolve, args, pages)
+
+    def _put_store(self, resolve: Resolve, args: tuple[Any, ...], pages: int) -> None:
+        try:
+            self._queue.put_nowait((_STORE, self._clock(), resolve, args))
+            self._any_store = True
+        except queue.Full:
+            self.dropped["queue_full"] += pages
+        except Exception as exc:
+            self._hot_error(exc)
 
     # -- BeliefObserver (the cache's operation stream, scheduler thread) ----------
     def added(self, pool: str, hashes: Sequence[str]) -> None:
@@ -219,48 +250,34 @@ class KvEvents:
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         """A verdict: ``hashes[keep_pages]`` is missing from L3, the pages past it
-        are unreachable; ``hashes[:keep_pages]`` were found."""
-        if not self.running or pool != KV:
+        are unreachable; ``hashes[:keep_pages]`` were found.  The chain is copied
+        (a tuple of references: the caller may reuse its list) and the verdict's
+        source named now, while it is known."""
+        if not self.running or pool != KV or not self._any_store:
             return
         try:
-            published = self._published
-            now = self._clock()
-            for page in hashes[:keep_pages]:
-                if page in published:
-                    published[page] = now
-                    published.move_to_end(page)
-            gone = [block_hash(p) for p in hashes[keep_pages:] if published.pop(p, None)]
-            if gone:
-                source = self.source()
-                self.removals[source] = self.removals.get(source, 0) + len(gone)
-                self._put([Removed(tuple(gone), self.medium)])
+            item = (_VERDICT, self._clock(), tuple(hashes), keep_pages, self.source())
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped["queue_full"] += max(0, len(hashes) - keep_pages)
         except Exception as exc:
-            self._error(exc)
+            self._hot_error(exc)
 
     def verified(self, pool: str, chain: Sequence[str], leading: int) -> None:
         """A reconciler verdict found ``chain[:leading]`` in L3 (its absences come
-        through ``invalidated``)."""
-        if not self.running or pool != KV:
+        through ``invalidated``).  A full queue loses this refresh only: the blocks
+        look older than they are, never fresher."""
+        if not self.running or pool != KV or not self._any_store or leading <= 0:
             return
         try:
-            published = self._published
-            now = self._clock()
-            for page in chain[:leading]:
-                if page in published:
-                    published[page] = now
-                    published.move_to_end(page)
-        except Exception as exc:
-            self._error(exc)
-
-    # -- internals -----------------------------------------------------------------
-    def _put(self, events: list[Event]) -> None:
-        if not events:
-            return
-        try:
-            self._queue.put_nowait(events)
+            item = (_REFRESH, self._clock(), tuple(chain[:leading]), leading, "")
+            self._queue.put_nowait(item)
         except queue.Full:
-            self.dropped["queue_full"] += _blocks(events)
+            pass
+        except Exception as exc:
+            self._hot_error(exc)
 
+    # -- the publisher thread --------------------------------------------------------
     def _run(self) -> None:
         get = self._queue.get
         while True:
@@ -271,22 +288,88 @@ class KvEvents:
                     return
                 continue
             batch: list[Event] = []
-            done = item is None
-            if item is not None:
-                batch.extend(item)
-            while not done and len(batch) < 1024:
+            waiting: list[threading.Event] = []
+            done = False
+            n = 0
+            while True:
+                if item is None:
+                    done = True
+                elif isinstance(item, threading.Event):
+                    waiting.append(item)
+                else:
+                    self._apply(item, batch)
+                n += 1
+                if done or n >= 256 or len(batch) >= 1024:
+                    break
                 try:
-                    more = self._queue.get_nowait()
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
-                    done = True
-                else:
-                    batch.extend(more)
             if batch:
                 self._send(batch)
+            self._first = next(iter(self._published.values()), None)
+            for event in waiting:
+                event.set()
             if done:
                 return
+
+    def _apply(self, item: tuple[Any, ...], batch: list[Event]) -> None:
+        try:
+            if item[0] == _STORE:
+                _, now, resolve, args = item
+                blocks, unknown = resolve(*args)
+                self.unknown += unknown
+                self._build_stored(now, blocks, batch)
+            else:  # a verdict (_VERDICT) or a refresh only (_REFRESH: no source)
+                _, now, hashes, keep, source = item
+                self._build_removed(now, hashes, keep, source, batch)
+        except Exception as exc:
+            self._pub_errors += 1
+            if self._pub_errors <= 3:
+                logger.warning("hicache-existence: KV events skipped an update: %r", exc)
+
+    def _build_stored(self, now: float, blocks: Sequence[Block], out: list[Event]) -> None:
+        published = self._published
+        run: list[int] = []
+        tokens: list[int] = []
+        parent: int | None = None
+        size = 0
+        last: str | None = None
+        for page, parent_page, page_tokens in blocks:
+            if page in published:
+                published[page] = now
+                published.move_to_end(page)
+                continue
+            published[page] = now
+            h = block_hash(page)
+            if run and parent_page == last and len(page_tokens) == size:
+                run.append(h)
+                tokens.extend(page_tokens)
+            else:
+                if run:
+                    out.append(Stored(tuple(run), parent, tuple(tokens), size, self.medium))
+                run, tokens, size = [h], list(page_tokens), len(page_tokens)
+                parent = block_hash(parent_page) if parent_page is not None else None
+            last = page
+        if run:
+            out.append(Stored(tuple(run), parent, tuple(tokens), size, self.medium))
+        while len(published) > self._max:
+            published.popitem(last=False)
+
+    def _build_removed(
+        self, now: float, hashes: Sequence[str], keep: int, source: str, out: list[Event]
+    ) -> None:
+        published = self._published
+        for page in hashes[:keep]:
+            if page in published:
+                published[page] = now
+                published.move_to_end(page)
+        if not source:  # a refresh only (``verified``)
+            return
+        gone = [block_hash(p) for p in hashes[keep:] if published.pop(p, None) is not None]
+        if gone:
+            self.removals[source] = self.removals.get(source, 0) + len(gone)
+            out.append(Removed(tuple(gone), self.medium))
 
     def _send(self, batch: list[Event]) -> None:
         sink = self._sink
@@ -302,24 +385,21 @@ class KvEvents:
             kind = "stored" if isinstance(event, Stored) else "removed"
             self.published[kind] += len(event.block_hashes)
 
-    def _error(self, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors <= 3:
+    def _hot_error(self, exc: BaseException) -> None:
+        self._hot_errors += 1
+        if self._hot_errors <= 3:
             logger.warning("hicache-existence: KV events skipped an update: %r", exc)
 
     def snapshot(self) -> EventsSnapshot:
-        """Counters now (any thread)."""
-        try:
-            first = next(iter(self._published.values()), None)
-            self._oldest = 0.0 if first is None else max(0.0, self._clock() - first)
-        except RuntimeError:  # mutated while read: the last value stands
-            pass
+        """Counters now (any thread; what the publisher thread has processed)."""
+        first = self._first
+        oldest = 0.0 if first is None else max(0.0, self._clock() - first)
         return EventsSnapshot(
             dict(self.published),
             dict(self.dropped),
             dict(self.removals),
             self.unknown,
-            self._oldest,
+            oldest,
             len(self._published),
             self.errors,
         )
@@ -382,6 +462,7 @@ __all__ = [
     "EventsSnapshot",
     "KvEvents",
     "Placement",
+    "Resolve",
     "Sink",
     "from_config",
     "medium_for",

@@ -545,7 +545,9 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
         "events",
         "dropped",
         "Storage-tier KV event blocks not published: queue_full (the publisher thread fell "
-        "behind; the scheduler never waits) or send_error (the socket refused the batch).",
+        "behind and an acknowledgement or verdict did not fit in the queue: its pages, counted "
+        "before deduplication; the scheduler never waits) or send_error (the socket refused "
+        "the batch).",
         "{block}",
         ("reason",),
     ),

@@ -75,12 +75,15 @@ def acked_blocks(intent: Any, keys: Sequence[str], stored: int) -> tuple[list[Bl
 
 
 def feed(events: KvEvents, intent: Any, keys: Sequence[str], stored: int) -> None:
-    """The storage ack of a buffer-mode write: publish the stored blocks."""
-    blocks, unknown = acked_blocks(intent, keys, stored)
-    if unknown:
-        events.unknown_pages(unknown)
-    if blocks:
-        events.stored(blocks)
+    """The storage ack of a buffer-mode write: publish the stored blocks.
+
+    Scheduler thread: one queue item, whatever the page count; ``acked_blocks``
+    runs on the emitter's thread.  The references stay valid: the intent's
+    ``BufferBackupSnapshot`` is a frozen struct SGLang builds for this write with
+    its own copies (``hash_values`` list, token array), and ``keys`` are its pages
+    (or the write's per-pool keys), which nothing changes after the ack."""
+    if stored > 0:
+        events.stored_from(acked_blocks, (intent, keys, stored), stored)
 
 
 class SglangSink:
