@@ -202,6 +202,8 @@ def workload_config(trace_dir: Path) -> Config:
             "reconciler": {"enabled": True, "sampling_rate": 0.2, "verifications_per_s": 500.0},
             "advisor": {"enabled": True, "sampling_rate": 0.5},
             "recorder": {"enabled": True, "path": str(trace_dir), "max_bytes": 1 << 20},
+            # The storage-tier events' series are on the dashboard too (opt-in).
+            "events": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"},
         },
         demo,
     )

@@ -26,6 +26,7 @@ from harness import (
     ServerSpec,
     delta,
     family,
+    free_port,
     launch,
     poll,
     sample_value,
@@ -47,6 +48,8 @@ def config(redis_url: str, trace_dir: Path) -> dict[str, Any]:
     return {
         # The recorder's series are on the dashboard too.
         "recorder": {"enabled": True, "path": str(trace_dir), "flush_interval_s": 0.25},
+        # And the storage-tier events' (opt-in; the package's own publisher).
+        "events": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"},
         # Fewer beliefs than the pages Churn cycles through (668): evictions.
         "cache": {"max_entries": 256},
         "miss_reasons": {"enabled": True},
