@@ -33,6 +33,7 @@ from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.observers import BeliefObserver, Tee
+from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.events import emitter as _events
 from hicache_existence.exporters import FeatureSources, Telemetry
 from hicache_existence.exporters.catalog import DeploymentLabels
@@ -54,7 +55,6 @@ Generation = Literal["current", "flat"]
 #: takes about 0.1 ms of CPU): a metrics flush that falls due right after one waits
 #: for the first step after a short iteration (``ExistenceRuntime.step``).
 BUSY_STEP_S = 0.002
-AnyCache = StorageExistenceCache | FlatStorageExistenceCache
 
 
 class ExistenceRuntime:
@@ -132,7 +132,7 @@ class ExistenceRuntime:
         if self.recorder is not None:
             observers.append(self.recorder.tap)
         self.tee = Tee(*observers)
-        self.cache: AnyCache
+        self.cache: ExistenceCache
         if flat:
             self.cache = FlatStorageExistenceCache(
                 max_entries, miss_memory=self.ghosts, observer=self.tee, advisor=self.advisor
@@ -300,8 +300,6 @@ class ExistenceRuntime:
 
     def _advice(self) -> Any:
         assert self.advisor is not None
-        if isinstance(self.cache, FlatStorageExistenceCache):
-            return self.advisor.snapshot(self.cache.max_entries)
-        # Each pool's cap, without a stats() snapshot of every counter (the flush
-        # takes one already).
-        return self.advisor.snapshot({b.name: b.max_entries for b in self.cache.pools()})
+        # Each pool's cap (or the one shared cap), without a stats() snapshot of
+        # every counter (the flush takes one already).
+        return self.advisor.snapshot(self.advisor.capacities_of(self.cache))

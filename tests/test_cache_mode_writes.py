@@ -296,21 +296,20 @@ def test_prefetch_results_split_loaded_from_short(made) -> None:
 
 def test_the_flat_generation_dedups_too(made) -> None:
     """0.5.19-0.5.21's cache (one index tagged by pool): the same decisions, its
-    in-flight pages tracked by the write path."""
+    in-flight pages tracked by its per-pool view (the seed cache keeps none)."""
     tree, feed, _l3 = made(dedup=True, flat=True)
     a = pages("a", 3)
     tree.nodes = {1: a, 2: a}
     tree.write_backup_storage(1)
-    assert feed.cache_mode is not None and feed.cache_mode.beliefs.inflight("kv") == dict.fromkeys(
-        a, 1
-    )
+    kv = tree.storage_existence_cache.pool("kv")
+    assert feed.cache_mode is not None and kv.inflight_refs() == dict.fromkeys(a, 1)
     tree.write_backup_storage(2)  # in flight: covered
     assert tree.cache_controller.calls[-1]["pages"] == []
     tree.run_backups()
     tree.drain_acks()
     feed.step(tree)
     assert tree.storage_existence_cache.believed("kv", a) == a
-    assert feed.cache_mode.beliefs.inflight("kv") == {}
+    assert kv.inflight_refs() == {}
     w = feed.writes.stats()["kv"]
     assert (w.written, w.avoided, w.acknowledged) == (3, 3, 3)
 

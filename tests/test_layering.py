@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "core._validate": 0,
     "core.stats": 0,
     "core.observers": 0,
+    "core.protocol": 0,  # the one interface both generations offer
     "core.lru": 0,
     "core._lru": 0,  # the compiled index (hicache_existence/core/_lru.c)
     "core.sampler": 0,

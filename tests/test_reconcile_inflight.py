@@ -140,21 +140,15 @@ def test_absence_of_a_page_acked_before_the_query_is_acted_on() -> None:
     rec.close()
 
 
-def test_flat_generation_reads_the_write_paths_in_flight_set() -> None:
+def test_flat_generation_reads_the_pipelines_in_flight_set() -> None:
     """The seed cache keeps no in-flight refs (the pipeline passes its own set as
-    ``extra_cover``): the reconciler reads the same set through
-    ``inflight_cover`` and withholds the stale verdict."""
+    ``extra_cover``): the reconciler reads the same set through the pool's
+    ``inflight_pages()`` and withholds the stale verdict."""
     truth = InMemoryGroundTruth()
     tee = Tee()
     cache = FlatStorageExistenceCache(1000, observer=tee)
     inflight: dict[str, int] = {}
-    rec = Reconciler(
-        cache,
-        truth,
-        sampling_rate=1.0,
-        agree_interval_steps=1,
-        inflight_cover=lambda pool: inflight if pool == "kv" else None,
-    )
+    rec = Reconciler(cache, truth, sampling_rate=1.0, agree_interval_steps=1)
     tee.observers = (rec,)
     a, p = chain("fa", 2), chain("fp", 2)
     cache.add("kv", p)
@@ -166,21 +160,25 @@ def test_flat_generation_reads_the_write_paths_in_flight_set() -> None:
     rec.close()
 
 
-def test_an_unreadable_inflight_cover_withholds_and_never_raises() -> None:
-    """A cover that raises means "cannot tell": the verdict is withheld, the
-    error counted as internal, and apply() does not raise."""
+class _Broken:
+    """An ``extra_cover`` whose membership test raises (never consulted by a
+    lookup whose pages are all believed)."""
+
+    def __contains__(self, page: object) -> bool:
+        raise RuntimeError("pipeline gone")
+
+
+def test_an_unreadable_inflight_set_withholds_and_never_raises() -> None:
+    """An in-flight set that raises means "cannot tell": the verdict is withheld,
+    the error counted as internal, and apply() does not raise."""
     truth = InMemoryGroundTruth()
     tee = Tee()
     cache = FlatStorageExistenceCache(1000, observer=tee)
-
-    def broken(pool: str) -> Any:
-        raise RuntimeError("pipeline gone")
-
-    rec = Reconciler(cache, truth, sampling_rate=1.0, agree_interval_steps=1, inflight_cover=broken)
+    rec = Reconciler(cache, truth, sampling_rate=1.0, agree_interval_steps=1)
     tee.observers = (rec,)
     c = chain("x", 3)
     cache.add("kv", c)
-    cache.contains_all("kv", c)
+    assert cache.covers_all("kv", c, extra_cover=_Broken())
     step_until_idle(rec)
     snap = rec.snapshot()
     assert len(cache) == 3 and snap.invalidations_withheld == {"kv": 1}

@@ -251,31 +251,31 @@ def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
 
 def test_flat_in_flight_pages_reach_the_reconciler(feed_of) -> None:
     """Seed generation: the pipeline's ``inflight_backup_hashes`` (what it passes
-    to ``covers_all``) is what the reconciler reads; none before the first launch
-    or for other pools, and a stale verdict past an in-flight page is withheld."""
+    to ``covers_all``) is what the reconciler reads, through the pool's
+    ``inflight_pages()``; none before the first admission or for other pools, and
+    a stale verdict past an in-flight page is withheld."""
     from hicache_existence.core.observers import Tee
     from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
     from hicache_existence.reconcile.reconciler import Reconciler
 
     tee = Tee()
     cache = FlatStorageExistenceCache(64, observer=tee)
-    feed = feed_of(cache, "flat")
+    feed_of(cache, "flat")  # the write path the hooks feed
     truth = InMemoryGroundTruth()
     rec = Reconciler(cache, truth, sampling_rate=1.0, agree_interval_steps=1)
-    rec.inflight_cover = feed.inflight_pages
     tee.observers = (rec,)
     p = pipeline(cache)
     p.inflight_backup_hashes = {}
-    assert feed.inflight_pages("kv") is None
+    assert not cache.pool("kv").inflight_pages()
     a, b = pages("a", 2), pages("b", 2)
     cache.add("kv", b)
     truth.record_stored("kv", b)
     intent = NS(snapshot=NS(hash_values=a))
     after_stage_flat(True, p, intent, None, {})
     p.inflight_backup_hashes.update(dict.fromkeys(a, 1))  # upstream's _track_content_refs
-    assert feed.inflight_pages("kv") is p.inflight_backup_hashes
-    assert feed.inflight_pages("swa") is None
     assert cache.covers_all("kv", [*a, *b], extra_cover=p.inflight_backup_hashes)
+    assert cache.pool("kv").inflight_pages() is p.inflight_backup_hashes
+    assert not cache.pool("swa").inflight_pages()
     for step in range(200):
         rec.apply(step)
         if rec.idle() and rec.snapshot().verdicts_applied:

@@ -49,6 +49,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from hicache_existence.core import _validate, lru
+from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.core.sampler import SamplerType, threshold
 
 if TYPE_CHECKING:
@@ -371,9 +372,9 @@ class CapacityAdvisor:
             tuple(multipliers),
         )
 
-    def capacities_of(self, cache: Any) -> Mapping[str, int] | int:
-        """The caps to report against, read from a cache of either generation."""
-        if self.shared or not hasattr(cache, "pools"):
+    def capacities_of(self, cache: ExistenceCache) -> Mapping[str, int] | int:
+        """The caps to report against: the one cap of a shared LRU, else each pool's."""
+        if self.shared or cache.shared_lru:
             return int(cache.max_entries)
         return {p.name: int(p.max_entries) for p in cache.pools()}
 

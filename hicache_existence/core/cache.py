@@ -16,7 +16,7 @@ thread is safe.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.counting import CountingPool
@@ -196,6 +196,10 @@ class PoolBeliefs(CountingPool):
         """A copy of the in-flight refcounts."""
         return dict(self._inflight)
 
+    def inflight_pages(self) -> Container[str]:
+        """The pages with an in-flight ref, live (the refcounts themselves)."""
+        return self._inflight
+
     def stats(self) -> PoolStats:
         """An immutable snapshot of this pool's accounting, O(1)."""
         return self._counters.snapshot(
@@ -216,6 +220,9 @@ class StorageExistenceCache:
     are off by default, and constructing with no arguments is exactly upstream's
     call.
     """
+
+    #: Each pool has its own LRU and cap (``core.protocol``).
+    shared_lru = False
 
     def __init__(
         self,
@@ -268,6 +275,12 @@ class StorageExistenceCache:
     def pool_names(self) -> tuple[str, ...]:
         """Names of the pools created so far, in creation order."""
         return tuple(self._pools)
+
+    def lru_items(self) -> Iterator[tuple[str, str]]:
+        """``(pool, page_hash)`` beliefs, pool by pool, each least recently used first."""
+        for beliefs in list(self._pools.values()):
+            for key in beliefs.lru_keys():
+                yield beliefs.name, key
 
     def clear(self) -> None:
         """Clear every pool (beliefs and in-flight refs)."""

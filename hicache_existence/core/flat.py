@@ -7,11 +7,18 @@ the single global LRU order, and a page's pool is a small integer *tag* stored
 beside its hash, never a ``(pool, hash)`` tuple built and hashed per page (which
 is half the seed's lookup cost and 67 bytes an entry).  The primary pool (``kv``
 by default, where almost all traffic goes) has tag 0.
+
+The seed API takes the pool as an argument; ``pool(name)`` also offers each pool
+as a view with the current generation's per-pool protocol
+(``hicache_existence.core.protocol.PoolView``), which is what the rest of the
+package uses.  A view's mutations and chain lookups are the cache's own public
+calls, so they behave (and are observed by the write hooks) exactly as upstream's
+callers' are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES, MissMemoryFactory
@@ -22,35 +29,127 @@ from hicache_existence.core.stats import (
     EVICTED,
     INVALIDATED,
     CacheStats,
+    PoolStats,
     make_cache_stats,
 )
 
 _EMPTY: frozenset[str] = frozenset()
 
 
-class _Pool(CountingPool):
-    """Per-pool bookkeeping of the flat cache: its counted lookups over the shared
-    index under its tag (``CountingPool``, as the current generation's pools),
-    and its entry count."""
+class FlatPoolBeliefs(CountingPool):
+    """One pool of the flat cache, as a view with the current generation's
+    per-pool protocol: its counted lookups over the shared index under its tag
+    (``CountingPool``), its entry count, and in-flight refs the seed keeps
+    nowhere.  Its mutations and chain lookups are the cache's public calls."""
 
-    __slots__ = ("size",)
+    __slots__ = ("size", "_cache", "_inflight", "_cover")
 
     def __init__(
         self,
+        cache: FlatStorageExistenceCache,
         name: str,
-        entries: lru.LruIndexType,
         tag: int,
         memory: MissMemory | None,
-        observer: BeliefObserver | None,
-        advisor: SamplerSource | None,
     ) -> None:
-        super().__init__(name, entries, tag, memory, observer, advisor)
+        super().__init__(name, cache._entries, tag, memory, cache._observer, cache._advisor)
         #: Entries of this pool in the shared index.
         self.size = 0
+        self._cache = cache
+        # In-flight refs of our own writes (cache mode; uncounted, as the seed
+        # keeps no in-flight accounting), and the ``extra_cover`` of the latest
+        # ``covers_all`` (buffer mode: the seed's pipeline passes its live
+        # ``inflight_backup_hashes``, the pages between D2H launch and storage ack).
+        self._inflight: dict[str, int] = {}
+        self._cover: Container[str] = _EMPTY
+
+    @property
+    def max_entries(self) -> int:
+        """The cap shared by every pool."""
+        return self._cache.max_entries
+
+    def add(self, hashes: Iterable[str]) -> None:
+        self._cache.add(self.name, hashes)
+
+    def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
+        self._cache.invalidate_beyond(self.name, hashes, keep_pages)
+
+    def contains_all(self, hashes: Iterable[str]) -> bool:
+        return self._cache.contains_all(self.name, hashes)
+
+    def covered(self, hashes: Iterable[str]) -> bool:
+        """``covers_all`` with this pool's in-flight refs as the extra cover."""
+        return self._cache.covers_all(self.name, hashes, extra_cover=self._inflight)
+
+    def track_inflight(self, hashes: Iterable[str]) -> None:
+        refs = self._inflight
+        for h in _validate.page_hashes(hashes):
+            refs[h] = refs.get(h, 0) + 1
+
+    def untrack_inflight(self, hashes: Iterable[str]) -> None:
+        refs = self._inflight
+        for h in _validate.page_hashes(hashes):
+            n = refs.get(h, 0)
+            if n > 1:
+                refs[h] = n - 1
+            else:
+                refs.pop(h, None)
+
+    def clear(self) -> None:
+        """Forget this pool's beliefs and in-flight refs (the others' stay)."""
+        gone = self._entries.discard(self.lru_keys(), self.tag)
+        self.size -= len(gone)
+        c = self._counters
+        c.clears += 1
+        c.cleared_pages += len(gone)
+        if gone:
+            self._remember(gone, CLEARED)
+        self._inflight.clear()
+        if self._observer is not None:
+            self._observer.cleared(self.name, False)
+
+    def believed(self, hashes: Iterable[str]) -> list[str]:
+        contains, tag = self._entries.contains, self.tag
+        return [h for h in hashes if contains(h, tag)]
+
+    def inflight_pages(self) -> Container[str]:
+        """Our own in-flight refs and the pages upstream's last ``covers_all``
+        covered as in flight."""
+        own, cover = self._inflight, self._cover
+        if not cover or cover is own:
+            return own
+        return _Both(own, cover) if own else cover
+
+    def lru_keys(self) -> tuple[str, ...]:
+        tag = self.tag
+        return tuple(k for t, k in self._entries.items() if t == tag)
+
+    def inflight_refs(self) -> dict[str, int]:
+        return dict(self._inflight)
+
+    def stats(self) -> PoolStats:
+        return self._counters.snapshot(self.name, self.size, self._cache.max_entries, 0)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _Both:
+    """Two in-flight sources read as one (only in a process mixing both modes)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, page: object) -> bool:
+        return page in self.a or page in self.b
 
 
 class FlatStorageExistenceCache:
     """One LRU of ``(pool, page_hash)`` beliefs shared by all pools (seed API)."""
+
+    #: Every pool lives in one LRU under one cap (``core.protocol``).
+    shared_lru = True
 
     def __init__(
         self,
@@ -64,8 +163,8 @@ class FlatStorageExistenceCache:
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
         self._primary = _validate.pool_name(primary_pool, "primary_pool")
         self._entries: lru.LruIndexType = lru.LruIndex()
-        self._pools: dict[str, _Pool] = {}
-        self._by_tag: dict[int, _Pool] = {}
+        self._pools: dict[str, FlatPoolBeliefs] = {}
+        self._by_tag: dict[int, FlatPoolBeliefs] = {}
         self._miss_memory = miss_memory
         self._any_memory = False
         self._observer = observer
@@ -80,7 +179,7 @@ class FlatStorageExistenceCache:
     def max_entries(self, value: int) -> None:
         self._max_entries = _validate.count(value, "max_entries", 1)
 
-    def _resolve(self, pool: str) -> _Pool | str:
+    def _resolve(self, pool: str) -> FlatPoolBeliefs | str:
         """The record of a known ``pool``, else its validated name (raises on a bad
         one).  Known pools skip validation: the hot path pays one dict lookup."""
         try:
@@ -89,12 +188,14 @@ class FlatStorageExistenceCache:
             rec = None
         return rec if rec is not None else _validate.pool_name(pool)
 
-    def _pool(self, resolved: _Pool | str, pages: Sequence[str] | None = None) -> _Pool:
+    def _pool(
+        self, resolved: FlatPoolBeliefs | str, pages: Sequence[str] | None = None
+    ) -> FlatPoolBeliefs:
         """The record for ``_resolve``'s answer, created only now, after the caller
         validated everything else, so a call that fails validation leaves no trace.
         ``pages`` are a batch the index checks only later, when it runs: a new pool
         checks them here first."""
-        if isinstance(resolved, _Pool):
+        if isinstance(resolved, FlatPoolBeliefs):
             return resolved
         if pages is not None:
             _validate.page_hashes(pages)
@@ -102,7 +203,7 @@ class FlatStorageExistenceCache:
         if rec is None:
             memory = self._miss_memory(resolved) if self._miss_memory else None
             tag = 0 if resolved == self._primary else len(self._pools) + 1
-            rec = _Pool(resolved, self._entries, tag, memory, self._observer, self._advisor)
+            rec = FlatPoolBeliefs(self, resolved, tag, memory)
             self._pools[resolved] = self._by_tag[tag] = rec
             self._any_memory = self._any_memory or memory is not None
         return rec
@@ -179,7 +280,7 @@ class FlatStorageExistenceCache:
     def contains(self, pool: str, page_hash: str) -> bool:
         """Whether one page of ``pool`` is believed stored; a hit is LRU-touched."""
         rec = self._resolve(pool)
-        if not isinstance(rec, _Pool):  # a new pool: check the page before creating it
+        if not isinstance(rec, FlatPoolBeliefs):  # a new pool: check the page before creating it
             _validate.page_hash(page_hash)
             rec = self._pool(rec)
         return rec.contains(page_hash)  # checks the page before any change
@@ -188,10 +289,7 @@ class FlatStorageExistenceCache:
         """The pages of ``pool`` in ``hashes`` believed stored, neither touched nor
         counted: a read for accounting (was a written page believed at launch?)."""
         rec = self._pools.get(pool)
-        if rec is None:
-            return []
-        contains, tag = self._entries.contains, rec.tag
-        return [h for h in hashes if contains(h, tag)]
+        return [] if rec is None else rec.believed(hashes)
 
     def contains_all(self, pool: str, hashes: Iterable[str]) -> bool:
         """Whether every page is believed stored; stops at the first that is not,
@@ -212,7 +310,9 @@ class FlatStorageExistenceCache:
         resolved = self._resolve(pool)
         _validate.container(extra_cover, "extra_cover")
         seq = _validate.page_sequence(hashes)
-        return self._pool(resolved, seq)._walk(seq, extra_cover)
+        rec = self._pool(resolved, seq)
+        rec._cover = extra_cover  # the pool's in-flight pages (``inflight_pages``)
+        return rec._walk(seq, extra_cover)
 
     def settle(self) -> None:
         """Classify every pool's pending misses (miss reasons); scheduler thread."""
@@ -229,24 +329,33 @@ class FlatStorageExistenceCache:
             f"entries={len(self._entries)}, pools={list(self._pools)})"
         )
 
+    def pool(self, name: str) -> FlatPoolBeliefs:
+        """Pool ``name`` as a per-pool view (``core.protocol.PoolView``), created
+        on first use (as the seed's calls create it)."""
+        return self._pool(self._resolve(name))
+
+    def pools(self) -> tuple[FlatPoolBeliefs, ...]:
+        """Every pool seen so far, in first-use order."""
+        return tuple(self._pools.values())
+
     def pool_names(self) -> tuple[str, ...]:
         """Pools seen so far, in first-use order."""
         return tuple(self._pools)
 
+    def lru_items(self) -> Iterator[tuple[str, str]]:
+        """``(pool, page_hash)`` beliefs in the one shared LRU order, oldest first."""
+        names = {tag: rec.name for tag, rec in self._by_tag.items()}
+        return ((names[tag], key) for tag, key in self._entries.items())
+
     def lru_keys(self) -> tuple[tuple[str, str], ...]:
         """``(pool, page_hash)`` beliefs, least recently used first (for tests)."""
-        names = {tag: rec.name for tag, rec in self._by_tag.items()}
-        return tuple((names[tag], key) for tag, key in self._entries.items())
+        return tuple(self.lru_items())
 
     def stats(self) -> CacheStats:
         """An immutable snapshot of every pool, O(pools); safe from another thread:
         the pool dict is copied in one C call before it is walked (listing its items
         can let a collection, then the scheduler thread, in between two pools)."""
-        cap = self._max_entries
         return make_cache_stats(
-            {
-                name: rec._counters.snapshot(name, rec.size, cap, 0)
-                for name, rec in self._pools.copy().items()
-            },
+            {name: rec.stats() for name, rec in self._pools.copy().items()},
             shared_capacity=True,
         )

@@ -94,7 +94,7 @@ class SimulatedScheduler:
     def step(self, requests: Iterable[PageRequest]) -> None:
         """One scheduler step: acks, prefetch heals, admissions, the hook."""
         cache = self.runtime.cache
-        pools = cache.pool  # type: ignore[union-attr]
+        pools = cache.pool
         for pool, keys in self._acks:  # storage acks of last step's writes
             beliefs = pools(pool)
             beliefs.add(keys)
@@ -117,13 +117,13 @@ class SimulatedScheduler:
             return
         chain = request.pages
         hit = self.shard.leading_present(KV, chain)
-        beliefs = self.runtime.cache.pool(KV)  # type: ignore[union-attr]
+        beliefs = self.runtime.cache.pool(KV)
         before = beliefs.stats().invalidations
         self._chain_policy.heal_from_query(beliefs, chain, (), hit, evidence=True)
         swa_keys = self._window(request)
         swa_hit = self.shard.leading_present(SWA, swa_keys)
         self._window_policy.heal_from_query(
-            self.runtime.cache.pool(SWA),  # type: ignore[union-attr]
+            self.runtime.cache.pool(SWA),
             swa_keys,
             (),
             swa_hit,
@@ -146,8 +146,8 @@ class SimulatedScheduler:
         runtime = self.runtime
         writes = runtime.writes
         totals = self.totals
-        kv = runtime.cache.pool(KV)  # type: ignore[union-attr]
-        swa = runtime.cache.pool(SWA)  # type: ignore[union-attr]
+        kv = runtime.cache.pool(KV)
+        swa = runtime.cache.pool(SWA)
         for node in self._nodes(request):
             if kv.covered(node):
                 writes.avoided(KV, len(node))

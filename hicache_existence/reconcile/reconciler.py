@@ -34,8 +34,8 @@ stopped at was.
 
 The parts: ``sampling`` (which chains), ``bucket`` (how many per second),
 ``vector`` (what the ranks agree on), ``worker`` (the queries), ``breaker``,
-``verdicts`` (what an answer does) and ``target`` (either cache generation);
-this module runs them at the lockstep point.
+``verdicts`` (what an answer does, on either cache generation through
+``core.protocol``); this module runs them at the lockstep point.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any
 
 from hicache_existence.config import ReconcilerSection
+from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.reconcile.agreement import Agreement, SingleRank
 from hicache_existence.reconcile.breaker import CircuitBreaker
 from hicache_existence.reconcile.bucket import TokenBucket
@@ -58,16 +59,11 @@ from hicache_existence.reconcile.counters import (
 )
 from hicache_existence.reconcile.ground_truth import GroundTruth, leased_objects
 from hicache_existence.reconcile.sampling import Candidates, Sampler
-from hicache_existence.reconcile.target import CacheTarget
 from hicache_existence.reconcile.vector import Vector
 from hicache_existence.reconcile.verdicts import WritesSince, apply_verdict, default_learns
 from hicache_existence.reconcile.worker import PENDING, TIMED_OUT, VOIDED, Query, QueryWorker
 
 logger = logging.getLogger(__name__)
-
-#: Where the write path keeps a pool's in-flight pages when the cache does not
-#: (the seed generation): ``pool -> pages`` (or None for none).
-InflightCover = Callable[[str], "Container[str] | None"]
 
 
 class Reconciler:
@@ -80,7 +76,7 @@ class Reconciler:
 
     def __init__(
         self,
-        cache: Any,
+        cache: ExistenceCache,
         truth: GroundTruth | None,
         *,
         agreement: Agreement | None = None,
@@ -97,7 +93,6 @@ class Reconciler:
         max_candidates: int = 64,
         apply_page_budget: int = 4096,
         clock: Callable[[], float] = time.monotonic,
-        inflight_cover: InflightCover | None = None,
     ) -> None:
         if not 0.0 <= float(sampling_rate) <= 1.0:
             raise ValueError(f"sampling_rate must be within [0, 1], got {sampling_rate}")
@@ -117,7 +112,7 @@ class Reconciler:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self._target = CacheTarget(cache)
+        self._cache = cache
         self._truth = truth
         self._agreement: Agreement = agreement if agreement is not None else SingleRank()
         self._sampler = Sampler(float(sampling_rate), pages_per_query)
@@ -133,9 +128,6 @@ class Reconciler:
         self._page_budget = apply_page_budget
         self._clock = clock
         self._t0 = clock()
-        #: In-flight pages the cache does not track (seed generation): the
-        #: integration sets it to the write pipeline's in-flight set.
-        self.inflight_cover: InflightCover | None = inflight_cover
         #: Told every applied verdict, ``(pool, chain, leading)``: ``chain[:leading]``
         #: was found in L3 (the storage-tier KV events' verification time).
         self.verdict_observer: Callable[[str, Sequence[str], int], None] | None = None
@@ -155,7 +147,7 @@ class Reconciler:
     def from_section(
         cls,
         section: ReconcilerSection,
-        cache: Any,
+        cache: ExistenceCache,
         truth: GroundTruth | None,
         agreement: Agreement | None = None,
         **overrides: Any,
@@ -363,7 +355,7 @@ class Reconciler:
         if observer is not None:
             observer(pool, q.chain, leading)
         outcome = apply_verdict(
-            self._target,
+            self._cache,
             pool,
             q.chain,
             leading,
@@ -383,14 +375,12 @@ class Reconciler:
     def _doomed(self, q: Query, leading: int) -> Sequence[str] | None:
         """What ``invalidate_beyond(..., leading)`` may drop for ``q``'s absence
         verdict (``WritesSince.span``; None: withhold)."""
-        cover = self.inflight_cover
+        inflight = self._cache.pool(q.pool).inflight_pages()
         try:
-            extra = cover(q.pool) if cover is not None else None
-        except Exception:  # the write path's set is unreadable: cannot tell
-            self._internal_error("inflight_cover")
+            return self._writes.span(q.pool, q.chain, leading, q.adds_before, (inflight,))
+        except Exception:  # an in-flight set upstream passed that cannot be read
+            self._internal_error("in-flight set")
             return None
-        sources = (self._target.inflight(q.pool), extra)
-        return self._writes.span(q.pool, q.chain, leading, q.adds_before, sources)
 
     def _admit(self, n: int) -> None:
         self._writes.prune()  # pools with nothing out no longer need their adds

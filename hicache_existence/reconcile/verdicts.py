@@ -3,8 +3,8 @@
 An answer taken at time T says nothing about a page whose write was in flight
 at T or launched after it: the write lands (and the ledger records it) after
 the answer.  Such a page is *written since the query* when, at the moment the
-verdict is applied, it is in flight (the cache's in-flight refs; for the seed
-generation the write path's in-flight set, ``inflight_cover``) or it was added
+verdict is applied, it is in flight (the pool's ``inflight_pages()``; for the
+seed generation that includes the set its pipeline passes to ``covers_all``) or it was added
 (``add``: the storage ack inserts a write's pages, then releases them from
 flight) after the query was admitted (admission precedes T, so the window is
 conservative).  Every page whose write overlaps T is one of those: launched
@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Protocol
+
+from hicache_existence.core.protocol import ExistenceCache
 
 #: Pools whose keys are a trailing window of the chain (upstream TRAILING_PAGES):
 #: a verdict only invalidates there, as upstream's ``TrailingWindowPolicy``.
@@ -143,18 +144,6 @@ class WritesSince:
         return invalidation_span(chain, leading, written)
 
 
-class Target(Protocol):
-    """The cache a verdict acts on, per pool (``target.CacheTarget``)."""
-
-    def invalidate_beyond(self, pool: str, chain: Sequence[str], keep: int) -> None: ...
-
-    def add(self, pool: str, chain: Sequence[str]) -> None: ...
-
-    def counts(self, pool: str) -> tuple[int, int]: ...
-
-    def believes_all(self, pool: str, chain: Sequence[str]) -> bool: ...
-
-
 @dataclass(frozen=True)
 class Outcome:
     """What one verdict did: beliefs removed (``stale``: at least one),
@@ -170,7 +159,7 @@ class Outcome:
 
 
 def apply_verdict(
-    target: Target,
+    target: ExistenceCache,
     pool: str,
     chain: Sequence[str],
     leading: int,
@@ -183,18 +172,19 @@ def apply_verdict(
     (withheld when ``doomed()`` is None: see the module docstring); when
     ``learn``, add the leading pages the beliefs lack."""
     invalidated, withheld, learnt = 0, False, 0
+    beliefs = target.pool(pool)
     if leading < len(chain) and trusted:
         span = doomed()
         if span is None:
             withheld = True
         else:
-            before, _ = target.counts(pool)
-            target.invalidate_beyond(pool, span, leading)
-            invalidated = target.counts(pool)[0] - before
+            before = beliefs.stats().invalidations
+            beliefs.invalidate_beyond(span, leading)
+            invalidated = beliefs.stats().invalidations - before
     if learn and leading > 0:
         head = chain[:leading]
-        if not target.believes_all(pool, head):
-            _, before = target.counts(pool)
-            target.add(pool, head)
-            learnt = target.counts(pool)[1] - before
+        if len(beliefs.believed(head)) < len(head):
+            before = beliefs.stats().inserts
+            beliefs.add(head)
+            learnt = beliefs.stats().inserts - before
     return Outcome(max(invalidated, 0), withheld, max(learnt, 0))

@@ -35,7 +35,6 @@ from typing import Any, Literal
 
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.reconcile.sampling import Candidates, Sampler
-from hicache_existence.reconcile.target import CacheTarget
 from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
 from hicache_existence.replay.l3 import L3
 from hicache_existence.replay.model import (
@@ -201,7 +200,7 @@ class _Instance:
             _Learner(fleet.learn_rate, fleet.pages_per_query) if fleet.learn_rate else None
         )
         self.cache = StorageExistenceCache(cap, observer=self.learner)
-        self.target = CacheTarget(self.cache)
+        self.target = self.cache
         self.config = config
         self.page_size = page_size
         self.l3 = l3

@@ -36,8 +36,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hicache_existence.core.cache import PoolBeliefs, StorageExistenceCache
-from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.protocol import ExistenceCache, PoolView
 
 #: Bumped whenever the serialisation changes; ranks compare it at start-up.
 DIGEST_VERSION = 1
@@ -53,8 +52,6 @@ _crc32 = zlib.crc32
 # lone surrogates included, still encodes instead of raising.
 _ENC = "utf-8"
 _ERR = "surrogatepass"
-
-AnyCache = StorageExistenceCache | FlatStorageExistenceCache
 
 
 class _Stream:
@@ -216,7 +213,7 @@ class ReplicaDigest:
 
     # -- digests -------------------------------------------------------------
     def pool_digests(
-        self, cache: AnyCache | None = None, *, audit: bool = False
+        self, cache: ExistenceCache | None = None, *, audit: bool = False
     ) -> dict[str, PoolDigest]:
         """Each pool's digest word, O(pools) (plus O(entries) when ``audit``).
 
@@ -230,12 +227,9 @@ class ReplicaDigest:
         stats = cache.stats() if cache is not None else {}
         names = list(self._streams)
         names.extend(name for name in stats if name not in self._streams)
-        flat_audit = 0
-        if audit and isinstance(cache, FlatStorageExistenceCache):
-            flat_audit = self._flat_audit(cache)
-        elif isinstance(cache, FlatStorageExistenceCache):
-            cached = self._audits.get("")
-            flat_audit = cached[1] if cached else 0
+        shared_audit = 0
+        if cache is not None and cache.shared_lru:
+            shared_audit = self._shared_audit(cache, audit)
         out: dict[str, PoolDigest] = {}
         for name in sorted(names):
             crc, ops, pages = self.stream(name)
@@ -245,17 +239,17 @@ class ReplicaDigest:
             capacity = st.capacity if st is not None else 0
             if not ops and not entries and not inflight:
                 continue
-            if isinstance(cache, StorageExistenceCache):
+            if cache is not None and not cache.shared_lru:
                 audit_value = self._pool_audit(cache, name, audit)
             else:
-                audit_value = flat_audit
+                audit_value = shared_audit
             word = mix(
                 DIGEST_VERSION, name, crc, ops, pages, entries, inflight, capacity, audit_value
             )
             out[name] = PoolDigest(name, word, entries, inflight, capacity, ops)
         return out
 
-    def _pool_audit(self, cache: StorageExistenceCache, name: str, audit: bool) -> int:
+    def _pool_audit(self, cache: ExistenceCache, name: str, audit: bool) -> int:
         cached = self._audits.get(name)
         key = self.stream(name)
         if not audit or name not in cache.pool_names():
@@ -266,20 +260,22 @@ class ReplicaDigest:
         self._audits[name] = (key, value)
         return value
 
-    def _flat_audit(self, cache: FlatStorageExistenceCache) -> int:
+    def _shared_audit(self, cache: ExistenceCache, audit: bool) -> int:
         # One LRU is shared by every pool: any pool's operations can evict from
         # another, so the audit is global and keyed on every pool's stream.
-        key = tuple(sorted((name, self.stream(name)) for name in self._streams))
         cached = self._audits.get("")
+        if not audit:
+            return cached[1] if cached else 0
+        key = tuple(sorted((name, self.stream(name)) for name in self._streams))
         if cached is not None and cached[0] == key:
             return cached[1]
-        value = audit_flat(cache)
+        value = audit_shared(cache)
         self._audits[""] = (key, value)
         return value
 
 
 class SharedLruDigest(ReplicaDigest):
-    """The digest for the seed generation (``FlatStorageExistenceCache``).
+    """The digest for a ``shared_lru`` cache (the seed generation's).
 
     There one LRU is shared by every pool, so the *interleaving* of operations
     across pools decides evictions too.  Each operation therefore also folds its
@@ -346,28 +342,27 @@ def _crc_strings(items: Sequence[str], crc: int) -> int:
     return crc
 
 
-def audit_pool(pool: PoolBeliefs) -> int:
-    """An exact 63-bit digest of a current-generation pool's *membership*: the
-    believed pages, the in-flight refcounts and the cap.  O(entries), in C.
+def audit_pool(pool: PoolView) -> int:
+    """An exact 63-bit digest of one pool's *membership*: the believed pages,
+    the in-flight refcounts and the cap.  O(entries), in C.
 
     Pages are read in LRU order, which both index implementations give
     identically (the compiled one walks its node list in C, ~10 ns a page at
     512K entries), so equal histories give equal audits whatever backend each
     rank runs.
     """
-    keys = pool._entries.keys()
+    keys = pool.lru_keys()
     crc = _crc_strings(keys, 0)
-    items = sorted(pool._inflight.items())
+    items = sorted(pool.inflight_refs().items())
     crc2 = _crc_strings([k for k, _ in items], 0)
     counts = ",".join([str(v) for _, v in items])
     return mix("pool", crc, len(keys), crc2, counts, len(items), pool.max_entries)
 
 
-def audit_flat(cache: FlatStorageExistenceCache) -> int:
-    """An exact 63-bit digest of a seed-generation cache's membership over every
-    pool (LRU order, as ``audit_pool``) and the shared cap."""
-    names = {rec.tag: rec.name for rec in cache._pools.values()}
-    keys = [f"{names[tag]}\x01{key}" if tag else key for tag, key in cache._entries.items()]
+def audit_shared(cache: ExistenceCache) -> int:
+    """An exact 63-bit digest of a ``shared_lru`` cache's membership over every
+    pool, in the one shared LRU order, and the shared cap."""
+    keys = [f"{pool}\x01{key}" for pool, key in cache.lru_items()]
     crc = _crc_strings(keys, 0)
     return mix("flat", crc, len(keys), cache.max_entries)
 

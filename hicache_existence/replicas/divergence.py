@@ -34,11 +34,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from hicache_existence import logs
 from hicache_existence.config import DivergenceSection
-from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.replicas.digest import (
     DIGEST_VERSION,
     MASK63,
-    AnyCache,
     PoolDigest,
     ReplicaDigest,
     SharedLruDigest,
@@ -345,7 +344,7 @@ class DivergenceChecker:
         group: CheckGroup,
         config: DivergenceSection | None = None,
         *,
-        cache: AnyCache | None = None,
+        cache: ExistenceCache | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -359,10 +358,11 @@ class DivergenceChecker:
             raise TypeError(f"config must be a DivergenceSection, got {type(config).__name__}")
         if config.policy == "heal" and cache is None:
             raise ValueError("cache is required with policy 'heal' (it is what gets cleared)")
-        if isinstance(cache, FlatStorageExistenceCache) and not isinstance(digest, SharedLruDigest):
+        if cache is not None and cache.shared_lru and not isinstance(digest, SharedLruDigest):
             raise TypeError(
-                "digest must be a SharedLruDigest for a FlatStorageExistenceCache "
-                "(its pools share one LRU, so their interleaving matters)"
+                "digest must be a SharedLruDigest for a shared-LRU cache "
+                "(FlatStorageExistenceCache: its pools share one LRU, so their "
+                "interleaving matters)"
             )
         self._digest = digest
         self._group = group
@@ -670,9 +670,9 @@ class DivergenceChecker:
         """
         cache = self._cache
         names = [n for n in self._local_pools() if slot_of(n, self._slots) in slots]
-        if isinstance(cache, FlatStorageExistenceCache):
+        if cache is not None and cache.shared_lru:
             # One shared LRU: a divergence in one pool moves every pool's
-            # evictions, and the seed API can only clear everything.
+            # evictions, so every pool is cleared.
             cache.clear()
             self._digest.reset_all()
             return

@@ -235,7 +235,7 @@ class MambaHiCacheServer:
 
     def believed(self, pool: str, keys: list[str]) -> list[str]:
         """Which of ``keys`` the installed existence cache believes stored (a read)."""
-        if hasattr(self.cache, "pool"):  # current generation (sglang >= 0.5.22)
+        if hasattr(self.cache, "clear_inflight"):  # current generation (sglang >= 0.5.22)
             got = set(self.cache.pool(pool).believed(keys))
         else:  # flat (sglang 0.5.19 - 0.5.21)
             got = set(self.cache.believed(pool, keys))

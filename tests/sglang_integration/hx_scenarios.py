@@ -236,7 +236,7 @@ def enabled() -> dict[str, Any]:
     }
     # The upstream call sites, through upstream's names, on our object.
     chain = [f"{i:064x}" for i in range(1, 9)]
-    if hasattr(cache, "pool"):  # current generation (sglang >= 0.5.22)
+    if hasattr(cache, "clear_inflight"):  # current generation (sglang >= 0.5.22)
         pool = cache.pool("kv")
         pool.track_inflight(chain)
         pool.add(chain)
@@ -249,7 +249,7 @@ def enabled() -> dict[str, Any]:
             cache.contains("kv", chain[0]),
             cache.contains_all("kv", ["f" * 64]),
         ]
-    out["generation"] = "current" if hasattr(cache, "pool") else "flat"
+    out["generation"] = "current" if hasattr(cache, "clear_inflight") else "flat"
     steps = int(os.environ.get("HX_STEPS", "7"))
     for _ in range(steps):
         tree.check_hicache_events()
@@ -277,7 +277,7 @@ def enabled() -> dict[str, Any]:
 
 def kv_add(cache: Any, hashes: list[str]) -> None:
     """Believe ``hashes`` stored in pool kv, in either generation's API."""
-    if hasattr(cache, "pool"):  # current (sglang >= 0.5.22)
+    if hasattr(cache, "clear_inflight"):  # current (sglang >= 0.5.22)
         cache.pool("kv").add(hashes)
     else:  # flat (seed, sglang 0.5.19 - 0.5.21)
         cache.add("kv", hashes)
@@ -285,14 +285,14 @@ def kv_add(cache: Any, hashes: list[str]) -> None:
 
 def kv_keys(cache: Any) -> list[str]:
     """Pool kv's believed page hashes, oldest first, in either generation."""
-    if hasattr(cache, "pool"):
+    if hasattr(cache, "clear_inflight"):
         return list(cache.pool("kv").lru_keys())
     return [h for pool, h in cache.lru_keys() if pool == "kv"]
 
 
 def kv_contains(cache: Any, page: str) -> bool:
     """Whether pool kv believes ``page`` stored (a hit refreshes it), either generation."""
-    if hasattr(cache, "pool"):
+    if hasattr(cache, "clear_inflight"):
         return bool(cache.pool("kv").contains(page))
     return bool(cache.contains("kv", page))
 
@@ -500,8 +500,9 @@ def buffer_inflight() -> dict[str, Any]:
     """The reconciler's view of pages being written, against the real pipeline:
     a write-through insert, then one scheduler step at a time until the acks
     drained; at every step, the pages the reconciler would treat as in flight
-    (the cache's refs in the current generation; the seed generation's
-    pipeline's own set, read through ``inflight_cover``)."""
+    (the pool's ``inflight_pages()``: the cache's refs in the current generation;
+    in the seed generation the pipeline's own set, which it passes to
+    ``covers_all``)."""
     logs = capture_logs()
     load_plugins()
     server = BufferModeServer()
@@ -511,9 +512,7 @@ def buffer_inflight() -> dict[str, Any]:
     def in_flight() -> set[str]:
         if rec is None:
             return set()
-        cover = rec.inflight_cover
-        sources = [rec._target.inflight("kv"), cover("kv") if cover is not None else None]
-        return {h for s in sources if s for h in s}  # type: ignore[union-attr]
+        return set(server.cache.pool("kv").inflight_pages())  # type: ignore[call-overload]
 
     server.insert(list(range(1, 33)))  # 8 pages of 4 tokens
     seen = [sorted(in_flight())]
@@ -526,7 +525,8 @@ def buffer_inflight() -> dict[str, Any]:
         time.sleep(0.005)
     result = {
         "reconciler": rec is not None,
-        "cover_wired": rec is not None and rec.inflight_cover is not None,
+        "reads_pipeline_set": server.cache.pool("kv").inflight_pages()
+        is getattr(server.pipeline, "inflight_backup_hashes", None),
         "written": sorted(kv_keys(server.cache)),
         "seen_in_flight": sorted({h for step in seen for h in step}),
         "after_ack": seen[-1],
@@ -956,7 +956,7 @@ def _scheduler_child(queue: Any) -> None:
     cache = tree.storage_existence_cache
     chain = [f"{i:064x}" for i in range(1, 5)]
     kv_add(cache, chain)
-    if hasattr(cache, "pool"):
+    if hasattr(cache, "clear_inflight"):
         cache.pool("kv").covered(chain)
     else:
         cache.covers_all("kv", chain)

@@ -78,11 +78,11 @@ def test_reconciler_heals_stale_positives_from_real_l3_eviction(scenarios: Scena
 def test_reconciler_sees_the_pages_the_real_pipeline_is_writing(scenarios: Scenarios) -> None:
     """Between D2H launch and storage ack, every page the real pipeline writes is
     in flight for the reconciler (so no verdict acts past it): the cache's refs
-    in the current generation, the seed pipeline's own set (wired as
-    ``inflight_cover``) in the seed generation; none once the acks drained."""
+    in the current generation, the seed pipeline's own set (the ``extra_cover``
+    it passes to ``covers_all``) in the seed generation; none once the acks drained."""
     r = scenarios.get("buffer_inflight").value()
     assert r["reconciler"] is True and r["warnings"] == []
-    assert r["cover_wired"] is (not CURRENT)
+    assert r["reads_pipeline_set"] is (not CURRENT)
     assert len(r["written"]) == 8
     assert r["seen_in_flight"] == r["written"]
     assert r["after_ack"] == []

@@ -51,6 +51,7 @@ from hicache_existence.accounting.causes import CauseTracker
 from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.policies import ChainPagesPolicy, default_belief_policy
+from hicache_existence.core.protocol import ExistenceCache
 
 KV = "kv"
 _CHAIN = ChainPagesPolicy()
@@ -59,86 +60,6 @@ _CHAIN = ChainPagesPolicy()
 def pool_name(pool: object) -> str:
     """``PoolName.KV`` -> ``"kv"`` (str enums), plain strings unchanged."""
     return str.__str__(pool) if isinstance(pool, str) else str(pool)
-
-
-class Beliefs:
-    """The existence cache as cache mode uses it, for either API generation."""
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-        self._per_pool = callable(getattr(cache, "pool", None))
-        #: Flat generation: in-flight pages of cache-mode writes (its cache keeps none).
-        self._inflight: dict[str, dict[str, int]] = {}
-
-    def covered(self, pool: str, keys: Sequence[str]) -> bool:
-        """One lookup: every page believed stored or in flight (touches the LRU)."""
-        if self._per_pool:
-            return bool(self.cache.pool(pool).covered(keys))
-        cover = self._inflight.get(pool, {})
-        return bool(self.cache.covers_all(pool, keys, extra_cover=cover))
-
-    def believed(self, pool: str, keys: Sequence[str]) -> set[str]:
-        """The pages of ``keys`` believed stored (a read: no touch, no count)."""
-        if self._per_pool:
-            return set(self.cache.pool(pool).believed(keys))
-        return set(self.cache.believed(pool, keys))
-
-    def launched(self, pool: str, keys: Sequence[str]) -> None:
-        if self._per_pool:
-            self.cache.pool(pool).track_inflight(keys)
-            return
-        refs = self._inflight.setdefault(pool, {})
-        for k in keys:
-            refs[k] = refs.get(k, 0) + 1
-
-    def acked(self, pool: str, keys: Sequence[str]) -> None:
-        """The write's pages are believed stored (added whatever this rank's
-        backend answered, so that every rank adds the same pages)."""
-        if self._per_pool:
-            beliefs = self.cache.pool(pool)
-            beliefs.add(keys)
-            beliefs.untrack_inflight(keys)
-            return
-        self.cache.add(pool, keys)
-        refs = self._inflight.get(pool, {})
-        for k in keys:
-            n = refs.get(k, 0) - 1
-            if n > 0:
-                refs[k] = n
-            else:
-                refs.pop(k, None)
-
-    def heal(
-        self,
-        pool: str,
-        policy: Any,
-        chain: Sequence[str],
-        keys: Sequence[str],
-        hit: int,
-        evidence: bool,
-    ) -> None:
-        """A rank-agreed prefetch hit query's verdict on ``chain``."""
-        if self._per_pool:
-            policy.heal_from_query(self.cache.pool(pool), chain, keys, hit, evidence=evidence)
-        else:
-            policy.heal_from_query(_FlatPool(self.cache, pool), chain, keys, hit, evidence=evidence)
-
-    def inflight(self, pool: str) -> dict[str, int] | None:
-        """The flat generation's in-flight pages of cache-mode writes (reconciler)."""
-        return None if self._per_pool else self._inflight.get(pool, {})
-
-
-class _FlatPool:
-    """One pool of the flat cache, shaped as the heal policies expect."""
-
-    def __init__(self, cache: Any, pool: str) -> None:
-        self.cache, self.pool = cache, pool
-
-    def add(self, hashes: Sequence[str]) -> None:
-        self.cache.add(self.pool, hashes)
-
-    def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
-        self.cache.invalidate_beyond(self.pool, hashes, keep_pages)
 
 
 @dataclass(slots=True)
@@ -193,7 +114,7 @@ class CacheModeWrites:
     def __init__(
         self,
         writes: WriteAccounting,
-        cache: Any,
+        cache: ExistenceCache,
         *,
         dedup: bool,
         causes: CauseTracker,
@@ -201,7 +122,8 @@ class CacheModeWrites:
         upstream_dedup: bool = False,
     ) -> None:
         self.writes = writes
-        self.beliefs = Beliefs(cache)
+        #: The existence cache (either generation, through its per-pool views).
+        self.cache = cache
         #: sglang deduplicates these writes itself (``upstream_overlap``): ours never
         #: does, and the launch reads the beliefs without a counted lookup.
         self.upstream_dedup = upstream_dedup
@@ -245,19 +167,18 @@ class CacheModeWrites:
     ) -> WritePlan:
         """Look the node's pages up and decide what is written (module docstring)."""
         pages = list(pages)
+        pool = self.cache.pool
         # A read (no touch, no count): which extra-pool keys were believed, for their
         # redundant_believed at the ack.
-        extra_believed = {p: self.beliefs.believed(p, keys) for p, keys in extra.items() if keys}
+        extra_believed = {p: set(pool(p).believed(keys)) for p, keys in extra.items() if keys}
         if self.upstream_dedup:
             # sglang looked these pages up in this cache already (counted there) and
             # left out what it skips: count what it sends, classify without a lookup.
-            believed = self.beliefs.believed(KV, pages) if pages else set()
+            believed = set(pool(KV).believed(pages)) if pages else set()
             return WritePlan(list(range(len(pages))), pages, believed, extra, True, extra_believed)
-        covered = self.beliefs.covered(KV, pages) if pages else True
-        believed = set(pages) if covered else self.beliefs.believed(KV, pages)
-        extra_covered = not extra or all(
-            self.beliefs.covered(p, keys) for p, keys in extra.items() if keys
-        )
+        covered = pool(KV).covered(pages) if pages else True
+        believed = set(pages) if covered else set(pool(KV).believed(pages))
+        extra_covered = not extra or all(pool(p).covered(keys) for p, keys in extra.items() if keys)
         keep = list(range(len(pages)))
         extra_written = True
         if self.dedup:
@@ -283,9 +204,9 @@ class CacheModeWrites:
                 pool, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
             )
         if written:
-            self.beliefs.launched(KV, written)
+            self.cache.pool(KV).track_inflight(written)
         for pool, keys in extra.items():
-            self.beliefs.launched(pool, keys)
+            self.cache.pool(pool).track_inflight(keys)
         self.causes.launched(node, written)
         self._pending[int(operation_id)] = _Launch(
             node,
@@ -340,7 +261,11 @@ class CacheModeWrites:
                     self._account(pool, keys, launch, outcome)
         for pool, keys in pools.items():
             if keys:
-                self.beliefs.acked(pool, keys)
+                # Believed stored whatever this rank's backend answered, so that
+                # every rank adds the same pages.
+                beliefs = self.cache.pool(pool)
+                beliefs.add(keys)
+                beliefs.untrack_inflight(keys)
         self.causes.stored(launch.node_id, launch.pages)
 
     def _account(self, pool: str, keys: list[str], launch: _Launch, outcome: Any) -> None:
@@ -381,12 +306,13 @@ class CacheModeWrites:
                 return  # no rank-agreed KV verdict (e.g. assumed stored): unchanged
         else:  # a controller without per-pool verdicts: the folded, agreed count
             own = {KV: folded}
-        self.beliefs.heal(KV, _CHAIN, chain, chain, own[KV], True)
+        _CHAIN.heal_from_query(self.cache.pool(KV), chain, chain, own[KV], evidence=True)
         for transfer in getattr(operation, "pool_transfers", None) or ():
             name = pool_name(transfer.name)
             policy = default_belief_policy(getattr(transfer, "hit_policy", None))
             hit, evidence = (own[name], True) if name in own else (folded, False)
-            self.beliefs.heal(name, policy, chain, list(transfer.keys or ()), hit, evidence)
+            keys = list(transfer.keys or ())
+            policy.heal_from_query(self.cache.pool(name), chain, keys, hit, evidence=evidence)
 
 
-__all__ = ["Beliefs", "CacheModeWrites", "WritePlan"]
+__all__ = ["CacheModeWrites", "WritePlan"]

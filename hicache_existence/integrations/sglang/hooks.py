@@ -42,6 +42,7 @@ from hicache_existence.accounting.recorder import instance_name
 from hicache_existence.config import Config
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import facts as _facts
@@ -49,7 +50,6 @@ from hicache_existence.integrations.sglang import kv_events as _kv_events
 from hicache_existence.integrations.sglang import targets as _targets
 from hicache_existence.integrations.sglang import upstream_overlap as _overlap
 from hicache_existence.integrations.sglang import write_path as _write_path
-from hicache_existence.integrations.sglang.cache_mode import Beliefs
 from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.targets import Generation
 from hicache_existence.integrations.sglang.topology import (
@@ -96,15 +96,6 @@ class ProcessEntry:
         )
         self.write_path.attach_recorder(runtime.recorder)
         self.write_path.events = runtime.events
-        if runtime.reconciler is not None and runtime.generation == "flat":
-            # The seed cache keeps no in-flight refs; the pipeline (buffer mode)
-            # or the cache-mode write path does.
-            cache_mode = self.write_path.cache_mode
-            runtime.reconciler.inflight_cover = (
-                cache_mode.beliefs.inflight
-                if cache_mode is not None
-                else self.write_path.inflight_pages
-            )
         #: Whether the first step (group wiring) ran.
         self.first_done = False
         self.members: tuple[int, ...] = (0,)
@@ -116,7 +107,7 @@ class ProcessEntry:
         return self.runtime.steps
 
     @property
-    def cache(self) -> StorageExistenceCache | FlatStorageExistenceCache:
+    def cache(self) -> ExistenceCache:
         return self.runtime.cache
 
     def owns(self, tree_cache: Any) -> bool:
@@ -230,10 +221,10 @@ def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]
     """Whether this process has a record of a page: believed now, or once believed
     (the miss-reason memory's evicted / invalidated / cleared); ``None`` without
     that memory, when "not believed" cannot tell ours from another instance's."""
-    beliefs, ghosts = Beliefs(runtime.cache), runtime.ghosts
+    cache, ghosts = runtime.cache, runtime.ghosts
 
     def remembers(pool: str, page: str) -> bool | None:
-        if beliefs.believed(pool, (page,)):
+        if cache.pool(pool).believed((page,)):
             return True
         memory = ghosts.memories().get(pool) if ghosts is not None else None
         if memory is None:

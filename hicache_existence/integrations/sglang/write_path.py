@@ -40,13 +40,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hicache_existence.accounting.causes import CauseTracker, Remembers
 from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.events.emitter import KvEvents
 from hicache_existence.integrations.sglang import kv_events
 from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites, WritePlan
@@ -102,7 +103,7 @@ class WritePath:
     def __init__(
         self,
         writes: WriteAccounting,
-        cache: Any,
+        cache: ExistenceCache,
         generation: str,
         *,
         cache_mode: bool = False,
@@ -134,8 +135,6 @@ class WritePath:
         self.events: KvEvents | None = None
         #: The controller whose backup thread writes this cache's pages (first launch).
         self.controller: Any = None
-        #: The pipeline of the first launch (its in-flight set, seed generation).
-        self.pipeline: Any = None
         #: Hook failures (each counted once, whatever the hook).
         self.errors = 0
         self._errors_lock = threading.Lock()
@@ -238,7 +237,6 @@ class WritePath:
         """The D2H launch of an admitted intent: its pages are written."""
         if self.controller is None:
             self.controller = pipeline._cache.cache_controller
-            self.pipeline = pipeline
             if self.recorder is not None:
                 self.recorder.set_page_size(int(getattr(self.controller, "page_size", 0) or 0))
         notes: dict[str, set[str]] = {}
@@ -259,21 +257,8 @@ class WritePath:
                 self._believed.pop(next(iter(self._believed)))
             self._believed[id(intent)] = notes
 
-    def inflight_pages(self, pool: str) -> Container[str] | None:
-        """The seed generation's pages between D2H launch and storage ack: the
-        pipeline's ``inflight_backup_hashes`` (refcounts, KV only; the same set
-        it passes to ``covers_all`` as ``extra_cover``).  The reconciler reads
-        it so that a verdict never acts on a page still being written."""
-        if pool != "kv" or self.pipeline is None:
-            return None
-        refs = getattr(self.pipeline, "inflight_backup_hashes", None)
-        return refs if isinstance(refs, Container) else None
-
     def _believed_keys(self, pool: str, keys: list[str]) -> set[str]:
-        pool_of = getattr(self.cache, "pool", None)
-        if pool_of is None:  # flat generation: one index, tagged by pool
-            return set(self.cache.believed(pool, keys))
-        return set(pool_of(pool).believed(keys))
+        return set(self.cache.pool(pool).believed(keys))
 
     def _size(self, pool: str) -> None:
         """Bytes of one page of ``pool`` on this rank, from the host pool layout."""

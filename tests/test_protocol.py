@@ -1,0 +1,129 @@
+"""One interface for both cache generations (``core.protocol``): both offer it,
+the seed generation's per-pool views are its own public calls, and no consumer
+branches on the generation's type."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.flat import FlatStorageExistenceCache
+from hicache_existence.core.protocol import ExistenceCache, PoolView
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hicache_existence"
+H = [f"{i:064x}" for i in range(1, 9)]
+
+
+def _members(proto: type) -> set[str]:
+    return {
+        n
+        for n, v in vars(proto).items()
+        if (callable(v) or isinstance(v, property)) and (not n.startswith("_") or n == "__len__")
+    }
+
+
+@pytest.mark.parametrize("cls", [StorageExistenceCache, FlatStorageExistenceCache])
+def test_both_generations_offer_every_member_of_the_protocol(cls: type) -> None:
+    """Every member of ``ExistenceCache`` on the cache and of ``PoolView`` on its pools."""
+    cache = cls(8)
+    for name in _members(ExistenceCache):
+        assert hasattr(cache, name), name
+    view = cache.pool("kv")
+    for name in _members(PoolView):
+        assert hasattr(view, name), name
+    assert cache.shared_lru is (cls is FlatStorageExistenceCache)
+    assert cache.pools() == (view,) and cache.pool("kv") is view
+
+
+def test_a_flat_view_is_the_seed_calls_on_its_pool() -> None:
+    """The view's operations equal the seed API's calls on its pool: same LRU
+    order, same counters, and a view's ``clear`` leaves the other pools."""
+    a, b = FlatStorageExistenceCache(6), FlatStorageExistenceCache(6)
+    kv, swa = a.pool("kv"), a.pool("swa")
+    b.pool_names()
+    kv.add(H[:4])
+    b.add("kv", H[:4])
+    swa.add(H[4:6])
+    b.add("swa", H[4:6])
+    assert kv.contains_all(H[:2]) == b.contains_all("kv", H[:2])
+    assert kv.covered(H[:5]) == b.covers_all("kv", H[:5])
+    kv.invalidate_beyond(H[:4], 3)
+    b.invalidate_beyond("kv", H[:4], 3)
+    kv.add(H[6:8])
+    b.add("kv", H[6:8])
+    assert a.lru_keys() == b.lru_keys()
+    assert a.stats() == b.stats()
+    assert kv.lru_keys() == tuple(k for p, k in b.lru_keys() if p == "kv")
+    assert kv.believed(H) == b.believed("kv", H) and len(kv) == len(kv.lru_keys())
+    assert kv.max_entries == 6 and kv.stats() == b.stats()["kv"]
+    held = sum(1 for p, _ in b.lru_keys() if p == "swa")
+    assert held >= 1
+    swa.clear()
+    assert a.lru_keys() == tuple(x for x in b.lru_keys() if x[0] == "kv")
+    assert (a.stats()["swa"].entries, a.stats()["swa"].cleared_pages) == (0, held)
+
+
+def test_flat_in_flight_pages_are_its_refs_and_upstreams_extra_cover() -> None:
+    """In flight on a flat pool: its own refs (cache mode) and the live set
+    upstream's pipeline passes to ``covers_all`` (buffer mode)."""
+    cache = FlatStorageExistenceCache(8)
+    kv = cache.pool("kv")
+    assert not kv.inflight_pages()
+    kv.track_inflight(H[:2])
+    assert kv.covered(H[:2]) and kv.stats().rescues == 2
+    assert kv.inflight_pages() == {H[0]: 1, H[1]: 1}
+    kv.untrack_inflight(H[:2])
+    assert not kv.inflight_pages()
+    pipeline_set = {H[5]: 1}
+    assert cache.covers_all("kv", H[5:6], extra_cover=pipeline_set)
+    assert kv.inflight_pages() is pipeline_set
+    pipeline_set[H[6]] = 1  # live: a later launch is seen without another lookup
+    assert H[6] in kv.inflight_pages()
+    kv.track_inflight(H[7:8])  # both sources at once
+    both = kv.inflight_pages()
+    assert H[7] in both and H[6] in both and H[0] not in both
+    assert cache.stats()["kv"].inflight == 0  # the seed keeps no in-flight accounting
+
+
+#: Consumers that must speak only the protocol: no generation type named.
+CONSUMERS = (
+    "reconcile/reconciler.py",
+    "reconcile/verdicts.py",
+    "replay/fleet.py",
+    "replicas/digest.py",
+    "replicas/divergence.py",
+    "runtime.py",
+    "accounting/advisor.py",
+    "integrations/sglang/cache_mode.py",
+    "integrations/sglang/write_path.py",
+    "demo/scheduler.py",
+)
+
+
+@pytest.mark.parametrize("rel", CONSUMERS)
+def test_consumers_never_branch_on_the_generation_type(rel: str) -> None:
+    """No ``isinstance(..., FlatStorageExistenceCache / StorageExistenceCache)``
+    and no ``hasattr(cache, "pool")``-style shape test in a consumer."""
+    tree = ast.parse((PACKAGE / rel).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            text = ast.unparse(node)
+            if node.func.id == "isinstance":
+                assert "StorageExistenceCache" not in text and "PoolBeliefs" not in text, text
+            if node.func.id in ("hasattr", "getattr") and len(node.args) >= 2:
+                arg = node.args[1]
+                if isinstance(arg, ast.Constant):
+                    assert arg.value not in ("pool", "pools", "_inflight", "_entries"), text
+
+
+def test_the_protocol_is_what_consumers_annotate() -> None:
+    """The reconciler and cache mode take an ``ExistenceCache``, not ``Any``."""
+    from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites
+    from hicache_existence.reconcile.reconciler import Reconciler
+
+    for fn in (Reconciler.__init__, CacheModeWrites.__init__):
+        assert inspect.signature(fn).parameters["cache"].annotation == "ExistenceCache"
