@@ -115,9 +115,11 @@ class FlatPoolBeliefs(CountingPool):
         """Our own in-flight refs and the pages upstream's last ``covers_all``
         covered as in flight."""
         own, cover = self._inflight, self._cover
+        if not own:
+            return cover
         if not cover or cover is own:
             return own
-        return _Both(own, cover) if own else cover
+        return _Both(own, cover)
 
     def lru_keys(self) -> tuple[str, ...]:
         tag = self.tag
