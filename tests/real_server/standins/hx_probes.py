@@ -254,6 +254,8 @@ def _probe_cost_cache(mod: ModuleType) -> None:
 
 def _probe_cost_flat(mod: ModuleType) -> None:
     _wrap_class(mod.FlatStorageExistenceCache)
+    if hasattr(mod, "FlatPoolBeliefs"):  # the flat generation's pool view
+        _wrap_class(mod.FlatPoolBeliefs)
 
 
 def _probe_cost_write_path(mod: ModuleType) -> None:
@@ -265,7 +267,8 @@ def _probe_cost_write_path(mod: ModuleType) -> None:
 def _probe_cost_cache_mode(mod: ModuleType) -> None:
     # Cache mode's write path: the dedup plan, the ack reaping, the beliefs it keeps.
     _wrap_class(mod.CacheModeWrites)
-    _wrap_class(mod.Beliefs)
+    if hasattr(mod, "Beliefs"):  # before one protocol served both generations (6f8cdfc)
+        _wrap_class(mod.Beliefs)
 
 
 def _probe_cost_causes(mod: ModuleType) -> None:
