@@ -1,0 +1,69 @@
+"""benchmarks/README.md's cost figures state what their record holds
+(``benchmarks/results/cost.json``, issue 31): re-recording the cost benchmarks
+without updating the README, or the reverse, fails here.  Not a timed test: the
+figures are read, never measured."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = " ".join((ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8").split())
+RECORD = json.loads((ROOT / "benchmarks" / "results" / "cost.json").read_text())
+
+
+def _claim(pattern: str) -> tuple[str, ...]:
+    m = re.search(pattern, README)
+    assert m, f"benchmarks/README.md no longer says {pattern!r}: update it and this test together"
+    return m.groups()
+
+
+def test_the_record_names_its_commit_and_commands() -> None:
+    """Every recorded run carries the command that made it; the record, its commit."""
+    assert re.fullmatch(r"[0-9a-f]{40}", RECORD["commit"])
+    for part in ("buffer", "cache", "step_hook"):
+        assert RECORD[part]["command"].startswith("python benchmarks/"), part
+    (commit,) = _claim(r"Recorded at commit `([0-9a-f]{7,40})`")
+    assert RECORD["commit"].startswith(commit)
+
+
+def test_buffer_mode_share_and_hook_are_the_recorded_ones() -> None:
+    s = RECORD["buffer"]["summary"]
+    share, top, hook = _claim(
+        r"buffer mode \(`real_server_cost.py`\): the package's share of busy time ([\d.]+)% "
+        r"\(median; at most ([\d.]+)%\), the per-step hook ([\d.]+) µs per polling iteration"
+    )
+    assert f"{share}%" == s["package_share_of_busy_median"]
+    assert f"{top}%" == s["package_share_of_busy_max"]
+    assert hook == f"{s['hook_us_per_poll_iteration_median']:.2f}"
+    rounds, requests = _claim(r"buffer mode: (\d+) rounds of (\d+) requests")
+    assert (int(rounds), int(requests)) == (s["rounds"], s["requests_per_round"])
+
+
+def test_cache_mode_shares_are_the_recorded_ones() -> None:
+    c = RECORD["cache"]
+    for pressure in ("low", "high"):
+        off, on = _claim(
+            rf"{pressure} pressure, dedup off / on: ([\d.]+)% / ([\d.]+)% of busy time"
+        )
+        assert f"{off}%" == c[pressure]["off"]["package_share_of_busy_median"], pressure
+        assert f"{on}%" == c[pressure]["on"]["package_share_of_busy_median"], pressure
+
+
+def test_step_hook_is_the_recorded_one() -> None:
+    (own,) = _claim(r"`step_hook.py`: (\d+) ns of our own per call")
+    assert int(own) == round(RECORD["step_hook"]["own_ns_per_call"])
+
+
+def test_ab_trees_rows_are_the_recorded_ones() -> None:
+    """The before/after table of the foundation's hot paths (``ab_trees.py``)."""
+    a = RECORD["ab_trees"]
+    for op, v in a["A/B"].items():
+        w = a["A/A"][op]
+        row = (
+            f"| `{op}` | {v['gmean']:.3f} [{v['min']:.3f}-{v['max']:.3f}] | "
+            f"{w['gmean']:.3f} [{w['min']:.3f}-{w['max']:.3f}] |"
+        )
+        assert row in README, row
