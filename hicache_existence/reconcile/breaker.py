@@ -20,7 +20,8 @@ STATE_NAMES = ("closed", "open", "half_open")
 
 
 class CircuitBreaker:
-    """Thread-safe; every method holds the lock for a few instructions only."""
+    """Thread-safe; every method holds the lock for a few instructions only.
+    Its settings are checked where they enter (``ReconcilerSection``)."""
 
     def __init__(
         self,
@@ -29,14 +30,6 @@ class CircuitBreaker:
         backoff_max_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if isinstance(failures, bool) or not isinstance(failures, int):
-            raise TypeError(f"failures must be an int, got {type(failures).__name__}")
-        if failures < 1:
-            raise ValueError(f"failures must be >= 1, got {failures}")
-        if not backoff_s > 0:
-            raise ValueError(f"backoff_s must be > 0, got {backoff_s}")
-        if not backoff_max_s >= backoff_s:
-            raise ValueError(f"backoff_max_s must be >= backoff_s, got {backoff_max_s}")
         self._threshold = failures
         self._base = float(backoff_s)
         self._max = float(backoff_max_s)

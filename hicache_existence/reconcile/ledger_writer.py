@@ -213,8 +213,6 @@ class WrittenLedgerTruth:
     from a ledger that may lack those pages."""
 
     def __init__(self, ledger: Any, writer: LedgerWriter, wait_s: float) -> None:
-        if not wait_s > 0:
-            raise ValueError(f"wait_s must be > 0, got {wait_s}")
         #: The ledger itself (its settings, its epoch, its other readers).
         self.ledger = ledger
         self._writer = writer

@@ -59,10 +59,6 @@ class MooncakeGroundTruth:
     of the store client raise instead of reading as absent."""
 
     def __init__(self, backend: Any) -> None:
-        if not is_mooncake_backend(backend):
-            raise TypeError(
-                f"backend must be an SGLang MooncakeStore, got {type(backend).__name__}"
-            )
         self._backend = backend
         self._lock = threading.Lock()
         self._leasing_queries = 0

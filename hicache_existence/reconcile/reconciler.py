@@ -1,41 +1,19 @@
-"""The reconciler: checks sampled beliefs against ground truth and heals them.
+"""The reconciler: verifies sampled beliefs against ground truth and heals them.
 
-It is a ``BeliefObserver`` of the cache.  On the scheduler thread it only does
-O(1) work per lookup (``touched``) and, once per step, ``apply(step)`` at the
-lockstep point; the ground-truth I/O runs on one worker thread behind a bounded
-queue, so the scheduler never waits on Redis.
+Beliefs drift from L3 (it evicts, other instances write into it) and only
+ground truth can tell, but asking costs I/O the scheduler thread must never
+wait for: there a lookup costs a decrement (``sampling``) and ``apply(step)``
+acts every ``agree_interval_steps`` calls, while one worker thread behind a
+bounded queue asks (``worker``, with a ``breaker`` so a store that is down
+costs one probe per backoff, not a timeout per query).
 
-Determinism across TP ranks (replicas must stay identical):
-
-* **Picking** uses only the cache's own inputs: a lookup's chain is a candidate
-  when the lookup's ordinal reaches the next of a sequence of random gaps drawn
-  from a fixed-seed PRNG (mean gap 1 / ``sampling_rate``); every replica sees the
-  same lookups, so every replica picks the same chains.
-* **Agreement** happens every ``agree_interval_steps`` calls of ``apply`` (on
-  every rank, whatever its state, so a diverged replica cannot hang the others):
-  one MIN all-reduce of a fixed-size vector carrying, per rank, how many queries
-  are done contiguously from the oldest one, each of their answers (-1 for an
-  error, so any rank's error means no action), a trust bit per answer, how many
-  candidates the rank could admit, and its clock.
-* **Applying** the first agreed verdicts: ``invalidate_beyond(chain, leading)``
-  when ground truth is short of the chain (never on an error, nor when the ledger
-  cannot prove absence, nor when the missing page is being written: see
-  *Writes racing a query*), and, for all-pages pools, ``add(chain[:leading])``
-  when ground truth holds pages the beliefs lack (learnt from another instance).
-* **Budget**: a token bucket refilled from the agreed (MIN) clock admits at most
-  ``verifications_per_s`` queries per second, identically on every rank.
-
-A circuit breaker stops admitting (and fails queued queries fast) while ground
-truth keeps failing, probing again with exponential backoff.
-
-Writes racing a query (``verdicts``): an absence answer never drops a page
-written since its query; the verdict is withheld when the page the answer
-stopped at was.
-
-The parts: ``sampling`` (which chains), ``bucket`` (how many per second),
-``vector`` (what the ranks agree on), ``worker`` (the queries), ``breaker``,
-``verdicts`` (what an answer does, on either cache generation through
-``core.protocol``); this module runs them at the lockstep point.
+TP replicas must stay identical, so every input of a decision is the same on
+every rank: the chains picked (a fixed-seed gap sequence over the lookups every
+rank sees), the answers acted on (the element-wise MIN of every rank's
+``vector``, so one rank's error means nobody acts) and the budget (a ``bucket``
+refilled from the agreed clock).  Every rank joins every agreement whatever its
+state, so a diverged replica cannot hang the others.  ``verdicts`` says what an
+agreed answer does, and why it never undoes a write that raced its query.
 """
 
 from __future__ import annotations
@@ -67,12 +45,11 @@ logger = logging.getLogger(__name__)
 
 
 class Reconciler:
-    """Verifies sampled beliefs against ``truth`` and heals ``cache``.
-
-    Install it as the cache's observer (alone or in a ``Tee``) and call
-    ``apply(step)`` once per scheduler step on every rank at the lockstep point
-    (after ``check_hicache_events``).  With ``truth=None`` it does nothing.
-    """
+    """Install it as the cache's observer (alone or in a ``Tee``) and call
+    ``apply(step)`` once per scheduler step on every rank, after
+    ``check_hicache_events`` (so every rank has seen the same writes).  With
+    ``truth=None`` it does nothing.  Arguments are checked where they enter
+    (``ReconcilerSection``), not here."""
 
     def __init__(
         self,
@@ -94,24 +71,6 @@ class Reconciler:
         apply_page_budget: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0.0 <= float(sampling_rate) <= 1.0:
-            raise ValueError(f"sampling_rate must be within [0, 1], got {sampling_rate}")
-        if verifications_per_s < 0:
-            raise ValueError(f"verifications_per_s must be >= 0, got {verifications_per_s}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        for name, value in (
-            ("pages_per_query", pages_per_query),
-            ("queue_size", queue_size),
-            ("max_verdicts_per_step", max_verdicts_per_step),
-            ("agree_interval_steps", agree_interval_steps),
-            ("max_candidates", max_candidates),
-            ("apply_page_budget", apply_page_budget),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         self._cache = cache
         self._truth = truth
         self._agreement: Agreement = agreement if agreement is not None else SingleRank()

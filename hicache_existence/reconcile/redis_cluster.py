@@ -182,8 +182,6 @@ class RedisClusterLedger(RedisLedger):
         clock: Callable[[], float] = time.monotonic,
         failover_distrust_s: float | None = None,
     ) -> None:
-        if not isinstance(settings, LedgerSettings):
-            raise TypeError(f"settings must be LedgerSettings, got {type(settings).__name__}")
         if not is_cluster_url(settings.url):
             raise ValueError(
                 f"RedisClusterLedger needs a redis+cluster:// URL, got {settings.redacted_url()}"

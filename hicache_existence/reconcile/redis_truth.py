@@ -196,7 +196,9 @@ def shard_from_storage_config(storage_config: Any) -> str:
 
 @dataclass(frozen=True)
 class LedgerSettings:
-    """How to reach and lay out the ledger (timeouts in seconds)."""
+    """How to reach and lay out the ledger (timeouts in seconds).  The URL and
+    the key labels are checked here (they also come from a storage backend's
+    extra config); the numbers where they enter (``ReconcilerSection``)."""
 
     url: str
     namespace: str = "hicache"
@@ -220,24 +222,6 @@ class LedgerSettings:
         validate_redis_url(self.url, "url")
         _label(self.namespace, "namespace")
         _label(self.shard, "shard")
-        for name in (
-            "ttl_s",
-            "socket_timeout_s",
-            "connect_timeout_s",
-            "retry_backoff_s",
-            "failover_distrust_s",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
-        if isinstance(self.write_batch, bool) or not isinstance(self.write_batch, int):
-            raise TypeError(f"write_batch must be an int, got {type(self.write_batch).__name__}")
-        if self.write_batch < 1:
-            raise ValueError(f"write_batch must be >= 1, got {self.write_batch}")
-        if self.method not in ("lua", "pipeline"):
-            raise ValueError(f"method must be 'lua' or 'pipeline', got {self.method!r}")
 
     @classmethod
     def from_section(cls, section: ReconcilerSection, shard: str = "default") -> LedgerSettings:
@@ -332,8 +316,6 @@ class RedisLedger:
         client: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(settings, LedgerSettings):
-            raise TypeError(f"settings must be LedgerSettings, got {type(settings).__name__}")
         self.settings = settings
         self._client = client if client is not None else build_client(settings)
         self._script = self._client.register_script(LUA_LEADING_PRESENT)
