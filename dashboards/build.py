@@ -5,7 +5,8 @@
 
 Outputs: ``dashboards/hicache-existence-dashboard.json`` (Grafana classic model,
 schemaVersion 41, like SGLang's own dashboard), ``integrations/prometheus/rules.yml``
-(recording and alerting rules), ``integrations/kubernetes/prometheusrule.yaml``
+(recording and alerting rules) and ``tests.yml`` beside it (their promtool unit tests,
+``dashboards/rule_tests.py``), ``integrations/kubernetes/prometheusrule.yaml``
 (the same rules as a PrometheusRule), the generated tables of
 ``docs/metrics.md`` (every metric), ``docs/enable.md`` (every configuration
 key), ``docs/design.md`` (every ``PoolStats`` field), ``docs/doctor.md`` (the
@@ -55,11 +56,14 @@ DESIGN_DOC_PATH = ROOT / "docs" / "design.md"
 DOCTOR_DOC_PATH = ROOT / "docs" / "doctor.md"
 RUNBOOKS_PATH = ROOT / "docs" / "runbooks.md"
 RULES_PATH = ROOT / "integrations" / "prometheus" / "rules.yml"
+RULE_TESTS_PATH = ROOT / "integrations" / "prometheus" / "tests.yml"
 PROMETHEUSRULE_PATH = ROOT / "integrations" / "kubernetes" / "prometheusrule.yaml"
 #: The renderer of the PrometheusRule (located from this file, not ``ROOT``).
 _RENDER_SCRIPT = (
     Path(__file__).resolve().parents[1] / "integrations" / "kubernetes" / "render_prometheusrule.py"
 )
+#: The renderer of the rules' promtool unit tests (located from this file, not ``ROOT``).
+_RULE_TESTS_SCRIPT = Path(__file__).resolve().parent / "rule_tests.py"
 #: The reader of tests/run-all.sh's legs (located from this file, not ``ROOT``).
 _LEGS_SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "run_all_legs.py"
 
@@ -1137,11 +1141,10 @@ def recordings() -> tuple[Recording, ...]:
     return tuple(out)
 
 
-def alerts() -> tuple[Alert, ...]:
-    """Every alert of the judgements' table (``hicache_existence.doctor.judgements``),
-    its texts filled from ``SETTINGS`` and the recording rules and label sets here."""
+def placeholders() -> dict[str, str]:
+    """The recording rules and label sets the alerts' texts name (``%(name)s``)."""
     s = judgements.SETTINGS
-    names = {
+    return {
         "churn": CHURN_RATIO,
         "hit_ratio": HIT_RATIO,
         "redundant": REDUNDANT_RATIO,
@@ -1154,6 +1157,12 @@ def alerts() -> tuple[Alert, ...]:
         "failed": "|".join(FAILED_RESULTS),
         "answered": "|".join(ANSWERED_RESULTS),
     }
+
+
+def alerts() -> tuple[Alert, ...]:
+    """Every alert of the judgements' table (``hicache_existence.doctor.judgements``),
+    its texts filled from ``SETTINGS`` and the recording rules and label sets here."""
+    names = placeholders()
     out = []
     for j, a in judgements.alerting():
         out.append(
@@ -1211,7 +1220,8 @@ RULES_HEADER = (
 )
 
 
-def rules_text() -> str:
+def _yaml(data: Any) -> str:
+    """``data`` as YAML, multi-line strings as literal blocks, keys in order."""
     import yaml  # a dev dependency; only the build needs it
 
     class Dumper(yaml.SafeDumper):  # type: ignore[misc]  # untyped without stubs
@@ -1223,8 +1233,18 @@ def rules_text() -> str:
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
     Dumper.add_representer(str, text)
-    body = yaml.dump(rules(), Dumper=Dumper, sort_keys=False, width=1000, allow_unicode=True)
-    return RULES_HEADER + str(body)
+    return str(yaml.dump(data, Dumper=Dumper, sort_keys=False, width=1000, allow_unicode=True))
+
+
+def rules_text() -> str:
+    return RULES_HEADER + _yaml(rules())
+
+
+def rule_tests_text() -> str:
+    """integrations/prometheus/tests.yml: the rules' promtool unit tests, every figure
+    placed against ``SETTINGS`` (dashboards/rule_tests.py)."""
+    tests = _script(_RULE_TESTS_SCRIPT)
+    return str(tests.HEADER) + _yaml(tests.suite(rules(), placeholders()))
 
 
 # -- command line -------------------------------------------------------------------
@@ -1236,6 +1256,7 @@ def outputs() -> dict[Path, str]:
     return {
         DASHBOARD_PATH: dashboard_text(),
         RULES_PATH: rules,
+        RULE_TESTS_PATH: rule_tests_text(),
         PROMETHEUSRULE_PATH: _prometheusrule(rules),
         METRICS_DOC_PATH: docs_tables.replace_between(
             METRICS_DOC_PATH.read_text(encoding="utf-8"), "catalog", docs_tables.metrics_table()
@@ -1252,7 +1273,11 @@ def outputs() -> dict[Path, str]:
             docs_tables.thresholds_table(),
         ),
         RUNBOOKS_PATH: docs_tables.replace_between(
-            RUNBOOKS_PATH.read_text(encoding="utf-8"), "alerts", docs_tables.alerts_table()
+            docs_tables.replace_between(
+                RUNBOOKS_PATH.read_text(encoding="utf-8"), "alerts", docs_tables.alerts_table()
+            ),
+            "settings",
+            docs_tables.settings_table(),
         ),
         CONTRIBUTING_PATH: docs_tables.replace_between(
             CONTRIBUTING_PATH.read_text(encoding="utf-8"), "ci-legs", _script(_LEGS_SCRIPT).table()

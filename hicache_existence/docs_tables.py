@@ -7,7 +7,10 @@
   comment above each field in config.py), for docs/enable.md;
 * ``stats_table()``: every field of a pool's ``PoolStats`` snapshot, its kind,
   its meaning (the help text declared beside it in core/stats.py) and the metric it is
-  exported as (the catalog), for docs/design.md.
+  exported as (the catalog), for docs/design.md;
+* ``thresholds_table()``, ``alerts_table()`` and ``settings_table()``: the
+  judgements' thresholds (docs/doctor.md), the alerts' index and every setting's
+  value (docs/runbooks.md), from ``doctor.judgements``.
 
 ``dashboards/build.py`` writes them between the docs' ``<!-- NAME:begin -->`` /
 ``<!-- NAME:end -->`` markers, together with the dashboard and the rules, and
@@ -236,4 +239,18 @@ def alerts_table() -> str:
             f"| [{a.name}](#{judgements.runbook_anchor(a.name)}) | {j.severity} | {_past(j)} | "
             f"{_guard(j.rate_guard, '/s')} | {for_} | {finding} |"
         )
+    return "\n".join(rows)
+
+
+def settings_table() -> str:
+    """docs/runbooks.md's settings: every field of ``judgements.Settings`` with its
+    value in ``SETTINGS`` and the ``#:`` comment above it, so that the runbooks'
+    prose names a setting and this table alone gives its value."""
+    comments = _field_comments(judgements)
+    rows = ["| setting | value | meaning |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(judgements.Settings):
+        value = getattr(judgements.SETTINGS, f.name)
+        shown = ", ".join(value) if isinstance(value, tuple) else value
+        meaning = comments.get(("Settings", f.name), "")
+        rows.append(f"| `{f.name}` | {shown} | {_md(meaning) if meaning[:1] != '~' else '-'} |")
     return "\n".join(rows)

@@ -1,9 +1,10 @@
 """One declaration per judgement (issue 29): the doctor's findings, the Prometheus
 alerts and the docs' tables come from ``hicache_existence.doctor.judgements``.
 
-A threshold changed in ``SETTINGS`` moves the doctor's verdict, the rendered alert
-and the generated docs together; a threshold or a series name written anywhere
-else in the doctor, the build or the docs tables fails here.
+A threshold changed in ``SETTINGS`` moves the doctor's verdict, the rendered alert,
+the generated docs and the alerts' promtool unit tests together; a threshold or a
+series name written anywhere else in the doctor, the build or the docs tables fails
+here.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import yaml
+from test_prometheus_rules import run
 
 from hicache_existence import docs_tables
 from hicache_existence.doctor import judgements
@@ -67,13 +71,53 @@ def churn_panel_threshold(build: ModuleType) -> float:
     return float(p.threshold)
 
 
-def test_one_threshold_moves_the_doctor_the_alert_and_the_docs(
-    monkeypatch: pytest.MonkeyPatch,
+CHURN_ALERT = "HicacheExistenceEvictionChurn"
+
+
+def churn_promtool(build: ModuleType) -> tuple[str, str]:
+    """The rules and the promtool tests of the churn alert (its cases only), as built."""
+    suite = yaml.safe_load(build.rule_tests_text())
+    suite["tests"] = [
+        case
+        for case in suite["tests"]
+        if any(c["alertname"] == CHURN_ALERT for c in case.get("alert_rule_test", []))
+    ]
+    return build.rules_text(), yaml.safe_dump(suite, sort_keys=False)
+
+
+def with_expr_of(rules: str, other: str) -> str:
+    """``rules`` with the churn alert's expression taken from ``other`` (its texts
+    kept), so that only where the series sit decides a cross run."""
+
+    def churn(r: dict[str, Any]) -> dict[str, Any]:
+        (rule,) = [x for g in r["groups"] for x in g["rules"] if x.get("alert") == CHURN_ALERT]
+        return rule
+
+    out = yaml.safe_load(rules)
+    churn(out)["expr"] = churn(yaml.safe_load(other))["expr"]
+    return yaml.safe_dump(out, sort_keys=False)
+
+
+def promtool_passes(tmp: Path, rules: str, tests: str) -> bool:
+    tmp.mkdir()
+    (tmp / "rules.yml").write_text(rules, encoding="utf-8")
+    (tmp / "tests.yml").write_text(tests, encoding="utf-8")
+    result = run("test", "rules", str(tmp / "tests.yml"))
+    assert "Unit Testing" in result.stdout, result.stdout  # it ran the file
+    return result.returncode == 0
+
+
+@pytest.mark.prometheus
+def test_one_threshold_moves_the_doctor_the_alert_the_docs_and_the_promtool_tests(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``churn_ratio`` 0.05 -> 0.2: the 12% churn that was a warning is info, the
     alert fires above 0.2 (20% in its text), the dashboard's line and both docs
-    tables say 0.2; nothing else was edited."""
+    tables say 0.2, and the promtool tests place their series against 0.2 (they pass
+    under the moved rules and fail under the old expression, and the old tests fail
+    under the moved one); nothing else was edited."""
     build = load_build()
+    old_rules, old_tests = churn_promtool(build)
     expr, description = churn_alert(build)
     assert verdict() == "warning"
     assert "ratio_rate5m > 0.05\n" in expr and "more than 5% of" in description
@@ -89,6 +133,13 @@ def test_one_threshold_moves_the_doctor_the_alert_and_the_docs(
     assert churn_panel_threshold(build) == 0.2
     assert "`churn_ratio` = 0.2 |" in docs_tables.thresholds_table()
     assert "`churn_ratio` = 0.2 |" in docs_tables.alerts_table()
+    new_rules, new_tests = churn_promtool(build)
+    assert new_tests != old_tests and "more than 20% of" in new_tests
+    assert promtool_passes(tmp_path / "old", old_rules, old_tests)
+    assert promtool_passes(tmp_path / "moved", new_rules, new_tests)
+    # Under the other threshold (each side's texts kept) the series sit wrong.
+    assert not promtool_passes(tmp_path / "old-expr", with_expr_of(new_rules, old_rules), new_tests)
+    assert not promtool_passes(tmp_path / "new-expr", with_expr_of(old_rules, new_rules), old_tests)
 
 
 def test_every_declaration_is_complete_and_rendered() -> None:
@@ -126,6 +177,7 @@ SCANNED = (
     "hicache_existence/doctor/rules.py",
     "hicache_existence/docs_tables.py",
     "dashboards/build.py",
+    "dashboards/rule_tests.py",
 )
 SERIES_NAME = re.compile(r"hicache_existence_[a-z0-9]|sglang:[a-z]")
 #: Where a series name may be spelt out: SGLang's series are upstream's and
@@ -204,3 +256,85 @@ def test_the_scan_catches_a_threshold_or_a_name(source: str, caught: bool) -> No
     """The scan above flags a threshold or a series name written in place, and
     lets plain counts, docstrings and quantiles pass."""
     assert bool(literals_outside_declarations("x.py", source)) is caught
+
+
+# -- nor in the prose that states when a judgement holds --------------------------------
+
+
+def _value_forms(value: object) -> list[str]:
+    """Patterns of a setting's value as prose writes it: a fraction as ``5%`` or
+    ``0.05``, a rate as ``1 lookup/s`` or ``1 per second``, a count as ``64``, a
+    duration as ``15m`` (not a range selector's ``[1h]`` of a query to run)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, str):
+        ok = re.fullmatch(r"\d+[smh]", value)
+        return [rf"(?<![\w.\[]){value}(?!\w)"] if ok else []
+    if isinstance(value, float) and value < 1:
+        return [rf"(?<![\d.]){value * 100:g}%", rf"(?<![\d.]){value:g}(?!\.?\d)"]
+    if isinstance(value, float):
+        return [rf"(?<![\d.]){value:g} ?(\w+)? ?(/s|per second)"]
+    if isinstance(value, int):
+        return [rf"(?<![\d.,]){value}(?![\d.,%])"]
+    return []
+
+
+def setting_values_in(text: str) -> list[str]:
+    """Every setting whose value ``text`` writes, as ``name 'match'``."""
+    found = []
+    for f in dataclasses.fields(judgements.Settings):
+        for pattern in _value_forms(getattr(judgements.SETTINGS, f.name)):
+            found += [f"{f.name} {m.group(0)!r}" for m in re.finditer(pattern, text)]
+    return found
+
+
+def judgement_prose() -> list[tuple[str, str]]:
+    """(file, paragraph) of the prose that says when a judgement holds: every
+    paragraph of docs/runbooks.md from its settings table on (the alerts' sections),
+    and docs/doctor.md's thresholds section and every ``**Means.**`` paragraph; the
+    generated tables left out (they are where the values are)."""
+
+    def read(path: str) -> str:
+        text = (ROOT / path).read_text(encoding="utf-8")
+        return re.sub(r"<!-- (\S+):begin -->.*?<!-- \1:end -->", "", text, flags=re.S)
+
+    runbooks = read("docs/runbooks.md")
+    out = [("runbooks.md", p) for p in runbooks[runbooks.index("\n## Settings") :].split("\n\n")]
+    doctor = read("docs/doctor.md")
+    section = doctor[doctor.index("\n## Thresholds") : doctor.index("\n## Findings")]
+    out += [("doctor.md", p) for p in section.split("\n\n")]
+    out += [("doctor.md", p) for p in doctor.split("\n\n") if p.startswith("**Means.**")]
+    return out
+
+
+def test_no_setting_value_in_the_judgement_prose() -> None:
+    """The runbooks and the doctor's findings name a setting (`churn_ratio`), never
+    its value: the generated tables hold the values, so a changed threshold cannot
+    leave a stale figure in the prose.  The scope is not empty: every alert's
+    **Fires when** and every finding's **Means.** is in it."""
+    prose = judgement_prose()
+    fires = sum("**Fires when**" in p for _, p in prose)
+    means = sum(p.startswith("**Means.**") for _, p in prose)
+    assert fires == len(judgements.alerting())
+    assert means == len({j.finding for j in judgements.JUDGEMENTS if j.finding})
+    found = [f"{path}: {hit}: {p[:80]!r}" for path, p in prose for hit in setting_values_in(p)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("text", "caught"),
+    [
+        ("exceed 5% of lookups", True),
+        ("`pool:x:ratio_rate5m > 0.05`", True),
+        ("for 15m while", True),
+        ("more than 1 lookup/s", True),
+        ("at least 4096 tokens", True),
+        ("`increase(hicache_existence_clears_total[1h])`", False),
+        ("exceed `churn_ratio` of lookups for `churn_for`", False),
+        ("SGLang 0.5.23 on CPU, measured 3.2%", False),
+    ],
+)
+def test_the_prose_scan_catches_a_value(text: str, caught: bool) -> None:
+    """The prose scan flags a setting's value in each form prose writes it, and lets
+    setting names, a query's range selector and unrelated figures pass."""
+    assert bool(setting_values_in(text)) is caught

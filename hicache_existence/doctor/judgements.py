@@ -57,18 +57,25 @@ class Settings:
     min_queries: int = 32
     #: Capacity (evicted) misses per lookup that count as churn.
     churn_ratio: float = 0.05
+    #: How long churn lasts before its alert fires.
     churn_for: str = "15m"
     #: Hit ratio collapse: below this fraction of its value ``collapse_offset`` ago ...
     collapse_fraction: float = 0.5
+    #: ... compared with its value this long ago ...
     collapse_offset: str = "1h"
-    #: ... when that earlier value was at least this (a tiny ratio halving is noise).
+    #: ... when that earlier value was at least this (a tiny ratio halving is noise) ...
     collapse_min_previous: float = 0.1
+    #: ... for this long.
     collapse_for: str = "15m"
+    #: A divergence found within this window fires at once.
     divergence_window: str = "10m"
     #: A rank not checking its replica for this long (start-up handshake included).
     checks_stopped_for: str = "10m"
+    #: The window over which no verification was answered ...
     reconciler_down_window: str = "10m"
+    #: ... for this long.
     reconciler_down_for: str = "10m"
+    #: How long the reconciler's circuit breaker stays open before its alert fires.
     circuit_open_for: str = "5m"
     #: Verifications that found a stale positive, over answered verifications.
     stale_ratio: float = 0.1
@@ -76,18 +83,22 @@ class Settings:
     stale_min_answered_per_s: float = 0.05
     #: Answered verifications below which the doctor reports the stale share as info.
     min_answered: int = 10
+    #: How long the stale share stays past its threshold before its alert fires.
     stale_for: str = "15m"
     #: Entries over cap that count as "at cap".
     at_cap_fill: float = 0.99
     #: Redundant written pages over written pages that count as significant.
     redundant_ratio: float = 0.05
+    #: At cap, the redundant share must be higher than this long ago ...
     redundant_offset: str = "1h"
+    #: ... for this long.
     redundant_for: str = "30m"
     #: Written pages below which the doctor reports ratios of writes at most as info.
     min_written_pages: int = 64
     #: Fleet-wide redundant written pages over written pages, below the cap (instances
     #: sharing one L3 rewriting each other's pages), with more than one instance.
     fleet_redundant_ratio: float = 0.1
+    #: How long the fleet's share stays past its threshold before its alert fires.
     fleet_redundant_for: str = "30m"
     #: Written pages per second below which the fleet and cache-mode ratios are noise.
     fleet_min_written_per_s: float = 1.0
@@ -97,6 +108,7 @@ class Settings:
     #: Cache mode without cache_mode.dedup: redundant written pages over written
     #: pages that make dedup worth turning on.
     cache_mode_redundant_ratio: float = 0.02
+    #: How long that share stays past its threshold before its alert fires.
     cache_mode_redundant_for: str = "30m"
     #: L3 tokens read back over tokens written, below which L3 hardly pays.
     read_back_ratio: float = 0.1
@@ -108,6 +120,7 @@ class Settings:
     #: evictions at a full cap; the doctor proposes twice its share, at least
     #: ``miss_memory_floor``.
     miss_memory_small: float = 0.5
+    #: The smallest miss-reason memory share the doctor proposes.
     miss_memory_floor: float = 0.2
     #: Estimated gain from doubling the cap (lookup hit ratio points) the
     #: dashboard's "Gain from doubling the cap" shows in orange.
