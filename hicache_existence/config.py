@@ -20,9 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -147,12 +146,6 @@ class DivergenceSection:
     #: Fixed slots that pools hash into, to name diverged pools (1..1024).
     pool_slots: int = 16
 
-    def __post_init__(self) -> None:
-        if isinstance(self.timeout_s, (int, float)) and not self.timeout_s > 0:
-            raise ConfigError(f"divergence.timeout_s must be > 0, got {self.timeout_s}")
-        if isinstance(self.pool_slots, int) and self.pool_slots > 1024:
-            raise ConfigError(f"divergence.pool_slots must be <= 1024, got {self.pool_slots}")
-
 
 @dataclass(frozen=True)
 class ReconcilerSection:
@@ -199,25 +192,6 @@ class ReconcilerSection:
     #: Redis Cluster: seconds absence is not evidence after a failed read or a
     #: failover (the new primary may lack the last records).
     failover_distrust_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.redis_url:
-            scheme = self.redis_url.split("://", 1)[0] if "://" in self.redis_url else ""
-            if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
-                raise ConfigError(
-                    "reconciler.redis_url must be a redis://, rediss://, unix://, "
-                    "redis+cluster:// or rediss+cluster:// URL, "
-                    f"got {redact_url(self.redis_url)!r}"
-                )
-        if not self.breaker_backoff_s > 0:
-            raise ConfigError(
-                f"reconciler.breaker_backoff_s must be > 0, got {self.breaker_backoff_s}"
-            )
-        if self.breaker_backoff_max_s < self.breaker_backoff_s:
-            raise ConfigError(
-                "reconciler.breaker_backoff_max_s must be >= reconciler.breaker_backoff_s, "
-                f"got {self.breaker_backoff_max_s}"
-            )
 
 
 @dataclass(frozen=True)
@@ -472,50 +446,35 @@ def _merge(obj: _T, data: Mapping[str, Any], prefix: str) -> _T:
     return result
 
 
+#: How a setting's type is named in errors, and what a source other than the
+#: environment (JSON, explicit values) must give for it.
+_TYPES: dict[Any, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("a boolean", lambda v: isinstance(v, bool)),
+    int: ("an integer", _validate.is_int),
+    float: ("a number", _validate.is_number),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+_ENV_BOOLS = {"1": True, "true": True, "yes": True, "on": True}
+_ENV_BOOLS.update(dict.fromkeys(("0", "false", "no", "off", ""), False))
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
-    origin = typing.get_origin(hint)
-    from_env = isinstance(value, _EnvText)
-    if origin is Literal:
+    if typing.get_origin(hint) is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
         return str(value)
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{key}: unsupported type")  # pragma: no cover
-    if hint is bool:
-        if from_env:
-            low = value.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off", ""):
-                return False
-            raise ConfigError(f"{key} must be a boolean, got {value!r}")
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be a boolean, got {type(value).__name__}")
-        return value
-    if hint is int:
-        if from_env:
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{key} must be an integer, got {value!r}") from None
-        if not _validate.is_int(value):
-            raise ConfigError(f"{key} must be an integer, got {type(value).__name__}")
-        return value
-    if hint is float:
-        if from_env:
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{key} must be a number, got {value!r}") from None
-        if not _validate.is_number(value):
-            raise ConfigError(f"{key} must be a number, got {type(value).__name__}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {type(value).__name__}")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {hint!r}")  # pragma: no cover
+    if hint not in _TYPES:
+        raise ConfigError(f"{key}: unsupported type {hint!r}")  # pragma: no cover
+    word, accepts = _TYPES[hint]
+    if isinstance(value, _EnvText) and hint is not str:  # text parsed by the target type
+        try:
+            return _ENV_BOOLS[value.strip().lower()] if hint is bool else hint(value)
+        except (KeyError, ValueError):
+            raise ConfigError(f"{key} must be {word}, got {value!r}") from None
+    if not accepts(value):
+        raise ConfigError(f"{key} must be {word}, got {type(value).__name__}")
+    return hint(value)
 
 
 _POSITIVE = {
@@ -540,7 +499,6 @@ _NON_NEGATIVE = {
     "metrics.flush_interval_s",
     "metrics.page_size_bytes",
     "miss_reasons.debug_events_per_s",
-    "divergence.timeout_s",
     "divergence.audit_every_checks",
     "reconciler.ttl_s",
     "reconciler.verifications_per_s",
@@ -548,19 +506,25 @@ _NON_NEGATIVE = {
     "reconciler.connect_timeout_ms",
     "reconciler.retries",
     "reconciler.retry_backoff_ms",
-    "reconciler.breaker_backoff_s",
     "reconciler.breaker_backoff_max_s",
     "reconciler.failover_distrust_s",
     "advisor.half_life_references",
 }
 #: Must be > 0.
-_ABOVE_ZERO = {"recorder.sample_rate", "recorder.flush_interval_s"}
+_ABOVE_ZERO = {
+    "divergence.timeout_s",
+    "reconciler.breaker_backoff_s",
+    "recorder.sample_rate",
+    "recorder.flush_interval_s",
+}
+_AT_MOST = {"divergence.pool_slots": 1024, "metrics.port": 65535}
 _FRACTIONS = {
     "miss_reasons.memory_fraction",
     "reconciler.sampling_rate",
     "advisor.sampling_rate",
     "recorder.sample_rate",
 }
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 #: The recorder needs room for two files of at least one flush chunk each.
 RECORDER_MIN_BYTES = 128 * 1024
 
@@ -577,6 +541,8 @@ def _check_ranges(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{key} must be within [0, 1], got {value}")
         if key in _ABOVE_ZERO and not value > 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+        if key in _AT_MOST and value > _AT_MOST[key]:
+            raise ConfigError(f"{key} must be <= {_AT_MOST[key]}, got {value}")
     if prefix == "recorder.":
         for key in ("max_bytes", "file_bytes"):
             if getattr(obj, key) < RECORDER_MIN_BYTES:
@@ -587,5 +553,16 @@ def _check_ranges(obj: Any, prefix: str) -> None:
             raise ConfigError("recorder.path must not be empty")
     if prefix == "events." and not obj.endpoint:
         raise ConfigError("events.endpoint must not be empty")
-    if prefix == "metrics." and obj.port > 65535:
-        raise ConfigError(f"metrics.port must be <= 65535, got {obj.port}")
+    if prefix == "reconciler.":
+        scheme = obj.redis_url.split("://", 1)[0] if "://" in obj.redis_url else ""
+        if obj.redis_url and scheme not in _REDIS_SCHEMES:
+            raise ConfigError(
+                "reconciler.redis_url must be a redis://, rediss://, unix://, "
+                "redis+cluster:// or rediss+cluster:// URL, "
+                f"got {redact_url(obj.redis_url)!r}"
+            )
+        if obj.breaker_backoff_max_s < obj.breaker_backoff_s:
+            raise ConfigError(
+                "reconciler.breaker_backoff_max_s must be >= reconciler.breaker_backoff_s, "
+                f"got {obj.breaker_backoff_max_s}"
+            )

@@ -41,6 +41,11 @@ def test_file_and_at_path_are_read(tmp_path):
         ('{"divergence": {"policy": "panic"}}', "divergence.policy must be one of"),
         ('{"metrics": {"port": "80"}}', "metrics.port must be an integer"),
         ('{"metrics": {"port": 70000}}', "metrics.port must be <= 65535"),
+        ('{"divergence": {"pool_slots": 1025}}', "divergence.pool_slots must be <= 1024"),
+        ('{"divergence": {"timeout_s": 0}}', "divergence.timeout_s must be > 0"),
+        ('{"reconciler": {"breaker_backoff_s": 0}}', "reconciler.breaker_backoff_s must be > 0"),
+        ('{"metrics": {"flush_interval_s": "1"}}', "metrics.flush_interval_s must be a number"),
+        ('{"metrics": {"host": 1}}', "metrics.host must be a string"),
         ('{"cache": {"max_entries": 0}}', "cache.max_entries must be >= 1"),
         ('{"advisor": {"sampling_rate": 2}}', "advisor.sampling_rate must be within [0, 1]"),
         ('{"enabled": "true"}', "enabled must be a boolean"),
@@ -67,6 +72,12 @@ def test_bad_environment_values_name_the_variable_key():
     with pytest.raises(ConfigError, match=r"cache_mode\.dedup must be a boolean"):
         Config.from_env({"HICACHE_EXISTENCE_CACHE_MODE__DEDUP": "sometimes"})
     assert Config.from_env({"HICACHE_EXISTENCE_CACHE_MODE__DEDUP": "1"}).cache_mode.dedup
+    with pytest.raises(ConfigError, match=r"metrics\.flush_interval_s must be a number"):
+        Config.from_env({"HICACHE_EXISTENCE_METRICS__FLUSH_INTERVAL_S": "soon"})
+    env = Config.from_env(
+        {"HICACHE_EXISTENCE_METRICS__FLUSH_INTERVAL_S": "2", "HICACHE_EXISTENCE_METRICS__HOST": "0"}
+    )
+    assert (env.metrics.flush_interval_s, env.metrics.host) == (2.0, "0")
 
 
 def test_tooling_variables_are_not_settings():

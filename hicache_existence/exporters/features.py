@@ -42,15 +42,7 @@ class FeatureSources:
 
     def specs(self) -> tuple[FeatureSpec, ...]:
         """The feature metric families these sources export."""
-        on = {
-            "mode": self.mode is not None,
-            "divergence": self.divergence is not None,
-            "reconciler": self.reconciler is not None,
-            "advisor": self.advisor is not None,
-            "recorder": self.recorder is not None,
-            "events": self.events is not None,
-        }
-        return tuple(spec for spec in FEATURE_CATALOG if on[spec.source])
+        return tuple(spec for spec in FEATURE_CATALOG if getattr(self, spec.source) is not None)
 
 
 #: A source's values: the feature spec's ``field`` -> its series (scalars) or

@@ -28,6 +28,7 @@ from hicache_existence.exporters.catalog import (
     GAUGE_MULTIPROCESS_MODE,
     DeploymentLabels,
     FeatureSpec,
+    MetricSpec,
 )
 from hicache_existence.exporters.features import HistogramSamples
 from hicache_existence.exporters.series import Samples, SeriesKey, SeriesReader
@@ -63,46 +64,20 @@ class MultiprocessFeeder:
         self.flush_interval_s = float(flush_interval_s)
         self._clock = clock or time.monotonic
         self._deployment = (labels or DeploymentLabels()).values()
-        self._metrics: dict[str, Any] = {}
-        for spec in series_reader.specs:
-            if spec.kind == "counter":
-                self._metrics[spec.name] = Counter(
-                    spec.name, spec.help, spec.label_names, unit=spec.unit, registry=registry
-                )
-            else:
-                self._metrics[spec.name] = Gauge(
-                    spec.name,
-                    spec.help,
-                    spec.label_names,
-                    unit=spec.unit,
-                    registry=registry,
-                    multiprocess_mode=GAUGE_MULTIPROCESS_MODE,
-                )
         self._registry = registry
         self._features = series_reader.feature_specs()
-        for fspec in self._features:
-            if fspec.kind == "counter":
-                self._metrics[fspec.name] = Counter(
-                    fspec.name, fspec.help, fspec.label_names, unit=fspec.unit, registry=registry
-                )
-            elif fspec.kind == "gauge":
-                self._metrics[fspec.name] = Gauge(
-                    fspec.name,
-                    fspec.help,
-                    fspec.label_names,
-                    unit=fspec.unit,
-                    registry=registry,
-                    multiprocess_mode=GAUGE_MULTIPROCESS_MODE,
-                )
+        specs: tuple[MetricSpec | FeatureSpec, ...] = (*series_reader.specs, *self._features)
+        self._metrics: dict[str, Any] = {
+            spec.name: self._make(spec)
+            for spec in specs
             # histograms are created at the first sample, which carries their buckets
+            if spec.kind != "histogram"
+        }
         self._children: dict[tuple[str, SeriesKey], Any] = {}
         #: The value last applied per series: a counter's total, a gauge's value.
         self._previous: dict[tuple[str, SeriesKey], float] = {}
         #: (name, is a gauge) of every scalar family, in catalog order.
-        self._scalars: tuple[tuple[str, bool], ...] = (
-            *((spec.name, spec.kind == "gauge") for spec in series_reader.specs),
-            *((f.name, f.kind == "gauge") for f in self._features if f.kind != "histogram"),
-        )
+        self._scalars = tuple((s.name, s.kind == "gauge") for s in specs if s.kind != "histogram")
         self._previous_hist: dict[tuple[str, SeriesKey], tuple[tuple[int, ...], float]] = {}
         self._last: float | None = None
         self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
@@ -110,6 +85,20 @@ class MultiprocessFeeder:
         self.flushes = 0
         # Every series of the pools known now exists at 0 from the start.
         self._apply(*series_reader.sample_all(), counters=False)
+
+    def _make(self, spec: MetricSpec | FeatureSpec, **options: Any) -> Any:
+        """The prometheus_client metric of one family (gauges: ``mostrecent``)."""
+        if spec.kind == "gauge":
+            options["multiprocess_mode"] = GAUGE_MULTIPROCESS_MODE
+        cls = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[spec.kind]
+        return cls(
+            spec.name,
+            spec.help,
+            spec.label_names,
+            unit=spec.unit,
+            registry=self._registry,
+            **options,
+        )
 
     def flush(self, *, force: bool = False) -> bool:
         """Apply the accounting since the last flush if ``flush_interval_s`` has
@@ -179,14 +168,7 @@ class MultiprocessFeeder:
         multiprocess files hold exactly the source's counts and sum."""
         for key, (bounds, cumulative, total) in series.items():
             if spec.name not in self._metrics:
-                self._metrics[spec.name] = Histogram(
-                    spec.name,
-                    spec.help,
-                    spec.label_names,
-                    unit=spec.unit,
-                    registry=self._registry,
-                    buckets=bounds,
-                )
+                self._metrics[spec.name] = self._make(spec, buckets=bounds)
             child = self._child(spec.name, key)
             if not counters:
                 continue

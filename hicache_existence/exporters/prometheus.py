@@ -46,13 +46,12 @@ class PrometheusCollector(Collector):
         self.series_reader = series_reader
         self._deployment = (labels or DeploymentLabels()).values()
 
+    def _specs(self) -> tuple[MetricSpec | FeatureSpec, ...]:
+        return (*self.series_reader.specs, *self.series_reader.feature_specs())
+
     def describe(self) -> Iterable[Metric]:
         """Families without samples: registration does not take a snapshot."""
-        specs: list[MetricSpec | FeatureSpec] = [
-            *self.series_reader.specs,
-            *self.series_reader.feature_specs(),
-        ]
-        return [_family(spec) for spec in specs]
+        return [_family(spec) for spec in self._specs()]
 
     def collect(self) -> Iterator[Metric]:
         samples, histograms = self.series_reader.sample_all()
@@ -62,22 +61,17 @@ class PrometheusCollector(Collector):
         self, samples: Samples, histograms: HistogramSamples | None = None
     ) -> Iterator[Metric]:
         deployment = list(self._deployment)
-        for spec in self.series_reader.specs:
+        for spec in self._specs():
             family = _family(spec)
-            for key, value in samples[spec.name].items():
-                family.add_metric([*deployment, *key], value)
-            yield family
-        for fspec in self.series_reader.feature_specs():
-            family = _family(fspec)
-            if fspec.kind == "histogram":
+            if spec.kind == "histogram":
                 for key, (bounds, cumulative, total) in (
-                    (histograms or {}).get(fspec.name, {}).items()
+                    (histograms or {}).get(spec.name, {}).items()
                 ):
                     buckets = [(_le(b), float(c)) for b, c in zip(bounds, cumulative)]
                     buckets.append(("+Inf", float(cumulative[-1] if cumulative else 0)))
                     family.add_metric([*deployment, *key], buckets, total)
             else:
-                for key, value in samples.get(fspec.name, {}).items():
+                for key, value in samples.get(spec.name, {}).items():
                     family.add_metric([*deployment, *key], value)
             yield family
 
@@ -148,6 +142,7 @@ def serve(
 ) -> MetricsServer:
     """Register a collector for ``series_reader`` on a fresh (or given) registry and
     serve it on ``host:port`` (port 0 picks a free port; see ``.port``)."""
-    registry = registry if registry is not None else CollectorRegistry()
+    if registry is None:
+        return MetricsServer(registry_for(series_reader, labels), host, port)
     registry.register(PrometheusCollector(series_reader, labels))
     return MetricsServer(registry, host, port)
