@@ -21,6 +21,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, MutableMapping
+from functools import partialmethod
 from typing import IO, Any
 
 from hicache_existence.core import _validate
@@ -76,7 +77,7 @@ class EventLogger:
         self.name = name
         self._stdlib = logging.getLogger(name)
 
-    def _emit(self, level: int, event: str, fields: dict[str, Any]) -> None:
+    def _emit(self, level: int, event: str, /, **fields: Any) -> None:
         if _structlog is not None and _structlog.is_configured():
             _structlog.get_logger(self.name).log(level, event, **fields)
             return
@@ -90,17 +91,11 @@ class EventLogger:
                 extra={"hicache_event": event, "hicache_fields": fields},
             )
 
-    def debug(self, event: str, **fields: Any) -> None:
-        self._emit(logging.DEBUG, event, fields)
-
-    def info(self, event: str, **fields: Any) -> None:
-        self._emit(logging.INFO, event, fields)
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self._emit(logging.WARNING, event, fields)
-
-    def error(self, event: str, **fields: Any) -> None:
-        self._emit(logging.ERROR, event, fields)
+    #: ``debug(event, **fields)`` and so on: one method per level.
+    debug = partialmethod(_emit, logging.DEBUG)
+    info = partialmethod(_emit, logging.INFO)
+    warning = partialmethod(_emit, logging.WARNING)
+    error = partialmethod(_emit, logging.ERROR)
 
     def is_enabled_for_debug(self) -> bool:
         """Whether a debug event would be emitted (cheap; lets callers skip work)."""
@@ -112,8 +107,6 @@ class EventLogger:
 
 def get_logger(name: str = "hicache_existence") -> EventLogger:
     """The event logger ``name`` (a stdlib logger name under ``hicache_existence``)."""
-    if not isinstance(name, str) or not name:
-        raise TypeError("name must be a non-empty str logger name")
     return EventLogger(name)
 
 

@@ -272,34 +272,27 @@ class CapacityAdvisor:
         return tag
 
     # -- BeliefObserver: feeding by hand (never raises into the cache) -----------
-    def added(self, pool: str, hashes: Sequence[str]) -> None:
+    def _feed(self, pool: str, call: Callable[[SamplerType, int], object]) -> None:
         try:
-            self.sampler(pool).added(_batch(hashes), self._tag(pool))
+            call(self.sampler(pool), self._tag(pool))
         except Exception:
             self.errors += 1
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        self._feed(pool, lambda s, tag: s.added(_batch(hashes), tag))
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        try:
-            self.sampler(pool).walked(_batch(hashes), stop, self._tag(pool))
-        except Exception:
-            self.errors += 1
+        self._feed(pool, lambda s, tag: s.walked(_batch(hashes), stop, tag))
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
-        try:
-            self.sampler(pool).removed(_batch(hashes)[keep_pages:], self._tag(pool))
-        except Exception:
-            self.errors += 1
+        self._feed(pool, lambda s, tag: s.removed(_batch(hashes)[keep_pages:], tag))
 
     def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
         """In-flight content is not a belief: not part of the reference stream."""
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
-        if inflight_only:
-            return
-        try:
-            self.sampler(pool).clear()
-        except Exception:
-            self.errors += 1
+        if not inflight_only:
+            self._feed(pool, lambda s, tag: s.clear())
 
     # -- reporting -------------------------------------------------------------
     def estimate(self, pool: str, cap: int, *, lookups: bool = False) -> float | None:

@@ -129,8 +129,6 @@ class KvEvents:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        if queue_size < 1 or max_blocks < 1:
-            raise ValueError("queue_size and max_blocks must be >= 1")
         self._open = sink
         self.medium = medium
         self._max = max_blocks
@@ -213,27 +211,27 @@ class KvEvents:
     def stored(self, blocks: Sequence[Block]) -> None:
         """L3 acknowledged these pages (this rank's backend stored them), in chain
         order: publish those not published since their last removal."""
-        if not self.running:
-            return
-        self._put_store(_given, (blocks,), len(blocks))
+        self.stored_from(_given, (blocks,), len(blocks))
 
     def stored_from(self, resolve: Resolve, args: tuple[Any, ...], pages: int) -> None:
         """An acknowledgement whose blocks ``resolve(*args)`` gives, with how many
         acknowledged pages have no known block hash; it runs on the publisher thread,
         so ``args`` must be the write's own snapshot, never mutated after the ack.
         ``pages``: the pages acknowledged (what a full queue counts as dropped)."""
-        if not self.running:
-            return
-        self._put_store(resolve, args, pages)
-
-    def _put_store(self, resolve: Resolve, args: tuple[Any, ...], pages: int) -> None:
-        try:
-            self._queue.put_nowait((_STORE, self._clock(), resolve, args))
+        if self.running and self._put(lambda: (_STORE, self._clock(), resolve, args), pages):
             self._any_store = True
+
+    def _put(self, item: Callable[[], tuple[Any, ...]], pages: int) -> bool:
+        """Queue ``item()`` without waiting; a full queue drops it and counts
+        ``pages``; a failure (building the item included) is counted, never raised."""
+        try:
+            self._queue.put_nowait(item())
+            return True
         except queue.Full:
             self.dropped["queue_full"] += pages
         except Exception as exc:
             self._hot_error(exc)
+        return False
 
     # -- BeliefObserver (the cache's operation stream, scheduler thread) ----------
     def added(self, pool: str, hashes: Sequence[str]) -> None:
@@ -253,29 +251,18 @@ class KvEvents:
         are unreachable; ``hashes[:keep_pages]`` were found.  The chain is copied
         (a tuple of references: the caller may reuse its list) and the verdict's
         source named now, while it is known."""
-        if not self.running or pool != KV or not self._any_store:
-            return
-        try:
-            item = (_VERDICT, self._clock(), tuple(hashes), keep_pages, self.source())
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.dropped["queue_full"] += max(0, len(hashes) - keep_pages)
-        except Exception as exc:
-            self._hot_error(exc)
+        if self.running and pool == KV and self._any_store:
+            self._put(
+                lambda: (_VERDICT, self._clock(), tuple(hashes), keep_pages, self.source()),
+                max(0, len(hashes) - keep_pages),
+            )
 
     def verified(self, pool: str, chain: Sequence[str], leading: int) -> None:
         """A reconciler verdict found ``chain[:leading]`` in L3 (its absences come
         through ``invalidated``).  A full queue loses this refresh only: the blocks
         look older than they are, never fresher."""
-        if not self.running or pool != KV or not self._any_store or leading <= 0:
-            return
-        try:
-            item = (_REFRESH, self._clock(), tuple(chain[:leading]), leading, "")
-            self._queue.put_nowait(item)
-        except queue.Full:
-            pass
-        except Exception as exc:
-            self._hot_error(exc)
+        if self.running and pool == KV and self._any_store and leading > 0:
+            self._put(lambda: (_REFRESH, self._clock(), tuple(chain[:leading]), leading, ""), 0)
 
     # -- the publisher thread --------------------------------------------------------
     def _run(self) -> None:

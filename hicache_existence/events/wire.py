@@ -27,9 +27,6 @@ from typing import Any
 #: The storage media of SGLang's ``StorageMedium`` for the L3 tier.
 MEDIA = ("DISK", "EXTERNAL")
 
-_INT64_MIN = -(1 << 63)
-_UINT64_MAX = (1 << 64) - 1
-
 
 def block_hash(page: str) -> int:
     """The event block hash of an SGLang page hash (64 hex digits): its first 64
@@ -95,28 +92,28 @@ def _pack(value: Any, out: bytearray) -> None:
     elif value is False:
         out.append(0xC2)
     elif isinstance(value, int):
-        _pack_int(value, out)
+        if -32 <= value < 0x80:  # positive and negative fixint
+            out.append(value & 0xFF)
+        elif value >= 0:
+            _sized(value, value, _UINT, out)
+        else:  # ~value < 2**(k-1) iff value >= -2**(k-1)
+            _sized(~value, value, _INT, out)
     elif isinstance(value, float):
         out.append(0xCB)
         out += struct.pack(">d", value)
     elif isinstance(value, str):
         data = value.encode("utf-8")
-        n = len(data)
-        if n < 32:
-            out.append(0xA0 | n)
-        elif n < 1 << 8:
-            out += struct.pack(">BB", 0xD9, n)
-        elif n < 1 << 16:
-            out += struct.pack(">BH", 0xDA, n)
+        if len(data) < 32:
+            out.append(0xA0 | len(data))
         else:
-            out += struct.pack(">BI", 0xDB, n)
+            _sized(len(data), len(data), _STR, out)
         out += data
     elif isinstance(value, (list, tuple)):
-        _header(len(value), 0x90, 0xDC, out)
+        _header(len(value), 0x90, _ARRAY, out)
         for item in value:
             _pack(item, out)
     elif isinstance(value, Mapping):
-        _header(len(value), 0x80, 0xDE, out)
+        _header(len(value), 0x80, _MAP, out)
         for key, item in value.items():
             _pack(str(key), out)
             _pack(item, out)
@@ -124,40 +121,40 @@ def _pack(value: Any, out: bytearray) -> None:
         raise TypeError(f"cannot encode {type(value).__name__} as a KV event field")
 
 
-def _header(n: int, fix: int, wide: int, out: bytearray) -> None:
+#: msgpack's sized forms, narrowest first: (exclusive bound, struct format, type byte).
+_Forms = tuple[tuple[int, str, int], ...]
+_UINT: _Forms = (
+    (1 << 8, ">BB", 0xCC),
+    (1 << 16, ">BH", 0xCD),
+    (1 << 32, ">BI", 0xCE),
+    (1 << 64, ">BQ", 0xCF),
+)
+_INT: _Forms = (
+    (1 << 7, ">Bb", 0xD0),
+    (1 << 15, ">Bh", 0xD1),
+    (1 << 31, ">Bi", 0xD2),
+    (1 << 63, ">Bq", 0xD3),
+)
+_STR: _Forms = ((1 << 8, ">BB", 0xD9), (1 << 16, ">BH", 0xDA), (1 << 32, ">BI", 0xDB))
+_ARRAY: _Forms = ((1 << 16, ">BH", 0xDC), (1 << 32, ">BI", 0xDD))
+_MAP: _Forms = ((1 << 16, ">BH", 0xDE), (1 << 32, ">BI", 0xDF))
+
+
+def _sized(key: int, value: int, forms: _Forms, out: bytearray) -> None:
+    """``value`` in the first of ``forms`` whose bound ``key`` is below."""
+    for bound, fmt, tag in forms:
+        if key < bound:
+            out += struct.pack(fmt, tag, value)
+            return
+    raise ValueError(f"integer {value} does not fit in 64 bits")
+
+
+def _header(n: int, fix: int, forms: _Forms, out: bytearray) -> None:
     """An array (``fix`` 0x90) or map (0x80) header of ``n`` entries."""
     if n < 16:
         out.append(fix | n)
-    elif n < 1 << 16:
-        out += struct.pack(">BH", wide, n)
     else:
-        out += struct.pack(">BI", wide + 1, n)
-
-
-def _pack_int(v: int, out: bytearray) -> None:
-    if v < _INT64_MIN or v > _UINT64_MAX:
-        raise ValueError(f"integer {v} does not fit in 64 bits")
-    if 0 <= v < 0x80:
-        out.append(v)
-    elif -32 <= v < 0:
-        out.append(v & 0xFF)
-    elif v >= 0:
-        if v < 1 << 8:
-            out += struct.pack(">BB", 0xCC, v)
-        elif v < 1 << 16:
-            out += struct.pack(">BH", 0xCD, v)
-        elif v < 1 << 32:
-            out += struct.pack(">BI", 0xCE, v)
-        else:
-            out += struct.pack(">BQ", 0xCF, v)
-    elif v >= -(1 << 7):
-        out += struct.pack(">Bb", 0xD0, v)
-    elif v >= -(1 << 15):
-        out += struct.pack(">Bh", 0xD1, v)
-    elif v >= -(1 << 31):
-        out += struct.pack(">Bi", 0xD2, v)
-    else:
-        out += struct.pack(">Bq", 0xD3, v)
+        _sized(n, n, forms, out)
 
 
 __all__ = ["MEDIA", "Event", "Removed", "Stored", "block_hash", "encode_batch", "event_map"]
