@@ -109,10 +109,6 @@ class _Generations:
         wanted = set(keys)
         return (self.new.keys() & wanted) | (self.old.keys() & wanted)
 
-    def get(self, key: Hashable) -> Any:
-        value = self.new.get(key)
-        return self.old.get(key) if value is None else value
-
     def pop(self, key: Hashable) -> Any:
         value = self.new.pop(key, None)
         old = self.old.pop(key, None)

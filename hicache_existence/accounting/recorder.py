@@ -555,6 +555,7 @@ class Recorder:
             return False
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started_unix))
         stamp += f"{self.started_unix % 1:.3f}"[1:]
+        raw: Any = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             for _ in range(1000):  # a name taken (another recorder of this process): the next
@@ -568,18 +569,16 @@ class Recorder:
                     continue
             else:
                 raise FileExistsError(f"no free file name for {self._prefix} in {self.directory}")
-        except Exception as exc:
-            self._warn(f"cannot open a trace file in {self.directory}: {exc!r}; records dropped")
-            self._retry_at = self._clock() + RETRY_S
-            return False
-        try:
             self._member(raw, self._header_line())
         except Exception as exc:
-            with contextlib.suppress(Exception):
-                raw.close()
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._warn(f"cannot write the trace header to {path}: {exc!r}; records dropped")
+            what = f"open a trace file in {self.directory}"
+            if raw is not None:  # opened, but its header could not be written
+                what = f"write the trace header to {path}"
+                with contextlib.suppress(Exception):
+                    raw.close()
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            self._warn(f"cannot {what}: {exc!r}; records dropped")
             self._retry_at = self._clock() + RETRY_S
             return False
         self._raw, self._current = raw, path

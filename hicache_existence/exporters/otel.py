@@ -39,14 +39,10 @@ except ImportError:  # pragma: no cover - exercised by the bare-import check
 INSTRUMENTATION_NAME = "hicache_existence"
 
 
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("hicache-existence")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
-        return "0"
-
-
-_version = _package_version()
+try:
+    _version = importlib.metadata.version("hicache-existence")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
+    _version = "0"
 #: Span names (stable).
 SPAN_RECONCILE = "hicache_existence.reconcile"
 SPAN_DIVERGENCE_CHECK = "hicache_existence.divergence_check"
