@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import accumulate
+from typing import Any
 
 #: Query outcomes (label ``result``), in three groups: the doctor, the alerts
 #: and the dashboard read these names, never spell them.
@@ -76,13 +78,7 @@ class Histogram:
         self.sum += value
 
     def snapshot(self) -> HistogramSnapshot:
-        counts = list(self._counts)
-        cumulative = []
-        total = 0
-        for c in counts:
-            total += c
-            cumulative.append(total)
-        return HistogramSnapshot(self._bounds, tuple(cumulative), self.sum)
+        return HistogramSnapshot(self._bounds, tuple(accumulate(list(self._counts))), self.sum)
 
 
 @dataclass(frozen=True)
@@ -173,32 +169,22 @@ class ReconcilerSnapshot:
 def snapshot(
     c: ReconcilerCounters, circuit_state: int, circuit_opened: int, objects_leased: int = 0
 ) -> ReconcilerSnapshot:
-    """Copy ``c`` (safe from any thread: dict copies are atomic under the GIL)."""
+    """Copy ``c`` (safe from any thread: dict copies are atomic under the GIL);
+    every snapshot field named like a counter is that counter, copied."""
+    copied: dict[str, Any] = {
+        f.name: dict(v) if isinstance(v := getattr(c, f.name), Counter) else v
+        for f in fields(ReconcilerSnapshot)
+        if hasattr(c, f.name)
+    }
     queries: Counter[tuple[str, str]] = Counter(dict(c.worker_results))
     queries.update(dict(c.scheduler_results))
-    errors = dict(c.errors)
     if c.internal_errors:
-        errors["internal"] = errors.get("internal", 0) + c.internal_errors
+        copied["errors"]["internal"] = copied["errors"].get("internal", 0) + c.internal_errors
     return ReconcilerSnapshot(
+        **copied,
         queries=dict(queries),
-        errors=errors,
-        stale_positives=dict(c.stale_positives),
-        pages_invalidated=dict(c.pages_invalidated),
-        pages_learnt=dict(c.pages_learnt),
-        verdicts_applied=dict(c.verdicts_applied),
-        invalidations_withheld=dict(c.invalidations_withheld),
-        candidates_sampled=c.candidates_sampled,
-        candidates_admitted=c.candidates_admitted,
-        candidates_dropped=c.candidates_dropped,
-        agreements=c.agreements,
-        late_answers=c.late_answers,
         circuit_state=circuit_state,
         circuit_opened=circuit_opened,
-        outstanding=c.outstanding,
         query_seconds=c.latency.snapshot(),
-        max_apply_s=c.max_apply_s,
-        max_observe_s=c.max_observe_s,
-        max_agreement_s=c.max_agreement_s,
-        max_query_cpu_s=c.max_query_cpu_s,
         objects_leased=objects_leased,
     )

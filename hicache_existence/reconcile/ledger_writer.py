@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -102,7 +101,6 @@ class LedgerWriter:
         while True:
             first = self._queue.get()
             if first is _STOP:
-                self._queue.task_done()
                 return
             items = [first]
             pages = len(first[2])  # type: ignore[index]
@@ -123,8 +121,6 @@ class LedgerWriter:
                 with self._lock:
                     self._written += len(work)
                     self._written_changed.notify_all()
-                for _ in items:
-                    self._queue.task_done()
             if stop:
                 return
 
@@ -174,16 +170,8 @@ class LedgerWriter:
 
     # -- lifecycle -----------------------------------------------------------------
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every enqueued record was attempted; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        cond = self._queue.all_tasks_done
-        with cond:
-            while self._queue.unfinished_tasks:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                cond.wait(remaining)
-        return True
+        """Wait until every record offered so far was attempted; False on timeout."""
+        return self.wait_written(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending (bounded by ``timeout_s``) and stop the thread."""

@@ -28,10 +28,11 @@ crash of the storage backend that records into it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from hicache_existence.reconcile.ground_truth import (
@@ -44,6 +45,7 @@ from hicache_existence.reconcile.redis_truth import (
     LUA_LEADING_PRESENT,
     LedgerSettings,
     RedisLedger,
+    _escape_glob,
     _joined,
     _new_epoch,
     _pair,
@@ -156,6 +158,11 @@ class _LazyCluster:
     def built(self) -> Any:
         return self._client
 
+    def close(self) -> None:
+        """Close the client if it was ever built (never connect just to close)."""
+        if self._client is not None:
+            self._client.close()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.get(), name)
 
@@ -180,7 +187,6 @@ class RedisClusterLedger(RedisLedger):
         *,
         client: Any = None,
         clock: Callable[[], float] = time.monotonic,
-        failover_distrust_s: float | None = None,
     ) -> None:
         if not is_cluster_url(settings.url):
             raise ValueError(
@@ -189,15 +195,11 @@ class RedisClusterLedger(RedisLedger):
         for arg in ("namespace", "shard"):
             if any(c in getattr(settings, arg) for c in "{}"):
                 raise ValueError(f"{arg} must not contain '{{' or '}}' on Redis Cluster")
-        if failover_distrust_s is None:
-            failover_distrust_s = settings.failover_distrust_s
-        if not failover_distrust_s >= 0:
-            raise ValueError(f"failover_distrust_s must be >= 0, got {failover_distrust_s}")
         self._lazy = _LazyCluster(settings, (lambda: client) if client is not None else None)
         super().__init__(settings, client=self._lazy, clock=clock)
         self._record = self._lazy.register_script(LUA_RECORD)
         self._presence = self._lazy.register_script(LUA_PRESENT)
-        self.failover_distrust_s = float(failover_distrust_s)
+        self.failover_distrust_s = float(settings.failover_distrust_s)
         #: Primary (host:port) last seen serving each tag.
         self._owners: dict[str, str] = {}
         #: Failovers (a tag's primary changed) this reader observed.
@@ -213,24 +215,17 @@ class RedisClusterLedger(RedisLedger):
     def epoch_key(self, pool: str) -> str:
         return self.tag(pool)
 
-    # -- reads: the base's, plus failover detection --------------------------------
-    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+    @contextlib.contextmanager
+    def _reading(self, pool: str) -> Iterator[None]:
+        """The base's, plus failover detection: after an error, and after the
+        primary serving the tag changed, absence is not evidence for a while."""
         try:
-            count = super().leading_present(pool, hashes)
+            with redis_errors():
+                yield
         except GroundTruthError:
             self._distrust(pool, "error")
             raise
         self._check_owner(pool)
-        return count
-
-    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
-        try:
-            flags = super().present(pool, hashes)
-        except GroundTruthError:
-            self._distrust(pool, "error")
-            raise
-        self._check_owner(pool)
-        return flags
 
     def _mget(self, pool: str, seq: Sequence[str]) -> tuple[Any, list[bool]]:
         reply = self._presence(keys=[self.epoch_key(pool)], args=[self.prefix(pool), _joined(seq)])
@@ -294,63 +289,9 @@ class RedisClusterLedger(RedisLedger):
                 self._record(keys=keys, args=[_new_epoch(), prefix, px, blob])
         return len(seq)
 
-    def record_removed(self, pool: str, hashes: Iterable[str]) -> int:
-        """Record pages that left L3 (one UNLINK per batch: the keys share a slot)."""
-        name, seq = check_chain(pool, hashes)
-        if not seq:
-            return 0
-        prefix = self.prefix(name)
-        removed = 0
-        with redis_errors():
-            client = self._lazy.get()
-            for start in range(0, len(seq), self.settings.write_batch):
-                chunk = seq[start : start + self.settings.write_batch]
-                removed += int(client.unlink(*[prefix + h for h in chunk]))
-        return removed
-
-    def clear_shard(self) -> int:
-        """Forget every page of this shard on every primary (epochs stay: the
-        ledger still knows this shard's history, which is now "nothing")."""
-        removed = 0
-        with redis_errors():
-            client = self._lazy.get()
-            batch: list[Any] = []
-            for key in client.scan_iter(match=_escape_glob(self._shard_prefix), count=1000):
-                batch.append(key)
-                if len(batch) >= _CHUNK:
-                    removed += int(client.unlink(*batch))
-                    batch = []
-            if batch:
-                removed += int(client.unlink(*batch))
-        return removed
-
-    def ensure_epoch(self, pools: Sequence[str] = ("kv",)) -> None:
-        """Create the epochs of ``pools`` if missing (writers call this at start)."""
-        with redis_errors():
-            client = self._lazy.get()
-            for pool in pools:
-                client.set(self.epoch_key(pool), _new_epoch(), nx=True)
-
-    def ping(self) -> bool:
-        try:
-            return bool(self._lazy.get().ping())
-        except Exception:
-            return False
-
-    def close(self) -> None:
-        client = self._lazy.built()
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                logger.debug("closing the cluster client failed", exc_info=True)
-
-
-def _escape_glob(shard_prefix: str) -> str:
-    """``{<shard prefix>*}:*`` with the prefix's glob characters escaped: every
-    page key of the shard, never an epoch key."""
-    escaped = "".join("\\" + c if c in "\\*?[]" else c for c in shard_prefix)
-    return "{" + escaped + "*}:*"
+    def _shard_pattern(self) -> str:
+        """``{<shard prefix>*}:*``: every page key of the shard, never an epoch key."""
+        return "{" + _escape_glob(self._shard_prefix) + "*}:*"
 
 
 __all__ = [

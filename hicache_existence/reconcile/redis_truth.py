@@ -77,7 +77,6 @@ return {epoch, n}
 
 #: Keys per MGET / MSET / UNLINK command.
 _CHUNK = 1024
-_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
 
 def validate_redis_url(url: str, arg: str = "redis_url") -> str:
@@ -350,16 +349,16 @@ class RedisLedger:
         if not seq:
             return 0
         blob = _joined(seq)
-        with redis_errors():
+        with self._reading(name):
             if self.settings.method == "lua":
                 reply = self._script(keys=[self.epoch_key(name)], args=[self.prefix(name), blob])
                 epoch, count = _pair(reply)
             else:
                 epoch, flags = self._mget(name, seq)
                 count = next((i for i, v in enumerate(flags) if not v), len(seq))
-        self._see_epoch(epoch, name)
-        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(seq):
-            raise GarbageAnswer(f"leading count {count!r} outside [0, {len(seq)}]")
+            self._see_epoch(epoch, name)
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(seq):
+                raise GarbageAnswer(f"leading count {count!r} outside [0, {len(seq)}]")
         return count
 
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
@@ -367,10 +366,15 @@ class RedisLedger:
         if not seq:
             return []
         _joined(seq)
-        with redis_errors():
+        with self._reading(name):
             epoch, flags = self._mget(name, seq)
-        self._see_epoch(epoch, name)
+            self._see_epoch(epoch, name)
         return flags
+
+    def _reading(self, pool: str) -> contextlib.AbstractContextManager[None]:
+        """Around one read of ``pool``: errors leave as ``GroundTruthError``s
+        (the cluster ledger also watches for failovers here)."""
+        return redis_errors()
 
     def _mget(self, pool: str, seq: Sequence[str]) -> tuple[Any, list[bool]]:
         prefix = self.prefix(pool)
@@ -453,39 +457,34 @@ class RedisLedger:
         if not seq:
             return 0
         prefix = self.prefix(name)
-        batch = max(self.settings.write_batch, 1)
+        batch = self.settings.write_batch
         removed = 0
-        with redis_errors():
+        with redis_errors():  # one UNLINK per batch (on a cluster the keys share a slot)
             for start in range(0, len(seq), batch):
-                pipe = self._client.pipeline(transaction=False)
-                pipe.unlink(*[prefix + h for h in seq[start : start + batch]])
-                (n,) = pipe.execute()
-                removed += int(n)
+                removed += int(
+                    self._client.unlink(*[prefix + h for h in seq[start : start + batch]])
+                )
         return removed
 
     def clear_shard(self) -> int:
-        """Forget every page of this shard (its L3 was cleared); returns keys removed."""
-        pattern = _GLOB_SPECIAL.sub(r"\\\1", self._shard_prefix) + "*"
+        """Forget every page of this shard (its L3 was cleared); returns keys
+        removed.  Epochs stay: the ledger still knows the shard's history, which
+        is now "nothing"."""
         removed = 0
-        try:
+        with redis_errors():
             batch: list[Any] = []
-            for key in self._client.scan_iter(match=pattern, count=1000):
+            for key in self._client.scan_iter(match=self._shard_pattern(), count=1000):
                 batch.append(key)
                 if len(batch) >= _CHUNK:
                     removed += int(self._client.unlink(*batch))
                     batch = []
             if batch:
                 removed += int(self._client.unlink(*batch))
-        except Exception as exc:
-            raise map_error(exc) from None
         return removed
 
-    def ensure_epoch(self) -> None:
-        """Create the epoch if it is missing (writers call this at start)."""
-        try:
-            self._client.set(self._epoch_key, _new_epoch(), nx=True)
-        except Exception as exc:
-            raise map_error(exc) from None
+    def _shard_pattern(self) -> str:
+        """SCAN's pattern for every page key of this shard, never an epoch key."""
+        return _escape_glob(self._shard_prefix) + "*"
 
     def ping(self) -> bool:
         try:
@@ -509,6 +508,10 @@ def _pair(reply: Any) -> tuple[Any, Any]:
     if not isinstance(reply, list | tuple) or len(reply) != 2:
         raise GarbageAnswer(f"script reply {type(reply).__name__} is not a pair")
     return reply[0], reply[1]
+
+
+def _escape_glob(text: str) -> str:
+    return "".join("\\" + c if c in "\\*?[]" else c for c in text)
 
 
 def _new_epoch() -> str:

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 from hicache_existence.reconcile.breaker import CircuitBreaker
 from hicache_existence.reconcile.counters import (
@@ -35,31 +36,18 @@ logger = logging.getLogger(__name__)
 PENDING, DONE, TIMED_OUT, VOIDED = 0, 1, 2, 3
 
 
+@dataclass(slots=True, eq=False)
 class Query:
-    __slots__ = (
-        "seq",
-        "pool",
-        "chain",
-        "submitted",
-        "state",
-        "leading",
-        "trusted",
-        "probe",
-        "void",
-        "adds_before",
-    )
-
-    def __init__(self, seq: int, pool: str, chain: tuple[str, ...], submitted: float) -> None:
-        self.seq = seq
-        self.pool = pool
-        self.chain = chain
-        self.submitted = submitted
-        self.state = PENDING
-        self.leading = -1  # -1: error / no answer
-        self.trusted = 0
-        self.probe = False
-        self.void = False
-        self.adds_before = 0  # the pool's add ordinal when the query was admitted
+    seq: int
+    pool: str
+    chain: tuple[str, ...]
+    submitted: float
+    state: int = PENDING
+    leading: int = -1  # -1: error / no answer
+    trusted: int = 0
+    probe: bool = False
+    void: bool = False
+    adds_before: int = 0  # the pool's add ordinal when the query was admitted
 
     def local_verdict(self) -> tuple[int, int] | None:
         """(leading, trusted) once this rank is done with the query, else None."""
