@@ -32,12 +32,14 @@ from hicache_existence.doctor import judgements
 from hicache_existence.exporters.catalog import CATALOG, FEATURE_CATALOG, MISS_REASON_LABELS
 
 
+def _header(*columns: str) -> list[str]:
+    """A markdown table's header lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def metrics_table() -> str:
     """The reference table of docs/metrics.md, from the catalog."""
-    lines = [
-        "| metric | type | unit | labels | help |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    lines = _header("metric", "type", "unit", "labels", "help")
     for spec in CATALOG:
         labels = ", ".join(("pool", *spec.extra_labels))
         if spec.extra_labels == ("reason",):
@@ -116,10 +118,7 @@ def config_table() -> str:
     """The markdown table of every key of ``Config``."""
     comments = _field_comments()
     defaults = Config()
-    rows = [
-        "| key | type | default | environment variable | meaning |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    rows = _header("key", "type", "default", "environment variable", "meaning")
     hints = typing.get_type_hints(Config)
     for top in dataclasses.fields(Config):
         value = getattr(defaults, top.name)
@@ -166,10 +165,7 @@ def stats_table() -> str:
     its meaning is the help text declared beside it, as /metrics says it."""
     exported = {spec.field: spec.exposed_name for spec in CATALOG if spec.source == "cache"}
     by_reason = next(spec for spec in CATALOG if spec.field == "misses_by_reason")
-    rows = [
-        "| field | kind | meaning | exported as |",
-        "| --- | --- | --- | --- |",
-    ]
+    rows = _header("field", "kind", "meaning", "exported as")
     for f in dataclasses.fields(stats_module.PoolStats):
         kind = f.metadata.get("kind")
         if kind is None:
@@ -208,10 +204,7 @@ def _guard(name: str | None, unit: str = "") -> str:
 def thresholds_table() -> str:
     """docs/doctor.md's thresholds: every finding judged by a ratio, from the
     judgements' table and ``judgements.SETTINGS``."""
-    rows = [
-        "| finding | severity | ratio | past | on at least | alert |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    rows = _header("finding", "severity", "ratio", "past", "on at least", "alert")
     for j in judgements.JUDGEMENTS:
         if j.finding is None or j.ratio is None:
             continue
@@ -228,10 +221,7 @@ def thresholds_table() -> str:
 def alerts_table() -> str:
     """docs/runbooks.md's index: every alert with its severity, thresholds and the
     doctor's finding, from the judgements' table and ``judgements.SETTINGS``."""
-    rows = [
-        "| alert | severity | threshold | traffic at least | for | doctor's finding |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    rows = _header("alert", "severity", "threshold", "traffic at least", "for", "doctor's finding")
     for j, a in judgements.alerting():
         for_ = getattr(judgements.SETTINGS, a.for_) if a.for_ else "0m"
         finding = "-" if j.finding is None else f"[`{j.finding}`](doctor.md#{j.finding})"
@@ -247,7 +237,7 @@ def settings_table() -> str:
     value in ``SETTINGS`` and the ``#:`` comment above it, so that the runbooks'
     prose names a setting and this table alone gives its value."""
     comments = _field_comments(judgements)
-    rows = ["| setting | value | meaning |", "| --- | --- | --- |"]
+    rows = _header("setting", "value", "meaning")
     for f in dataclasses.fields(judgements.Settings):
         value = getattr(judgements.SETTINGS, f.name)
         shown = ", ".join(value) if isinstance(value, tuple) else value

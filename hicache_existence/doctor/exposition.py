@@ -48,10 +48,7 @@ class Sample:
     value: float
 
     def label(self, name: str) -> str | None:
-        for key, value in self.labels:
-            if key == name:
-                return value
-        return None
+        return dict(self.labels).get(name)
 
 
 @dataclass(frozen=True)
@@ -122,7 +119,11 @@ def _labels(text: str, start: int, number: int, line: str) -> tuple[Labels, int]
             raise ExpositionError(f"line {number}: expected , or }} in {_show(line)}")
 
 
-def _float(token: str) -> float:
+def value_of(token: str) -> float | None:
+    """A sample value as the format writes it (``NaN``, ``+Inf``, ``-Inf`` too),
+    None for anything else (the Prometheus API's values are written the same way)."""
+    if not _VALUE.fullmatch(token):
+        return None
     if token.endswith("Inf"):
         return -math.inf if token.startswith("-") else math.inf
     return float(token)
@@ -137,8 +138,6 @@ def parse(body: str | bytes) -> Exposition:
             body = body.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ExpositionError(f"not UTF-8 text (byte {exc.start})") from None
-    elif not isinstance(body, str):
-        raise TypeError(f"body must be str or bytes, got {type(body).__name__}")
     samples: list[Sample] = []
     seen: set[tuple[str, Labels]] = set()
     types: dict[str, str] = {}
@@ -174,7 +173,8 @@ def parse(body: str | bytes) -> Exposition:
         if not rest or rest[0] not in " \t":
             raise ExpositionError(f"line {number}: no value in {_show(line)}")
         parts = rest.split()
-        if not 1 <= len(parts) <= 2 or not _VALUE.fullmatch(parts[0]):
+        value = value_of(parts[0]) if 1 <= len(parts) <= 2 else None
+        if value is None:
             raise ExpositionError(f"line {number}: bad value in {_show(line)}")
         if len(parts) == 2 and not _TIMESTAMP.fullmatch(parts[1]):
             raise ExpositionError(f"line {number}: bad timestamp in {_show(line)}")
@@ -182,5 +182,5 @@ def parse(body: str | bytes) -> Exposition:
         if key in seen:
             raise ExpositionError(f"line {number}: duplicate sample {name}")
         seen.add(key)
-        samples.append(Sample(name, labels, _float(parts[0])))
+        samples.append(Sample(name, labels, value))
     return Exposition(tuple(samples), types)

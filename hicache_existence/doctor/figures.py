@@ -105,8 +105,6 @@ class Reading:
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.instance, str) or not self.instance:
-            raise ValueError("instance must be a non-empty str")
         if self.first is not None and not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise ValueError(f"seconds must be > 0 with two reads, got {self.seconds!r}")
 
@@ -240,6 +238,12 @@ def ranks_of(exposition: Exposition) -> int:
     return len(seen)
 
 
+def _sum_or_none(values: list[float | None]) -> float | None:
+    """The sum, None when there is nothing to sum or one of them is unknown."""
+    known = [v for v in values if v is not None]
+    return sum(known) if values and len(known) == len(values) else None
+
+
 #: A label filter: one value, or several whose figures are summed.
 Match = str | tuple[str, ...]
 
@@ -272,16 +276,10 @@ class View:
 
     def rate(self, name: str, **labels: Match) -> float | None:
         """Sum of the matching figures' rates (None without two reads or a match)."""
-        rates = [f.rate_per_s for _, f in self._matching(name, labels)]
-        if not rates or any(r is None for r in rates):
-            return None
-        return sum(r for r in rates if r is not None)
+        return _sum_or_none([f.rate_per_s for _, f in self._matching(name, labels)])
 
     def delta(self, name: str, **labels: Match) -> float | None:
-        deltas = [f.delta for _, f in self._matching(name, labels)]
-        if not deltas or any(d is None for d in deltas):
-            return None
-        return sum(d for d in deltas if d is not None)
+        return _sum_or_none([f.delta for _, f in self._matching(name, labels)])
 
     def values_by(self, name: str, label: str, **labels: Match) -> dict[str, float]:
         """{label value: summed value} of the matching figures."""

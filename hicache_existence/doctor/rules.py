@@ -108,7 +108,6 @@ def evidences(view: View, names: str, **labels: str) -> list[Evidence]:
 
 def finding(
     j: Judgement,
-    severity: Severity,
     view: View | None,
     summary: str,
     evidence: Sequence[Evidence],
@@ -116,8 +115,15 @@ def finding(
     pool: str | None = None,
     wasted: float | None = None,
     wasted_rate: float | None = None,
+    *,
+    severity: Severity | None = None,
+    over: tuple[float, float] | None = None,
 ) -> Finding:
-    """``j``'s finding (its fix unless given)."""
+    """``j``'s finding (its fix unless given), at ``j``'s severity, or where ``over``
+    (a ratio's numerator and denominator) is not past ``j``'s threshold on enough
+    traffic, info; ``severity`` decides where the finding's code does."""
+    if severity is None:
+        severity = j.severity if over is None else j.severity_if(j.exceeds(*over))
     return Finding(
         id=str(j.finding),
         severity=severity,
@@ -181,7 +187,6 @@ def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
     return [
         finding(
             j,
-            j.severity_if(j.exceeds(counted, w)),
             view,
             f"{pool}: {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in "
             f"L3, {human_bytes(rb)} written twice{cause_text}",
@@ -190,6 +195,7 @@ def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
             pool,
             rb,
             view.rate("redundant_written_bytes", pool=pool),
+            over=(counted, w),
         )
     ]
 
@@ -206,7 +212,6 @@ def dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
     return [
         finding(
             j,
-            j.severity,
             view,
             f"{pool}: cache mode writes {_pct(_ratio(r, w))} of its L3 pages twice and dedup "
             f"is off; dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})",
@@ -392,7 +397,7 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
         summary += f"; {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in L3"
     if wasted is not None:
         summary += f"; at most {human_bytes(wasted)} rewritten for it"
-    return [finding(J.EVICTION_CHURN, severity, view, summary, ev, fixes, pool, wasted)]
+    return [finding(J.EVICTION_CHURN, view, summary, ev, fixes, pool, wasted, severity=severity)]
 
 
 def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
@@ -433,7 +438,6 @@ def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
     return [
         finding(
             j,
-            j.severity_if(never and j.exceeds(read, written)),
             view,
             f"L3 was written {_n(written)} tokens and read back "
             + (
@@ -445,6 +449,7 @@ def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
             [*fixes, *j.fix],
             wasted=wasted,
             wasted_rate=wasted_rate,
+            severity=j.severity_if(never and j.exceeds(read, written)),
         )
     ]
 
@@ -458,7 +463,6 @@ def stale(view: View, pool: str) -> list[Finding]:
         return [
             finding(
                 j,
-                j.severity_if(j.exceeds(positives, answered)),
                 view,
                 f"{pool}: {_n(positives)} of {_n(answered)} answered verifications "
                 f"({_pct(_ratio(positives, answered))}) found believed pages missing from L3; "
@@ -470,6 +474,7 @@ def stale(view: View, pool: str) -> list[Finding]:
                     evidence(view, "page_misses", pool=pool, reason="invalidated"),
                 ),
                 pool=pool,
+                over=(positives, answered),
             )
         ]
     healed = view.value("invalidations", pool=pool)
@@ -478,7 +483,6 @@ def stale(view: View, pool: str) -> list[Finding]:
     return [
         finding(
             j,
-            "info",
             view,
             f"{pool}: {_n(healed)} beliefs were dropped by heals after prefetch shortfalls "
             "(L3 lacked pages believed stored); no reconciler looks for the others",
@@ -491,6 +495,7 @@ def stale(view: View, pool: str) -> list[Finding]:
                 "`reconciler.enabled=true` with `reconciler.redis_url` (docs/reconciler.md)",
             ),
             pool,
+            severity="info",
         )
     ]
 
@@ -516,7 +521,6 @@ def reconciler_health(view: View) -> list[Finding]:
     return [
         finding(
             J.RECONCILER_DOWN,
-            severity,
             view,
             f"reconciler: {state}; {_n(failed)} verifications failed and {_n(answered)} were "
             f"answered; errors by kind: {kinds}",
@@ -532,6 +536,7 @@ def reconciler_health(view: View) -> list[Finding]:
                     if errors[k] > 0
                 ),
             ),
+            severity=severity,
         )
     ]
 
@@ -544,7 +549,6 @@ def divergence(view: View) -> list[Finding]:
         out.append(
             finding(
                 j,
-                j.severity,
                 view,
                 f"{_n(diverged)} checks found TP replicas of the beliefs differing "
                 f"({_n(view.value('divergence_heals'))} heals)",
@@ -572,7 +576,6 @@ def divergence(view: View) -> list[Finding]:
         out.append(
             finding(
                 j,
-                j.severity,
                 view,
                 "TP divergence checks stopped on at least one rank "
                 f"({_n(sum(failures.values()))} failed checks, {_n(mismatches)} config "
@@ -598,7 +601,6 @@ def liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]:
         return [
             finding(
                 j,
-                j.severity,
                 view,
                 "SGLang reports L3 storage activity but exports no hicache_existence_* series: "
                 "the package is not enabled on this server",
@@ -614,7 +616,6 @@ def liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]:
         out.append(
             finding(
                 j,
-                j.severity,
                 view,
                 "the existence cache is never consulted: 0 lookups while L3 is written "
                 f"({_n(backuped)} tokens by SGLang's count)",
@@ -629,7 +630,6 @@ def liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]:
         out.append(
             finding(
                 j,
-                j.severity,
                 view,
                 f"SGLang wrote {_n(backuped)} tokens to L3 but the package's write counters "
                 "are absent or 0: the write-path hooks are missing, so redundant writes go "
@@ -654,7 +654,6 @@ def write_failures(view: View, pool: str) -> list[Finding]:
     return [
         finding(
             j,
-            j.severity_if(j.exceeds(failed, w)),
             view,
             f"{pool}: L3 did not store {_n(failed)} of {_n(w)} written pages "
             f"({_pct(_ratio(failed, w))})",
@@ -662,6 +661,7 @@ def write_failures(view: View, pool: str) -> list[Finding]:
             pool=pool,
             wasted=view.value("write_failed_bytes", pool=pool),
             wasted_rate=view.rate("write_failed_bytes", pool=pool),
+            over=(failed, w),
         )
     ]
 
@@ -730,7 +730,6 @@ def fleet(views: Sequence[View]) -> list[Finding]:
     return [
         finding(
             j,
-            j.severity_if(high),
             None,
             f"fleet of {n}: {_n(total_r)} of {_n(total_w)} written pages ({_pct(share)}) were "
             f"already in L3; share of the redundant pages: {shares}; the routing costs "
@@ -739,6 +738,7 @@ def fleet(views: Sequence[View]) -> list[Finding]:
             fixes,
             wasted=cost_bytes,
             wasted_rate=cost_rate,
+            severity=j.severity_if(high),
         )
     ]
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import math
 import os
 import re
 import socket
@@ -37,6 +36,7 @@ from hicache_existence.doctor.exposition import (
     ExpositionError,
     Sample,
     parse,
+    value_of,
 )
 from hicache_existence.doctor.figures import (
     SGLANG_SERIES,
@@ -320,7 +320,7 @@ def _detail(exc: urllib.error.HTTPError) -> str:
 
 
 def read_endpoint(url: str, timeout_s: float, options: HTTPOptions | None = None) -> Exposition:
-    """One read of a metrics endpoint, parsed."""
+    """One read of a metrics endpoint, parsed, with series the doctor can diagnose."""
     body, ctype = fetch(url, timeout_s, options=options)
     shown = redact_url(url)
     try:
@@ -328,6 +328,9 @@ def read_endpoint(url: str, timeout_s: float, options: HTTPOptions | None = None
     except ExpositionError as exc:
         what = "an HTML page" if "html" in ctype.lower() else "not Prometheus text"
         raise ReadError(f"{shown}: {what} ({exc})") from None
+    problem = readable(exposition)
+    if problem is not None:
+        raise ReadError(f"{shown}: {problem}")
     return exposition
 
 
@@ -346,24 +349,15 @@ def read_direct(
         raise ReadError("the same URL was given twice")
     first: list[tuple[Exposition, float]] = []
     for url in targets:
-        exposition = read_endpoint(url, timeout_s, options)
-        _check(url, exposition)
-        first.append((exposition, clock()))
+        first.append((read_endpoint(url, timeout_s, options), clock()))
     if interval_s <= 0:
         return [Reading(name, e) for name, (e, _) in zip(names, first)]
     sleep(interval_s)
     out = []
     for url, name, (before, t0) in zip(targets, names, first):
         exposition = read_endpoint(url, timeout_s, options)
-        _check(url, exposition)
         out.append(Reading(name, exposition, before, max(clock() - t0, 1e-6)))
     return out
-
-
-def _check(url: str, exposition: Exposition) -> None:
-    problem = readable(exposition)
-    if problem is not None:
-        raise ReadError(f"{redact_url(url)}: {problem}")
 
 
 # -- Prometheus -----------------------------------------------------------------------
@@ -434,33 +428,26 @@ def _api_query(
     return result
 
 
-_VALUE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|[+-]?Inf|NaN")
-
-
 def _samples(base: str, result: list[Any]) -> dict[tuple[str, str], list[Sample]]:
     """Instant-vector results grouped by (job, instance)."""
     out: dict[tuple[str, str], list[Sample]] = {}
     for item in result:
         metric = item.get("metric") if isinstance(item, dict) else None
         value = item.get("value") if isinstance(item, dict) else None
+        number = (
+            value_of(value[1])
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str)
+            else None
+        )
         if (
             not isinstance(metric, dict)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in metric.items())
-            or not isinstance(value, list)
-            or len(value) != 2
-            or not isinstance(value[1], str)
-            or not _VALUE.fullmatch(value[1])
+            or number is None
         ):
             raise ReadError(f"{redact_url(base)}: a malformed sample in the query answer")
         name = metric.get("__name__", "")
         if not is_read(name):
             continue
-        text = value[1]
-        number = (
-            (-math.inf if text.startswith("-") else math.inf)
-            if text.endswith("Inf")
-            else float(text)
-        )
         labels = tuple(sorted((k, v) for k, v in metric.items() if k != "__name__"))
         where = (metric.get("job", ""), metric.get("instance", ""))
         out.setdefault(where, []).append(Sample(name, labels, number))
@@ -502,14 +489,6 @@ def read_prometheus(
         name = instance or "(no instance label)"
         if len(jobs_per_instance[instance]) > 1:
             name = f"{job}/{name}"
-        exposition = Exposition(tuple(samples))
-        before = first.get((job, instance))
-        readings.append(
-            Reading(
-                name,
-                exposition,
-                Exposition(tuple(before or ())),
-                window_s,
-            )
-        )
+        before = Exposition(tuple(first.get((job, instance), ())))
+        readings.append(Reading(name, Exposition(tuple(samples)), before, window_s))
     return readings
