@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from typing import Any
 
 NAME = "reconcile-bench"
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {redact_url(url)}: {exc.kind}: {exc}", file=sys.stderr)
             return 1
         if args.json:
-            print(json.dumps({"rows": [r.as_dict() for r in rows], **writes}, indent=2))
+            print(json.dumps({"rows": [asdict(r) for r in rows], **writes}, indent=2))
         else:
             print(f"redis: {redact_url(url)}")
             print(format_rows(rows))

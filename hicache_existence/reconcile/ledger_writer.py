@@ -34,7 +34,8 @@ from hicache_existence.reconcile.ground_truth import (
 
 logger = logging.getLogger(__name__)
 
-_STOP = object()
+#: A record: (op, pool, pages); op is stored, removed or cleared.
+Record = tuple[str, str, tuple[str, ...]]
 
 
 class Ledger(Protocol):
@@ -57,7 +58,7 @@ class LedgerWriter:
         name: str = "hicache-existence-ledger-writer",
     ) -> None:
         self._ledger = ledger
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue[Record | None] = queue.Queue(maxsize=max_pending)
         self._batch = max(1, batch_pages)
         self._lock = threading.Lock()
         #: Records accepted into the queue, and records whose write was attempted
@@ -82,7 +83,7 @@ class LedgerWriter:
     def cleared(self) -> None:
         self._offer(("cleared", "", ()))
 
-    def _offer(self, item: tuple[str, str, tuple[str, ...]]) -> None:
+    def _offer(self, item: Record) -> None:
         if self._closed or (not item[2] and item[0] != "cleared"):
             return
         # One lock around the put and the count, so that the first ``_offered``
@@ -98,33 +99,29 @@ class LedgerWriter:
 
     # -- consumer side -----------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            items = [first]
-            pages = len(first[2])  # type: ignore[index]
-            while pages < self._batch:
+        stop = False
+        while not stop:
+            items: list[Record] = []
+            pages = 0
+            item = self._queue.get()
+            while item is not None:  # a batch: what is queued, up to batch_pages
+                items.append(item)
+                pages += len(item[2])
+                if pages >= self._batch:
+                    break
                 try:
-                    nxt = self._queue.get_nowait()
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                items.append(nxt)
-                if nxt is _STOP:
-                    break
-                pages += len(nxt[2])  # type: ignore[index]
-            stop = items[-1] is _STOP
-            work = [i for i in items if i is not _STOP]
+            stop = item is None  # None: stop, once what came before is written
             try:
-                self._write(work)  # type: ignore[arg-type]
+                self._write(items)
             finally:
                 with self._lock:
-                    self._written += len(work)
+                    self._written += len(items)
                     self._written_changed.notify_all()
-            if stop:
-                return
 
-    def _write(self, items: list[tuple[str, str, tuple[str, ...]]]) -> None:
+    def _write(self, items: list[Record]) -> None:
         # Coalesce consecutive records of the same (op, pool), keeping order.
         groups: list[tuple[str, str, list[str]]] = []
         for op, pool, pages in items:
@@ -179,7 +176,7 @@ class LedgerWriter:
             return
         self._closed = True
         try:
-            self._queue.put(_STOP, timeout=timeout_s)
+            self._queue.put(None, timeout=timeout_s)
         except queue.Full:
             return
         self._thread.join(timeout_s)

@@ -14,8 +14,7 @@ import hashlib
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from hicache_existence.reconcile.redis_truth import LedgerSettings, RedisLedger
 
@@ -30,9 +29,6 @@ class Row:
     median_us: float
     p90_us: float
     cpu_median_us: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def page_chain(tag: str, n: int) -> list[str]:

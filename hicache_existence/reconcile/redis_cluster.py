@@ -49,6 +49,7 @@ from hicache_existence.reconcile.redis_truth import (
     _joined,
     _new_epoch,
     _pair,
+    client_options,
     cluster_seeds,
     is_cluster_url,
     map_error,
@@ -98,8 +99,6 @@ def build_cluster_client(settings: LedgerSettings) -> Any:
     node; explicit timeouts; bounded cluster-level retry.  Connects (it reads the
     slot map), so it raises when no seed answers."""
     import redis.cluster
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
 
     seeds = cluster_seeds(settings.url, "url")
     scheme, rest = settings.url.split("://", 1)
@@ -113,20 +112,13 @@ def build_cluster_client(settings: LedgerSettings) -> Any:
     host, port = seeds[0]
     shown = f"[{host}]" if ":" in host else host
     first = f"{base}://{userinfo + '@' if userinfo else ''}{shown}:{port}{sep}{tail}"
-    retry = Retry(
-        ExponentialBackoff(cap=settings.retry_backoff_max_s, base=settings.retry_backoff_s),
-        settings.retries,
-    )
     return redis.cluster.RedisCluster.from_url(
         first,
         startup_nodes=[
             redis.cluster.ClusterNode(h, p)  # type: ignore[no-untyped-call]
             for h, p in seeds[1:]
         ],
-        socket_timeout=settings.socket_timeout_s or None,
-        socket_connect_timeout=settings.connect_timeout_s or None,
-        retry=retry,
-        client_name="hicache-existence",
+        **client_options(settings),
     )
 
 

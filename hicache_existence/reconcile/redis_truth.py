@@ -248,21 +248,25 @@ def build_client(settings: LedgerSettings) -> Any:
     """A redis-py client with explicit timeouts and retry with exponential backoff
     (no I/O happens here: a Redis that is down at start is not an error yet)."""
     import redis
+
+    return redis.Redis.from_url(settings.url, health_check_interval=30, **client_options(settings))
+
+
+def client_options(settings: LedgerSettings) -> dict[str, Any]:
+    """What every ledger client (standalone or cluster) is built with: explicit
+    timeouts, a bounded retry with exponential backoff, a name in CLIENT LIST."""
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
-    retry = Retry(
-        ExponentialBackoff(cap=settings.retry_backoff_max_s, base=settings.retry_backoff_s),
-        settings.retries,
-    )
-    return redis.Redis.from_url(
-        settings.url,
-        socket_timeout=settings.socket_timeout_s or None,
-        socket_connect_timeout=settings.connect_timeout_s or None,
-        retry=retry,
-        health_check_interval=30,
-        client_name="hicache-existence",
-    )
+    return {
+        "socket_timeout": settings.socket_timeout_s or None,
+        "socket_connect_timeout": settings.connect_timeout_s or None,
+        "retry": Retry(
+            ExponentialBackoff(cap=settings.retry_backoff_max_s, base=settings.retry_backoff_s),
+            settings.retries,
+        ),
+        "client_name": "hicache-existence",
+    }
 
 
 def map_error(exc: BaseException) -> GroundTruthError:
@@ -282,9 +286,7 @@ def map_error(exc: BaseException) -> GroundTruthError:
         return GarbageAnswer(text)
     if isinstance(exc, rx.ConnectionError | ConnectionError | OSError):
         return TruthUnavailable(text)
-    if isinstance(exc, rx.ResponseError):
-        return ServerError(text)
-    if isinstance(exc, rx.RedisError):
+    if isinstance(exc, rx.RedisError):  # ResponseError included: script error, busy, auth
         return ServerError(text)
     return GarbageAnswer(text)
 

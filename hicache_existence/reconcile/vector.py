@@ -35,11 +35,8 @@ class Vector(NamedTuple):
         """This rank's vector: ``verdicts`` (leading, trusted) of its first
         finished queries (at most ``slots``), the rest padded."""
         pad = slots - len(verdicts)
-        leading = [v[0] for v in verdicts]
-        trusted = [v[1] for v in verdicts]
-        leading += [UNDONE] * pad
-        trusted += [0] * pad
-        return cls(len(verdicts), admit, elapsed_ms, leading, trusted)
+        leading = [v[0] for v in verdicts] + [UNDONE] * pad
+        return cls(len(verdicts), admit, elapsed_ms, leading, [v[1] for v in verdicts] + [0] * pad)
 
     @classmethod
     def idle(cls, slots: int) -> Vector:
