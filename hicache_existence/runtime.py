@@ -30,6 +30,7 @@ from hicache_existence.accounting.ghosts import GhostFactory
 from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.config import Config
+from hicache_existence.core import gate
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.observers import BeliefObserver, Tee
@@ -43,6 +44,7 @@ from hicache_existence.reconcile.ground_truth import GroundTruth
 from hicache_existence.reconcile.reconciler import Reconciler
 from hicache_existence.replicas.digest import ReplicaDigest, SharedLruDigest
 from hicache_existence.replicas.divergence import (
+    NEVER,
     CheckGroup,
     DivergenceChecker,
     DivergenceError,
@@ -100,18 +102,17 @@ class ExistenceRuntime:
         )
         self._logger = logs.get_logger("hicache_existence.runtime")
         self._errors = logs.RateLimiter(1 / 60, clock=clock)
-        self.steps = 0
-        #: The per-step fast path (``step``): the first step with step-counted work,
-        #: the clock value of the next metrics flush, the steps already handed to
-        #: the checker and the reconciler.
-        self._clock = clock
-        self._wake = 1
-        self._flush_at = -math.inf
-        self._credited = 0
-        #: The clock at the previous step, and how long a due flush may wait for an
-        #: idle step (half the flush interval; a longer pause is no busy stretch).
-        self._last = -math.inf
+        #: The per-step test (``core.gate``): it counts the steps and holds the first
+        #: step with step-counted work (``wake``), the clock value of the next
+        #: metrics flush (``flush_at``) and the clock at the previous step; a due
+        #: flush may wait for an idle step half the flush interval (a longer pause
+        #: is no busy stretch).  ``tick`` is the gate itself: the SGLang hook calls
+        #: it, no Python frame of ours on a step with nothing due (compiled gate).
         self._defer_s = config.metrics.flush_interval_s / 2
+        self._gate = gate.step_gate(self._step_due, clock, BUSY_STEP_S, self._defer_s)
+        self.tick: Callable[[], Any] = self._gate
+        #: The steps already handed to the checker and the reconciler.
+        self._credited = 0
 
         max_entries = config.cache.max_entries
         self.ghosts = (
@@ -226,6 +227,11 @@ class ExistenceRuntime:
         self.close()
 
     # -- the per-step hook -------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """Scheduler steps taken (calls of ``step`` / ``tick``)."""
+        return self._gate.steps
+
     def step(self) -> None:
         """Everything due once per scheduler step; call it on every rank at the
         same lockstep point (after ``check_hicache_events``).
@@ -238,20 +244,17 @@ class ExistenceRuntime:
         by time) that falls due in a busy stretch, right after an iteration longer
         than ``BUSY_STEP_S``, waits for the first step after a short (idle)
         iteration, at most half a flush interval: it then costs the scheduler's
-        idle time, not a batch's."""
-        n = self.steps = self.steps + 1
-        now = self._clock()
-        gap, self._last = now - self._last, now
-        if n < self._wake and (now < self._flush_at or self._busy(now, gap)):
-            return
-        self._step_due(n, now, gap)
+        idle time, not a batch's.  The test is ``core.gate``'s (``tick``), which
+        calls ``_step_due`` when something is due."""
+        self._gate()
 
     def _busy(self, now: float, gap: float) -> bool:
         """Whether a due flush waits: the iteration before this step ran a batch
         (longer than ``BUSY_STEP_S``, shorter than a pause), and it may wait still."""
-        return BUSY_STEP_S < gap < self._defer_s and now < self._flush_at + self._defer_s
+        return BUSY_STEP_S < gap < self._defer_s and now < self._gate.flush_at + self._defer_s
 
     def _step_due(self, n: int, now: float, gap: float) -> None:
+        """The work of a step the gate let through (``core.gate``)."""
         skipped = n - 1 - self._credited
         self._credited = n
         reconciler = self.reconciler
@@ -268,17 +271,18 @@ class ExistenceRuntime:
             except Exception as exc:  # observability never takes the scheduler down
                 self._report("reconciler", exc)
         self._check()
-        if now >= self._flush_at and not self._busy(now, gap):
+        g = self._gate
+        if now >= g.flush_at and not self._busy(now, gap):
             self.telemetry.step()  # never raises (its own guard)
         try:
-            wake = self.checker.steps_to_due()
+            wake = min(self.checker.steps_to_due(), NEVER)
             if reconciler is not None:
                 wake = min(wake, reconciler.steps_to_due())
-            self._flush_at = self.telemetry.due_at
+            g.flush_at = self.telemetry.due_at
         except Exception as exc:  # then every step takes this path, as before
             self._report("step schedule", exc)
-            wake, self._flush_at = 1, math.inf
-        self._wake = n + wake
+            wake, g.flush_at = 1, math.inf
+        g.wake = n + wake
 
     def _check(self) -> None:
         checker = self.checker

@@ -20,6 +20,10 @@
  * cycles, which is why the type is not GC-tracked.
  *
  * The pure-Python twin with the same interface is hicache_existence.core.lru.
+ *
+ * The module also holds StepGate (at the end), the runtime's per-step test: unlike
+ * the index it calls back into Python (the due work, a test clock), so it is
+ * GC-tracked.  Its twin is hicache_existence.core.gate.PyStepGate.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1178,6 +1182,168 @@ static PyTypeObject LruType = {
     .tp_new = Lru_new,
 };
 
+/* ------------------------------------------------------------------------------------
+ * StepGate: the per-step test of ExistenceRuntime (hicache_existence/core/gate.py has
+ * the interface and the pure-Python twin, PyStepGate, which behaves identically).
+ * Called once per scheduler iteration; a step with nothing due is a count, a clock
+ * read and two compares, here without a Python frame.
+ * ------------------------------------------------------------------------------------ */
+
+#include <time.h>
+#include "structmember.h"
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *due;   /* due(steps, now, gap), called when the gate opens */
+    PyObject *clock; /* NULL: CLOCK_MONOTONIC read here (time.monotonic's clock) */
+    long long steps;
+    long long wake;
+    double flush_at;
+    double last;
+    double busy_s;
+    double defer_s;
+} Gate;
+
+static PyObject *
+Gate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Gate *g = (Gate *)op;
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "StepGate() takes no arguments");
+        return NULL;
+    }
+    long long n = ++g->steps;
+    double now;
+    if (g->clock == NULL) {
+        struct timespec ts;
+        if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return NULL;
+        }
+        /* time.monotonic()'s value: nanoseconds as an integer, then / 1e9 */
+        long long ns = (long long)ts.tv_sec * 1000000000LL + (long long)ts.tv_nsec;
+        now = (double)ns / 1e9;
+    }
+    else {
+        PyObject *t = PyObject_CallNoArgs(g->clock);
+        if (t == NULL) {
+            return NULL;
+        }
+        now = PyFloat_AsDouble(t);
+        Py_DECREF(t);
+        if (now == -1.0 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    double gap = now - g->last;
+    g->last = now;
+    if (n < g->wake
+        && (now < g->flush_at
+            || (g->busy_s < gap && gap < g->defer_s && now < g->flush_at + g->defer_s))) {
+        Py_RETURN_NONE;
+    }
+    PyObject *argv[3];
+    argv[0] = PyLong_FromLongLong(n);
+    argv[1] = PyFloat_FromDouble(now);
+    argv[2] = PyFloat_FromDouble(gap);
+    PyObject *result = NULL;
+    if (argv[0] != NULL && argv[1] != NULL && argv[2] != NULL) {
+        result = PyObject_Vectorcall(g->due, argv, 3, NULL);
+    }
+    Py_XDECREF(argv[0]);
+    Py_XDECREF(argv[1]);
+    Py_XDECREF(argv[2]);
+    return result;
+}
+
+static PyObject *
+Gate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"due", "clock", "busy_s", "defer_s", NULL};
+    PyObject *due, *clock;
+    double busy_s, defer_s;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOdd:StepGate", kwlist, &due, &clock,
+                                     &busy_s, &defer_s)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(due) || (clock != Py_None && !PyCallable_Check(clock))) {
+        PyErr_SetString(PyExc_TypeError, "StepGate: due and clock must be callable");
+        return NULL;
+    }
+    Gate *g = (Gate *)type->tp_alloc(type, 0);
+    if (g == NULL) {
+        return NULL;
+    }
+    g->vectorcall = Gate_vectorcall;
+    Py_INCREF(due);
+    g->due = due;
+    if (clock != Py_None) {
+        Py_INCREF(clock);
+        g->clock = clock;
+    }
+    g->steps = 0;
+    g->wake = 1;
+    g->flush_at = -INFINITY;
+    g->last = -INFINITY;
+    g->busy_s = busy_s;
+    g->defer_s = defer_s;
+    return (PyObject *)g;
+}
+
+static int
+Gate_traverse(Gate *g, visitproc visit, void *arg)
+{
+    Py_VISIT(g->due);
+    Py_VISIT(g->clock);
+    return 0;
+}
+
+static int
+Gate_clear(Gate *g)
+{
+    Py_CLEAR(g->due);
+    Py_CLEAR(g->clock);
+    return 0;
+}
+
+static void
+Gate_dealloc(Gate *g)
+{
+    PyObject_GC_UnTrack(g);
+    Gate_clear(g);
+    Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+static PyMemberDef Gate_members[] = {
+    {"steps", T_LONGLONG, offsetof(Gate, steps), 0, "Steps counted (calls)."},
+    {"wake", T_LONGLONG, offsetof(Gate, wake), 0, "The first step with counted work."},
+    {"flush_at", T_DOUBLE, offsetof(Gate, flush_at), 0, "The clock value of the next flush."},
+    {"last", T_DOUBLE, offsetof(Gate, last), 0, "The clock at the previous step."},
+    {"busy_s", T_DOUBLE, offsetof(Gate, busy_s), READONLY, "A longer iteration ran a batch."},
+    {"defer_s", T_DOUBLE, offsetof(Gate, defer_s), READONLY, "How long a due flush may wait."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyDoc_STRVAR(Gate_doc,
+"StepGate(due, clock, busy_s, defer_s)\n\n"
+"The per-step test of the runtime; see hicache_existence.core.gate.");
+
+static PyTypeObject GateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_existence.core._lru.StepGate",
+    .tp_basicsize = sizeof(Gate),
+    .tp_dealloc = (destructor)Gate_dealloc,
+    .tp_vectorcall_offset = offsetof(Gate, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = Gate_doc,
+    .tp_traverse = (traverseproc)Gate_traverse,
+    .tp_clear = (inquiry)Gate_clear,
+    .tp_members = Gate_members,
+    .tp_new = Gate_new,
+};
+
 static struct PyModuleDef lru_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hicache_existence.core._lru",
@@ -1188,7 +1354,8 @@ static struct PyModuleDef lru_module = {
 PyMODINIT_FUNC
 PyInit__lru(void)
 {
-    if (PyType_Ready(&LruType) < 0 || PyType_Ready(&SamplerType) < 0) {
+    if (PyType_Ready(&LruType) < 0 || PyType_Ready(&SamplerType) < 0
+        || PyType_Ready(&GateType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&lru_module);
@@ -1204,6 +1371,12 @@ PyInit__lru(void)
     Py_INCREF(&SamplerType);
     if (PyModule_AddObject(m, "Sampler", (PyObject *)&SamplerType) < 0) {
         Py_DECREF(&SamplerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&GateType);
+    if (PyModule_AddObject(m, "StepGate", (PyObject *)&GateType) < 0) {
+        Py_DECREF(&GateType);
         Py_DECREF(m);
         return NULL;
     }

@@ -151,7 +151,7 @@ class ProcessEntry:
         writes pending, one membership test: the oldest one still in upstream's
         ``ongoing_backup`` (acks come in launch order) means none was acknowledged,
         and the reaping (``WritePath.step``) waits for a step where one was."""
-        runtime_step = self.runtime.step
+        runtime_step = self.runtime.tick  # the runtime's gate (core.gate): step()'s test
         cache_mode = self.write_path.cache_mode
         if cache_mode is None:
             return runtime_step

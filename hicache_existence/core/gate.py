@@ -1,0 +1,105 @@
+"""The runtime's per-step test, compiled when possible.
+
+SGLang calls the package once per scheduler event-loop iteration, idle polling
+included (thousands per second).  An iteration with nothing due must cost one
+cheap test (issue 31): ``StepGate`` is that test.  Calling it counts a step, reads
+the clock and compares; only when something is due does it call ``due(steps, now,
+gap)``, the runtime's Python (``ExistenceRuntime._step_due``), which then sets the
+gate's ``wake`` and ``flush_at`` for the next one.
+
+The gate opens when
+
+* ``steps >= wake``: step-counted work is due (a divergence check, a reconciler
+  agreement).  Counted in steps, so it is the same on every TP rank and the
+  lockstep points stay where they are; or
+* ``now >= flush_at`` (a metrics flush, rank-local, by time), unless the iteration
+  before this step ran a batch (``busy_s < gap < defer_s``, ``gap`` the time since
+  the previous step) and the flush may still wait (``now < flush_at + defer_s``):
+  a flush then spends the scheduler's idle time, not a batch's.
+
+Two implementations, one behaviour: ``hicache_existence.core._lru.StepGate`` (C, in
+the index's extension; no Python frame for a step with nothing due, and
+``time.monotonic``'s clock read in C when ``clock`` is ``time.monotonic``) and
+``PyStepGate`` (below), the fallback and the reference the compiled one is tested
+against.  ``HICACHE_EXISTENCE_BACKEND`` picks one, as for the index.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from hicache_existence.core import lru
+
+#: ``due(steps, now, gap)``: the work of a step the gate let through.
+Due = Callable[[int, float, float], Any]
+
+
+class StepGateType(Protocol):
+    """The interface both implementations provide."""
+
+    steps: int
+    wake: int
+    flush_at: float
+    last: float
+
+    def __call__(self) -> Any: ...
+
+
+class PyStepGate:
+    """Pure-Python ``StepGate``: the same test, attribute by attribute."""
+
+    __slots__ = ("_due", "_clock", "steps", "wake", "flush_at", "last", "busy_s", "defer_s")
+
+    def __init__(
+        self, due: Due, clock: Callable[[], float] | None, busy_s: float, defer_s: float
+    ) -> None:
+        if not callable(due) or (clock is not None and not callable(clock)):
+            raise TypeError("StepGate: due and clock must be callable")
+        self._due = due
+        self._clock = clock or time.monotonic
+        self.steps = 0
+        self.wake = 1
+        self.flush_at = -math.inf
+        self.last = -math.inf
+        self.busy_s = float(busy_s)
+        self.defer_s = float(defer_s)
+
+    def __call__(self) -> Any:
+        n = self.steps = self.steps + 1
+        now = self._clock()
+        gap, self.last = now - self.last, now
+        if n < self.wake and (
+            now < self.flush_at
+            or (self.busy_s < gap < self.defer_s and now < self.flush_at + self.defer_s)
+        ):
+            return None
+        return self._due(n, now, gap)
+
+
+def _compiled() -> Callable[..., StepGateType] | None:
+    module = lru.compiled("core._lru")
+    # An index built before the gate existed has none: the fallback then serves.
+    return getattr(module, "StepGate", None) if module is not None else None
+
+
+_C_GATE = _compiled()
+
+
+def step_gate(due: Due, clock: Callable[[], float], busy_s: float, defer_s: float) -> StepGateType:
+    """The gate of the selected backend; ``time.monotonic`` as ``clock`` is read in
+    C by the compiled one (the same values)."""
+    if _C_GATE is not None:
+        return _C_GATE(due, None if clock is time.monotonic else clock, busy_s, defer_s)
+    return PyStepGate(due, clock, busy_s, defer_s)
+
+
+def c_gate() -> Callable[..., StepGateType] | None:
+    """The compiled implementation, or ``None`` when it is not built."""
+    try:
+        from hicache_existence.core._lru import StepGate
+    except ImportError:
+        return None
+    return StepGate  # type: ignore[no-any-return]
