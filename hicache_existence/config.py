@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from hicache_existence.core import _validate
@@ -80,12 +80,48 @@ def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
+#: The recorder needs room for two files of at least one flush chunk each.
+RECORDER_MIN_BYTES = 128 * 1024
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+# Range rules, annotated on the fields they check (``_check_ranges``): each takes
+# the value and returns what the setting must do instead, or "" when it is in range.
+_Rule = Callable[[Any], str]
+
+
+def _at_least(low: int) -> _Rule:
+    return lambda v: "" if v >= low else f"be >= {low}, got {v}"
+
+
+def _at_most(high: int) -> _Rule:
+    return lambda v: "" if v <= high else f"be <= {high}, got {v}"
+
+
+def _within_0_1(v: Any) -> str:
+    return "" if 0.0 <= v <= 1.0 else f"be within [0, 1], got {v}"
+
+
+def _above_0(v: Any) -> str:
+    return "" if v > 0 else f"be > 0, got {v}"
+
+
+def _not_empty(v: Any) -> str:
+    return "" if v else "not be empty"
+
+
+_Count = Annotated[int, _at_least(1)]
+_NonNegativeInt = Annotated[int, _at_least(0)]
+_NonNegative = Annotated[float, _at_least(0)]
+_Positive = Annotated[float, _above_0]
+_Fraction = Annotated[float, _within_0_1]
+
+
 @dataclass(frozen=True)
 class CacheSection:
     """The cache itself."""
 
     #: Entries per pool (current generation) or shared (seed generation).
-    max_entries: int = 512 * 1024
+    max_entries: _Count = 512 * 1024
     #: ``auto`` matches the installed sglang's API shape; or force one.
     generation: Literal["auto", "current", "flat"] = "auto"
 
@@ -99,13 +135,13 @@ class MetricsSection:
     #: ``--enable-metrics``), else a standalone ``/metrics`` server.
     mode: Literal["auto", "multiprocess", "standalone", "off"] = "auto"
     host: str = "127.0.0.1"
-    port: int = 9464
+    port: Annotated[int, _at_least(0), _at_most(65535)] = 9464
     #: Pools beyond this many distinct names are reported as ``other``.
-    max_pools: int = 16
+    max_pools: _Count = 16
     #: Minimum seconds between two flushes of counters in multiprocess mode.
-    flush_interval_s: float = 1.0
+    flush_interval_s: _NonNegative = 1.0
     #: Bytes of one page in L3 (all layers), for the write accounting in bytes.
-    page_size_bytes: int = 0
+    page_size_bytes: _NonNegativeInt = 0
     model_name: str = ""
     storage_backend: str = ""
     #: Comma-separated pools whose series exist (at 0) before first use.
@@ -118,11 +154,11 @@ class MissReasonSection:
 
     enabled: bool = True
     #: Memory of recent evictions as a fraction of the cache's own memory.
-    memory_fraction: float = 0.10
+    memory_fraction: _Fraction = 0.10
     #: Sampled debug events per second per pool (0 disables them).
-    debug_events_per_s: float = 1.0
+    debug_events_per_s: _NonNegative = 1.0
     #: One miss in this many is considered for a debug event.
-    sample_every: int = 16
+    sample_every: _Count = 16
 
 
 @dataclass(frozen=True)
@@ -133,18 +169,18 @@ class DivergenceSection:
 
     enabled: bool = True
     #: Scheduler steps between checks (one ~0.5 ms gloo all-reduce each).
-    interval_steps: int = 1000
+    interval_steps: _Count = 1000
     #: ``log`` an error event; ``heal`` by clearing the diverged pools on every
     #: rank; ``abort`` by raising (canaries, CI).
     policy: Literal["log", "heal", "abort"] = "log"
     #: Seconds a check waits for the other ranks before it gives up (> 0).
-    timeout_s: float = 30.0
+    timeout_s: _Positive = 30.0
     #: Every this many checks, also fold an exact O(entries) audit of the pools
     #: that changed (membership, in-flight refs; ~23 ms per 512K-entry pool with
     #: the compiled index, ~85-150 ms on the pure-Python one); 0 never audits.
-    audit_every_checks: int = 100
+    audit_every_checks: _NonNegativeInt = 100
     #: Fixed slots that pools hash into, to name diverged pools (1..1024).
-    pool_slots: int = 16
+    pool_slots: Annotated[int, _at_least(1), _at_most(1024)] = 16
 
 
 @dataclass(frozen=True)
@@ -159,39 +195,39 @@ class ReconcilerSection:
     #: First component of every ledger key (deployments sharing one Redis).
     namespace: str = "hicache"
     #: Ledger entry lifetime mirroring L3 retention (0: no expiry).
-    ttl_s: float = 0.0
+    ttl_s: _NonNegative = 0.0
     #: Budget: verifications admitted per second (agreed clock), burst of 1 s.
-    verifications_per_s: float = 50.0
+    verifications_per_s: _NonNegative = 50.0
     #: Budget: leading pages of a chain verified by one query.
-    pages_per_query: int = 1024
+    pages_per_query: _Count = 1024
     #: Budget: fraction of cache lookups whose chain is a verification candidate.
-    sampling_rate: float = 0.01
+    sampling_rate: _Fraction = 0.01
     #: Per-query timeout (scheduler side) and Redis socket timeout.
-    timeout_ms: float = 50.0
+    timeout_ms: _NonNegative = 50.0
     #: Timeout of opening a Redis connection (the client's socket connect timeout).
-    connect_timeout_ms: float = 50.0
+    connect_timeout_ms: _NonNegative = 50.0
     #: Redis client retries (exponential backoff from retry_backoff_ms).
-    retries: int = 1
-    retry_backoff_ms: float = 5.0
+    retries: _NonNegativeInt = 1
+    retry_backoff_ms: _NonNegative = 5.0
     #: Queries admitted but not yet applied, at most.
-    queue_size: int = 256
+    queue_size: _Count = 256
     #: Verdicts agreed and applied per agreement, at most (the vector's size).
-    max_verdicts_per_step: int = 8
+    max_verdicts_per_step: _Count = 8
     #: Scheduler steps between two agreements (one gloo MIN all-reduce each).
-    agree_interval_steps: int = 4
+    agree_interval_steps: _Count = 4
     #: Circuit breaker: consecutive errors to open, first and longest backoff.
-    breaker_failures: int = 5
-    breaker_backoff_s: float = 1.0
-    breaker_backoff_max_s: float = 60.0
+    breaker_failures: _Count = 5
+    breaker_backoff_s: _Positive = 1.0
+    breaker_backoff_max_s: _NonNegative = 60.0
     #: Learn presence (all-pages pools) when ground truth shows pages beliefs lack.
     learn: bool = True
     #: Ledger writes per pipelined round trip.
-    write_batch: int = 512
+    write_batch: _Count = 512
     #: ``lua`` (one script, stops at the first absent page) or ``pipeline``.
     method: Literal["lua", "pipeline"] = "lua"
     #: Redis Cluster: seconds absence is not evidence after a failed read or a
     #: failover (the new primary may lack the last records).
-    failover_distrust_s: float = 30.0
+    failover_distrust_s: _NonNegative = 30.0
 
 
 @dataclass(frozen=True)
@@ -201,12 +237,12 @@ class AdvisorSection:
     enabled: bool = True
     #: Fraction of page hashes sampled (SHARDS); 0 turns the advisor off.  Accuracy
     #: needs cap x rate >= ~2600 at the smallest cap asked about.
-    sampling_rate: float = 0.02
+    sampling_rate: _Fraction = 0.02
     #: Sampled pages tracked per pool: bounds memory and the largest cap estimated
     #: (max_sampled_pages / sampling_rate entries).
-    max_sampled_pages: int = 131072
+    max_sampled_pages: _Count = 131072
     #: Page references after which a reference weighs half (0: the whole history).
-    half_life_references: int = 0
+    half_life_references: _NonNegativeInt = 0
     #: SHARDS-adj correction of the sample total (off: the plain ratio was more
     #: accurate on chained page streams, see docs/capacity.md).
     adjust: bool = False
@@ -239,20 +275,20 @@ class RecorderSection:
     #: never depends on where a supervisor starts the server; a relative path (or
     #: ``~``) is made absolute once, when the configuration is loaded, against that
     #: process's working directory.  The recorder logs the directory at start.
-    path: str = RECORDER_DEFAULT_PATH
+    path: Annotated[str, _not_empty] = RECORDER_DEFAULT_PATH
     #: Share of pages recorded, chosen by page hash (the first 32 bits of SGLang's
     #: hex hash below rate x 2^32): a page is recorded at every reference or never,
     #: on every rank and across restarts.  1: every page.
-    sample_rate: float = 0.02
+    sample_rate: Annotated[float, _within_0_1, _above_0] = 0.02
     #: Bytes on disk at most, over this instance's rotated files (oldest dropped first).
-    max_bytes: int = 256 * 1024 * 1024
+    max_bytes: Annotated[int, _at_least(RECORDER_MIN_BYTES)] = 256 * 1024 * 1024
     #: A file is closed and the next one started past this size (at most max_bytes / 2).
-    file_bytes: int = 16 * 1024 * 1024
+    file_bytes: Annotated[int, _at_least(RECORDER_MIN_BYTES)] = 16 * 1024 * 1024
     #: Records waiting for the writer thread at most; beyond it records are dropped
     #: and counted, never waited for.
-    queue_records: int = 65536
+    queue_records: _Count = 65536
     #: Seconds between the writer thread's flushes to disk.
-    flush_interval_s: float = 1.0
+    flush_interval_s: _Positive = 1.0
     #: Which schedulers record: ``first`` (TP and PP rank 0 of each DP replica; the
     #: other ranks' replicas see the same traffic) or ``all``.
     ranks: Literal["first", "all"] = "first"
@@ -270,15 +306,15 @@ class EventsSection:
     #: ZeroMQ PUB endpoint of the package's own publisher, bound when SGLang runs
     #: without ``--kv-events-config`` (with it, SGLang's own publisher carries the
     #: events); the port is offset by the DP rank, as SGLang offsets its own.
-    endpoint: str = "tcp://127.0.0.1:5560"
+    endpoint: Annotated[str, _not_empty] = "tcp://127.0.0.1:5560"
     #: ``auto``: ``DISK`` for the file backend, ``EXTERNAL`` for every other one.
     medium: Literal["auto", "DISK", "EXTERNAL"] = "auto"
     #: Event lists waiting for the publisher thread at most; beyond it events are
     #: dropped and counted, never waited for.
-    queue_size: int = 4096
+    queue_size: _Count = 4096
     #: Published blocks remembered (for "once until removed" and for removals);
     #: the oldest confirmed are forgotten first.
-    max_blocks: int = 1 << 20
+    max_blocks: _Count = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -477,82 +513,13 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     return hint(value)
 
 
-_POSITIVE = {
-    "cache.max_entries",
-    "metrics.max_pools",
-    "miss_reasons.sample_every",
-    "divergence.interval_steps",
-    "divergence.pool_slots",
-    "reconciler.pages_per_query",
-    "reconciler.queue_size",
-    "reconciler.max_verdicts_per_step",
-    "reconciler.agree_interval_steps",
-    "reconciler.breaker_failures",
-    "reconciler.write_batch",
-    "advisor.max_sampled_pages",
-    "recorder.queue_records",
-    "events.queue_size",
-    "events.max_blocks",
-}
-_NON_NEGATIVE = {
-    "metrics.port",
-    "metrics.flush_interval_s",
-    "metrics.page_size_bytes",
-    "miss_reasons.debug_events_per_s",
-    "divergence.audit_every_checks",
-    "reconciler.ttl_s",
-    "reconciler.verifications_per_s",
-    "reconciler.timeout_ms",
-    "reconciler.connect_timeout_ms",
-    "reconciler.retries",
-    "reconciler.retry_backoff_ms",
-    "reconciler.breaker_backoff_max_s",
-    "reconciler.failover_distrust_s",
-    "advisor.half_life_references",
-}
-#: Must be > 0.
-_ABOVE_ZERO = {
-    "divergence.timeout_s",
-    "reconciler.breaker_backoff_s",
-    "recorder.sample_rate",
-    "recorder.flush_interval_s",
-}
-_AT_MOST = {"divergence.pool_slots": 1024, "metrics.port": 65535}
-_FRACTIONS = {
-    "miss_reasons.memory_fraction",
-    "reconciler.sampling_rate",
-    "advisor.sampling_rate",
-    "recorder.sample_rate",
-}
-_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-#: The recorder needs room for two files of at least one flush chunk each.
-RECORDER_MIN_BYTES = 128 * 1024
-
-
 def _check_ranges(obj: Any, prefix: str) -> None:
-    for f in fields(obj):
-        key = f"{prefix}{f.name}"
-        value = getattr(obj, f.name)
-        if key in _POSITIVE and value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-        if key in _NON_NEGATIVE and value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-        if key in _FRACTIONS and not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{key} must be within [0, 1], got {value}")
-        if key in _ABOVE_ZERO and not value > 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
-        if key in _AT_MOST and value > _AT_MOST[key]:
-            raise ConfigError(f"{key} must be <= {_AT_MOST[key]}, got {value}")
-    if prefix == "recorder.":
-        for key in ("max_bytes", "file_bytes"):
-            if getattr(obj, key) < RECORDER_MIN_BYTES:
-                raise ConfigError(
-                    f"recorder.{key} must be >= {RECORDER_MIN_BYTES}, got {getattr(obj, key)}"
-                )
-        if not obj.path:
-            raise ConfigError("recorder.path must not be empty")
-    if prefix == "events." and not obj.endpoint:
-        raise ConfigError("events.endpoint must not be empty")
+    """The range rules annotated on ``obj``'s fields, then the rules across fields."""
+    for name, hint in typing.get_type_hints(type(obj), include_extras=True).items():
+        for rule in getattr(hint, "__metadata__", ()):
+            error = rule(getattr(obj, name))
+            if error:
+                raise ConfigError(f"{prefix}{name} must {error}")
     if prefix == "reconciler.":
         scheme = obj.redis_url.split("://", 1)[0] if "://" in obj.redis_url else ""
         if obj.redis_url and scheme not in _REDIS_SCHEMES:
