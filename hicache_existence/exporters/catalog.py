@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Literal
 
 from hicache_existence.accounting.causes import CAUSES
@@ -81,14 +82,21 @@ class MetricSpec:
         return (*DEPLOYMENT_LABELS, "pool", *self.extra_labels)
 
 
-def _c(name: str, help: str, field: str, otel_unit: str, source: Source = "cache") -> MetricSpec:
+def _spec(
+    kind: Kind,
+    name: str,
+    help: str,
+    field: str,
+    otel_unit: str,
+    source: Source = "cache",
+    extra_labels: tuple[str, ...] = (),
+) -> MetricSpec:
     unit = "bytes" if name.endswith("_bytes") else ""
-    return MetricSpec(PREFIX + name, "counter", help, unit, source, field, otel_unit)
+    return MetricSpec(PREFIX + name, kind, help, unit, source, field, otel_unit, extra_labels)
 
 
-def _g(name: str, help: str, field: str, otel_unit: str, source: Source = "cache") -> MetricSpec:
-    unit = "bytes" if name.endswith("_bytes") else ""
-    return MetricSpec(PREFIX + name, "gauge", help, unit, source, field, otel_unit)
+_c = partial(_spec, "counter")
+_g = partial(_spec, "gauge")
 
 
 #: The ``PoolStats`` field exported as one family split by a label, and how:
@@ -105,20 +113,10 @@ def _pool_stats_families() -> tuple[MetricSpec, ...]:
         kind = f.metadata.get("kind")
         if kind not in ("counter", "gauge"):
             continue
-        family = f.metadata["family"] or f.name
         source_field, labels = _BY_REASON.get(f.name, (f.name, ()))
-        unit = "bytes" if family.endswith("_bytes") else ""
+        help, unit = f.metadata["help"], f.metadata["otel_unit"]
         out.append(
-            MetricSpec(
-                PREFIX + family,
-                kind,
-                f.metadata["help"],
-                unit,
-                "cache",
-                source_field,
-                f.metadata["otel_unit"],
-                labels,
-            )
+            _spec(kind, f.metadata["family"] or f.name, help, source_field, unit, "cache", labels)
         )
     return tuple(out)
 
@@ -217,15 +215,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         "{page}",
         "writes",
     ),
-    MetricSpec(
-        PREFIX + "redundant_cause_pages",
-        "counter",
+    _c(
+        "redundant_cause_pages",
         "Redundant written pages by cause (why they were written again; the causes "
         "add up to redundant_written_pages; docs/metrics.md lists them).",
-        "",
-        "writes",
         "causes",
         "{page}",
+        "writes",
         ("cause",),
     ),
 )
