@@ -246,23 +246,17 @@ class _LedgerRecordingMixin:
         return self._writer.flush(timeout_s) if self._writer is not None else True
 
     # -- recording helpers (never raise into the storage path) -----------------------
-    def _stored(self, pool: Any, keys: Iterable[str]) -> None:
+    def _stored(self, pool: Any, keys: Iterable[str], removed: bool = False) -> None:
         try:
             if self._writer is not None:
-                self._writer.stored(_validate.pool_name(pool), keys)
+                record = self._writer.removed if removed else self._writer.stored
+                record(_validate.pool_name(pool), keys)  # the pool name comes from upstream
         except Exception:
             logger.debug("ledger record failed", exc_info=True)
 
     def _refreshed(self, pool: Any, keys: Iterable[str]) -> None:
         if self._ttl > 0:
             self._stored(pool, keys)
-
-    def _removed(self, pool: Any, keys: Iterable[str]) -> None:
-        try:
-            if self._writer is not None:
-                self._writer.removed(_validate.pool_name(pool), keys)
-        except Exception:
-            logger.debug("ledger record failed", exc_info=True)
 
     # -- HiCacheStorage: every call delegated ----------------------------------------
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -339,7 +333,7 @@ class _LedgerRecordingMixin:
             and 0 <= count < len(keys)
         ):
             # The real backend just said this page is absent: teach the ledger.
-            self._removed(KV, [keys[count]])
+            self._stored(KV, [keys[count]], removed=True)
         return count
 
     def _learns_absence(self, inner: Any) -> bool:
