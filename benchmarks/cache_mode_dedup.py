@@ -47,7 +47,13 @@ from harness import (  # noqa: E402
     settle,
     sglang_total,
 )
-from real_server_cost import breakdown, busy_share, by_name_split, fresh_cost  # noqa: E402
+from real_server_cost import (  # noqa: E402
+    breakdown,
+    busy_share,
+    by_name_split,
+    fresh_cost,
+    insitu_summary,
+)
 
 PAGE = 16
 P = "hicache_existence_"
@@ -84,6 +90,8 @@ def one_round(srv: Server, probe: Path, stream: list[Any]) -> dict[str, Any]:
     rec.update(
         busy=[a - b for a, b in zip(after_cost["busy"], before_cost["busy"])],
         poll=[a - b for a, b in zip(after_cost["poll"], before_cost["poll"])],
+        ctrl_busy=[a - b for a, b in zip(after_cost["ctrl_busy"], before_cost["ctrl_busy"])],
+        ctrl_poll=[a - b for a, b in zip(after_cost["ctrl_poll"], before_cost["ctrl_poll"])],
         timer_ns_per_call=after_cost["timer_ns"],
         by_name_split=by_name_split(before_cost, after_cost),
     )
@@ -176,6 +184,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "hook_us_per_poll_iteration_median": round(
                 statistics.median(busy_share(r)["hook_us_per_poll_iteration"] for r in kept), 3
             ),
+            **insitu_summary([busy_share(r) for r in kept]),
             "package_ms_by_function_per_round": breakdown(kept),
         }
     out["target"] = "package_share_of_busy <= 0.3% (issue 31)"

@@ -27,9 +27,13 @@ package's share of busy time with and without it in the same process, round afte
 round (no server-to-server variance, no nested timers). Target: at most 0.05% of busy
 time.
 
+``--events`` compares two enabled servers, storage-tier KV events (issue 30) off and
+on, side by side: each one's share of busy time and the difference (same target).
+
     python benchmarks/real_server_cost.py [--rounds 6] [--requests 40] [--json]
     python benchmarks/real_server_cost.py --recorder [--recorder-rate 0.02]
     python benchmarks/real_server_cost.py --recorder-toggle [--rounds 6]
+    python benchmarks/real_server_cost.py --events [--rounds 6]
 """
 
 from __future__ import annotations
@@ -47,7 +51,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "real_server"))
 
-from harness import Server, ServerSpec, TraceRequest, launch, trace_requests  # noqa: E402
+from harness import (  # noqa: E402
+    Server,
+    ServerSpec,
+    TraceRequest,
+    free_port,
+    launch,
+    trace_requests,
+)
 
 
 def read_cost(out_dir: Path) -> dict[str, Any]:
@@ -62,6 +73,8 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         "timer_ns": 0.0,
         "rec_busy": [0, 0],
         "rec_poll": [0, 0],
+        "ctrl_busy": [0, 0],
+        "ctrl_poll": [0, 0],
     }
     by_name: dict[str, list[int]] = {}
     files = sorted(out_dir.glob("cost-*.json"))
@@ -71,7 +84,7 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         rec = json.loads(f.read_text())
         for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls", "hook_ns"):
             total[k] += int(rec[k])
-        for k in ("busy", "poll", "rec_busy", "rec_poll"):
+        for k in ("busy", "poll", "rec_busy", "rec_poll", "ctrl_busy", "ctrl_poll"):
             total[k] = [a + int(b) for a, b in zip(total[k], rec.get(k, total[k]))]
         total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
         for name, counts in rec.get("by_name", {}).items():
@@ -125,6 +138,9 @@ def one_round(
         "poll": [a - b for a, b in zip(after["poll"], before["poll"])],
         "rec_busy": [a - b for a, b in zip(after["rec_busy"], before["rec_busy"])],
         "rec_poll": [a - b for a, b in zip(after["rec_poll"], before["rec_poll"])],
+        # [thread ns, calls] of the empty hook timed beside the per-step hook
+        "ctrl_busy": [a - b for a, b in zip(after["ctrl_busy"], before["ctrl_busy"])],
+        "ctrl_poll": [a - b for a, b in zip(after["ctrl_poll"], before["ctrl_poll"])],
         "timer_ns_per_call": after["timer_ns"],
         "by_name_ms": {
             name: round((counts[0] - before["by_name"].get(name, [0])[0]) / 1e6, 3)
@@ -190,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         "recorder's cost is then only the difference of the package's share)",
     )
     ap.add_argument(
+        "--events",
+        action="store_true",
+        help="compare two enabled servers, storage-tier KV events (events.enabled, the "
+        "package's own publisher on a free port) off and on",
+    )
+    ap.add_argument(
         "--inner",
         action="store_true",
         help="also time the per-step hook's due work (HX_PROBE_COST_INNER: the step's "
@@ -200,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     stream = trace_requests(limit=args.requests, max_blocks=args.max_blocks, max_new_tokens=4)
     if args.recorder_toggle:
         return run_toggle(args, stream)
-    names = ("recorder_off", "recorder_on") if args.recorder else ("disabled", "enabled")
+    names = (
+        ("recorder_off", "recorder_on")
+        if args.recorder
+        else ("events_off", "events_on")
+        if args.events
+        else ("disabled", "enabled")
+    )
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hx-cost-")))
@@ -222,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                         "sample_rate": args.recorder_rate,
                     }
                 }
+            if name == "events_on":
+                endpoint = f"tcp://127.0.0.1:{free_port()}"
+                config = {"events": {"enabled": True, "endpoint": endpoint}}
             spec = ServerSpec(existence=name != "disabled", env=env, config=config)
             srv = stack.enter_context(launch(spec, root / name))
             servers[name] = (srv, probe_dir)
@@ -246,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                         ),
                         flush=True,
                     )
-    result = summarize_recorder(rounds, args) if args.recorder else summarize(rounds, args)
+    result = (
+        summarize_recorder(rounds, args)
+        if args.recorder
+        else summarize_pair(rounds, args)
+        if args.events
+        else summarize(rounds, args)
+    )
     return report(rounds, result, args)
 
 
@@ -276,6 +313,20 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
     busy_pkg = max(0.0, pkg_b - calls_b * timer)
     poll_work = max(0.0, (pkg_p - hook_p) - max(0, calls_p - it_p) * timer)
     poll_hook = max(0.0, hook_p - it_p * timer)
+    # The same net of the in-situ control (an empty hook timed beside each call of
+    # the per-step hook, in the same cold state): the timers' cost there, not the
+    # start-up calibration's, which runs hot.
+    ctrl_ns, ctrl_calls = r.get("ctrl_poll", [0, 0])
+    poll_hook_insitu = hook_p - ctrl_ns * (it_p / ctrl_calls) if ctrl_calls else None
+    # The share with every timed call net of the in-situ control of its kind of
+    # iteration (busy or polling) instead of the start-up calibration.
+    ctrl_b_ns, ctrl_b_calls = r.get("ctrl_busy", [0, 0])
+    share_insitu = None
+    if ctrl_calls and ctrl_b_calls and ns_b:
+        timer_b, timer_p = ctrl_b_ns / ctrl_b_calls, ctrl_ns / ctrl_calls
+        busy_in = pkg_b - calls_b * timer_b
+        poll_in = (pkg_p - hook_p) - max(0, calls_p - it_p) * timer_p
+        share_insitu = max(0.0, busy_in + max(0.0, poll_in)) / ns_b
     return {
         "busy_iterations": it_b,
         "busy_ms": ns_b / 1e6,
@@ -285,6 +336,32 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         "poll_ms": ns_p / 1e6,
         "poll_us_per_iteration": ns_p / it_p / 1e3 if it_p else 0.0,
         "hook_us_per_poll_iteration": poll_hook / it_p / 1e3 if it_p else 0.0,
+        "hook_us_per_poll_iteration_insitu": (
+            poll_hook_insitu / it_p / 1e3 if it_p and poll_hook_insitu is not None else None
+        ),
+        "timer_us_insitu_poll": ctrl_ns / ctrl_calls / 1e3 if ctrl_calls else None,
+        "timer_us_insitu_busy": ctrl_b_ns / ctrl_b_calls / 1e3 if ctrl_b_calls else None,
+        "share_insitu": share_insitu,
+    }
+
+
+def insitu_summary(be: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures net of the in-situ timer control (probes that record it: an empty
+    hook timed beside every per-step hook call, in the iteration's own cold state),
+    beside those net of the start-up calibration, which runs hot and so leaves part
+    of the timers' cost in every timed call."""
+    med = statistics.median
+    if not be or any(x["share_insitu"] is None for x in be):
+        return {}
+    return {
+        "package_share_of_busy_insitu_timer_median": (
+            f"{100 * med(x['share_insitu'] for x in be):.2f}%"
+        ),
+        "hook_us_per_poll_iteration_insitu_median": round(
+            med(x["hook_us_per_poll_iteration_insitu"] for x in be), 3
+        ),
+        "timer_us_insitu_poll_median": round(med(x["timer_us_insitu_poll"] for x in be), 3),
+        "timer_us_insitu_busy_median": round(med(x["timer_us_insitu_busy"] for x in be), 3),
     }
 
 
@@ -396,6 +473,33 @@ def summarize_recorder(rounds: dict[str, list[dict[str, Any]]], args: Any) -> di
     return out
 
 
+def summarize_pair(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, Any]:
+    """``--events``: the package's share of busy time and the hook per polling
+    iteration of each enabled server, side by side, and the difference of the
+    shares' medians (what the feature costs)."""
+    med = statistics.median
+    out: dict[str, Any] = {"requests_per_round": args.requests, "rounds": args.rounds}
+    shares: dict[str, float] = {}
+    for name, recs in rounds.items():
+        be = [busy_share(r) for r in recs[1:]]
+        shares[name] = med(x["share"] for x in be)
+        out[name] = {
+            "busy_ms_median": round(med(x["busy_ms"] for x in be), 1),
+            "package_busy_ms_median": round(med(x["package_busy_ms"] for x in be), 2),
+            "package_share_of_busy_median": f"{100 * shares[name]:.2f}%",
+            "package_share_of_busy_max": f"{100 * max(x['share'] for x in be):.2f}%",
+            "hook_us_per_poll_iteration_median": round(
+                med(x["hook_us_per_poll_iteration"] for x in be), 3
+            ),
+            **insitu_summary(be),
+            "package_ms_by_function_per_round": breakdown(recs[1:]),
+        }
+    off, on = shares.values()
+    out["feature_share_of_busy"] = f"{100 * (on - off):.3f}%"
+    out["target"] = "feature_share_of_busy <= 0.05% (issue 31, opt-in features)"
+    return out
+
+
 def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, Any]:
     # Round 0 warms both servers up (first compilation of every shape): left out.
     d = [r["sched_cpu_ms"] for r in rounds["disabled"][1:]]
@@ -428,6 +532,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, A
         "hook_us_per_poll_iteration_median": round(
             med(x["hook_us_per_poll_iteration"] for x in be), 3
         ),
+        **insitu_summary(be),
         "scheduler_cpu_ms_median_disabled": round(med(d), 1),
         "scheduler_cpu_ms_median_enabled": round(med(e), 1),
         "scheduler_cpu_ratio_enabled_over_disabled": round(med(e) / med(d), 3),

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,10 @@ class WritePath:
         self._admitting = 0
         self._refreshing = 0
         self._pool_keys: Mapping[Any, list[str]] | None = None
+        #: The tree whose sidecar pools (pool -> the pool driving it) ``_sidecars``
+        #: holds: read once per tree, not once per admission.
+        self._sidecar_tree: Any = None
+        self._sidecars: dict[str, str] = {}
         self._walk: set[Any] | None = None
         self._count_cover = True
         self._sized: set[str] = set()
@@ -176,21 +180,29 @@ class WritePath:
         if not self._refreshing:
             self._pool_keys = pool_keys
 
-    def take_pool_keys(self) -> Mapping[Any, list[str]] | None:
-        """The keys of the decision that just ended, if it was an admission."""
-        keys, self._pool_keys = self._pool_keys, None
-        return None if self._refreshing else keys
-
-    def admitted(
-        self, pipeline: Any, pool_keys: Mapping[Any, list[str]], intents: Iterable[Any]
-    ) -> None:
-        """Pools of ``pool_keys`` that ``_write_intents`` left out were covered."""
+    def admission(self, pipeline: Any, intents: list[Any]) -> None:
+        """``_write_intents`` returned ``intents``: outside a queue refresh, for this
+        cache's pipeline, the pools of the noted keys it left out were covered
+        (avoided).  One call per admission (it was three: the keys taken, the
+        pipeline's owner, the count), and none of its work when every pool with
+        keys was kept, the common case with no sidecar pool."""
+        pool_keys, self._pool_keys = self._pool_keys, None
+        if pool_keys is None or self._refreshing:
+            return
+        tree = getattr(pipeline, "_cache", None)
+        if getattr(tree, "storage_existence_cache", None) is not self.cache:
+            return
+        if tree is not self._sidecar_tree:
+            self._sidecar_tree = tree
+            self._sidecars = {
+                pool_name(spec.pool_name): pool_name(spec.indices_from_pool)
+                for spec in getattr(tree, "sidecar_pool_specs", None) or ()
+            }
+        sidecars = self._sidecars
+        if not sidecars and len(intents) == sum(1 for k in pool_keys.values() if k):
+            return  # every pool with keys was kept (intents name distinct pools)
         kept = {pool_name(pool) for pool, _ in intents}
         keys = {pool_name(p): k for p, k in pool_keys.items() if k}
-        sidecars = {
-            pool_name(spec.pool_name): pool_name(spec.indices_from_pool)
-            for spec in getattr(pipeline._cache, "sidecar_pool_specs", None) or ()
-        }
         for pool, pages in keys.items():
             driver = sidecars.get(pool, pool)
             if driver in keys and driver not in kept:

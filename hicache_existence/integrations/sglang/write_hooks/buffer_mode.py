@@ -51,9 +51,10 @@ def _write_intents(p: Params) -> Hooked:
         intents = original(pipeline, *a, **kw)
         feed = current()
         if feed is not None:
-            pool_keys = feed.take_pool_keys()
-            if pool_keys is not None and feed.owns_pipeline(pipeline):
-                guard(feed, lambda: feed.admitted(pipeline, pool_keys, intents))
+            try:
+                feed.admission(pipeline, intents)
+            except Exception as exc:  # accounting never raises into the scheduler
+                feed.error(exc)
         return intents
 
     return around_write_intents
