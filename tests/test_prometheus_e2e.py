@@ -4,7 +4,7 @@ expression with data: no misspelt metric, label or label value.
 
 The workload is the package's own: an ``ExistenceRuntime`` with every feature on
 (miss reasons, TP-divergence checks on the default single-rank group, the
-reconciler against an ``L3Shard`` as ground truth, the capacity advisor) serving
+reconciler against the demo's ``L3`` shard as ground truth, the capacity advisor) serving
 standalone ``/metrics`` on a free port, driven in-process by ``SimulatedScheduler``
 over the bundled Mooncake trace.  A small cap and a small, lossy L3 make
 evictions, every classified miss reason, stale positives and divergence checks
@@ -42,9 +42,10 @@ import yaml
 
 from hicache_existence.config import Config
 from hicache_existence.demo.run import DemoOptions, bundled_trace, demo_config
-from hicache_existence.demo.scheduler import L3Shard, SimulatedScheduler
+from hicache_existence.demo.scheduler import SimulatedScheduler
 from hicache_existence.exporters.catalog import DeploymentLabels
 from hicache_existence.replay import pages
+from hicache_existence.replay.l3 import L3
 from hicache_existence.replay.trace import read_trace
 from hicache_existence.runtime import ExistenceRuntime
 
@@ -232,7 +233,7 @@ class Workload:
         labels: DeploymentLabels = LABELS,
     ) -> None:
         requests = pages.expand(read_trace(bundled_trace())).requests
-        shard = L3Shard(L3_PAGES, drop_every=L3_DROP_EVERY)
+        shard = L3(L3_PAGES, drop_every=L3_DROP_EVERY)
         self.runtime = ExistenceRuntime(
             workload_config(trace_dir), labels, truth=shard, host_mode=host_mode
         )

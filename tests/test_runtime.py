@@ -14,7 +14,8 @@ import pytest
 
 from hicache_existence.config import Config
 from hicache_existence.demo.run import bundled_trace
-from hicache_existence.demo.scheduler import L3Shard, SimulatedScheduler
+from hicache_existence.demo.scheduler import SimulatedScheduler
+from hicache_existence.replay.l3 import L3
 from hicache_existence.replay.pages import expand
 from hicache_existence.replay.trace import read_trace
 from hicache_existence.runtime import ExistenceRuntime
@@ -39,7 +40,7 @@ def _requests(limit: int = 200):
     return expand(read_trace(bundled_trace())).requests[:limit]
 
 
-def _drive(runtime: ExistenceRuntime, shard: L3Shard, steps: int = 40) -> SimulatedScheduler:
+def _drive(runtime: ExistenceRuntime, shard: L3, steps: int = 40) -> SimulatedScheduler:
     scheduler = SimulatedScheduler(runtime, shard, clear_swa_every=10)
     requests = _requests()
     for step in range(steps):
@@ -80,7 +81,7 @@ def _value(samples, name: str, **labels: str) -> float:
 def test_runtime_exports_every_feature_with_the_snapshot_values():
     """A standalone scrape of a driven runtime shows cache, divergence, reconciler,
     advisor and histogram series equal to the components' own snapshots."""
-    shard = L3Shard(1500, drop_every=50)
+    shard = L3(1500, drop_every=50)
     runtime = ExistenceRuntime(_config(), truth=shard).start()
     try:
         _drive(runtime, shard)
@@ -202,9 +203,9 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_runtime import _config, _drive
     from hicache_existence.exporters.catalog import DeploymentLabels
-    from hicache_existence.demo.scheduler import L3Shard
+    from hicache_existence.replay.l3 import L3
     from hicache_existence.runtime import ExistenceRuntime
-    shard = L3Shard(1500, drop_every=50)
+    shard = L3(1500, drop_every=50)
     rt = ExistenceRuntime(_config("multiprocess"), DeploymentLabels(tp_rank={rank}), truth=shard)
     rt.start()
     _drive(rt, shard, steps=30)
@@ -281,7 +282,7 @@ def test_the_idle_fast_path_runs_what_every_step_would(div_interval, rec_interva
         }
     )
     clock = _Clock()
-    shard = L3Shard(capacity_pages=1024)
+    shard = L3(1024)
     runtime = ExistenceRuntime(config, truth=shard, clock=clock)
     reference = DivergenceChecker(
         runtime.digest, InProcessWorld(1).group(0), config.divergence, cache=runtime.cache
@@ -388,3 +389,29 @@ def test_a_flush_due_in_a_busy_stretch_waits_for_an_idle_step():
     runtime.step()
     assert flushes[-1] == runtime.steps
     runtime.close()
+
+
+def test_the_demo_scheduler_is_the_replay_model_on_the_runtime() -> None:
+    """The demo writes through the replay's model (``replay.model`` over
+    ``replay.l3``, issue 29 item 4): the runtime's write accounting hears exactly
+    the writes, avoided writes and redundant pages the model counts, the
+    redundant ones with their cause (the swa pool, cleared every 10 steps,
+    writes again what L3 still holds)."""
+    config = Config.from_mapping({"metrics": {"mode": "off"}}, _config())
+    shard = L3(1500, drop_every=50)
+    runtime = ExistenceRuntime(config, truth=shard).start()
+    try:
+        scheduler = _drive(runtime, shard, steps=60)
+        writes = runtime.writes.stats()
+    finally:
+        runtime.close()
+    kv, swa, totals = writes["kv"], writes["swa"], scheduler.totals
+    assert totals.writes_issued > 0 and totals.writes_avoided > 0
+    assert (kv.written, kv.avoided, kv.redundant) == (
+        totals.writes_issued,
+        totals.writes_avoided,
+        totals.redundant_writes,
+    )
+    assert kv.causes.get("recompute", 0) == kv.redundant
+    assert swa.redundant > 0 and swa.causes["recompute"] == swa.redundant
+    assert shard.evictions > 0 and len(shard) <= 2 * 1500  # kv and swa, each bounded

@@ -23,20 +23,15 @@ NAME = "replay"
 HELP = "replay a request trace and report hit ratio and writes for a sweep of caps"
 
 
-def _caps(text: str) -> tuple[int, ...]:
-    from hicache_existence.replay.sweep import parse_caps
+def _caps(text: str) -> Any:
+    return _cap(text, many=True)
+
+
+def _cap(text: str, many: bool = False) -> Any:
+    from hicache_existence.replay.sweep import parse_cap, parse_caps
 
     try:
-        return parse_caps(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _cap(text: str) -> int:
-    from hicache_existence.replay.sweep import parse_cap
-
-    try:
-        return parse_cap(text)
+        return parse_caps(text) if many else parse_cap(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -241,7 +236,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hicache_existence.replay import report
-    from hicache_existence.replay.model import ModelConfig
     from hicache_existence.replay.pages import DEFAULT_PAGE_SIZE, expand
     from hicache_existence.replay.sweep import DEFAULT_CAPS, DEFAULT_CURRENT_CAP, sweep, throttled
     from hicache_existence.replay.trace import TraceError, read_trace
@@ -280,13 +274,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     expand_s = time.perf_counter() - started
-    config = ModelConfig(
-        device_pages=args.device_pages,
-        l3_pages=args.l3_pages,
-        ack_latency_ms=args.ack_latency_ms,
-        prefetch_threshold_tokens=args.prefetch_threshold,
-        heal=not args.no_heal,
-    )
+    config = _model_config(args)
     if args.fleet:
         return _run_fleet(args, pages, config, json_path, progress)
     result = sweep(
@@ -315,6 +303,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_config(args: argparse.Namespace, rate: float = 1.0) -> Any:
+    """The flags' write-path model; sizes scaled by a recorded trace's sample rate."""
+    from hicache_existence.replay.model import ModelConfig
+    from hicache_existence.replay.recorded import scaled
+
+    return ModelConfig(
+        device_pages=scaled(args.device_pages, rate),
+        l3_pages=scaled(args.l3_pages, rate),
+        ack_latency_ms=args.ack_latency_ms,
+        prefetch_threshold_tokens=round(args.prefetch_threshold * rate),
+        heal=not args.no_heal,
+    )
+
+
 def _run_fleet(
     args: argparse.Namespace,
     pages: Any,
@@ -341,13 +343,7 @@ def _run_fleet(
                 progress(f"fleet: {n} x cap {cap}, {router}, learn rate {rate:g}")
                 results.append(run_fleet(pages, cap, config, fleet))
     print(report.format_fleet_table(results, config))
-    try:
-        report.write_fleet_json(results, config, json_path)
-        print(f"wrote {json_path}")
-    except OSError as exc:
-        print(f"error: cannot write the report: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return _written(json_path, lambda: report.write_fleet_json(results, config, json_path))
 
 
 def _run_recorded(
@@ -359,10 +355,7 @@ def _run_recorded(
 ) -> int:
     """A recorded (version 2) trace: the recorded stream's curves at every cap, then
     the buffer-mode model (or the fleet) on its requests, sizes scaled by the rate."""
-    import json
-
     from hicache_existence.replay import report
-    from hicache_existence.replay.model import ModelConfig
     from hicache_existence.replay.pages import DEFAULT_PAGE_SIZE, expand
     from hicache_existence.replay.recorded import format_curves, recorded_curves, scaled, to_json
     from hicache_existence.replay.sweep import DEFAULT_CURRENT_CAP, format_cap, sweep
@@ -374,13 +367,7 @@ def _run_recorded(
     if not args.fleet:
         print(format_curves(curves, format_cap))
     page_size = args.page_size or trace.page_size or DEFAULT_PAGE_SIZE
-    config = ModelConfig(
-        device_pages=scaled(args.device_pages, rate),
-        l3_pages=scaled(args.l3_pages, rate),
-        ack_latency_ms=args.ack_latency_ms,
-        prefetch_threshold_tokens=round(args.prefetch_threshold * rate),
-        heal=not args.no_heal,
-    )
+    config = _model_config(args, rate)
     note = (
         ""
         if rate >= 1
@@ -412,15 +399,17 @@ def _run_recorded(
             print(note)
         print(report.format_table(result))
         out["sweep"] = report.to_json(result)
+    return _written(json_path, lambda: report.write_document(out, json_path))
+
+
+def _written(path: Path, write: Callable[[], object]) -> int:
+    """Run ``write`` (of ``path``): 0 and a line saying so, or 1 and the error."""
     try:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_text(json.dumps(out, indent=2) + "\n")
-        os.replace(tmp, json_path)
-        print(f"wrote {json_path}")
+        write()
     except OSError as exc:
         print(f"error: cannot write the report: {exc}", file=sys.stderr)
         return 1
+    print(f"wrote {path}")
     return 0
 
 

@@ -217,7 +217,8 @@ def _exit_with_parent(interval_s: float = 0.5) -> None:
 def _rank_loop(
     rank: int, world: int, dist_port: int, opts: DemoOptions, reports: Any, stop: Any
 ) -> None:
-    from hicache_existence.demo.scheduler import L3Shard, SimulatedScheduler
+    from hicache_existence.demo.scheduler import SimulatedScheduler
+    from hicache_existence.replay.l3 import L3
     from hicache_existence.runtime import ExistenceRuntime
 
     group: Any = None
@@ -248,7 +249,7 @@ def _rank_loop(
         writer = _WriterLedger(LedgerWriter(ledger))
         # Verified after the records of the acks before each question (ledger_writer).
         truth = writer.writer.truth(max(config.reconciler.timeout_ms, 1) / 1000.0)
-    shard = L3Shard(opts.l3_pages, drop_every=opts.l3_drop_every, ledger=writer)
+    shard = L3(opts.l3_pages, drop_every=opts.l3_drop_every, ledger=writer)
     labels = DeploymentLabels(
         model_name=config.metrics.model_name,
         engine_type="prefill",
@@ -292,7 +293,7 @@ def _rank_loop(
 
 
 class _WriterLedger:
-    """``L3Shard``'s ledger interface over a ``LedgerWriter`` (enqueue only)."""
+    """``L3``'s ledger interface over a ``LedgerWriter`` (enqueue only)."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
@@ -332,9 +333,9 @@ def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> dict[
         "requests": t.requests,
         "hit_ratio": total.page_hit_ratio,
         "evictions": total.evictions,
-        "written": t.written,
-        "avoided": t.avoided,
-        "redundant": t.redundant,
+        "written": t.writes_issued,
+        "avoided": t.writes_avoided,
+        "redundant": t.redundant_writes,
         "checks": checker.checks if checker else 0,
         "divergences": checker.divergences if checker else 0,
         "stale": sum(rec.stale_positives.values()) if rec else 0,
@@ -355,7 +356,7 @@ def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> di
     rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
     return {
         "steps": steps,
-        "totals": vars(scheduler.totals),
+        "totals": scheduler.totals.as_dict(),
         "pools": {name: s.as_dict() for name, s in stats.items()},
         "cap": runtime.config.cache.max_entries,
         # Buffer mode sizes the cap by the lookup curve (prefetch healing re-teaches
@@ -439,15 +440,15 @@ def format_summary(summary: dict[str, Any], ranks: int) -> str:
     kv = summary["pools"].get("kv", {})
     lines = [
         "",
-        f"demo finished: {summary['steps']} steps, {t['requests']} requests, {t['pages']} page "
-        f"references on {ranks} TP rank(s)",
+        f"demo finished: {summary['steps']} steps, {t['requests']} requests, "
+        f"{t['page_references']} page references on {ranks} TP rank(s)",
         f"  kv pool: page hit ratio {kv.get('page_hit_ratio', 0):.3f}, entries "
         f"{kv.get('entries', 0)}/{kv.get('capacity', 0)}, evictions {kv.get('evictions', 0)}, "
         f"misses cold/evicted/invalidated/cleared "
         f"{kv.get('misses_cold', 0)}/{kv.get('misses_evicted', 0)}/"
         f"{kv.get('misses_invalidated', 0)}/{kv.get('misses_cleared', 0)}",
-        f"  writes: {t['written']} pages written, {t['avoided']} avoided, {t['redundant']} "
-        f"redundant (already in L3)",
+        f"  writes: {t['writes_issued']} pages written, {t['writes_avoided']} avoided, "
+        f"{t['redundant_writes']} redundant (already in L3)",
     ]
     d = summary.get("divergence")
     if d:

@@ -1,173 +1,93 @@
 """A simulated HiCache buffer-mode prefill scheduler, one TP rank.
 
-It drives an ``ExistenceRuntime`` through the calls SGLang's buffer-mode write
-path makes, at the same points, so every metric, check and heal runs as in a
-server:
+It drives an ``ExistenceRuntime`` through the replay's write-path model
+(``replay.model`` over ``replay.l3``: the one simulator of the write path and
+L3), so the demo's cache sees the calls SGLang's buffer-mode write path makes:
+prefetch hit queries that heal beliefs, write-through admission through
+``covered``, ``track_inflight`` at the launch and ``add`` + ``untrack_inflight``
+at the storage ack (the next step), beside a trailing-window pool (``swa``: the
+last page of each node, healed as such) that is cleared every
+``clear_swa_every`` steps; the runtime's ``WriteAccounting`` hears every write,
+and ``runtime.step()`` runs once per step, where the SGLang plugin's hook runs.
 
-* storage acks from the previous step: ``add`` + ``untrack_inflight``;
-* per request, a prefetch hit query against L3 heals beliefs through the
-  chain-pages policy (``invalidate_beyond`` beyond the hit, learn up to it);
-* per radix node, write-through admission: ``covered`` (believed or in flight)
-  avoids the write, otherwise ``track_inflight`` and an L3 write;
-* a trailing-window pool (``swa``: the last page of each node) alongside ``kv``;
-* ``runtime.step()`` once per step, the hook the SGLang plugin runs after
-  ``check_hicache_events``.
-
-L3 is a per-rank shard with a capacity and LRU eviction (``L3Shard``: the replay's
-L3 model, ``replay.l3``), so beliefs go stale the way they do in production and
-the reconciler has something to find.
-Every rank runs the same deterministic stream, which keeps replicas identical.
+L3 is a per-rank shard with a capacity and LRU eviction, so beliefs go stale the
+way they do in production and the reconciler (reading the same shard as its
+ground truth) has something to find.  Every rank runs the same deterministic
+stream, which keeps replicas identical.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections import deque
+from collections.abc import Iterable
 
-from hicache_existence.core.policies import ChainPagesPolicy, TrailingWindowPolicy
-from hicache_existence.reconcile.ground_truth import check_chain
+from hicache_existence.core.policies import TrailingWindowPolicy
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.pages import PageRequest
+from hicache_existence.replay.model import ModelConfig, ModelResult, _Ack, _PoolRun
+from hicache_existence.replay.pages import DEFAULT_PAGE_SIZE, PageRequest
 from hicache_existence.runtime import ExistenceRuntime
 
 KV = "kv"
 SWA = "swa"
-
-
-class L3Shard(L3):
-    """One rank's L3 shard: the simulators' one L3 model (``replay.l3``),
-    bounded, and the rank's ground truth (the reconciler's worker reads it while
-    the scheduler writes).  ``drop_every`` loses one page in that many writes,
-    as an L3 node that fails or expires pages early would (stale positives)."""
-
-    def __init__(self, capacity_pages: int, *, drop_every: int = 0, ledger: Any = None) -> None:
-        if capacity_pages < 1:
-            raise ValueError(f"capacity_pages must be >= 1, got {capacity_pages}")
-        super().__init__(capacity_pages, drop_every=drop_every, ledger=ledger)
-
-    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
-        """``batch_exists`` semantics; reads refresh nothing (a probe, not a hit)."""
-        name, seq = check_chain(pool, hashes)
-        return self.leading(name, seq, read=False)
-
-    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
-        name, seq = check_chain(pool, hashes)
-        with self._lock:
-            held = self.pools.get(name)
-            return [held is not None and page in held for page in seq]
-
-
-@dataclass
-class StepTotals:
-    """What one rank did so far (for the progress line and the summary)."""
-
-    steps: int = 0
-    requests: int = 0
-    pages: int = 0
-    written: int = 0
-    avoided: int = 0
-    redundant: int = 0
-    healed: int = 0
+#: The demo's deployment: no device cache, and a prefetch hit query (which heals
+#: beliefs) only for prompts of at least 32K tokens, so the beliefs of shorter
+#: ones go stale as the small, lossy shard drops pages, for the reconciler to find.
+PREFETCH_THRESHOLD_TOKENS = 32768
 
 
 class SimulatedScheduler:
-    """One rank's scheduler loop over a stream of page requests."""
+    """One rank's scheduler loop over a stream of page requests, a step a batch.
+
+    ``model``'s ``ack_latency_ms`` is counted in steps here (the default 1: a
+    write lands at the next step, after ``check_hicache_events``)."""
 
     def __init__(
         self,
         runtime: ExistenceRuntime,
-        shard: L3Shard,
+        shard: L3,
         *,
-        heal_every: int = 4,
         clear_swa_every: int = 0,
+        model: ModelConfig | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
     ) -> None:
         self.runtime = runtime
         self.shard = shard
-        self.heal_every = heal_every
         self.clear_swa_every = clear_swa_every
-        self.totals = StepTotals()
-        self._acks: list[tuple[str, tuple[str, ...]]] = []
-        self._chain_policy = ChainPagesPolicy()
-        self._window_policy = TrailingWindowPolicy()
+        config = model or ModelConfig(
+            device_pages=0,
+            l3_pages=shard.capacity,
+            ack_latency_ms=1,
+            prefetch_threshold_tokens=PREFETCH_THRESHOLD_TOKENS,
+        )
+        cache, writes = runtime.cache, runtime.writes
+        self._kv = _PoolRun(cache.pool(KV), config, page_size, shard, KV, writes=writes)
+        window = TrailingWindowPolicy()
+        self._swa = _PoolRun(
+            cache.pool(SWA), config, page_size, shard, SWA, policy=window, writes=writes
+        )
+        #: The kv pool's figures (the progress line and the summary); swa's apart.
+        self.totals = ModelResult(cap=cache.max_entries)
+        self._swa_totals = ModelResult(cap=cache.max_entries)
+        self._acks: deque[_Ack] = deque()
+        self.steps = 0
 
     def step(self, requests: Iterable[PageRequest]) -> None:
-        """One scheduler step: acks, prefetch heals, admissions, the hook."""
-        cache = self.runtime.cache
-        pools = cache.pool
-        for pool, keys in self._acks:  # storage acks of last step's writes
-            beliefs = pools(pool)
-            beliefs.add(keys)
-            beliefs.untrack_inflight(keys)
-        self._acks = []
+        """One scheduler step: last step's acks, then each request's prefetch and
+        admission in both pools, then the plugin's hook."""
+        self.steps = now = self.steps + 1
+        acks = self._acks
+        while acks and acks[0][0] <= now:
+            _, run, keys = acks.popleft()
+            run.land(keys, self.totals if run is self._kv else self._swa_totals)
         totals = self.totals
         for request in requests:
             totals.requests += 1
-            totals.pages += len(request.pages)
-            self._prefetch(request)
-            self._admit(request)
-        totals.steps += 1
-        if self.clear_swa_every and totals.steps % self.clear_swa_every == 0:
-            pools(SWA).clear()
+            totals.page_references += len(request.pages)
+            ends = request.node_ends
+            self._kv.request(PageRequest(now, KV, request.pages, ends), totals, acks)
+            window = tuple(request.pages[end - 1] for end in ends)
+            swa = PageRequest(now, SWA, window, tuple(range(1, len(window) + 1)))
+            self._swa.request(swa, self._swa_totals, acks)
+        if self.clear_swa_every and now % self.clear_swa_every == 0:
+            self.runtime.cache.pool(SWA).clear()
         self.runtime.step()
-
-    def _prefetch(self, request: PageRequest) -> None:
-        """A prefetch hit query: L3 says how much of the chain it holds."""
-        if not self.heal_every or self.totals.requests % self.heal_every:
-            return
-        chain = request.pages
-        hit = self.shard.leading_present(KV, chain)
-        beliefs = self.runtime.cache.pool(KV)
-        before = beliefs.stats().invalidations
-        self._chain_policy.heal_from_query(beliefs, chain, (), hit, evidence=True)
-        swa_keys = self._window(request)
-        swa_hit = self.shard.leading_present(SWA, swa_keys)
-        self._window_policy.heal_from_query(
-            self.runtime.cache.pool(SWA),
-            swa_keys,
-            (),
-            swa_hit,
-            evidence=True,
-        )
-        self.totals.healed += beliefs.stats().invalidations - before
-
-    @staticmethod
-    def _window(request: PageRequest) -> tuple[str, ...]:
-        return tuple(request.pages[end - 1] for end in request.node_ends)
-
-    def _nodes(self, request: PageRequest) -> Iterator[tuple[str, ...]]:
-        start = 0
-        for end in request.node_ends:
-            yield request.pages[start:end]
-            start = end
-
-    def _admit(self, request: PageRequest) -> None:
-        """Write-through admission, node by node (parent first)."""
-        runtime = self.runtime
-        writes = runtime.writes
-        totals = self.totals
-        kv = runtime.cache.pool(KV)
-        swa = runtime.cache.pool(SWA)
-        for node in self._nodes(request):
-            if kv.covered(node):
-                writes.avoided(KV, len(node))
-                totals.avoided += len(node)
-            else:
-                kv.track_inflight(node)
-                already = self.shard.write(KV, node)
-                writes.written(KV, len(node), already_stored=already)
-                if already:  # the shard holds only this scheduler's writes: its own pages
-                    writes.redundant_cause(KV, "recompute", already)
-                totals.written += len(node)
-                totals.redundant += already
-                self._acks.append((KV, node))
-            window = node[-1:]
-            if swa.covered(window):
-                writes.avoided(SWA, 1)
-            else:
-                swa.track_inflight(window)
-                already = self.shard.write(SWA, window)
-                writes.written(SWA, 1, already_stored=already)
-                if already:
-                    writes.redundant_cause(SWA, "recompute", already)
-                self._acks.append((SWA, window))

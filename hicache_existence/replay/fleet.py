@@ -37,14 +37,7 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.reconcile.sampling import Candidates, Sampler
 from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.model import (
-    CACHE_STATS,
-    ModelConfig,
-    ModelResult,
-    _Ack,
-    _PoolRun,
-    bytes_per_entry,
-)
+from hicache_existence.replay.model import ModelConfig, ModelResult, _Ack, _PoolRun, finish
 from hicache_existence.replay.pages import PageRequest, PageTrace
 
 Router = Literal["round-robin", "prefix-affinity"]
@@ -66,19 +59,6 @@ class FleetConfig:
     pages_per_query: int = 1024
     #: Pages per ledger record round trip (``reconciler.write_batch``).
     write_batch: int = 512
-
-    def __post_init__(self) -> None:
-        for name in ("instances", "affinity_pages", "pages_per_query", "write_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.instances > MAX_INSTANCES:
-            raise ValueError(f"instances must be <= {MAX_INSTANCES}, got {self.instances}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {list(ROUTERS)}, got {self.router!r}")
-        rate = self.learn_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            raise ValueError(f"learn_rate must be a number within [0, 1], got {rate!r}")
 
 
 @dataclass
@@ -223,10 +203,6 @@ class _Instance:
             )
         return run
 
-    def entries(self) -> int:
-        """Beliefs held now, over all pools."""
-        return sum(len(r.beliefs) for r in self.runs.values())
-
     def verify(self) -> None:
         """Apply the verdicts of the chains picked since the last step, with the
         reconciler's own verdict code (``reconcile.verdicts``)."""
@@ -280,8 +256,6 @@ def run_fleet(
     progress: Callable[[int, int], None] | None = None,
 ) -> FleetResult:
     """Replay ``trace`` through ``fleet.instances`` instances at ``cap`` each."""
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"cap must be an int >= 1, got {cap!r}")
     config = config or ModelConfig()
     fleet = fleet or FleetConfig()
     l3 = L3(config.l3_pages)
@@ -308,7 +282,7 @@ def run_fleet(
             inst.share.redundant_writes += inst.result.redundant_writes - before
             inst.share.ledger_record_calls += -(-len(keys) // inst.batch)
             landed[id(inst)] = inst
-        return max((i.entries() for i in landed.values()), default=0)
+        return max((len(i.cache) for i in landed.values()), default=0)
 
     learning = fleet.learn_rate > 0
     for number, req in enumerate(trace.requests):
@@ -330,9 +304,7 @@ def run_fleet(
         inst.share.writes_avoided += r.writes_avoided - before[1]
         r.requests += 1
         r.page_references += len(req.pages)
-        entries = inst.entries()
-        if entries > peak:
-            peak = entries
+        peak = max(peak, len(inst.cache))
         if progress is not None and (number + 1) % step == 0:
             progress(number + 1, total)
     peak = max(peak, land(None))
@@ -371,22 +343,9 @@ def _sum(cap: int, instances: list[_Instance], l3: L3, peak: int) -> ModelResult
     total = ModelResult(cap=cap)
     for name in _SUMMED:
         setattr(total, name, sum(getattr(i.result, name) for i in instances))
-    stats = dict.fromkeys(CACHE_STATS, 0)
-    for inst in instances:
-        s = inst.cache.stats().total
-        for name in CACHE_STATS:
-            stats[name] += getattr(s, name)
-    total.cache_stats = stats
-    checked = stats["pages_checked"]
-    total.belief_hit_ratio = stats["page_hits"] / checked if checked else 1.0
-    total.evictions = stats["evictions"]
-    # Invalidations by ledger verdicts are counted apart (pages_invalidated).
-    total.heal_invalidations = stats["invalidations"] - sum(
-        i.share.pages_invalidated for i in instances
-    )
-    total.l3_evictions = l3.evictions
-    total.peak_entries = max(peak, *(i.entries() for i in instances))
-    total.memory_bytes = int(total.peak_entries * bytes_per_entry())
+    peak = max(peak, *(len(i.cache) for i in instances))
+    verdicts = sum(i.share.pages_invalidated for i in instances)
+    finish(total, [i.cache for i in instances], l3, peak, verdicts)
     return total
 
 

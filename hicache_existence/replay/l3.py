@@ -2,12 +2,13 @@
 
 One model for the replay (``replay.model``), fleet mode (``replay.fleet``: one
 L3 shared by the instances) and the demo (``demo.scheduler``: one rank's shard,
-also its ground truth).  Each pool keeps every page written, or, bounded, the
-``capacity`` most recently written (or read, when a read says so): that is
-what makes beliefs stale.  ``drop_every`` loses one recently written page in
-that many writes, as an L3 node that fails or expires pages early would; a
-``ledger`` (``record_stored`` / ``record_removed``, e.g. the Redis one) is told
-of every change, as the wrapping storage backend would.
+also its reconciler's ground truth: ``leading_present`` and ``present``).  Each
+pool keeps every page written, or, bounded, the ``capacity`` most recently
+written (or read, when a read says so): that is what makes beliefs stale.
+``drop_every`` loses one recently written page in that many writes, as an L3
+node that fails or expires pages early would; a ``ledger`` (``record_stored`` /
+``record_removed``, e.g. the Redis one) is told of every change, as the wrapping
+storage backend would.
 
 Thread-safe: the demo's reconciler worker reads while its scheduler writes.
 """
@@ -116,3 +117,12 @@ class L3:
                 if page not in held:
                     return index
             return len(pages)
+
+    def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        """The ground truth's ``batch_exists``: a probe, which refreshes nothing."""
+        return self.leading(pool, hashes, read=False)
+
+    def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        with self._lock:
+            held = self.pools.get(pool, ())
+            return [page in held for page in hashes]

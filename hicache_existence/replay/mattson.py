@@ -50,8 +50,6 @@ class BeliefCurve:
 
     def hits(self, cap: int) -> int:
         """References already believed when their request arrives, at ``cap`` entries."""
-        if cap < 1:
-            raise ValueError(f"cap must be >= 1, got {cap}")
         return self.repeats + self.hits_below[min(cap, self.distinct)]
 
     def hit_ratio(self, cap: int) -> float:

@@ -39,8 +39,10 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Any
 
+from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.cache import PoolBeliefs, StorageExistenceCache
-from hicache_existence.core.policies import ChainPagesPolicy
+from hicache_existence.core.policies import ChainPagesPolicy, PoolBeliefPolicy
+from hicache_existence.core.protocol import PoolView
 from hicache_existence.replay.l3 import L3, exhaust, leading
 from hicache_existence.replay.pages import PageRequest, PageTrace
 
@@ -61,19 +63,6 @@ class ModelConfig:
     prefetch_threshold_tokens: int = 256
     #: Heal beliefs from prefetch hit queries (``ChainPagesPolicy``), as sglang does.
     heal: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("device_pages", "l3_pages", "prefetch_threshold_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        latency = self.ack_latency_ms
-        if (
-            isinstance(latency, bool)
-            or not isinstance(latency, (int, float))
-            or not (0 <= latency < float("inf"))
-        ):
-            raise ValueError(f"ack_latency_ms must be a finite number >= 0, got {latency!r}")
 
 
 @dataclass
@@ -160,16 +149,21 @@ _Ack = tuple[float, "_PoolRun", Sequence[str]]
 
 
 class _PoolRun:
-    """One pool's model state around the real ``PoolBeliefs``."""
+    """One pool's model state around its beliefs (a ``PoolView``).  ``writes``
+    (the runtime's ``WriteAccounting``, the demo's) hears every write, avoided
+    write and redundant page, as the write path's hooks tell it in a server."""
 
     def __init__(
         self,
-        beliefs: PoolBeliefs,
+        beliefs: PoolView,
         config: ModelConfig,
         page_size: int,
         l3: L3,
         pool: str,
         writing: dict[str, int] | None = None,
+        *,
+        policy: PoolBeliefPolicy = _HEAL,
+        writes: WriteAccounting | None = None,
     ) -> None:
         self.beliefs = beliefs
         self.config = config
@@ -184,10 +178,17 @@ class _PoolRun:
         self.writing: dict[str, int] = writing if writing is not None else {}
         #: Nodes (by last page) with a write not yet acked: they vouch for children.
         self.pending_nodes: dict[str, int] = {}
+        self.policy = policy
+        self.writes = writes
 
     def land(self, keys: Sequence[str], result: ModelResult) -> None:
         """The storage ack: L3 holds the pages, the beliefs learn them."""
-        result.redundant_writes += self.l3.write(self.pool, keys)
+        redundant = self.l3.write(self.pool, keys)
+        result.redundant_writes += redundant
+        if redundant and self.writes is not None:
+            # L3 holds only this model's writes: a page again is one recomputed.
+            self.writes.redundant(self.pool, redundant)
+            self.writes.redundant_cause(self.pool, "recompute", redundant)
         self.beliefs.add(keys)
         self.beliefs.untrack_inflight(keys)
         writing = self.writing
@@ -206,7 +207,6 @@ class _PoolRun:
 
     def request(self, req: PageRequest, result: ModelResult, acks: deque[_Ack]) -> None:
         pages = req.pages
-        beliefs = self.beliefs
         config = self.config
         matched = self.device.match(pages)
         result.device_hit_pages += matched
@@ -214,7 +214,7 @@ class _PoolRun:
         if rest and len(rest) * self.page_size >= config.prefetch_threshold_tokens:
             hit = self.l3.leading(self.pool, rest)
             if config.heal:
-                _HEAL.heal_from_query(beliefs, rest, rest, hit, evidence=True)
+                self.policy.heal_from_query(self.beliefs, rest, rest, hit, evidence=True)
             result.l3_hit_pages += hit
         self._insert_walk(req, result, acks)
         self.device.insert(pages)
@@ -226,6 +226,7 @@ class _PoolRun:
         held = self.held
         writing = self.writing
         pending = self.pending_nodes
+        writes = self.writes
         due = req.timestamp_ms + self.config.ack_latency_ms
         start = 0
         parent_last: str | None = None
@@ -236,6 +237,8 @@ class _PoolRun:
                 continue
             if beliefs.covered(keys):
                 result.writes_avoided += len(keys)
+                if writes is not None:
+                    writes.avoided(self.pool, len(keys))
                 if bounded_store:
                     result.stale_skips += sum(1 for p in keys if p not in held and p not in writing)
             elif parent_last is None or parent_last in pending or beliefs.contains(parent_last):
@@ -245,6 +248,8 @@ class _PoolRun:
                 last = keys[-1]
                 pending[last] = pending.get(last, 0) + 1
                 result.writes_issued += len(keys)
+                if writes is not None:
+                    writes.written(self.pool, len(keys))
                 acks.append((due, self, keys))
             else:
                 result.dropped_writes += len(keys)
@@ -282,14 +287,10 @@ def run_model(
     ``cache`` replaces the fresh ``StorageExistenceCache(cap)`` (e.g. one with an
     observer); ``step_hook`` runs after every request, where sglang's per-step
     hook would (e.g. an advisor's ``drain``)."""
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"cap must be an int >= 1, got {cap!r}")
     config = config or ModelConfig()
     result = ModelResult(cap=cap)
     if cache is None:
         cache = StorageExistenceCache(cap)
-    elif len(cache) or cache.max_entries != cap:
-        raise ValueError("cache must be empty and have max_entries == cap")
     runs: dict[str, _PoolRun] = {}
     l3 = L3(config.l3_pages)
     acks: deque[_Ack] = deque()
@@ -304,16 +305,14 @@ def run_model(
                 _, owner, keys = acks.popleft()
                 owner.land(keys, result)
             # Acks only add; the request's heal may then remove: look before it.
-            peak = max(peak, sum(len(r.beliefs) for r in runs.values()))
+            peak = max(peak, len(cache))
         run = runs.get(req.pool)
         if run is None:
             run = runs[req.pool] = _PoolRun(
                 cache.pool(req.pool), config, trace.page_size, l3, req.pool
             )
         run.request(req, result, acks)
-        entries = sum(len(r.beliefs) for r in runs.values()) if len(runs) > 1 else len(run.beliefs)
-        if entries > peak:
-            peak = entries
+        peak = max(peak, len(cache))
         result.requests += 1
         result.page_references += len(req.pages)
         if step_hook is not None:
@@ -323,15 +322,27 @@ def run_model(
     while acks:
         _, owner, keys = acks.popleft()
         owner.land(keys, result)
-    if runs:
-        peak = max(peak, sum(len(r.beliefs) for r in runs.values()))
-    stats = cache.stats().total
-    result.cache_stats = {name: getattr(stats, name) for name in CACHE_STATS}
-    result.belief_hit_ratio = stats.page_hits / stats.pages_checked if stats.pages_checked else 1.0
-    result.evictions = stats.evictions
-    result.heal_invalidations = stats.invalidations
+    finish(result, [cache], l3, max(peak, len(cache)))
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def finish(
+    result: ModelResult,
+    caches: Sequence[StorageExistenceCache],
+    l3: L3,
+    peak: int,
+    verdict_invalidations: int = 0,
+) -> None:
+    """The end-of-run figures of ``result``: the caches' counters (summed over a
+    fleet's instances), L3's evictions and the peak memory.  Invalidations by
+    ledger verdicts are not prefetch healing (fleet mode counts them apart)."""
+    totals = [cache.stats().total for cache in caches]
+    stats = result.cache_stats = {n: sum(getattr(t, n) for t in totals) for n in CACHE_STATS}
+    checked = stats["pages_checked"]
+    result.belief_hit_ratio = stats["page_hits"] / checked if checked else 1.0
+    result.evictions = stats["evictions"]
+    result.heal_invalidations = stats["invalidations"] - verdict_invalidations
     result.l3_evictions = l3.evictions
     result.peak_entries = peak
     result.memory_bytes = int(peak * bytes_per_entry())
-    result.elapsed_s = time.perf_counter() - started
-    return result

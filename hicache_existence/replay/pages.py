@@ -74,10 +74,10 @@ class PageTrace:
         return tuple(dict.fromkeys(r.pool for r in self.requests))
 
 
-def _block_pages(parent: bytes, block: int, count: int) -> tuple[tuple[str, ...], bytes]:
-    """The ``count`` chained page hashes of ``block`` under ``parent`` and the last digest."""
+def chained(parent: bytes, tag: bytes, count: int) -> tuple[tuple[str, ...], bytes]:
+    """The ``count`` chained page hashes of ``tag`` (a block id, 8 bytes LE) under
+    ``parent``, and the last digest."""
     out = []
-    tag = block.to_bytes(8, "little")
     digest = parent
     for index in range(count):
         digest = hashlib.sha256(digest + tag + index.to_bytes(4, "little")).digest()
@@ -103,12 +103,6 @@ def expand(
 
     ``salt`` changes every Mooncake page hash while keeping the sharing structure
     (for experiments that need independent hash draws, e.g. sampling variance)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if partial_pages not in ("ceil", "floor"):
-        raise ValueError(f"partial_pages must be 'ceil' or 'floor', got {partial_pages!r}")
-    if isinstance(node_pages, bool) or not isinstance(node_pages, int) or node_pages < 1:
-        raise ValueError(f"node_pages must be a positive int, got {node_pages!r}")
     total = len(trace.requests)
     step = max(1, total // 20)
     out: list[PageRequest] = []
@@ -161,7 +155,7 @@ def _expand_mooncake(
         key = (parent, block)
         found = memo.get(key)
         if found is None:
-            found = memo[key] = _block_pages(parent, block, per_block)
+            found = memo[key] = chained(parent, block.to_bytes(8, "little"), per_block)
         hexes, parent = found
         if index == last:
             remaining = request.input_length - last * block_tokens

@@ -60,8 +60,6 @@ def _feed(sampler: SamplerType, kind: str, pages: tuple[str, ...], walked: int, 
 
 def recorded_curves(trace: Trace, caps: Sequence[int]) -> list[RecordedCurve]:
     """The stream and lookup curves of every instance and pool of a recorded trace."""
-    if trace.version < 2:
-        raise ValueError("recorded_curves needs a recorded (version 2) trace")
     distinct: dict[tuple[int, str], set[str]] = {}
     for e in trace.events:
         if e.pages and e.kind != _recorder.REQUEST:

@@ -134,7 +134,7 @@ def to_json(result: SweepResult) -> dict[str, Any]:
     }
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -150,14 +150,14 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def write_document(doc: dict[str, Any], path: Path) -> None:
+    """``doc`` as indented JSON, atomically."""
+    text = json.dumps(doc, indent=2) + "\n"
+    _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
 def write_json(result: SweepResult, path: Path) -> None:
-    """Write ``to_json(result)`` atomically."""
-    text = json.dumps(to_json(result), indent=2) + "\n"
-
-    def write(tmp: Path) -> None:
-        tmp.write_text(text, encoding="utf-8")
-
-    _atomic_write(path, write)
+    write_document(to_json(result), path)
 
 
 def _curve_points(result: SweepResult, pool: str) -> tuple[list[int], list[float]]:
@@ -303,9 +303,4 @@ def write_fleet_json(results: Sequence[FleetResult], config: Any, path: Path) ->
         "runs": [r.as_dict() for r in results],
         "environment": {"python": platform.python_version()},
     }
-    text = json.dumps(doc, indent=2) + "\n"
-
-    def write(tmp: Path) -> None:
-        tmp.write_text(text, encoding="utf-8")
-
-    _atomic_write(path, write)
+    write_document(doc, path)

@@ -175,14 +175,8 @@ def sweep(
     progress: Progress | None = None,
 ) -> SweepResult:
     """The belief-only curve at ``caps`` and, with ``model="buffer"``, one model run per cap."""
-    if model not in ("belief-only", "buffer"):
-        raise ValueError(f"model must be 'belief-only' or 'buffer', got {model!r}")
     caps = tuple(sorted(set(caps)))
-    if not caps or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps):
-        raise ValueError("caps must be a non-empty sequence of ints >= 1")
-    jobs = default_jobs() if jobs is None else jobs
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    jobs = jobs or default_jobs()
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
 

@@ -14,7 +14,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from hicache_existence.replay.pages import PageRequest, PageTrace, chunk_ends
+from hicache_existence.replay.pages import PageRequest, PageTrace, chained, chunk_ends
 
 
 @dataclass(frozen=True)
@@ -38,24 +38,15 @@ class LongContextSpec:
     seed: int = 0
 
 
-def _chain(parent: bytes, tag: bytes, count: int) -> tuple[list[str], bytes]:
-    out = []
-    digest = parent
-    for index in range(count):
-        digest = hashlib.sha256(digest + tag + index.to_bytes(4, "little")).digest()
-        out.append(digest.hex())
-    return out, digest
-
-
 def long_context_requests(spec: LongContextSpec | None = None) -> list[PageRequest]:
     """The workload's requests, in arrival order, for pool ``kv``."""
     spec = spec or LongContextSpec()
     rng = random.Random(spec.seed)
     root = hashlib.sha256(f"long-context/{spec.seed}".encode()).digest()
     weights = [1.0 / (rank + 1) ** spec.zipf_s for rank in range(spec.documents)]
-    docs: dict[int, tuple[list[str], bytes]] = {}
+    docs: dict[int, tuple[tuple[str, ...], bytes]] = {}
     # A session: (pages so far, last digest, turns so far).
-    sessions: list[tuple[list[str], bytes, int]] = []
+    sessions: list[tuple[tuple[str, ...], bytes, int]] = []
     out: list[PageRequest] = []
     for number in range(spec.requests):
         tag = number.to_bytes(8, "little")
@@ -63,7 +54,7 @@ def long_context_requests(spec: LongContextSpec | None = None) -> list[PageReque
         if live and rng.random() < spec.follow_up:
             index = len(sessions) - len(live) + rng.randrange(len(live))
             pages, digest, turns = sessions[index]
-            answer, digest = _chain(digest, b"a" + tag, rng.randint(*spec.answer_pages))
+            answer, digest = chained(digest, b"a" + tag, rng.randint(*spec.answer_pages))
             pages = pages + answer
         else:
             doc = rng.choices(range(spec.documents), weights)[0]
@@ -71,10 +62,10 @@ def long_context_requests(spec: LongContextSpec | None = None) -> list[PageReque
                 length = int(
                     spec.doc_pages_min * (spec.doc_pages_max / spec.doc_pages_min) ** rng.random()
                 )
-                docs[doc] = _chain(root, b"d" + doc.to_bytes(8, "little"), length)
-            base, digest = docs[doc]
-            pages, turns, index = list(base), 0, -1
-        question, digest = _chain(digest, b"q" + tag, rng.randint(*spec.question_pages))
+                docs[doc] = chained(root, b"d" + doc.to_bytes(8, "little"), length)
+            pages, digest = docs[doc]
+            turns, index = 0, -1
+        question, digest = chained(digest, b"q" + tag, rng.randint(*spec.question_pages))
         pages = pages + question
         turns += 1
         if index >= 0:
@@ -83,10 +74,9 @@ def long_context_requests(spec: LongContextSpec | None = None) -> list[PageReque
                 sessions.pop(index)
         else:
             sessions.append((pages, digest, turns))
-        chain = tuple(pages)
         out.append(
             PageRequest(
-                number * spec.interval_ms, "kv", chain, chunk_ends(len(chain), spec.node_pages)
+                number * spec.interval_ms, "kv", pages, chunk_ends(len(pages), spec.node_pages)
             )
         )
     return out

@@ -31,7 +31,7 @@ import json
 import math
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -293,10 +293,7 @@ def _mooncake(f: _Fields, block_tokens: int) -> Request:
 def _pages(f: _Fields) -> Request:
     timestamp = f.timestamp()
     pages = _page_list(f)
-    pool = f.obj.get("pool", "kv")
-    if not isinstance(pool, str) or not 0 < len(pool) <= MAX_POOL_CHARS:
-        raise f.fail(f"field 'pool' must be a non-empty string of <= {MAX_POOL_CHARS} characters")
-    return Request(f.line, timestamp, pool, 0, 0, (), pages)
+    return Request(f.line, timestamp, _pool(f), 0, 0, (), pages)
 
 
 @dataclass
@@ -407,10 +404,6 @@ def read_trace(
     """Read and validate a whole trace; ``TraceError`` names the line of the first
     problem.  ``path`` may be a directory of recorder files (version 2), read as one
     trace whose instances each keep their own events."""
-    if fmt not in ("auto", "mooncake", "pages"):
-        raise ValueError(f"fmt must be 'auto', 'mooncake' or 'pages', got {fmt!r}")
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
     path = Path(path)
     if path.is_dir():
         return _read_recorded_dir(path)
@@ -523,21 +516,7 @@ def _recorded(source: str, parts: list[tuple[_Header, list[Event]]]) -> Trace:
         for e in part:
             if e.pool:
                 known[e.pool] = None
-            events.append(
-                Event(
-                    e.line,
-                    e.timestamp_ms + offset,
-                    e.kind,
-                    e.pool,
-                    e.pages,
-                    e.walked,
-                    e.miss,
-                    e.request,
-                    e.hit,
-                    index,
-                    run,
-                )
-            )
+            events.append(replace(e, timestamp_ms=e.timestamp_ms + offset, instance=index, run=run))
     if not events:
         raise TraceError(source, 0, "the trace has no recorded events")
     return Trace(
