@@ -54,6 +54,17 @@ class RefIndex:
             self._to_end(j)
         return len(seq)
 
+    def cover_rest(self, seq, start, tag, cover):
+        rescues = 0
+        for i in range(start, len(seq)):
+            if self.touch(seq[i], tag):
+                continue
+            if cover is not None and seq[i] in cover:
+                rescues += 1
+                continue
+            return i, rescues
+        return len(seq), rescues
+
     def touch(self, h, tag=0):
         j = self._find(h, tag)
         if j >= 0:
@@ -144,6 +155,16 @@ class IndexMachine(RuleBasedStateMachine):
     def touch_prefix(self, seq, tag):
         self._all("touch_prefix", seq, tag)
 
+    @rule(
+        seq=pages(),
+        tag=tags_st,
+        start=st.integers(0, 8),
+        cover=st.one_of(st.none(), st.sets(keys_st, max_size=4)),
+    )
+    def cover_rest(self, seq, tag, start, cover):
+        """The rest of a covered walk: touched pages, rescues from ``cover``, the stop."""
+        self._all("cover_rest", seq, min(start, len(seq)), tag, cover)
+
     @rule(h=keys_st, tag=tags_st)
     def touch(self, h, tag):
         self._all("touch", h, tag)
@@ -170,15 +191,16 @@ class IndexMachine(RuleBasedStateMachine):
         seq=pages(),
         bad=bad_items,
         at=st.integers(0, 8),
-        method=st.sampled_from(["add", "touch_prefix", "discard"]),
+        method=st.sampled_from(["add", "touch_prefix", "discard", "cover_rest"]),
     )
     def bad_input_changes_nothing(self, seq, bad, at, method):
         items = list(seq)
         items.insert(min(at, len(items)), bad)
         index_of_bad = next(i for i, x in enumerate(items) if not isinstance(x, str))
+        extra = (0, 0, set(items[:index_of_bad])) if method == "cover_rest" else (0,)
         for name, index in self.impls.items():
             with pytest.raises(TypeError, match=rf"hashes\[{index_of_bad}\] must be a str"):
-                getattr(index, method)(items, 0)
+                getattr(index, method)(items, *extra)
             assert index.items() == self.ref.items(), name
 
     @invariant()

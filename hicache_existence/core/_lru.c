@@ -547,6 +547,66 @@ Lru_touch(Lru *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(cover_rest_doc,
+"cover_rest(hashes, start, tag, cover, /) -> (stop, rescues)\n\n"
+"Continue a walk from hashes[start]: touch each present page; a page that is\n"
+"not present but in cover (any container; None: none) is a rescue; stop at the\n"
+"first page that is neither.  stop == len(hashes) when the walk completed.\n"
+"The sampler is not fed (the caller records the walk).");
+
+static PyObject *
+Lru_cover_rest(Lru *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t tag;
+    if (check_nargs("cover_rest", nargs, 4, 4) < 0 || parse_batch(args[0], args[2], &tag) < 0) {
+        return NULL;
+    }
+    PyObject *seq = args[0];
+    PyObject *cover = args[3];
+    if (check_items(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), NULL) < 0) {
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (start < 0 || start > PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_SetString(PyExc_ValueError, "cover_rest: start out of range");
+        return NULL;
+    }
+    Py_ssize_t i = start, rescues = 0;
+    /* The size is read every page: cover's __contains__ may be Python code. */
+    for (; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        if (check_key(key) < 0) {
+            return NULL;
+        }
+        Py_ssize_t pos = find_key(self, key, tag);
+        if (pos == -2) {
+            return NULL;
+        }
+        if (pos >= 0) {
+            uint32_t id = (uint32_t)self->slots[pos] - 1;
+            move_to_end(self, id, node_at(self, id));
+            continue;
+        }
+        if (cover == Py_None) {
+            break;
+        }
+        Py_INCREF(key);
+        int c = PySequence_Contains(cover, key);
+        Py_DECREF(key);
+        if (c < 0) {
+            return NULL;
+        }
+        if (c == 0) {
+            break;
+        }
+        rescues++;
+    }
+    return Py_BuildValue("(nn)", i, rescues);
+}
+
 PyDoc_STRVAR(contains_doc,
 "contains(page_hash, tag=0, /) -> bool\n\n"
 "Whether a page is present, without touching it.");
@@ -1145,6 +1205,7 @@ static PyMethodDef Lru_methods[] = {
     {"touch_prefix", (PyCFunction)(void (*)(void))Lru_touch_prefix, METH_FASTCALL,
      touch_prefix_doc},
     {"touch", (PyCFunction)(void (*)(void))Lru_touch, METH_FASTCALL, touch_doc},
+    {"cover_rest", (PyCFunction)(void (*)(void))Lru_cover_rest, METH_FASTCALL, cover_rest_doc},
     {"contains", (PyCFunction)(void (*)(void))Lru_contains, METH_FASTCALL, contains_doc},
     {"add", (PyCFunction)(void (*)(void))Lru_add, METH_FASTCALL, add_doc},
     {"evict", (PyCFunction)Lru_evict, METH_O, evict_doc},

@@ -103,22 +103,31 @@ class CountingPool:
 
     def _walk_rest(self, seq: Sequence[str], pos: int, cover: Container[str] | None) -> bool:
         """Finish a walk from ``seq[pos]``, the first page not believed; the pages
-        before it were hits.  A Python loop, like upstream's and the seed's: taken
-        only when a query misses or meets covered (in-flight) content."""
+        before it were hits.  Taken only when a query misses or meets covered
+        (in-flight) content; the index walks the rest (``cover_rest``: in C for the
+        compiled one, instead of a Python loop of ``touch`` calls and ``in`` tests)."""
         c = self._counters
         hits = pos
         rescues = 0
         if cover is not None:
-            touch = self._entries.touch
             tag = self.tag
-            for h in islice(seq, pos, None):
-                if touch(h, tag):
-                    hits += 1
-                elif h in cover:
-                    rescues += 1
-                else:
-                    break
-            else:
+            rest = getattr(self._entries, "cover_rest", None)
+            if rest is not None:  # the index walks the rest (one C call when compiled)
+                stop, rescues = rest(seq, pos, tag, cover)
+                hits = stop - rescues
+                complete = stop == len(seq)
+            else:  # a compiled index built before cover_rest existed
+                touch = self._entries.touch
+                complete = True
+                for h in islice(seq, pos, None):
+                    if touch(h, tag):
+                        hits += 1
+                    elif h in cover:
+                        rescues += 1
+                    else:
+                        complete = False
+                        break
+            if complete:
                 n = len(seq)
                 c.query_hits += 1
                 c.pages_checked += n

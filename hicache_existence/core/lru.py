@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import itemgetter
 from types import ModuleType
@@ -50,6 +50,9 @@ class LruIndexType(Protocol):
 
     def touch_prefix(self, hashes: Sequence[str], tag: int = 0, /) -> int: ...
     def touch(self, page_hash: str, tag: int = 0, /) -> bool: ...
+    def cover_rest(
+        self, hashes: Sequence[str], start: int, tag: int, cover: Container[str] | None, /
+    ) -> tuple[int, int]: ...
     def contains(self, page_hash: str, tag: int = 0, /) -> bool: ...
     def add(self, hashes: Sequence[str], tag: int = 0, /) -> int: ...
     def evict(self, count: int, /) -> dict[int, int]: ...
@@ -132,6 +135,33 @@ class PyLruIndex:
             od.move_to_end(key)
             return True
         return False
+
+    def cover_rest(
+        self, hashes: Sequence[str], start: int, tag: int, cover: Container[str] | None, /
+    ) -> tuple[int, int]:
+        """Continue a walk from ``hashes[start]``: touch each present page; one not
+        present but in ``cover`` is a rescue; stop at the first that is neither.
+        ``(stop, rescues)``, ``stop == len(hashes)`` for a complete walk.  The
+        sampler is not fed (the caller records the walk)."""
+        tag = _validate.index_batch(hashes, tag)
+        if not 0 <= start <= len(hashes):
+            raise ValueError("cover_rest: start out of range")
+        od = self._od
+        move_to_end = od.move_to_end
+        rescues = 0
+        i = start
+        while i < len(hashes):
+            h = hashes[i]
+            _check_key(h)
+            key = h if tag == 0 else (tag, h)
+            if key in od:
+                move_to_end(key)
+            elif cover is not None and h in cover:
+                rescues += 1
+            else:
+                break
+            i += 1
+        return i, rescues
 
     def contains(self, page_hash: str, tag: int = 0, /) -> bool:
         _check_key(page_hash)
