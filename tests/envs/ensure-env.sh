@@ -17,6 +17,23 @@
 # with its extras (reinstalled only when pyproject.toml, the repo path or the
 # extras change: CI clones into a new folder each time).
 #
+# The pins are installed by uv when it can be had, else by pip (one log line says
+# which).  Why: a cold machine builds three ~6.6 GB envs side by side (py3.11 full,
+# py3.12 full, py3.11 seed); pip downloads and unpacks every wheel once per env, while
+# uv unpacks each wheel once into its cache (<root>/.uv-cache, on the envs' filesystem)
+# and hardlinks it into every env that takes it: torch cp311 and every py3-none wheel
+# (the nvidia-* libraries, ~3 GB) are written once.  uv (pinned, UV_PIN) is installed by
+# pip into a cached tools venv, <root>/tools-<sha256 of the pin>; without a network it
+# cannot be, and pip builds the env as before.  uv is given pip's own effective
+# sources (index, extra indexes, find-links, constraint files, CA bundle, read from the
+# new venv's pip) with pip's "best version across all indexes" strategy, so a pin
+# resolves to the same file either way.  The venv is still made by `python -m venv`
+# (pip inside: tests and the editable install below use it), and uv does not compile
+# bytecode (Python writes each env's .pyc on first import; pip compiled them all).
+# The hardlinks are safe because nothing writes an installed file in place (pip and
+# Python replace files, they do not rewrite them); `rm -rf <root>/.uv-cache` is safe
+# whenever no build runs (the envs keep their links) and frees what no env uses.
+#
 # Environment:
 #   HICACHE_EXISTENCE_ENV_FLAVOR   which sections of sglang-requirements.txt:
 #                                  light (default: common + light; CPU torch 2.13;
@@ -31,6 +48,9 @@
 #   HICACHE_EXISTENCE_ENV_EXTRAS   extras of this repo to install (default: test,dev)
 #   HICACHE_EXISTENCE_PYTHON       base interpreter (default: python3.11, else python3);
 #                                  envs are keyed by its X.Y, one per Python and flavour
+#   HICACHE_EXISTENCE_ENV_INSTALLER   auto (default: uv, pip when uv cannot be had), uv
+#                                  (fail without it) or pip: what installs the pins (the
+#                                  env's contents are the same; not part of the key)
 #   HICACHE_EXISTENCE_ENV_REBUILD=1   discard the env of this key and build it again
 #   HICACHE_EXISTENCE_ENV_KEEP_OLD=1  keep envs of the same Python and flavour with
 #                                     other keys (default: removed after a successful build)
@@ -50,7 +70,10 @@ FLAVOR="${HICACHE_EXISTENCE_ENV_FLAVOR:-light}"
 EXTRAS="${HICACHE_EXISTENCE_ENV_EXTRAS:-test,dev}"
 ROOT="${HICACHE_EXISTENCE_ENV_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/hicache-existence/envs}"
 # Bump when the way an env is built changes (not its contents: those are hashed).
-LAYOUT=1
+# 2: the pins installed by uv (pip without it).
+LAYOUT=2
+UV_PIN="uv==0.13.9"
+INSTALLER="${HICACHE_EXISTENCE_ENV_INSTALLER:-auto}"
 
 log() { printf '[ensure-env] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -66,6 +89,10 @@ case "$FLAVOR" in
   seed) SECTIONS="common full server seed" MODULES="$FULL_MODULES" ;;
   core) SECTIONS="" MODULES="" ;;
   *) die "HICACHE_EXISTENCE_ENV_FLAVOR must be light, full, seed or core, not '$FLAVOR'" ;;
+esac
+case "$INSTALLER" in
+  auto | uv | pip) ;;
+  *) die "HICACHE_EXISTENCE_ENV_INSTALLER must be auto, uv or pip, not '$INSTALLER'" ;;
 esac
 [ -f "$REQS" ] || die "missing $REQS"
 
@@ -176,6 +203,74 @@ run_logged() {
   fi
 }
 
+# uv, from a cached tools venv next to the envs (made by pip, once per pin, under a
+# lock: the envs built side by side wait for the first); nothing when it cannot be
+# had (no network): the caller falls back to pip.
+uv_binary() { # base-python build-log -> prints the path of uv, or nothing
+  local tools="$ROOT/tools-$(printf '%s' "$UV_PIN" | sha256sum | cut -c1-10)"
+  if [ ! -f "$tools/.hicache-env-complete" ]; then
+    (
+      exec 7>"$ROOT/.lock-$(basename "$tools")"
+      flock 7
+      [ ! -f "$tools/.hicache-env-complete" ] || exit 0
+      rm -rf -- "$tools"
+      if "$1" -m venv "$tools" >>"$2" 2>&1 \
+        && "$tools/bin/python" -m pip install --disable-pip-version-check --no-input -q \
+          "$UV_PIN" >>"$2" 2>&1 && "$tools/bin/uv" --version >>"$2" 2>&1; then
+        touch "$tools/.hicache-env-complete"
+      else
+        log "could not install $UV_PIN into $tools (see $2)"
+        rm -rf -- "$tools"
+      fi
+    )
+  fi
+  if [ -f "$tools/.hicache-env-complete" ]; then echo "$tools/bin/uv"; fi
+}
+
+# pip's effective sources for uv, read from pip itself (its config files and PIP_*
+# variables: here find-links=/opt/wheels, two file:// extra indexes and a constraint
+# file), so that the pins resolve to the same files: "VAR=value" lines for uv's
+# environment (the CA bundle, the timeout), a "--" line, then uv's flags one a line.
+# Fails on a setting with no counterpart given here (proxy, trusted hosts,
+# --only-binary/--no-binary, --pre, ...): pip builds the env then.
+pip_sources() { # venv-python
+  "$1" - <<'PY'
+import sys
+from pip._internal.commands import create_command
+
+o = create_command("install").parse_args([])[0]
+unsupported = [
+    name
+    for name, value in (
+        ("proxy", o.proxy),
+        ("trusted-host", o.trusted_hosts),
+        ("only-binary/no-binary", o.format_control.only_binary | o.format_control.no_binary),
+        ("pre", o.pre),
+        ("prefer-binary", o.prefer_binary),
+        ("client-cert", o.client_cert),
+    )
+    if value
+]
+if unsupported:
+    sys.exit("pip is configured with " + ", ".join(unsupported) + ": not passed on to uv")
+lines = ["UV_HTTP_TIMEOUT=%d" % int(o.timeout)]
+if o.cert:
+    lines.append("SSL_CERT_FILE=" + o.cert)
+lines.append("--")
+if o.no_index:
+    lines.append("--no-index")
+else:
+    lines += ["--index-url", o.index_url]
+    for url in o.extra_index_urls:
+        lines += ["--extra-index-url", url]
+for link in o.find_links:
+    lines += ["--find-links", link]
+for path in o.constraints:
+    lines += ["--constraint", path]
+print("\n".join(lines))
+PY
+}
+
 if [ ! -d "$ENV" ]; then
   START=$(date +%s)
   # We hold this key's lock: any .tmp-<key>-* left here is a dead build's.
@@ -187,15 +282,37 @@ if [ ! -d "$ENV" ]; then
   "$BASE" -m venv --prompt "$KEY" "$TMP"
   printf '%s\n' "$PINS" >"$TMP/.hicache-env-pins"
   if [ -n "$PINS" ]; then
-    log "installing $(printf '%s\n' "$PINS" | wc -l) pinned packages (--no-deps)"
-    run_logged "$BLOG" "$TMP/bin/python" -m pip install --disable-pip-version-check \
-      --no-input --no-deps -r "$TMP/.hicache-env-pins"
+    npins="$(printf '%s\n' "$PINS" | wc -l)"
+    UV=""
+    if [ "$INSTALLER" != pip ]; then
+      UV="$(uv_binary "$BASE" "$BLOG")"
+      if [ -n "$UV" ] && ! pip_sources "$TMP/bin/python" >"$TMP/.hicache-env-uv" 2>>"$BLOG"; then
+        log "pip's configuration cannot be passed on to uv: $(tail -n 1 "$BLOG")"
+        UV=""
+      fi
+      [ -n "$UV" ] || [ "$INSTALLER" != uv ] || die "HICACHE_EXISTENCE_ENV_INSTALLER=uv: no uv ($UV_PIN)"
+    fi
+    if [ -n "$UV" ]; then
+      mapfile -t uv_args <"$TMP/.hicache-env-uv"
+      log "installing $npins pinned packages (--no-deps) with $("$UV" --version) (cache $ROOT/.uv-cache)"
+      # uv_args: VAR=value..., "--", flags...; env(1) takes the first part.
+      for ((i = 0; i < ${#uv_args[@]}; i++)); do [ "${uv_args[i]}" != -- ] || break; done
+      run_logged "$BLOG" env "${uv_args[@]:0:i}" "$UV" pip install --no-config \
+        --python "$TMP/bin/python" --cache-dir "$ROOT/.uv-cache" --index-strategy unsafe-best-match \
+        "${uv_args[@]:i+1}" --no-deps -r "$TMP/.hicache-env-pins"
+    else
+      log "installing $npins pinned packages (--no-deps) with pip$([ "$INSTALLER" = pip ] || echo ' (no uv)')"
+      run_logged "$BLOG" "$TMP/bin/python" -m pip install --disable-pip-version-check \
+        --no-input --no-deps -r "$TMP/.hicache-env-pins"
+    fi
   fi
   # venv and pip write the build path into bin/ (activate scripts, shebangs); point
   # them at the final path before the rename.
   grep -rlIF -- "$TMP" "$TMP/bin" | while IFS= read -r f; do
     sed -i "s#$TMP#$ENV#g" "$f"
   done || true
+  log "pins installed in $(( $(date +%s) - START ))s"
+  T_IMPORTS=$(date +%s)
   [ -z "$MODULES" ] || log "checking imports"
   # shellcheck disable=SC2086
   run_logged "$BLOG" "$TMP/bin/python" -c '
@@ -208,7 +325,7 @@ for name in sys.argv[1:]:
   touch "$TMP/.hicache-env-complete"
   mv -T -- "$TMP" "$ENV"
   TMP=""
-  log "built $ENV in $(( $(date +%s) - START ))s ($(du -sh "$ENV" | cut -f1))"
+  log "built $ENV in $(( $(date +%s) - START ))s (imports $(( $(date +%s) - T_IMPORTS ))s; $(du -sh "$ENV" | cut -f1))"
 
   if [ "${HICACHE_EXISTENCE_ENV_KEEP_OLD:-0}" != 1 ]; then
     # Only this Python's: the matrix keeps one env per Python and flavour.
@@ -233,8 +350,10 @@ if [ "$(cat "$ENV/.hicache-env-repo" 2>/dev/null)" != "$REPO_STAMP" ] || ! built
     log "installing $REPO[$EXTRAS] (editable)"
     # The pins constrain whatever the extras pull in, so a test dependency cannot
     # silently move a package the sglang imports were checked with.
+    T_REPO=$(date +%s)
     run_logged "$ENV/.hicache-env-build.log" "$PY" -m pip install --disable-pip-version-check \
       --no-input -e "$REPO[$EXTRAS]" -c "$ENV/.hicache-env-pins"
+    log "installed $REPO[$EXTRAS] in $(( $(date +%s) - T_REPO ))s"
   else
     log "no $REPO/pyproject.toml yet: skipping the editable install"
   fi
