@@ -116,16 +116,19 @@ class ReplicaDigest:
             s = self._streams[pool] = _Stream()
         return s
 
-    def added(self, pool: str, hashes: Sequence[str]) -> None:
+    def _fold(self, pool: str, tag: bytes, pages: Sequence[str]) -> None:
+        """One batch operation: its tag and page count, then every page (in C)."""
         try:
             s = self._stream(pool)
-            n = len(hashes)
-            crc = _crc32(b"\0A%d\0" % n, s.crc)
-            s.crc = _crc32("\0".join(hashes).encode(_ENC, _ERR), crc)
+            crc = _crc32(b"\0%s%d\0" % (tag, len(pages)), s.crc)
+            s.crc = _crc32("\0".join(pages).encode(_ENC, _ERR), crc)
             s.ops += 1
-            s.pages += n
+            s.pages += len(pages)
         except Exception:  # never raise into the scheduler
             self._poison(pool)
+
+    def added(self, pool: str, hashes: Sequence[str]) -> None:
+        self._fold(pool, b"A", hashes)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
         # The hot path: O(1) per call whatever the chain length.  ``stop`` enters
@@ -138,12 +141,12 @@ class ReplicaDigest:
         except Exception:
             self._touched_slow(pool, hashes, stop)
 
-    def _touched_slow(self, pool: str, hashes: Sequence[str], stop: int) -> None:
+    def _touched_slow(self, pool: str, hashes: Sequence[str], stop: int, order: str = "") -> None:
         """A pool's first touch, or pages that are not valid UTF-8 (same bytes as
         the fast path would produce for valid ones)."""
         try:
             s = self._stream(pool)
-            data = f"\0T{hashes[0]}\0{hashes[stop - 1]}".encode(_ENC, _ERR)
+            data = f"{order}\0T{hashes[0]}\0{hashes[stop - 1]}".encode(_ENC, _ERR)
             s.crc = _crc32(data, s.crc ^ stop)
             s.ops += 1
         except Exception:
@@ -151,25 +154,10 @@ class ReplicaDigest:
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         # Only the tail decides the effect (absent pages are skipped).
-        try:
-            s = self._stream(pool)
-            tail = hashes[keep_pages:]
-            crc = _crc32(b"\0V%d\0" % len(tail), s.crc)
-            s.crc = _crc32("\0".join(tail).encode(_ENC, _ERR), crc)
-            s.ops += 1
-            s.pages += len(tail)
-        except Exception:
-            self._poison(pool)
+        self._fold(pool, b"V", hashes[keep_pages:])
 
     def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
-        try:
-            s = self._stream(pool)
-            crc = _crc32(b"\0I%+d\0%d\0" % (delta, len(hashes)), s.crc)
-            s.crc = _crc32("\0".join(hashes).encode(_ENC, _ERR), crc)
-            s.ops += 1
-            s.pages += len(hashes)
-        except Exception:
-            self._poison(pool)
+        self._fold(pool, b"I%+d\0" % delta, hashes)
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
         try:
@@ -308,13 +296,7 @@ class SharedLruDigest(ReplicaDigest):
             s.crc = _crc32(data, s.crc ^ stop)
             s.ops += 1
         except Exception:  # first touch of the pool, or pages not valid UTF-8
-            try:
-                s = self._stream(pool)
-                data = f"\0#{seq}\0T{hashes[0]}\0{hashes[stop - 1]}".encode(_ENC, _ERR)
-                s.crc = _crc32(data, s.crc ^ stop)
-                s.ops += 1
-            except Exception:
-                self._poison(pool)
+            self._touched_slow(pool, hashes, stop, f"\0#{seq}")
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         self._order(pool)

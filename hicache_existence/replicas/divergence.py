@@ -23,6 +23,7 @@ same checker over threads for fast tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from hicache_existence import logs
 from hicache_existence.config import DivergenceSection
+from hicache_existence.core._validate import count
 from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.replicas.digest import (
     DIGEST_VERSION,
@@ -63,17 +65,6 @@ EVENT_CHECK_FAILED = "hicache_existence.replicas.divergence.check_failed"
 #: Layout of the check vector: header words, then three blocks of ``slots`` words.
 _STEP, _STATUS, _REPLICA = 0, 1, 2
 _HEADER = 3
-
-#: The settings ranks must agree on, in handshake-vector order.
-_HANDSHAKE_FIELDS: tuple[str, ...] = (
-    "digest_version",
-    "enabled",
-    "interval_steps",
-    "policy",
-    "audit_every_checks",
-    "pool_slots",
-    "timeout_ms",
-)
 
 
 # ---------------------------------------------------------------------------
@@ -148,8 +139,6 @@ class TorchGlooGroup:
         backend = str(dist.get_backend(group))
         if backend != "gloo":
             raise ValueError(f"group must be a gloo (CPU) group, got backend {backend!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self._dist = dist
         self._group = group
         self.rank = int(dist.get_rank(group))
@@ -171,8 +160,6 @@ class TorchGlooGroup:
         """
         import torch.distributed as dist
 
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         group = dist.new_group(
             ranks=list(ranks) if ranks is not None else None,
             backend="gloo",
@@ -225,22 +212,16 @@ class InProcessWorld:
     """
 
     def __init__(self, size: int, timeout_s: float = 5.0) -> None:
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"size must be an int, got {type(size).__name__}")
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size = count(size, "size", 1)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        self.size = size
         self.timeout_s = float(timeout_s)
         self._barrier = threading.Barrier(size, timeout=self.timeout_s)
         self._slots: list[list[int]] = [[] for _ in range(size)]
 
     def group(self, rank: int) -> InProcessGroup:
         """The handle of member ``rank``."""
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-        if not 0 <= rank < self.size:
+        if count(rank, "rank") >= self.size:
             raise ValueError(f"rank must be within [0, {self.size}), got {rank}")
         return InProcessGroup(self, rank)
 
@@ -326,6 +307,21 @@ class DivergenceStats:
     )
 
 
+@dataclass
+class _Counts:
+    """The counters of ``DivergenceStats`` (what ``stats()`` copies)."""
+
+    checks: int = 0
+    divergences: int = 0
+    heals: int = 0
+    failures: int = 0
+    timeouts: int = 0
+    config_mismatches: int = 0
+    last_check_step: int = 0
+    last_divergence_step: int = 0
+    check_seconds: float = 0.0
+
+
 # ---------------------------------------------------------------------------
 # the checker
 
@@ -376,15 +372,7 @@ class DivergenceChecker:
         self._started = False
         self._active = False
         self._check_index = 0
-        self._checks = 0
-        self._divergences = 0
-        self._heals = 0
-        self._failures = 0
-        self._timeouts = 0
-        self._config_mismatches = 0
-        self._last_check_step = 0
-        self._last_divergence_step = 0
-        self._check_seconds = 0.0
+        self._counts = _Counts()
         self._by_pool: dict[str, int] = {}
         self._failure_event: dict[str, Any] | None = None
 
@@ -435,17 +423,18 @@ class DivergenceChecker:
             return None
 
     # -- start-up ------------------------------------------------------------
-    def _handshake_values(self) -> list[int]:
+    def _handshake(self) -> dict[str, int]:
+        """The settings ranks must agree on, in handshake-vector order."""
         c = self._config
-        return [
-            DIGEST_VERSION,
-            int(c.enabled),
-            c.interval_steps,
-            POLICIES.index(c.policy),
-            c.audit_every_checks,
-            c.pool_slots,
-            round(c.timeout_s * 1000),
-        ]
+        return {
+            "digest_version": DIGEST_VERSION,
+            "enabled": int(c.enabled),
+            "interval_steps": c.interval_steps,
+            "policy": POLICIES.index(c.policy),
+            "audit_every_checks": c.audit_every_checks,
+            "pool_slots": c.pool_slots,
+            "timeout_ms": round(c.timeout_s * 1000),
+        }
 
     def start(self) -> bool:
         """The one start-up handshake (idempotent): every rank must call it, enabled
@@ -454,7 +443,8 @@ class DivergenceChecker:
         if self._started:
             return self._active
         self._started = True
-        values = self._handshake_values()
+        settings = self._handshake()
+        values = list(settings.values())
         n = len(values)
         try:
             reduced = self._group.all_reduce_max(values + [-v for v in values])
@@ -463,10 +453,10 @@ class DivergenceChecker:
             return False
         hi, lo = reduced[:n], [-v for v in reduced[n:]]
         if hi != lo:
-            self._config_mismatches += 1
+            self._counts.config_mismatches += 1
             differing = {
                 name: {"min": lo[i], "max": hi[i], "local": values[i]}
-                for i, name in enumerate(_HANDSHAKE_FIELDS)
+                for i, name in enumerate(settings)
                 if hi[i] != lo[i]
             }
             event = {
@@ -529,15 +519,15 @@ class DivergenceChecker:
         except GroupError as exc:
             self._record_failure(step, exc, "check")
             return CheckResult(step, "failed", self._clock() - t0, self._failure_event)
-        self._checks += 1
-        self._last_check_step = step
+        self._counts.checks += 1
+        self._counts.last_check_step = step
         if gathered is None:
             duration = self._clock() - t0
-            self._check_seconds += duration
+            self._counts.check_seconds += duration
             return CheckResult(step, "ok", duration)
         event = self._diverged(step, gathered, digests)
         duration = self._clock() - t0
-        self._check_seconds += duration
+        self._counts.check_seconds += duration
         event["check_duration_s"] = round(duration, 6)
         self._emit(logging.ERROR, event)
         if self._config.policy == "abort":
@@ -623,14 +613,14 @@ class DivergenceChecker:
                     },
                 }
             )
-        self._divergences += 1
-        self._last_divergence_step = step
+        self._counts.divergences += 1
+        self._counts.last_divergence_step = step
         for name in pools:
             self._by_pool[name] = self._by_pool.get(name, 0) + 1
         action = {"log": "logged", "heal": "none", "abort": "aborted"}[self._config.policy]
         if self._config.policy == "heal" and slots:
             self._heal(slot_set)
-            self._heals += 1
+            self._counts.heals += 1
             action = "healed: cleared " + (", ".join(pools) if pools else "no local pool")
         return {
             "event": EVENT_DETECTED,
@@ -687,10 +677,10 @@ class DivergenceChecker:
     # -- failures and events -------------------------------------------------
     def _record_failure(self, step: int, exc: GroupError, what: str) -> None:
         self._active = False
-        self._failures += 1
+        self._counts.failures += 1
         timed_out = isinstance(exc, GroupTimeout)
         if timed_out:
-            self._timeouts += 1
+            self._counts.timeouts += 1
         event = {
             "event": EVENT_CHECK_FAILED,
             "step": step,
@@ -727,14 +717,6 @@ class DivergenceChecker:
             enabled=self._config.enabled,
             active=self._active,
             steps=self._step,
-            checks=self._checks,
-            divergences=self._divergences,
-            heals=self._heals,
-            failures=self._failures,
-            timeouts=self._timeouts,
-            config_mismatches=self._config_mismatches,
-            last_check_step=self._last_check_step,
-            last_divergence_step=self._last_divergence_step,
-            check_seconds=self._check_seconds,
+            **dataclasses.asdict(self._counts),
             divergences_by_pool=MappingProxyType(dict(self._by_pool)),
         )
