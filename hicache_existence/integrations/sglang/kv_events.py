@@ -155,15 +155,4 @@ def after_init_kv_events(result: Any, publisher: Any, *a: Any, **kw: Any) -> Non
     return None
 
 
-def register(registry: Any, hook_type: Any, resolve: Callable[[str], object]) -> list[str]:
-    """Register the publisher hook if the installed sglang has the target."""
-    try:
-        resolve(TARGET)
-    except Exception as exc:
-        logger.info("hicache-existence: storage-tier events stay off SGLang's stream (%s)", exc)
-        return []
-    registry.register(TARGET, after_init_kv_events, hook_type.AFTER)
-    return [TARGET]
-
-
-__all__ = ["SglangSink", "acked_blocks", "feed", "placement", "register"]
+__all__ = ["SglangSink", "acked_blocks", "feed", "placement"]

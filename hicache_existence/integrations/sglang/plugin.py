@@ -1,4 +1,5 @@
-"""The sglang plugin: entry point ``hicache_existence`` of group ``sglang.srt.plugins``.
+"""The sglang plugin: entry point ``hicache_existence`` of group ``sglang.srt.plugins``
+(the name ``SGLANG_PLUGINS`` must list to allow it).
 
 sglang calls ``register()`` in every process it starts (launcher, scheduler,
 detokenizer, DP controller) through ``sglang.srt.plugins.load_plugins()``,
@@ -44,10 +45,6 @@ from hicache_existence.integrations.sglang import targets as _targets
 from hicache_existence.integrations.sglang import write_hooks as _write_hooks
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
-
-#: The entry point's name (also what ``SGLANG_PLUGINS`` must list to allow it).
-PLUGIN_NAME = "hicache_existence"
-ENTRY_POINT = "hicache_existence.integrations.sglang.plugin:register"
 
 _DONE: dict[int, dict[str, Any]] = {}
 
@@ -194,14 +191,18 @@ def register_cache_hooks(
     # A mode without its write path exports no write families (absent, never 0).
     report["write_modes_off"] = sorted(modes_off)
     _hooks.set_uncounted_modes(modes_off)
-    try:
-        report["recorder_hooks"] = _recorder_hooks.register(registry, hook_type, _targets.resolve)
-    except Exception as exc:  # the recorder then has no request boundaries
-        _warn(report, f"recorder hook not registered ({exc!r}); traces have no request boundaries")
-    try:  # inert: it keeps a reference; events.enabled may come from a flag, read later
-        report["events_hooks"] = _kv_events.register(registry, hook_type, _targets.resolve)
-    except Exception as exc:  # storage-tier events then cannot join SGLang's stream
-        _warn(report, f"KV events hook not registered ({exc!r}); SGLang's stream lacks them")
+    # Optional: a missing target costs one info line; events.enabled may come
+    # from a flag read later, so the publisher hook is registered (inert) anyway.
+    for key, target, hook, kind, without in (
+        ("recorder_hooks", _recorder_hooks.TARGET, _recorder_hooks.around_insert,
+         hook_type.AROUND, "traces have no request boundaries"),
+        ("events_hooks", _kv_events.TARGET, _kv_events.after_init_kv_events,
+         hook_type.AFTER, "storage-tier events stay off SGLang's stream"),
+    ):  # fmt: skip
+        try:
+            report[key] = _register_optional(registry, target, hook, kind, without)
+        except Exception as exc:
+            _warn(report, f"{target} not registered ({exc!r}); {without}")
     report["cache"] = True
     report["generation"] = generation
     logger.info(
@@ -212,3 +213,14 @@ def register_cache_hooks(
         _lru.BYTES_PER_ENTRY,
     )
     return True
+
+
+def _register_optional(registry: Any, target: str, hook: Any, kind: Any, without: str) -> list[str]:
+    """Register ``hook`` if the installed sglang has ``target``."""
+    try:
+        _targets.resolve(target)
+    except Exception as exc:
+        logger.info("hicache-existence: %s (%s)", without, exc)
+        return []
+    registry.register(target, hook, kind)
+    return [target]

@@ -14,36 +14,25 @@ only for the matched part.  Without a recorder the hook calls upstream and retur
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any
 
-from hicache_existence.integrations.sglang.write_path import current
-
-logger = logging.getLogger("hicache_existence.integrations.sglang")
+from hicache_existence.integrations.sglang.write_hooks.binding import SKIP, bracketed
+from hicache_existence.integrations.sglang.write_path import WritePath
 
 TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert"
 
 
-def around_insert(original: Callable[..., Any], tree: Any, *a: Any, **kw: Any) -> Any:
-    """AROUND ``UnifiedRadixCache.insert``: one request boundary for the recorder."""
-    feed = current()
-    recorder = feed.recorder if feed is not None else None
-    if recorder is None or feed is None or not feed.owns_tree(tree):
-        return original(tree, *a, **kw)
+def _begin(feed: WritePath, tree: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    recorder = feed.recorder
+    if recorder is None or not feed.owns_tree(tree):
+        return SKIP
     recorder.begin_request()
-    try:
-        return original(tree, *a, **kw)
-    finally:
-        recorder.end_request()
+    return recorder
 
 
-def register(registry: Any, hook_type: Any, resolve: Callable[[str], object]) -> list[str]:
-    """Register the insert hook if the installed sglang has the target."""
-    try:
-        resolve(TARGET)
-    except Exception as exc:
-        logger.info("hicache-existence: no request boundaries for the recorder (%s)", exc)
-        return []
-    registry.register(TARGET, around_insert, hook_type.AROUND)
-    return [TARGET]
+around_insert = bracketed(
+    _begin,
+    lambda feed, recorder: recorder.end_request(),
+    "around_insert",
+    """AROUND ``UnifiedRadixCache.insert``: one request boundary for the recorder.""",
+)

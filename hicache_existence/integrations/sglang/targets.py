@@ -25,8 +25,6 @@ STEP_METHOD = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_
 #: sglang's argparse machinery (AROUND hooks add and carry the server flags).
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
-#: The hook registry itself.
-HOOK_REGISTRY = "sglang.srt.plugins.hook_registry.HookRegistry"
 
 CACHE_TARGETS: tuple[str, ...] = (CACHE_CLASS, STEP_METHOD)
 FLAG_TARGETS: tuple[str, ...] = (ADD_CLI_ARGS, FROM_CLI_ARGS)

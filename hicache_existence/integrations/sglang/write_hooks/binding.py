@@ -3,9 +3,9 @@
 A ``Hook`` names its upstream target, its kind, the API generations and host
 memory modes it serves, and the upstream parameters it reads; ``Params.bind``
 reads where each parameter sits from the target's own signature, so no hook
-indexes upstream's arguments by a guessed position.  ``current_feed``,
-``guard``, ``bracketed`` and ``replaced`` are the prelude, the error guard, the
-begin/end bracket and the argument rewrite every hook module uses, written once.
+indexes upstream's arguments by a guessed position.  ``guard``, ``bracketed``
+and ``replaced`` are the error guard, the begin/end bracket (with the prelude)
+and the argument rewrite every hook module uses, written once.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from hicache_existence.integrations.sglang import targets
 from hicache_existence.integrations.sglang.write_path import WritePath, current
@@ -22,19 +22,17 @@ Kind = Literal["AROUND", "AFTER"]
 Hooked = Callable[..., Any]
 
 
+@dataclass(frozen=True, slots=True)
 class Param:
     """One named parameter of an upstream method, read from a hook's ``(args,
     kwargs)`` (``self`` excluded) at the position the target's signature gives it."""
 
-    __slots__ = ("name", "index")
-
     #: The index of an optional parameter the target does not have.
-    ABSENT = 1 << 30
+    ABSENT: ClassVar[int] = 1 << 30
 
-    def __init__(self, name: str, index: int) -> None:
-        self.name = name
-        #: Position among the positional arguments after ``self``; -1: keyword-only.
-        self.index = index
+    name: str
+    #: Position among the positional arguments after ``self``; -1: keyword-only.
+    index: int
 
     @property
     def present(self) -> bool:
@@ -49,27 +47,12 @@ class Param:
             return args[i]
         return kwargs.get(self.name, default)
 
-    def __repr__(self) -> str:
-        return f"Param({self.name!r}, {self.index})"
 
-
-class Params(Mapping[str, Param]):
+class Params(dict[str, Param]):
     """The named parameters one hook reads, bound to its target's signature.
 
     ``"name?"`` in a hook's ``params`` is optional: absent from the signature,
     it reads as ``None`` (one API generation has it, the other not)."""
-
-    def __init__(self, found: Mapping[str, Param]) -> None:
-        self._found = dict(found)
-
-    def __getitem__(self, name: str) -> Param:
-        return self._found[name]
-
-    def __iter__(self) -> Any:
-        return iter(self._found)
-
-    def __len__(self) -> int:
-        return len(self._found)
 
     @classmethod
     def bind(cls, target: object, names: tuple[str, ...]) -> Params:
@@ -177,6 +160,36 @@ def bracketed(
             return original(owner, *a, **kw)
         finally:
             leave(feed, token)
+
+    around.__name__ = around.__qualname__ = name
+    around.__doc__ = doc
+    return around
+
+
+def read_then_account(
+    owns: Callable[[WritePath, Any], bool],
+    read: Callable[[WritePath, Any, tuple[Any, ...], dict[str, Any]], Any],
+    account: Callable[[WritePath, Any, Any], None],
+    name: str,
+    doc: str,
+) -> Hooked:
+    """An AROUND hook for a call that consumes what it is about: ``read(feed,
+    owner, a, kw)`` before upstream's call (``None``: nothing to account), then
+    ``account(feed, owner, read)`` after it; failures are counted, never raised."""
+
+    def around(original: Hooked, owner: Any, *a: Any, **kw: Any) -> Any:
+        feed = current()
+        if feed is None or not owns(feed, owner):
+            return original(owner, *a, **kw)
+        seen = None
+        try:
+            seen = read(feed, owner, a, kw)
+        except Exception as exc:
+            feed.error(exc)
+        result = original(owner, *a, **kw)
+        if seen is not None:
+            guard(feed, lambda: account(feed, owner, seen))
+        return result
 
     around.__name__ = around.__qualname__ = name
     around.__doc__ = doc

@@ -16,6 +16,7 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
     Params,
     bracketed,
     guard,
+    read_then_account,
 )
 from hicache_existence.integrations.sglang.write_path import WritePath, current
 
@@ -150,22 +151,17 @@ def _stage_backup_intent(p: Params) -> Hooked:
 def _storage_write_ack(p: Params) -> Hooked:
     op_of = p["operation_id"]
 
-    def around_storage_write_ack(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``finish_storage_write_ack``: this rank's outcome of the write,
-        read before upstream pops the pipeline's entry."""
-        feed = current()
-        if feed is None or not feed.owns_pipeline(pipeline):
-            return original(pipeline, *a, **kw)
-        entry = outcome = None
-        try:
-            op_id = op_of(a, kw)
-            entry = pipeline.ongoing_backup.get(op_id)
-            outcome = feed.take_outcome(op_id)
-        except Exception as exc:
-            feed.error(exc)
-        result = original(pipeline, *a, **kw)
-        if entry is not None:
-            guard(feed, lambda: feed.acked(entry, outcome))
-        return result
+    def read(feed: WritePath, pipeline: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        op_id = op_of(a, kw)
+        entry = pipeline.ongoing_backup.get(op_id)
+        outcome = feed.take_outcome(op_id)
+        return None if entry is None else (entry, outcome)
 
-    return around_storage_write_ack
+    return read_then_account(
+        WritePath.owns_pipeline,
+        read,
+        lambda feed, pipeline, seen: feed.acked(*seen),
+        "around_storage_write_ack",
+        """AROUND ``finish_storage_write_ack``: this rank's outcome of the write,
+        read before upstream pops the pipeline's entry.""",
+    )

@@ -16,6 +16,7 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
     Params,
     bracketed,
     guard,
+    read_then_account,
     replaced,
 )
 from hicache_existence.integrations.sglang.write_path import WritePath, current
@@ -98,22 +99,16 @@ def _hit_query(p: Params) -> Hooked:
 def _prefetch_result(p: Params) -> Hooked:
     operation_of = p["operation"]
 
-    def around_prefetch_result(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
+    def read(feed: WritePath, tree: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        operation = operation_of(a, kw)
+        return list(operation.hash_value or ()), int(operation.completed_tokens)
+
+    return read_then_account(
+        WritePath.owns_tree,
+        read,
+        lambda feed, tree, seen: feed.prefetched(tree, *seen),
+        "around_prefetch_result",
         """AROUND ``_handle_prefetch_result(operation)`` (rank-synchronised): the
         pages a prefetch loaded from L3, and those it requested but did not load
-        (read before upstream consumes the operation)."""
-        feed = current()
-        if feed is None or not feed.owns_tree(tree):
-            return original(tree, *a, **kw)
-        seen = None
-        try:
-            operation = operation_of(a, kw)
-            seen = (list(operation.hash_value or ()), int(operation.completed_tokens))
-        except Exception as exc:
-            feed.error(exc)
-        result = original(tree, *a, **kw)
-        if seen is not None:
-            guard(feed, lambda: feed.prefetched(tree, *seen))
-        return result
-
-    return around_prefetch_result
+        (read before upstream consumes the operation).""",
+    )
