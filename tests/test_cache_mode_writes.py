@@ -150,9 +150,7 @@ def made():
 
     def make(dedup: bool, flat: bool = False) -> tuple[Tree, wp.WritePath, set[str]]:
         cache: Any = FlatStorageExistenceCache(64) if flat else StorageExistenceCache(64)
-        feed = wp.WritePath(
-            WriteAccounting(), cache, "flat" if flat else "current", cache_mode=True, dedup=dedup
-        )
+        feed = wp.WritePath(WriteAccounting(), cache, cache_mode=True, dedup=dedup)
         wp.attach(feed)
         feeds.append(feed)
         l3: set[str] = set()

@@ -213,7 +213,6 @@ def upstream_dedup():
         feed = wp.WritePath(
             WriteAccounting(),
             cache,
-            "current",
             cache_mode=True,
             dedup=dedup,
             upstream_dedup=upstream_dedup,

@@ -72,7 +72,7 @@ def feed_of():
     made: list[wp.WritePath] = []
 
     def make(cache: Any, generation: str) -> wp.WritePath:
-        feed = wp.WritePath(WriteAccounting(), cache, generation)
+        feed = wp.WritePath(WriteAccounting(), cache)
         wp.attach(feed)
         made.append(feed)
         return feed

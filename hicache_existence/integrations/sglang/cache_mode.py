@@ -62,6 +62,31 @@ def pool_name(pool: object) -> str:
     return str.__str__(pool) if isinstance(pool, str) else str(pool)
 
 
+def account_ack(
+    writes: WriteAccounting,
+    causes: CauseTracker,
+    pool: str,
+    keys: Sequence[str],
+    outcome: Any,
+    node: Any,
+    noted: set[str],
+    held: set[str],
+) -> None:
+    """This rank's outcome of one pool's written ``keys`` at their storage ack
+    (both modes), and the causes of the redundant ones, classified before the ack
+    adds the pages to the beliefs: ``noted`` were believed at launch, ``held``
+    decided the write."""
+    stored = outcome.stored[pool]
+    existed = outcome.existed.get(pool, set()).intersection(keys)
+    already = min(len(existed), stored)
+    believed = min(len(existed & noted), already)
+    writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
+    if already:
+        redundant = [k for k in keys if k in existed][:already]
+        for cause, n in causes.classify(node, redundant, noted, held, pool).items():
+            writes.redundant_cause(pool, cause, n)
+
+
 @dataclass(slots=True)
 class WritePlan:
     """What one cache-mode node write sends to L3, and what it leaves out."""
@@ -258,7 +283,12 @@ class CacheModeWrites:
         if outcome is not None:  # None: this rank wrote nothing (non-writer rank, backup_skip)
             for pool, keys in pools.items():
                 if pool in outcome.stored:
-                    self._account(pool, keys, launch, outcome)
+                    noted = launch.believed_of(pool)
+                    # The beliefs decided the write only with dedup on (its node rules).
+                    held = noted if self.dedup else set()
+                    account_ack(
+                        self.writes, self.causes, pool, keys, outcome, launch.node_id, noted, held
+                    )
         for pool, keys in pools.items():
             if keys:
                 # Believed stored whatever this rank's backend answered, so that
@@ -267,23 +297,6 @@ class CacheModeWrites:
                 beliefs.add(keys)
                 beliefs.untrack_inflight(keys)
         self.causes.stored(launch.node_id, launch.pages)
-
-    def _account(self, pool: str, keys: list[str], launch: _Launch, outcome: Any) -> None:
-        """This rank's outcome of one pool's pages, and the causes of the redundant
-        ones (classified before the ack adds the pages to the beliefs)."""
-        stored = outcome.stored[pool]
-        existed = outcome.existed.get(pool, set()).intersection(keys)
-        already = min(len(existed), stored)
-        noted = launch.believed_of(pool)
-        believed = min(len(existed & noted), already)
-        self.writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
-        if already:
-            redundant = [k for k in keys if k in existed][:already]
-            # The beliefs decided the write only with dedup on (its node rules).
-            held = noted if self.dedup else set()
-            causes = self.causes.classify(launch.node_id, redundant, noted, held, pool)
-            for cause, n in causes.items():
-                self.writes.redundant_cause(pool, cause, n)
 
     def clear(self) -> None:
         """The tree was reset: its operations will never be acknowledged."""

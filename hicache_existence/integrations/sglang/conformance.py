@@ -83,23 +83,20 @@ def _unaccepted(want: Any, have: Any) -> Iterator[str]:
     mine_positional = [p for p in mine.values() if p.kind in positional]
     var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in mine.values())
     var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in mine.values())
+
+    def by_name(name: str) -> bool:
+        q = mine.get(name)
+        return var_keyword or (q is not None and q.kind is not kinds.POSITIONAL_ONLY)
+
     i = 0
     for p in theirs.values():
         if p.kind in positional:
             ok_by_position = i < len(mine_positional) or var_positional
-            by_name = mine.get(p.name)
-            ok_by_name = var_keyword or (
-                by_name is not None and by_name.kind is not kinds.POSITIONAL_ONLY
-            )
-            if not (ok_by_position and (p.kind is kinds.POSITIONAL_ONLY or ok_by_name)):
+            if not (ok_by_position and (p.kind is kinds.POSITIONAL_ONLY or by_name(p.name))):
                 yield p.name
             i += 1
-        elif p.kind is kinds.KEYWORD_ONLY:
-            by_name = mine.get(p.name)
-            if not (
-                var_keyword or (by_name is not None and by_name.kind is not kinds.POSITIONAL_ONLY)
-            ):
-                yield p.name
+        elif p.kind is kinds.KEYWORD_ONLY and not by_name(p.name):
+            yield p.name
         elif p.kind is kinds.VAR_POSITIONAL and not var_positional:
             yield f"*{p.name}"
         elif p.kind is kinds.VAR_KEYWORD and not var_keyword:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache_existence.core._validate import is_int
 from hicache_existence.exporters.catalog import DeploymentLabels
 from hicache_existence.integrations.sglang.flags import FlagValues, stored_values
 
@@ -98,14 +99,12 @@ def _read(fn: Callable[[], Any]) -> Any:
         return None
 
 
-def _attr(obj: Any, name: str) -> Any:
-    return _read(lambda: getattr(obj, name))
+def _none() -> None:
+    return None
 
 
 def _int(value: Any, default: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return default
-    return value
+    return value if is_int(value) and value >= 0 else default
 
 
 def _str(value: Any) -> str:
@@ -123,6 +122,11 @@ def engine_type_of(mode: Any, role_switch: Any = False) -> str:
     return text if text in ("prefill", "decode") else "unified"
 
 
+_RANKS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank")
+#: The runtime context's parts, which name their settings as ``ServerArgs`` does.
+_CONTEXT_PARTS = ("get_parallel", "get_serving", "get_disagg", "get_memory")
+
+
 def gather(frame_depth: int = 40) -> SchedulerFacts:
     """The facts of the scheduler building the cache right now."""
     values: dict[str, Any] = {}
@@ -132,23 +136,23 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
     # Only if sglang already imported it: a context nobody imported was never published.
     rc = sys.modules.get("sglang.srt.runtime_context")
     if rc is not None:
-        got = _from_runtime_context(rc)
-        if got:
-            values.update(got)
+        for part in _CONTEXT_PARTS:
+            values.update(_settings(_read(getattr(rc, part, _none)), model_path=False))
+        if values:
             sources.append("runtime_context")
-        server_args = _read(rc.get_server_args)
+        server_args = _read(lambda: rc.get_server_args())
 
     scheduler, frame_args = _from_stack(frame_depth)
     if server_args is None:
         server_args = frame_args
     if scheduler is not None:
-        for name in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank"):
+        for name in _RANKS:
             value = getattr(scheduler, name, None)
             if name not in values and isinstance(value, int):
                 values[name] = value
         sources.append("scheduler")
     if server_args is not None:
-        for key, value in _from_server_args(server_args).items():
+        for key, value in _settings(server_args, model_path=True).items():
             values.setdefault(key, value)
         sources.append("server_args")
 
@@ -172,48 +176,20 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
     )
 
 
-def _from_runtime_context(rc: Any) -> dict[str, Any]:
+def _settings(record: Any, *, model_path: bool) -> dict[str, Any]:
+    """What one of sglang's records (``ServerArgs``, or a part of the runtime
+    context) says, each value of the type the facts need or left out."""
     out: dict[str, Any] = {}
-    parallel = _read(rc.get_parallel)
-    if parallel is not None:
-        for name in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank"):
-            value = _attr(parallel, name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                out[name] = value
-    serving = _read(rc.get_serving)
-    model = _read(lambda: serving.served_model_name) if serving is not None else None
-    if isinstance(model, str) and model:
-        out["model_name"] = model
-    disagg = _read(rc.get_disagg)
-    if disagg is not None:
-        mode = _read(lambda: disagg.disaggregation_mode)
-        if mode is not None:
-            switch = _read(lambda: disagg.enable_pd_role_switch)
-            out["engine_type"] = engine_type_of(mode, switch)
-    memory = _read(rc.get_memory)
-    if memory is not None:
-        backend = _read(lambda: memory.hicache_storage_backend)
-        if backend is not None:
-            out["storage_backend"] = _str(backend)
-        mode = _read(lambda: memory.hicache_host_memory_mode)
-        if isinstance(mode, str):
-            out["host_memory_mode"] = mode
-        policy = _read(lambda: memory.hicache_write_policy)
-        if isinstance(policy, str):
-            out["write_policy"] = policy
-        hier = _read(lambda: memory.enable_hierarchical_cache)
-        if isinstance(hier, bool):
-            out["hierarchical_cache"] = hier
-    return out
-
-
-def _from_server_args(server_args: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    if record is None:
+        return out
 
     def get(name: str) -> Any:
-        return _read(lambda: getattr(server_args, name, None))
+        return _read(lambda: getattr(record, name, None))
 
-    model = get("served_model_name") or get("model_path")
+    for name in (*_RANKS, "port", "page_size"):
+        if is_int(value := get(name)):
+            out[name] = value
+    model = get("served_model_name") or (get("model_path") if model_path else None)
     if isinstance(model, str) and model:
         out["model_name"] = model
     mode = get("disaggregation_mode")
@@ -222,19 +198,14 @@ def _from_server_args(server_args: Any) -> dict[str, Any]:
     backend = get("hicache_storage_backend")
     if backend is not None:
         out["storage_backend"] = _str(backend)
-    host_mode = get("hicache_host_memory_mode")
-    if isinstance(host_mode, str):
-        out["host_memory_mode"] = host_mode
-    policy = get("hicache_write_policy")
-    if isinstance(policy, str):
-        out["write_policy"] = policy
-    hier = get("enable_hierarchical_cache")
-    if isinstance(hier, bool):
+    for name, key in (
+        ("hicache_host_memory_mode", "host_memory_mode"),
+        ("hicache_write_policy", "write_policy"),
+    ):
+        if isinstance(value := get(name), str):
+            out[key] = value
+    if isinstance(hier := get("enable_hierarchical_cache"), bool):
         out["hierarchical_cache"] = hier
-    for name in ("tp_size", "pp_size", "port", "page_size"):
-        value = get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            out[name] = value
     return out
 
 

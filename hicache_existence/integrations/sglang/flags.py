@@ -17,6 +17,7 @@ record when the cache is built (``facts.flag_values``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -47,13 +48,10 @@ class FlagValues:
     enabled: bool = False
     config: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        """The form stored on ``ServerArgs`` (plain data: pickles anywhere)."""
-        return {"enabled": self.enabled, "config": self.config}
-
     @classmethod
     def from_stored(cls, stored: object) -> FlagValues | None:
-        """Read back ``as_dict()``; ``None`` for anything else."""
+        """Read back what ``attach`` stored (plain data: pickles anywhere); ``None``
+        for anything else."""
         if not isinstance(stored, Mapping):
             return None
         enabled = stored.get("enabled")
@@ -180,16 +178,11 @@ def around_from_cli_args(original: Callable[..., Any], *args: Any, **kwargs: Any
     return server_args
 
 
-def attach(server_args: object, values: FlagValues) -> bool:
-    """Store ``values`` on the record (bookkeeping attribute, not a field)."""
+def attach(server_args: object, values: FlagValues) -> None:
+    """Store ``values`` on the record (bookkeeping attribute, not a field; through
+    its ``__dict__``, which a frozen record's ``__setattr__`` does not guard)."""
     try:
-        setattr(server_args, ATTR, values.as_dict())
-        return True
-    except Exception:
-        pass
-    try:
-        vars(server_args)[ATTR] = values.as_dict()
-        return True
+        vars(server_args)[ATTR] = dataclasses.asdict(values)
     except Exception as exc:
         logger.warning(
             "hicache-existence: cannot attach the flags to %s (%r); the scheduler processes "
@@ -197,7 +190,6 @@ def attach(server_args: object, values: FlagValues) -> bool:
             type(server_args).__name__,
             exc,
         )
-        return False
 
 
 def _check_config(values: FlagValues) -> None:

@@ -33,18 +33,16 @@ import logging
 import os
 import socket
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from hicache_existence import logs
 from hicache_existence.accounting.recorder import instance_name
 from hicache_existence.config import Config
-from hicache_existence.core.cache import StorageExistenceCache
-from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
+from hicache_existence.integrations.sglang import conformance as _conformance
 from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import kv_events as _kv_events
 from hicache_existence.integrations.sglang import targets as _targets
@@ -76,7 +74,6 @@ class ProcessEntry:
         truth: TreeCacheGroundTruth | None,
         overlap: _overlap.Overlap | None = None,
     ) -> None:
-        self.pid = os.getpid()
         #: What the installed sglang does itself (``upstream_overlap``).
         self.overlap = overlap = overlap or _overlap.Overlap()
         self.runtime = runtime
@@ -88,7 +85,6 @@ class ProcessEntry:
         self.write_path = _write_path.WritePath(
             runtime.writes,
             runtime.cache,
-            runtime.generation,
             cache_mode=facts.cache_mode,
             dedup=dedup_effective(runtime.config, facts, overlap),
             upstream_dedup=upstream_dedups(facts, overlap),
@@ -99,7 +95,6 @@ class ProcessEntry:
         #: Whether the first step (group wiring) ran.
         self.first_done = False
         self.members: tuple[int, ...] = (0,)
-        self._tree: weakref.ReferenceType[Any] | None = None
 
     @property
     def steps(self) -> int:
@@ -116,10 +111,6 @@ class ProcessEntry:
 
     def first_step(self, tree_cache: Any) -> None:
         """Bind the tree cache and build the replica groups (once, every rank)."""
-        try:
-            self._tree = weakref.ref(tree_cache)
-        except TypeError:
-            self._tree = None
         if self.truth is not None:
             self.truth.bind(tree_cache)
         if self.group is None and self.agreement is None:
@@ -185,10 +176,6 @@ def set_uncounted_modes(modes: set[str] | frozenset[str]) -> None:
     _UNCOUNTED[os.getpid()] = frozenset(modes)
 
 
-def uncounted_modes() -> frozenset[str]:
-    return _UNCOUNTED.get(os.getpid(), frozenset())
-
-
 def current() -> ProcessEntry | None:
     """This process's entry (``None`` when no cache of ours was built here)."""
     return _ENTRIES.get(PROCESS.pid)
@@ -244,9 +231,7 @@ def dedup_effective(
 ) -> bool:
     """Whether ``cache_mode.dedup`` applies: cache mode with an L3 backend, on an
     sglang that does not deduplicate those writes itself (no second dedup)."""
-    if upstream_dedups(facts, overlap):
-        return False
-    return config.cache_mode.dedup and facts.cache_mode and bool(facts.storage_backend)
+    return dedup_label(config, facts, overlap) is True
 
 
 def dedup_label(
@@ -256,7 +241,7 @@ def dedup_label(
     (a cache-mode server whose sglang deduplicates its L3 writes itself)."""
     if upstream_dedups(facts, overlap):
         return "upstream"
-    return dedup_effective(config, facts, overlap)
+    return config.cache_mode.dedup and facts.cache_mode and bool(facts.storage_backend)
 
 
 def _warn_dedup_misplaced(
@@ -335,7 +320,8 @@ def build_entry(
             dedup_label(config, facts, overlap),
         ),
         instance=instance_name(socket.gethostname(), facts.port, labels.as_dict()),
-        count_writes=("cache" if facts.cache_mode else "buffer") not in uncounted_modes(),
+        count_writes=("cache" if facts.cache_mode else "buffer")
+        not in _UNCOUNTED.get(os.getpid(), frozenset()),
         events=(
             _kv_events.placement(
                 facts.storage_backend, (facts.tp_rank, facts.pp_rank, facts.dp_rank)
@@ -347,6 +333,24 @@ def build_entry(
     if runtime.recorder is not None:
         runtime.recorder.set_page_size(facts.page_size)
     return ProcessEntry(runtime, facts, group, agreement, truth, overlap)
+
+
+def _not_observed(config: Config, facts: _facts.SchedulerFacts) -> str | None:
+    """Why this scheduler's cache is not observed (``None``: it is)."""
+    if not config.enabled:
+        return "disabled by the configuration"
+    if facts.hierarchical_cache is False:
+        return "HiCache is off (--enable-hierarchical-cache): there is no L3 to observe"
+    if facts.engine_type == "decode":
+        return (
+            "a PD decode server (its KV arrives from prefill; HiCache's existence "
+            "cache is a prefill-side concern)"
+        )
+    if facts.buffer_mode is False and not facts.cache_mode:
+        return (
+            f"HiCache host memory mode {facts.host_memory_mode!r} is neither buffer_only nor cache"
+        )
+    return None
 
 
 def _construct(
@@ -362,23 +366,9 @@ def _construct(
             passed = kw.get("max_entries", args[0] if args else None)
             facts = _facts.gather()
             config = load_config(facts)
-            if not config.enabled:
-                _decline("disabled by the configuration")
-                return upstream(*args, **kw)
-            if facts.hierarchical_cache is False:
-                _decline("HiCache is off (--enable-hierarchical-cache): there is no L3 to observe")
-                return upstream(*args, **kw)
-            if facts.engine_type == "decode":
-                _decline(
-                    "a PD decode server (its KV arrives from prefill; HiCache's existence "
-                    "cache is a prefill-side concern)"
-                )
-                return upstream(*args, **kw)
-            if facts.buffer_mode is False and not facts.cache_mode:
-                _decline(
-                    f"HiCache host memory mode {facts.host_memory_mode!r} is neither "
-                    "buffer_only nor cache"
-                )
+            reason = _not_observed(config, facts)
+            if reason is not None:
+                _decline(reason)
                 return upstream(*args, **kw)
             overlap = _overlap.detect(_targets.resolve)
             _warn_dedup_misplaced(config, facts, overlap)
@@ -404,14 +394,9 @@ def _construct(
             exc,
         )
     atexit.register(entry.close)
-    cache_mode = entry.write_path.cache_mode
-    dedup = (
-        "upstream's"
-        if cache_mode is not None and cache_mode.upstream_dedup
-        else "on"
-        if cache_mode is not None and cache_mode.dedup
-        else "off"
-    )
+    dedup = {True: "on", False: "off", "upstream": "upstream's"}[
+        dedup_label(config, facts, overlap)
+    ]
     overlaps = entry.overlap.describe()
     logger.info(
         "hicache-existence: observing the %s-generation existence cache "
@@ -455,7 +440,7 @@ class _Factory(type):
 
 def replacement_class(generation: Generation, upstream: type) -> type:
     """The class REPLACEd for upstream's ``StorageExistenceCache``."""
-    base: type = StorageExistenceCache if generation == "current" else FlatStorageExistenceCache
+    base = _conformance.ours_for(generation)
     name = "ObservedStorageExistenceCache"
     namespace = {
         "__module__": __name__,

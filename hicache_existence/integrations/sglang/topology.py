@@ -28,7 +28,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 from hicache_existence.reconcile.agreement import Agreement, GlooAgreement
 from hicache_existence.replicas.divergence import (
@@ -182,26 +182,6 @@ def unbuilt(timeout_s: float, reason: str) -> ReplicaGroups:
     return ReplicaGroups((me,), UnavailableGroup(me, timeout_s, reason), None)
 
 
-class UnavailableGroup:
-    """A ``CheckGroup`` that could not be built: every collective raises."""
-
-    def __init__(self, rank: int, timeout_s: float, reason: str) -> None:
-        self.rank = 0
-        self.size = 1
-        self.ranks: tuple[int, ...] = (rank,)
-        self.timeout_s = float(timeout_s)
-        self._reason = reason
-
-    def _fail(self) -> NoReturn:
-        raise GroupError(f"the replica group could not be built: {self._reason}")
-
-    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
-        self._fail()
-
-    def all_gather(self, values: Sequence[int]) -> list[list[int]]:
-        self._fail()
-
-
 class DeferredGroup:
     """A ``CheckGroup`` whose real group is set on the first step (the checker
     is built with the cache, before the groups can exist)."""
@@ -228,6 +208,18 @@ class DeferredGroup:
 
     def all_gather(self, values: Sequence[int]) -> list[list[int]]:
         return self._group().all_gather(values)
+
+
+class UnavailableGroup(DeferredGroup):
+    """A ``CheckGroup`` that could not be built: every collective raises."""
+
+    def __init__(self, rank: int, timeout_s: float, reason: str) -> None:
+        super().__init__(timeout_s)
+        self.ranks = (rank,)
+        self._reason = reason
+
+    def _group(self) -> CheckGroup:
+        raise GroupError(f"the replica group could not be built: {self._reason}")
 
 
 class DeferredAgreement:

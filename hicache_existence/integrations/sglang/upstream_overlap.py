@@ -34,11 +34,14 @@ What the package does with each (``docs/enable.md`` §8):
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from hicache_existence.core._validate import is_int
 
 #: sglang's variable for the existence cache's capacity (#39747).
 CAP_ENV = "SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES"
@@ -164,13 +167,10 @@ def _functions(module: Any) -> Iterable[tuple[str, object]]:
 
 
 def detect(
-    resolve: Callable[[str], object], import_module: Callable[[str], Any] | None = None
+    resolve: Callable[[str], object],
+    import_module: Callable[[str], Any] = importlib.import_module,
 ) -> Overlap:
     """What the installed sglang does itself; never raises."""
-    if import_module is None:
-        import importlib
-
-        import_module = importlib.import_module
     try:
         dedup = dedup_target(resolve)
     except Exception:
@@ -198,7 +198,7 @@ def resolve_cap(
     configured: int,
     configured_given: bool,
     env: Mapping[str, str],
-    passed: object,
+    passed: Any,
 ) -> Cap:
     """The one rule for the cap (module docstring): the operator's
     ``cache.max_entries`` wins, then sglang's variable, then sglang's argument."""
@@ -222,18 +222,6 @@ def resolve_cap(
         return Cap(configured, "cache.max_entries", warning)
     if env_cap is not None:
         return Cap(env_cap, CAP_ENV, warning)
-    if isinstance(passed, int) and not isinstance(passed, bool) and passed >= 1:
+    if is_int(passed) and passed >= 1:
         return Cap(passed, "sglang's constructor", warning)
     return Cap(configured, "the default", warning)
-
-
-__all__ = [
-    "CAP_ENV",
-    "Cap",
-    "Overlap",
-    "code_names",
-    "dedup_target",
-    "detect",
-    "external_events_target",
-    "resolve_cap",
-]

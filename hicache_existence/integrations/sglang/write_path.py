@@ -50,18 +50,18 @@ from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.events.emitter import KvEvents
 from hicache_existence.integrations.sglang import kv_events
-from hicache_existence.integrations.sglang.cache_mode import CacheModeWrites, WritePlan
+from hicache_existence.integrations.sglang.cache_mode import (
+    CacheModeWrites,
+    WritePlan,
+    account_ack,
+    pool_name,
+)
 from hicache_existence.integrations.sglang.process import PROCESS
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
 #: Outcomes or launch notes kept for operations whose ack never came (a reset).
 MAX_PENDING = 65536
-
-
-def pool_name(pool: object) -> str:
-    """``PoolName.KV`` -> ``"kv"`` (str enums), plain strings unchanged."""
-    return str.__str__(pool) if isinstance(pool, str) else str(pool)
 
 
 @dataclass
@@ -104,7 +104,6 @@ class WritePath:
         self,
         writes: WriteAccounting,
         cache: ExistenceCache,
-        generation: str,
         *,
         cache_mode: bool = False,
         dedup: bool = False,
@@ -113,7 +112,6 @@ class WritePath:
     ) -> None:
         self.writes = writes
         self.cache = cache
-        self.generation = generation
         #: Why redundant pages were written again (both host memory modes).
         self.causes = CauseTracker(remembers)
         #: The cache-mode write path (``None``: buffer mode).
@@ -350,21 +348,13 @@ class WritePath:
             name = pool_name(pool)
             if name not in outcome.stored:
                 continue
-            stored = outcome.stored[name]
-            existed = outcome.existed.get(name, set()).intersection(keys)
-            already = min(len(existed), stored)
             noted = notes.get(name, set())
-            believed = min(len(existed & noted), already)
-            self.writes.acked(name, stored, outcome.failed.get(name, 0), already, believed)
-            if already:  # admission decided: believed pages were held, yet written
-                redundant = [k for k in keys if k in existed][:already]
-                causes = self.causes.classify(node, redundant, noted, noted, name)
-                for cause, n in causes.items():
-                    self.writes.redundant_cause(name, cause, n)
+            # The admission decided: believed pages were held, yet written.
+            account_ack(self.writes, self.causes, name, keys, outcome, node, noted, noted)
             if name == "kv":  # buffer mode keeps no node record (no host copy to lose)
                 self.causes.stored(None, keys)
                 if self.events is not None:  # the stored pages, leading ones (end_backup)
-                    kv_events.feed(self.events, entry.intent, keys, stored)
+                    kv_events.feed(self.events, entry.intent, keys, outcome.stored[name])
 
     # -- cache mode ------------------------------------------------------------------------
     def plan_cache_write(
