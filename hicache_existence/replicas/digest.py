@@ -54,15 +54,13 @@ _ENC = "utf-8"
 _ERR = "surrogatepass"
 
 
+@dataclass(slots=True)
 class _Stream:
     """One pool's running operation digest (mutable, scheduler thread only)."""
 
-    __slots__ = ("crc", "ops", "pages")
-
-    def __init__(self) -> None:
-        self.crc = 0
-        self.ops = 0
-        self.pages = 0
+    crc: int = 0
+    ops: int = 0
+    pages: int = 0
 
 
 @dataclass(frozen=True)

@@ -346,9 +346,8 @@ class DivergenceChecker:
     ) -> None:
         if not isinstance(digest, ReplicaDigest):
             raise TypeError(f"digest must be a ReplicaDigest, got {type(digest).__name__}")
-        for attr in ("rank", "size", "ranks", "timeout_s", "all_reduce_max", "all_gather"):
-            if not hasattr(group, attr):
-                raise TypeError(f"group must provide {attr!r} (see CheckGroup)")
+        if not isinstance(group, CheckGroup):
+            raise TypeError("group must provide CheckGroup's attributes and collectives")
         config = DivergenceSection() if config is None else config
         if not isinstance(config, DivergenceSection):
             raise TypeError(f"config must be a DivergenceSection, got {type(config).__name__}")

@@ -257,7 +257,7 @@ class WritePath:
             self.writes.written(name, len(keys))
             if self.recorder is not None:
                 self.recorder.written(name, keys)
-            believed = self._believed_keys(name, keys)
+            believed = set(self.cache.pool(name).believed(keys))
             if believed:
                 notes[name] = believed
             if name == "kv":
@@ -266,9 +266,6 @@ class WritePath:
             if len(self._believed) >= MAX_PENDING:
                 self._believed.pop(next(iter(self._believed)))
             self._believed[id(intent)] = notes
-
-    def _believed_keys(self, pool: str, keys: list[str]) -> set[str]:
-        return set(self.cache.pool(pool).believed(keys))
 
     def _size(self, pool: str) -> None:
         """Bytes of one page of ``pool`` on this rank, from the host pool layout."""
