@@ -28,8 +28,10 @@
 # sources (index, extra indexes, find-links, constraint files, CA bundle, read from the
 # new venv's pip) with pip's "best version across all indexes" strategy, so a pin
 # resolves to the same file either way.  The venv is still made by `python -m venv`
-# (pip inside: tests and the editable install below use it), and uv does not compile
-# bytecode (Python writes each env's .pyc on first import; pip compiled them all).
+# (pip inside: tests and the editable install below use it).  uv compiles every module
+# to .pyc as pip does (--compile-bytecode): with PYTHONDONTWRITEBYTECODE=1 (set on our
+# machines) nothing is ever cached later, and every test process would compile sglang
+# and torch from source (the launcher test's 420 s bound expired that way).
 # The hardlinks are safe because nothing writes an installed file in place (pip and
 # Python replace files, they do not rewrite them); `rm -rf <root>/.uv-cache` is safe
 # whenever no build runs (the envs keep their links) and frees what no env uses.
@@ -299,7 +301,7 @@ if [ ! -d "$ENV" ]; then
       for ((i = 0; i < ${#uv_args[@]}; i++)); do [ "${uv_args[i]}" != -- ] || break; done
       run_logged "$BLOG" env "${uv_args[@]:0:i}" "$UV" pip install --no-config \
         --python "$TMP/bin/python" --cache-dir "$ROOT/.uv-cache" --index-strategy unsafe-best-match \
-        "${uv_args[@]:i+1}" --no-deps -r "$TMP/.hicache-env-pins"
+        "${uv_args[@]:i+1}" --compile-bytecode --no-deps -r "$TMP/.hicache-env-pins"
     else
       log "installing $npins pinned packages (--no-deps) with pip$([ "$INSTALLER" = pip ] || echo ' (no uv)')"
       run_logged "$BLOG" "$TMP/bin/python" -m pip install --disable-pip-version-check \
