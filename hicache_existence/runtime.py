@@ -248,13 +248,9 @@ class ExistenceRuntime:
         calls ``_step_due`` when something is due."""
         self._gate()
 
-    def _busy(self, now: float, gap: float) -> bool:
-        """Whether a due flush waits: the iteration before this step ran a batch
-        (longer than ``BUSY_STEP_S``, shorter than a pause), and it may wait still."""
-        return BUSY_STEP_S < gap < self._defer_s and now < self._gate.flush_at + self._defer_s
-
-    def _step_due(self, n: int, now: float, gap: float) -> None:
-        """The work of a step the gate let through (``core.gate``)."""
+    def _step_due(self, n: int, now: float, flush: bool) -> None:
+        """The work of a step the gate let through (``core.gate``); ``flush``: the
+        gate found the metrics flush due (by time, not in a busy stretch)."""
         skipped = n - 1 - self._credited
         self._credited = n
         reconciler = self.reconciler
@@ -272,7 +268,7 @@ class ExistenceRuntime:
                 self._report("reconciler", exc)
         self._check()
         g = self._gate
-        if now >= g.flush_at and not self._busy(now, gap):
+        if flush:
             self.telemetry.step()  # never raises (its own guard)
         try:
             wake = min(self.checker.steps_to_due(), NEVER)

@@ -1256,7 +1256,7 @@ static PyTypeObject LruType = {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *due;   /* due(steps, now, gap), called when the gate opens */
+    PyObject *due;   /* due(steps, now, flush), called when the gate opens */
     PyObject *clock; /* NULL: CLOCK_MONOTONIC read here (time.monotonic's clock) */
     long long steps;
     long long wake;
@@ -1299,15 +1299,17 @@ Gate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kw
     }
     double gap = now - g->last;
     g->last = now;
-    if (n < g->wake
-        && (now < g->flush_at
-            || (g->busy_s < gap && gap < g->defer_s && now < g->flush_at + g->defer_s))) {
+    /* The flush waits before flush_at, and after a batch (busy_s < gap < defer_s)
+     * while it may still wait. */
+    int flush = !(now < g->flush_at
+                  || (g->busy_s < gap && gap < g->defer_s && now < g->flush_at + g->defer_s));
+    if (n < g->wake && !flush) {
         Py_RETURN_NONE;
     }
     PyObject *argv[3];
     argv[0] = PyLong_FromLongLong(n);
     argv[1] = PyFloat_FromDouble(now);
-    argv[2] = PyFloat_FromDouble(gap);
+    argv[2] = PyBool_FromLong(flush);
     PyObject *result = NULL;
     if (argv[0] != NULL && argv[1] != NULL && argv[2] != NULL) {
         result = PyObject_Vectorcall(g->due, argv, 3, NULL);

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Container, Sequence
-from itertools import islice
 
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
@@ -110,31 +109,16 @@ class CountingPool:
         hits = pos
         rescues = 0
         if cover is not None:
-            tag = self.tag
-            rest = getattr(self._entries, "cover_rest", None)
-            if rest is not None:  # the index walks the rest (one C call when compiled)
-                stop, rescues = rest(seq, pos, tag, cover)
-                hits = stop - rescues
-                complete = stop == len(seq)
-            else:  # a compiled index built before cover_rest existed
-                touch = self._entries.touch
-                complete = True
-                for h in islice(seq, pos, None):
-                    if touch(h, tag):
-                        hits += 1
-                    elif h in cover:
-                        rescues += 1
-                    else:
-                        complete = False
-                        break
-            if complete:
+            stop, rescues = self._entries.cover_rest(seq, pos, self.tag, cover)
+            hits = stop - rescues
+            if stop == len(seq):
                 n = len(seq)
                 c.query_hits += 1
                 c.pages_checked += n
                 c.page_hits += hits
                 c.rescues += rescues
                 if self._sampler is not None:
-                    self._sampler.walked(seq, n, tag)
+                    self._sampler.walked(seq, n, self.tag)
                 if self._observer is not None:
                     self._observer.touched(self.name, seq, n)
                 return True

@@ -4,7 +4,7 @@ SGLang calls the package once per scheduler event-loop iteration, idle polling
 included (thousands per second).  An iteration with nothing due must cost one
 cheap test (issue 31): ``StepGate`` is that test.  Calling it counts a step, reads
 the clock and compares; only when something is due does it call ``due(steps, now,
-gap)``, the runtime's Python (``ExistenceRuntime._step_due``), which then sets the
+flush)``, the runtime's Python (``ExistenceRuntime._step_due``), which then sets the
 gate's ``wake`` and ``flush_at`` for the next one.
 
 The gate opens when
@@ -15,7 +15,8 @@ The gate opens when
 * ``now >= flush_at`` (a metrics flush, rank-local, by time), unless the iteration
   before this step ran a batch (``busy_s < gap < defer_s``, ``gap`` the time since
   the previous step) and the flush may still wait (``now < flush_at + defer_s``):
-  a flush then spends the scheduler's idle time, not a batch's.
+  a flush then spends the scheduler's idle time, not a batch's.  ``flush`` tells
+  ``due`` whether this second condition held, so the decision is made once.
 
 Two implementations, one behaviour: ``hicache_existence.core._lru.StepGate`` (C, in
 the index's extension; no Python frame for a step with nothing due, and
@@ -33,8 +34,9 @@ from typing import Any, Protocol
 
 from hicache_existence.core import lru
 
-#: ``due(steps, now, gap)``: the work of a step the gate let through.
-Due = Callable[[int, float, float], Any]
+#: ``due(steps, now, flush)``: the work of a step the gate let through; ``flush``:
+#: the metrics flush is due now.
+Due = Callable[[int, float, bool], Any]
 
 
 class StepGateType(Protocol):
@@ -71,29 +73,13 @@ class PyStepGate:
         n = self.steps = self.steps + 1
         now = self._clock()
         gap, self.last = now - self.last, now
-        if n < self.wake and (
+        flush = not (
             now < self.flush_at
             or (self.busy_s < gap < self.defer_s and now < self.flush_at + self.defer_s)
-        ):
+        )
+        if n < self.wake and not flush:
             return None
-        return self._due(n, now, gap)
-
-
-def _compiled() -> Callable[..., StepGateType] | None:
-    module = lru.compiled("core._lru")
-    # An index built before the gate existed has none: the fallback then serves.
-    return getattr(module, "StepGate", None) if module is not None else None
-
-
-_C_GATE = _compiled()
-
-
-def step_gate(due: Due, clock: Callable[[], float], busy_s: float, defer_s: float) -> StepGateType:
-    """The gate of the selected backend; ``time.monotonic`` as ``clock`` is read in
-    C by the compiled one (the same values)."""
-    if _C_GATE is not None:
-        return _C_GATE(due, None if clock is time.monotonic else clock, busy_s, defer_s)
-    return PyStepGate(due, clock, busy_s, defer_s)
+        return self._due(n, now, flush)
 
 
 def c_gate() -> Callable[..., StepGateType] | None:
@@ -103,3 +89,15 @@ def c_gate() -> Callable[..., StepGateType] | None:
     except ImportError:
         return None
     return StepGate  # type: ignore[no-any-return]
+
+
+#: The gate of the selected backend (``HICACHE_EXISTENCE_BACKEND``, as the index).
+_C_GATE = c_gate() if lru.BACKEND == "c" else None
+
+
+def step_gate(due: Due, clock: Callable[[], float], busy_s: float, defer_s: float) -> StepGateType:
+    """The gate of the selected backend; ``time.monotonic`` as ``clock`` is read in
+    C by the compiled one (the same values)."""
+    if _C_GATE is not None:
+        return _C_GATE(due, None if clock is time.monotonic else clock, busy_s, defer_s)
+    return PyStepGate(due, clock, busy_s, defer_s)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from hicache_existence.core.policies import TrailingWindowPolicy
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.model import ModelConfig, ModelResult, _Ack, _PoolRun
+from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun
 from hicache_existence.replay.pages import DEFAULT_PAGE_SIZE, PageRequest
 from hicache_existence.runtime import ExistenceRuntime
 
@@ -60,15 +60,15 @@ class SimulatedScheduler:
             prefetch_threshold_tokens=PREFETCH_THRESHOLD_TOKENS,
         )
         cache, writes = runtime.cache, runtime.writes
-        self._kv = _PoolRun(cache.pool(KV), config, page_size, shard, KV, writes=writes)
+        self._kv = PoolRun(cache.pool(KV), config, page_size, shard, KV, writes=writes)
         window = TrailingWindowPolicy()
-        self._swa = _PoolRun(
+        self._swa = PoolRun(
             cache.pool(SWA), config, page_size, shard, SWA, policy=window, writes=writes
         )
         #: The kv pool's figures (the progress line and the summary); swa's apart.
         self.totals = ModelResult(cap=cache.max_entries)
         self._swa_totals = ModelResult(cap=cache.max_entries)
-        self._acks: deque[_Ack] = deque()
+        self._acks: deque[Ack] = deque()
         self.steps = 0
 
     def step(self, requests: Iterable[PageRequest]) -> None:

@@ -37,7 +37,7 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.reconcile.sampling import Candidates, Sampler
 from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.model import ModelConfig, ModelResult, _Ack, _PoolRun, finish
+from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun, finish
 from hicache_existence.replay.pages import PageRequest, PageTrace
 
 Router = Literal["round-robin", "prefix-affinity"]
@@ -185,15 +185,15 @@ class _Instance:
         self.page_size = page_size
         self.l3 = l3
         self.writing = writing
-        self.runs: dict[str, _PoolRun] = {}
+        self.runs: dict[str, PoolRun] = {}
         self.result = ModelResult(cap=cap)
         self.share = InstanceResult()
         self.batch = fleet.write_batch
 
-    def run(self, pool: str) -> _PoolRun:
+    def run(self, pool: str) -> PoolRun:
         run = self.runs.get(pool)
         if run is None:
-            run = self.runs[pool] = _PoolRun(
+            run = self.runs[pool] = PoolRun(
                 self.cache.pool(pool),
                 self.config,
                 self.page_size,
@@ -264,7 +264,7 @@ def run_fleet(
         _Instance(cap, config, fleet, trace.page_size, l3, writing) for _ in range(fleet.instances)
     ]
     owner: dict[int, _Instance] = {}
-    acks: deque[_Ack] = deque()
+    acks: deque[Ack] = deque()
     total = len(trace.requests)
     step = max(1, total // 20)
     started = time.perf_counter()

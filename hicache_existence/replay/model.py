@@ -145,10 +145,10 @@ class _Device:
 
 
 #: A write waiting for its storage ack: (due time in ms, pool state, pages).
-_Ack = tuple[float, "_PoolRun", Sequence[str]]
+Ack = tuple[float, "PoolRun", Sequence[str]]
 
 
-class _PoolRun:
+class PoolRun:
     """One pool's model state around its beliefs (a ``PoolView``).  ``writes``
     (the runtime's ``WriteAccounting``, the demo's) hears every write, avoided
     write and redundant page, as the write path's hooks tell it in a server."""
@@ -205,7 +205,7 @@ class _PoolRun:
         else:
             del self.pending_nodes[last]
 
-    def request(self, req: PageRequest, result: ModelResult, acks: deque[_Ack]) -> None:
+    def request(self, req: PageRequest, result: ModelResult, acks: deque[Ack]) -> None:
         pages = req.pages
         config = self.config
         matched = self.device.match(pages)
@@ -219,7 +219,7 @@ class _PoolRun:
         self._insert_walk(req, result, acks)
         self.device.insert(pages)
 
-    def _insert_walk(self, req: PageRequest, result: ModelResult, acks: deque[_Ack]) -> None:
+    def _insert_walk(self, req: PageRequest, result: ModelResult, acks: deque[Ack]) -> None:
         pages = req.pages
         beliefs = self.beliefs
         bounded_store = bool(self.config.l3_pages)
@@ -291,9 +291,9 @@ def run_model(
     result = ModelResult(cap=cap)
     if cache is None:
         cache = StorageExistenceCache(cap)
-    runs: dict[str, _PoolRun] = {}
+    runs: dict[str, PoolRun] = {}
     l3 = L3(config.l3_pages)
-    acks: deque[_Ack] = deque()
+    acks: deque[Ack] = deque()
     total = len(trace.requests)
     step = max(1, total // 20)
     started = time.perf_counter()
@@ -308,7 +308,7 @@ def run_model(
             peak = max(peak, len(cache))
         run = runs.get(req.pool)
         if run is None:
-            run = runs[req.pool] = _PoolRun(
+            run = runs[req.pool] = PoolRun(
                 cache.pool(req.pool), config, trace.page_size, l3, req.pool
             )
         run.request(req, result, acks)

@@ -159,8 +159,7 @@ class WritePath:
     # -- ownership -------------------------------------------------------------------
     def owns_pipeline(self, pipeline: Any) -> bool:
         """Whether ``pipeline`` belongs to the tree holding this process's cache."""
-        tree = getattr(pipeline, "_cache", None)
-        return getattr(tree, "storage_existence_cache", None) is self.cache
+        return self.owns_tree(getattr(pipeline, "_cache", None))
 
     def owns_tree(self, tree: Any) -> bool:
         return getattr(tree, "storage_existence_cache", None) is self.cache
@@ -188,7 +187,7 @@ class WritePath:
         if pool_keys is None or self._refreshing:
             return
         tree = getattr(pipeline, "_cache", None)
-        if getattr(tree, "storage_existence_cache", None) is not self.cache:
+        if not self.owns_tree(tree):
             return
         if tree is not self._sidecar_tree:
             self._sidecar_tree = tree
