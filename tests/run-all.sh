@@ -22,7 +22,18 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 START=$(date +%s)
-log() { printf '[run-all %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+# Every log line is also kept, and printed again when the run ends (or is stopped:
+# CI shows only the tail of a long log, and the timeline is what says where time went).
+TIMELINE="$(mktemp)"
+log() { printf '[run-all %4ss] %s\n' "$(( $(date +%s) - START ))" "$*" | tee -a "$TIMELINE"; }
+on_exit() {
+  local rc=$?
+  printf '[run-all] timeline (exit %s after %ss):\n' "$rc" "$(( $(date +%s) - START ))"
+  sed 's/^/  /' "$TIMELINE"
+  rm -rf "$TIMELINE" "${LEGS:-}"
+}
+trap on_exit EXIT
+trap 'log "stopped by a signal"; exit 143' TERM INT
 
 # 1. System packages the real-component tests use.
 need_apt=()
@@ -81,7 +92,10 @@ for spec in "${ENV_SPECS[@]}"; do
   env_for "$flavour" "$version" "$extras" >/dev/null &
   env_pids+=($!)
 done
-for pid in "${env_pids[@]}"; do wait "$pid" || { log "an environment failed to build (above)"; exit 1; }; done
+for i in "${!env_pids[@]}"; do
+  wait "${env_pids[$i]}" || { log "an environment failed to build (above): ${ENV_SPECS[$i]}"; exit 1; }
+  log "environment ready: ${ENV_SPECS[$i]}"
+done
 log "environments ready"
 PY="$(env_for "${HICACHE_EXISTENCE_ENV_FLAVOR:-full}" 3.11 test,dev)"
 PY312="$(env_for full 3.12 test)"
@@ -96,6 +110,7 @@ log "ruff (lint and format; versions pinned in pyproject's dev extra)"
 "$PY" -m ruff format --check hicache_existence tests benchmarks dashboards integrations
 log "mypy"
 "$PY" -m mypy hicache_existence
+log "static checks done"
 
 # 5. The distribution on every Python: sdist + wheel, twine, cibuildwheel's
 #    configuration, the wheel repaired to manylinux and installed (compiled index), the
@@ -104,6 +119,7 @@ log "mypy"
 log "distribution: build, check, repair, install on 3.10-3.13"
 HICACHE_EXISTENCE_MATRIX="${PYBASE[3.10]} ${PYBASE[3.11]} ${PYBASE[3.12]} ${PYBASE[3.13]}" \
   bash tests/envs/bare-import.sh
+log "distribution done"
 
 # 6. Every test; a skip is a failure here.
 export HICACHE_EXISTENCE_REQUIRE_ALL=1 HICACHE_EXISTENCE_REQUIRE_SGLANG=1
@@ -134,7 +150,6 @@ CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.
 SGLANG_TESTS=(tests/sglang_integration)
 
 LEGS="$(mktemp -d)"
-trap 'rm -rf "$LEGS"' EXIT
 failed=()
 flaky=()
 #: The short summary lines of a pytest log (FAILED/ERROR node ids and the counts).

@@ -13,6 +13,7 @@ A process per scenario keeps hooks from leaking: sglang's ``HookRegistry`` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -804,7 +805,7 @@ def _child_reads(args: Any, queue: Any) -> None:
     values = stored_values(args)
     queue.put(
         {
-            "values": values.as_dict() if values else None,
+            "values": dataclasses.asdict(values) if values else None,
             "env_enabled": os.environ.get("HICACHE_EXISTENCE_ENABLED"),
         }
     )
@@ -838,11 +839,11 @@ def flags() -> dict[str, Any]:
         ]
     )
     values = stored_values(args)
-    out["argv"] = values.as_dict() if values else None
+    out["argv"] = dataclasses.asdict(values) if values else None
     out["env_after"] = os.environ.get("HICACHE_EXISTENCE_ENABLED")
     restored = pickle.loads(pickle.dumps(args))
     again = stored_values(restored)
-    out["pickled"] = again.as_dict() if again else None
+    out["pickled"] = dataclasses.asdict(again) if again else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child_reads, args=(args, queue))
@@ -857,7 +858,7 @@ def flags() -> dict[str, Any]:
         'hicache-existence-config: \'{"metrics": {"port": 9555}}\'\n'
     )
     from_yaml = stored_values(prepare_server_args(["--config", str(yaml_file)]))
-    out["yaml"] = from_yaml.as_dict() if from_yaml else None
+    out["yaml"] = dataclasses.asdict(from_yaml) if from_yaml else None
 
     plain = prepare_server_args(["--model-path", "dummy"])
     out["plain_extras"] = stored_values(plain) is not None
@@ -1017,7 +1018,7 @@ def recipes(prefill_json: str, decode_json: str) -> dict[str, Any]:
         except ValueError as exc:
             verdict = str(exc)
         out[name] = {
-            "flags": values.as_dict() if values else None,
+            "flags": dataclasses.asdict(values) if values else None,
             "host_memory_mode": args.hicache_host_memory_mode,
             "disaggregation_mode": args.disaggregation_mode,
             "validator": verdict,
