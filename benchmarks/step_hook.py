@@ -5,9 +5,13 @@ iteration, idle ones included (thousands per second), so its fixed cost is the
 package's floor inside a server.  This times it in-process with the default
 configuration (divergence checks on a single rank, miss reasons, advisor;
 metrics off), against an empty function called the same way, in alternating
-rounds of thread CPU time.
+rounds of thread CPU time.  ``--mode cache`` steps a cache-mode server's runtime
+(its write path's pending operations tested every step); ``--in-flight`` keeps one
+write pending and unacknowledged (its reap then tests upstream's ``ongoing_backup``
+every step).  Only the package's public hook and ``ProcessEntry`` are used, so the
+same script times an older checkout (``PYTHONPATH=<old tree>``) side by side.
 
-    python benchmarks/step_hook.py [--rounds 7] [--calls 100000]
+    python benchmarks/step_hook.py [--rounds 7] [--calls 100000] [--mode cache [--in-flight]]
 """
 
 from __future__ import annotations
@@ -29,8 +33,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=100_000)
+    parser.add_argument("--mode", choices=["buffer", "cache"], default="buffer")
+    parser.add_argument("--in-flight", action="store_true", help="cache mode: one write pending")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.in_flight and args.mode != "cache":
+        parser.error("--in-flight needs --mode cache")
 
     from hicache_existence.config import Config
     from hicache_existence.exporters.catalog import DeploymentLabels
@@ -44,9 +52,19 @@ def main() -> None:
 
     class Tree:
         storage_existence_cache = runtime.cache
+        ongoing_backup: dict[int, object] = {}
 
-    entry = hooks.ProcessEntry(runtime, SchedulerFacts(), None, None, None)
+    facts = (
+        SchedulerFacts(host_memory_mode="cache", storage_backend="file")
+        if args.mode == "cache"
+        else SchedulerFacts()
+    )
+    entry = hooks.ProcessEntry(runtime, facts, None, None, None)
     hooks._ENTRIES[PROCESS.pid] = entry
+    if args.in_flight:  # launched, not yet drained by upstream's storage ack
+        assert entry.write_path.cache_mode is not None
+        entry.write_path.cache_mode._pending[1] = object()
+        Tree.ongoing_backup[1] = object()
 
     def empty(result: Any, *a: Any, **k: Any) -> None:
         return None
@@ -63,6 +81,8 @@ def main() -> None:
         print(
             json.dumps(
                 {
+                    "mode": args.mode,
+                    "in_flight": args.in_flight,
                     "rounds": args.rounds,
                     "calls": args.calls,
                     "hook_ns_per_call_median": round(o, 1),
@@ -73,6 +93,7 @@ def main() -> None:
         )
         return
     print(
+        f"{args.mode} mode{', a write in flight' if args.in_flight else ''}: "
         f"step hook {o:.0f} ns/call, empty hook {b:.0f} ns/call (medians of {args.rounds}): "
         f"{o - b:.0f} ns of our own per event-loop iteration"
     )

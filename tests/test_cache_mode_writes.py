@@ -6,6 +6,7 @@ real path runs in tests/real_server/test_cache_mode.py."""
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from types import SimpleNamespace as NS
 from typing import Any
@@ -520,14 +521,17 @@ def test_an_extra_pool_s_believed_pages_written_again_are_redundant_believed(mad
     assert dict(stats["swa"].causes) == {"recompute": 2}
 
 
-def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged() -> None:
-    """The per-step call (``ProcessEntry.stepper``) hands the write path a step only
+@pytest.mark.parametrize("through", ["stepper", "hook"])
+def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged(through: str) -> None:
+    """The per-step call (``ProcessEntry.stepper``, and the step hook SGLang calls,
+    bound to the tree by its first call) hands the write path a step only
     when the oldest pending operation has left upstream's ``ongoing_backup`` (acks
     drain in launch order): with writes in flight and none drained, a step is one
     membership test; once the oldest is drained, that step accounts it."""
     from hicache_existence.config import Config
     from hicache_existence.integrations.sglang import hooks
     from hicache_existence.integrations.sglang.facts import SchedulerFacts
+    from hicache_existence.integrations.sglang.process import PROCESS
     from hicache_existence.runtime import ExistenceRuntime
 
     config = Config.from_mapping({"enabled": True, "metrics": {"mode": "off"}})
@@ -547,7 +551,12 @@ def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged() -
     wp.attach(feed)
     try:
         tree = Tree(runtime.cache, set())
-        step = entry.stepper(tree)
+        if through == "hook":  # its first call binds it to this tree
+            hooks._unbind()
+            hooks._ENTRIES[PROCESS.pid] = entry
+            step = functools.partial(hooks.after_check_hicache_events, None, tree)
+        else:
+            step = entry.stepper(tree)
         step()  # nothing pending
         a, b = pages("a", 2), pages("b", 3)
         tree.nodes = {1: a, 2: b}
@@ -567,5 +576,8 @@ def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged() -
         assert reaps == [3, 5] and feed.cache_mode.pending == 0
         assert feed.writes.stats()["kv"].acknowledged == 5
     finally:
+        if through == "hook":
+            hooks._ENTRIES.pop(PROCESS.pid, None)
+            hooks._unbind()
         wp.detach()
         runtime.close()

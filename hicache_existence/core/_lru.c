@@ -21,9 +21,10 @@
  *
  * The pure-Python twin with the same interface is hicache_existence.core.lru.
  *
- * The module also holds StepGate (at the end), the runtime's per-step test: unlike
- * the index it calls back into Python (the due work, a test clock), so it is
- * GC-tracked.  Its twin is hicache_existence.core.gate.PyStepGate.
+ * The module also holds StepGate (at the end), the runtime's per-step test, and
+ * StepHook, the per-step hook that calls it: unlike the index they call back into
+ * Python (the due work, a test clock; the write path's reap), so they are
+ * GC-tracked.  Their twins are hicache_existence.core.gate.PyStepGate and PyStepHook.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1407,6 +1408,205 @@ static PyTypeObject GateType = {
     .tp_new = Gate_new,
 };
 
+/* ------------------------------------------------------------------------------------
+ * StepHook: the per-step hook SGLang calls after every check_hicache_events, idle
+ * polling included (hicache_existence/core/gate.py has the pure-Python twin,
+ * PyStepHook, which behaves identically).  Bound to its tree, a call is one identity
+ * test, one size test of the write path's pending operations and the gate's test,
+ * here without a Python frame; anything else (the first step, a foreign tree, an
+ * unbound hook) goes to ``fallback`` with the arguments as given.
+ * ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fallback; /* fallback(*args, **kwargs): every call not for ``tree`` */
+    PyObject *tree;     /* the bound tree (args[1]); NULL or None: unbound */
+    PyObject *step;     /* step(), a StepGate called directly; NULL or None: none */
+    PyObject *pending;  /* sized; when non-empty, reap(tree) first */
+    PyObject *reap;
+    PyObject *dict;     /* __name__, __qualname__, __doc__ of the hook it stands for */
+    long long reap_errors;
+} Hook;
+
+#define HOOK_SET(o) ((o) != NULL && (o) != Py_None)
+
+/* len(pending) without a call for the exact types the package hands over. */
+static Py_ssize_t
+hook_size(PyObject *pending)
+{
+    if (PyDict_CheckExact(pending)) {
+        return PyDict_GET_SIZE(pending);
+    }
+    if (PyAnySet_CheckExact(pending)) {
+        return PySet_GET_SIZE(pending);
+    }
+    return PyObject_Length(pending);
+}
+
+/* reap(tree) when pending is non-empty.  An Exception raised here (by reap, or by
+ * the size test) is dropped and counted: the hook is the boundary with the
+ * scheduler, which must never see observability fail.  Anything else (a
+ * KeyboardInterrupt, SystemExit) is not a failure of ours: -1, passed on. */
+static int
+hook_reap(Hook *h, PyObject *tree)
+{
+    PyObject *pending = h->pending, *reap = h->reap;
+    if (!HOOK_SET(pending) || !HOOK_SET(reap)) {
+        return 0;
+    }
+    Py_INCREF(pending);
+    Py_INCREF(reap);
+    Py_ssize_t n = hook_size(pending);
+    PyObject *r = NULL;
+    if (n > 0) {
+        r = PyObject_CallOneArg(reap, tree);
+    }
+    Py_DECREF(pending);
+    Py_DECREF(reap);
+    if (n == 0 || r != NULL) {
+        Py_XDECREF(r);
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
+    PyErr_Clear();
+    h->reap_errors++;
+    return 0;
+}
+
+static PyObject *
+Hook_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Hook *h = (Hook *)op;
+    PyObject *tree = h->tree;
+    if (!HOOK_SET(tree) || PyVectorcall_NARGS(nargsf) < 2 || args[1] != tree) {
+        return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+    }
+    Py_INCREF(tree); /* reap may unbind the hook */
+    int failed = hook_reap(h, tree);
+    Py_DECREF(tree);
+    if (failed) {
+        return NULL;
+    }
+    PyObject *step = h->step; /* read after reap, which may have rebound it */
+    if (!HOOK_SET(step)) {
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(step);
+    PyObject *r = Py_IS_TYPE(step, &GateType) ? Gate_vectorcall(step, NULL, 0, NULL)
+                                              : PyObject_CallNoArgs(step);
+    Py_DECREF(step);
+    if (r == NULL) {
+        return NULL; /* the step's errors are the runtime's to raise (DivergenceError) */
+    }
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fallback", NULL};
+    PyObject *fallback;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:StepHook", kwlist, &fallback)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "StepHook: fallback must be callable");
+        return NULL;
+    }
+    Hook *h = (Hook *)type->tp_alloc(type, 0);
+    if (h == NULL) {
+        return NULL;
+    }
+    h->vectorcall = Hook_vectorcall;
+    Py_INCREF(fallback);
+    h->fallback = fallback;
+    h->reap_errors = 0;
+    return (PyObject *)h;
+}
+
+static int
+Hook_traverse(Hook *h, visitproc visit, void *arg)
+{
+    Py_VISIT(h->fallback);
+    Py_VISIT(h->tree);
+    Py_VISIT(h->step);
+    Py_VISIT(h->pending);
+    Py_VISIT(h->reap);
+    Py_VISIT(h->dict);
+    return 0;
+}
+
+static int
+Hook_clear(Hook *h)
+{
+    Py_CLEAR(h->fallback);
+    Py_CLEAR(h->tree);
+    Py_CLEAR(h->step);
+    Py_CLEAR(h->pending);
+    Py_CLEAR(h->reap);
+    Py_CLEAR(h->dict);
+    return 0;
+}
+
+static void
+Hook_dealloc(Hook *h)
+{
+    PyObject_GC_UnTrack(h);
+    Hook_clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyObject *
+Hook_get_fallback(Hook *h, void *closure)
+{
+    if (h->fallback == NULL) { /* only after tp_clear */
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(h->fallback);
+    return h->fallback;
+}
+
+static PyGetSetDef Hook_getset[] = {
+    {"fallback", (getter)Hook_get_fallback, NULL, "Called for every call not for tree.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef Hook_members[] = {
+    {"tree", T_OBJECT, offsetof(Hook, tree), 0, "The bound tree (None: unbound)."},
+    {"step", T_OBJECT, offsetof(Hook, step), 0, "Called once per step of tree."},
+    {"pending", T_OBJECT, offsetof(Hook, pending), 0, "When non-empty, reap(tree) first."},
+    {"reap", T_OBJECT, offsetof(Hook, reap), 0, "reap(tree): never reaches the caller."},
+    {"reap_errors", T_LONGLONG, offsetof(Hook, reap_errors), 0, "Exceptions reap raised."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyDoc_STRVAR(Hook_doc,
+"StepHook(fallback)\n\n"
+"The per-step hook, bound to its tree; see hicache_existence.core.gate.");
+
+static PyTypeObject HookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_existence.core._lru.StepHook",
+    .tp_basicsize = sizeof(Hook),
+    .tp_dealloc = (destructor)Hook_dealloc,
+    .tp_vectorcall_offset = offsetof(Hook, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = Hook_doc,
+    .tp_traverse = (traverseproc)Hook_traverse,
+    .tp_clear = (inquiry)Hook_clear,
+    .tp_members = Hook_members,
+    .tp_getset = Hook_getset,
+    .tp_dictoffset = offsetof(Hook, dict),
+    .tp_new = Hook_new,
+};
+
 static struct PyModuleDef lru_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hicache_existence.core._lru",
@@ -1418,7 +1618,7 @@ PyMODINIT_FUNC
 PyInit__lru(void)
 {
     if (PyType_Ready(&LruType) < 0 || PyType_Ready(&SamplerType) < 0
-        || PyType_Ready(&GateType) < 0) {
+        || PyType_Ready(&GateType) < 0 || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&lru_module);
@@ -1440,6 +1640,12 @@ PyInit__lru(void)
     Py_INCREF(&GateType);
     if (PyModule_AddObject(m, "StepGate", (PyObject *)&GateType) < 0) {
         Py_DECREF(&GateType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&HookType);
+    if (PyModule_AddObject(m, "StepHook", (PyObject *)&HookType) < 0) {
+        Py_DECREF(&HookType);
         Py_DECREF(m);
         return NULL;
     }

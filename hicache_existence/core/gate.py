@@ -18,18 +18,33 @@ The gate opens when
   a flush then spends the scheduler's idle time, not a batch's.  ``flush`` tells
   ``due`` whether this second condition held, so the decision is made once.
 
-Two implementations, one behaviour: ``hicache_existence.core._lru.StepGate`` (C, in
-the index's extension; no Python frame for a step with nothing due, and
-``time.monotonic``'s clock read in C when ``clock`` is ``time.monotonic``) and
-``PyStepGate`` (below), the fallback and the reference the compiled one is tested
-against.  ``HICACHE_EXISTENCE_BACKEND`` picks one, as for the index.
+``StepHook`` is what SGLang calls (the integration's ``after_check_hicache_events``,
+``hook(result, tree_cache)``), bound to one tree: a call for that tree runs
+``reap(tree)`` when the write path's ``pending`` operations are not empty (cache
+mode; ``reap`` decides whether one was acknowledged), then ``step()`` (the gate);
+every other call (the first, a foreign tree, an unbound hook) goes to ``fallback``
+with the arguments as given.  So an idle step is one identity test, one size test
+and the gate's test: one C call and no Python frame of ours, in both host memory
+modes.  ``step``'s exceptions reach the caller (a ``DivergenceError`` under the
+``abort`` policy is meant for the scheduler); an ``Exception`` from ``reap`` (or
+from sizing ``pending``) never does: the hook is the boundary with the scheduler,
+so it drops it and counts it in ``reap_errors``, whatever ``reap`` itself catches
+and reports (the integration's reports to the write path's error counter first).
+
+Two implementations of each, one behaviour: ``hicache_existence.core._lru.StepGate``
+and ``StepHook`` (C, in the index's extension; no Python frame for a step with
+nothing due, ``time.monotonic``'s clock read in C when ``clock`` is
+``time.monotonic``, and a ``StepGate`` as ``step`` called without dispatch) and
+``PyStepGate`` and ``PyStepHook`` (below), the fallbacks and the references the
+compiled ones are tested against.  ``HICACHE_EXISTENCE_BACKEND`` picks one, as for
+the index.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Any, Protocol
 
 from hicache_existence.core import lru
@@ -82,6 +97,59 @@ class PyStepGate:
         return self._due(n, now, flush)
 
 
+class StepHookType(Protocol):
+    """The interface both hook implementations provide."""
+
+    tree: Any
+    step: Callable[[], Any] | None
+    pending: Sized | None
+    reap: Callable[[Any], Any] | None
+    reap_errors: int
+
+    @property
+    def fallback(self) -> Callable[..., Any]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class PyStepHook:
+    """Pure-Python ``StepHook``: the same rule, attribute by attribute (``None``
+    unsets one; the instance ``__dict__`` takes the name and docstring of the hook
+    it stands for)."""
+
+    __slots__ = ("_fallback", "tree", "step", "pending", "reap", "reap_errors", "__dict__")
+
+    def __init__(self, fallback: Callable[..., Any]) -> None:
+        if not callable(fallback):
+            raise TypeError("StepHook: fallback must be callable")
+        self._fallback = fallback
+        self.tree: Any = None
+        self.step: Callable[[], Any] | None = None
+        self.pending: Sized | None = None
+        self.reap: Callable[[Any], Any] | None = None
+        self.reap_errors = 0
+
+    @property
+    def fallback(self) -> Callable[..., Any]:
+        return self._fallback
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tree = self.tree
+        if tree is None or len(args) < 2 or args[1] is not tree:
+            return self._fallback(*args, **kwargs)
+        pending, reap = self.pending, self.reap
+        if pending is not None and reap is not None:
+            try:
+                if len(pending):
+                    reap(tree)
+            except Exception:  # never into the scheduler
+                self.reap_errors += 1
+        step = self.step  # read after reap, which may have rebound it
+        if step is not None:
+            step()
+        return None
+
+
 def c_gate() -> Callable[..., StepGateType] | None:
     """The compiled implementation, or ``None`` when it is not built."""
     try:
@@ -101,3 +169,23 @@ def step_gate(due: Due, clock: Callable[[], float], busy_s: float, defer_s: floa
     if _C_GATE is not None:
         return _C_GATE(due, None if clock is time.monotonic else clock, busy_s, defer_s)
     return PyStepGate(due, clock, busy_s, defer_s)
+
+
+def c_hook() -> Callable[[Callable[..., Any]], StepHookType] | None:
+    """The compiled hook, or ``None`` when it is not built."""
+    try:
+        from hicache_existence.core._lru import StepHook
+    except ImportError:
+        return None
+    return StepHook  # type: ignore[no-any-return]
+
+
+#: The hook of the selected backend.
+_C_HOOK = c_hook() if lru.BACKEND == "c" else None
+
+
+def step_hook(fallback: Callable[..., Any]) -> StepHookType:
+    """A hook of the selected backend, unbound (every call goes to ``fallback``)."""
+    if _C_HOOK is not None:
+        return _C_HOOK(fallback)
+    return PyStepHook(fallback)

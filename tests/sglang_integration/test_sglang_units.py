@@ -285,7 +285,7 @@ def test_step_hook_binds_its_tree_and_a_forked_child_steps_nothing(
     for _ in range(3):
         hooks.after_check_hicache_events(None, tree)
     assert entry.runtime.steps == 3
-    assert hooks._BOUND is not None and hooks._BOUND[0] is tree
+    assert hooks._HOOK.tree is tree and hooks._HOOK.step is entry.runtime.tick
     hooks.after_check_hicache_events(None, _Tree(_Upstream()))  # a foreign tree
     assert entry.runtime.steps == 3
     read, write = os.pipe()
@@ -293,7 +293,7 @@ def test_step_hook_binds_its_tree_and_a_forked_child_steps_nothing(
     if pid == 0:  # the child: report, never return into pytest
         try:
             hooks.after_check_hicache_events(None, tree)
-            ok = hooks._BOUND is None and entry.runtime.steps == 3
+            ok = hooks._HOOK.tree is None and entry.runtime.steps == 3
             os.write(write, b"1" if ok else b"0")
         finally:
             os._exit(0)

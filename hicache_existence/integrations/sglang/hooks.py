@@ -21,7 +21,10 @@ package counts (and, with ``cache_mode.dedup``, deduplicates) its L3 writes
 ``UnifiedRadixCache.check_hicache_events``: scheduler thread, every rank, same
 order.  On its first call it builds the dedicated replica groups (a collective
 over the whole world: every rank reaches this point once), then calls
-``ExistenceRuntime.step()`` every time.
+``ExistenceRuntime.step()`` every time.  It is a ``core.gate`` step hook, not a
+function: once the first call has bound it to the tree, a step of that tree is
+one C call with no Python frame of ours while nothing is due (in cache mode too:
+the write path's reap runs only while writes are pending).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 from hicache_existence import logs
 from hicache_existence.accounting.recorder import instance_name
 from hicache_existence.config import Config
+from hicache_existence.core import gate as _gate
 from hicache_existence.core.protocol import ExistenceCache
 from hicache_existence.core.stats import COLD
 from hicache_existence.exporters import resolve_mode
@@ -136,27 +140,54 @@ class ProcessEntry:
         with contextlib.suppress(Exception):
             self.runtime.close()
 
-    def stepper(self, tree_cache: Any) -> Any:
-        """The per-step call: in cache mode the write path's acknowledged writes
-        first, then the runtime's step.  Nothing pending costs one truth test;
-        writes pending, one membership test: the oldest one still in upstream's
+    def reaper(self) -> Callable[[Any], None] | None:
+        """Cache mode's reap, which the step hook calls before the runtime's step
+        while the write path has operations pending (``None`` in buffer mode).
+        One membership test: the oldest pending operation still in upstream's
         ``ongoing_backup`` (acks come in launch order) means none was acknowledged,
-        and the reaping (``WritePath.step``) waits for a step where one was."""
-        runtime_step = self.runtime.tick  # the runtime's gate (core.gate): step()'s test
+        and the reaping (``WritePath.step``) waits for a step where one was.  It
+        never raises: a failure goes to ``WritePath.error`` (counted and logged),
+        as the hook's own guard would only count it."""
         cache_mode = self.write_path.cache_mode
         if cache_mode is None:
-            return runtime_step
+            return None
         pending = cache_mode.pending_operations
         reap = self.write_path.step
 
+        def reap_acknowledged(tree_cache: Any) -> None:
+            try:
+                if next(iter(pending)) in tree_cache.ongoing_backup:
+                    return
+            except Exception:  # WritePath.step reports what is wrong
+                pass
+            reap(tree_cache)
+
+        return reap_acknowledged
+
+    def bind(self, hook: _gate.StepHookType, tree_cache: Any) -> None:
+        """Point ``hook`` at ``tree_cache``: its steps then reap (cache mode, writes
+        pending) and step this runtime's gate without a Python frame of ours."""
+        reap = self.reaper()
+        cache_mode = self.write_path.cache_mode
+        hook.pending = cache_mode.pending_operations if reap and cache_mode else None
+        hook.reap = reap
+        hook.step = self.runtime.tick
+        hook.tree = tree_cache
+
+    def stepper(self, tree_cache: Any) -> Any:
+        """The per-step call as a function of no arguments, what the bound hook
+        does for ``tree_cache``: in cache mode the write path's acknowledged writes
+        first (``reaper``, only while some are pending), then the runtime's step."""
+        runtime_step = self.runtime.tick  # the runtime's gate (core.gate): step()'s test
+        reap = self.reaper()
+        cache_mode = self.write_path.cache_mode
+        if reap is None or cache_mode is None:
+            return runtime_step
+        pending = cache_mode.pending_operations
+
         def step() -> None:
             if pending:
-                try:
-                    acked = next(iter(pending)) not in tree_cache.ongoing_backup
-                except Exception:  # WritePath.step reports what is wrong
-                    acked = True
-                if acked:
-                    reap(tree_cache)
+                reap(tree_cache)
             runtime_step()
 
         return step
@@ -454,37 +485,10 @@ def replacement_class(generation: Generation, upstream: type) -> type:
     return _Factory(name, (base,), namespace)
 
 
-#: The bound per-step call of this process, once its first step has run:
-#: ``(tree_cache, runtime.step)``.  A cache of ``_ENTRIES`` for the hot path (one
-#: global read and one identity test per scheduler iteration instead of a registry
-#: lookup and an ownership check); dropped in a forked child, whose steps then take
-#: the slow path and find no entry of their own.
-_BOUND: tuple[Any, Any] | None = None
-
-
-def _unbind() -> None:
-    global _BOUND
-    _BOUND = None
-
-
-os.register_at_fork(after_in_child=_unbind)
-
-
-def after_check_hicache_events(result: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``UnifiedRadixCache.check_hicache_events(self)``: one runtime step.
-
-    Never raises, except ``DivergenceError`` under the ``abort`` policy."""
-    bound = _BOUND
-    if bound is not None and args and args[0] is bound[0]:
-        bound[1]()
-        return None
-    return _first_or_foreign_step(args)
-
-
-def _first_or_foreign_step(args: tuple[Any, ...]) -> None:
-    """A step of a tree this process has not bound yet (its first), or of a tree
-    that is not ours (a second tree, or a process without an entry)."""
-    global _BOUND
+def _first_or_foreign_step(result: Any = None, *args: Any, **kwargs: Any) -> None:
+    """The step hook's fallback: a step of a tree this process has not bound yet
+    (its first), or of a tree that is not ours (a second tree, or a process without
+    an entry)."""
     entry = _ENTRIES.get(PROCESS.pid)
     if entry is None or not args:
         return None
@@ -499,10 +503,34 @@ def _first_or_foreign_step(args: tuple[Any, ...]) -> None:
         entry.first_step(tree_cache)
     except Exception as exc:  # never into the scheduler
         logger.warning("hicache-existence: first-step wiring failed: %r", exc)
-    step = entry.stepper(tree_cache)
-    _BOUND = (tree_cache, step)
-    step()
+    entry.bind(_HOOK, tree_cache)
+    _HOOK(result, tree_cache)  # this first step, on the bound path
     return None
+
+
+#: The per-step hook (``core.gate``'s step hook), bound to this process's tree once
+#: its first step has run: a step of that tree is then one identity test, one size
+#: test and the gate's (no registry lookup, no ownership check, no Python frame of
+#: ours in the compiled hook); any other call takes ``_first_or_foreign_step``.
+#: The binding is dropped in a forked child, whose steps then take the fallback and
+#: find no entry of their own.  Bound through this name, not through
+#: ``after_check_hicache_events``, which a test probe may wrap.
+_HOOK = _gate.step_hook(_first_or_foreign_step)
+_HOOK.__name__ = _HOOK.__qualname__ = "after_check_hicache_events"  # type: ignore[attr-defined]
+_HOOK.__module__ = __name__
+_HOOK.__doc__ = """AFTER ``UnifiedRadixCache.check_hicache_events(self)``: one runtime step.
+
+Never raises, except ``DivergenceError`` under the ``abort`` policy."""
+
+#: What the plugin registers AFTER ``UnifiedRadixCache.check_hicache_events``.
+after_check_hicache_events: _gate.StepHookType = _HOOK
+
+
+def _unbind() -> None:
+    _HOOK.tree = _HOOK.step = _HOOK.pending = _HOOK.reap = None
+
+
+os.register_at_fork(after_in_child=_unbind)
 
 
 def reset_for_tests() -> None:
