@@ -123,6 +123,9 @@ log "distribution done"
 
 # 6. Every test; a skip is a failure here.
 export HICACHE_EXISTENCE_REQUIRE_ALL=1 HICACHE_EXISTENCE_REQUIRE_SGLANG=1
+#    Two lanes of real servers may start at once: a server's start-up gets more time
+#    than the harness's 240 s default.
+export HX_SERVER_START_TIMEOUT_S="${HX_SERVER_START_TIMEOUT_S:-600}"
 #    The tests that reach into the cache's storage, run again on the pure-Python index
 #    (what an install without a C compiler runs; the cache state machines run on both
 #    indexes in the main pass too).
@@ -158,8 +161,10 @@ leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name
   local name="$1" py="$2" t0=$SECONDS rc mods
   shift 2
   set +e
-  "$py" -m pytest -p no:cacheprovider -q "$@" >"$LEGS/$name.log" 2>&1
+  "$py" -m pytest -p no:cacheprovider -q --durations=8 "$@" >"$LEGS/$name.log" 2>&1
   rc=$?
+  # The slowest steps go into the timeline too (printed again at the end).
+  sed -n '/slowest .*durations/,/^$/p' "$LEGS/$name.log" | sed -n '2,9p' | sed "s/^/    [$name] /" >>"$TIMELINE"
   # Real-server legs (HX_RERUN_FAILED_MODULES=1): up to two failed modules run once
   # more, whole (their servers start again).  A pass then still counts as a flaky
   # test: reported at the end with its first failure; two failures fail the leg.
@@ -177,6 +182,7 @@ leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name
   fi
   set -e
   echo "$rc $((SECONDS - t0))" >"$LEGS/$name.rc"
+  log "leg [$name] finished: exit code $rc ($((SECONDS - t0))s)"
 }
 report() { # name: print a finished leg (its summary, or its failures in full)
   local name="$1" rc secs
@@ -189,52 +195,52 @@ report() { # name: print a finished leg (its summary, or its failures in full)
   log "pytest [$name] exit code $rc (${secs}s)"
   if [ "$rc" != 0 ]; then failed+=("$name"); fi
 }
-both() { # two legs side by side (each is one pytest process, one core), then report
-  log "pytest [$1] and [$2]"
-  eval "$3" &
-  eval "$4"
-  wait
-  report "$1"
-  report "$2"
-}
-both 3.10 3.13 'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' 'leg 3.13 "$PY313" "${CORE_TESTS[@]}"'
-both "3.12 sglang 0.5.23" 3.12 'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
-  'leg 3.12 "$PY312" "${CORE_TESTS[@]}"'
 one() { log "pytest [$1]"; leg "$@"; report "$1"; }
-#    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
-#    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
-#    (test_server_flat*.py are the flat generation's: they run in the 0.5.21 leg.)
-HX_RERUN_FAILED_MODULES=1 one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py \
-  --ignore=tests/real_server/test_server_flat_cache_mode.py
-#    With the seed wheel, also our flat cache against its own class (the differential
-#    replay the other legs run against the benchmarks' reimplementation).
-SEED_WHEEL_TESTS=()
-for primary in kv swa draft_kv; do
-  SEED_WHEEL_TESTS+=("tests/upstream/test_flat_seed_differential.py::test_seeded_long_replay_matches_seed[$primary-seed-wheel]")
-done
-#    And real 0.5.21 servers: the flat generation's write accounting against L3's files,
-#    in buffer mode and in cache mode (dedup off and on).
-HX_RERUN_FAILED_MODULES=1 one "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" \
-  tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py
 beside() { # NAME... LEG...: legs one after the other in the background, on the core
-  # the main pass (one pytest process) leaves idle; reported after it
+  # the foreground (the real servers, then the main pass) leaves idle; reported at the end
   local n=$(($# / 2)) names
   names=("${@:1:n}")
-  log "pytest $(printf '[%s] ' "${names[@]}")one after the other, beside the main pass"
+  log "pytest $(printf '[%s] ' "${names[@]}")one after the other, beside the real servers and the main pass"
   (
     for cmd in "${@:n+1}"; do eval "$cmd"; done
   ) &
   BESIDE_PID=$!
   BESIDE=("${names[@]}")
 }
-beside "3.11 python-index" "3.12 python-index" "3.10 python-index" "3.13 python-index" \
+#    With the seed wheel, also our flat cache against its own class (the differential
+#    replay the other legs run against the benchmarks' reimplementation).
+SEED_WHEEL_TESTS=()
+for primary in kv swa draft_kv; do
+  SEED_WHEEL_TESTS+=("tests/upstream/test_flat_seed_differential.py::test_seeded_long_replay_matches_seed[$primary-seed-wheel]")
+done
+#    Two lanes, one per core: the real servers and then the main pass in the
+#    foreground; every other leg one after the other beside them.  (The real servers
+#    wait on requests and timers more than they compute, so the lanes overlap well;
+#    one after the other, the legs no longer fit CI's 90 minutes.)
+#    The beside lane: the core tests of 3.10, 3.13 and 3.12; the sglang integration
+#    tests on 0.5.23; on sglang 0.5.21 those, the seed-wheel differential and real
+#    0.5.21 servers (the flat generation's write accounting against L3's files, in
+#    buffer and in cache mode, dedup off and on); the storage tests on the pure-Python
+#    index of every Python.
+beside "3.10" "3.13" "3.12 sglang 0.5.23" "3.12" "3.11 sglang 0.5.21" \
+  "3.11 python-index" "3.12 python-index" "3.10 python-index" "3.13 python-index" \
+  'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' \
+  'leg 3.13 "$PY313" "${CORE_TESTS[@]}"' \
+  'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
+  'leg 3.12 "$PY312" "${CORE_TESTS[@]}"' \
+  'HX_RERUN_FAILED_MODULES=1 leg "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.10 python-index" "$PY310" "${STORAGE_TESTS[@]}"' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.13 python-index" "$PY313" "${STORAGE_TESTS[@]}"'
+#    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
+#    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
+#    (test_server_flat*.py are the flat generation's: they run in the 0.5.21 leg.)
+HX_RERUN_FAILED_MODULES=1 one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py \
+  --ignore=tests/real_server/test_server_flat_cache_mode.py
 log "pytest [3.11]"
 set +e
-"$PY" -m pytest -p no:cacheprovider --ignore=tests/real_server --ignore=tests/sglang_integration "$@"
+"$PY" -m pytest -p no:cacheprovider --durations=8 --ignore=tests/real_server --ignore=tests/sglang_integration "$@"
 rc=$?
 set -e
 log "pytest [3.11] exit code $rc"
