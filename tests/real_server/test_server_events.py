@@ -22,7 +22,8 @@ the same tokens and parent: a consumer joins the tiers on the block hash.
 Against truth (issue 30 item 3): a multi-turn workload over both servers, an
 outside evictor deleting page files, and the consumer's index of the storage tier
 sampled against the page files for SGLang's own events, belief-only events and
-ours (``test_the_consumers_index_against_the_page_files``; docs/kv-events.md).
+ours (``test_the_consumers_index_against_the_page_files``; docs/kv-events.md; the
+measurement is ``events_truth.py``'s, shared with the Mooncake test).
 """
 
 from __future__ import annotations
@@ -36,59 +37,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from events_truth import (
+    CONVERSATIONS,
+    PAGE,
+    P,
+    Point,
+    Subscriber,
+    block_hash,
+    kv,
+    measure,
+)
 from harness import (
     Server,
     ServerSpec,
     block_tokens_for,
-    conversation_requests,
     free_port,
     launch_together,
     poll,
 )
 
 pytestmark = [pytest.mark.real_server]
-
-kv = pytest.importorskip("sglang.srt.disaggregation.kv_events")
-msgspec = pytest.importorskip("msgspec")
-zmq = pytest.importorskip("zmq")
-
-PAGE = 16
-P = "hicache_existence_"
-
-
-def block_hash(page: str) -> int:
-    value = int(page[:16], 16)
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-class Subscriber:
-    """Every batch the server publishes, decoded by sglang's ``KVEventBatch``, with
-    the time (monotonic) each event arrived."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.SUB)
-        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.socket.connect(endpoint)
-        self.decoder = msgspec.msgpack.Decoder(type=kv.KVEventBatch)
-        self.events: list[Any] = []
-        self.arrived: list[float] = []
-        self.seqs: list[int] = []
-
-    def pump(self) -> list[Any]:
-        while self.socket.poll(50):
-            _topic, seq, payload = self.socket.recv_multipart()
-            now = time.monotonic()
-            self.seqs.append(int.from_bytes(seq, "big"))
-            batch = self.decoder.decode(payload).events
-            self.events.extend(batch)
-            self.arrived.extend([now] * len(batch))
-        return self.events
-
-    def blocks(self, kind: type) -> list[int]:
-        return [h for e in self.pump() if isinstance(e, kind) for h in e.block_hashes]
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
 
 
 def files(srv: Server) -> set[str]:
@@ -258,111 +226,6 @@ def _blocks(events: list[Any]) -> tuple[dict[int, list[int]], dict[int, int | No
 
 # -- measured against truth: the consumer's index of L3 vs the page files ------------------
 
-#: Conversations and turns of the multi-turn workload; the first BUILD turns fill
-#: L3, the rest run after the evictor.
-CONVERSATIONS, TURNS, BUILD = 8, 5, 3
-
-
-def _index(sub: Subscriber, upto: int, removals: bool) -> set[int]:
-    """The storage tier a consumer of ``sub``'s first ``upto`` events holds: blocks
-    of ``BlockStored(DISK)``, less those of ``BlockRemoved(DISK)`` when ``removals``."""
-    held: set[int] = set()
-    for e in sub.events[:upto]:
-        if getattr(e, "medium", None) not in ("DISK", "EXTERNAL"):
-            continue
-        if isinstance(e, kv.BlockStored):
-            held.update(e.block_hashes)
-        elif removals and isinstance(e, kv.BlockRemoved):
-            held.difference_update(e.block_hashes)
-    return held
-
-
-@dataclass
-class Point:
-    """One sample: seconds since the eviction; per publisher the precision of its
-    (instance, block) claims against the page files; recall of acknowledged blocks."""
-
-    t: float
-    ours: float
-    belief: float
-    recall: float
-    stale_ours: int
-    stale_belief: int
-
-
-class Truth:
-    """Samples the consumer's index of both servers against the L3 directory."""
-
-    def __init__(self, pair: Pair) -> None:
-        self.pair = pair
-        self.subs = (pair.sub_a, pair.sub_b)
-        self.t0 = time.monotonic()
-        self.points: list[Point] = []
-
-    def pages(self) -> set[int]:
-        return {block_hash(n[:64]) for n in self.pair.a.l3_pages()}
-
-    def sample(self, settled: bool = False) -> Point:
-        for sub in self.subs:
-            sub.pump()
-        # One snapshot: the events received so far, then the files.
-        upto = [len(sub.events) for sub in self.subs]
-        ours = [_index(s, n, removals=True) for s, n in zip(self.subs, upto)]
-        belief = [_index(s, n, removals=False) for s, n in zip(self.subs, upto)]
-        held = self.pages()
-        acked = set().union(*belief) & held  # files whose write an instance acknowledged
-
-        def precision(index: list[set[int]]) -> tuple[float, int]:
-            claims = sum(len(i) for i in index)
-            stale = sum(len(i - held) for i in index)
-            return (1.0 - stale / claims if claims else 1.0), stale
-
-        p_ours, s_ours = precision(ours)
-        p_belief, s_belief = precision(belief)
-        recall = len(acked & set().union(*ours)) / len(acked) if acked else 1.0
-        point = Point(time.monotonic() - self.t0, p_ours, p_belief, recall, s_ours, s_belief)
-        if not settled:
-            self.points.append(point)
-        return point
-
-
-def _chains(
-    subs: tuple[Subscriber, ...], prompts: dict[int, tuple[int, ...]]
-) -> dict[int, list[int]]:
-    """Each conversation's page chain (block hashes from the root), read from the
-    stored events: a block is known by its parent and its tokens."""
-    by: dict[tuple[int | None, tuple[int, ...]], int] = {}
-    for sub in subs:
-        for e in sub.pump():
-            if isinstance(e, kv.BlockStored) and e.medium == "DISK":
-                parent = e.parent_block_hash
-                for i, h in enumerate(e.block_hashes):
-                    by[(parent, tuple(e.token_ids[i * PAGE : (i + 1) * PAGE]))] = h
-                    parent = h
-    out: dict[int, list[int]] = {}
-    for c, prompt in prompts.items():
-        chain: list[int] = []
-        parent: int | None = None
-        for j in range(len(prompt) // PAGE):
-            h = by.get((parent, tuple(prompt[j * PAGE : (j + 1) * PAGE])))
-            if h is None:
-                break
-            chain.append(h)
-            parent = h
-        out[c] = chain
-    return out
-
-
-def _quiet(pair: Pair) -> None:
-    """Both servers' writes settled and their events received."""
-    for srv in (pair.a, pair.b):
-        srv.wait_writes_settled()
-    for sub in (pair.sub_a, pair.sub_b):
-        seen = -1
-        while seen != len(sub.pump()):
-            seen = len(sub.events)
-            time.sleep(0.5)
-
 
 def test_the_consumers_index_against_the_page_files(pair: Pair) -> None:
     """Issue 30 item 3, file backend: two servers over one L3, a multi-turn workload,
@@ -374,122 +237,45 @@ def test_the_consumers_index_against_the_page_files(pair: Pair) -> None:
     precision is never below belief-only's and is back to >= 0.99 within the
     window the reconciler's configuration predicts; belief-only's is not."""
     a, b = pair.a, pair.b
-    turns = conversation_requests(CONVERSATIONS, TURNS, salt="events-truth")
-    served_at: dict[tuple[int, int], float] = {}  # (server, conversation) -> last done
 
-    def serve(k: int, after: Truth | None = None) -> None:
-        for t in turns:
-            if t.turn != k:
-                continue
-            i = (t.conversation + k) % 2  # a router without the storage tier alternates
-            (a, b)[i].generate(t.input_ids, max_new_tokens=1)
-            served_at[(i, t.conversation)] = time.monotonic()
-            if after is not None:
-                after.sample()
+    def pages() -> set[int]:
+        return {block_hash(n[:64]) for n in a.l3_pages()}
 
-    for k in range(BUILD):
-        serve(k)
-    _quiet(pair)
-    truth = Truth(pair)
-    built = truth.sample(settled=True)
-    assert (built.ours, built.belief, built.recall) == (1.0, 1.0, 1.0), built
+    def built_ok(built: Point) -> None:
+        assert (built.ours, built.belief, built.recall) == (1.0, 1.0, 1.0), built
 
-    # The evictor: the tail (second half) of every other conversation's chain.
-    prompts = {t.conversation: t.input_ids for t in turns if t.turn == BUILD - 1}
-    chains = _chains((pair.sub_a, pair.sub_b), prompts)
-    assert all(len(chains[c]) >= len(prompts[c]) // PAGE - 1 for c in chains), chains
-    names = {block_hash(n[:64]): n for n in a.l3_pages()}
-    doomed = {h for c in range(0, CONVERSATIONS, 2) for h in chains[c][len(chains[c]) // 2 :]}
-    truth.t0 = time.monotonic()
-    for h in doomed:
-        (pair.l3 / names[h]).unlink()
-    evicted = truth.sample()
+    def evict(chains: dict[int, list[int]]) -> set[int]:
+        """The evictor: the tail (second half) of every other conversation's chain."""
+        names = {block_hash(n[:64]): n for n in a.l3_pages()}
+        doomed = {h for c in range(0, CONVERSATIONS, 2) for h in chains[c][len(chains[c]) // 2 :]}
+        for h in doomed:
+            (pair.l3 / names[h]).unlink()
+        return doomed
+
+    m = measure(
+        (a, b),
+        (pair.sub_a, pair.sub_b),
+        pages,
+        evict,
+        RECONCILER["timeout_ms"],
+        salt="events-truth",
+        check_built=built_ok,
+    )
+    evicted, at_window, end, sources = m.evicted, m.at_window, m.end, m.sources
     assert evicted.ours < 0.9 and evicted.recall == 1.0, evicted
-
-    # The workload goes on: every conversation served by each server once more.
-    # (Stale claims end either in a verified BlockRemoved or in the page's rewrite.)
-    before = {s: s.value(P + "reconciler_queries_total", absent_ok=True) for s in (a, b)}
-    for k in range(BUILD, TURNS):
-        serve(k, after=truth)
-    looked_up = max(served_at.values()) - truth.t0
-    # The window the reconciler's configuration predicts: with sampling_rate 1
-    # every lookup is a candidate and, while verifications stay under
-    # verifications_per_s, every candidate is verified; the verdict is applied
-    # within one query (timeout_ms) and two agreements.  So a stale claim is
-    # gone by its instance's next lookup through it + timeout_ms (+ 1 s for the
-    # agreements, the publisher thread and this sampler); each instance looks up
-    # every conversation once by ``looked_up``.
-    window = looked_up + RECONCILER["timeout_ms"] / 1000.0 + 1.0
-    time.sleep(max(0.0, truth.t0 + window - time.monotonic()))
-    at_window = truth.sample()
-    elapsed = time.monotonic() - truth.t0
-    rates = {
-        s.port: (s.value(P + "reconciler_queries_total", absent_ok=True) - before[s]) / elapsed
-        for s in (a, b)
-    }
-    _quiet(pair)
-    end = truth.sample(settled=True)
-
     # SGLang's own events: no storage-tier block at all (every DISK block on b's
     # stream is one our emitter published).
-    sglang_storage = [
-        h
-        for e in pair.sub_b.pump()
-        if isinstance(e, kv.BlockStored) and e.medium in ("DISK", "EXTERNAL")
-        for h in e.block_hashes
-    ]
-    assert len(sglang_storage) == b.value(P + "events_published_blocks_total", kind="stored")
+    assert len(m.storage_blocks_b) == b.value(P + "events_published_blocks_total", kind="stored")
     # Belief-only is our stores without removals only while the LRU forgets nothing.
     assert a.value(P + "evictions_total") == b.value(P + "evictions_total") == 0
-    sources = {
-        src: sum(s.value(P + "events_removals_total", source=src) for s in (a, b))
-        for src in ("reconciler", "hit_query")
-    }
-    delays = _removal_delays(pair, truth.t0, doomed)
-    figures = {
-        "evicted_pages": len(doomed),
-        "looked_up_s": round(looked_up, 2),
-        "window_s": round(window, 2),
-        "first_ours_ge_0.99_s": next((round(p.t, 2) for p in truth.points if p.ours >= 0.99), None),
-        "min_precision": {
-            "ours": round(min(p.ours for p in truth.points), 3),
-            "belief": round(min(p.belief for p in truth.points), 3),
-        },
-        "at_window": at_window,
-        "end": end,
-        "recall_min_sampled": round(min(p.recall for p in truth.points), 3),
-        "removals": sources,
-        "delay_s": delays,
-        "verifications_per_s": rates,
-    }
-    print("events-truth", json.dumps(figures, default=lambda o: o.__dict__))
+    print("events-truth", json.dumps(m.figures(), default=lambda o: o.__dict__))
 
-    for p in truth.points:
-        assert p.ours >= p.belief, (p, truth.points)
+    for p in m.truth.points:
+        assert p.ours >= p.belief, (p, m.truth.points)
     assert end.recall == 1.0, end
-    assert at_window.ours >= 0.99, (window, truth.points)
+    assert at_window.ours >= 0.99, (m.window, m.truth.points)
     assert end.ours == 1.0 and end.stale_ours == 0, end
     assert end.belief < 0.99, end  # stale claims only a verification removes
     assert sources["reconciler"] > 0, sources
     # The window's premise: verifications stayed under the budget.
-    assert all(r < RECONCILER["verifications_per_s"] for r in rates.values()), rates
-
-
-def _removal_delays(pair: Pair, t0: float, doomed: set[int]) -> dict[str, float | int]:
-    """Seconds from the eviction to each BlockRemoved of an evicted block."""
-    delays = [
-        at - t0
-        for sub in (pair.sub_a, pair.sub_b)
-        for e, at in zip(sub.pump(), sub.arrived)
-        if isinstance(e, kv.BlockRemoved) and at >= t0
-        for h in e.block_hashes
-        if h in doomed
-    ]
-    if not delays:
-        return {"blocks": 0}
-    delays.sort()
-    return {
-        "blocks": len(delays),
-        "median": round(delays[len(delays) // 2], 2),
-        "max": round(delays[-1], 2),
-    }
+    assert all(r < RECONCILER["verifications_per_s"] for r in m.rates.values()), m.rates

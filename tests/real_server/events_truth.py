@@ -1,0 +1,393 @@
+"""The consumer's index of the storage tier, measured against what L3 holds.
+
+Shared by the real-server event tests of each L3 backend (issue 30 item 3): the
+file backend (``test_server_events.py``, truth: the page files) and Mooncake
+(``test_server_events_mooncake.py``, truth: the master's keys).  Two prefill
+servers, each with a ZeroMQ subscriber decoding its events with sglang's own
+``KVEventBatch``; a multi-turn workload builds L3, an evictor the test supplies
+removes pages behind the servers' backs, the workload goes on, and the index a
+consumer of each publisher builds is sampled against ``held()``, the backend's
+truth: precision of the (instance, block) claims, recall of acknowledged blocks,
+and the delay from the eviction to each ``BlockRemoved``.  Only the evictor and
+the truth differ per backend; everything measured is computed here once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from harness import Server, conversation_requests
+
+kv = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+PAGE = 16
+P = "hicache_existence_"
+#: Conversations and turns of the multi-turn workload; the first BUILD turns fill
+#: L3, the rest run after the evictor.
+CONVERSATIONS, TURNS, BUILD = 8, 5, 3
+STORAGE_MEDIA = ("DISK", "EXTERNAL")
+
+
+def block_hash(page: str) -> int:
+    """SGLang's event hash of a page: the first 64 bits of its SHA-256 hex, signed."""
+    value = int(page[:16], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class Subscriber:
+    """Every batch the server publishes, decoded by sglang's ``KVEventBatch``, with
+    the time (monotonic) each event arrived."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(type=kv.KVEventBatch)
+        self.events: list[Any] = []
+        self.arrived: list[float] = []
+        self.seqs: list[int] = []
+
+    def pump(self) -> list[Any]:
+        while self.socket.poll(50):
+            _topic, seq, payload = self.socket.recv_multipart()
+            now = time.monotonic()
+            self.seqs.append(int.from_bytes(seq, "big"))
+            batch = self.decoder.decode(payload).events
+            self.events.extend(batch)
+            self.arrived.extend([now] * len(batch))
+        return self.events
+
+    def blocks(self, kind: type) -> list[int]:
+        return [h for e in self.pump() if isinstance(e, kind) for h in e.block_hashes]
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def index_of(sub: Subscriber, upto: int, removals: bool) -> set[int]:
+    """The storage tier a consumer of ``sub``'s first ``upto`` events holds: blocks
+    of ``BlockStored(DISK/EXTERNAL)``, less those of ``BlockRemoved`` when ``removals``."""
+    held: set[int] = set()
+    for e in sub.events[:upto]:
+        if getattr(e, "medium", None) not in STORAGE_MEDIA:
+            continue
+        if isinstance(e, kv.BlockStored):
+            held.update(e.block_hashes)
+        elif removals and isinstance(e, kv.BlockRemoved):
+            held.difference_update(e.block_hashes)
+    return held
+
+
+def parents(subs: Sequence[Subscriber]) -> dict[int, int | None]:
+    """Each storage-tier block's parent, from the stored events received so far."""
+    out: dict[int, int | None] = {}
+    for sub in subs:
+        for e in sub.events:
+            if isinstance(e, kv.BlockStored) and e.medium in STORAGE_MEDIA:
+                parent = e.parent_block_hash
+                for h in e.block_hashes:
+                    out[h] = parent
+                    parent = h
+    return out
+
+
+def reachable(held: set[int], parent_of: dict[int, int | None]) -> set[int]:
+    """The held blocks a prefix lookup can reach: held, and so is every block
+    before them in their chain (a lookup such as ``batch_exists`` counts leading
+    pages and stops at the first missing one)."""
+    memo: dict[int, bool] = {}
+
+    def ok(h: int) -> bool:
+        path: list[int] = []
+        while h not in memo:
+            if h not in held or h not in parent_of:
+                memo[h] = False
+                break
+            path.append(h)
+            p = parent_of[h]
+            if p is None:
+                memo[h] = True
+                break
+            h = p
+        result = memo[h]
+        for x in path:
+            memo[x] = result
+        return result
+
+    return {h for h in held if ok(h)}
+
+
+@dataclass
+class Point:
+    """One sample: seconds since the eviction; per publisher the precision of its
+    (instance, block) claims against the truth; recall of acknowledged blocks
+    (``recall``: of every held one; ``recall_reachable``: of those a prefix lookup
+    can reach)."""
+
+    t: float
+    ours: float
+    belief: float
+    recall: float
+    stale_ours: int
+    stale_belief: int
+    recall_reachable: float = 1.0
+
+
+class Truth:
+    """Samples the consumer's index of both servers against ``held()``, the
+    storage blocks L3 holds (by event hash)."""
+
+    def __init__(self, subs: Sequence[Subscriber], held: Callable[[], set[int]]) -> None:
+        self.subs = tuple(subs)
+        self.held = held
+        self.t0 = time.monotonic()
+        self.points: list[Point] = []
+
+    def sample(self, settled: bool = False) -> Point:
+        for sub in self.subs:
+            sub.pump()
+        # One snapshot: the events received so far, then the truth.
+        upto = [len(sub.events) for sub in self.subs]
+        ours = [index_of(s, n, removals=True) for s, n in zip(self.subs, upto)]
+        belief = [index_of(s, n, removals=False) for s, n in zip(self.subs, upto)]
+        held = self.held()
+        acked = set().union(*belief) & held  # held blocks whose write an instance acknowledged
+        findable = acked & reachable(held, parents(self.subs))
+
+        def precision(index: list[set[int]]) -> tuple[float, int]:
+            claims = sum(len(i) for i in index)
+            stale = sum(len(i - held) for i in index)
+            return (1.0 - stale / claims if claims else 1.0), stale
+
+        def recall(of: set[int]) -> float:
+            return len(of & set().union(*ours)) / len(of) if of else 1.0
+
+        p_ours, s_ours = precision(ours)
+        p_belief, s_belief = precision(belief)
+        point = Point(
+            time.monotonic() - self.t0,
+            p_ours,
+            p_belief,
+            recall(acked),
+            s_ours,
+            s_belief,
+            recall(findable),
+        )
+        if not settled:
+            self.points.append(point)
+        return point
+
+
+def chains(subs: Sequence[Subscriber], prompts: dict[int, tuple[int, ...]]) -> dict[int, list[int]]:
+    """Each conversation's page chain (block hashes from the root), read from the
+    stored events: a block is known by its parent and its tokens."""
+    by: dict[tuple[int | None, tuple[int, ...]], int] = {}
+    for sub in subs:
+        for e in sub.pump():
+            if isinstance(e, kv.BlockStored) and e.medium in STORAGE_MEDIA:
+                parent = e.parent_block_hash
+                for i, h in enumerate(e.block_hashes):
+                    by[(parent, tuple(e.token_ids[i * PAGE : (i + 1) * PAGE]))] = h
+                    parent = h
+    out: dict[int, list[int]] = {}
+    for c, prompt in prompts.items():
+        chain: list[int] = []
+        parent: int | None = None
+        for j in range(len(prompt) // PAGE):
+            h = by.get((parent, tuple(prompt[j * PAGE : (j + 1) * PAGE])))
+            if h is None:
+                break
+            chain.append(h)
+            parent = h
+        out[c] = chain
+    return out
+
+
+def quiet(servers: Sequence[Server], subs: Sequence[Subscriber]) -> None:
+    """The servers' writes settled and their events received."""
+    for srv in servers:
+        srv.wait_writes_settled()
+    for sub in subs:
+        seen = -1
+        while seen != len(sub.pump()):
+            seen = len(sub.events)
+            time.sleep(0.5)
+
+
+def removal_delays(
+    subs: Sequence[Subscriber], t0: float, doomed: set[int]
+) -> dict[str, float | int]:
+    """Seconds from the eviction to each BlockRemoved of an evicted block."""
+    delays = [
+        at - t0
+        for sub in subs
+        for e, at in zip(sub.pump(), sub.arrived)
+        if isinstance(e, kv.BlockRemoved) and at >= t0
+        for h in e.block_hashes
+        if h in doomed
+    ]
+    if not delays:
+        return {"blocks": 0}
+    delays.sort()
+    return {
+        "blocks": len(delays),
+        "median": round(delays[len(delays) // 2], 2),
+        "max": round(delays[-1], 2),
+    }
+
+
+def alternate(conversation: int, turn: int) -> int:
+    """A router without the storage tier: each turn to the other server."""
+    return (conversation + turn) % 2
+
+
+def stay_once(conversation: int, turn: int) -> int:
+    """As ``alternate`` until the eviction; then the first turn stays on the server
+    of the turn before (session affinity) and the next one moves: the instance
+    that wrote the last pages looks its chain up again before anyone rewrites it."""
+    return alternate(conversation, turn - 1 if turn >= BUILD else turn)
+
+
+@dataclass
+class Measured:
+    """One run of the measurement: the samples, the eviction and the window."""
+
+    truth: Truth
+    built: Point
+    evicted: Point
+    at_window: Point
+    end: Point
+    doomed: set[int]
+    looked_up: float
+    window: float
+    #: Reconciler queries per second of each server (by port) over the run.
+    rates: dict[int, float]
+    #: Every storage-tier block on server b's stream (SGLang's own events included).
+    storage_blocks_b: list[int]
+    sources: dict[str, float]
+    delays: dict[str, float | int]
+
+    def figures(self, **extra: Any) -> dict[str, Any]:
+        points = self.truth.points
+        return {
+            "evicted_pages": len(self.doomed),
+            "looked_up_s": round(self.looked_up, 2),
+            "window_s": round(self.window, 2),
+            "first_ours_ge_0.99_s": next((round(p.t, 2) for p in points if p.ours >= 0.99), None),
+            "min_precision": {
+                "ours": round(min(p.ours for p in points), 3),
+                "belief": round(min(p.belief for p in points), 3),
+            },
+            "at_window": self.at_window,
+            "end": self.end,
+            "recall_min_sampled": round(min(p.recall for p in points), 3),
+            "recall_reachable_min_sampled": round(min(p.recall_reachable for p in points), 3),
+            "removals": self.sources,
+            "delay_s": self.delays,
+            "verifications_per_s": self.rates,
+            # (t, ours, belief, recall, recall_reachable) at every sample
+            "series": [
+                [round(x, 3) for x in (p.t, p.ours, p.belief, p.recall, p.recall_reachable)]
+                for p in points
+            ],
+            **extra,
+        }
+
+
+def measure(
+    servers: tuple[Server, Server],
+    subs: tuple[Subscriber, Subscriber],
+    held: Callable[[], set[int]],
+    evict: Callable[[dict[int, list[int]]], set[int]],
+    timeout_ms: float,
+    salt: str,
+    check_built: Callable[[Point], None] = lambda p: None,
+    route: Callable[[int, int], int] = alternate,
+) -> Measured:
+    """The workload's BUILD turns, then ``evict(chains)`` (it removes pages behind
+    the servers' backs and returns the blocks it removed), then the other turns,
+    sampling after every request, then a sample at the window the reconciler's
+    configuration predicts and one once everything settled.  ``check_built`` sees
+    the sample before the eviction; ``route(conversation, turn)`` is the index of
+    the server a turn goes to (each server must serve every conversation once
+    after the eviction: the window counts on it)."""
+    turns = conversation_requests(CONVERSATIONS, TURNS, salt=salt)
+    served_at: dict[tuple[int, int], float] = {}  # (server, conversation) -> last done
+
+    def serve(k: int, after: Truth | None = None) -> None:
+        for t in turns:
+            if t.turn != k:
+                continue
+            i = route(t.conversation, k)
+            servers[i].generate(t.input_ids, max_new_tokens=1)
+            served_at[(i, t.conversation)] = time.monotonic()
+            if after is not None:
+                after.sample()
+
+    for k in range(BUILD):
+        serve(k)
+    quiet(servers, subs)
+    truth = Truth(subs, held)
+    built = truth.sample(settled=True)
+    check_built(built)
+
+    prompts = {t.conversation: t.input_ids for t in turns if t.turn == BUILD - 1}
+    known = chains(subs, prompts)
+    assert all(len(known[c]) >= len(prompts[c]) // PAGE - 1 for c in known), known
+    truth.t0 = time.monotonic()
+    doomed = evict(known)
+    evicted = truth.sample()
+
+    # The workload goes on: every conversation served by each server once more.
+    # (Stale claims end either in a verified BlockRemoved or in the page's rewrite.)
+    before = {s: s.value(P + "reconciler_queries_total", absent_ok=True) for s in servers}
+    for k in range(BUILD, TURNS):
+        serve(k, after=truth)
+    looked_up = max(served_at.values()) - truth.t0
+    # The window the reconciler's configuration predicts: with sampling_rate 1
+    # every lookup is a candidate and, while verifications stay under
+    # verifications_per_s, every candidate is verified; the verdict is applied
+    # within one query (timeout_ms) and two agreements.  So a stale claim is
+    # gone by its instance's next lookup through it + timeout_ms (+ 1 s for the
+    # agreements, the publisher thread and this sampler); each instance looks up
+    # every conversation once by ``looked_up``.
+    window = looked_up + timeout_ms / 1000.0 + 1.0
+    time.sleep(max(0.0, truth.t0 + window - time.monotonic()))
+    at_window = truth.sample()
+    elapsed = time.monotonic() - truth.t0
+    rates = {
+        s.port: (s.value(P + "reconciler_queries_total", absent_ok=True) - before[s]) / elapsed
+        for s in servers
+    }
+    quiet(servers, subs)
+    end = truth.sample(settled=True)
+    storage_b = [
+        h
+        for e in subs[1].pump()
+        if isinstance(e, kv.BlockStored) and e.medium in STORAGE_MEDIA
+        for h in e.block_hashes
+    ]
+    sources = {
+        src: sum(s.value(P + "events_removals_total", source=src) for s in servers)
+        for src in ("reconciler", "hit_query")
+    }
+    return Measured(
+        truth,
+        built,
+        evicted,
+        at_window,
+        end,
+        doomed,
+        looked_up,
+        window,
+        rates,
+        storage_b,
+        sources,
+        removal_delays(subs, truth.t0, doomed),
+    )
