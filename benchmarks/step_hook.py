@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 
 def _time(fn: Any, tree: Any, calls: int) -> float:
@@ -52,7 +52,7 @@ def main() -> None:
 
     class Tree:
         storage_existence_cache = runtime.cache
-        ongoing_backup: dict[int, object] = {}
+        ongoing_backup: ClassVar[dict[int, object]] = {}
 
     facts = (
         SchedulerFacts(host_memory_mode="cache", storage_backend="file")
