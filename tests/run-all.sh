@@ -13,7 +13,9 @@
 #   Python 3.11  the sglang integration tests against sglang 0.5.21 (the seed's flat API),
 #                and real 0.5.21 servers (tests/real_server/test_server_flat*.py: buffer and cache mode)
 #   Python 3.12  the sglang integration tests (sglang 0.5.23; SGLang's image runs 3.12),
-#                the real-server tests (tests/real_server) and the core tests, on both indexes
+#                the real-server tests (tests/real_server) and the storage tests on the
+#                pure-Python index (its core tests on the compiled index: 3.10, 3.11 and
+#                3.13 run them; the real servers run that index on 3.12)
 #   Python 3.10, 3.13  the core tests, on both indexes (light envs: no torch, no sglang)
 #
 # The interpreters come from pyenv (~/.pyenv/versions/3.X.*) or PATH; a missing one
@@ -217,17 +219,16 @@ done
 #    foreground; every other leg one after the other beside them.  (The real servers
 #    wait on requests and timers more than they compute, so the lanes overlap well;
 #    one after the other, the legs no longer fit CI's 90 minutes.)
-#    The beside lane: the core tests of 3.10, 3.13 and 3.12; the sglang integration
+#    The beside lane: the core tests of 3.10 and 3.13; the sglang integration
 #    tests on 0.5.23; on sglang 0.5.21 those, the seed-wheel differential and real
 #    0.5.21 servers (the flat generation's write accounting against L3's files, in
 #    buffer and in cache mode, dedup off and on); the storage tests on the pure-Python
 #    index of every Python.
-beside "3.10" "3.13" "3.12 sglang 0.5.23" "3.12" "3.11 sglang 0.5.21" \
+beside "3.10" "3.13" "3.12 sglang 0.5.23" "3.11 sglang 0.5.21" \
   "3.11 python-index" "3.12 python-index" "3.10 python-index" "3.13 python-index" \
   'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' \
   'leg 3.13 "$PY313" "${CORE_TESTS[@]}"' \
   'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
-  'leg 3.12 "$PY312" "${CORE_TESTS[@]}"' \
   'HX_RERUN_FAILED_MODULES=1 leg "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py' \
   'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"' \
