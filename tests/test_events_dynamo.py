@@ -183,18 +183,25 @@ def endpoints() -> Iterator[dict[int, str]]:
     yield {1: f"tcp://127.0.0.1:{free_port()}", 2: f"tcp://127.0.0.1:{free_port()}"}
 
 
-def test_dynamo_indexes_stores_and_verified_removals(endpoints: dict[int, str]) -> None:
-    """Dynamo's indexer, subscribed to two instances publishing storage-tier events
-    (file backend: DISK; Mooncake: EXTERNAL), counts the acknowledged blocks in its
-    disk tier; a verified removal shortens the match; the LRU forgetting beliefs
-    does not."""
+def _instances(endpoints: dict[int, str], cap: int) -> tuple[list[em.KvEvents], list[Any]]:
+    """Instance 1 (file backend: DISK) and 2 (Mooncake: EXTERNAL), each a cache of
+    ``cap`` entries whose observer publishes on that instance's endpoint."""
     emitters, caches = [], []
     for wid, medium in ((1, "DISK"), (2, "EXTERNAL")):
         sink = ZmqSink(endpoints[wid])
         events = em.KvEvents(lambda sink=sink: sink, medium=medium)
         assert events.start()
         emitters.append(events)
-        caches.append(StorageExistenceCache(2, observer=Tee(events)))
+        caches.append(StorageExistenceCache(cap, observer=Tee(events)))
+    return emitters, caches
+
+
+def test_dynamo_indexes_stores_and_verified_removals(endpoints: dict[int, str]) -> None:
+    """Dynamo's indexer, subscribed to two instances publishing storage-tier events
+    (file backend: DISK; Mooncake: EXTERNAL), counts the acknowledged blocks in its
+    disk tier; a verified removal shortens the match; the LRU forgetting beliefs
+    does not."""
+    emitters, caches = _instances(endpoints, cap=2)
     indexer = Indexer(endpoints)
     try:
         pages = [hashlib.sha256(f"page{i}".encode()).hexdigest() for i in range(3)]
@@ -244,13 +251,7 @@ def test_dynamo_router_chooses_the_instance_whose_l3_holds_the_prefix(
     its L3 holds; once it acknowledges the prompt's pages (DISK) the router sends
     the prompt there; an EXTERNAL prefix on instance 2 is credited too, and after a
     verified removal on instance 1 the router goes back to instance 2."""
-    emitters, caches = [], []
-    for wid, medium in ((1, "DISK"), (2, "EXTERNAL")):
-        sink = ZmqSink(endpoints[wid])
-        events = em.KvEvents(lambda sink=sink: sink, medium=medium)
-        assert events.start()
-        emitters.append(events)
-        caches.append(StorageExistenceCache(64, observer=Tee(events)))
+    emitters, caches = _instances(endpoints, cap=64)
     router = Router(endpoints)
     try:
         n = 16
