@@ -12,11 +12,12 @@
 #                against 0.5.21), plus the storage-facing tests on the pure-Python index
 #   Python 3.11  the sglang integration tests against sglang 0.5.21 (the seed's flat API),
 #                and real 0.5.21 servers (tests/real_server/test_server_flat*.py: buffer and cache mode)
-#   Python 3.12  the sglang integration tests (sglang 0.5.23; SGLang's image runs 3.12),
-#                the real-server tests (tests/real_server) and the storage tests on the
-#                pure-Python index (its core tests on the compiled index: 3.10, 3.11 and
-#                3.13 run them; the real servers run that index on 3.12)
+#   Python 3.12  the sglang integration tests (sglang 0.5.23; SGLang's image runs 3.12)
+#                and the real-server tests (tests/real_server), on the compiled index
 #   Python 3.10, 3.13  the core tests, on both indexes (light envs: no torch, no sglang)
+#
+# Two lanes, one per core: the real servers then the main pass; beside them, the
+# other legs one after the other (the main pass's model tests first).
 #
 # The interpreters come from pyenv (~/.pyenv/versions/3.X.*) or PATH; a missing one
 # fails the run (HICACHE_EXISTENCE_PYTHON_3_X=/path overrides one).
@@ -153,6 +154,10 @@ CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.
 #    The sglang integration tests: plugin loading, hooks, construction by
 #    UnifiedRadixCache, the buffer-mode pipeline, the flags.
 SGLANG_TESTS=(tests/sglang_integration)
+#    The main pass's longest modules (the cache and flat models' full-length hypothesis
+#    runs, the advisor's accuracy on 13M page references: 540 s of its 1,311): they
+#    run beside the real servers, the main pass leaves them out (--ignore, below).
+MODEL_TESTS=(tests/test_advisor.py tests/test_cache_model.py tests/test_flat_model.py)
 
 LEGS="$(mktemp -d)"
 failed=()
@@ -163,10 +168,11 @@ leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name
   local name="$1" py="$2" t0=$SECONDS rc mods
   shift 2
   set +e
-  "$py" -m pytest -p no:cacheprovider -q --durations=8 "$@" >"$LEGS/$name.log" 2>&1
+  "$py" -m pytest -p no:cacheprovider -q --durations="${HX_DURATIONS:-8}" "$@" >"$LEGS/$name.log" 2>&1
   rc=$?
   # The slowest steps go into the timeline too (printed again at the end).
-  sed -n '/slowest .*durations/,/^$/p' "$LEGS/$name.log" | sed -n '2,9p' | sed "s/^/    [$name] /" >>"$TIMELINE"
+  sed -n '/slowest .*durations/,/^$/p' "$LEGS/$name.log" | sed -n "2,$((${HX_DURATIONS:-8} + 1))p" \
+    | sed "s/^/    [$name] /" >>"$TIMELINE"
   # Real-server legs (HX_RERUN_FAILED_MODULES=1): up to two failed modules run once
   # more, whole (their servers start again).  A pass then still counts as a flaky
   # test: reported at the end with its first failure; two failures fail the leg.
@@ -219,29 +225,29 @@ done
 #    foreground; every other leg one after the other beside them.  (The real servers
 #    wait on requests and timers more than they compute, so the lanes overlap well;
 #    one after the other, the legs no longer fit CI's 90 minutes.)
-#    The beside lane: the core tests of 3.10 and 3.13; the sglang integration
-#    tests on 0.5.23; on sglang 0.5.21 those, the seed-wheel differential and real
-#    0.5.21 servers (the flat generation's write accounting against L3's files, in
-#    buffer and in cache mode, dedup off and on); the storage tests on the pure-Python
-#    index of every Python.
-beside "3.10" "3.13" "3.12 sglang 0.5.23" "3.11 sglang 0.5.21" \
-  "3.11 python-index" "3.12 python-index" "3.10 python-index" "3.13 python-index" \
+#    The beside lane: the main pass's model tests; the core tests of 3.10 and 3.13 (on
+#    both indexes: the index tests run each); the sglang integration tests on 0.5.23;
+#    on sglang 0.5.21 those, the seed-wheel differential and real 0.5.21 servers (the
+#    flat generation's write accounting against L3's files, in buffer and in cache
+#    mode, dedup off and on); the storage tests on the pure-Python index (one Python:
+#    the index is the same source on each, and 3.10 and 3.13 run its own tests).
+beside "3.11 models" "3.10" "3.13" "3.12 sglang 0.5.23" "3.11 sglang 0.5.21" "3.11 python-index" \
+  'leg "3.11 models" "$PY" "${MODEL_TESTS[@]}"' \
   'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' \
   'leg 3.13 "$PY313" "${CORE_TESTS[@]}"' \
   'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
   'HX_RERUN_FAILED_MODULES=1 leg "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py' \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py' \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.12 python-index" "$PY312" "${STORAGE_TESTS[@]}"' \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.10 python-index" "$PY310" "${STORAGE_TESTS[@]}"' \
-  'HICACHE_EXISTENCE_BACKEND=python leg "3.13 python-index" "$PY313" "${STORAGE_TESTS[@]}"'
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py'
 #    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
 #    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
-#    (test_server_flat*.py are the flat generation's: they run in the 0.5.21 leg.)
-HX_RERUN_FAILED_MODULES=1 one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py \
+#    (test_server_flat*.py are the flat generation's: they run in the 0.5.21 leg.)  Its
+#    40 slowest steps go into the timeline: the server start-ups are where CI's time goes.
+HX_RERUN_FAILED_MODULES=1 HX_DURATIONS=40 one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py \
   --ignore=tests/real_server/test_server_flat_cache_mode.py
 log "pytest [3.11]"
 set +e
-"$PY" -m pytest -p no:cacheprovider --durations=8 --ignore=tests/real_server --ignore=tests/sglang_integration "$@"
+"$PY" -m pytest -p no:cacheprovider --durations=8 --ignore=tests/real_server --ignore=tests/sglang_integration \
+  --ignore=tests/test_advisor.py --ignore=tests/test_cache_model.py --ignore=tests/test_flat_model.py "$@"
 rc=$?
 set -e
 log "pytest [3.11] exit code $rc"

@@ -284,6 +284,26 @@ class ServerDied(RuntimeError):
     pass
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind a port: another process took it between
+    ``free_port()`` and the bind (an ephemeral port reused by any outgoing
+    connection on the machine, or a port sglang picked for itself).  ``start``
+    launches again on a fresh port rather than wait out the start-up timeout."""
+
+
+#: What sglang's parts log when a port they bind is taken: uvicorn (the HTTP port),
+#: ZMQ (the scheduler's and detokenizer's TCP ports) and torch.distributed's store.
+#: Not our exporter's "metrics endpoint not started: ... Address already in use",
+#: which costs only the metrics endpoint (the server starts; a test provokes it).
+BIND_FAILURES = (
+    "error while attempting to bind on address",
+    "ZMQError: Address already in use",
+    "EADDRINUSE",
+)
+#: Launches of one server before a taken port is an error.
+START_ATTEMPTS = 3
+
+
 def sglang_total(fams: Mapping[str, Family], name: str, suffix: str = "_total") -> float:
     """An SGLang counter's total; 0 while absent: SGLang creates its storage
     counters at their first event (``sglang:backuped_tokens`` at the first backup).
@@ -407,17 +427,35 @@ class Server:
         self.env = server_env(spec, l3_dir)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0
+        #: Where this launch's part of the log begins (``port_taken`` reads from there).
+        self._log_from = 0
         #: The readiness route, and what the start-up error calls this process.
         self.health = "/health"
         self.what = "server"
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> Server:
-        return self._wait_ready(self.spawn())
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._wait_ready(self.spawn())
+            except PortTaken:
+                if attempt == START_ATTEMPTS:
+                    raise
+                self.rebind(free_port())
+        raise AssertionError("unreachable")
+
+    def rebind(self, port: int) -> None:
+        """Move to ``port`` (after ``PortTaken``): the ``--port`` argument, the URL."""
+        self.stop(grace_s=5.0)
+        at = self.args.index("--port")
+        self.args[at + 1] = str(port)
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
 
     def spawn(self) -> float:
         """Start the process without waiting; returns its start time (monotonic)."""
         t0 = time.monotonic()
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 self.args,
@@ -433,6 +471,11 @@ class Server:
     def _wait_ready(self, t0: float) -> Server:
         deadline = t0 + START_TIMEOUT_S
         while time.monotonic() < deadline:
+            if self.port_taken():
+                self.stop(grace_s=5.0)
+                raise PortTaken(
+                    f"{self.what} on port {self.port}: a port was taken:\n{self.tail()}"
+                )
             self.check_alive()
             try:
                 with urllib.request.urlopen(self.url + self.health, timeout=5) as r:
@@ -444,6 +487,16 @@ class Server:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"{self.what} not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
+
+    def port_taken(self) -> bool:
+        """Whether this launch's log (what it wrote since ``spawn``) says a bind failed."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._log_from)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return any(sign in text for sign in BIND_FAILURES)
 
     def check_alive(self) -> None:
         assert self.proc is not None
@@ -559,10 +612,21 @@ class Server:
 
     # -- L3 ----------------------------------------------------------------------------
     def l3_pages(self) -> dict[str, int]:
-        """Page files in the file backend's directory: {name: size in bytes}."""
+        """Page files in the file backend's directory: {name: size in bytes}.
+
+        Only pages in place: the backend writes each page to ``.<uuid>.tmp`` and
+        renames it, so a dot-file is a write in flight (not a page, and gone by the
+        time it would be stat()ed)."""
         if not self.l3_dir.is_dir():
             return {}
-        return {p.name: p.stat().st_size for p in self.l3_dir.iterdir() if p.is_file()}
+        pages = {}
+        for p in self.l3_dir.iterdir():
+            if p.name.startswith("."):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if p.is_file():
+                    pages[p.name] = p.stat().st_size
+        return pages
 
     def wait_writes_settled(self, quiet_s: float = 1.5, timeout_s: float = 60.0) -> None:
         """Until sglang's backed-up token count and the L3 file set stop changing
@@ -646,7 +710,11 @@ def launch_together(specs: Sequence[ServerSpec], workdir: Path) -> Iterator[list
             servers.append(Server(spec, wd, l3, free_port()))
         started = [srv.spawn() for srv in servers]
         for srv, t0 in zip(servers, started):
-            srv._wait_ready(t0)
+            try:
+                srv._wait_ready(t0)
+            except PortTaken:
+                srv.rebind(free_port())
+                srv.start()  # alone now (the others are up or starting)
         yield servers
     finally:
         stop_together(servers)
