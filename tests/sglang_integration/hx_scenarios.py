@@ -396,7 +396,8 @@ class BufferModeServer:
         return steps
 
     def files(self) -> list[str]:
-        return sorted(p.name for p in self.l3.iterdir())
+        """Page files in place (a ``.<uuid>.tmp`` is the backend's write in flight)."""
+        return sorted(p.name for p in self.l3.iterdir() if not p.name.startswith("."))
 
     def in_l3(self, hashes: list[str]) -> int:
         """Leading pages of ``hashes`` the backend itself says it holds."""
