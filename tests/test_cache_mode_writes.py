@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from hicache_existence.accounting.writes import WriteAccounting
+from hicache_existence.core import gate
 from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.integrations.sglang import write_hooks as wh
@@ -521,10 +522,10 @@ def test_an_extra_pool_s_believed_pages_written_again_are_redundant_believed(mad
     assert dict(stats["swa"].causes) == {"recompute": 2}
 
 
-@pytest.mark.parametrize("through", ["stepper", "hook"])
+@pytest.mark.parametrize("through", ["bound", "hook"])
 def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged(through: str) -> None:
-    """The per-step call (``ProcessEntry.stepper``, and the step hook SGLang calls,
-    bound to the tree by its first call) hands the write path a step only
+    """The per-step call (a step hook bound by ``ProcessEntry.bind``, and the one
+    SGLang calls, bound to the tree by its first call) hands the write path a step only
     when the oldest pending operation has left upstream's ``ongoing_backup`` (acks
     drain in launch order): with writes in flight and none drained, a step is one
     membership test; once the oldest is drained, that step accounts it."""
@@ -556,7 +557,13 @@ def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged(thr
             hooks._ENTRIES[PROCESS.pid] = entry
             step = functools.partial(hooks.after_check_hicache_events, None, tree)
         else:
-            step = entry.stepper(tree)
+
+            def unbound(*args: Any, **kwargs: Any) -> None:
+                raise AssertionError("a bound hook's step of its own tree took the fallback")
+
+            hook = gate.step_hook(unbound)
+            entry.bind(hook, tree)
+            step = functools.partial(hook, None, tree)
         step()  # nothing pending
         a, b = pages("a", 2), pages("b", 3)
         tree.nodes = {1: a, 2: b}

@@ -67,3 +67,15 @@ def test_ab_trees_rows_are_the_recorded_ones() -> None:
             f"{w['gmean']:.3f} [{w['min']:.3f}-{w['max']:.3f}] |"
         )
         assert row in README, row
+
+
+def test_events_share_is_the_recorded_one() -> None:
+    """Storage-tier KV events' cost (issue 30 item 5): the difference of two servers' shares."""
+    e = RECORD["events"]["summary"]
+    feature, off, on = _claim(
+        r"the feature's share of busy time ([\d.]+)% \(the difference of the two servers' "
+        r"medians, ([\d.]+)% off and ([\d.]+)% on"
+    )
+    assert f"{feature}%" == e["feature_share_of_busy"]
+    assert f"{off}%" == e["events_off"]["package_share_of_busy_median"]
+    assert f"{on}%" == e["events_on"]["package_share_of_busy_median"]

@@ -174,24 +174,6 @@ class ProcessEntry:
         hook.step = self.runtime.tick
         hook.tree = tree_cache
 
-    def stepper(self, tree_cache: Any) -> Any:
-        """The per-step call as a function of no arguments, what the bound hook
-        does for ``tree_cache``: in cache mode the write path's acknowledged writes
-        first (``reaper``, only while some are pending), then the runtime's step."""
-        runtime_step = self.runtime.tick  # the runtime's gate (core.gate): step()'s test
-        reap = self.reaper()
-        cache_mode = self.write_path.cache_mode
-        if reap is None or cache_mode is None:
-            return runtime_step
-        pending = cache_mode.pending_operations
-
-        def step() -> None:
-            if pending:
-                reap(tree_cache)
-            runtime_step()
-
-        return step
-
 
 _LOCK = threading.Lock()
 _ENTRIES: dict[int, ProcessEntry] = {}
@@ -495,14 +477,13 @@ def _first_or_foreign_step(result: Any = None, *args: Any, **kwargs: Any) -> Non
     tree_cache = args[0]
     if not entry.owns(tree_cache):
         return None
-    if entry.first_done:
-        entry.stepper(tree_cache)()
-        return None
-    entry.first_done = True
-    try:
-        entry.first_step(tree_cache)
-    except Exception as exc:  # never into the scheduler
-        logger.warning("hicache-existence: first-step wiring failed: %r", exc)
+    if not entry.first_done:
+        entry.first_done = True
+        try:
+            entry.first_step(tree_cache)
+        except Exception as exc:  # never into the scheduler
+            logger.warning("hicache-existence: first-step wiring failed: %r", exc)
+    # Bound to this tree (again, if another tree of this entry took the binding).
     entry.bind(_HOOK, tree_cache)
     _HOOK(result, tree_cache)  # this first step, on the bound path
     return None
