@@ -17,7 +17,7 @@
 #   Python 3.10, 3.13  the core tests, on both indexes (light envs: no torch, no sglang)
 #
 # Two lanes, one per core: the real servers then the main pass; beside them, the
-# other legs one after the other (the main pass's model tests first).
+# other legs one after the other (the main pass's longest tests first).
 #
 # The interpreters come from pyenv (~/.pyenv/versions/3.X.*) or PATH; a missing one
 # fails the run (HICACHE_EXISTENCE_PYTHON_3_X=/path overrides one).
@@ -155,9 +155,10 @@ CORE_TESTS=(tests/test_cache_model.py tests/test_flat_model.py tests/test_stats.
 #    UnifiedRadixCache, the buffer-mode pipeline, the flags.
 SGLANG_TESTS=(tests/sglang_integration)
 #    The main pass's longest modules (the cache and flat models' full-length hypothesis
-#    runs, the advisor's accuracy on 13M page references: 540 s of its 1,311): they
-#    run beside the real servers, the main pass leaves them out (--ignore, below).
-MODEL_TESTS=(tests/test_advisor.py tests/test_cache_model.py tests/test_flat_model.py)
+#    runs, the advisor's accuracy on 13M page references, the demo's signals and Redis
+#    deaths: 700 s of its 1,311): they run beside the real servers, and the main pass
+#    leaves them out (--ignore, below), so that the two lanes end together.
+LONG_TESTS=(tests/test_advisor.py tests/test_cache_model.py tests/test_flat_model.py tests/test_demo.py)
 
 LEGS="$(mktemp -d)"
 failed=()
@@ -225,14 +226,14 @@ done
 #    foreground; every other leg one after the other beside them.  (The real servers
 #    wait on requests and timers more than they compute, so the lanes overlap well;
 #    one after the other, the legs no longer fit CI's 90 minutes.)
-#    The beside lane: the main pass's model tests; the core tests of 3.10 and 3.13 (on
+#    The beside lane: the main pass's longest tests; the core tests of 3.10 and 3.13 (on
 #    both indexes: the index tests run each); the sglang integration tests on 0.5.23;
 #    on sglang 0.5.21 those, the seed-wheel differential and real 0.5.21 servers (the
 #    flat generation's write accounting against L3's files, in buffer and in cache
 #    mode, dedup off and on); the storage tests on the pure-Python index (one Python:
 #    the index is the same source on each, and 3.10 and 3.13 run its own tests).
-beside "3.11 models" "3.10" "3.13" "3.12 sglang 0.5.23" "3.11 sglang 0.5.21" "3.11 python-index" \
-  'leg "3.11 models" "$PY" "${MODEL_TESTS[@]}"' \
+beside "3.11 long" "3.10" "3.13" "3.12 sglang 0.5.23" "3.11 sglang 0.5.21" "3.11 python-index" \
+  'leg "3.11 long" "$PY" "${LONG_TESTS[@]}"' \
   'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' \
   'leg 3.13 "$PY313" "${CORE_TESTS[@]}"' \
   'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
@@ -247,7 +248,8 @@ HX_RERUN_FAILED_MODULES=1 HX_DURATIONS=40 one "3.12 real servers" "$PY312" tests
 log "pytest [3.11]"
 set +e
 "$PY" -m pytest -p no:cacheprovider --durations=8 --ignore=tests/real_server --ignore=tests/sglang_integration \
-  --ignore=tests/test_advisor.py --ignore=tests/test_cache_model.py --ignore=tests/test_flat_model.py "$@"
+  --ignore=tests/test_advisor.py --ignore=tests/test_cache_model.py --ignore=tests/test_flat_model.py \
+  --ignore=tests/test_demo.py "$@"
 rc=$?
 set -e
 log "pytest [3.11] exit code $rc"
