@@ -157,7 +157,7 @@ SGLANG_TESTS=(tests/sglang_integration)
 #    The main pass's longest modules (the cache and flat models' full-length hypothesis
 #    runs, the advisor's accuracy on 13M page references, the demo's signals and Redis
 #    deaths: 700 s of its 1,311): they run beside the real servers, and the main pass
-#    leaves them out (--ignore, below), so that the two lanes end together.
+#    leaves them out (each as --ignore=, below), so that the two lanes end together.
 LONG_TESTS=(tests/test_advisor.py tests/test_cache_model.py tests/test_flat_model.py tests/test_demo.py)
 
 LEGS="$(mktemp -d)"
@@ -248,8 +248,7 @@ HX_RERUN_FAILED_MODULES=1 HX_DURATIONS=40 one "3.12 real servers" "$PY312" tests
 log "pytest [3.11]"
 set +e
 "$PY" -m pytest -p no:cacheprovider --durations=8 --ignore=tests/real_server --ignore=tests/sglang_integration \
-  --ignore=tests/test_advisor.py --ignore=tests/test_cache_model.py --ignore=tests/test_flat_model.py \
-  --ignore=tests/test_demo.py "$@"
+  "${LONG_TESTS[@]/#/--ignore=}" "$@"
 rc=$?
 set -e
 log "pytest [3.11] exit code $rc"

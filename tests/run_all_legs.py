@@ -12,7 +12,8 @@ error here, so a new kind of leg cannot be left out of the table silently):
   version and its environment flavour (``tests/envs/ensure-env.sh``; the
   flavour's sglang and torch pins come from ``tests/envs/sglang-requirements.txt``);
 * ``NAME=( ... )`` and ``NAME+=( ... )`` (also inside ``for V in ...; do ... done``):
-  the argument lists legs use as ``"${NAME[@]}"``;
+  the argument lists legs use as ``"${NAME[@]}"`` (or leave out, each path as
+  ``--ignore=``, as ``"${NAME[@]/#/--ignore=}"``);
 * ``[VAR=value ...] one NAME "$PY" ARGS...``, and ``both NAME NAME 'leg ...' 'leg ...'``
   (side by side) or ``beside NAME... 'leg ...'...`` (N names, then N legs one after the
   other, beside the main pass): one leg each;
@@ -35,6 +36,8 @@ REQUIREMENTS = ROOT / "tests" / "envs" / "sglang-requirements.txt"
 
 _ENV_ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 _ARRAY_REF = re.compile(r"^\$\{(\w+)\[@\]\}$")
+#: ``"${NAME[@]/#/--ignore=}"``: every path of an argument list left out.
+_ARRAY_IGNORE = re.compile(r"^\$\{(\w+)\[@\]/#/--ignore=\}$")
 _DEFAULT = re.compile(r"^\$\{\w+:-([^}]*)\}$")
 _QUOTED = r"(?:[^()\"']|\"[^\"]*\"|'[^']*')*"
 
@@ -170,7 +173,7 @@ def parse(text: str) -> RunAll:
         raise ValueError("run-all.sh: no legs found")
     for lg in legs:
         for arg in lg.args:
-            ref = _ARRAY_REF.match(arg)
+            ref = _ARRAY_REF.match(arg) or _ARRAY_IGNORE.match(arg)
             if ref and ref.group(1) not in arrays:
                 raise ValueError(f"run-all.sh: leg {lg.name!r} uses an unknown list {arg}")
     return RunAll(tuple(legs), arrays, tuple(exported))
@@ -235,6 +238,8 @@ def describe(args: Sequence[str]) -> str:
             i += 1
         elif a.startswith("--ignore="):
             left_out.append(f"`{a.split('=', 1)[1]}`")
+        elif ignored := _ARRAY_IGNORE.match(a):
+            left_out.append(f"`{ignored.group(1)}`")
         elif a == "$@":
             extra.append("run-all.sh's own arguments")
         elif ref:
@@ -266,7 +271,7 @@ def table(run_all: RunAll | None = None) -> str:
             env += "; " + ", ".join(f"`{e}`" for e in leg.env)
         lines.append(f"| {leg.name} | {leg.python} | {env} | {describe(leg.args)} |")
         for arg in leg.args:
-            ref = _ARRAY_REF.match(arg)
+            ref = _ARRAY_REF.match(arg) or _ARRAY_IGNORE.match(arg)
             if ref and ref.group(1) not in used:
                 used.append(ref.group(1))
     lines.append("")

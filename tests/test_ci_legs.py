@@ -24,7 +24,11 @@ def _selects(leg: run_all_legs.Leg, arrays: dict[str, tuple[str, ...]], path: st
     args: list[str] = []
     for arg in leg.args:
         ref = re.match(r"^\$\{(\w+)\[@\]\}$", arg)
-        args.extend(arrays[ref.group(1)] if ref else [arg])
+        left_out = re.match(r"^\$\{(\w+)\[@\]/#/--ignore=\}$", arg)
+        if left_out:
+            args.extend(f"--ignore={a}" for a in arrays[left_out.group(1)])
+        else:
+            args.extend(arrays[ref.group(1)] if ref else [arg])
     chosen, ignored = [], []
     skip_next = False
     for arg in args:

@@ -434,19 +434,22 @@ class Server:
         self.what = "server"
 
     # -- life cycle -------------------------------------------------------------------
-    def start(self) -> Server:
+    def start(self, spawned_at: float | None = None) -> Server:
+        """Spawn (unless ``spawn`` already ran at ``spawned_at``) and wait until ready;
+        on ``PortTaken``, launch again on a fresh port."""
+        t0 = self.spawn() if spawned_at is None else spawned_at
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
-                return self._wait_ready(self.spawn())
+                return self._wait_ready(t0)
             except PortTaken:
                 if attempt == START_ATTEMPTS:
                     raise
                 self.rebind(free_port())
+                t0 = self.spawn()
         raise AssertionError("unreachable")
 
     def rebind(self, port: int) -> None:
-        """Move to ``port`` (after ``PortTaken``): the ``--port`` argument, the URL."""
-        self.stop(grace_s=5.0)
+        """Move a stopped server to ``port``: the ``--port`` argument, the URL."""
         at = self.args.index("--port")
         self.args[at + 1] = str(port)
         self.port = port
@@ -710,11 +713,7 @@ def launch_together(specs: Sequence[ServerSpec], workdir: Path) -> Iterator[list
             servers.append(Server(spec, wd, l3, free_port()))
         started = [srv.spawn() for srv in servers]
         for srv, t0 in zip(servers, started):
-            try:
-                srv._wait_ready(t0)
-            except PortTaken:
-                srv.rebind(free_port())
-                srv.start()  # alone now (the others are up or starting)
+            srv.start(spawned_at=t0)
         yield servers
     finally:
         stop_together(servers)
