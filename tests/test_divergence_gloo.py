@@ -194,10 +194,42 @@ def test_rank_that_stops_checking_times_out_the_others(world: list[dict[str, Any
     for report in world[: size - 1]:
         t = report["timeout"]
         assert t["status"] == "failed" and t["step"] == 200
-        assert t["event"]["timeout"] is True and "timed out" in t["event"]["error"]
+        assert t["event"]["timeout"] is True and "timed out" in t["event"]["error"], (
+            report["rank"],
+            t["event"]["error"],
+        )
         assert TIMEOUT_S * 0.9 <= t["duration_s"] <= TIMEOUT_S + 5.0
         assert t["steps_completed"] == 300 and t["stats"]["active"] is False
     assert world[size - 1]["timeout"]["stopped_at"] == 150
+
+
+@pytest.mark.parametrize(
+    ("delay_s", "text", "timed_out"),
+    [
+        (0.0, "Timed out waiting 2000ms for recv operation to complete", True),
+        (0.25, "Connection closed by peer [127.0.0.1]:4242", True),  # a peer's timer fired
+        (0.0, "Connection closed by peer [127.0.0.1]:4242", False),  # a peer went away
+        (0.0, "Connection reset by peer", False),
+    ],
+)
+def test_gloo_failures_are_timeouts_by_gloos_words_or_by_the_time_waited(
+    delay_s: float, text: str, timed_out: bool
+) -> None:
+    """A collective that failed after 90% of the timeout or more waited the
+    timeout out, whatever gloo's words; earlier, only gloo's words say timeout."""
+    from hicache_existence.replicas.divergence import GroupError, GroupTimeout, TorchGlooGroup
+
+    group = object.__new__(TorchGlooGroup)  # _run needs no process group
+    group.timeout_s = 0.25
+
+    def fails() -> None:
+        time.sleep(delay_s)
+        raise RuntimeError(text)
+
+    with pytest.raises(GroupError) as info:
+        group._run("all_reduce", fails)
+    assert isinstance(info.value, GroupTimeout) is timed_out
+    assert text in str(info.value)
 
 
 def test_check_cost_is_one_small_collective(
@@ -440,6 +472,13 @@ def _worker(rank: int, size: int, port: int, out_dir: Path) -> None:  # pragma: 
             "stats": _stats(chk),
         }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report, default=str))
+    # Every rank keeps its connections open until all have reported: a rank that
+    # timed out first and left at once would close the ring under a slower peer
+    # still waiting, turning that peer's timeout into "connection closed".
+    deadline = time.monotonic() + TIMEOUT_S + 60
+    everyone = [out_dir / f"rank{r}.json" for r in range(size)]
+    while time.monotonic() < deadline and not all(p.exists() for p in everyone):
+        time.sleep(0.05)
     sys.stdout.flush()
     os._exit(0)  # skip gloo teardown: the timed-out group cannot be joined cleanly
 
