@@ -110,7 +110,7 @@ def test_sglang_decodes_what_the_package_publishes() -> None:
     numbers; the bytes equal sglang's own encoding of the same batch."""
     sink = ZmqSink("tcp://127.0.0.1:*")
     events = em.KvEvents(lambda: sink, medium="EXTERNAL")
-    sub = Subscriber(sink.bound)
+    sub = Subscriber(sink.where)
     try:
         assert events.start()
         events.stored([("ab" * 32, None, [1, 2, 3, 4]), ("cd" * 32, "ab" * 32, [5, 6, 7, 8])])
@@ -252,7 +252,7 @@ def test_an_endpoint_that_cannot_bind_warns_once_and_runs_without_events(
     thread, and the write path's calls do nothing."""
     taken = ZmqSink("tcp://127.0.0.1:*")
     try:
-        section = Config.from_mapping({"events": {"enabled": True, "endpoint": taken.bound}}).events
+        section = Config.from_mapping({"events": {"enabled": True, "endpoint": taken.where}}).events
         events = em.from_config(section, em.Placement(True, 0, "file"))
         assert events is not None
         with caplog.at_level(logging.WARNING):
@@ -261,14 +261,44 @@ def test_an_endpoint_that_cannot_bind_warns_once_and_runs_without_events(
     finally:
         taken.close()
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and taken.bound in warnings[0].getMessage()
+    assert len(warnings) == 1 and taken.where in warnings[0].getMessage()
     assert not events.running and events.snapshot().blocks == 0
+
+
+def test_where_names_the_bound_endpoint_or_sglangs_stream_or_off() -> None:
+    """The start-up line's ``events=``: the endpoint actually bound (port 0
+    resolved), SGLang's stream, or ``off`` once the sink could not be opened."""
+    own = em.KvEvents(lambda: ZmqSink("tcp://127.0.0.1:0"), medium="DISK")
+    assert own.where == "off"  # not started
+    assert own.start()
+    try:
+        host, port = own.where.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+    finally:
+        own.close()
+    theirs = em.KvEvents(kv_events.SglangSink, medium="DISK")
+    assert theirs.start()
+    theirs.close()
+    assert "--kv-events-config" in kv_events.SglangSink.where
+    failing = em.KvEvents(lambda: None, medium="DISK")
+    assert not failing.start() and failing.where == "off"
+
+
+@pytest.mark.parametrize("port", ["0", "*"])
+def test_a_port_of_the_systems_choosing_is_not_offset(port: str) -> None:
+    """DP rank 1 of ``tcp://127.0.0.1:0`` binds a port of its own, not port 1."""
+    sink = ZmqSink(f"tcp://127.0.0.1:{port}", dp_rank=1)
+    try:
+        assert sink.endpoint == f"tcp://127.0.0.1:{port}"
+        assert int(sink.where.rsplit(":", 1)[1]) > 1024
+    finally:
+        sink.close()
 
 
 def test_own_publisher_offsets_its_port_by_dp_rank() -> None:
     """DP rank r publishes on the endpoint's port + r, tagged r, as sglang's own."""
     base = ZmqSink("tcp://127.0.0.1:*")
-    port = int(base.bound.rsplit(":", 1)[1])
+    port = int(base.where.rsplit(":", 1)[1])
     base.close()
     sink = ZmqSink(f"tcp://127.0.0.1:{port}", dp_rank=1)
     sub = Subscriber(f"tcp://127.0.0.1:{port + 1}")
@@ -278,4 +308,4 @@ def test_own_publisher_offsets_its_port_by_dp_rank() -> None:
     finally:
         sub.close()
         sink.close()
-    assert sink.bound.endswith(f":{port + 1}") and batch.attn_dp_rank == 1
+    assert sink.where.endswith(f":{port + 1}") and batch.attn_dp_rank == 1

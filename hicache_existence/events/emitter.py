@@ -158,6 +158,14 @@ class KvEvents:
         self.running = False
 
     @property
+    def where(self) -> str:
+        """Where the batches go (the start-up line names it: subscribers connect
+        there); ``off`` when the sink could not be opened."""
+        if not self.running or self._sink is None:
+            return "off"
+        return str(getattr(self._sink, "where", type(self._sink).__name__))
+
+    @property
     def errors(self) -> int:
         """Updates skipped on a failure (either thread)."""
         return self._hot_errors + self._pub_errors

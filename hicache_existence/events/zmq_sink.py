@@ -25,11 +25,14 @@ logger = logging.getLogger(__name__)
 
 def offset_endpoint(endpoint: str, dp_rank: int) -> str:
     """``tcp://*:5560`` -> ``tcp://*:5561`` for DP rank 1 (other transports:
-    ``_dp<rank>`` appended, as SGLang does for ``inproc``)."""
+    ``_dp<rank>`` appended, as SGLang does for ``inproc``).  Port ``0`` or ``*``
+    stays: every replica binds a port of its own choosing (its start-up line names it)."""
     if dp_rank == 0:
         return endpoint
     if endpoint.startswith("tcp://") and ":" in endpoint[len("tcp://") :]:
         base, _, port = endpoint.rpartition(":")
+        if port in ("0", "*"):
+            return endpoint
         return f"{base}:{int(port) + dp_rank}"
     return f"{endpoint}_dp{dp_rank}"
 
@@ -51,8 +54,8 @@ class ZmqSink:
         except Exception:
             self._socket.close(linger=0)
             raise
-        #: The endpoint actually bound (port 0 resolved).
-        self.bound: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        #: The endpoint actually bound (port 0 resolved): where subscribers connect.
+        self.where: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @classmethod
     def open(cls, endpoint: str, *, dp_rank: int = 0, topic: str = "") -> ZmqSink | None:

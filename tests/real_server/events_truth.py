@@ -14,6 +14,7 @@ the truth differ per backend; everything measured is computed here once.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,8 +46,12 @@ class Subscriber:
     the time (monotonic) each event arrived."""
 
     def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        # Watched from before the connect: ``await_streams`` waits for the handshake.
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.handshakes = 0
         self.socket.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=kv.KVEventBatch)
         self.events: list[Any] = []
@@ -63,11 +68,63 @@ class Subscriber:
             self.arrived.extend([now] * len(batch))
         return self.events
 
+    def connected(self) -> bool:
+        """Whether a ZeroMQ handshake with the publisher ever succeeded."""
+        while self.monitor.poll(0):
+            self.monitor.recv_multipart()
+            self.handshakes += 1
+        return self.handshakes > 0
+
+    def summary(self) -> dict[str, Any]:
+        """What this subscriber received: for a failure message."""
+        stored = [e for e in self.events if isinstance(e, kv.BlockStored)]
+        return {
+            "endpoint": self.endpoint,
+            "handshakes": self.handshakes,
+            "batches": len(self.seqs),
+            "first_seqs": self.seqs[:3],
+            "seq_gaps": sum(1 for x, y in zip(self.seqs, self.seqs[1:]) if y != x + 1),
+            "events": len(self.events),
+            "stored_by_medium": {
+                m: sum(1 for e in stored if e.medium == m) for m in {e.medium for e in stored}
+            },
+        }
+
     def blocks(self, kind: type) -> list[int]:
         return [h for e in self.pump() if isinstance(e, kind) for h in e.block_hashes]
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close(linger=0)
+
+
+#: What our package logs when its publisher cannot bind (``zmq_sink.ZmqSink.open``).
+EVENTS_OFF = "KV events off"
+
+
+def published_at(srv: Server) -> str:
+    """Where ``srv`` publishes its storage-tier events: the ``events=`` of its
+    start-up line (with port 0 in ``events.endpoint``, the port it bound)."""
+    log = srv.launch_log()
+    off = [line for line in log.splitlines() if EVENTS_OFF in line]
+    assert not off, f"{srv.url}: its events publisher is off:\n" + "\n".join(off)
+    found = set(re.findall(r" events=([^,]+), facts from", log))
+    assert len(found) == 1 and "off" not in found, (srv.url, found)
+    return found.pop()
+
+
+def await_streams(subs: Sequence[Subscriber], timeout_s: float = 60.0) -> None:
+    """Every subscriber is connected to its publisher before the workload starts:
+    an event sent before the subscription reached the publisher is lost (ZeroMQ
+    PUB/SUB), which would show up later as blocks missing from one stream."""
+    deadline = time.monotonic() + timeout_s
+    while not all(sub.connected() for sub in subs):
+        assert time.monotonic() < deadline, (
+            f"no ZeroMQ handshake within {timeout_s:g}s: {[s.summary() for s in subs]}"
+        )
+        time.sleep(0.05)
+    time.sleep(0.2)  # the subscription message, sent right after the handshake
 
 
 def index_of(sub: Subscriber, upto: int, removals: bool) -> set[int]:
@@ -339,7 +396,10 @@ def measure(
 
     prompts = {t.conversation: t.input_ids for t in turns if t.turn == BUILD - 1}
     known = chains(subs, prompts)
-    assert all(len(known[c]) >= len(prompts[c]) // PAGE - 1 for c in known), known
+    assert all(len(known[c]) >= len(prompts[c]) // PAGE - 1 for c in known), (
+        {c: len(chain) for c, chain in known.items()},
+        [sub.summary() for sub in subs],
+    )
     truth.t0 = time.monotonic()
     doomed = evict(known)
     evicted = truth.sample()

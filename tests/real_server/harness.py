@@ -491,14 +491,18 @@ class Server:
         self.stop()
         raise TimeoutError(f"{self.what} not up in {START_TIMEOUT_S}s; log tail:\n{self.tail()}")
 
-    def port_taken(self) -> bool:
-        """Whether this launch's log (what it wrote since ``spawn``) says a bind failed."""
+    def launch_log(self) -> str:
+        """What this launch wrote to the log (since ``spawn``; "" before)."""
         try:
             with open(self.log, "rb") as f:
                 f.seek(self._log_from)
-                text = f.read().decode(errors="replace")
+                return f.read().decode(errors="replace")
         except OSError:
-            return False
+            return ""
+
+    def port_taken(self) -> bool:
+        """Whether this launch's log says a bind failed."""
+        text = self.launch_log()
         return any(sign in text for sign in BIND_FAILURES)
 
     def check_alive(self) -> None:

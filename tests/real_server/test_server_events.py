@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +42,11 @@ from events_truth import (
     P,
     Point,
     Subscriber,
+    await_streams,
     block_hash,
     kv,
     measure,
+    published_at,
 )
 from harness import (
     Server,
@@ -55,6 +56,8 @@ from harness import (
     launch_together,
     poll,
 )
+
+from hicache_existence.integrations.sglang.kv_events import SglangSink
 
 pytestmark = [pytest.mark.real_server]
 
@@ -103,9 +106,11 @@ class Pair:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     workdir = tmp_path_factory.mktemp("events")
     l3 = workdir / "l3"
-    own, sglangs = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    # Subscribers connect before the servers bind: ZeroMQ retries.
-    sub_a, sub_b = Subscriber(own), Subscriber(sglangs)
+    # a binds a free port (its start-up line names it); SGLang's stream on b needs one now.
+    own, sglangs = "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{free_port()}"
+    # b's subscriber connects before the server binds: ZeroMQ retries.
+    sub_b = Subscriber(sglangs)
+    subs = [sub_b]
     metrics = {"flush_interval_s": 0.25}
     specs = [
         ServerSpec(
@@ -127,11 +132,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     ]
     try:
         with launch_together(specs, workdir) as (a, b):
-            time.sleep(0.5)  # the subscriptions reach the bound sockets
+            sub_a = Subscriber(published_at(a))
+            subs.append(sub_a)
+            assert published_at(b) == SglangSink.where
+            await_streams(subs)
             yield Pair(a, b, sub_a, sub_b, l3)
     finally:
-        sub_a.close()
-        sub_b.close()
+        for sub in subs:
+            sub.close()
 
 
 def test_stores_at_the_ack_and_removals_on_a_verified_absence(pair: Pair) -> None:

@@ -51,8 +51,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from events_truth import P, Subscriber, block_hash, kv, measure, stay_once
+from events_truth import (
+    P,
+    Subscriber,
+    await_streams,
+    block_hash,
+    kv,
+    measure,
+    published_at,
+    stay_once,
+)
 from harness import REPO, Server, ServerSpec, free_port, launch_together
+
+from hicache_existence.integrations.sglang.kv_events import SglangSink
 
 sys.path.insert(0, str(REPO / "tests"))
 from mooncake_master import MooncakeMaster, need_mooncake
@@ -171,8 +182,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     need_mooncake()
     workdir: Path = tmp_path_factory.mktemp("events-mooncake")
     master = MooncakeMaster(workdir).start()
-    own, sglangs = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    sub_a, sub_b = Subscriber(own), Subscriber(sglangs)
+    # a binds a free port (its start-up line names it); SGLang's stream on b needs one now.
+    own, sglangs = "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{free_port()}"
+    sub_b = Subscriber(sglangs)
+    subs = [sub_b]
     store = {**master.extra_config(), "global_segment_size": SEGMENT}
     metrics = {"flush_interval_s": 0.25}
     specs = [
@@ -199,13 +212,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         with launch_together(specs, workdir / "servers") as (a, b):
             tenant = Tenant(master)
-            time.sleep(0.5)  # the subscriptions reach the bound sockets
+            sub_a = Subscriber(published_at(a))
+            subs.append(sub_a)
+            assert published_at(b) == SglangSink.where
+            await_streams(subs)
             yield Stack(master, MasterKeys(master), tenant, a, b, sub_a, sub_b)
     finally:
         if tenant is not None:
             tenant.close()
-        sub_a.close()
-        sub_b.close()
+        for sub in subs:
+            sub.close()
         master.close()
 
 

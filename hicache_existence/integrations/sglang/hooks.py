@@ -414,7 +414,7 @@ def _construct(
     logger.info(
         "hicache-existence: observing the %s-generation existence cache "
         "(host memory mode %s%s; cap %d entries from %s%s; tp_rank=%d pp_rank=%d "
-        "dp_rank=%d engine=%s metrics=%s, facts from %s)",
+        "dp_rank=%d engine=%s metrics=%s%s, facts from %s)",
         generation,
         facts.host_memory_mode or "unknown",
         f", write policy {facts.write_policy}, cache_mode.dedup {dedup}"
@@ -428,6 +428,7 @@ def _construct(
         facts.dp_rank,
         facts.engine_type,
         entry.runtime.telemetry.mode,
+        f" events={entry.runtime.events.where}" if entry.runtime.events is not None else "",
         "+".join(facts.sources) or "defaults",
     )
     return entry.cache

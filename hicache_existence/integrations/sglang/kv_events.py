@@ -89,6 +89,9 @@ def feed(events: KvEvents, intent: Any, keys: Sequence[str], stored: int) -> Non
 class SglangSink:
     """Publishes on SGLang's own ``EventPublisher`` (found when the first batch goes)."""
 
+    #: For the start-up line: subscribers read SGLang's own stream.
+    where = "SGLang's --kv-events-config publisher"
+
     def __init__(self) -> None:
         from sglang.srt.disaggregation.kv_events import (
             BlockRemoved,
