@@ -305,7 +305,8 @@ class EventsSection:
     enabled: bool = False
     #: ZeroMQ PUB endpoint of the package's own publisher, bound when SGLang runs
     #: without ``--kv-events-config`` (with it, SGLang's own publisher carries the
-    #: events); the port is offset by the DP rank, as SGLang offsets its own.
+    #: events); the port is offset by the DP rank, as SGLang offsets its own (port
+    #: ``0`` or ``*``: each replica binds a free port, named in its start-up line).
     endpoint: Annotated[str, _not_empty] = "tcp://127.0.0.1:5560"
     #: ``auto``: ``DISK`` for the file backend, ``EXTERNAL`` for every other one.
     medium: Literal["auto", "DISK", "EXTERNAL"] = "auto"

@@ -8,7 +8,8 @@ multipart message ``(topic, seq, payload)`` as SGLang's publisher sends it
 socket: a subscriber that missed batches sees a gap in ``seq``.
 
 The endpoint's port is offset by the DP rank, as SGLang offsets its own, so each
-DP replica publishes on its own port.  An endpoint that cannot be bound gets one
+DP replica publishes on its own port (port 0 or ``*``: each binds a free one, which
+the start-up line names).  An endpoint that cannot be bound gets one
 warning naming it, and the server runs without events.
 """
 
