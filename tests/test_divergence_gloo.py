@@ -455,13 +455,6 @@ def _worker(rank: int, size: int, port: int, out_dir: Path) -> None:  # pragma: 
     if rank == last:
         run_steps(rep, 150, lambda _s: chk.on_step())
         report["timeout"] = {"stopped_at": chk.step}
-        # Stay alive (without calling the checker) until every other rank has
-        # timed out and reported: leaving earlier would turn their timeout into a
-        # "connection closed" error, which is not the behaviour under test.
-        deadline = time.monotonic() + TIMEOUT_S + 60
-        others = [out_dir / f"rank{r}.json" for r in range(last)]
-        while time.monotonic() < deadline and not all(p.exists() for p in others):
-            time.sleep(0.05)
     else:
         failed: list[Any] = []
 
@@ -480,9 +473,9 @@ def _worker(rank: int, size: int, port: int, out_dir: Path) -> None:  # pragma: 
             "stats": _stats(chk),
         }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report, default=str))
-    # Every rank keeps its connections open until all have reported: a rank that
-    # timed out first and left at once would close the ring under a slower peer
-    # still waiting, turning that peer's timeout into "connection closed".
+    # Every rank keeps its connections open until all have reported (the stalled
+    # one too, without calling the checker): a rank leaving early would close them
+    # under a peer still waiting, an error rather than the timeout under test.
     deadline = time.monotonic() + TIMEOUT_S + 60
     everyone = [out_dir / f"rank{r}.json" for r in range(size)]
     while time.monotonic() < deadline and not all(p.exists() for p in everyone):

@@ -14,6 +14,7 @@ the truth differ per backend; everything measured is computed here once.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from harness import Server, conversation_requests
+from harness import Server, conversation_requests, free_port
+
+from hicache_existence.integrations.sglang.kv_events import SglangSink
 
 kv = pytest.importorskip("sglang.srt.disaggregation.kv_events")
 msgspec = pytest.importorskip("msgspec")
@@ -125,6 +128,40 @@ def await_streams(subs: Sequence[Subscriber], timeout_s: float = 60.0) -> None:
         )
         time.sleep(0.05)
     time.sleep(0.2)  # the subscription message, sent right after the handshake
+
+
+#: Server a's events endpoint: the package's own publisher on a free port (its
+#: start-up line names it; no port chosen in advance that another process can take).
+OWN = "tcp://127.0.0.1:0"
+
+
+class Streams:
+    """The pair's two event streams: a's on the package's own socket (``OWN``), b's
+    on SGLang's ``--kv-events-config`` publisher (``sglang_args``), whose
+    subscriber connects before the server binds (ZeroMQ retries)."""
+
+    def __init__(self) -> None:
+        self.sglangs = f"tcp://127.0.0.1:{free_port()}"
+        self.b = Subscriber(self.sglangs)
+        self.a: Subscriber | None = None
+
+    def sglang_args(self) -> tuple[str, str]:
+        """Server b's arguments: SGLang's publisher, bound at ``sglangs``."""
+        config = {"publisher": "zmq", "endpoint": self.sglangs, "bind": True}
+        return ("--kv-events-config", json.dumps(config))
+
+    def connect(self, a: Server, b: Server) -> tuple[Subscriber, Subscriber]:
+        """Subscribe where a's start-up line says, check b's, and wait until both
+        subscribers are connected: before any traffic."""
+        self.a = Subscriber(published_at(a))
+        assert published_at(b) == SglangSink.where
+        await_streams((self.a, self.b))
+        return self.a, self.b
+
+    def close(self) -> None:
+        for sub in (self.a, self.b):
+            if sub is not None:
+                sub.close()
 
 
 def index_of(sub: Subscriber, upto: int, removals: bool) -> set[int]:

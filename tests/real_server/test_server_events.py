@@ -38,26 +38,23 @@ from typing import Any
 import pytest
 from events_truth import (
     CONVERSATIONS,
+    OWN,
     PAGE,
     P,
     Point,
+    Streams,
     Subscriber,
-    await_streams,
     block_hash,
     kv,
     measure,
-    published_at,
 )
 from harness import (
     Server,
     ServerSpec,
     block_tokens_for,
-    free_port,
     launch_together,
     poll,
 )
-
-from hicache_existence.integrations.sglang.kv_events import SglangSink
 
 pytestmark = [pytest.mark.real_server]
 
@@ -106,16 +103,12 @@ class Pair:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     workdir = tmp_path_factory.mktemp("events")
     l3 = workdir / "l3"
-    # a binds a free port (its start-up line names it); SGLang's stream on b needs one now.
-    own, sglangs = "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{free_port()}"
-    # b's subscriber connects before the server binds: ZeroMQ retries.
-    sub_b = Subscriber(sglangs)
-    subs = [sub_b]
+    streams = Streams()
     metrics = {"flush_interval_s": 0.25}
     specs = [
         ServerSpec(
             config={
-                "events": {"enabled": True, "endpoint": own},
+                "events": {"enabled": True, "endpoint": OWN},
                 "metrics": metrics,
                 "reconciler": RECONCILER,
             },
@@ -124,22 +117,15 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         ServerSpec(
             config={"events": {"enabled": True}, "metrics": metrics, "reconciler": RECONCILER},
             l3_dir=l3,
-            extra_args=(
-                "--kv-events-config",
-                json.dumps({"publisher": "zmq", "endpoint": sglangs, "bind": True}),
-            ),
+            extra_args=streams.sglang_args(),
         ),
     ]
     try:
         with launch_together(specs, workdir) as (a, b):
-            sub_a = Subscriber(published_at(a))
-            subs.append(sub_a)
-            assert published_at(b) == SglangSink.where
-            await_streams(subs)
+            sub_a, sub_b = streams.connect(a, b)
             yield Pair(a, b, sub_a, sub_b, l3)
     finally:
-        for sub in subs:
-            sub.close()
+        streams.close()
 
 
 def test_stores_at_the_ack_and_removals_on_a_verified_absence(pair: Pair) -> None:

@@ -52,18 +52,16 @@ from typing import Any
 
 import pytest
 from events_truth import (
+    OWN,
     P,
+    Streams,
     Subscriber,
-    await_streams,
     block_hash,
     kv,
     measure,
-    published_at,
     stay_once,
 )
-from harness import REPO, Server, ServerSpec, free_port, launch_together
-
-from hicache_existence.integrations.sglang.kv_events import SglangSink
+from harness import REPO, Server, ServerSpec, launch_together
 
 sys.path.insert(0, str(REPO / "tests"))
 from mooncake_master import MooncakeMaster, need_mooncake
@@ -182,16 +180,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     need_mooncake()
     workdir: Path = tmp_path_factory.mktemp("events-mooncake")
     master = MooncakeMaster(workdir).start()
-    # a binds a free port (its start-up line names it); SGLang's stream on b needs one now.
-    own, sglangs = "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{free_port()}"
-    sub_b = Subscriber(sglangs)
-    subs = [sub_b]
+    streams = Streams()
     store = {**master.extra_config(), "global_segment_size": SEGMENT}
     metrics = {"flush_interval_s": 0.25}
     specs = [
         ServerSpec(
             config={
-                "events": {"enabled": True, "endpoint": own},
+                "events": {"enabled": True, "endpoint": OWN},
                 "metrics": metrics,
                 "reconciler": RECONCILER,
             },
@@ -202,26 +197,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             config={"events": {"enabled": True}, "metrics": metrics, "reconciler": RECONCILER},
             storage_backend="mooncake",
             storage_extra_config=store,
-            extra_args=(
-                "--kv-events-config",
-                json.dumps({"publisher": "zmq", "endpoint": sglangs, "bind": True}),
-            ),
+            extra_args=streams.sglang_args(),
         ),
     ]
     tenant: Tenant | None = None
     try:
         with launch_together(specs, workdir / "servers") as (a, b):
             tenant = Tenant(master)
-            sub_a = Subscriber(published_at(a))
-            subs.append(sub_a)
-            assert published_at(b) == SglangSink.where
-            await_streams(subs)
+            sub_a, sub_b = streams.connect(a, b)
             yield Stack(master, MasterKeys(master), tenant, a, b, sub_a, sub_b)
     finally:
         if tenant is not None:
             tenant.close()
-        for sub in subs:
-            sub.close()
+        streams.close()
         master.close()
 
 
