@@ -188,8 +188,32 @@ failures() { # name: a failed leg's summary lines; its last 40 lines when it has
   if [ -z "$s" ]; then s="$(printf 'no FAILED or ERROR line; the log ends:\n'; tail -n 40 "$f")"; fi
   printf '%s\n' "$s" | sed "s/^/[$1] /"
 }
+rerun() { # name python pytest-args...: a failed run's modules, once more
+  # Up to two failed modules run again, whole (their servers start again), with the
+  # run's options (its -m marks, --deselect, ...).  A pass (status 0) still counts
+  # as a flaky test: reported at the end with its first failure.  Not when hypothesis
+  # found a counterexample: that is a bug, and other examples passing would hide it.
+  local name="$1" py="$2" mods opts=() arg keep_next=0 rc=1
+  shift 2
+  grep -q '^Falsifying example' "$LEGS/$name.log" && return 1
+  mapfile -t mods < <(grep -E '^(FAILED|ERROR) tests/' "$LEGS/$name.log" \
+    | sed -E 's/^(FAILED|ERROR) ([^: ]+).*/\2/' | sort -u)
+  ((${#mods[@]} >= 1 && ${#mods[@]} <= 2)) || return 1
+  for arg in "$@"; do
+    if ((keep_next)) || [[ "$arg" == -* ]]; then
+      opts+=("$arg")
+      keep_next=0
+      [[ "$arg" =~ ^(-m|-k|--deselect|--ignore)$ ]] && keep_next=1
+    fi
+  done
+  log "[$name] running again: ${mods[*]}"
+  "$py" -m pytest -p no:cacheprovider -q ${opts[@]+"${opts[@]}"} "${mods[@]}" >"$LEGS/$name.rerun.log" 2>&1 && rc=0
+  if [ "$rc" = 0 ]; then summary "$LEGS/$name.log" >"$LEGS/$name.flaky"; fi
+  cat "$LEGS/$name.rerun.log" >>"$LEGS/$name.log"
+  return "$rc"
+}
 leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name>.log
-  local name="$1" py="$2" t0=$SECONDS rc mods
+  local name="$1" py="$2" t0=$SECONDS rc
   shift 2
   set +e
   "$py" -m pytest -p no:cacheprovider -q --durations="${HX_DURATIONS:-8}" "$@" >"$LEGS/$name.log" 2>&1
@@ -197,24 +221,10 @@ leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name
   # The slowest steps go into the timeline too (printed again at the end).
   sed -n '/slowest .*durations/,/^$/p' "$LEGS/$name.log" | sed -n "2,$((${HX_DURATIONS:-8} + 1))p" \
     | sed "s/^/    [$name] /" >>"$TIMELINE"
-  # Legs with HX_RERUN_FAILED_MODULES=1 (the real servers, and the legs that run
-  # beside them, whose timing bounds meet a loaded machine): up to two failed modules
-  # run once more, whole (their servers start again).  A pass then still counts as a flaky
-  # test: reported at the end with its first failure; two failures fail the leg.
-  # Not when hypothesis found a counterexample: that is a bug, and a run with
-  # other examples passing would hide it.
-  if [ "$rc" != 0 ] && [ "${HX_RERUN_FAILED_MODULES:-}" = 1 ] \
-    && ! grep -q '^Falsifying example' "$LEGS/$name.log"; then
-    mapfile -t mods < <(grep -E '^(FAILED|ERROR) tests/' "$LEGS/$name.log" \
-      | sed -E 's/^(FAILED|ERROR) ([^: ]+).*/\2/' | sort -u)
-    if ((${#mods[@]} >= 1 && ${#mods[@]} <= 2)); then
-      "$py" -m pytest -p no:cacheprovider -q "${mods[@]}" >"$LEGS/$name.rerun.log" 2>&1
-      if [ $? = 0 ]; then
-        summary "$LEGS/$name.log" >"$LEGS/$name.flaky"
-        rc=0
-      fi
-      cat "$LEGS/$name.rerun.log" >>"$LEGS/$name.log"
-    fi
+  # HX_RERUN_FAILED_MODULES=1: the real servers, and the legs beside them, whose
+  # timing bounds meet a machine the servers load.
+  if [ "$rc" != 0 ] && [ "${HX_RERUN_FAILED_MODULES:-}" = 1 ] && rerun "$name" "$py" "$@"; then
+    rc=0
   fi
   set -e
   echo "$rc $((SECONDS - t0))" >"$LEGS/$name.rc"
@@ -275,10 +285,19 @@ HX_RERUN_FAILED_MODULES=1 HX_DURATIONS=40 one "3.12 real servers" "$PY312" tests
 log "pytest [3.11]"
 set +e
 exec 3>&1 4>&2 > >(tee "$LEGS/3.11.log") 2>&1  # shown, and kept with the legs' logs
+TEE_PID=$!
 "$PY" -m pytest -p no:cacheprovider --durations=8 --ignore=tests/real_server --ignore=tests/sglang_integration \
   "${LONG_TESTS[@]/#/--ignore=}" "$@"
 rc=$?
 exec 1>&3 2>&4 3>&- 4>&-
+while kill -0 "$TEE_PID" 2>/dev/null; do sleep 0.1; done  # the whole log written
+# It runs while the beside lane still loads the machine: a failed module runs once
+# more, as in the legs (flaky when it then passes).
+if [ "$rc" != 0 ] && rerun 3.11 "$PY" --ignore=tests/real_server --ignore=tests/sglang_integration \
+  "${LONG_TESTS[@]/#/--ignore=}" "$@"; then
+  rc=0
+  flaky+=(3.11)
+fi
 set -e
 log "pytest [3.11] exit code $rc"
 wait "$BESIDE_PID"
