@@ -369,6 +369,29 @@ def test_rank_whose_digest_fails_still_takes_part() -> None:
         assert r.event is not None and "digest_error" in r.event["kinds"]
 
 
+def test_a_world_of_one_counts_its_checks_without_a_digest_or_a_collective() -> None:
+    """One rank has no other replica to differ from: its checks are ok at once and
+    counted, and neither the digest nor the group is asked (a digest that raises
+    and a group without collectives after the handshake show it)."""
+
+    class Counting(ReplicaDigest):
+        calls = 0
+
+        def pool_digests(self, *args: Any, **kwargs: Any) -> Any:
+            Counting.calls += 1
+            raise RuntimeError("a world of one must not compute its digest")
+
+    group = InProcessWorld(1, timeout_s=5).group(0)
+    checker = DivergenceChecker(Counting(), group, DivergenceSection(interval_steps=3))
+    assert checker.start()
+    group.all_reduce_max = group.all_gather = None  # type: ignore[assignment,method-assign]
+    results = [r for r in (checker.on_step() for _ in range(30)) if r is not None]
+    assert [(r.step, r.status) for r in results] == [(s, "ok") for s in range(3, 31, 3)]
+    s = checker.stats()
+    assert (s.active, s.checks, s.failures, s.last_check_step) == (True, 10, 0, 30)
+    assert Counting.calls == 0
+
+
 def test_more_pools_than_slots_still_names_them() -> None:
     """Forty pools in four slots: the collectives stay fixed-size (a two-word
     all-reduce when healthy, a 3 + 3 x slots gather on divergence) and a divergence

@@ -97,6 +97,62 @@ def test_span_wraps_slow_work_with_attributes():
         pass
 
 
+def test_span_records_nothing_and_starts_nothing_without_a_provider():
+    """No provider (the API's proxy) or the no-op one: span() yields ``None`` (no
+    tracer, no context switch on the scheduler thread); a real one gets the span."""
+    from opentelemetry import trace
+
+    with otel.span(otel.SPAN_RECONCILE, tracer_provider=trace.NoOpTracerProvider()) as current:
+        assert current is None
+    with otel.span(otel.SPAN_RECONCILE, tracer_provider=trace.ProxyTracerProvider()) as current:
+        assert current is None
+    with otel.span(otel.SPAN_RECONCILE, tracer_provider=TracerProvider()) as current:
+        assert current is not None and current.is_recording()
+
+
+#: A runtime checking every 5 steps: 10 steps before the application sets its global
+#: tracer provider, 10 after.  Its own process: the global provider is set once.
+_RUNTIME_SPANS = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from hicache_existence.config import Config
+from hicache_existence.exporters.catalog import DeploymentLabels
+from hicache_existence.runtime import ExistenceRuntime
+
+env = {"HICACHE_EXISTENCE_ENABLED": "1", "HICACHE_EXISTENCE_METRICS__MODE": "off",
+       "HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS": "5"}
+runtime = ExistenceRuntime(Config.load(None, env), DeploymentLabels(), generation="current")
+for _ in range(10):
+    runtime.step()
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+for _ in range(10):
+    runtime.step()
+print(runtime.checker.stats().checks)
+for s in exporter.get_finished_spans():
+    print(s.name, s.attributes["step"])
+"""
+
+
+def test_a_provider_set_after_start_up_gets_the_divergence_check_spans():
+    """The runtime's divergence checks are spans once the application sets a global
+    tracer provider, not before (span() asks at every call)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNTIME_SPANS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    checks, *spans = proc.stdout.split("\n")[:-1]
+    assert checks == "4"
+    assert spans == [f"{otel.SPAN_DIVERGENCE_CHECK} 15", f"{otel.SPAN_DIVERGENCE_CHECK} 20"]
+
+
 def test_every_family_but_histograms_is_an_instrument_and_the_doc_says_so():
     """With every feature on, OTel has one instrument per catalog family except the
     histograms, and docs/metrics.md names each histogram as Prometheus-only."""

@@ -10,7 +10,8 @@ O(pools) snapshot plus O(pools) observations per instrument, whatever order the
 SDK calls the callbacks in.
 
 Spans: ``span()`` wraps slow, rare work only (a reconcile pass, a divergence
-check), never a lookup.  Without opentelemetry installed it is a no-op.
+check), never a lookup.  Without opentelemetry installed, or while no tracer
+provider is set (or the no-op one), it is a no-op.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ except ImportError:  # pragma: no cover - exercised by the bare-import check
     _trace = None  # type: ignore[assignment]
 
 INSTRUMENTATION_NAME = "hicache_existence"
+#: Tracer providers whose spans record nothing.
+_SILENT: tuple[type, ...] = (
+    (_trace.ProxyTracerProvider, _trace.NoOpTracerProvider) if _trace is not None else ()
+)
 
 
 try:
@@ -129,6 +134,14 @@ def span(name: str, *, tracer_provider: Any = None, **attributes: Any) -> Iterat
     if _trace is None:  # pragma: no cover - exercised by the bare-import check
         yield None
         return
-    tracer = _trace.get_tracer(INSTRUMENTATION_NAME, _version, tracer_provider)
+    provider = tracer_provider if tracer_provider is not None else _trace.get_tracer_provider()
+    if isinstance(provider, _SILENT):
+        # No provider set yet (the API's proxy) or the no-op one: the span would
+        # record nothing, and starting it costs ~15 us (a tracer, a context switch)
+        # on the scheduler thread at every divergence check.  Asked at every call,
+        # so a provider the application sets later is used from then on.
+        yield None
+        return
+    tracer = provider.get_tracer(INSTRUMENTATION_NAME, _version)
     with tracer.start_as_current_span(name, attributes=attributes or None) as current:
         yield current
