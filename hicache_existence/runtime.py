@@ -63,8 +63,9 @@ class ExistenceRuntime:
     """Cache, accounting, checks and exporters of one scheduler process.
 
     ``group`` is the replica group the divergence checker compares over (every TP
-    rank holding a replica of this cache); ``None`` means a single replica, checked
-    against itself so the machinery and its metrics still run.  The checker is
+    rank holding a replica of this cache); ``None`` means a single replica, whose
+    checks count as ok without a digest or a collective (nothing to compare), so
+    its metrics still move.  The checker is
     built with ``divergence.enabled`` off too: it then joins only the start-up
     handshake (which stops every rank's checks when the ranks disagree) and
     exports nothing.  ``truth`` is the reconciler's ground truth (``None``: no

@@ -37,11 +37,12 @@ keep_logs() { # every leg's whole log and the timeline, kept outside the clone (
   mkdir -p "$dir" 2>/dev/null || return 0
   cp "$TIMELINE" "$dir/timeline.log" 2>/dev/null || true
   if [ -n "${LEGS:-}" ]; then cp "$LEGS"/*.log "$dir/" 2>/dev/null || true; fi
-  ls -1dt "$root"/*/ 2>/dev/null | tail -n +6 | xargs -r rm -rf
+  ls -1dt "$root"/[0-9]*T[0-9]*Z-[0-9]*/ 2>/dev/null | tail -n +6 | xargs -r rm -rf
   printf '[run-all] the logs of every leg are kept in %s\n' "$dir"
 }
 on_exit() {
   local rc=$?
+  set +e # nothing here may change the run's status
   printf '[run-all] timeline (exit %s after %ss):\n' "$rc" "$(( $(date +%s) - START ))"
   sed 's/^/  /' "$TIMELINE"
   # Each failed leg's failures once more, after the timeline: CI shows only the tail.
@@ -49,6 +50,7 @@ on_exit() {
   for name in ${failed[@]+"${failed[@]}"}; do failures "$name"; done
   keep_logs
   rm -rf "$TIMELINE" "${LEGS:-}"
+  exit "$rc"
 }
 trap on_exit EXIT
 trap 'log "stopped by a signal"; exit 143' TERM INT
@@ -188,28 +190,36 @@ failures() { # name: a failed leg's summary lines; its last 40 lines when it has
   if [ -z "$s" ]; then s="$(printf 'no FAILED or ERROR line; the log ends:\n'; tail -n 40 "$f")"; fi
   printf '%s\n' "$s" | sed "s/^/[$1] /"
 }
-rerun() { # name python pytest-args...: a failed run's modules, once more
+rerun() { # name status python pytest-args...: a failed run's modules, once more
   # Up to two failed modules run again, whole (their servers start again), with the
   # run's options (its -m marks, --deselect, ...).  A pass (status 0) still counts
-  # as a flaky test: reported at the end with its first failure.  Not when hypothesis
-  # found a counterexample: that is a bug, and other examples passing would hide it.
-  local name="$1" py="$2" mods opts=() arg keep_next=0 rc=1
-  shift 2
-  grep -q '^Falsifying example' "$LEGS/$name.log" && return 1
-  mapfile -t mods < <(grep -E '^(FAILED|ERROR) tests/' "$LEGS/$name.log" \
+  # as a flaky test: reported at the end with its first failure.  Only test failures
+  # (pytest's status 1, not interrupted or stopped early, nothing skipped: a skip
+  # fails a run only when nothing else did), and never after a hypothesis
+  # counterexample: that is a bug, and other examples passing would hide it.
+  local name="$1" status="$2" py="$3" mods opts=() arg takes_value=0 rc=1
+  local log="$LEGS/$1.log"
+  shift 3
+  [ "$status" = 1 ] || return 1
+  grep -qE 'Failing test case|Falsifying example' "$log" && return 1
+  grep -qE 'Interrupted: |stopping after [0-9]+ failures' "$log" && return 1
+  grep -E '(passed|failed|error).* in [0-9.]+s' "$log" | tail -n 1 | grep -q skipped && return 1
+  mapfile -t mods < <(grep -E '^(FAILED|ERROR) tests/' "$log" \
     | sed -E 's/^(FAILED|ERROR) ([^: ]+).*/\2/' | sort -u)
   ((${#mods[@]} >= 1 && ${#mods[@]} <= 2)) || return 1
   for arg in "$@"; do
-    if ((keep_next)) || [[ "$arg" == -* ]]; then
+    if ((takes_value)) || [[ "$arg" == -* ]]; then
       opts+=("$arg")
-      keep_next=0
-      [[ "$arg" =~ ^(-m|-k|--deselect|--ignore)$ ]] && keep_next=1
+      takes_value=0
+      [[ "$arg" =~ ^(-[mkpocWn]|--(deselect|ignore|ignore-glob|tb|maxfail|basetemp|junitxml|junit-xml|rootdir|confcutdir|durations|import-mode|override-ini|log-level))$ ]] \
+        && takes_value=1
     fi
   done
   log "[$name] running again: ${mods[*]}"
-  "$py" -m pytest -p no:cacheprovider -q ${opts[@]+"${opts[@]}"} "${mods[@]}" >"$LEGS/$name.rerun.log" 2>&1 && rc=0
-  if [ "$rc" = 0 ]; then summary "$LEGS/$name.log" >"$LEGS/$name.flaky"; fi
-  cat "$LEGS/$name.rerun.log" >>"$LEGS/$name.log"
+  # The modules first: an option left without its value then fails loudly.
+  "$py" -m pytest -p no:cacheprovider -q "${mods[@]}" ${opts[@]+"${opts[@]}"} >"$LEGS/$name.rerun.log" 2>&1 && rc=0
+  if [ "$rc" = 0 ]; then summary "$log" >"$LEGS/$name.flaky"; fi
+  cat "$LEGS/$name.rerun.log" >>"$log"
   return "$rc"
 }
 leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name>.log
@@ -223,7 +233,7 @@ leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name
     | sed "s/^/    [$name] /" >>"$TIMELINE"
   # HX_RERUN_FAILED_MODULES=1: the real servers, and the legs beside them, whose
   # timing bounds meet a machine the servers load.
-  if [ "$rc" != 0 ] && [ "${HX_RERUN_FAILED_MODULES:-}" = 1 ] && rerun "$name" "$py" "$@"; then
+  if [ "$rc" != 0 ] && [ "${HX_RERUN_FAILED_MODULES:-}" = 1 ] && rerun "$name" "$rc" "$py" "$@"; then
     rc=0
   fi
   set -e
@@ -284,20 +294,25 @@ HX_RERUN_FAILED_MODULES=1 HX_DURATIONS=40 one "3.12 real servers" "$PY312" tests
   --ignore=tests/real_server/test_server_flat_cache_mode.py
 log "pytest [3.11]"
 set +e
-exec 3>&1 4>&2 > >(tee "$LEGS/3.11.log") 2>&1  # shown, and kept with the legs' logs
+# Shown, and kept with the legs' logs (tee -i: a Ctrl-C is for pytest, not for the tee).
+exec 3>&1 4>&2 > >(tee -i "$LEGS/3.11.log") 2>&1
 TEE_PID=$!
 "$PY" -m pytest -p no:cacheprovider --durations=8 --ignore=tests/real_server --ignore=tests/sglang_integration \
   "${LONG_TESTS[@]/#/--ignore=}" "$@"
 rc=$?
 exec 1>&3 2>&4 3>&- 4>&-
-while kill -0 "$TEE_PID" 2>/dev/null; do sleep 0.1; done  # the whole log written
+for _ in {1..100}; do # the whole log written (at most 10 s: a leftover child may hold the pipe)
+  kill -0 "$TEE_PID" 2>/dev/null || break
+  sleep 0.1
+done
 # It runs while the beside lane still loads the machine: a failed module runs once
 # more, as in the legs (flaky when it then passes).
-if [ "$rc" != 0 ] && rerun 3.11 "$PY" --ignore=tests/real_server --ignore=tests/sglang_integration \
+if [ "$rc" != 0 ] && rerun 3.11 "$rc" "$PY" --ignore=tests/real_server --ignore=tests/sglang_integration \
   "${LONG_TESTS[@]/#/--ignore=}" "$@"; then
   rc=0
   flaky+=(3.11)
 fi
+if [ "$rc" != 0 ]; then failed+=(3.11); fi
 set -e
 log "pytest [3.11] exit code $rc"
 wait "$BESIDE_PID"

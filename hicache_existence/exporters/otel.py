@@ -128,13 +128,16 @@ class OTelExporter:
 def span(name: str, *, tracer_provider: Any = None, **attributes: Any) -> Iterator[Any]:
     """A span around slow work (``SPAN_RECONCILE``, ``SPAN_DIVERGENCE_CHECK``) on
     ``tracer_provider`` (default: the global one); yields the span, or ``None``
-    without opentelemetry."""
+    without opentelemetry or while no provider that records is set."""
     if not isinstance(name, str) or not name:
         raise TypeError("name must be a non-empty str span name")
     if _trace is None:  # pragma: no cover - exercised by the bare-import check
         yield None
         return
-    provider = tracer_provider if tracer_provider is not None else _trace.get_tracer_provider()
+    provider = tracer_provider
+    if provider is None or isinstance(provider, _trace.ProxyTracerProvider):
+        # The proxy forwards to the application's provider once one is set.
+        provider = _trace.get_tracer_provider()
     if isinstance(provider, _SILENT):
         # No provider set yet (the API's proxy) or the no-op one: the span would
         # record nothing, and starting it costs ~15 us (a tracer, a context switch)
