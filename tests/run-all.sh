@@ -231,9 +231,9 @@ leg() { # name python pytest-args...: one leg; its output is kept in $LEGS/<name
   # The slowest steps go into the timeline too (printed again at the end).
   sed -n '/slowest .*durations/,/^$/p' "$LEGS/$name.log" | sed -n "2,$((${HX_DURATIONS:-8} + 1))p" \
     | sed "s/^/    [$name] /" >>"$TIMELINE"
-  # HX_RERUN_FAILED_MODULES=1: the real servers, and the legs beside them, whose
-  # timing bounds meet a machine the servers load.
-  if [ "$rc" != 0 ] && [ "${HX_RERUN_FAILED_MODULES:-}" = 1 ] && rerun "$name" "$rc" "$py" "$@"; then
+  # Every leg (HX_RERUN_FAILED_MODULES=0 turns it off): the real servers, and the
+  # legs beside them, whose timing bounds meet a machine the servers load.
+  if [ "$rc" != 0 ] && [ "${HX_RERUN_FAILED_MODULES:-1}" = 1 ] && rerun "$name" "$rc" "$py" "$@"; then
     rc=0
   fi
   set -e
@@ -280,17 +280,17 @@ done
 #    mode, dedup off and on); the storage tests on the pure-Python index (one Python:
 #    the index is the same source on each, and 3.10 and 3.13 run its own tests).
 beside "3.11 long" "3.10" "3.13" "3.12 sglang 0.5.23" "3.11 sglang 0.5.21" "3.11 python-index" \
-  'HX_RERUN_FAILED_MODULES=1 leg "3.11 long" "$PY" "${LONG_TESTS[@]}"' \
-  'HX_RERUN_FAILED_MODULES=1 leg 3.10 "$PY310" "${CORE_TESTS[@]}"' \
-  'HX_RERUN_FAILED_MODULES=1 leg 3.13 "$PY313" "${CORE_TESTS[@]}"' \
-  'HX_RERUN_FAILED_MODULES=1 leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
-  'HX_RERUN_FAILED_MODULES=1 leg "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py' \
-  'HX_RERUN_FAILED_MODULES=1 HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py'
+  'leg "3.11 long" "$PY" "${LONG_TESTS[@]}"' \
+  'leg 3.10 "$PY310" "${CORE_TESTS[@]}"' \
+  'leg 3.13 "$PY313" "${CORE_TESTS[@]}"' \
+  'leg "3.12 sglang 0.5.23" "$PY312" "${SGLANG_TESTS[@]}"' \
+  'leg "3.11 sglang 0.5.21" "$PYSEED" "${SGLANG_TESTS[@]}" "${SEED_WHEEL_TESTS[@]}" tests/real_server/test_server_flat.py tests/real_server/test_server_flat_cache_mode.py' \
+  'HICACHE_EXISTENCE_BACKEND=python leg "3.11 python-index" "$PY" "${STORAGE_TESTS[@]}" tests/sglang_integration/test_sglang_launcher.py'
 #    Real sglang servers on CPU, on the Python SGLang's image runs: the flag, the write
 #    accounting against the L3's own files, the reconciler, Prometheus, TP=2, PD.
 #    (test_server_flat*.py are the flat generation's: they run in the 0.5.21 leg.)  Its
 #    40 slowest steps go into the timeline: the server start-ups are where CI's time goes.
-HX_RERUN_FAILED_MODULES=1 HX_DURATIONS=40 one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py \
+HX_DURATIONS=40 one "3.12 real servers" "$PY312" tests/real_server --ignore=tests/real_server/test_server_flat.py \
   --ignore=tests/real_server/test_server_flat_cache_mode.py
 log "pytest [3.11]"
 set +e
