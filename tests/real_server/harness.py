@@ -304,6 +304,19 @@ BIND_FAILURES = (
 START_ATTEMPTS = 3
 
 
+def foreign(content_type: str | None, head: bytes) -> bool:
+    """Whether a readiness answer came from a Prometheus exposition server (another
+    test process's exporter, which answers every GET path) that bound the port
+    ``free_port()`` chose before this launch did: the launch's own bind then fails
+    only after its model loads, and every request in between reaches the exporter
+    (``POST /generate`` -> 405).  Neither SGLang's ``/health`` nor the router's
+    answers in the exposition format."""
+    kind = (content_type or "").lower()
+    return kind.startswith(
+        ("text/plain; version=0.0.4", "application/openmetrics-text")
+    ) or head.startswith((b"# HELP ", b"# TYPE "))
+
+
 def sglang_total(fams: Mapping[str, Family], name: str, suffix: str = "_total") -> float:
     """An SGLang counter's total; 0 while absent: SGLang creates its storage
     counters at their first event (``sglang:backuped_tokens`` at the first backup).
@@ -482,6 +495,12 @@ class Server:
             self.check_alive()
             try:
                 with urllib.request.urlopen(self.url + self.health, timeout=5) as r:
+                    if r.status == 200 and foreign(r.headers.get("Content-Type"), r.read(64)):
+                        self.stop(grace_s=5.0)
+                        raise PortTaken(
+                            f"{self.what} on port {self.port}: {self.health} was answered "
+                            "by a Prometheus exposition server, not by this launch"
+                        )
                     if r.status == 200:
                         self.start_s = time.monotonic() - t0
                         return self
