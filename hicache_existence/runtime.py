@@ -127,7 +127,11 @@ class ExistenceRuntime:
         # waiting for it.  Off, the digest observes nothing (no per-operation cost).
         self.digest: ReplicaDigest = SharedLruDigest() if flat else ReplicaDigest()
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
-        observers: list[BeliefObserver] = [self.digest] if checking else []
+        if group is None:
+            group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
+        # A single replica's checks are ok without a digest (``DivergenceChecker``):
+        # it observes nothing then, instead of folding every operation for nobody.
+        observers: list[BeliefObserver] = [self.digest] if checking and group.size > 1 else []
         self.recorder = Recorder.from_config(
             config.recorder, self.labels, instance=instance, host_mode=host_mode[0]
         )
@@ -169,8 +173,6 @@ class ExistenceRuntime:
                 self.events.source = lambda: "reconciler" if reconciler.applying else "hit_query"
 
         self._check_interval = config.divergence.interval_steps
-        if group is None:
-            group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
         self.checker: DivergenceChecker = DivergenceChecker(
             self.digest, group, config.divergence, cache=self.cache
         )

@@ -175,6 +175,30 @@ def test_divergence_off_joins_the_handshake_and_exports_no_series():
     assert not [name for name, _ in samples if "divergence" in name]
 
 
+def test_a_single_replica_digest_observes_nothing_and_its_checks_still_count():
+    """A world of one (no TP group given, or a group of size 1): the checks are ok
+    without a digest, so the digest is not among the cache's observers and no
+    operation folds it; with a group of two it observes every operation."""
+    from hicache_existence.replicas.divergence import InProcessWorld
+
+    config = _config(mode="off")
+    for group in (None, InProcessWorld(1).group(0)):
+        runtime = ExistenceRuntime(config, group=group)
+        assert runtime.digest not in runtime.tee.observers
+        runtime.cache.pool("kv").add(["a" * 64])
+        assert runtime.cache.pool("kv").covered(["a" * 64])
+        for _ in range(10):
+            runtime.step()
+        assert runtime.digest.pool_digests() == {}  # it saw no operation
+        assert runtime.checker.stats().checks == 10 // config.divergence.interval_steps > 0
+        runtime.close()
+    pair = ExistenceRuntime(config, group=InProcessWorld(2).group(0))
+    assert pair.digest in pair.tee.observers
+    pair.cache.pool("kv").add(["a" * 64])
+    assert set(pair.digest.pool_digests()) == {"kv"}
+    pair.close()
+
+
 def test_without_ground_truth_there_is_no_reconciler():
     """reconciler.enabled without a truth builds no reconciler (nothing to ask)."""
     runtime = ExistenceRuntime(_config(mode="off"), truth=None)

@@ -108,15 +108,19 @@ _COST = _Cost()
 _HOOK = "after_check_hicache_events"
 
 
-def _timed(fn: Any) -> Any:
+def _timed(fn: Any, prefix: str = "") -> Any:
+    """``fn`` timed on the scheduler thread.  ``prefix`` (upstream's own cache, timed
+    under ``upstream.``): kept in the per-function breakdown only, never in the
+    package's totals."""
     import threading
     import time
 
     perf = time.thread_time_ns
     get_ident = threading.get_ident
-    name = getattr(fn, "__qualname__", getattr(fn, "__name__", "wrapped"))
+    name = prefix + getattr(fn, "__qualname__", getattr(fn, "__name__", "wrapped"))
     slot = _COST.by_name.setdefault(name, [0] * 8)
     is_hook = name == _HOOK
+    own = not prefix
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _COST.depth or get_ident() != _COST.main:
@@ -127,8 +131,9 @@ def _timed(fn: Any) -> Any:
             return fn(*args, **kwargs)
         finally:
             dt = perf() - t0
-            _COST.ns += dt
-            _COST.calls += 1
+            if own:
+                _COST.ns += dt
+                _COST.calls += 1
             if is_hook:
                 _COST.hook_ns += dt
             slot[0] += dt
@@ -257,6 +262,17 @@ def _wrap_class(cls: type) -> None:
 def _probe_cost_cache(mod: ModuleType) -> None:
     _wrap_class(mod.PoolBeliefs)
     _wrap_class(mod.StorageExistenceCache)
+
+
+def _probe_cost_upstream_cache(mod: ModuleType) -> None:
+    # Upstream's own existence cache, which ours replaces: what the server without
+    # the package spends in the same calls (``upstream.`` in the breakdown only).
+    for cls in (mod.PoolExistenceBeliefs, mod.StorageExistenceCache):
+        if not cls.__module__.startswith("sglang."):  # ours, if the plugin replaced it
+            continue
+        for name, value in list(vars(cls).items()):
+            if callable(value) and not name.startswith("__") and not isinstance(value, type):
+                setattr(cls, name, _timed(value, "upstream."))
 
 
 def _probe_cost_flat(mod: ModuleType) -> None:
@@ -510,6 +526,9 @@ def install() -> None:
     if os.environ.get("HX_PROBE_COST_DIR"):
         hx_cpu_standins.on_import("hicache_existence.core.cache", _probe_cost_cache)
         hx_cpu_standins.on_import("hicache_existence.core.flat", _probe_cost_flat)
+        hx_cpu_standins.on_import(
+            "sglang.srt.mem_cache.buffer_mode.storage_existence_cache", _probe_cost_upstream_cache
+        )
         hx_cpu_standins.on_import(
             "hicache_existence.integrations.sglang.write_path", _probe_cost_write_path
         )
