@@ -68,9 +68,12 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         "pkg_ns": 0,
         "pkg_calls": 0,
         "hook_ns": 0,
-        "busy": [0, 0, 0, 0],
-        "poll": [0, 0, 0, 0, 0],
+        # [iterations, thread ns, package ns, calls, nested calls]
+        "busy": [0, 0, 0, 0, 0],
+        # [iterations, thread ns, package ns, calls, hook ns, nested calls, in the hook]
+        "poll": [0, 0, 0, 0, 0, 0, 0],
         "timer_ns": 0.0,
+        "passthrough_ns": 0.0,
         "rec_busy": [0, 0],
         "rec_poll": [0, 0],
         "ctrl_busy": [0, 0],
@@ -85,8 +88,12 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls", "hook_ns"):
             total[k] += int(rec[k])
         for k in ("busy", "poll", "rec_busy", "rec_poll", "ctrl_busy", "ctrl_poll"):
-            total[k] = [a + int(b) for a, b in zip(total[k], rec.get(k, total[k]))]
+            got = list(rec.get(k, ())) + [0] * len(total[k])  # older probes: fewer fields
+            total[k] = [a + int(b) for a, b in zip(total[k], got)]
         total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
+        total["passthrough_ns"] = max(
+            total["passthrough_ns"], float(rec.get("passthrough_ns_per_call", 0.0))
+        )
         for name, counts in rec.get("by_name", {}).items():
             # [ns, calls, (current iteration's ns, calls,) busy ns, calls, poll ns, calls]
             counts = [*counts[:2], *counts[4:8]] if len(counts) >= 8 else [*counts[:2], 0, 0, 0, 0]
@@ -142,6 +149,7 @@ def one_round(
         "ctrl_busy": [a - b for a, b in zip(after["ctrl_busy"], before["ctrl_busy"])],
         "ctrl_poll": [a - b for a, b in zip(after["ctrl_poll"], before["ctrl_poll"])],
         "timer_ns_per_call": after["timer_ns"],
+        "passthrough_ns_per_call": after["passthrough_ns"],
         "by_name_ms": {
             name: round((counts[0] - before["by_name"].get(name, [0])[0]) / 1e6, 3)
             for name, counts in after["by_name"].items()
@@ -306,13 +314,22 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
     iterations (write acknowledgements, admissions), net of the timers' own cost;
     the per-step hook's bare cost in poll iterations is idle time and is reported
     apart. An upper bound: upstream's own work in those poll iterations is not in
-    the busy time the package's work there is divided by."""
+    the busy time the package's work there is divided by.  Also net of the probe's
+    wrappers around nested calls (a timed method calling another passes through its
+    wrapper inside the interval), at their hot start-up calibration, which
+    under-subtracts."""
     timer = r["timer_ns_per_call"]
-    it_b, ns_b, pkg_b, calls_b = r["busy"]
-    it_p, ns_p, pkg_p, calls_p, hook_p = r["poll"]
-    busy_pkg = max(0.0, pkg_b - calls_b * timer)
-    poll_work = max(0.0, (pkg_p - hook_p) - max(0, calls_p - it_p) * timer)
-    poll_hook = max(0.0, hook_p - it_p * timer)
+    through = r.get("passthrough_ns_per_call", 0.0)
+    it_b, ns_b, pkg_b, calls_b, *more_b = r["busy"]
+    it_p, ns_p, pkg_p, calls_p, hook_p, *more_p = r["poll"]
+    nested_b = more_b[0] if more_b else 0
+    nested_p, nested_hook = (more_p[0], more_p[1]) if len(more_p) >= 2 else (0, 0)
+    busy_pkg = max(0.0, pkg_b - calls_b * timer - nested_b * through)
+    poll_work = max(
+        0.0,
+        (pkg_p - hook_p) - max(0, calls_p - it_p) * timer - (nested_p - nested_hook) * through,
+    )
+    poll_hook = max(0.0, hook_p - it_p * timer - nested_hook * through)
     # The same net of the in-situ control (an empty hook timed beside each call of
     # the per-step hook, in the same cold state): the timers' cost there, not the
     # start-up calibration's, which runs hot.
@@ -324,8 +341,10 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
     share_insitu = None
     if ctrl_calls and ctrl_b_calls and ns_b:
         timer_b, timer_p = ctrl_b_ns / ctrl_b_calls, ctrl_ns / ctrl_calls
-        busy_in = pkg_b - calls_b * timer_b
-        poll_in = (pkg_p - hook_p) - max(0, calls_p - it_p) * timer_p
+        busy_in = pkg_b - calls_b * timer_b - nested_b * through
+        poll_in = (
+            (pkg_p - hook_p) - max(0, calls_p - it_p) * timer_p - (nested_p - nested_hook) * through
+        )
         share_insitu = max(0.0, busy_in + max(0.0, poll_in)) / ns_b
     return {
         "busy_iterations": it_b,
@@ -337,8 +356,11 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         "poll_us_per_iteration": ns_p / it_p / 1e3 if it_p else 0.0,
         "hook_us_per_poll_iteration": poll_hook / it_p / 1e3 if it_p else 0.0,
         "hook_us_per_poll_iteration_insitu": (
-            poll_hook_insitu / it_p / 1e3 if it_p and poll_hook_insitu is not None else None
+            (poll_hook_insitu - nested_hook * through) / it_p / 1e3
+            if it_p and poll_hook_insitu is not None
+            else None
         ),
+        "nested_calls": nested_b + nested_p,
         "timer_us_insitu_poll": ctrl_ns / ctrl_calls / 1e3 if ctrl_calls else None,
         "timer_us_insitu_busy": ctrl_b_ns / ctrl_b_calls / 1e3 if ctrl_b_calls else None,
         "share_insitu": share_insitu,
@@ -570,6 +592,10 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: Any) -> dict[str, A
         "package_share_of_all_scheduler_cpu_net_of_timers_median": f"{100 * med(net_shares):.2f}%",
         "package_ms_median": round(med(pkg), 2),
         "timer_ns_per_call": round(rounds["enabled"][-1]["timer_ns_per_call"]),
+        "passthrough_ns_per_nested_call": round(
+            rounds["enabled"][-1].get("passthrough_ns_per_call", 0.0)
+        ),
+        "nested_calls_per_round_median": med(x["nested_calls"] for x in be),
         "package_ms_by_function_top5": dict(
             sorted(((k, round(v, 2)) for k, v in names.items()), key=lambda kv: -kv[1])[:5]
         ),

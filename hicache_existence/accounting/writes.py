@@ -196,20 +196,33 @@ class WriteAccounting:
     def written(self, pool: str, pages: int, already_stored: int = 0) -> None:
         """``pages`` pages of ``pool`` were written; ``already_stored`` of them
         were already in L3 according to ground truth."""
-        pages = _validate.count(pages, "pages")
-        already = _validate.count(already_stored, "already_stored")
-        if already > pages:
-            raise ValueError(
-                f"already_stored must be <= pages, got already_stored={already}, pages={pages}"
-            )
-        rec = self._pool(pool)
+        # The checks' common case inline (the write path calls this on the
+        # scheduler thread at every launch); anything else gets the full checks.
+        if type(pages) is not int or pages < 0:
+            pages = _validate.count(pages, "pages")
+        already = already_stored
+        if already:
+            already = _validate.count(already_stored, "already_stored")
+            if already > pages:
+                raise ValueError(
+                    f"already_stored must be <= pages, got already_stored={already}, pages={pages}"
+                )
+        elif type(already) is not int:
+            already = _validate.count(already_stored, "already_stored")
+        rec = self._pools.get(pool) if type(pool) is str else None
+        if rec is None:
+            rec = self._pool(pool)
         rec.written += pages
         rec.redundant += already
 
     def avoided(self, pool: str, pages: int) -> None:
         """``pages`` pages of ``pool`` were admitted without a write (believed stored)."""
-        pages = _validate.count(pages, "pages")
-        self._pool(pool).avoided += pages
+        if type(pages) is not int or pages < 0:
+            pages = _validate.count(pages, "pages")
+        rec = self._pools.get(pool) if type(pool) is str else None
+        if rec is None:
+            rec = self._pool(pool)
+        rec.avoided += pages
 
     def acked(
         self,

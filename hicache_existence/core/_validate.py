@@ -36,7 +36,10 @@ def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
             raise TypeError(
                 f"{arg} must be an iterable of str page hashes, got {type(hashes).__name__}"
             ) from None
-    str_items(seq, arg)
+    try:  # str_items's C pass, inline: this runs on every mutation of the cache
+        "".join(seq)
+    except TypeError:
+        str_items(seq, arg)
     return seq
 
 

@@ -180,7 +180,7 @@ class CacheModeWrites:
         """The node of the running node write, for its one ``write_storage`` call
         (later calls in the same node write are not ours)."""
         node = self._node
-        self.end_node()
+        self._node, self._in_node = None, False
         return node
 
     def plan(
@@ -191,11 +191,14 @@ class CacheModeWrites:
         prefix_keyed: bool,
     ) -> WritePlan:
         """Look the node's pages up and decide what is written (module docstring)."""
-        pages = list(pages)
+        if type(pages) is not list:  # the write path hands over its own list
+            pages = list(pages)
         pool = self.cache.pool
         # A read (no touch, no count): which extra-pool keys were believed, for their
         # redundant_believed at the ack.
-        extra_believed = {p: set(pool(p).believed(keys)) for p, keys in extra.items() if keys}
+        extra_believed = (
+            {p: set(pool(p).believed(keys)) for p, keys in extra.items() if keys} if extra else {}
+        )
         if self.upstream_dedup:
             # sglang looked these pages up in this cache already (counted there) and
             # left out what it skips: count what it sends, classify without a lookup.
@@ -219,25 +222,28 @@ class CacheModeWrites:
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:
         """The operation carrying ``plan``'s pages was queued for the backup thread."""
-        written = plan.written_pages
-        self._count(KV, written, plan.skipped)
+        keep, pages = plan.keep, plan.pages
+        written = pages if len(keep) == len(pages) else [pages[i] for i in keep]
+        self._count(KV, written, len(pages) - len(keep))
         if self.recorder is not None:
             self.recorder.written(KV, written)
         extra = plan.extra if plan.extra_written else {}
-        for pool, keys in plan.extra.items():
-            self._count(
-                pool, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
-            )
+        if plan.extra:
+            for pool, keys in plan.extra.items():
+                self._count(
+                    pool, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
+                )
         if written:
             self.cache.pool(KV).track_inflight(written)
-        for pool, keys in extra.items():
-            self.cache.pool(pool).track_inflight(keys)
+        if extra:
+            for pool, keys in extra.items():
+                self.cache.pool(pool).track_inflight(keys)
         self.causes.launched(node, written)
         self._pending[int(operation_id)] = _Launch(
             node,
             written,
             # believed is a subset of the node's pages: whole, it is the write's
-            plan.believed if written is plan.pages else plan.believed & set(written),
+            plan.believed if written is pages else plan.believed & set(written),
             extra,
             {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()}
             if extra

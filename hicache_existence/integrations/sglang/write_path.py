@@ -183,11 +183,14 @@ class WritePath:
         (avoided).  One call per admission (it was three: the keys taken, the
         pipeline's owner, the count), and none of its work when every pool with
         keys was kept, the common case with no sidecar pool."""
-        pool_keys, self._pool_keys = self._pool_keys, None
-        if pool_keys is None or self._refreshing:
+        pool_keys = self._pool_keys
+        if pool_keys is None:
+            return
+        self._pool_keys = None
+        if self._refreshing:
             return
         tree = getattr(pipeline, "_cache", None)
-        if not self.owns_tree(tree):
+        if getattr(tree, "storage_existence_cache", None) is not self.cache:  # owns_tree
             return
         if tree is not self._sidecar_tree:
             self._sidecar_tree = tree
@@ -196,8 +199,13 @@ class WritePath:
                 for spec in getattr(tree, "sidecar_pool_specs", None) or ()
             }
         sidecars = self._sidecars
-        if not sidecars and len(intents) == sum(1 for k in pool_keys.values() if k):
-            return  # every pool with keys was kept (intents name distinct pools)
+        if not sidecars:
+            keyed = 0
+            for k in pool_keys.values():
+                if k:
+                    keyed += 1
+            if len(intents) == keyed:
+                return  # every pool with keys was kept (intents name distinct pools)
         kept = {pool_name(pool) for pool, _ in intents}
         keys = {pool_name(p): k for p, k in pool_keys.items() if k}
         for pool, pages in keys.items():

@@ -75,6 +75,12 @@ class _Cost:
         self.hook_ns = 0  # of which inside the per-step hook
         self.depth = 0
         self.main: int | None = None
+        # Calls of a timed function inside another's timed call on the scheduler
+        # thread: each passes through its wrapper (a frame and two tests) inside
+        # the outer call's interval; the share nets them out (``passthrough_ns``).
+        self.nested = 0
+        self.hook_nested = 0  # of which inside the per-step hook
+        self.it_nested0 = (0, 0)
         self.pid = os.getpid()
         #: name -> [ns, calls, this iteration's ns, calls, busy ns, calls, poll ns, calls]
         self.by_name: dict[str, list[int]] = {}
@@ -87,8 +93,10 @@ class _Cost:
         self.it_calls0 = 0
         self.it_hook0 = 0
         self.it_work = False
-        self.busy = [0, 0, 0, 0]  # iterations, thread ns, package ns, package calls
-        self.poll = [0, 0, 0, 0, 0]  # iterations, thread ns, package ns, calls, hook ns
+        # iterations, thread ns, package ns, package calls, nested calls
+        self.busy = [0, 0, 0, 0, 0]
+        # iterations, thread ns, package ns, calls, hook ns, nested calls, of which in the hook
+        self.poll = [0, 0, 0, 0, 0, 0, 0]
         # The recorder's own methods (nested timers): total and per iteration kind.
         self.rec_ns = 0
         self.rec_calls = 0
@@ -123,9 +131,14 @@ def _timed(fn: Any, prefix: str = "") -> Any:
     own = not prefix
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _COST.depth or get_ident() != _COST.main:
+        if _COST.depth:
+            if get_ident() == _COST.main:
+                _COST.nested += 1
+            return fn(*args, **kwargs)
+        if get_ident() != _COST.main:
             return fn(*args, **kwargs)
         _COST.depth = 1
+        n0 = _COST.nested
         t0 = perf()
         try:
             return fn(*args, **kwargs)
@@ -134,8 +147,11 @@ def _timed(fn: Any, prefix: str = "") -> Any:
             if own:
                 _COST.ns += dt
                 _COST.calls += 1
+            else:  # not the package's: its nested calls are not either
+                _COST.nested = n0
             if is_hook:
                 _COST.hook_ns += dt
+                _COST.hook_nested += _COST.nested - n0
             slot[0] += dt
             slot[1] += 1
             if not slot[3]:
@@ -370,12 +386,14 @@ def _iteration_marks(cls: type) -> None:
                 ctrl = c.ctrl_busy if c.it_work else c.ctrl_poll
                 ctrl[0] += c.ctrl_ns - c.it_ctrl0[0]
                 ctrl[1] += c.ctrl_calls - c.it_ctrl0[1]
+                dnested = c.nested - c.it_nested0[0]
                 if c.it_work:
                     b = c.busy
                     b[0] += 1
                     b[1] += now - c.it_t0
                     b[2] += dns
                     b[3] += dcalls
+                    b[4] += dnested
                 else:
                     q = c.poll
                     q[0] += 1
@@ -383,6 +401,8 @@ def _iteration_marks(cls: type) -> None:
                     q[2] += dns
                     q[3] += dcalls
                     q[4] += c.hook_ns - c.it_hook0
+                    q[5] += dnested
+                    q[6] += c.hook_nested - c.it_nested0[1]
                 at = 4 if c.it_work else 6
                 for slot in c.touched:
                     slot[at] += slot[2]
@@ -392,6 +412,7 @@ def _iteration_marks(cls: type) -> None:
             c.it_t0, c.it_ns0, c.it_calls0, c.it_hook0 = now, c.ns, c.calls, c.hook_ns
             c.it_rec0 = (c.rec_ns, c.rec_calls)
             c.it_ctrl0 = (c.ctrl_ns, c.ctrl_calls)
+            c.it_nested0 = (c.nested, c.hook_nested)
             c.it_work = False
         return ingest(self, *args, **kwargs)
 
@@ -453,8 +474,30 @@ def _cost_writer(out_dir: str) -> None:
     for _ in range(2000):
         empty()
     timer_ns = (_COST.ns - ns0) / max(1, _COST.calls - calls0)
-    _COST.ns, _COST.calls = ns0, calls0
-    _COST.by_name.pop(getattr(empty.__wrapped__, "__qualname__", ""), None)
+    # What a nested call's wrapper adds to its caller's interval: a timed loop of
+    # wrapped calls against the same loop of direct calls (hot, so it under-subtracts).
+    inner_fn = lambda: None  # noqa: E731
+    inner = _timed(inner_fn)
+
+    def via_wrapper() -> None:
+        for _ in range(200):
+            inner()
+
+    def direct() -> None:
+        for _ in range(200):
+            inner_fn()
+
+    costs = []
+    for body in (via_wrapper, direct):
+        timed = _timed(body)
+        ns1 = _COST.ns
+        for _ in range(50):
+            timed()
+        costs.append(_COST.ns - ns1)
+    passthrough_ns = max(0.0, (costs[0] - costs[1]) / (50 * 200))
+    _COST.ns, _COST.calls, _COST.nested = ns0, calls0, 0
+    for fn in (empty, inner, via_wrapper, direct):
+        _COST.by_name.pop(getattr(getattr(fn, "__wrapped__", fn), "__qualname__", ""), None)
 
     def run() -> None:
         path = os.path.join(out_dir, f"cost-{os.getpid()}.json")
@@ -468,6 +511,7 @@ def _cost_writer(out_dir: str) -> None:
                 "busy": list(_COST.busy),
                 "poll": list(_COST.poll),
                 "timer_ns_per_call": timer_ns,
+                "passthrough_ns_per_call": passthrough_ns,
                 "recorder_on": _TOGGLE.on if _TOGGLE is not None else None,
                 "rec_busy": list(_COST.rec_busy),
                 "rec_poll": list(_COST.rec_poll),
