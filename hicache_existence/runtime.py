@@ -127,11 +127,16 @@ class ExistenceRuntime:
         # waiting for it.  Off, the digest observes nothing (no per-operation cost).
         self.digest: ReplicaDigest = SharedLruDigest() if flat else ReplicaDigest()
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
+        # The digest observes the cache while a check may compare it with another
+        # replica.  A single replica (no group given) needs none: its checks are ok
+        # without one (``DivergenceChecker``).  A given group may be bound later
+        # (SGLang's, at the first step: its size is not known yet), so the digest
+        # observes until ``group_bound`` finds a world of one.
+        single = group is None
         if group is None:
             group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
-        # A single replica's checks are ok without a digest (``DivergenceChecker``):
-        # it observes nothing then, instead of folding every operation for nobody.
-        observers: list[BeliefObserver] = [self.digest] if checking and group.size > 1 else []
+        self._group = group
+        observers: list[BeliefObserver] = [self.digest] if checking and not single else []
         self.recorder = Recorder.from_config(
             config.recorder, self.labels, instance=instance, host_mode=host_mode[0]
         )
@@ -228,6 +233,13 @@ class ExistenceRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def group_bound(self) -> None:
+        """The replica group is known now (SGLang's is bound at the first step): a
+        world of one needs no digest, so the digest stops observing the cache
+        instead of folding every operation for a comparison that cannot fail."""
+        if self._group.size == 1:
+            self.tee.discard(self.digest)
 
     # -- the per-step hook -------------------------------------------------------
     @property

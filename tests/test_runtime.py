@@ -176,23 +176,33 @@ def test_divergence_off_joins_the_handshake_and_exports_no_series():
 
 
 def test_a_single_replica_digest_observes_nothing_and_its_checks_still_count():
-    """A world of one (no TP group given, or a group of size 1): the checks are ok
-    without a digest, so the digest is not among the cache's observers and no
-    operation folds it; with a group of two it observes every operation."""
+    """A world of one needs no digest (its checks are ok without one): with no
+    group given, the digest never observes the cache; with a group given, whose size
+    may be known only later (SGLang's is bound at the first step), it observes until
+    ``group_bound`` finds a world of one, and for a group of two it stays."""
     from hicache_existence.replicas.divergence import InProcessWorld
 
     config = _config(mode="off")
-    for group in (None, InProcessWorld(1).group(0)):
-        runtime = ExistenceRuntime(config, group=group)
-        assert runtime.digest not in runtime.tee.observers
-        runtime.cache.pool("kv").add(["a" * 64])
-        assert runtime.cache.pool("kv").covered(["a" * 64])
-        for _ in range(10):
-            runtime.step()
-        assert runtime.digest.pool_digests() == {}  # it saw no operation
-        assert runtime.checker.stats().checks == 10 // config.divergence.interval_steps > 0
-        runtime.close()
+    runtime = ExistenceRuntime(config)
+    assert runtime.digest not in runtime.tee.observers
+    runtime.cache.pool("kv").add(["a" * 64])
+    assert runtime.cache.pool("kv").covered(["a" * 64])
+    for _ in range(10):
+        runtime.step()
+    assert runtime.digest.pool_digests() == {}  # it saw no operation
+    assert runtime.checker.stats().checks == 10 // config.divergence.interval_steps > 0
+    runtime.close()
+
+    one = ExistenceRuntime(config, group=InProcessWorld(1).group(0))
+    assert one.digest in one.tee.observers  # not known to be alone until bound
+    one.group_bound()
+    assert one.digest not in one.tee.observers
+    one.cache.pool("kv").add(["b" * 64])
+    assert one.digest.pool_digests() == {}
+    one.close()
+
     pair = ExistenceRuntime(config, group=InProcessWorld(2).group(0))
+    pair.group_bound()
     assert pair.digest in pair.tee.observers
     pair.cache.pool("kv").add(["a" * 64])
     assert set(pair.digest.pool_digests()) == {"kv"}

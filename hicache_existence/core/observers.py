@@ -89,6 +89,10 @@ class Tee:
         build the ``Tee``, then the cache, then append.  Scheduler thread only."""
         self.observers = (*self.observers, observer)
 
+    def discard(self, observer: BeliefObserver) -> None:
+        """Stop notifying ``observer`` (absent: nothing).  Scheduler thread only."""
+        self.observers = tuple(o for o in self.observers if o is not observer)
+
     def added(self, pool: str, hashes: Sequence[str]) -> None:
         for o in self.observers:
             o.added(pool, hashes)

@@ -73,6 +73,26 @@ def test_deferred_group_and_agreement_before_and_after_binding() -> None:
     assert agreement.world_size == 2 and agreement.min_reduce([4, 0]) == [1, 0]
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_the_digest_observes_until_the_deferred_group_is_known(size: int) -> None:
+    """SGLang's runtime is built with a ``DeferredGroup`` (size 1 until the first
+    step binds the real group): the digest must observe from the start, or a TP
+    group's checks would compare empty digests and never see a divergence; once
+    bound, a world of one drops it (its checks are ok without one)."""
+    from hicache_existence.replicas.divergence import InProcessWorld
+    from hicache_existence.runtime import ExistenceRuntime
+
+    group = DeferredGroup(timeout_s=1.0)
+    runtime = ExistenceRuntime(Config.from_mapping({"enabled": True}), group=group)
+    try:
+        assert runtime.digest in runtime.tee.observers
+        group.bind(InProcessWorld(size).group(0))
+        runtime.group_bound()
+        assert (runtime.digest in runtime.tee.observers) is (size > 1)
+    finally:
+        runtime.close()
+
+
 def test_engine_type_follows_sglangs_mapping() -> None:
     """prefill/decode pass through (str or str enum), anything else is unified,
     PD role switching is dynamic (sglang's own metric labels)."""

@@ -133,6 +133,7 @@ class ProcessEntry:
         self.members = groups.members
         if self.group is not None:
             self.group.bind(groups.divergence)
+            self.runtime.group_bound()
         if self.agreement is not None:
             self.agreement.bind(groups.agreement)
 

@@ -80,6 +80,7 @@ class _Cost:
         # the outer call's interval; the share nets them out (``passthrough_ns``).
         self.nested = 0
         self.hook_nested = 0  # of which inside the per-step hook
+        self.passthrough_ns = 0.0  # one nested wrapper's cost (start-up calibration)
         self.it_nested0 = (0, 0)
         self.pid = os.getpid()
         #: name -> [ns, calls, this iteration's ns, calls, busy ns, calls, poll ns, calls]
@@ -147,7 +148,9 @@ def _timed(fn: Any, prefix: str = "") -> Any:
             if own:
                 _COST.ns += dt
                 _COST.calls += 1
-            else:  # not the package's: its nested calls are not either
+            else:  # not the package's: its nested calls are not either (their
+                # wrappers' calibrated cost is taken off this call's time instead)
+                dt -= int((_COST.nested - n0) * _COST.passthrough_ns)
                 _COST.nested = n0
             if is_hook:
                 _COST.hook_ns += dt
@@ -283,12 +286,13 @@ def _probe_cost_cache(mod: ModuleType) -> None:
 def _probe_cost_upstream_cache(mod: ModuleType) -> None:
     # Upstream's own existence cache, which ours replaces: what the server without
     # the package spends in the same calls (``upstream.`` in the breakdown only).
-    for cls in (mod.PoolExistenceBeliefs, mod.StorageExistenceCache):
-        if not cls.__module__.startswith("sglang."):  # ours, if the plugin replaced it
+    for name in ("PoolExistenceBeliefs", "StorageExistenceCache"):  # 0.5.21: the second only
+        cls = getattr(mod, name, None)
+        if cls is None or not cls.__module__.startswith("sglang."):  # ours, if replaced
             continue
-        for name, value in list(vars(cls).items()):
-            if callable(value) and not name.startswith("__") and not isinstance(value, type):
-                setattr(cls, name, _timed(value, "upstream."))
+        for attr, value in list(vars(cls).items()):
+            if callable(value) and not attr.startswith("__") and not isinstance(value, type):
+                setattr(cls, attr, _timed(value, "upstream."))
 
 
 def _probe_cost_flat(mod: ModuleType) -> None:
@@ -494,7 +498,7 @@ def _cost_writer(out_dir: str) -> None:
         for _ in range(50):
             timed()
         costs.append(_COST.ns - ns1)
-    passthrough_ns = max(0.0, (costs[0] - costs[1]) / (50 * 200))
+    passthrough_ns = _COST.passthrough_ns = max(0.0, (costs[0] - costs[1]) / (50 * 200))
     _COST.ns, _COST.calls, _COST.nested = ns0, calls0, 0
     for fn in (empty, inner, via_wrapper, direct):
         _COST.by_name.pop(getattr(getattr(fn, "__wrapped__", fn), "__qualname__", ""), None)
