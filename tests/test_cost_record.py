@@ -53,7 +53,7 @@ def test_cache_mode_shares_are_the_recorded_ones() -> None:
 
 
 def test_step_hook_is_the_recorded_one() -> None:
-    (own,) = _claim(r"`step_hook.py`: (\d+) ns of our own per call")
+    (own,) = _claim(r"`step_hook.py`: (-?\d+) ns of our own per call")
     assert int(own) == round(RECORD["step_hook"]["own_ns_per_call"])
 
 
