@@ -235,9 +235,10 @@ class ExistenceRuntime:
         self.close()
 
     def group_bound(self) -> None:
-        """The replica group is known now (SGLang's is bound at the first step): a
-        world of one needs no digest, so the digest stops observing the cache
-        instead of folding every operation for a comparison that cannot fail."""
+        """The replica group is known now (SGLang's is bound at the first step; call
+        it after binding, never before): a world of one needs no digest, so the
+        digest stops observing the cache instead of folding every operation for a
+        comparison that cannot fail."""
         if self._group.size == 1:
             self.tee.discard(self.digest)
 

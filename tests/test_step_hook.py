@@ -363,6 +363,28 @@ def test_the_first_step_binds_the_hook_to_the_runtime_s_gate(clean, cache_mode):
     assert (hook.tree, hook.step, hook.pending, hook.reap) == (None, None, None, None)
 
 
+def test_the_first_step_of_a_single_rank_process_stops_the_digest(clean):
+    """SGLang's entry is built with a ``DeferredGroup`` (size unknown, so the digest
+    observes); the first step builds the groups (no torch.distributed here: one
+    rank) and the digest stops observing: a world of one compares nothing."""
+    from hicache_existence.config import Config
+    from hicache_existence.integrations.sglang import hooks
+    from hicache_existence.integrations.sglang.facts import SchedulerFacts
+    from hicache_existence.integrations.sglang.process import PROCESS
+    from hicache_existence.integrations.sglang.topology import DeferredGroup
+    from hicache_existence.runtime import ExistenceRuntime
+
+    config = Config.from_mapping({"enabled": True, "metrics": {"mode": "off"}})
+    group = DeferredGroup(config.divergence.timeout_s)
+    runtime = ExistenceRuntime(config, generation="current", group=group)
+    entry = hooks.ProcessEntry(runtime, SchedulerFacts(), group, None, None)
+    hooks._ENTRIES[PROCESS.pid] = entry
+    assert runtime.digest in runtime.tee.observers
+    hooks.after_check_hicache_events(None, _Tree(entry.cache))
+    assert entry.first_done and runtime.steps == 1
+    assert runtime.digest not in runtime.tee.observers
+
+
 def test_a_failing_reap_is_the_write_path_s_error_not_the_hook_s(clean):
     """In cache mode the reap reports its own failures (a tree whose
     ``ongoing_backup`` cannot be read) to the write path's error counter, which is

@@ -27,7 +27,13 @@ class H(http.server.BaseHTTPRequestHandler):
         self.end_headers()
     def log_message(self, *a):
         pass
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), H)
+except OSError:  # the port is taken: wait, as SGLang loads its model before it binds
+    import time
+    time.sleep(60)
+    raise
+server.serve_forever()
 """
 
 

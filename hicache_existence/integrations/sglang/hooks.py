@@ -115,6 +115,13 @@ class ProcessEntry:
 
     def first_step(self, tree_cache: Any) -> None:
         """Bind the tree cache and build the replica groups (once, every rank)."""
+        try:
+            self._first_step(tree_cache)
+        finally:  # bound or not, the group's size is final now (unbound: one rank)
+            if self.group is not None:
+                self.runtime.group_bound()
+
+    def _first_step(self, tree_cache: Any) -> None:
         if self.truth is not None:
             self.truth.bind(tree_cache)
         if self.group is None and self.agreement is None:
@@ -133,7 +140,6 @@ class ProcessEntry:
         self.members = groups.members
         if self.group is not None:
             self.group.bind(groups.divergence)
-            self.runtime.group_bound()
         if self.agreement is not None:
             self.agreement.bind(groups.agreement)
 
