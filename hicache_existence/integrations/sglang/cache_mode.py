@@ -222,28 +222,25 @@ class CacheModeWrites:
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:
         """The operation carrying ``plan``'s pages was queued for the backup thread."""
-        keep, pages = plan.keep, plan.pages
-        written = pages if len(keep) == len(pages) else [pages[i] for i in keep]
-        self._count(KV, written, len(pages) - len(keep))
+        written = plan.written_pages
+        self._count(KV, written, plan.skipped)
         if self.recorder is not None:
             self.recorder.written(KV, written)
         extra = plan.extra if plan.extra_written else {}
-        if plan.extra:
-            for pool, keys in plan.extra.items():
-                self._count(
-                    pool, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
-                )
+        for pool, keys in plan.extra.items():
+            self._count(
+                pool, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
+            )
         if written:
             self.cache.pool(KV).track_inflight(written)
-        if extra:
-            for pool, keys in extra.items():
-                self.cache.pool(pool).track_inflight(keys)
+        for pool, keys in extra.items():
+            self.cache.pool(pool).track_inflight(keys)
         self.causes.launched(node, written)
         self._pending[int(operation_id)] = _Launch(
             node,
             written,
             # believed is a subset of the node's pages: whole, it is the write's
-            plan.believed if written is pages else plan.believed & set(written),
+            plan.believed if written is plan.pages else plan.believed & set(written),
             extra,
             {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()}
             if extra
