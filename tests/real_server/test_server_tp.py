@@ -141,7 +141,8 @@ def test_tp2_divergence_checks_run_between_real_ranks_and_report_an_injected_one
     tp: TPServer,
 ) -> None:
     """TP=2: both ranks run divergence checks with no divergence while serving;
-    one made-up belief injected in rank 1 is reported at the next check."""
+    one belief of rank 1 replaced by a made-up one (the same pool size on both
+    ranks) is reported at the next check."""
     srv = tp.server
 
     def per_rank(name: str) -> dict[int, float]:
@@ -165,3 +166,6 @@ def test_tp2_divergence_checks_run_between_real_ranks_and_report_an_injected_one
         time.sleep(0.5)
     injected = srv.probes("diverge")
     assert [p["tp_rank"] for p in injected] == [1]
+    # A page replaced, not added: the pools' sizes agree, so the digests found it.
+    (probe,) = injected
+    assert len(probe["replaced"]) == 1 and probe["sizes"][0] == probe["sizes"][1] > 0, probe

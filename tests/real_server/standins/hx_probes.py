@@ -10,8 +10,9 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
 
 ``diverge`` (only with ``HX_PROBE_DIVERGE_FILE`` set)
     Before each per-step hook call: once that file exists and holds this process's
-    TP rank, add one made-up page hash to this rank's ``kv`` beliefs, once: a
-    replica divergence injected in one rank, for the next check to report.
+    TP rank, replace the oldest of this rank's ``kv`` beliefs by a made-up page hash,
+    once: a replica divergence of the same size injected in one rank, which only the
+    digests can find, for the next check to report.
 
 ``cost`` (only with ``HX_PROBE_COST_DIR`` set; for ``benchmarks/real_server_cost.py``)
     In each scheduler process: the CPU time of the scheduler thread (its
@@ -561,8 +562,20 @@ def _probe_diverge(mod: ModuleType) -> None:
             with open(trigger) as f:
                 wanted = f.read().strip()
             if entry is not None and str(rank) == wanted:
-                entry.cache.pool("kv").add(["f" * 64])
-                emit("diverge", tp_rank=rank, page="f" * 64)
+                # Replace this rank's oldest belief by a made-up page: the pool keeps
+                # its size, so only the digests can tell the replicas apart.
+                pool = entry.cache.pool("kv")
+                before = len(pool)
+                oldest = pool.lru_keys()[:1]
+                pool.invalidate_beyond(oldest, 0)
+                pool.add(["f" * 64])
+                emit(
+                    "diverge",
+                    tp_rank=rank,
+                    page="f" * 64,
+                    replaced=oldest,
+                    sizes=[before, len(pool)],
+                )
             done.append(True)
         return step(result, *args, **kwargs)
 
