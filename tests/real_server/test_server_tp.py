@@ -75,6 +75,10 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPServer]:
             "HICACHE_EXISTENCE_METRICS__PORT": str(port),
             "HICACHE_EXISTENCE_DIVERGENCE__ENABLED": "1",
             "HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS": "200",
+            # No exact audits (the default folds one every 100 checks, which an idle
+            # server reaches in seconds): the injected divergence must be found by
+            # the operation digests alone. Audits: test_divergence_inprocess/gloo.
+            "HICACHE_EXISTENCE_DIVERGENCE__AUDIT_EVERY_CHECKS": "0",
             "HX_PROBE_DIVERGE_FILE": str(trigger),
         },
     )
