@@ -1,10 +1,9 @@
 """Argument checks shared by both cache generations.
 
-Every public mutator validates *all* of its input before it touches the cache, so
-bad input raises with a message naming the argument and leaves state, LRU order
-and counters exactly as they were.  The checks are written to run in C where the
-hot path needs it: ``"".join`` type-checks a whole batch of page hashes at about
-3.5 ns a page, far cheaper than a per-item ``isinstance`` in Python.
+Every public mutator validates *all* its input before touching the cache, so bad
+input raises naming the argument and leaves state, LRU order and counters as they
+were.  Hot-path checks run in C: ``"".join`` type-checks a batch of page hashes at
+about 3.5 ns a page, far cheaper than a per-item ``isinstance``.
 """
 
 from __future__ import annotations
@@ -16,13 +15,8 @@ _SEQ_TYPES = (list, tuple)
 
 
 def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
-    """Return ``hashes`` as a list or tuple of ``str``, or raise ``TypeError``.
-
-    Lists and tuples pass through without a copy; any other iterable (generator,
-    one-shot iterator, set, ``dict`` keys ...) is materialised once, so callers may
-    walk the result twice.  A bare ``str``/``bytes`` is refused: it is an iterable
-    of characters and almost certainly a caller bug.
-    """
+    """``hashes`` as a list or tuple (others materialised once: callers may walk it twice)
+    of ``str``, else ``TypeError``; a bare ``str``/``bytes`` (characters) is refused."""
     if type(hashes) in _SEQ_TYPES:
         seq: Sequence[str] = hashes  # type: ignore[assignment]
     elif isinstance(hashes, (str, bytes, bytearray)):
@@ -44,8 +38,7 @@ def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
 
 
 def str_items(seq: Sequence[str], arg: str = "hashes") -> None:
-    """Raise ``TypeError`` naming ``arg[index]`` unless every item is a ``str``
-    (one C pass, ``"".join``; the index is found only on failure)."""
+    """``TypeError`` naming ``arg[index]`` unless all items are ``str`` (one C pass)."""
     try:
         "".join(seq)
     except TypeError:
@@ -58,8 +51,7 @@ def str_items(seq: Sequence[str], arg: str = "hashes") -> None:
 
 
 def index_tag(tag: object) -> int:
-    """A pool tag of ``LruIndex``/``Sampler`` as a plain int (``True`` or an
-    ``IntEnum`` become their value), as the compiled types check it."""
+    """A pool tag as a plain int (``True``/``IntEnum`` -> value), as the C types check it."""
     if not isinstance(tag, int):
         raise TypeError(f"tag must be an int, got {type(tag).__name__}")
     if not 0 <= tag < 2**32:
@@ -68,8 +60,7 @@ def index_tag(tag: object) -> int:
 
 
 def index_batch(seq: Sequence[str], tag: object) -> int:
-    """The compiled index's and sampler's up-front checks, in their order: the
-    container (list or tuple), the tag, every item a ``str``.  Returns the tag."""
+    """The C index's and sampler's checks, in order (container, tag, items); the tag."""
     if not isinstance(seq, _SEQ_TYPES):
         raise TypeError(f"hashes must be a list or tuple of str, got {type(seq).__name__}")
     plain = index_tag(tag)
@@ -78,8 +69,7 @@ def index_batch(seq: Sequence[str], tag: object) -> int:
 
 
 def page_sequence(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
-    """``hashes`` as a list or tuple, items unchecked: for calls whose items an
-    ``LruIndex`` checks itself (before changing anything, in one C pass)."""
+    """``hashes`` as a list or tuple, items unchecked (an ``LruIndex`` checks them, in C)."""
     if type(hashes) in _SEQ_TYPES:
         return hashes  # type: ignore[return-value]
     if isinstance(hashes, (str, bytes, bytearray)):
@@ -95,7 +85,6 @@ def page_sequence(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
 
 
 def page_hash(value: object, arg: str = "page_hash") -> str:
-    """Return ``value`` if it is a ``str``, else raise ``TypeError``."""
     if not isinstance(value, str):
         raise TypeError(f"{arg} must be a str page hash, got {type(value).__name__}")
     return value
@@ -107,14 +96,12 @@ def pool_name(name: object, arg: str = "pool") -> str:
         raise TypeError(f"{arg} must be a str pool name, got {type(name).__name__}")
     if not name:
         raise ValueError(f"{arg} must be a non-empty pool name")
-    # ``str.__str__`` yields the exact-str value of a str-enum member
-    # (``PoolName.KV`` -> ``"kv"``); ``str(member)`` would give ``"PoolName.KV"``.
+    # str.__str__ gives a str-enum member's value ("kv"); str() gives "PoolName.KV".
     return str.__str__(name)
 
 
 def is_int(value: object) -> bool:
-    """An ``int`` that is not a ``bool`` (``True`` is an int to Python, never a
-    count or a setting's number here)."""
+    """An ``int`` but not a ``bool`` (never a count or a setting's number here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -124,8 +111,7 @@ def is_number(value: object) -> bool:
 
 
 def number(value: object, arg: str) -> float:
-    """Return ``value`` as a ``float``, or raise ``TypeError`` naming ``arg``
-    (bools refused); the caller checks its own range."""
+    """``value`` as a ``float`` (bools refused: ``TypeError``); the caller checks range."""
     if not is_number(value):
         raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
     return float(value)  # type: ignore[arg-type]
@@ -147,7 +133,6 @@ def count(value: object, arg: str, minimum: int = 0) -> int:
 
 
 def container(value: object, arg: str) -> None:
-    """Raise ``TypeError`` unless ``value`` supports ``in``."""
     if not hasattr(type(value), "__contains__"):
         raise TypeError(
             f"{arg} must be a container of page hashes (support 'in'), got {type(value).__name__}"

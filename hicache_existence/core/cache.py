@@ -1,17 +1,14 @@
 """The current API generation (sglang 0.5.23): one LRU of believed page hashes per pool.
 
-A drop-in for ``sglang.srt.mem_cache.buffer_mode.storage_existence_cache``:
-same classes, same methods, same results and LRU order for every operation
-sequence, plus always-on accounting.  It is faster than upstream because the
-beliefs live in an ``LruIndex`` (``hicache_existence.core.lru``): a whole chain is
-walked, inserted or evicted in one C call instead of a Python ``for`` loop over
-``OrderedDict`` methods, and the index is half the size of an ``OrderedDict``.
+A drop-in for ``sglang.srt.mem_cache.buffer_mode.storage_existence_cache`` (same
+classes, methods, results and LRU order) with accounting, faster and smaller: beliefs
+live in an ``LruIndex`` (``core.lru``, half an ``OrderedDict``'s size), so a chain is
+walked, inserted or evicted in one C call, not a Python loop over ``OrderedDict`` methods.
 
-Beliefs are advisory: a hit skips a redundant D2H copy and L3 write, a stale
-positive at worst skips write-backs until a prefetch shortfall heals it, a miss
-costs one idempotent write.  Every mutation must happen on the scheduler thread
-at lockstep points so TP replicas stay identical; reading ``stats()`` from another
-thread is safe.
+Beliefs are advisory: a hit skips a redundant D2H copy and L3 write, a stale positive
+at worst skips write-backs until a prefetch shortfall heals it, a miss costs one
+idempotent write.  Mutate only on the scheduler thread at lockstep points (TP
+replicas stay identical); ``stats()`` is safe from any thread.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ MissMemoryFactory = Callable[[str], "MissMemory | None"]
 
 
 class PoolBeliefs(CountingPool):
-    """One pool's LRU of page hashes believed stored in L3, plus its refcounted
-    in-flight content (D2H launch to storage ack), with accounting (lookups are
-    counted by ``CountingPool``, as in the seed generation)."""
+    """One pool's LRU of page hashes believed in L3 and its refcounted in-flight pages
+    (D2H launch to storage ack); ``CountingPool`` counts lookups, as for the seed."""
 
     __slots__ = ("_max_entries", "_inflight")
 
@@ -54,13 +50,10 @@ class PoolBeliefs(CountingPool):
     ) -> None:
         name = _validate.pool_name(name, "name")
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
-        # Attribute names match upstream's (``_entries``, ``_inflight``), for code
-        # that peeks at them (the index supports len(), ``in`` and iteration in
-        # LRU order).  The pool has its own index: tag 0.
+        # Upstream's attribute names (_entries, _inflight) for code that peeks; own index: tag 0.
         super().__init__(name, lru.LruIndex(), 0, miss_memory, observer, advisor)
         self._inflight: dict[str, int] = {}
 
-    # -- configuration -------------------------------------------------------
     @property
     def max_entries(self) -> int:
         """The cap; lowering it takes effect at the next ``add``, as upstream."""
@@ -70,7 +63,6 @@ class PoolBeliefs(CountingPool):
     def max_entries(self, value: int) -> None:
         self._max_entries = _validate.count(value, "max_entries", 1)
 
-    # -- mutations -----------------------------------------------------------
     def add(self, hashes: Iterable[str]) -> None:
         """Insert or refresh every page in order, then evict oldest-first to the cap."""
         seq = _validate.page_sequence(hashes)
@@ -89,7 +81,7 @@ class PoolBeliefs(CountingPool):
             self._observer.added(self.name, seq)
 
     def _evict(self, excess: int) -> None:
-        """The one eviction path: pop the ``excess`` least recently used entries."""
+        """The one eviction path: the ``excess`` least recently used entries."""
         if self._memory is None:
             self._entries.evict(excess)
         else:
@@ -97,8 +89,7 @@ class PoolBeliefs(CountingPool):
         self._counters.evictions += excess
 
     def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
-        """Drop the beliefs beyond the leading ``keep_pages`` of ``hashes``
-        (absent pages are skipped); the next insert re-writes that span."""
+        """Drop beliefs beyond the leading ``keep_pages`` of ``hashes`` (absent ones skipped)."""
         keep = _validate.count(keep_pages, "keep_pages")
         seq = _validate.page_hashes(hashes)
         gone = self._entries.discard(seq[keep:])
@@ -161,24 +152,19 @@ class PoolBeliefs(CountingPool):
         if self._observer is not None:
             self._observer.cleared(self.name, True)
 
-    # -- queries (``contains`` is CountingPool's) ----------------------------
     def believed(self, hashes: Iterable[str]) -> list[str]:
-        """The pages of ``hashes`` believed stored, neither touched nor counted:
-        a read for accounting (was a written page believed when it launched?)."""
+        """Believed pages of ``hashes``, untouched, uncounted: was a write's page believed?"""
         entries = self._entries
         return [h for h in hashes if h in entries]
 
     def contains_all(self, hashes: Iterable[str]) -> bool:
-        """Whether every page is believed stored.  Stops at the first page that is
-        not; the pages before it are LRU-touched."""
+        """Every page believed stored?  Stops at the first that is not, touching those before."""
         return self._walk(_validate.page_sequence(hashes), None)
 
     def covered(self, hashes: Iterable[str]) -> bool:
-        """Whether every page is believed stored or in flight.  Believed pages are
-        LRU-touched; in-flight-only pages count as rescues."""
+        """Every page believed or in flight?  Touches believed ones; in-flight-only: rescues."""
         return self._walk(_validate.page_sequence(hashes), self._inflight)
 
-    # -- introspection -------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -212,14 +198,9 @@ PoolExistenceBeliefs = PoolBeliefs
 
 
 class StorageExistenceCache:
-    """The beliefs of every storage pool, each created on first use.
-
-    ``miss_memory`` is a factory ``pool name -> MissMemory`` (or ``None``) used for
-    each new pool; ``observer`` sees every operation of every pool; ``advisor``
-    (the capacity advisor) gives each new pool a sampler its index feeds.  All
-    are off by default, and constructing with no arguments is exactly upstream's
-    call.
-    """
+    """Every storage pool's beliefs, each pool created on first use.  All off by default (no
+    arguments is upstream's call): ``miss_memory`` (``pool name -> MissMemory | None``, per
+    new pool), ``observer`` (every pool's operations), ``advisor`` (new pools' samplers)."""
 
     #: Each pool has its own LRU and cap (``core.protocol``).
     shared_lru = False
@@ -305,9 +286,8 @@ class StorageExistenceCache:
         return f"StorageExistenceCache(max_entries={self._max_entries}, pools={list(self._pools)})"
 
     def stats(self) -> CacheStats:
-        """An immutable snapshot of every pool, O(pools); safe from another thread:
-        the pool dict is copied in one C call before it is walked (listing its items
-        can let a collection, then the scheduler thread, in between two pools)."""
+        """Immutable snapshot of every pool, O(pools), safe from any thread: the dict is
+        copied in one C call (walking it could let GC, then the scheduler, in between)."""
         return make_cache_stats(
             {name: beliefs.stats() for name, beliefs in self._pools.copy().items()}
         )

@@ -1,16 +1,11 @@
 """The counting walk: one pool's lookups and their accounting, for both generations.
 
-Both cache generations keep a pool's beliefs in an ``LruIndex`` under a tag
-(the current generation: its own index, tag 0; the seed generation: one shared
-index, a tag per pool), and both count a lookup the same way: queries and their
-answers, pages checked, hits, rescues, the one miss that stops a walk and, with
-miss-reason memory, the reason of that miss (classified in batches by
-``settle``).  ``CountingPool`` is that accounting, written once: the current
-generation's ``PoolBeliefs`` is one, and the seed generation's per-pool record
-is one too, so a lookup counter is incremented in one place for both.
-
-The subclasses do their mutations (add, evict, invalidate, clear) and check
-their chains' arguments before ``_walk``; ``contains`` checks its own.
+Both keep a pool's beliefs in an ``LruIndex`` under a tag (current: own index, tag 0;
+seed: one shared index, a tag per pool) and count a lookup alike: queries, answers,
+pages checked, hits, rescues, the one miss that stops a walk and, with miss-reason
+memory, its reason (batched, ``settle``).  ``CountingPool``, subclassed by both, bumps
+each lookup counter in one place; subclasses do mutations and check chain arguments
+before ``_walk`` (``contains`` checks its own).
 """
 
 from __future__ import annotations
@@ -55,14 +50,12 @@ class CountingPool:
         self._memory = memory
         self._missed: list[str] = []
         self._observer = observer
-        # The advisor's sampler is fed by the index itself; the walk reports
-        # only what the index cannot see end (misses, rescues, single lookups).
+        # The index feeds the sampler; the walk reports what it can't (misses, rescues, contains).
         self._sampler: SamplerType | None = None
         if advisor is not None:
             self._sampler = advisor.sampler(name, lru.sampler_class(entries))
             entries.attach(tag, self._sampler)
 
-    # -- lookups -----------------------------------------------------------------------
     def contains(self, page_hash: str) -> bool:
         """Whether one page is believed stored; a hit is LRU-touched."""
         _validate.page_hash(page_hash)
@@ -84,9 +77,8 @@ class CountingPool:
         return stop == 1
 
     def _walk(self, seq: Sequence[str], cover: Container[str] | None) -> bool:
-        """A chain walk (``seq`` checked by the caller, its pages by the index):
-        every page believed stored, or (with ``cover``) in ``cover``?  The
-        believed prefix is touched in one C call; the rest only on a miss."""
+        """A chain walk (``seq`` checked by the caller, its pages by the index): every page
+        believed (or in ``cover``)?  The believed prefix is touched in one C call."""
         n = len(seq)
         pos = self._entries.touch_prefix(seq, self.tag)  # validates seq before any change
         c = self._counters
@@ -101,10 +93,8 @@ class CountingPool:
         return True
 
     def _walk_rest(self, seq: Sequence[str], pos: int, cover: Container[str] | None) -> bool:
-        """Finish a walk from ``seq[pos]``, the first page not believed; the pages
-        before it were hits.  Taken only when a query misses or meets covered
-        (in-flight) content; the index walks the rest (``cover_rest``: in C for the
-        compiled one, instead of a Python loop of ``touch`` calls and ``in`` tests)."""
+        """Finish a walk from ``seq[pos]`` (first page not believed) on a miss or covered
+        content: the index's ``cover_rest`` walks it (C when compiled, not a Python loop)."""
         c = self._counters
         hits = pos
         rescues = 0
@@ -137,18 +127,13 @@ class CountingPool:
     def _count_miss(self, page_hash: str) -> None:
         self._counters.page_misses += 1
         if self._memory is not None:
-            # Classified in a batch later (``settle``): a list append is all a
-            # miss pays for its reason.
+            # Classified later in a batch (``settle``): a miss pays one append.
             self._missed.append(page_hash)
 
-    # -- miss reasons ------------------------------------------------------------------
     def settle(self) -> None:
-        """Classify the misses recorded since the last call (miss reasons).
-
-        Runs automatically before the miss memory changes, so every miss gets
-        the reason it had when it happened; the per-step hook calls it so that
-        exported reasons lag by at most one step.  Scheduler thread only.
-        """
+        """Classify the misses recorded since the last call.  Runs before the miss memory
+        changes (each miss gets the reason it had) and from the per-step hook (exported
+        reasons lag at most one step).  Scheduler thread only."""
         missed = self._missed
         if not missed or self._memory is None:
             return
@@ -158,8 +143,7 @@ class CountingPool:
             counts[reason] += n
 
     def _remember(self, keys: list[str], reason: int) -> None:
-        """Record ``keys`` leaving the beliefs for ``reason`` (``EVICTED``, ...),
-        after classifying the misses pending from before they left."""
+        """Record ``keys`` leaving for ``reason``, after classifying misses pending before."""
         memory = self._memory
         if memory is not None:
             if self._missed:

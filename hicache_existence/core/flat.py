@@ -1,19 +1,13 @@
 """The seed API generation: one LRU over ``(pool, page_hash)`` with a shared cap.
 
-Behaves exactly like the seed's ``StorageExistenceCache`` (global LRU order across
-pools, one cap for all of them) with accounting, at a fraction of its per-page
-cost.  The trick is the key: one ``LruIndex`` (``hicache_existence.core.lru``) holds
-the single global LRU order, and a page's pool is a small integer *tag* stored
-beside its hash, never a ``(pool, hash)`` tuple built and hashed per page (which
-is half the seed's lookup cost and 67 bytes an entry).  The primary pool (``kv``
-by default, where almost all traffic goes) has tag 0.
-
-The seed API takes the pool as an argument; ``pool(name)`` also offers each pool
-as a view with the current generation's per-pool protocol
-(``hicache_existence.core.protocol.PoolView``), which is what the rest of the
-package uses.  A view's mutations and chain lookups are the cache's own public
-calls, so they behave (and are observed by the write hooks) exactly as upstream's
-callers' are.
+Behaves exactly like the seed's ``StorageExistenceCache`` (global LRU order, one cap
+for all pools) with accounting, at a fraction of its per-page cost: one ``LruIndex``
+holds the global order, and a page's pool is a small int *tag* beside its hash, never
+a ``(pool, hash)`` tuple built and hashed per page (half the seed's lookup cost, 67
+bytes an entry).  The primary pool (``kv`` by default, almost all traffic) has tag 0.
+``pool(name)`` offers each pool as a ``core.protocol.PoolView``, whose mutations and
+chain lookups are the cache's own public calls, so they behave (and are observed by
+the write hooks) exactly as upstream's callers' are.
 """
 
 from __future__ import annotations
@@ -37,10 +31,8 @@ _EMPTY: frozenset[str] = frozenset()
 
 
 class FlatPoolBeliefs(CountingPool):
-    """One pool of the flat cache, as a view with the current generation's
-    per-pool protocol: its counted lookups over the shared index under its tag
-    (``CountingPool``), its entry count, and in-flight refs the seed keeps
-    nowhere.  Its mutations and chain lookups are the cache's public calls."""
+    """One pool of the flat cache as a ``PoolView``: lookups over the shared index under its
+    tag, its entry count, in-flight refs; mutations and chain lookups call the cache."""
 
     __slots__ = ("size", "_cache", "_inflight", "_cover")
 
@@ -55,10 +47,8 @@ class FlatPoolBeliefs(CountingPool):
         #: Entries of this pool in the shared index.
         self.size = 0
         self._cache = cache
-        # In-flight refs of our own writes (cache mode; uncounted, as the seed
-        # keeps no in-flight accounting), and the ``extra_cover`` of the latest
-        # ``covers_all`` (buffer mode: the seed's pipeline passes its live
-        # ``inflight_backup_hashes``, the pages between D2H launch and storage ack).
+        # Own writes' in-flight refs (cache mode; uncounted: the seed counts none), and the
+        # last covers_all's extra_cover (buffer mode: the seed's live inflight_backup_hashes).
         self._inflight: dict[str, int] = {}
         self._cover: Container[str] = _EMPTY
 
@@ -112,8 +102,7 @@ class FlatPoolBeliefs(CountingPool):
         return [h for h in hashes if contains(h, tag)]
 
     def inflight_pages(self) -> Container[str]:
-        """Our own in-flight refs and the pages upstream's last ``covers_all``
-        covered as in flight."""
+        """Our own in-flight refs and what upstream's last ``covers_all`` covered as such."""
         own, cover = self._inflight, self._cover
         if not own:
             return cover
@@ -182,8 +171,7 @@ class FlatStorageExistenceCache:
         self._max_entries = _validate.count(value, "max_entries", 1)
 
     def _resolve(self, pool: str) -> FlatPoolBeliefs | str:
-        """The record of a known ``pool``, else its validated name (raises on a bad
-        one).  Known pools skip validation: the hot path pays one dict lookup."""
+        """A known ``pool``'s record (the hot path: one dict lookup), else its checked name."""
         try:
             rec = self._pools.get(pool)
         except TypeError:
@@ -193,10 +181,8 @@ class FlatStorageExistenceCache:
     def _pool(
         self, resolved: FlatPoolBeliefs | str, pages: Sequence[str] | None = None
     ) -> FlatPoolBeliefs:
-        """The record for ``_resolve``'s answer, created only now, after the caller
-        validated everything else, so a call that fails validation leaves no trace.
-        ``pages`` are a batch the index checks only later, when it runs: a new pool
-        checks them here first."""
+        """``_resolve``'s record, created only after the caller validated all (a failed call
+        leaves no trace); a new pool first checks ``pages``, which the index checks later."""
         if isinstance(resolved, FlatPoolBeliefs):
             return resolved
         if pages is not None:
@@ -210,10 +196,8 @@ class FlatStorageExistenceCache:
             self._any_memory = self._any_memory or memory is not None
         return rec
 
-    # -- mutations -----------------------------------------------------------
     def add(self, pool: str, hashes: Iterable[str]) -> None:
-        """Insert or refresh every page of ``pool`` in order, then evict the
-        globally least recently used entries down to the shared cap."""
+        """Insert or refresh ``pool``'s pages in order, then evict globally LRU to the cap."""
         resolved = self._resolve(pool)
         seq = _validate.page_sequence(hashes)
         entries = self._entries
@@ -278,7 +262,6 @@ class FlatStorageExistenceCache:
             if self._observer is not None:
                 self._observer.cleared(rec.name, False)
 
-    # -- queries -------------------------------------------------------------
     def contains(self, pool: str, page_hash: str) -> bool:
         """Whether one page of ``pool`` is believed stored; a hit is LRU-touched."""
         rec = self._resolve(pool)
@@ -288,14 +271,12 @@ class FlatStorageExistenceCache:
         return rec.contains(page_hash)  # checks the page before any change
 
     def believed(self, pool: str, hashes: Iterable[str]) -> list[str]:
-        """The pages of ``pool`` in ``hashes`` believed stored, neither touched nor
-        counted: a read for accounting (was a written page believed at launch?)."""
+        """Believed pages of ``hashes`` in ``pool``, untouched, uncounted (accounting)."""
         rec = self._pools.get(pool)
         return [] if rec is None else rec.believed(hashes)
 
     def contains_all(self, pool: str, hashes: Iterable[str]) -> bool:
-        """Whether every page is believed stored; stops at the first that is not,
-        having LRU-touched the pages before it."""
+        """Every page believed stored?  Stops at the first that is not, touching those before."""
         resolved = self._resolve(pool)
         seq = _validate.page_sequence(hashes)
         return self._pool(resolved, seq)._walk(seq, None)
@@ -306,9 +287,8 @@ class FlatStorageExistenceCache:
         hashes: Iterable[str],
         extra_cover: Container[str] = _EMPTY,
     ) -> bool:
-        """Whether every page is believed stored or in ``extra_cover`` (e.g. its
-        D2H was launched and the storage ack is certain).  Believed pages are
-        LRU-touched; pages covered only by ``extra_cover`` are rescues."""
+        """Every page believed or in ``extra_cover`` (e.g. D2H launched, storage ack certain)?
+        Believed pages are touched; those only in ``extra_cover`` are rescues."""
         resolved = self._resolve(pool)
         _validate.container(extra_cover, "extra_cover")
         seq = _validate.page_sequence(hashes)
@@ -321,7 +301,6 @@ class FlatStorageExistenceCache:
         for rec in list(self._pools.values()):
             rec.settle()
 
-    # -- introspection -------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -332,8 +311,7 @@ class FlatStorageExistenceCache:
         )
 
     def pool(self, name: str) -> FlatPoolBeliefs:
-        """Pool ``name`` as a per-pool view (``core.protocol.PoolView``), created
-        on first use (as the seed's calls create it)."""
+        """Pool ``name`` as a ``PoolView``, created on first use (as the seed's calls do)."""
         return self._pool(self._resolve(name))
 
     def pools(self) -> tuple[FlatPoolBeliefs, ...]:
@@ -354,9 +332,8 @@ class FlatStorageExistenceCache:
         return tuple(self.lru_items())
 
     def stats(self) -> CacheStats:
-        """An immutable snapshot of every pool, O(pools); safe from another thread:
-        the pool dict is copied in one C call before it is walked (listing its items
-        can let a collection, then the scheduler thread, in between two pools)."""
+        """Immutable snapshot of every pool, O(pools), safe from any thread: the dict is
+        copied in one C call (walking it could let GC, then the scheduler, in between)."""
         return make_cache_stats(
             {name: rec.stats() for name, rec in self._pools.copy().items()},
             shared_capacity=True,

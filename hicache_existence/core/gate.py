@@ -1,43 +1,33 @@
 """The runtime's per-step test, compiled when possible.
 
-SGLang calls the package once per scheduler event-loop iteration, idle polling
-included (thousands per second).  An iteration with nothing due must cost one
-cheap test (issue 31): ``StepGate`` is that test.  Calling it counts a step, reads
-the clock and compares; only when something is due does it call ``due(steps, now,
-flush)``, the runtime's Python (``ExistenceRuntime._step_due``), which then sets the
-gate's ``wake`` and ``flush_at`` for the next one.
-
-The gate opens when
-
-* ``steps >= wake``: step-counted work is due (a divergence check, a reconciler
-  agreement).  Counted in steps, so it is the same on every TP rank and the
-  lockstep points stay where they are; or
-* ``now >= flush_at`` (a metrics flush, rank-local, by time), unless the iteration
-  before this step ran a batch (``busy_s < gap < defer_s``, ``gap`` the time since
-  the previous step) and the flush may still wait (``now < flush_at + defer_s``):
-  a flush then spends the scheduler's idle time, not a batch's.  ``flush`` tells
-  ``due`` whether this second condition held, so the decision is made once.
+SGLang calls the package every scheduler event-loop iteration, idle polling included
+(thousands per second); one with nothing due must cost one cheap test (issue 31).
+``StepGate`` counts a step, reads the clock and compares; only when something is due
+does it call ``due(steps, now, flush)`` (``ExistenceRuntime._step_due``), which sets
+``wake`` and ``flush_at`` for the next.  It opens when ``steps >= wake`` (step-counted
+work: a divergence check, a reconciler agreement; counted in steps, so the same on
+every TP rank and lockstep points stay put) or ``now >= flush_at`` (a rank-local
+metrics flush), unless the previous iteration ran a batch (``busy_s < gap < defer_s``,
+``gap`` since the previous step) and the flush may wait (``now < flush_at + defer_s``):
+a flush spends idle time, not a batch's.  ``flush`` tells ``due`` whether this held.
 
 ``StepHook`` is what SGLang calls (the integration's ``after_check_hicache_events``,
-``hook(result, tree_cache)``), bound to one tree: a call for that tree runs
-``reap(tree)`` when the write path's ``pending`` operations are not empty (cache
-mode; ``reap`` decides whether one was acknowledged), then ``step()`` (the gate);
-every other call (the first, a foreign tree, an unbound hook) goes to ``fallback``
-with the arguments as given.  So an idle step is one identity test, one size test
-and the gate's test: one C call and no Python frame of ours, in both host memory
-modes.  ``step``'s exceptions reach the caller (a ``DivergenceError`` under the
-``abort`` policy is meant for the scheduler); an ``Exception`` from ``reap`` (or
-from sizing ``pending``) never does: the hook is the boundary with the scheduler,
-so it drops it and counts it in ``reap_errors``, whatever ``reap`` itself catches
-and reports (the integration's reports to the write path's error counter first).
+``hook(result, tree_cache)``), bound to one tree: a call for it runs ``reap(tree)`` if
+the write path's ``pending`` is not empty (cache mode; ``reap`` decides whether an
+operation was acknowledged), then ``step()`` (the gate); other calls (the first, a
+foreign tree, an unbound hook) go to ``fallback`` as given.  An idle step is one
+identity test, one size test and the gate's: one C call, no Python frame of ours, in
+both host memory modes.  ``step``'s exceptions reach the caller (``abort``'s
+``DivergenceError`` is meant for the scheduler); an ``Exception`` from ``reap`` (or
+sizing ``pending``) never does: the hook, the scheduler's boundary, drops it and
+counts it in ``reap_errors``, whatever ``reap`` catches and reports itself (the
+integration's reports to the write path's error counter first).
 
-Two implementations of each, one behaviour: ``hicache_existence.core._lru.StepGate``
-and ``StepHook`` (C, in the index's extension; no Python frame for a step with
-nothing due, ``time.monotonic``'s clock read in C when ``clock`` is
-``time.monotonic``, and a ``StepGate`` as ``step`` called without dispatch) and
-``PyStepGate`` and ``PyStepHook`` (below), the fallbacks and the references the
-compiled ones are tested against.  ``HICACHE_EXISTENCE_BACKEND`` picks one, as for
-the index.
+C ``core._lru.StepGate``/``StepHook`` (``time.monotonic`` read in C when it is
+``clock``; a ``StepGate`` as ``step`` is called without dispatch) and
+``PyStepGate``/``PyStepHook`` (below: the fallbacks, and the references the compiled
+ones are tested against) behave alike; ``HICACHE_EXISTENCE_BACKEND`` picks one, as
+for the index.
 """
 
 from __future__ import annotations
@@ -49,8 +39,7 @@ from typing import Any, Protocol
 
 from hicache_existence.core import lru
 
-#: ``due(steps, now, flush)``: the work of a step the gate let through; ``flush``:
-#: the metrics flush is due now.
+#: ``due(steps, now, flush)``: a let-through step's work (``flush``: metrics flush due).
 Due = Callable[[int, float, bool], Any]
 
 
@@ -113,9 +102,8 @@ class StepHookType(Protocol):
 
 
 class PyStepHook:
-    """Pure-Python ``StepHook``: the same rule, attribute by attribute (``None``
-    unsets one; the instance ``__dict__`` takes the name and docstring of the hook
-    it stands for)."""
+    """Pure-Python ``StepHook``, attribute by attribute (``None`` unsets one; ``__dict__``
+    takes the name and docstring of the hook it stands for)."""
 
     __slots__ = ("_fallback", "tree", "step", "pending", "reap", "reap_errors", "__dict__")
 
@@ -164,8 +152,7 @@ _C_GATE = c_gate() if lru.BACKEND == "c" else None
 
 
 def step_gate(due: Due, clock: Callable[[], float], busy_s: float, defer_s: float) -> StepGateType:
-    """The gate of the selected backend; ``time.monotonic`` as ``clock`` is read in
-    C by the compiled one (the same values)."""
+    """The selected backend's gate; compiled, it reads ``time.monotonic`` in C (same values)."""
     if _C_GATE is not None:
         return _C_GATE(due, None if clock is time.monotonic else clock, busy_s, defer_s)
     return PyStepGate(due, clock, busy_s, defer_s)

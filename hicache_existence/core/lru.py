@@ -1,25 +1,15 @@
 """The LRU index behind both cache generations, compiled when possible.
 
-Both caches keep their beliefs in an ``LruIndex``: an LRU-ordered set of
-``(tag, page_hash)`` keys, where the tag is a small int naming the pool (the
-seed generation shares one index among pools; the current generation gives each
-pool its own and uses tag 0).  The caches do their accounting around it; the
-index only stores, orders and evicts.
-
-Two implementations with one interface:
-
-* ``hicache_existence.core._lru.LruIndex`` (C, built at install time when a compiler
-  is present): one 8-byte table slot and one 24-byte node per entry, a touch is
-  one probe and one relink.  It is what makes the caches beat the seed's and
-  upstream's ``OrderedDict`` by the factors in ``docs/design.md``.
-* ``PyLruIndex`` (below): the same operations on an ``OrderedDict``, keys ``str``
-  for tag 0 and ``(tag, str)`` otherwise, per-page work inside C iterators.  It is
-  the fallback where the extension is not built, and the reference the
-  extension is tested against.
-
-``HICACHE_EXISTENCE_BACKEND`` (read once, at import) picks one: ``auto`` (the
-default: compiled if importable), ``c`` (compiled or ImportError) or ``python``.
-Every method validates all its input before it changes anything: a non-``str``
+An LRU-ordered set of ``(tag, page_hash)`` keys, the tag a small int naming the pool
+(the seed generation shares one index among pools; the current one gives each pool
+its own, tag 0).  It stores, orders and evicts; the caches do the accounting.
+``core._lru.LruIndex`` (C, built at install given a compiler: an 8-byte table slot
+and a 24-byte node per entry, a touch is one probe and one relink) beats the seed's
+and upstream's ``OrderedDict`` by the factors in ``docs/design.md``; ``PyLruIndex``
+(below: an ``OrderedDict``, per-page work in C iterators) is the fallback where it is
+not built, and its test reference.  ``HICACHE_EXISTENCE_BACKEND`` (read at import):
+``auto`` (default: compiled if importable), ``c`` (compiled or ImportError) or
+``python``.  Every method validates all input before changing anything: a non-``str``
 page raises ``TypeError`` naming its index and leaves the index as it was.
 """
 
@@ -83,10 +73,8 @@ def _exact(seq: Sequence[str]) -> Sequence[str]:
 
 
 class PyLruIndex:
-    """Pure-Python ``LruIndex``: one ``OrderedDict``; tag-0 keys are the ``str``
-    itself (no tuple to build or hash), other tags ``(tag, str)``.  While no
-    tagged key was added (the current generation never adds one) every key is a
-    ``str`` and evictions and listings skip the per-key sorting by tag."""
+    """Pure-Python ``LruIndex`` on one ``OrderedDict``: tag-0 keys are the ``str`` (no tuple
+    to hash), others ``(tag, str)``; with no tagged key (current generation) no tag sort."""
 
     __slots__ = ("_od", "_tagged", "_samplers")
 
@@ -96,8 +84,7 @@ class PyLruIndex:
         self._samplers: dict[int, PySampler] = {}
 
     def attach(self, tag: int, sampler: SamplerType | None, /) -> None:
-        """Feed ``sampler`` (a ``PySampler``; None detaches) with ``tag``'s complete
-        ``touch_prefix`` walks, adds, discards and clears."""
+        """Feed ``sampler`` (``PySampler``; None: detach) tag's walks, adds, discards, clears."""
         tag = _validate.index_tag(tag)
         if sampler is None:
             self._samplers.pop(tag, None)
@@ -115,9 +102,8 @@ class PyLruIndex:
             else:
                 _exhaust(map(move_to_end, zip(repeat(tag), hashes)))
         except KeyError as miss:
-            # Any earlier occurrence of the missing page would have raised there,
-            # so its first index is where the walk stopped.  A tuple key may
-            # arrive as the exception's args tuple itself.
+            # An earlier occurrence of the missing page would have raised there, so its
+            # first index is where the walk stopped.  A tuple key may arrive as args.
             key = miss.args[0] if tag == 0 or len(miss.args) == 1 else miss.args
             return hashes.index(key if tag == 0 else key[1])
         if self._samplers and hashes:
@@ -139,10 +125,8 @@ class PyLruIndex:
     def cover_rest(
         self, hashes: Sequence[str], start: int, tag: int, cover: Container[str] | None, /
     ) -> tuple[int, int]:
-        """Continue a walk from ``hashes[start]``: touch each present page; one not
-        present but in ``cover`` is a rescue; stop at the first that is neither.
-        ``(stop, rescues)``, ``stop == len(hashes)`` for a complete walk.  The
-        sampler is not fed (the caller records the walk)."""
+        """Continue a walk at ``hashes[start]``: touch present pages, count ones in ``cover`` as
+        rescues, stop at neither: ``(stop, rescues)``.  No sampler fed (the caller records)."""
         tag = _validate.index_batch(hashes, tag)
         if not 0 <= start <= len(hashes):
             raise ValueError("cover_rest: start out of range")
@@ -180,8 +164,7 @@ class PyLruIndex:
             od[key] = None
         inserted = len(od) - before
         if inserted != len(keys):
-            # Some pages were present or repeated: re-touch in order so the last
-            # occurrence of each page decides its LRU position.
+            # Present or repeated pages: re-touch in order, so last occurrences decide.
             _exhaust(map(od.move_to_end, keys))
         if self._samplers:
             sampler = self._samplers.get(tag)
@@ -214,8 +197,7 @@ class PyLruIndex:
         return out
 
     def _pops(self, count: int) -> tuple[int, Iterator[tuple[str | tuple[int, str], None]]]:
-        """How many of the oldest entries ``count`` removes, and a lazy iterator
-        that removes them (oldest first) as it is consumed."""
+        """How many entries ``count`` removes, and a lazy iterator popping them oldest first."""
         if count < 0:
             raise ValueError("count must be >= 0")
         od = self._od
@@ -269,10 +251,9 @@ def _choice() -> str:
 
 
 def compiled(name: str) -> ModuleType | None:
-    """The compiled module ``hicache_existence.<name>`` (``core._lru``,
-    ``accounting._ghosts``: where setup.py builds them) if the backend switch
-    allows it and it is built, else ``None`` (``c`` makes a missing build an
-    ImportError)."""
+    """The compiled module ``hicache_existence.<name>`` (``core._lru``, ``accounting._ghosts``:
+    where setup.py builds them), or ``None`` if the backend switch forbids it or it is not
+    built (under ``c`` a missing build is an ImportError)."""
     choice = _choice()
     if choice == "python":
         return None
@@ -295,10 +276,9 @@ def _select() -> tuple[Callable[[], LruIndexType], Callable[..., SamplerType], s
 #: ``Sampler(threshold, max_keys, half_life=0)``), and its name ("c" or "python").
 LruIndex, Sampler, BACKEND = _select()
 
-#: Bytes one entry costs at full cap (512K entries, CPython 3.11, tracemalloc,
-#: hash strings excluded): the compiled index's 8-byte slot at <= 3/4 load plus
-#: its 24-byte node; an ``OrderedDict`` entry.  Used for the memory estimate
-#: metric and to size the miss-reason memory.
+#: Bytes an entry costs at full cap (512K entries, CPython 3.11, tracemalloc, hash strings
+#: excluded): the C index's 8-byte slot at <= 3/4 load plus its 24-byte node; an
+#: ``OrderedDict`` entry.  For the memory estimate metric and sizing miss-reason memory.
 BYTES_PER_ENTRY = 40.0 if BACKEND == "c" else 77.3
 
 
@@ -312,8 +292,7 @@ def c_index() -> Callable[[], LruIndexType] | None:
 
 
 def sampler_class(index: LruIndexType) -> Callable[..., SamplerType]:
-    """The sampler type ``index.attach`` takes (``PySampler`` for the pure-Python
-    index, the compiled ``Sampler`` for the compiled one)."""
+    """The sampler type ``index.attach`` takes (``PySampler`` or the compiled ``Sampler``)."""
     if isinstance(index, PyLruIndex):
         return PySampler
     from hicache_existence.core._lru import Sampler as CSampler

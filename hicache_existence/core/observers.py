@@ -1,18 +1,14 @@
-"""The two extension points of the cache core, as protocols.
+"""The cache core's extension points, as protocols.
 
-Both are called once per *operation* with the whole batch, never once per page,
-and only when installed (an ``is not None`` test otherwise), so the core pays
-nothing for features that are off.
-
-* ``MissMemory`` remembers why pages left the belief set (evicted, invalidated,
-  cleared) so that a later miss on the same page can be classified: the answer to
-  "why was this page written to L3 again?".
-* ``BeliefObserver`` sees every mutating or touching operation in order, with the
-  call's inputs.  The TP-divergence digest is one: replicas that saw the same
-  operation stream hold the same state.
-* ``SamplerSource`` hands out one reference-stream ``Sampler`` per pool, which the
-  cache attaches to its LRU index: the capacity advisor.  Unlike an observer it
-  costs the hot path no Python call (``hicache_existence.core.sampler``).
+Memories and observers get whole batches, once per *operation*, and only when
+installed (else one ``is not None`` test): features that are off cost nothing.
+``MissMemory`` remembers why pages left the belief set (evicted, invalidated,
+cleared) so a later miss can be classified ("why was this page written to L3
+again?").  ``BeliefObserver`` sees every mutating or touching operation in order,
+with its inputs; the TP-divergence digest is one (replicas that saw the same
+operation stream hold the same state).  ``SamplerSource`` hands out a per-pool
+reference-stream ``Sampler`` attached to the LRU index (the capacity advisor): unlike
+an observer it costs the hot path no Python call (``core.sampler``).
 """
 
 from __future__ import annotations
@@ -28,17 +24,14 @@ class MissMemory(Protocol):
     """Bounded memory of pages that left a pool's belief set, and why."""
 
     def remember(self, keys: Sequence[str], reason: int) -> None:
-        """Record that ``keys`` left the belief set for ``reason`` (a
-        ``stats.MISS_REASONS`` index other than ``COLD``)."""
+        """``keys`` left for ``reason`` (a ``stats.MISS_REASONS`` index other than ``COLD``)."""
 
     def reason(self, key: str) -> int:
         """Classify a miss on ``key``: the ``stats.MISS_REASONS`` index."""
 
     def classify(self, keys: Sequence[str]) -> Iterable[int]:
-        """Classify a batch of misses at once (``reason`` for each key).  The
-        cache defers classification to batch boundaries: a miss only appends
-        its key, and ``classify`` runs before the memory next changes (so the
-        answer is the one the miss would have got) or at the step boundary."""
+        """``reason`` per key of a batch of misses; run before the memory next changes (the
+        answer the miss would have got) or at the step boundary."""
 
 
 @runtime_checkable
@@ -49,10 +42,8 @@ class BeliefObserver(Protocol):
         """``add`` completed (its evictions included)."""
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        """A lookup of a non-empty ``hashes`` walked ``hashes[:stop]``; believed
-        pages among them were touched (moved to most recent).  ``stop <
-        len(hashes)`` means the lookup missed at ``hashes[stop]`` (``stop == 0``:
-        nothing was touched, the first page missed)."""
+        """A lookup of a non-empty ``hashes`` walked ``hashes[:stop]``, touching believed pages;
+        ``stop < len(hashes)``: it missed at ``hashes[stop]`` (``0``: nothing touched)."""
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
         """``invalidate_beyond(hashes, keep_pages)`` completed."""
@@ -73,11 +64,8 @@ class SamplerSource(Protocol):
 
 
 class Tee:
-    """Fans one cache's operation stream out to several observers, in order.
-
-    The cache holds one observer reference; features that each need the stream
-    (TP digest, reconciler) are combined here.
-    """
+    """Fans one cache's operation stream out to several observers, in order (the cache
+    holds one observer; the TP digest and the reconciler each need the stream)."""
 
     __slots__ = ("observers",)
 

@@ -1,9 +1,8 @@
 """Heal policies: how a storage verdict corrects one pool's beliefs.
 
-Same contract as upstream's ``PoolBeliefPolicy`` family, so sglang code that picks
-a policy and calls it on our ``PoolBeliefs`` behaves identically.  The verdict
-inputs (``hit_pages``, ``evidence``) are already MIN-reduced across TP ranks by the
-caller, which is what keeps replicas identical.
+Upstream's ``PoolBeliefPolicy`` contract, so sglang code calling a policy on our
+``PoolBeliefs`` behaves identically.  The verdict inputs (``hit_pages``, ``evidence``)
+are already MIN-reduced across TP ranks by the caller: that keeps replicas identical.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ class PoolBeliefPolicy:
 
 
 class ChainPagesPolicy(PoolBeliefPolicy):
-    """One key per chain page (ALL_PAGES): every rank verified the chain up to the
-    agreed boundary, so beyond it is invalidated and, with evidence, up to it is
-    learnt."""
+    """One key per chain page (ALL_PAGES): every rank verified the chain up to the agreed
+    boundary, so beyond it is invalidated and, with evidence, up to it is learnt."""
 
     def heal_from_query(
         self,
@@ -66,9 +64,8 @@ class ChainPagesPolicy(PoolBeliefPolicy):
 
 
 class TrailingWindowPolicy(PoolBeliefPolicy):
-    """Keys are a trailing window of the chain (TRAILING_PAGES, e.g. SWA, Mamba):
-    a rank only verified the window ending at its own boundary, so a query only
-    invalidates; acks and fills teach presence."""
+    """A trailing window of the chain (TRAILING_PAGES, e.g. SWA, Mamba): a rank verified only
+    the window at its own boundary, so queries only invalidate; acks and fills teach presence."""
 
     def heal_from_query(
         self,
@@ -84,11 +81,8 @@ class TrailingWindowPolicy(PoolBeliefPolicy):
 
 
 def default_belief_policy(hit_policy: object) -> PoolBeliefPolicy:
-    """The built-in policy for a pool no component claims: trailing-window pools
-    only invalidate, every other hit policy heals as chain pages.
-
-    ``hit_policy`` is sglang's ``PoolHitPolicy`` (a str enum) or its string value.
-    """
+    """Built-in policy for an unclaimed pool: trailing-window pools only invalidate, others
+    heal as chain pages.  ``hit_policy``: sglang's ``PoolHitPolicy`` (str enum) or value."""
     if hit_policy == "trailing_pages":
         return TrailingWindowPolicy()
     return ChainPagesPolicy()

@@ -1,18 +1,12 @@
 """The one interface both cache generations offer the rest of the package.
 
-Upstream's two API generations differ in shape: the current one (sglang 0.5.22+)
-hands out one object per pool (``cache.pool(name).add(hashes)``), the seed's
-(0.5.19-0.5.21) takes the pool as an argument of every call
-(``cache.add(pool, hashes)``) and keeps one LRU and one cap for all pools.  Both
-shapes stay, exactly, for sglang to call.  Everything this package builds on the
-cache (the reconciler, cache mode's writes, the TP digests and divergence checks,
-the runtime) speaks only the protocols below, which both generations satisfy:
-the current generation's per-pool shape, which the seed generation offers too,
-as views of its shared LRU (``FlatStorageExistenceCache.pool``).
-
-The one difference a consumer may need is a fact, not a type:
-``shared_lru`` says that every pool lives in one LRU under one cap (the seed's),
-so that one pool's operations can evict another's (the digest then audits the
+The current generation (sglang 0.5.22+) hands out an object per pool
+(``cache.pool(name).add(hashes)``); the seed's (0.5.19-0.5.21) takes the pool in every
+call (``cache.add(pool, hashes)``) with one LRU and one cap for all pools.  Both shapes
+stay, exactly, for sglang; the package (reconciler, cache-mode writes, TP digests and
+divergence checks, runtime) speaks only the per-pool protocols below, which the seed
+generation offers as views of its shared LRU.  The one difference left is a fact:
+``shared_lru``, one pool's operations can evict another's (the digest then audits the
 shared order, a divergence heal clears everything, the advisor reports one cap).
 """
 
@@ -25,8 +19,7 @@ from hicache_existence.core.stats import CacheStats, PoolStats
 
 
 class PoolView(Protocol):
-    """One pool's beliefs: ``PoolBeliefs`` (current generation) or the seed
-    generation's per-pool view of its shared LRU."""
+    """One pool's beliefs: ``PoolBeliefs`` or the seed generation's view of its shared LRU."""
 
     @property
     def name(self) -> str:
@@ -34,8 +27,7 @@ class PoolView(Protocol):
 
     @property
     def max_entries(self) -> int:
-        """The cap this pool's entries count against (shared by every pool of a
-        ``shared_lru`` cache)."""
+        """The cap this pool counts against (shared by every pool if ``shared_lru``)."""
 
     def add(self, hashes: Iterable[str]) -> None:
         """Insert or refresh every page in order, then evict to the cap."""
@@ -65,8 +57,7 @@ class PoolView(Protocol):
         """The pages of ``hashes`` believed stored: a read, neither touched nor counted."""
 
     def inflight_pages(self) -> Container[str]:
-        """Every page between its D2H launch and its storage ack, live (not a
-        copy): read on the scheduler thread, never kept."""
+        """Pages from D2H launch to storage ack, live: read on the scheduler thread, never kept."""
 
     def lru_keys(self) -> tuple[str, ...]:
         """This pool's believed pages, least recently used first (O(entries))."""
@@ -108,8 +99,7 @@ class ExistenceCache(Protocol):
         """An immutable snapshot of every pool; safe from another thread."""
 
     def lru_items(self) -> Iterable[tuple[str, str]]:
-        """Every belief as ``(pool, page_hash)``, least recently used first: in
-        the one shared order of a ``shared_lru`` cache, else pool by pool."""
+        """``(pool, page_hash)`` beliefs oldest first: one order if ``shared_lru``, else by pool."""
 
     def __len__(self) -> int:
         """Entries over all pools."""

@@ -1,31 +1,24 @@
 """SHARDS reuse-distance sampling of one LRU's reference stream, fed from the index.
 
-The capacity advisor (``hicache_existence.accounting.advisor``) needs, per pool, the stack
-distance of every *sampled* page reference.  Handing each cache operation to a
-Python observer cost the scheduler's hot path 10-50% on short lookups, so the
-sampler is attached to the LRU index itself (``LruIndex.attach(tag, sampler)``)
-and fed from inside ``touch_prefix`` (complete walks), ``add``, ``discard`` and
-``clear``; the cache reports a lookup that stops short with ``walked``.  A page
-is sampled when its ``str`` hash, as an unsigned 64-bit number, is below
-``threshold`` (``rate * 2**64``): the index holds that hash already, so an
-unsampled page costs one comparison.  Python's ``str`` hash is salted per process
-(``PYTHONHASHSEED``), so each process (each TP rank) samples its own uniform
-subset; a page is sampled at every one of its references within a process.
+The capacity advisor needs, per pool, the stack distance of every *sampled* page
+reference.  A Python observer per cache operation cost the hot path 10-50% on short
+lookups, so the sampler is attached to the index (``LruIndex.attach(tag, sampler)``)
+and fed inside ``touch_prefix`` (complete walks), ``add``, ``discard`` and ``clear``;
+the cache reports a lookup that stops short with ``walked``.  A page is sampled when
+its ``str`` hash, as an unsigned 64-bit number, is below ``threshold`` (``rate *
+2**64``): the index has that hash already, so an unsampled page costs one comparison.
+``str`` hashes are salted per process (``PYTHONHASHSEED``): each TP rank samples its
+own uniform subset, a page at every one of its references.
 
-Two implementations with one interface, like the index:
-
-* ``hicache_existence.core._lru.Sampler`` (C, in ``_sampler.h``): an exact LRU stack
-  over sampled keys, distances by a Fenwick tree over a timestamp bitmap;
-* ``PySampler`` (below): the same semantics in Python, used with the pure-Python
-  index and as the C sampler's test oracle.
-
-Semantics of one recorded call (both): every distance is taken before the call's
-updates; a key repeated within the call is a hit at distance 0 for all but its
-last occurrence; a lookup does not insert a key the stack lacks, and the page a
-lookup missed at is counted in the lookup curve but not moved; beyond
-``max_keys`` the least recent keys are forgotten (their next reference is cold).
-Identity is ``(tag, hash)``: two sampled pages whose 64-bit hashes collide count
-as one (probability about ``max_keys**2 / 2**58``, nil in practice).
+``core._lru.Sampler`` (C, ``_sampler.h``: an exact LRU stack over sampled keys,
+distances by a Fenwick tree over a timestamp bitmap) and ``PySampler`` (below: used
+with the pure-Python index and as the C sampler's test oracle) share these semantics
+per recorded call: distances are taken before the call's updates; a key repeated in
+the call is a hit at distance 0 for all but its last occurrence; a lookup does not
+insert a key the stack lacks, and the page it missed at counts in the lookup curve
+but is not moved; beyond ``max_keys`` the least recent keys are forgotten (their next
+reference is cold).  Identity is ``(tag, hash)``: colliding 64-bit hashes count as
+one (probability about ``max_keys**2 / 2**58``, nil in practice).
 """
 
 from __future__ import annotations
@@ -64,14 +57,9 @@ def threshold(rate: float) -> int:
 
 
 class _Stack:
-    """An exact LRU stack with stack distances in O(log n) (the Python twin's).
-
-    Each key carries the timestamp of its last reference; the live timestamps
-    are kept in a blocked sorted list (new ones are always the largest, so they
-    append), and the distance of a key is the number of live timestamps after
-    its own.  Every operation touches one block plus a C-level sum over block
-    lengths.
-    """
+    """An exact LRU stack with O(log n) distances: a key's distance is the number of live
+    timestamps after its last reference's, kept in a blocked sorted list (new ones are
+    the largest: they append).  An operation touches one block plus a C sum of lengths."""
 
     __slots__ = ("times", "blocks", "maxes", "clock")
 
@@ -114,7 +102,6 @@ class _Stack:
                 del maxes[i]
 
     def push(self, key: Any) -> None:
-        """Make ``key`` the most recent."""
         old = self.times.pop(key, None)
         if old is not None:
             self._discard(old)
@@ -135,7 +122,6 @@ class _Stack:
             self._discard(old)
 
     def trim(self, max_keys: int) -> None:
-        """Forget the least recent keys beyond ``max_keys``."""
         times = self.times
         while len(times) > max_keys:
             _, old = times.popitem(last=False)
@@ -212,10 +198,9 @@ class PySampler:
     def _sampled(
         self, hashes: Sequence[str], tag: int, hasher: Callable[[str], int] = str.__hash__
     ) -> list[Any]:
-        """Identities of the sampled pages of ``hashes``, in order: one C-level
-        hash pass and one comparison a page.  ``str.__hash__`` counts a str
-        subclass as its value, as the compiled sampler does; the index passes the
-        faster ``hash`` (its items are plain str, or hashed so by its dict)."""
+        """Identities of ``hashes``' sampled pages, in order: one C hash pass, one comparison
+        a page.  ``str.__hash__`` hashes a str subclass as its value, as the C sampler does;
+        the index passes the faster ``hash`` (its items are plain str, or hashed so)."""
         thr = self._threshold
         if thr <= 1 << 63:
             # (unsigned) h < thr  <=>  0 <= h < thr for the signed hash.
@@ -301,7 +286,6 @@ class PySampler:
             stack.push(key)
             stack.trim(self.max_keys)
 
-    # -- recording, from the index (input already checked; the hot path) ------------
     def _fed(
         self,
         hashes: Sequence[str],
@@ -309,8 +293,7 @@ class PySampler:
         lookup: bool,
         hasher: Callable[[str], int] = hash,
     ) -> None:
-        """A complete walk (``lookup``) or an add, fed by ``PyLruIndex`` (input
-        already checked): only the counters for a call with no sampled page."""
+        """A complete walk (``lookup``) or add from ``PyLruIndex``; unsampled calls only count."""
         n = len(hashes)
         keys = self._sampled(hashes, tag, hasher)
         if keys:
@@ -318,7 +301,6 @@ class PySampler:
         else:
             self._advance(n, n if lookup else 0)
 
-    # -- recording, by hand or from the cache --------------------------------------
     def added(self, hashes: Sequence[str], tag: int = 0, /) -> None:
         self._fed(hashes, _validate.index_batch(hashes, tag), False, str.__hash__)
 
@@ -350,7 +332,6 @@ class PySampler:
     def clear(self) -> None:
         self._stack.clear()
 
-    # -- reading -----------------------------------------------------------------
     def cumulative(self, limits: Sequence[int], lookups: bool = False, /) -> list[float]:
         hist = (self._lookups if lookups else self._stream).hist
         prefix = [0.0, *accumulate(hist)]

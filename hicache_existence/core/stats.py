@@ -1,21 +1,17 @@
 """Accounting: mutable per-pool counters (recording) and frozen snapshots (reporting).
 
-Recording is plain ``int`` attributes on a slotted object, bumped once per *call*
-with the call's page counts (never once per page: a metrics-library call costs
-more than the page lookup it would count).  Reporting is an immutable snapshot
-with derived ratios, modelled on Caffeine's ``CacheStats``: ratios are 1.0 when
-nothing was asked, and snapshots subtract to deltas so exporters and tests can
-reason about an interval.
+Recording bumps plain ``int`` slots once per *call* with its page counts (never per
+page: a metrics-library call costs more than the lookup it counts).  Snapshots carry
+derived ratios, after Caffeine's ``CacheStats`` (1.0 when nothing was asked), and
+subtract to deltas so exporters and tests can reason about an interval.
 
-One declaration: the fields of ``PoolStats``, each marked ``counter()``,
-``gauge()`` or ``miss_reason()`` with its help text, exported family name and
-unit beside it.  From it come ``COUNTER_FIELDS`` / ``GAUGE_FIELDS``, the live
-``PoolCounters`` class (one slot per counter) and its ``snapshot()`` (by
-keyword), the catalog's cache families (``exporters/catalog.py``: /metrics,
-OpenTelemetry, docs/metrics.md, the dashboard) and docs/design.md's counter
-table.  A new counter is one field here plus its increments (``core/counting.py``
-for lookups, which both generations share; the generations' own mutations
-otherwise) and the reference model's (CONTRIBUTING, "Adding a counter").
+One declaration, ``PoolStats``'s fields (each a ``counter()``, ``gauge()`` or
+``miss_reason()`` with help, family name and unit), yields ``COUNTER_FIELDS`` /
+``GAUGE_FIELDS``, ``PoolCounters`` (a slot per counter) and its ``snapshot()``, the
+catalog's families (``exporters/catalog.py``: /metrics, OpenTelemetry,
+docs/metrics.md, the dashboard) and docs/design.md's counter table.  A new counter is
+one field here plus its increments (``core/counting.py`` for lookups, else the
+generations' mutations) and the reference model's (CONTRIBUTING, "Adding a counter").
 """
 
 from __future__ import annotations
@@ -40,12 +36,9 @@ def _declared(kind: Kind, help: str, family: str, otel_unit: str) -> Any:
 
 
 def counter(help: str = "", *, family: str = "", otel_unit: str = "") -> Any:
-    """A monotonic counter: live in the counters record, bumped by its owner,
-    subtracted by ``-`` (deltas).  ``help`` (what it counts, as operators read it
-    on ``/metrics`` and in docs/metrics.md), ``family`` (the exported name without
-    the prefix; default: the field's name) and ``otel_unit`` are its one
-    declaration: ``exporters/catalog.py`` builds the ``PoolStats`` families from
-    them."""
+    """A monotonic counter, bumped by its owner, subtracted by ``-``.  ``help`` (read on
+    ``/metrics`` and docs/metrics.md), ``family`` (exported name sans prefix; default the
+    field's name), ``otel_unit``: ``exporters/catalog.py`` builds the families from them."""
     return _declared("counter", help, family, otel_unit)
 
 
@@ -56,9 +49,8 @@ def gauge(help: str = "", *, family: str = "", otel_unit: str = "") -> Any:
 
 
 def miss_reason() -> Any:
-    """A classified-miss counter ``misses_<reason>`` (one per ``MISS_REASONS``),
-    kept in ``PoolCounters.miss_reasons`` and exported as a ``reason`` label of
-    ``page_misses``."""
+    """A classified-miss counter ``misses_<reason>`` (one per ``MISS_REASONS``), kept in
+    ``PoolCounters.miss_reasons``, exported as a ``reason`` label of ``page_misses``."""
     return field(default=0, metadata={"kind": "miss_reason"})
 
 
@@ -68,13 +60,10 @@ def _ratio(part: int, whole: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """An immutable snapshot of one pool's accounting.
-
-    Counter semantics (see docs/metrics.md for the exported names):
-    ``pages_checked == page_hits + rescues + page_misses``; a chain query stops at
-    its first uncovered page, so ``page_misses`` is at most one per query;
-    ``inserts + refreshes`` is the number of pages passed to ``add``.
-    """
+    """An immutable snapshot of one pool's accounting (exported names: docs/metrics.md):
+    ``pages_checked == page_hits + rescues + page_misses``; a chain query stops at its
+    first uncovered page, so ``page_misses`` is at most one per query; ``inserts +
+    refreshes`` is the number of pages passed to ``add``."""
 
     pool: str
     queries: int = counter(
@@ -148,7 +137,6 @@ class PoolStats:
     misses_invalidated: int = miss_reason()
     misses_cleared: int = miss_reason()
 
-    # -- derived ratios (1.0 when there was nothing to measure, like Caffeine) --
     @property
     def page_hit_ratio(self) -> float:
         """Pages found believed over pages checked."""
@@ -176,17 +164,13 @@ class PoolStats:
 
     @property
     def misses_by_reason(self) -> Mapping[str, int]:
-        """Classified page misses.  With miss-reason memory enabled they sum to
-        ``page_misses`` once the cache has settled (``settle()``, which the
-        per-step hook calls; a miss only records its page, classification is
-        batched); without it they are all zero."""
+        """Classified page misses; with miss-reason memory they sum to ``page_misses`` once
+        settled (``settle()``, per step: classification is batched), else all zero."""
         return MappingProxyType({r: getattr(self, f"misses_{r}") for r in MISS_REASONS})
 
     def __sub__(self, other: PoolStats) -> PoolStats:
-        """Counters become deltas; gauges keep this (the newer) snapshot's value.
-
-        No clamping: subtracting a newer snapshot from an older one, or across a
-        re-created cache, gives negative counts rather than hiding the mistake."""
+        """Counters become deltas, gauges keep this (newer) value.  Unclamped: older minus
+        newer, or across a re-created cache, goes negative rather than hide the mistake."""
         if not isinstance(other, PoolStats):
             return NotImplemented
         if other.pool != self.pool:
@@ -226,8 +210,7 @@ class PoolStats:
 
 
 def fields_of_kind(snapshot_type: type, kind: Kind) -> tuple[str, ...]:
-    """The fields of a snapshot dataclass marked ``counter()`` / ``gauge()`` /
-    ``miss_reason()``, in declaration order (how every counter set is derived)."""
+    """Fields of ``snapshot_type`` marked ``kind``, in declaration order."""
     return tuple(f.name for f in fields(snapshot_type) if f.metadata.get("kind") == kind)
 
 
@@ -288,12 +271,8 @@ else:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats(Mapping[str, PoolStats]):
-    """An immutable snapshot of every pool, a mapping ``pool -> PoolStats``.
-
-    ``total`` sums every field over pools.  For the flat (seed) generation the
-    capacity is shared, so ``total.capacity`` is that one shared cap rather than a
-    sum; ``shared_capacity`` says which applies.
-    """
+    """Every pool's snapshot, a mapping ``pool -> PoolStats``; ``total`` sums fields over
+    pools, but with ``shared_capacity`` (seed generation) its capacity is the shared cap."""
 
     pools: Mapping[str, PoolStats]
     shared_capacity: bool = False
