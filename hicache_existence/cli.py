@@ -36,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="log events as JSON lines (default: logging.json from the configuration)",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         module = importlib.import_module(f"hicache_existence.commands.{name}")
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.__doc__)

@@ -1,13 +1,10 @@
 """One typed configuration object, loadable from JSON, files, flags and environment.
 
 Everything the package can be told lives in ``Config`` (frozen dataclasses, one
-section per feature).  Sources merge in a fixed order, later wins:
-
-1. defaults (below),
-2. ``HICACHE_EXISTENCE_CONFIG`` (JSON text or ``@path``/path to a JSON file),
-3. ``HICACHE_EXISTENCE_<SECTION>__<FIELD>`` variables (e.g.
-   ``HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS=500``), and
-   ``HICACHE_EXISTENCE_ENABLED``,
+section per feature).  Sources merge in a fixed order, later wins: 1. defaults
+(below); 2. ``HICACHE_EXISTENCE_CONFIG`` (JSON text, or ``@path``/path to a JSON
+file); 3. ``HICACHE_EXISTENCE_<SECTION>__<FIELD>`` variables (e.g.
+``HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS=500``) and ``HICACHE_EXISTENCE_ENABLED``;
 4. explicit values (``--hicache-existence-config`` on the server, CLI flags).
 
 Unknown keys and wrongly typed values raise ``ConfigError`` naming the key, so a
@@ -67,9 +64,8 @@ class ConfigError(ValueError):
 
 #: ``recorder.path`` by default: fixed and absolute (docs/replay.md, "Recording a trace").
 RECORDER_DEFAULT_PATH = "/tmp/hicache-existence-trace"
-#: Settings that name a file or directory: made absolute where they are loaded
-#: (after ``~`` is expanded; empty stays empty, refused by the range check), never
-#: later in a process that may run elsewhere.
+#: Settings naming a file or directory: made absolute (``~`` expanded; empty stays empty)
+#: where they are loaded, never later in a process that may run elsewhere.
 _PATHS = frozenset({"recorder.path"})
 #: The recorder needs room for two files of at least one flush chunk each.
 RECORDER_MIN_BYTES = 128 * 1024
@@ -358,9 +354,8 @@ class Config:
 
     @staticmethod
     def given_keys(text: str | None = None, env: Mapping[str, str] | None = None) -> frozenset[str]:
-        """The dotted keys (``cache.max_entries``) that ``load(text, env)`` takes from
-        a source rather than from the defaults: where a setting must yield to the
-        operator's own choice only (the cap against sglang's variable)."""
+        """The dotted keys (``cache.max_entries``) ``load(text, env)`` takes from a source,
+        not the defaults: the cap yields to sglang's variable unless the operator chose it."""
         env = os.environ if env is None else env
         keys = set(_dotted(_env_updates(env), ""))
         for blob in (env.get(ENV_CONFIG), text):
@@ -496,8 +491,7 @@ def _check_ranges(obj: Any, prefix: str) -> None:
     """The range rules annotated on ``obj``'s fields, then the rules across fields."""
     for name, hint in typing.get_type_hints(type(obj), include_extras=True).items():
         for rule in getattr(hint, "__metadata__", ()):
-            error = rule(getattr(obj, name))
-            if error:
+            if error := rule(getattr(obj, name)):
                 raise ConfigError(f"{prefix}{name} must {error}")
     if prefix == "reconciler.":
         scheme = obj.redis_url.split("://", 1)[0] if "://" in obj.redis_url else ""

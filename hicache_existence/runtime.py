@@ -49,8 +49,7 @@ from hicache_existence.replicas.divergence import (
 Generation = Literal["current", "flat"]
 
 #: A scheduler iteration longer than this ran a batch (an idle polling iteration
-#: takes about 0.1 ms of CPU): a metrics flush that falls due right after one waits
-#: for the first step after a short iteration (``ExistenceRuntime.step``).
+#: takes about 0.1 ms of CPU): a flush due right after one waits (``ExistenceRuntime.step``).
 BUSY_STEP_S = 0.002
 
 
@@ -95,11 +94,9 @@ class ExistenceRuntime:
         )
         self._logger = logs.get_logger("hicache_existence.runtime")
         self._errors = logs.RateLimiter(1 / 60, clock=clock)
-        #: The per-step test (``core.gate``): counts steps, holds the first step with
-        #: step-counted work (``wake``), the next metrics flush's clock (``flush_at``)
-        #: and the previous step's clock; a due flush may wait half the flush interval
-        #: for an idle step.  ``tick`` is the gate itself, which the SGLang hook calls:
-        #: no Python frame of ours on a step with nothing due (compiled gate).
+        #: The per-step test (``core.gate``: step count, ``wake``: the first step with
+        #: step-counted work, ``flush_at``: the next flush's clock).  ``tick`` is the gate
+        #: itself, which the SGLang hook calls: no Python frame of ours on an idle step.
         self._defer_s = config.metrics.flush_interval_s / 2
         self._gate = gate.step_gate(self._step_due, clock, BUSY_STEP_S, self._defer_s)
         self.tick: Callable[[], Any] = self._gate
@@ -112,14 +109,12 @@ class ExistenceRuntime:
         )
         flat = generation == "flat"
         checking = config.divergence.enabled
-        # Built on every rank, enabled or not: a rank with checks off still joins the
-        # start-up handshake, so ranks disagreeing on ``divergence.enabled`` are caught
-        # there, not left waiting.  Off, the digest observes nothing (no per-op cost).
+        # Built with checks off too, for the handshake (a rank that skipped it would
+        # leave the others waiting); off, the digest observes nothing.
         self.digest: ReplicaDigest = SharedLruDigest() if flat else ReplicaDigest()
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
-        # A single replica (no group given) needs no digest.  A given group may be
-        # bound later (SGLang's, at the first step, size unknown until then), so the
-        # digest observes until ``group_bound`` finds a world of one.
+        # A given group may be bound later (SGLang's, at the first step), so the digest
+        # observes until ``group_bound`` finds a world of one.
         single = group is None
         if group is None:
             group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
@@ -195,8 +190,7 @@ class ExistenceRuntime:
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> ExistenceRuntime:
-        """Start the recorder's writer, the events publisher and telemetry (binds
-        the standalone metrics endpoint, logs the configuration)."""
+        """Start the recorder, the events publisher and telemetry (metrics port, start-up log)."""
         if self.recorder is not None:
             self.recorder.start()
         if self.events is not None:
@@ -205,8 +199,7 @@ class ExistenceRuntime:
         return self
 
     def close(self) -> None:
-        """Stop the reconciler's worker, close the recorder's trace and release the
-        metrics port."""
+        """Stop the reconciler, recorder and events publisher; release the metrics port."""
         if self.reconciler is not None:
             self.reconciler.close()
         if self.recorder is not None:

@@ -65,11 +65,9 @@ def source() -> tuple[Path, list[str]]:
 
 
 def write_assets(dest: Path, *, force: bool = False) -> list[str]:
-    """Copies every asset under ``dest``; returns the relative paths written.
-
-    Without ``force`` nothing is written if any target exists (the error names the
-    first one), so a partly written directory never results from a refusal.
-    """
+    """Copies every asset under ``dest``; returns the relative paths written.  Without
+    ``force`` nothing is written if any target exists (the error names the first one),
+    so a refusal never leaves a partly written directory."""
     base, files = source()
     if dest.exists() and not dest.is_dir():
         raise AssetsError(f"{dest} exists and is not a directory")

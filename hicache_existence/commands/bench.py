@@ -76,8 +76,7 @@ def _table(result: Any) -> str:
             f"{name:44} {'bytes/entry':>14} {mem['baseline_bytes']:9.1f} "
             f"{mem['ours_bytes']:13.1f} {mem['ratio']:7.2f}r"
         )
-    lines.append("")
-    lines.append("targets:")
+    lines += ["", "targets:"]
     for v in result.verdicts:
         status = "met" if v["met"] else ("NOT MEASURED" if not v["measured"] else "NOT MET")
         values = ", ".join(f"{k or 'value'}={val:.3f}" for k, val in sorted(v["values"].items()))
@@ -130,20 +129,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"... {msg}", file=sys.stderr, flush=True)
 
     suites = SUITES[:-1] if args.suite == "all" else (args.suite,)
-    records: dict[str, Any] = {}
-    tables: list[str] = []
-    verdicts: list[dict[str, Any]] = []
-    for suite in suites:
-        table, record, suite_verdicts = _RUNNERS[suite](args, progress)
-        records[suite] = record
-        tables.append(f"== {suite} ==\n{table}")
-        verdicts.extend(suite_verdicts)
+    tables, records, verdicts = zip(*(_RUNNERS[suite](args, progress) for suite in suites))
     if args.json:
-        out: dict[str, Any] = records[suites[0]] if len(suites) == 1 else {"suites": records}
+        out = records[0] if len(suites) == 1 else {"suites": dict(zip(suites, records))}
         print(json.dumps(out, indent=2, default=str))
     else:
-        print("\n\n".join(tables))
-    return 1 if args.check and not all(v["met"] for v in verdicts) else 0
+        print("\n\n".join(f"== {suite} ==\n{table}" for suite, table in zip(suites, tables)))
+    met = all(v["met"] for suite_verdicts in verdicts for v in suite_verdicts)
+    return 1 if args.check and not met else 0
 
 
 def _sizes(args: argparse.Namespace, cfg: Any) -> Any:
@@ -200,9 +193,7 @@ def _observability(args: argparse.Namespace, progress: Any) -> tuple[str, Any, l
         status = "met" if v["met"] else ("NOT MEASURED" if not v["measured"] else "NOT MET")
         shown = "-" if not v["values"] else f"{v['values']['']:+.1%}"
         lines.append(f"  [{status:>12}] {v['target']:40} overhead {v['bound']:>8}  {shown}")
-    record = result.as_dict()
-    record["targets"] = verdicts
-    return "\n".join(lines), record, verdicts
+    return "\n".join(lines), {**result.as_dict(), "targets": verdicts}, verdicts
 
 
 def _advisor(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
