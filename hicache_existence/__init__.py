@@ -7,6 +7,7 @@ imported eagerly; the heavier features (runtime, exporters, checks, reconciler,
 advisor) on first attribute access, so ``import hicache_existence`` stays light.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from hicache_existence._version import __version__
@@ -58,8 +59,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hicache_existence' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -1,9 +1,6 @@
-"""The ``hicache-existence`` command line.
-
-This is the only module that configures the process's logging: the library
-itself only asks for loggers (see ``hicache_existence.logs``), applications
-decide where they go.  Inside SGLang the plugin sets only the package's own
-logger (``logs.configure_package_logging``) from the ``logging`` section.
+"""The ``hicache-existence`` command line: the only module that configures the
+process's logging (the library only asks for loggers, ``hicache_existence.logs``;
+inside SGLang the plugin sets only the package's own logger from ``logging``).
 """
 
 from __future__ import annotations
@@ -12,22 +9,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 #: Sub-command modules under ``hicache_existence.commands``, in help order.
-COMMANDS: tuple[str, ...] = (
-    "demo",
-    "bench",
-    "replay",
-    "doctor",
-    "reconcile_bench",
-    "launch",
-    "assets",
-)
-
-
-def _load(name: str) -> ModuleType:
-    return importlib.import_module(f"hicache_existence.commands.{name}")
+COMMANDS = ("demo", "bench", "replay", "doctor", "reconcile_bench", "launch", "assets")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,10 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="log events as JSON lines (default: logging.json from the configuration)",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        module = _load(name)
+        module = importlib.import_module(f"hicache_existence.commands.{name}")
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

@@ -1,13 +1,10 @@
 """One typed configuration object, loadable from JSON, files, flags and environment.
 
 Everything the package can be told lives in ``Config`` (frozen dataclasses, one
-section per feature).  Sources merge in a fixed order, later wins:
-
-1. defaults (below),
-2. ``HICACHE_EXISTENCE_CONFIG`` (JSON text or ``@path``/path to a JSON file),
-3. ``HICACHE_EXISTENCE_<SECTION>__<FIELD>`` variables (e.g.
-   ``HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS=500``), and
-   ``HICACHE_EXISTENCE_ENABLED``,
+section per feature).  Sources merge in a fixed order, later wins: 1. defaults
+(below); 2. ``HICACHE_EXISTENCE_CONFIG`` (JSON text, or ``@path``/path to a JSON
+file); 3. ``HICACHE_EXISTENCE_<SECTION>__<FIELD>`` variables (e.g.
+``HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS=500``) and ``HICACHE_EXISTENCE_ENABLED``;
 4. explicit values (``--hicache-existence-config`` on the server, CLI flags).
 
 Unknown keys and wrongly typed values raise ``ConfigError`` naming the key, so a
@@ -22,7 +19,7 @@ import json
 import os
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -31,9 +28,8 @@ from hicache_existence.core import _validate
 
 ENV_PREFIX = "HICACHE_EXISTENCE_"
 ENV_CONFIG = "HICACHE_EXISTENCE_CONFIG"
-#: Variables with the prefix that are not settings: tooling switches read by
-#: the test runner and the benchmark, and the index backend switch read once at
-#: import (``hicache_existence.core.lru``), never by ``Config``.
+#: Variables with the prefix that are not settings: tooling switches (test runner,
+#: benchmark) and the index backend switch read once at import (``core.lru``).
 ENV_NOT_SETTINGS = frozenset(
     {
         "HICACHE_EXISTENCE_CACHE_DIR",
@@ -68,18 +64,9 @@ class ConfigError(ValueError):
 
 #: ``recorder.path`` by default: fixed and absolute (docs/replay.md, "Recording a trace").
 RECORDER_DEFAULT_PATH = "/tmp/hicache-existence-trace"
-#: Settings that name a file or directory: made absolute where they are loaded
-#: (``os.path.abspath`` after ``~`` is expanded), never later in a process that
-#: may run elsewhere.
+#: Settings naming a file or directory: made absolute (``~`` expanded; empty stays empty)
+#: where they are loaded, never later in a process that may run elsewhere.
 _PATHS = frozenset({"recorder.path"})
-
-
-def _absolute(path: str) -> str:
-    """``path`` with ``~`` expanded, made absolute against the working directory
-    (empty stays empty, and is refused by the range check)."""
-    return os.path.abspath(os.path.expanduser(path)) if path else path
-
-
 #: The recorder needs room for two files of at least one flush chunk each.
 RECORDER_MIN_BYTES = 128 * 1024
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
@@ -89,26 +76,21 @@ _REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 _Rule = Callable[[Any], str]
 
 
+def _rule(ok: Callable[[Any], bool], must: str) -> _Rule:
+    return lambda v: "" if ok(v) else must.format(v)
+
+
 def _at_least(low: int) -> _Rule:
-    return lambda v: "" if v >= low else f"be >= {low}, got {v}"
+    return _rule(lambda v: v >= low, f"be >= {low}, got {{}}")
 
 
 def _at_most(high: int) -> _Rule:
-    return lambda v: "" if v <= high else f"be <= {high}, got {v}"
+    return _rule(lambda v: v <= high, f"be <= {high}, got {{}}")
 
 
-def _within_0_1(v: Any) -> str:
-    return "" if 0.0 <= v <= 1.0 else f"be within [0, 1], got {v}"
-
-
-def _above_0(v: Any) -> str:
-    return "" if v > 0 else f"be > 0, got {v}"
-
-
-def _not_empty(v: Any) -> str:
-    return "" if v else "not be empty"
-
-
+_within_0_1 = _rule(lambda v: 0.0 <= v <= 1.0, "be within [0, 1], got {}")
+_above_0 = _rule(lambda v: v > 0, "be > 0, got {}")
+_not_empty = _rule(bool, "not be empty")
 _Count = Annotated[int, _at_least(1)]
 _NonNegativeInt = Annotated[int, _at_least(0)]
 _NonNegative = Annotated[float, _at_least(0)]
@@ -175,9 +157,9 @@ class DivergenceSection:
     policy: Literal["log", "heal", "abort"] = "log"
     #: Seconds a check waits for the other ranks before it gives up (> 0).
     timeout_s: _Positive = 30.0
-    #: Every this many checks, also fold an exact O(entries) audit of the pools
-    #: that changed (membership, in-flight refs; ~23 ms per 512K-entry pool with
-    #: the compiled index, ~85-150 ms on the pure-Python one); 0 never audits.
+    #: Every this many checks, also fold an exact O(entries) audit of changed pools
+    #: (membership, in-flight refs; ~23 ms per 512K-entry pool with the compiled
+    #: index, ~85-150 ms on the pure-Python one); 0 never audits.
     audit_every_checks: _NonNegativeInt = 100
     #: Fixed slots that pools hash into, to name diverged pools (1..1024).
     pool_slots: Annotated[int, _at_least(1), _at_most(1024)] = 16
@@ -254,9 +236,8 @@ class CacheModeSection:
     (docs/enable.md): the package counts its L3 writes there; with ``dedup`` it
     also consults the existence cache before each write and skips believed pages."""
 
-    #: Skip the L3 write of pages believed stored (opt-in: off, cache mode writes
-    #: exactly as upstream's).  Ignored, with a warning, in buffer_only mode or
-    #: without an L3 storage backend.
+    #: Skip the L3 write of pages believed stored (opt-in; off: writes exactly as upstream).
+    #: Ignored, with a warning, in buffer_only mode or without an L3 storage backend.
     dedup: bool = False
 
 
@@ -271,10 +252,9 @@ class RecorderSection:
     enabled: bool = False
     #: Directory of the trace files (created if missing); each recording scheduler
     #: writes its own rotated ``*.jsonl.gz`` files there, named after its instance.
-    #: The default is absolute, like SGLang's own diagnostic outputs under /tmp, so it
-    #: never depends on where a supervisor starts the server; a relative path (or
-    #: ``~``) is made absolute once, when the configuration is loaded, against that
-    #: process's working directory.  The recorder logs the directory at start.
+    #: Absolute by default (like SGLang's diagnostics under /tmp), whichever directory
+    #: a supervisor starts the server in; a relative path (or ``~``) is made absolute
+    #: once, at load, against that process's working directory.  Logged at start.
     path: Annotated[str, _not_empty] = RECORDER_DEFAULT_PATH
     #: Share of pages recorded, chosen by page hash (the first 32 bits of SGLang's
     #: hex hash below rate x 2^32): a page is recorded at every reference or never,
@@ -284,8 +264,7 @@ class RecorderSection:
     max_bytes: Annotated[int, _at_least(RECORDER_MIN_BYTES)] = 256 * 1024 * 1024
     #: A file is closed and the next one started past this size (at most max_bytes / 2).
     file_bytes: Annotated[int, _at_least(RECORDER_MIN_BYTES)] = 16 * 1024 * 1024
-    #: Records waiting for the writer thread at most; beyond it records are dropped
-    #: and counted, never waited for.
+    #: Records queued for the writer thread at most; beyond, dropped (counted), never waited for.
     queue_records: _Count = 65536
     #: Seconds between the writer thread's flushes to disk.
     flush_interval_s: _Positive = 1.0
@@ -362,19 +341,9 @@ class Config:
     def from_env(cls, env: Mapping[str, str] | None = None, base: Config | None = None) -> Config:
         """Apply ``HICACHE_EXISTENCE_CONFIG`` then ``HICACHE_EXISTENCE_*`` variables."""
         env = os.environ if env is None else env
-        config = base or cls()
         blob = env.get(ENV_CONFIG)
-        if blob:
-            config = cls.from_json(blob, config)
-        updates: dict[str, Any] = {}
-        for key, raw in env.items():
-            if not is_setting_variable(key):
-                continue
-            path = key[len(ENV_PREFIX) :].lower().split("__")
-            node = updates
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            node[path[-1]] = _EnvText(raw)
+        config = cls.from_json(blob, base) if blob else base or cls()
+        updates = _env_updates(env)
         return _merge(config, updates, "") if updates else config
 
     @classmethod
@@ -385,17 +354,13 @@ class Config:
 
     @staticmethod
     def given_keys(text: str | None = None, env: Mapping[str, str] | None = None) -> frozenset[str]:
-        """The dotted keys (``cache.max_entries``) that ``load(text, env)`` takes from
-        a source rather than from the defaults: where a setting must yield to the
-        operator's own choice only (the cap against sglang's variable)."""
+        """The dotted keys (``cache.max_entries``) ``load(text, env)`` takes from a source,
+        not the defaults: the cap yields to sglang's variable unless the operator chose it."""
         env = os.environ if env is None else env
-        keys: set[str] = set()
+        keys = set(_dotted(_env_updates(env), ""))
         for blob in (env.get(ENV_CONFIG), text):
             if blob:
                 keys.update(_dotted(_load_json(blob), ""))
-        for key in env:
-            if is_setting_variable(key):
-                keys.add(".".join(key[len(ENV_PREFIX) :].lower().split("__")))
         return frozenset(k.replace("-", "_") for k in keys)
 
     # -- output --------------------------------------------------------------
@@ -414,22 +379,33 @@ class Config:
 
 def redact_url(url: str) -> str:
     """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
-    if not url:
-        return url
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None and "@" not in parts.netloc:
+    if "@" not in parts.netloc:
         return url
     userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.split(":", 1)[0] if userinfo else ""
+    user = userinfo.split(":", 1)[0]
     masked = f"{user}:***@{hostport}" if user else f"***@{hostport}"
     return urlunsplit((parts.scheme, masked, parts.path, parts.query, parts.fragment))
 
 
 class _EnvText(str):
     """A value that came from an environment variable: parsed by target type."""
+
+
+def _env_updates(env: Mapping[str, str]) -> dict[str, Any]:
+    """The setting variables of ``env`` as a nested mapping of ``_EnvText``."""
+    updates: dict[str, Any] = {}
+    for key, raw in env.items():
+        if is_setting_variable(key):
+            *sections, name = key[len(ENV_PREFIX) :].lower().split("__")
+            node = updates
+            for part in sections:
+                node = node.setdefault(part, {})
+            node[name] = _EnvText(raw)
+    return updates
 
 
 def _load_json(text: str) -> Mapping[str, Any]:
@@ -464,20 +440,19 @@ _T = TypeVar("_T")
 def _merge(obj: _T, data: Mapping[str, Any], prefix: str) -> _T:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix.rstrip('.') or 'configuration'} must be an object")
-    hints = typing.get_type_hints(type(obj))
-    known = {f.name for f in fields(obj)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(type(obj))  # the fields, by name
     changes: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"unknown configuration key {prefix}{key!r}; known: {sorted(known)}")
+        if name not in hints:
+            raise ConfigError(f"unknown configuration key {prefix}{key!r}; known: {sorted(hints)}")
         current = getattr(obj, name)
         if is_dataclass(current):
             changes[name] = _merge(current, value, f"{prefix}{name}.")
         else:
-            changes[name] = _coerce(value, hints[name], f"{prefix}{name}")
-            if f"{prefix}{name}" in _PATHS:
-                changes[name] = _absolute(changes[name])
+            changes[name] = value = _coerce(value, hints[name], f"{prefix}{name}")
+            if value and f"{prefix}{name}" in _PATHS:
+                changes[name] = os.path.abspath(os.path.expanduser(value))
     result = dataclasses.replace(obj, **changes)  # type: ignore[type-var]
     _check_ranges(result, prefix)
     return result
@@ -501,8 +476,6 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
         return str(value)
-    if hint not in _TYPES:
-        raise ConfigError(f"{key}: unsupported type {hint!r}")  # pragma: no cover
     word, accepts = _TYPES[hint]
     if isinstance(value, _EnvText) and hint is not str:  # text parsed by the target type
         try:
@@ -518,8 +491,7 @@ def _check_ranges(obj: Any, prefix: str) -> None:
     """The range rules annotated on ``obj``'s fields, then the rules across fields."""
     for name, hint in typing.get_type_hints(type(obj), include_extras=True).items():
         for rule in getattr(hint, "__metadata__", ()):
-            error = rule(getattr(obj, name))
-            if error:
+            if error := rule(getattr(obj, name)):
                 raise ConfigError(f"{prefix}{name} must {error}")
     if prefix == "reconciler.":
         scheme = obj.redis_url.split("://", 1)[0] if "://" in obj.redis_url else ""

@@ -1,20 +1,15 @@
 """One scheduler process's hicache-existence, wired from one ``Config``.
 
 ``ExistenceRuntime`` builds the cache (either API generation) with its miss-reason
-memory, its observers (the TP-replica digest, the reconciler) and the capacity
-advisor's samplers, the write accounting and the exporters, and runs everything that
-happens once per scheduler step in ``step()``:
-
-1. the reconciler applies rank-agreed ground-truth verdicts (a lockstep point);
-2. the divergence checker counts the step and, when due, compares replicas;
-3. telemetry settles pending miss reasons and flushes metrics (rate-limited).
-
-The capacity advisor needs no step: its samplers are fed by the cache's index.
+memory, observers (TP-replica digest, reconciler, recorder, events), the capacity
+advisor (fed by the cache's index, no step), the write accounting and the exporters.
+``step()`` runs, once per scheduler step: the reconciler's rank-agreed verdicts (a
+lockstep point), the divergence checker (compares replicas when due), then telemetry
+(pending miss reasons, rate-limited metrics flush).
 
 The SGLang plugin calls ``step()`` right after ``check_hicache_events``, the demo
-after each simulated scheduler step: the same code path.  ``step()`` never
-raises into the scheduler, except under the divergence policy ``abort``, whose
-purpose is to raise.
+after each simulated step: the same code path.  ``step()`` never raises into the
+scheduler, except under the divergence policy ``abort``, whose purpose is to raise.
 """
 
 from __future__ import annotations
@@ -54,28 +49,24 @@ from hicache_existence.replicas.divergence import (
 Generation = Literal["current", "flat"]
 
 #: A scheduler iteration longer than this ran a batch (an idle polling iteration
-#: takes about 0.1 ms of CPU): a metrics flush that falls due right after one waits
-#: for the first step after a short iteration (``ExistenceRuntime.step``).
+#: takes about 0.1 ms of CPU): a flush due right after one waits (``ExistenceRuntime.step``).
 BUSY_STEP_S = 0.002
 
 
 class ExistenceRuntime:
     """Cache, accounting, checks and exporters of one scheduler process.
 
-    ``group`` is the replica group the divergence checker compares over (every TP
-    rank holding a replica of this cache); ``None`` means a single replica, whose
-    checks count as ok without a digest or a collective (nothing to compare), so
-    its metrics still move.  The checker is
-    built with ``divergence.enabled`` off too: it then joins only the start-up
-    handshake (which stops every rank's checks when the ranks disagree) and
-    exports nothing.  ``truth`` is the reconciler's ground truth (``None``: no
-    reconciler); ``agreement`` its cross-rank verdict agreement (``None``: one
-    rank).  ``host_mode`` is what ``mode_info`` exports: HiCache's host memory
-    mode, SGLang's write policy and whether ``cache_mode.dedup`` acts.
-    ``instance`` names this process in a recorded trace (``recorder``; default:
-    the host name and the ranks).  ``count_writes`` false: the write accounting
-    is not fed (this host memory mode's write-path hooks are missing), so its
-    families are not exported at all.
+    ``group``: the replica group the divergence checker compares over (every TP rank
+    holding a replica); ``None``: a single replica, whose checks count as ok without
+    a digest or a collective, so its metrics still move.  With ``divergence.enabled``
+    off the checker still joins the start-up handshake (which stops every rank's
+    checks when ranks disagree) and exports nothing.  ``truth``: the reconciler's
+    ground truth (``None``: no reconciler); ``agreement``: its cross-rank verdict
+    agreement (``None``: one rank).  ``host_mode``: what ``mode_info`` exports
+    (HiCache's host memory mode, SGLang's write policy, whether ``cache_mode.dedup``
+    acts).  ``instance`` names this process in a recorded trace (default: host name
+    and ranks).  ``count_writes`` false: this host memory mode's write-path hooks are
+    missing, so the write families are not exported at all.
     """
 
     def __init__(
@@ -103,12 +94,9 @@ class ExistenceRuntime:
         )
         self._logger = logs.get_logger("hicache_existence.runtime")
         self._errors = logs.RateLimiter(1 / 60, clock=clock)
-        #: The per-step test (``core.gate``): it counts the steps and holds the first
-        #: step with step-counted work (``wake``), the clock value of the next
-        #: metrics flush (``flush_at``) and the clock at the previous step; a due
-        #: flush may wait for an idle step half the flush interval (a longer pause
-        #: is no busy stretch).  ``tick`` is the gate itself: the SGLang hook calls
-        #: it, no Python frame of ours on a step with nothing due (compiled gate).
+        #: The per-step test (``core.gate``: step count, ``wake``: the first step with
+        #: step-counted work, ``flush_at``: the next flush's clock).  ``tick`` is the gate
+        #: itself, which the SGLang hook calls: no Python frame of ours on an idle step.
         self._defer_s = config.metrics.flush_interval_s / 2
         self._gate = gate.step_gate(self._step_due, clock, BUSY_STEP_S, self._defer_s)
         self.tick: Callable[[], Any] = self._gate
@@ -121,16 +109,11 @@ class ExistenceRuntime:
         )
         flat = generation == "flat"
         checking = config.divergence.enabled
-        # Built on every rank, enabled or not: a rank with checks off still joins the
-        # start-up handshake, so a deployment whose ranks disagree on
-        # ``divergence.enabled`` is caught there instead of leaving the enabled ranks
-        # waiting for it.  Off, the digest observes nothing (no per-operation cost).
+        # Built with checks off too, for the handshake (a rank that skipped it would
+        # leave the others waiting); off, the digest observes nothing.
         self.digest: ReplicaDigest = SharedLruDigest() if flat else ReplicaDigest()
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
-        # The digest observes the cache while a check may compare it with another
-        # replica.  A single replica (no group given) needs none: its checks are ok
-        # without one (``DivergenceChecker``).  A given group may be bound later
-        # (SGLang's, at the first step: its size is not known yet), so the digest
+        # A given group may be bound later (SGLang's, at the first step), so the digest
         # observes until ``group_bound`` finds a world of one.
         single = group is None
         if group is None:
@@ -188,8 +171,7 @@ class ExistenceRuntime:
             config,
             self.labels,
             writes=self.writes,
-            # A host memory mode whose write path is not hooked: its write families
-            # are left out (absent, not 0 while L3 is written).
+            # Write path not hooked: its families absent, not 0 while L3 is written.
             write_families=count_writes,
             ghosts=self.ghosts,
             env=env,
@@ -208,8 +190,7 @@ class ExistenceRuntime:
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> ExistenceRuntime:
-        """Bind the metrics endpoint (standalone mode), start the recorder's writer
-        and log the configuration."""
+        """Start the recorder, the events publisher and telemetry (metrics port, start-up log)."""
         if self.recorder is not None:
             self.recorder.start()
         if self.events is not None:
@@ -218,8 +199,7 @@ class ExistenceRuntime:
         return self
 
     def close(self) -> None:
-        """Stop the reconciler's worker, close the recorder's trace and release the
-        metrics port."""
+        """Stop the reconciler, recorder and events publisher; release the metrics port."""
         if self.reconciler is not None:
             self.reconciler.close()
         if self.recorder is not None:
@@ -235,10 +215,9 @@ class ExistenceRuntime:
         self.close()
 
     def group_bound(self) -> None:
-        """The replica group is known now (SGLang's is bound at the first step; call
-        it after binding, never before): a world of one needs no digest, so the
-        digest stops observing the cache instead of folding every operation for a
-        comparison that cannot fail."""
+        """Call once the replica group is bound (SGLang's at the first step), never
+        before: in a world of one the digest stops observing the cache instead of
+        folding every operation for a comparison that cannot fail."""
         if self._group.size == 1:
             self.tee.discard(self.digest)
 
@@ -252,21 +231,18 @@ class ExistenceRuntime:
         """Everything due once per scheduler step; call it on every rank at the
         same lockstep point (after ``check_hicache_events``).
 
-        A step with nothing due (no divergence check, no reconciler agreement by
-        step count, no metrics flush by time) costs one integer and one clock
-        compare: the step counts of the checker and the reconciler are credited at
-        the next step that has work.  "Due" by step count is the same on every rank,
-        so the lockstep points stay where they were.  A metrics flush (rank-local,
-        by time) that falls due in a busy stretch, right after an iteration longer
-        than ``BUSY_STEP_S``, waits for the first step after a short (idle)
-        iteration, at most half a flush interval: it then costs the scheduler's
-        idle time, not a batch's.  The test is ``core.gate``'s (``tick``), which
-        calls ``_step_due`` when something is due."""
+        A step with nothing due (check, agreement by step count, flush by time)
+        costs one integer and one clock compare (``core.gate``, ``tick``); skipped
+        steps are credited to the checker and the reconciler at the next step with
+        work.  "Due" by step count is the same on every rank, so lockstep points do
+        not move.  A metrics flush (rank-local) due right after an iteration longer
+        than ``BUSY_STEP_S`` waits for the first short (idle) iteration, at most half
+        a flush interval, so it costs idle time, not a batch's."""
         self._gate()
 
     def _step_due(self, n: int, now: float, flush: bool) -> None:
-        """The work of a step the gate let through (``core.gate``); ``flush``: the
-        gate found the metrics flush due (by time, not in a busy stretch)."""
+        """A step the gate let through; ``flush``: the metrics flush is due (by
+        time, not in a busy stretch)."""
         skipped = n - 1 - self._credited
         self._credited = n
         reconciler = self.reconciler
@@ -316,6 +292,6 @@ class ExistenceRuntime:
 
     def _advice(self) -> Any:
         assert self.advisor is not None
-        # Each pool's cap (or the one shared cap), without a stats() snapshot of
-        # every counter (the flush takes one already).
+        # Each pool's cap (or the shared one) without a stats() snapshot (the flush
+        # takes one already).
         return self.advisor.snapshot(self.advisor.capacities_of(self.cache))

@@ -1,5 +1,3 @@
-"""Sub-commands of the ``hicache-existence`` CLI, one module each.
-
-Each module exposes ``NAME``, ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``; ``hicache_existence.cli`` lists them explicitly.
+"""Sub-commands of the ``hicache-existence`` CLI, one module each exposing ``NAME``,
+``HELP``, ``add_arguments(parser)`` and ``run(args) -> int`` (listed in ``cli``).
 """

@@ -47,19 +47,14 @@ def asset_files(root: Path) -> list[str]:
     return sorted(found)
 
 
-def _packaged_files(base: Path) -> list[str]:
-    return sorted(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file())
-
-
 def source() -> tuple[Path, list[str]]:
     """The directory the assets are read from and their relative paths: the package's
     ``assets/`` (an installed wheel), else the checkout an editable install runs from."""
     package = Path(__file__).resolve().parents[1]
-    packaged = package / PACKAGED
-    if packaged.is_dir():
-        files = _packaged_files(packaged)
-        if files:
-            return packaged, files
+    packaged = package / PACKAGED  # rglob finds nothing when it is missing
+    files = sorted(p.relative_to(packaged).as_posix() for p in packaged.rglob("*") if p.is_file())
+    if files:
+        return packaged, files
     checkout = package.parent
     if (checkout / "dashboards" / "build.py").is_file():
         return checkout, asset_files(checkout)
@@ -70,11 +65,9 @@ def source() -> tuple[Path, list[str]]:
 
 
 def write_assets(dest: Path, *, force: bool = False) -> list[str]:
-    """Copies every asset under ``dest``; returns the relative paths written.
-
-    Without ``force`` nothing is written if any target exists (the error names the
-    first one), so a partly written directory never results from a refusal.
-    """
+    """Copies every asset under ``dest``; returns the relative paths written.  Without
+    ``force`` nothing is written if any target exists (the error names the first one),
+    so a refusal never leaves a partly written directory."""
     base, files = source()
     if dest.exists() and not dest.is_dir():
         raise AssetsError(f"{dest} exists and is not a directory")

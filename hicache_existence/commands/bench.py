@@ -13,6 +13,7 @@ from typing import Any
 NAME = "bench"
 HELP = "time the caches against the seed's code and upstream's, side by side"
 SUITES = ("foundation", "digest", "observability", "advisor", "replay", "all")
+_SIZES = ("entries", "chain_pages", "rounds")
 
 #: Overhead bounds of the observability suite (wired cache vs bare, side by side):
 #: the miss-reason path adds at most 10% to a miss and nothing measurable to a hit.
@@ -75,8 +76,7 @@ def _table(result: Any) -> str:
             f"{name:44} {'bytes/entry':>14} {mem['baseline_bytes']:9.1f} "
             f"{mem['ours_bytes']:13.1f} {mem['ratio']:7.2f}r"
         )
-    lines.append("")
-    lines.append("targets:")
+    lines += ["", "targets:"]
     for v in result.verdicts:
         status = "met" if v["met"] else ("NOT MEASURED" if not v["measured"] else "NOT MET")
         values = ", ".join(f"{k or 'value'}={val:.3f}" for k, val in sorted(v["values"].items()))
@@ -89,20 +89,16 @@ def _table(result: Any) -> str:
     return "\n".join(lines)
 
 
-def _backend() -> str:
+def _as_json(result: Any) -> dict[str, Any]:
     from hicache_existence.core import lru
 
-    return lru.BACKEND
-
-
-def _as_json(result: Any) -> dict[str, Any]:
     return {
         "config": dataclasses.asdict(result.config),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "upstream": result.upstream,
-        "index_backend": _backend(),
-        "wired": getattr(result, "wired", None),
+        "index_backend": lru.BACKEND,
+        "wired": result.wired,
         "comparisons": [
             {
                 "scenario": c.scenario,
@@ -118,7 +114,7 @@ def _as_json(result: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for key in ("entries", "chain_pages", "rounds"):
+    for key in _SIZES:
         value = getattr(args, key)
         if value is not None and value < 1:
             print(f"error: --{key.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -133,35 +129,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"... {msg}", file=sys.stderr, flush=True)
 
     suites = SUITES[:-1] if args.suite == "all" else (args.suite,)
-    records: dict[str, Any] = {}
-    tables: list[str] = []
-    verdicts: list[dict[str, Any]] = []
-    for suite in suites:
-        table, record, suite_verdicts = _RUNNERS[suite](args, progress)
-        records[suite] = record
-        tables.append(f"== {suite} ==\n{table}")
-        verdicts.extend(suite_verdicts)
+    tables, records, verdicts = zip(*(_RUNNERS[suite](args, progress) for suite in suites))
     if args.json:
-        out: dict[str, Any] = records[suites[0]] if len(suites) == 1 else {"suites": records}
+        out = records[0] if len(suites) == 1 else {"suites": dict(zip(suites, records))}
         print(json.dumps(out, indent=2, default=str))
     else:
-        print("\n\n".join(tables))
-    if args.check and not all(v["met"] for v in verdicts):
-        return 1
-    return 0
+        print("\n\n".join(f"== {suite} ==\n{table}" for suite, table in zip(suites, tables)))
+    met = all(v["met"] for suite_verdicts in verdicts for v in suite_verdicts)
+    return 1 if args.check and not met else 0
 
 
 def _sizes(args: argparse.Namespace, cfg: Any) -> Any:
-    overrides = {
-        k: v
-        for k, v in (
-            ("entries", args.entries),
-            ("chain_pages", args.chain_pages),
-            ("rounds", args.rounds),
-            ("wired", getattr(args, "wired", False) or None),
-        )
-        if v is not None and hasattr(cfg, k)
-    }
+    given = {k: getattr(args, k) for k in _SIZES}
+    given["wired"] = args.wired or None
+    overrides = {k: v for k, v in given.items() if v is not None and hasattr(cfg, k)}
     return dataclasses.replace(cfg, **overrides)
 
 
@@ -190,18 +171,13 @@ def _observability(args: argparse.Namespace, progress: Any) -> tuple[str, Any, l
     cfg = _sizes(args, observability.QUICK_COSTS if args.quick else observability.CostConfig())
     result = observability.run_costs(cfg, progress)
     overheads = result.overheads()
+
+    def shape(name: str) -> tuple[str, str]:  # the scenario and its first argument
+        return name.split("[")[0], name.split("[")[-1].split(",")[0]
+
     verdicts: list[dict[str, Any]] = []
     for name, bound in OBSERVABILITY_TARGETS.items():
-        key = next(
-            (
-                k
-                for k in overheads
-                if k.split("[")[0] == name.split("[")[0]
-                and k.split("[")[-1].split(",")[0] == name.split("[")[-1].split(",")[0]
-            ),
-            None,
-        )
-        value = overheads.get(key) if key else None
+        value = next((v for k, v in overheads.items() if shape(k) == shape(name)), None)
         verdicts.append(
             {
                 "target": name,
@@ -217,9 +193,7 @@ def _observability(args: argparse.Namespace, progress: Any) -> tuple[str, Any, l
         status = "met" if v["met"] else ("NOT MEASURED" if not v["measured"] else "NOT MET")
         shown = "-" if not v["values"] else f"{v['values']['']:+.1%}"
         lines.append(f"  [{status:>12}] {v['target']:40} overhead {v['bound']:>8}  {shown}")
-    record = result.as_dict()
-    record["targets"] = verdicts
-    return "\n".join(lines), record, verdicts
+    return "\n".join(lines), {**result.as_dict(), "targets": verdicts}, verdicts
 
 
 def _advisor(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
@@ -227,16 +201,14 @@ def _advisor(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[An
 
     cfg = advisor.QUICK if args.quick else advisor.AdvisorBenchConfig()
     result = advisor.run_advisor_bench(cfg, progress)
-    verdicts = list(getattr(result, "verdicts", []) or [])
-    record = result.as_dict() if hasattr(result, "as_dict") else dataclasses.asdict(result)
-    return advisor.format_advisor_bench(result), record, verdicts
+    return advisor.format_advisor_bench(result), result.as_dict(), result.verdicts
 
 
 def _replay(args: argparse.Namespace, progress: Any) -> tuple[str, Any, list[Any]]:
     from hicache_existence_bench import replay
 
-    text, record, verdicts = replay.run_for_cli(quick=args.quick, progress=progress)
-    return str(text), record, list(verdicts)
+    table, record, verdicts = replay.run_for_cli(quick=args.quick, progress=progress)
+    return table, record, verdicts
 
 
 _RUNNERS = {

@@ -11,6 +11,7 @@ so signals and the exit status are sglang's.  See docs/enable.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -68,17 +69,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache-existence launch: error: {exc}", file=sys.stderr)
         return 2
     if args.print_only:
-        print(
-            json.dumps(
-                {
-                    "argv": list(launch.argv),
-                    "forwarded": list(launch.forwarded),
-                    "set_env": _redacted(launch.set_env),
-                    "unset_env": list(launch.unset_env),
-                },
-                indent=2,
-            )
-        )
+        from hicache_existence.config import ENV_CONFIG, Config
+
+        shown = dataclasses.asdict(launch)
+        set_env = shown["set_env"]
+        if ENV_CONFIG in set_env:  # the configuration may hold a Redis password
+            redacted = Config.from_json(set_env[ENV_CONFIG]).redacted()
+            set_env[ENV_CONFIG] = json.dumps(redacted, sort_keys=True)
+        print(json.dumps(shown, indent=2))
         return 0
     problems = preflight(args.sglang_entry)
     if problems:
@@ -91,13 +89,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache-existence launch: cannot start {launch.argv[0]}: {exc}", file=sys.stderr)
         return 127
     return 0  # pragma: no cover (exec does not return)
-
-
-def _redacted(env: dict[str, str]) -> dict[str, str]:
-    """The configuration blob may hold a Redis password: mask it for printing."""
-    from hicache_existence.config import ENV_CONFIG, Config
-
-    out = dict(env)
-    if ENV_CONFIG in out:
-        out[ENV_CONFIG] = json.dumps(Config.from_json(out[ENV_CONFIG]).redacted(), sort_keys=True)
-    return out

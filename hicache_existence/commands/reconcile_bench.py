@@ -57,13 +57,8 @@ def _spawn(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 
 def run(args: argparse.Namespace) -> int:
     from hicache_existence.config import ConfigError, redact_url
+    from hicache_existence.reconcile import measure
     from hicache_existence.reconcile.ground_truth import GroundTruthError
-    from hicache_existence.reconcile.measure import (
-        format_rows,
-        measure_memory,
-        measure_reads,
-        measure_writes,
-    )
     from hicache_existence.reconcile.redis_truth import validate_redis_url
 
     try:
@@ -87,12 +82,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
         try:
-            rows = measure_reads(url, sizes, args.reps)
+            rows = measure.measure_reads(url, sizes, args.reps)
             writes: dict[str, Any] = {
-                "record_stored_pages_per_s": measure_writes(url),
-                "record_stored_ttl_pages_per_s": measure_writes(url, ttl_s=60.0),
-                "ledger_bytes_per_page": measure_memory(url),
-                "ledger_bytes_per_page_ttl": measure_memory(url, ttl_s=3600.0),
+                "record_stored_pages_per_s": measure.measure_writes(url),
+                "record_stored_ttl_pages_per_s": measure.measure_writes(url, ttl_s=60.0),
+                "ledger_bytes_per_page": measure.measure_memory(url),
+                "ledger_bytes_per_page_ttl": measure.measure_memory(url, ttl_s=3600.0),
             }
         except GroundTruthError as exc:
             print(f"error: {redact_url(url)}: {exc.kind}: {exc}", file=sys.stderr)
@@ -101,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"rows": [asdict(r) for r in rows], **writes}, indent=2))
         else:
             print(f"redis: {redact_url(url)}")
-            print(format_rows(rows))
+            print(measure.format_rows(rows))
             for k, v in writes.items():
                 print(f"{k}: {v:,.0f}")
         return 0
