@@ -128,10 +128,8 @@ class TorchGlooGroup:
         self._group = group
         self.rank = int(dist.get_rank(group))
         self.size = int(dist.get_world_size(group))
-        if group is None:
-            self.ranks = tuple(range(self.size))
-        else:
-            self.ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+        members = range(self.size) if group is None else dist.get_process_group_ranks(group)
+        self.ranks = tuple(int(r) for r in members)
         self.timeout_s = float(timeout_s)
 
     @classmethod
