@@ -1,43 +1,38 @@
 """Capacity advice from inside the live cache: its hit-ratio curve, estimated online.
 
-"What cap do I need?" is a question about the cache's miss-ratio curve: the hit
-ratio an LRU of each size would have had on the same reference stream.  The
-advisor estimates it with SHARDS (Waldspurger et al., FAST '15): a fixed uniform
-subset of pages is *sampled* (by hash, so a sampled page is sampled at every
-reference), the sampled pages go through an exact LRU stack, and a sampled stack
-distance ``d`` stands for ``d / rate`` pages.  The hit ratio is the plain ratio
-over sampled references; SHARDS-adj (``adjust=True``) is available but was less
-accurate on chained page streams (docs/capacity.md).
+"What cap do I need?" asks for the hit ratio an LRU of each size would have had
+on the same reference stream.  The advisor estimates it with SHARDS (Waldspurger
+et al., FAST '15): a fixed subset of pages is *sampled* by hash (a sampled page
+is sampled at every reference), the sampled pages go through an exact LRU stack,
+and a sampled stack distance ``d`` stands for ``d / rate`` pages.  SHARDS-adj
+(``adjust=True``) was less accurate on chained page streams (docs/capacity.md).
 
-Two curves share one stack.  The *reference stream* is what the cache is asked and
-told: every page passed to ``add`` and every page a lookup walked.  The *lookup*
-curve counts only what lookups asked, including the page each one missed at: in
-buffer mode a lookup miss is what triggers an L3 write, while a bigger cap also
-turns prefetch-healing adds into refreshes that save nothing, so the lookup curve
-is the one that tracks write savings (docs/capacity.md).
+Two curves share one stack: the *reference stream* (every page passed to ``add``
+and every page a lookup walked) and the *lookup* curve (what lookups asked,
+including the page each missed at).  In buffer mode a lookup miss triggers an L3
+write, while a bigger cap also turns prefetch-healing adds into refreshes that
+save nothing, so the lookup curve tracks write savings.
 
 A reference is a hit at cap ``C`` when the page would be believed at the start of
-its call in an LRU of ``C`` entries fed the same stream.  On ``add``/lookup
-streams this is exact: with ``rate = 1`` at the 1x cap the stream curve is the
-cache's own ``(page_hits + refreshes) / (pages walked + pages added)`` and the
-lookup curve its ``page_hits / pages_checked``, and on a belief-only replay the
-stream curve is the exact curve of ``replay --model belief-only``.  Two cases are
-approximated, because one LRU stack cannot hold every cap's state: a page
-removed by ``invalidate_beyond`` or ``clear`` leaves the stack, so deeper pages
-move up (a real cache keeps that slot empty until the next insert), and a lookup
-that walks an in-flight page beyond a cap moves it up (the real cache does not
-hold it until its storage ack adds it, which buffer mode does soon after).
+its call in an LRU of ``C`` entries fed the same stream.  That is exact on
+``add``/lookup streams: at ``rate = 1`` and 1x cap the stream curve is the cache's
+``(page_hits + refreshes) / (pages walked + pages added)``, the lookup curve its
+``page_hits / pages_checked``, and on a belief-only replay the stream curve is
+that of ``replay --model belief-only``.  Approximated, as one stack cannot hold
+every cap's state: a page removed by ``invalidate_beyond`` or ``clear`` leaves
+the stack, so deeper pages move up (a real cache keeps the slot empty until the
+next insert); a lookup walking an in-flight page beyond a cap moves it up (the
+real cache holds it only once its storage ack adds it, soon after in buffer mode).
 
-Where the work happens (the scheduler's hot path pays almost nothing): a cache
-built with ``advisor=`` attaches one ``Sampler`` per pool (``sampler()``; one for
-all pools with ``shared=True``) to its LRU index, which feeds it from inside its
-own batch calls (``hicache_existence.core.sampler``): an unsampled page costs one
-integer comparison on a hash the index holds anyway, a sampled one a few hundred
-nanoseconds of C.  No buffer, no per-step drain, nothing dropped.  The advisor is
-also a ``BeliefObserver``, to feed by hand (tests, benchmarks, a cache of
-another kind); do not do both for one cache, or every reference counts twice.
-``snapshot()`` (any thread) turns the histograms into hit ratios at 0.25x .. 8x
-each pool's current cap.  Nothing here raises into the cache.
+The scheduler's hot path pays almost nothing: a cache built with ``advisor=``
+attaches one ``Sampler`` per pool (one for all with ``shared=True``) to its LRU
+index, which feeds it from inside its own batch calls (``core.sampler``): an
+unsampled page costs one integer comparison on a hash the index holds anyway, a
+sampled one a few hundred ns of C; no buffer, no drain, nothing dropped.  The
+advisor is also a ``BeliefObserver`` to feed by hand (tests, benchmarks, other
+caches); never both for one cache, or every reference counts twice.
+``snapshot()`` (any thread) gives hit ratios at 0.25x .. 8x each pool's cap.
+Nothing here raises into the cache.
 """
 
 from __future__ import annotations
@@ -69,16 +64,15 @@ def multiplier_label(multiplier: float) -> str:
     return f"{multiplier:g}"
 
 
-#: The recommended cap is the smallest multiple whose estimated hit ratio is within
-#: this of the best estimate: a cap that buys less than one point is not worth it.
+#: Advice takes the smallest multiple within this of the best estimate: a cap that
+#: buys less than one point is not worth it.
 ADVICE_TOLERANCE = 0.01
 
 
 def recommended_multiple(curve: Mapping[float, float]) -> float | None:
-    """The smallest cap multiple whose estimate is within ``ADVICE_TOLERANCE`` of the
-    curve's best (None for an empty curve): the one cap-advice rule, which the doctor,
-    ``hicache-existence demo`` and the dashboard's PromQL (dashboards/build.py renders
-    it from ``ADVICE_TOLERANCE`` and ``MULTIPLIERS``) all apply."""
+    """The smallest cap multiple within ``ADVICE_TOLERANCE`` of the curve's best
+    (None for an empty curve): the one cap-advice rule, applied by the doctor, the
+    demo and the dashboard's PromQL (rendered by dashboards/build.py)."""
     if not curve:
         return None
     best = max(curve.values())
@@ -98,25 +92,20 @@ def hit_ratios(
     """Estimated hit ratio of an LRU of each cap from one sampler's curve; None
     without data or when the cap lies beyond the distances tracked
     (``max_keys / rate``).  ``counts``: the sampler's ``counts()``, if in hand."""
-    if counts is None:
-        counts = sampler.counts()
+    counts = sampler.counts() if counts is None else counts
     prefix = "lookup" if lookups else "stream"
     sampled = float(counts[f"{prefix}_sampled"])
-    if sampled <= 0:
-        return [None] * len(caps)
-    limits = [math.ceil(cap * rate) for cap in caps]
     # SHARDS-adj: the sample's surplus or shortfall against the expected count is
     # put in the first bucket and the total becomes the expected count.
     delta = float(counts[f"{prefix}_references"]) * rate - sampled if adjust else 0.0
     denominator = sampled + delta
-    if denominator <= 0:
+    if sampled <= 0 or denominator <= 0:
         return [None] * len(caps)
+    limits = [math.ceil(cap * rate) for cap in caps]
     out: list[float | None] = []
     for limit, hits in zip(limits, sampler.cumulative(limits, lookups)):
-        if max_keys is not None and limit > max_keys:
-            out.append(None)
-        else:
-            out.append(min(1.0, max(0.0, (hits + delta) / denominator)))
+        beyond = max_keys is not None and limit > max_keys
+        out.append(None if beyond else min(1.0, max(0.0, (hits + delta) / denominator)))
     return out
 
 
@@ -167,31 +156,26 @@ class AdvisorSnapshot:
         return None if advice is None else advice.lookup_estimates.get(multiplier)
 
     def gauge_samples(self, lookups: bool = False) -> list[tuple[dict[str, str], float]]:
-        """``(labels, value)`` pairs, ``{pool, cap_multiplier}`` -> the estimated hit
-        ratio of the reference stream (with ``lookups=True``: of lookups alone, what
-        decides writes in buffer mode), exported as the catalog's advisor gauges;
-        unknown estimates are left out."""
-        out = []
-        for pool, advice in self.pools.items():
-            values = advice.lookup_estimates if lookups else advice.estimates
-            for multiplier, value in values.items():
-                if value is not None:
-                    out.append(
-                        ({"pool": pool, "cap_multiplier": multiplier_label(multiplier)}, value)
-                    )
-        return out
+        """``({pool, cap_multiplier}, estimate)`` pairs for the catalog's advisor
+        gauges: of the stream, or with ``lookups=True`` of lookups alone (what decides
+        writes in buffer mode); unknown estimates are left out."""
+        return [
+            ({"pool": pool, "cap_multiplier": multiplier_label(m)}, value)
+            for pool, advice in self.pools.items()
+            for m, value in (advice.lookup_estimates if lookups else advice.estimates).items()
+            if value is not None
+        ]
 
 
 class CapacityAdvisor:
     """Estimates each pool's hit-ratio curve (SHARDS) from samplers attached to
-    the cache's LRU index (see the module docstring).
+    the cache's LRU index (module docstring).
 
-    ``shared=True`` models one LRU over all pools, as the seed (flat) generation
-    has, reported under pool ``"all"``.  ``half_life_references`` > 0 weighs recent
+    ``shared=True`` models the seed (flat) generation's one LRU over all pools,
+    reported as pool ``"all"``.  ``half_life_references`` > 0 weighs recent
     references more (the weight doubles every that many page references), so the
     curve follows a changing workload; 0 keeps the whole history.
-    ``sampler_factory`` overrides the sampler type (default: the one matching
-    the cache's index, ``lru.Sampler``).
+    ``sampler_factory`` overrides the sampler type (default: the cache index's).
     """
 
     __slots__ = (
@@ -252,9 +236,8 @@ class CapacityAdvisor:
 
     # -- the samplers ------------------------------------------------------------
     def sampler(self, pool: str, factory: Callable[..., SamplerType] | None = None) -> SamplerType:
-        """The sampler that estimates ``pool``'s curve (the shared one with
-        ``shared=True``), created on first use with ``factory`` (what the cache's
-        index takes: ``lru.sampler_class(index)``).  Scheduler thread only."""
+        """``pool``'s sampler (the shared one with ``shared=True``), made on first use
+        with ``factory`` (``lru.sampler_class(index)``).  Scheduler thread only."""
         name = SHARED_POOL if self.shared else pool
         sampler = self._samplers.get(name)
         if sampler is None:
@@ -295,57 +278,48 @@ class CapacityAdvisor:
             self._feed(pool, lambda s, tag: s.clear())
 
     # -- reporting -------------------------------------------------------------
+    def _ratios(
+        self,
+        sampler: SamplerType,
+        caps: list[int],
+        lookups: bool,
+        counts: Mapping[str, Any] | None = None,
+    ) -> list[float | None]:
+        return hit_ratios(
+            sampler,
+            caps,
+            self.sampling_rate,
+            adjust=self.adjust,
+            lookups=lookups,
+            max_keys=self._max_keys,
+            counts=counts,
+        )
+
     def estimate(self, pool: str, cap: int, *, lookups: bool = False) -> float | None:
         """Estimated hit ratio of ``pool`` at ``cap`` entries: of the reference stream,
         or with ``lookups=True`` of the pages lookups asked for (None: no data yet)."""
         _validate.count(cap, "cap", 1)
         sampler = self._samplers.get(SHARED_POOL if self.shared else pool)
-        if sampler is None:
-            return None
-        return hit_ratios(
-            sampler,
-            [cap],
-            self.sampling_rate,
-            adjust=self.adjust,
-            lookups=lookups,
-            max_keys=self._max_keys,
-        )[0]
+        return None if sampler is None else self._ratios(sampler, [cap], lookups)[0]
 
     def snapshot(
         self,
         capacities: Mapping[str, int] | int | None = None,
         multipliers: Sequence[float] = MULTIPLIERS,
     ) -> AdvisorSnapshot:
-        """Hit ratios at ``multipliers`` x each pool's cap.  ``capacities`` maps pool ->
-        cap, or is one cap for every pool (shared-cap cache); pools without a cap get
-        no estimates.  Any thread: the sampler dict is copied in one C call before it
-        is walked, and each sampler read is one C call (atomic under the GIL); the
-        pure-Python sampler may be a reference apart between curves."""
+        """Hit ratios at ``multipliers`` x each pool's cap (``capacities``: pool ->
+        cap, or one cap for all; pools without a cap get no estimates).  Any thread:
+        the sampler dict is copied and each sampler read in one C call (atomic under
+        the GIL); the pure-Python sampler may be a reference apart between curves."""
         pools: dict[str, PoolAdvice] = {}
-        lost = 0
         for name, sampler in self._samplers.copy().items():
-            cap = (
-                capacities
-                if isinstance(capacities, int)
-                else (capacities.get(name) if capacities is not None else None)
-            )
+            cap = capacities if isinstance(capacities, int) else (capacities or {}).get(name)
             counts = sampler.counts()
-            estimates: dict[float, float | None] = {}
-            lookup_estimates: dict[float, float | None] = {}
-            if cap:
-                caps = [max(1, int(cap * m)) for m in multipliers]
-                for lookups, out in ((False, estimates), (True, lookup_estimates)):
-                    values = hit_ratios(
-                        sampler,
-                        caps,
-                        self.sampling_rate,
-                        adjust=self.adjust,
-                        lookups=lookups,
-                        max_keys=self._max_keys,
-                        counts=counts,
-                    )
-                    out.update(zip(multipliers, values))
-            lost += int(counts["lost"])
+            caps = [max(1, int(cap * m)) for m in multipliers] if cap else []
+            estimates, lookup_estimates = (
+                dict(zip(multipliers, self._ratios(sampler, caps, lookups, counts))) if caps else {}
+                for lookups in (False, True)
+            )
             pools[name] = PoolAdvice(
                 name,
                 cap or None,
@@ -360,7 +334,7 @@ class CapacityAdvisor:
         return AdvisorSnapshot(
             self.sampling_rate,
             MappingProxyType(pools),
-            lost,
+            sum(p.dropped_references for p in pools.values()),
             self.errors,
             tuple(multipliers),
         )

@@ -6,47 +6,43 @@ little it takes to say why SGLang wrote it anyway, from events the write path
 reports in scheduler-thread order (every TP rank sees the same ones):
 
 * ``queried(pages, below_threshold)``: a rank-agreed prefetch hit query found
-  ``pages`` in L3.  Below the prefetch threshold they are not loaded: if they are
-  written again, the cause is ``below_prefetch_threshold``; at or above it a
-  prefetch is due, and until it reports, a rewrite is a ``prefetch_shortfall``
-  (a prefetch revoked for lack of host memory never reports);
-* ``prefetched(loaded, requested)``: a prefetch loaded ``loaded``; the requested
-  pages it did not deliver (a deadline, a failed transfer, no host memory for them)
-  stay a ``prefetch_shortfall``;
-* ``launched(node, pages)``: a write of ``pages`` by tree node ``node`` left; the
-  pending dispositions of its pages are taken here (a page's next write consumes
-  its query's verdict);
+  ``pages`` in L3.  Below the prefetch threshold they are not loaded, so a
+  rewrite is ``below_prefetch_threshold``; at or above it, until the due prefetch
+  reports, a rewrite is a ``prefetch_shortfall`` (a prefetch revoked for lack of
+  host memory never reports);
+* ``prefetched(loaded, requested)``: requested pages a prefetch did not deliver
+  (a deadline, a failed transfer, no host memory) stay a ``prefetch_shortfall``;
+* ``launched(node, pages)``: a write by tree node ``node`` left; a page's next
+  write consumes its pending disposition;
 * ``stored(node, pages)``: the write was acknowledged.
 
-``classify(node, pages, believed, held)`` then names each redundant page's cause,
+``classify(node, pages, believed, held)`` names each redundant page's cause,
 first match wins:
 
-1. ``believed_node``: the existence cache decided the write (``held``: it believed
-   the page stored), yet the page was written: its node also spanned uncovered
-   pages and was written whole (buffer mode; cache mode's node rules);
+1. ``believed_node``: the existence cache believed the page stored (``held``),
+   yet its node also spanned uncovered pages and was written whole (buffer mode;
+   cache mode's node rules);
 2. ``below_prefetch_threshold`` / ``prefetch_shortfall``: the page's last prefetch
    disposition, as above;
 3. ``host_copy_reclaimed``: the same tree node wrote before.  A node writes its
    pages once while its host copy lives; under ``write_back``, host pressure
-   reclaims the host copy of a node that is also on the device (a "duplicate"),
-   and the node's next device eviction backs it up to host, and L3, again
-   (SGLang's ``SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM`` turns that off);
-4. ``recompute``: this process has a local record of the page: believed stored
-   when the write left (``believed``), or ``remembers`` says so (believed now, or
-   once believed: the miss-reason memory's evicted / invalidated / cleared): a
-   page stored (or learnt) before, evicted from device and host, computed again
-   without a prefetch;
+   reclaims the host copy of a node also on the device (a "duplicate"), and the
+   node's next device eviction backs it up to host, and L3, again (SGLang's
+   ``SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM`` turns that off);
+4. ``recompute``: this process has a record of the page (believed stored when the
+   write left, or ``remembers`` says believed now or once: the miss-reason
+   memory's evicted / invalidated / cleared): stored or learnt before, evicted
+   from device and host, computed again without a prefetch;
 5. ``other_instance``: no local record: another instance (or this server before a
    restart) stored it;
 6. ``unclassified``: ``remembers`` cannot tell (no miss-reason memory), so 4 and 5
    cannot be told apart.
 
 Memory is bounded and the work per event is C-level batch dict and set operations
-(a Python step only per page that had a disposition): the dispositions and the nodes
-that wrote are kept in two generations each (a new generation starts when the current
-one holds ``max_entries``; the one before is dropped), so the most recent
-``max_entries`` to ``2 * max_entries`` are remembered.  Pages are the tree's own hash
-strings.
+(a Python step only per page that had a disposition): dispositions and the nodes
+that wrote are kept in two generations each (the older dropped when the newer
+holds ``max_entries``), so the most recent ``max_entries`` to ``2 * max_entries``
+are remembered.  Pages are the tree's own hash strings.
 """
 
 from __future__ import annotations

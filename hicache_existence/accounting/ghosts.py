@@ -1,28 +1,25 @@
 """Miss reasons: a bounded memory of pages that recently left a pool's beliefs.
 
-A page miss costs one redundant L3 write; the operator's question is *why* the
-page was not believed.  ``FingerprintGhosts`` answers it for one pool: every page
-that leaves the beliefs (evicted by the cap, dropped by ``invalidate_beyond`` or a
-heal, dropped by a clear) leaves a one-byte trace, and a later miss on the page
-finds the trace (``evicted`` / ``invalidated`` / ``cleared``) or not (``cold``).
+A page miss costs one redundant L3 write; the operator asks *why* the page was
+not believed.  ``FingerprintGhosts`` answers for one pool: every page leaving the
+beliefs (evicted by the cap, dropped by ``invalidate_beyond``, a heal or a clear)
+leaves a one-byte trace, which a later miss on the page finds (``evicted`` /
+``invalidated`` / ``cleared``) or not (``cold``).
 
-Layout: a direct-mapped table of one-byte slots.  A page's slot index comes from
-the first 24 bits of its hash, its 6-bit fingerprint from the next byte, and the
-low 2 bits of the slot hold the reason (1..3, so 0 means empty).  A newer page
-that lands on the same slot overwrites it, so old traces fade out gradually
-rather than at a hard window edge: after ``n`` later departures a trace survives
-with probability ``exp(-n / slots)``.  A cold page is misreported only when its
-slot holds a trace with the same fingerprint: at most 1/64 of the time with a
-full table (measured: see ``docs/metrics.md``).
+Layout: a direct-mapped table of one-byte slots.  The slot index comes from the
+first 24 bits of the page hash, a 6-bit fingerprint from the next byte, and the
+slot's low 2 bits hold the reason (1..3; 0 is empty).  A newer page landing on
+the slot overwrites it, so traces fade gradually rather than at a window edge:
+after ``n`` later departures one survives with probability ``exp(-n / slots)``.
+A cold page is misreported only when its slot holds a trace with the same
+fingerprint: at most 1/64 of the time with a full table (docs/metrics.md).
 
-Cost: ``remember`` runs on the eviction path, so the per-page work is done by C
-loops over bytes.  SGLang page hashes are 64 hex digits, so a whole batch is
-turned into raw digests by one ``bytes.fromhex``, slot indices and fingerprints
-are sliced out of it with extended slices and ``bytes.translate``, and one C-level
-``map(setitem, ...)`` scatters the slot bytes: no Python bytecode per page and
-no ``hash()`` call.  Keys of another shape take a per-key path (correct, slower).
-``classify`` runs in batches on behalf of the misses recorded since the table
-last changed (the cache defers classification so a miss only appends its key).
+Cost: ``remember`` runs on the eviction path, so per-page work is C loops over
+bytes (``_ghosts.c``, else: one ``bytes.fromhex`` of a batch of 64-hex keys,
+extended slices and ``bytes.translate``, one C-level ``map(setitem, ...)``): no
+Python bytecode per page, no ``hash()``.  Keys of another shape take a per-key
+path (correct, slower).  ``classify`` runs in batches over the misses recorded
+since the table last changed (a miss only appends its key).
 """
 
 from __future__ import annotations
@@ -66,11 +63,9 @@ if struct.calcsize("I") != 4:  # pragma: no cover - every CPython platform in us
 
 
 def _layout(slots: int) -> tuple[int, int, int]:
-    """``(levels, top, size)`` for a table of at most ``slots`` one-byte slots.
-
-    The index is ``levels`` bytes of hash; the most significant byte is scaled to
-    ``top`` values, so the size is ``top * 256 ** (levels - 1)`` and can track
-    the memory budget closely instead of jumping in powers of two."""
+    """``(levels, top, size)`` for a table of at most ``slots`` one-byte slots: the
+    index is ``levels`` bytes of hash, the top one scaled to ``top`` values, so the
+    size ``top * 256 ** (levels - 1)`` tracks the budget, not powers of two."""
     slots = max(MIN_SLOTS, slots)
     if slots >= 1 << 16:
         levels, unit = 3, 1 << 16
@@ -84,10 +79,7 @@ def _layout(slots: int) -> tuple[int, int, int]:
 
 class FingerprintGhosts:
     """One pool's ``MissMemory``: a one-byte-per-slot table of recent departures.
-
-    Only the scheduler thread calls ``remember`` and ``reason``; ``nbytes`` and
-    ``slots`` are constants, safe to read from any thread.
-    """
+    Scheduler thread only, but ``nbytes`` and ``slots`` (constants) any thread."""
 
     __slots__ = (
         "_countdown",
@@ -156,10 +148,8 @@ class FingerprintGhosts:
         _exhaust(map(setitem, repeat(self._table), self._indices(digests, n), values))
 
     def classify(self, keys: Sequence[str]) -> list[int]:
-        """``reason`` for a batch of misses, in C loops for 64-hex keys.
-
-        The cache calls this from ``settle()`` with the misses recorded since the
-        last table change, so a miss pays only a list append on the hot path."""
+        """``reason`` for a batch of misses (C loops for 64-hex keys), called from
+        the cache's ``settle()``: a miss pays only a list append on the hot path."""
         n = len(keys)
         if not n:
             return []
@@ -236,13 +226,10 @@ class FingerprintGhosts:
     @staticmethod
     def _digests(keys: Sequence[str], n: int) -> bytes | None:
         """The first 4 bytes of every key's hash (its first 8 hex digits), as one
-        ``bytes`` of ``4 * n``, when every key is 64 characters long and starts with
-        8 hex digits; else None (the per-key path handles such keys).
-
-        All in C: the keys are joined with a separator, so character ``i`` of every
-        key is the extended slice ``joined[i::65]``; the 8 leading-digit lanes are
-        interleaved into one buffer and parsed by a single ``bytes.fromhex`` (8 hex
-        digits a key instead of 64)."""
+        ``bytes`` of ``4 * n``, when every key is 64 characters starting with 8 hex
+        digits; else None (the per-key path).  All in C: in the keys joined with a
+        separator, character ``i`` of every key is ``joined[i::65]``; the 8 leading
+        lanes are interleaved and parsed by one ``bytes.fromhex``."""
         joined = _SEP.join(keys)
         stride = _HEX_KEY_LEN + 1
         if len(joined) != stride * n - 1:
@@ -262,10 +249,9 @@ class FingerprintGhosts:
 
     @staticmethod
     def _word(key: str) -> int:
-        """32 bits of ``key``'s hash: its first 8 hex digits for a 64-character
-        key (what the batch path reads from the digest), else ``hash()``.
-        Odd 64-character keys (a sign, ``0x``) parse too: only consistency with
-        ``reason`` matters for them, and the batch path never sees them."""
+        """32 bits of ``key``'s hash: its first 8 hex digits for a 64-character key
+        (as the batch path reads), else ``hash()``.  Odd 64-character keys (a sign,
+        ``0x``) parse too: only consistency with ``reason`` matters for them."""
         if len(key) == _HEX_KEY_LEN:
             try:
                 return int(key[:8], 16)
@@ -309,10 +295,8 @@ class FingerprintGhosts:
 
 class GhostFactory:
     """The cache's ``miss_memory=`` factory: one ``FingerprintGhosts`` per pool,
-    sized to ``memory_fraction`` of a full pool of ``max_entries`` entries.
-
-    Keeps the memories it made so exporters can report their real size.
-    """
+    sized to ``memory_fraction`` of a full pool of ``max_entries`` entries; keeps
+    the memories it made so exporters can report their real size."""
 
     def __init__(
         self,
@@ -369,6 +353,6 @@ class GhostFactory:
         return MappingProxyType(self._memories)
 
     def nbytes_by_pool(self) -> dict[str, int]:
-        """Real bytes held per pool, O(pools); safe from another thread (the dict is
-        copied in one C call before it is walked, as in the caches' ``stats``)."""
+        """Real bytes held per pool, O(pools); any thread (the dict is copied in one
+        C call before it is walked)."""
         return {pool: memory.nbytes for pool, memory in self._memories.copy().items()}

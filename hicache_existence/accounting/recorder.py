@@ -1,39 +1,36 @@
 """A spatially sampled trace of the existence cache's traffic, recorded in the live server.
 
 ``hicache-existence replay`` plans caps and fleets from traces; this writes one
-from the server's own traffic (docs/replay.md, "Recording a trace").  What is
-recorded, each with a timestamp: lookups (the pages a lookup asked about, how
-many it walked, whether it missed at a recorded page), adds, invalidations and
-clears (the cache's ``BeliefObserver`` stream, once per operation), L3 writes at
-their launch and prefetch hit queries (from the write path), and request
-boundaries (an insert of a request's prompt into the radix tree: the lookups of
-its insert walk carry its number).  Each file starts with a header naming the
-instance (host, port, ranks, deployment labels) and the sampling rate.
+from the server's own traffic (docs/replay.md, "Recording a trace").  Recorded,
+each with a timestamp: lookups (the pages asked about, how many were walked,
+whether it missed at a recorded page), adds, invalidations and clears (the
+cache's ``BeliefObserver`` stream, once per operation), L3 writes at launch and
+prefetch hit queries (from the write path), and request boundaries (the lookups
+of a prompt's insert walk into the radix tree carry its number).  Each file
+starts with a header naming the instance (host, port, ranks, deployment labels)
+and the sampling rate.
 
 **Sampling is spatial and the same everywhere.**  A page is recorded iff its hash
 compares below ``bound(rate)``, the rate as 8 lowercase hex digits: for SGLang's
-64-hex SHA-256 page hashes, iff the hash's first 32 bits are below
-``rate x 2^32``.  The decision is a pure function of the page hash and the rate,
-so a page is recorded at every one of its references or never, on every TP rank
-and across restarts (unlike the advisor's, which uses Python's salted ``str``
-hash), and a recorded trace is a SHARDS sample of the stream: a stack distance
-``d`` in it stands for ``d / rate`` pages.
+64-hex SHA-256 page hashes, iff its first 32 bits are below ``rate x 2^32``.  A
+pure function of hash and rate (unlike the advisor's salted ``str`` hash), so a
+page is recorded at all its references or never, on every TP rank and across
+restarts, and a trace is a SHARDS sample: a stack distance ``d`` in it stands
+for ``d / rate`` pages.
 
 **The scheduler thread pays little and never waits.**  The cache's ``Tee`` calls
-the recorder's ``tap`` (``_recorder.Tap``, compiled; ``PyTap`` where no compiler
-was available): per operation one C call that tests the pages (a few ns a page, nothing
-allocated) and, only when a page was recorded, builds one tuple and appends it
-to a ``deque`` (atomic under the GIL: no lock).  No
-hashing, no encoding, no I/O.  When ``queue_records`` records are waiting the
-record is dropped and counted.  A writer thread drains the queue every
-``flush_interval_s``, encodes JSON lines (compiled too: the writer holds the GIL
-that the scheduler thread needs, so its time per record matters), writes each chunk as one complete
-gzip member (stdlib only: a file cut short by a killed server keeps every
-member before the cut readable),
-rotates at ``file_bytes`` and deletes this instance's oldest files while the
-total exceeds ``max_bytes``.  A failed open or write (an unwritable path, a full
-disk) drops that chunk's records, counts them, and is retried later; nothing
-here raises into the cache.
+the recorder's ``tap`` (``_recorder.Tap``, compiled; ``PyTap`` without a
+compiler): per operation one C call that tests the pages (a few ns a page,
+nothing allocated) and, only when a page was recorded, appends one tuple to a
+``deque`` (atomic under the GIL: no lock); no hashing, encoding or I/O.  With
+``queue_records`` waiting, a record is dropped and counted.  A writer thread
+drains the queue every ``flush_interval_s``, encodes JSON lines (compiled too:
+the writer holds the GIL the scheduler needs), writes each chunk as one complete
+gzip member (a file cut short by a killed server keeps every member before the
+cut readable), rotates at ``file_bytes`` and deletes this instance's oldest
+files while the total exceeds ``max_bytes``.  A failed open or write (an
+unwritable path, a full disk) drops and counts that chunk's records and is
+retried later; nothing here raises into the cache.
 """
 
 from __future__ import annotations
@@ -75,16 +72,8 @@ CHUNK_BYTES = 64 * 1024
 RETRY_S = 5.0
 
 #: Event kinds, in the ``kind`` field (and the ``kind`` label of the records metric).
-LOOKUP, ADD, INVALIDATE, CLEAR, WRITE, PREFETCH, REQUEST = (
-    "lookup",
-    "add",
-    "invalidate",
-    "clear",
-    "write",
-    "prefetch",
-    "request",
-)
-KINDS: tuple[str, ...] = (LOOKUP, ADD, INVALIDATE, CLEAR, WRITE, PREFETCH, REQUEST)
+KINDS: tuple[str, ...] = ("lookup", "add", "invalidate", "clear", "write", "prefetch", "request")
+LOOKUP, ADD, INVALIDATE, CLEAR, WRITE, PREFETCH, REQUEST = KINDS
 #: Why records were dropped (the ``reason`` label).
 DROP_REASONS: tuple[str, ...] = ("queue_full", "write_error")
 
@@ -111,10 +100,8 @@ def py_below(keys: Sequence[str], bound: str, /) -> list[int]:
     return [i for i, key in enumerate(keys) if key < bound]
 
 
-#: The writer's record encoder, compiled (``None``: ``Recorder._encode`` only).  It
-#: writes exactly ``_encode``'s line and raises TypeError for a record it does not
-#: take (a non-ASCII pool, say), which ``_encode`` then writes: the writer thread
-#: holds the GIL about 20 times shorter per record.
+#: ``Recorder._encode`` compiled (``None``: not built): the same line for ~20x less
+#: GIL a record; TypeError for a record it does not take (a non-ASCII pool, say).
 _native_encode: Callable[[tuple[Any, ...], float], str | None] | None = (
     _native.encode if _native is not None else None
 )
@@ -126,12 +113,11 @@ below: Callable[[Sequence[str], str], list[int]] = (
 
 
 class PyTap:
-    """The compiled ``Tap``'s twin: the recorder's ``BeliefObserver`` in the cache's
-    ``Tee``.  An operation none of whose pages is recorded ends after the page test;
-    otherwise one record ``(clock(), kind, pool, recorded pages, their indices (None:
-    every page), extra (lookup: stop; invalidate: keep_pages), request)`` is
-    appended to ``queue``, or dropped and counted when it holds ``capacity``
-    records.  Never raises (a failure is counted in ``errors``)."""
+    """The compiled ``Tap``'s twin, the recorder's ``BeliefObserver`` in the cache's
+    ``Tee``: an operation with a recorded page appends ``(clock(), kind, pool,
+    recorded pages, their indices (None: all), extra (lookup: stop; invalidate:
+    keep_pages), request)`` to ``queue`` (dropped and counted at ``capacity``).
+    Never raises (failures count in ``errors``)."""
 
     __slots__ = ("bound", "queue", "capacity", "clock", "request", "dropped", "errors")
 
@@ -230,17 +216,12 @@ def instance_name(host: str, port: int | None, labels: Mapping[str, Any]) -> str
     return name + ranks
 
 
-def _file_prefix(instance: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", instance)[:120] or "instance"
-
-
 class Recorder:
-    """Records the cache's traffic (see the module docstring).
-
-    It is a ``BeliefObserver`` (compose it with ``Tee``); the write path calls
-    ``written`` and ``prefetch``, the insert hook ``begin_request``/``end_request``.
-    ``start()`` starts the writer thread, ``close()`` drains and closes the file.
-    Scheduler-thread methods never raise and never block."""
+    """Records the cache's traffic (module docstring): a ``BeliefObserver`` (in a
+    ``Tee``); the write path calls ``written`` and ``prefetch``, the insert hook
+    ``begin_request``/``end_request``.  ``start()`` starts the writer thread,
+    ``close()`` drains and closes the file.  Scheduler-thread methods never raise
+    and never block."""
 
     def __init__(
         self,
@@ -253,15 +234,14 @@ class Recorder:
     ) -> None:
         self.rate = float(section.sample_rate)
         self._bound = bound(self.rate)
-        # Absolute already when it came through Config (config._PATHS); a section
-        # built by hand is resolved here, once.
+        # Already absolute through Config (config._PATHS); a hand-built section's here.
         self.directory = Path(section.path).expanduser().absolute()
         self.max_bytes = int(section.max_bytes)
         self.file_bytes = min(int(section.file_bytes), self.max_bytes // 2)
         self.capacity = int(section.queue_records)
         self.flush_interval_s = float(section.flush_interval_s)
         self.instance = instance or socket.gethostname()
-        self._prefix = _file_prefix(self.instance)
+        self._prefix = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.instance)[:120] or "instance"
         self._clock = clock
         self._t0 = clock()
         self.started_unix = wall()
@@ -297,9 +277,8 @@ class Recorder:
         instance: str | None = None,
         host_mode: str = "",
     ) -> Recorder | None:
-        """The recorder this process runs, or ``None`` (disabled, or ``ranks:
-        first`` on a rank other than TP and PP rank 0).  ``labels``: the
-        deployment labels (``DeploymentLabels``), put in every file's header."""
+        """The recorder this process runs, or ``None`` (disabled, or ``ranks: first``
+        off TP and PP rank 0); ``labels`` (``DeploymentLabels``) go in every header."""
         if not section.enabled:
             return None
         values = labels.as_dict()
@@ -332,7 +311,7 @@ class Recorder:
             thread.join(timeout_s)
         if thread is None or not thread.is_alive():
             with self._lock:
-                self._drain(final=True)
+                self._drain()
                 self._close_file()
 
     def set_page_size(self, page_size: int) -> None:
@@ -410,11 +389,6 @@ class Recorder:
     # -- reading -----------------------------------------------------------------------
     def snapshot(self) -> RecorderSnapshot:
         """Counters now (any thread)."""
-        disk = sum(size for _, size in list(self._files))
-        raw = self._raw
-        if raw is not None:
-            with contextlib.suppress(Exception):
-                disk += raw.tell()
         return RecorderSnapshot(
             dict(self._records),
             {
@@ -422,9 +396,18 @@ class Recorder:
                 "write_error": self.write_errors + self.tap.errors,
             },
             self.written_bytes,
-            disk,
+            self._disk_bytes(),
             self.files_deleted,
         )
+
+    def _disk_bytes(self) -> int:
+        """This instance's closed files plus the open one (any thread)."""
+        disk = sum(size for _, size in list(self._files))
+        raw = self._raw
+        if raw is not None:
+            with contextlib.suppress(Exception):
+                disk += raw.tell()
+        return disk
 
     # -- the writer thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -438,7 +421,7 @@ class Recorder:
                     self._warn(f"recorder writer error: {exc!r}")
         with self._lock:
             with contextlib.suppress(Exception):
-                self._drain(final=True)
+                self._drain()
             self._close_file()
 
     def _scan(self) -> None:
@@ -450,7 +433,7 @@ class Recorder:
         found.sort()
         self._files = [(path, size) for _, _, path, size in found]
 
-    def _drain(self, final: bool = False) -> None:
+    def _drain(self) -> None:
         queue = self._queue
         chunk: list[str] = []
         kinds: list[str] = []
@@ -562,11 +545,9 @@ class Recorder:
                 self._part += 1
                 name = f"{self._prefix}-{stamp}-{os.getpid()}-{self._part:05d}{SUFFIX}"
                 path = self.directory / name
-                try:
+                with contextlib.suppress(FileExistsError):
                     raw = open(path, "xb")  # noqa: SIM115 (closed by _close_file)
                     break
-                except FileExistsError:
-                    continue
             else:
                 raise FileExistsError(f"no free file name for {self._prefix} in {self.directory}")
             self._member(raw, self._header_line())
@@ -598,8 +579,7 @@ class Recorder:
         }
         if self.page_size:
             header["page_size"] = self.page_size
-        for key, value in self._header_extra.items():
-            header.setdefault(key, value)
+        header = {**self._header_extra, **header}  # the extra never overrides
         return json.dumps(header, separators=(",", ":"), sort_keys=True) + "\n"
 
     def _close_file(self) -> None:
@@ -620,11 +600,7 @@ class Recorder:
 
     def _bound_disk(self) -> None:
         """Delete this instance's oldest files while the total exceeds ``max_bytes``."""
-        current = 0
-        if self._raw is not None:
-            with contextlib.suppress(Exception):
-                current = self._raw.tell()
-        total = current + sum(size for _, size in self._files)
+        total = self._disk_bytes()
         while self._files and total > self.max_bytes:
             path, size = self._files.pop(0)
             with contextlib.suppress(OSError):

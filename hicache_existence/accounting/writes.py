@@ -1,24 +1,13 @@
 """Write accounting: what the beliefs saved and what they failed to save.
 
-The write path (SGLang's buffer-mode backup, fed by
-``hicache_existence.integrations.sglang.write_path``) calls one method per decision with page
-*counts*, never once per page:
-
-* ``written(pool, pages, already_stored=0)``: the L3 write of ``pages`` pages was
-  launched; ``already_stored`` of them were already there according to ground
-  truth, i.e. redundant writes the beliefs failed to prevent;
-* ``avoided(pool, pages)``: ``pages`` pages of a write intent were skipped because
-  they were believed stored or in flight (the cache's whole purpose);
-* ``acked(pool, stored, failed, already_stored, believed)``: this rank's storage
-  write of earlier written pages finished: ``stored`` pages stored, ``failed``
-  not, ``already_stored`` of them the backend already held (redundant), and
-  ``believed`` of those redundant pages were believed stored when the write
-  launched (a node is written whole when any of its pages is not covered);
-* ``redundant(pool, pages)``: ground truth learned later that ``pages`` written
-  pages were already stored;
-* ``redundant_cause(pool, cause, pages)``: why ``pages`` of the redundant pages were
-  written again (``accounting/causes.py``); the causes add up to ``redundant``
-  wherever the write path classifies (SGLang's write path does, in both modes).
+The write path (SGLang's backup, fed by ``integrations.sglang.write_path``) calls
+one method per decision with page *counts*, never once per page: ``written`` (an
+L3 write launched; ``already_stored`` of it redundant by ground truth: writes the
+beliefs failed to prevent), ``avoided`` (pages skipped as believed stored or in
+flight: the cache's whole purpose), ``acked`` (this rank's storage write
+finished), ``redundant`` (ground truth learned later) and ``redundant_cause``
+(why, ``accounting/causes.py``; the causes add up to ``redundant`` wherever the
+write path classifies, as SGLang's does in both modes).
 
 Recording bumps plain ints on the scheduler thread; ``stats()`` returns immutable
 snapshots (pages and bytes) that subtract to deltas, like ``stats.py``.
@@ -40,10 +29,8 @@ _NO_CAUSES: Mapping[str, int] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True)
 class PoolWriteStats:
-    """One pool's write accounting: pages, and bytes at ``page_size_bytes``.
-
-    Its ``counter()`` fields are the one declaration of the write counters: the
-    live per-pool record and ``WRITE_FIELDS`` are built from them."""
+    """One pool's write accounting: pages, and bytes at ``page_size_bytes``.  Its
+    ``counter()`` fields declare the write counters (``_PoolWrites``, ``WRITE_FIELDS``)."""
 
     pool: str
     #: Pages whose L3 write was launched.
@@ -163,13 +150,10 @@ class WriteStats(Mapping[str, PoolWriteStats]):
 
 
 class WriteAccounting:
-    """Per-pool write counters fed by the write path.
-
-    ``page_size_bytes`` is the L3 size of one page (all layers); ``page_sizes``
-    overrides it per pool (a Mamba state page differs from a KV page), and
-    ``set_page_size`` sets it later, once the running server's KV layout is known.
-    Bad input raises before any counter changes.
-    """
+    """Per-pool write counters fed by the write path.  ``page_size_bytes``: L3
+    bytes of one page (all layers); ``page_sizes`` overrides it per pool (a Mamba
+    state page differs from a KV page); ``set_page_size`` sets it once the running
+    server's KV layout is known.  Bad input raises before any counter changes."""
 
     def __init__(
         self, page_size_bytes: int = 0, page_sizes: Mapping[str, int] | None = None
@@ -196,8 +180,7 @@ class WriteAccounting:
     def written(self, pool: str, pages: int, already_stored: int = 0) -> None:
         """``pages`` pages of ``pool`` were written; ``already_stored`` of them
         were already in L3 according to ground truth."""
-        # The checks' common case inline (the write path calls this on the
-        # scheduler thread at every launch); anything else gets the full checks.
+        # The common case checked inline (the scheduler thread, every launch).
         if type(pages) is not int or pages < 0:
             pages = _validate.count(pages, "pages")
         already = already_stored
@@ -235,7 +218,7 @@ class WriteAccounting:
         """This rank's storage write of ``stored + failed`` written pages of
         ``pool`` finished; ``already_stored`` of the stored pages were already in
         L3 (the backend said so), ``believed`` of those were believed stored
-        when the write launched."""
+        when the write launched (a node is written whole when any page is not)."""
         stored = _validate.count(stored, "stored")
         failed = _validate.count(failed, "failed")
         already = _validate.count(already_stored, "already_stored")
@@ -299,8 +282,8 @@ class WriteAccounting:
         return tuple(self._pools)
 
     def stats(self) -> WriteStats:
-        """An immutable snapshot, O(pools); safe from another thread (the dicts are
-        copied in one C call each before they are walked, as in the caches' ``stats``)."""
+        """An immutable snapshot, O(pools); safe from another thread (each dict is
+        copied in one C call before it is walked)."""
         return WriteStats(
             MappingProxyType(
                 {

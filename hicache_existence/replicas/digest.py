@@ -1,32 +1,30 @@
 """Deterministic digests of one cache replica, for cross-rank divergence checks.
 
-Every TP / attention-TP / PP rank holds its own replica, and replicas stay equal
-only if every rank applies the same operations in the same order from the same
-start (docs/tp-divergence.md).  ``ReplicaDigest`` is a ``BeliefObserver`` that
-folds each pool's operation stream into a running digest as it happens, so a
-check compares a few 63-bit words per pool instead of the caches themselves.
+Every TP / attention-TP / PP rank holds its own replica, equal only if every
+rank applies the same operations in the same order from the same start
+(docs/tp-divergence.md).  ``ReplicaDigest``, a ``BeliefObserver``, folds each
+pool's operation stream into a running digest, so a check compares a few 63-bit
+words per pool instead of the caches.
 
 Per pool, incrementally (once per operation, never once per page in Python):
 
-* ``crc``: CRC-32 chained over the operation stream, one self-delimiting record
-  per operation.  ``add`` / ``invalidate_beyond`` / in-flight batches contribute
-  every page (one ``"\\0".join`` + ``zlib.crc32`` in C); a lookup contributes
-  only ``(stop, hashes[0], hashes[stop-1])``, O(1) per call: SGLang page hashes
-  are chained SHA-256, so the last page names the whole walked prefix.
-  (``SharedLruDigest``, for the seed generation's shared LRU, also folds each
-  operation's global index, so the interleaving of pools counts too.)
-* ``ops`` / ``pages``: exact counts of operations and of pages in batches, so a
-  missing or extra operation is caught with certainty, not with 1 - 2**-32.
+* ``crc``: CRC-32 chained over the operations, one self-delimiting record each.
+  ``add`` / ``invalidate_beyond`` / in-flight batches contribute every page (one
+  ``"\\0".join`` + ``zlib.crc32`` in C); a lookup only ``(stop, hashes[0],
+  hashes[stop-1])``, O(1): SGLang page hashes are chained SHA-256, so the last
+  page names the walked prefix.  (``SharedLruDigest``, for the seed generation's
+  shared LRU, also folds each operation's global index: interleaving counts.)
+* ``ops`` / ``pages``: exact counts of operations and batch pages, so a missing
+  or extra operation is caught with certainty, not with 1 - 2**-32.
 
 At check time only (O(pools)): the state sizes (entries, distinct in-flight
-pages, capacity) from ``stats()``; and, when asked, an exact *audit* of the
-membership itself (believed pages and in-flight refcounts, O(entries) in C)
-which closes what the operation digest cannot see (lookups over non-chained
-hashes whose middle pages differ, once that changes an eviction; state changed
-behind the API's back).
+pages, capacity) from ``stats()``; when asked, an exact *audit* of the membership
+(believed pages and in-flight refcounts, O(entries) in C) closes what the
+operation digest cannot see (lookups over non-chained hashes whose middle pages
+differ, once that changes an eviction; state changed behind the API's back).
 
-Only deterministic functions are used (CRC-32, BLAKE2b, decimal formatting):
-never ``hash()`` of a ``str``, which Python randomises per process.
+Only deterministic functions (CRC-32, BLAKE2b, decimal formatting): never
+``hash()`` of a ``str``, which Python randomises per process.
 """
 
 from __future__ import annotations
@@ -91,12 +89,9 @@ def slot_of(pool: str, slots: int) -> int:
 
 class ReplicaDigest:
     """A ``BeliefObserver`` keeping per-pool incremental digests of one replica.
-
-    Install it as the cache's ``observer`` (or inside a ``Tee``) before the first
-    operation; a replica is then summarised by ``pool_digests(cache)``.  Equal
-    operation streams give equal digests in every process; see the module doc for
-    what each part covers.
-    """
+    Install it as the cache's ``observer`` (or in a ``Tee``) before the first
+    operation; ``pool_digests(cache)`` then summarises the replica.  Equal
+    operation streams give equal digests in every process."""
 
     __slots__ = ("_streams", "_audits", "errors")
 
@@ -203,12 +198,11 @@ class ReplicaDigest:
     ) -> dict[str, PoolDigest]:
         """Each pool's digest word, O(pools) (plus O(entries) when ``audit``).
 
-        With ``cache``, the state sizes are folded in and every pool of the cache
-        is included; a pool with no history, no entries and nothing in flight is
-        left out, so a pool created but unused on one rank equals an absent one.
-        ``audit`` recomputes the exact state audit of pools whose operation digest
-        changed since their last audit; otherwise the last audit value is reused
-        (the same rule on every rank, so equal replicas stay equal).
+        With ``cache``, state sizes are folded in and every cache pool included; a
+        pool with no history, entries or in-flight pages is left out (unused on one
+        rank equals absent).  ``audit`` recomputes the audit of pools whose
+        operation digest changed since their last one, else reuses it (the same
+        rule on every rank, so equal replicas stay equal).
         """
         stats = cache.stats() if cache is not None else {}
         names = list(self._streams)
@@ -261,13 +255,10 @@ class ReplicaDigest:
 
 
 class SharedLruDigest(ReplicaDigest):
-    """The digest for a ``shared_lru`` cache (the seed generation's).
-
-    There one LRU is shared by every pool, so the *interleaving* of operations
-    across pools decides evictions too.  Each operation therefore also folds its
-    global index into its pool's stream (one more CRC update per call).  The
-    current generation does not need this: its pools are independent LRUs, and
-    two ranks that interleave pools differently still hold equal state.
+    """The digest for a ``shared_lru`` cache (the seed generation's): its one LRU
+    over every pool makes the *interleaving* of operations decide evictions too,
+    so each operation also folds its global index (one more CRC update).  The
+    current generation's pools are independent LRUs: interleaving does not matter.
     """
 
     __slots__ = ("_seq",)
@@ -323,13 +314,11 @@ def _crc_strings(items: Sequence[str], crc: int) -> int:
 
 
 def audit_pool(pool: PoolView) -> int:
-    """An exact 63-bit digest of one pool's *membership*: the believed pages,
-    the in-flight refcounts and the cap.  O(entries), in C.
-
-    Pages are read in LRU order, which both index implementations give
-    identically (the compiled one walks its node list in C, ~10 ns a page at
-    512K entries), so equal histories give equal audits whatever backend each
-    rank runs.
+    """An exact 63-bit digest of one pool's *membership*: the believed pages, the
+    in-flight refcounts and the cap.  O(entries), in C.  Pages are read in LRU
+    order, identical in both index implementations (the compiled one walks its
+    list at ~10 ns a page at 512K entries), so equal histories give equal audits
+    whatever backend each rank runs.
     """
     keys = pool.lru_keys()
     crc = _crc_strings(keys, 0)

@@ -5,20 +5,17 @@ lockstep point (in SGLang: right after ``check_hicache_events``).  Every
 ``interval_steps`` steps the checker folds its step and the replica's digest
 (``digest.ReplicaDigest``: one 63-bit word over every pool) into one word ``w``
 and all-reduces ``[w, -w]`` with MAX over a dedicated CPU group, which yields
-both the maximum and the minimum: equal replicas cost one collective of two
-int64 and no traffic proportional to the cache.  Only when the words differ
-does it all-gather a fixed-size vector (per-slot pool words and sizes) to name
-the ranks and pools that differ, then applies the policy: ``log`` (an error
-event and counters), ``heal`` (every rank clears the affected pools at the same
-step), or ``abort`` (raise, for canaries and CI).
+maximum and minimum: equal replicas cost one collective of two int64.  Only
+when the words differ does it all-gather a fixed-size vector (per-slot pool
+words and sizes) to name the ranks and pools that differ, then applies the
+policy: ``log`` (an error event and counters), ``heal`` (every rank clears the
+affected pools at the same step), or ``abort`` (raise, for canaries and CI).
 
 A healthy job is never hung by it: collectives run only at the lockstep point,
-the group has a timeout and a rank that times out stops checking; a start-up
-handshake compares the settings that decide when collectives happen (enabled,
-interval, policy, ...) so that ranks that would disagree never start.
-
-``torch`` is imported only by ``TorchGlooGroup``; ``InProcessWorld`` runs the
-same checker over threads for fast tests.
+the group has a timeout, a rank that times out stops checking, and a start-up
+handshake compares the settings that decide when collectives happen, so ranks
+that would disagree never start.  ``torch`` is imported only by
+``TorchGlooGroup``; ``InProcessWorld`` runs the checker over threads for tests.
 """
 
 from __future__ import annotations
@@ -66,10 +63,6 @@ _STEP, _STATUS, _REPLICA = 0, 1, 2
 _HEADER = 3
 
 
-# ---------------------------------------------------------------------------
-# errors
-
-
 class GroupError(RuntimeError):
     """A collective failed (a peer is gone, the transport broke)."""
 
@@ -94,18 +87,12 @@ class DivergenceConfigError(DivergenceError):
     """``abort`` policy: ranks disagree on the divergence settings."""
 
 
-# ---------------------------------------------------------------------------
-# groups
-
-
 @runtime_checkable
 class CheckGroup(Protocol):
     """The collectives the checker needs, over fixed-size lists of int64 values.
-
-    Every member must call each collective at the same point, with lists of the
-    same length; a collective that cannot complete within ``timeout_s`` raises
-    ``GroupTimeout``, any other failure ``GroupError``.
-    """
+    Every member calls each at the same point, with lists of the same length; one
+    that cannot complete within ``timeout_s`` raises ``GroupTimeout``, any other
+    failure ``GroupError``."""
 
     #: This member's index in the group.
     rank: int
@@ -122,12 +109,11 @@ class CheckGroup(Protocol):
 
 
 class TorchGlooGroup:
-    """A ``torch.distributed`` gloo (CPU) group.
+    """A ``torch.distributed`` gloo (CPU) group; never NCCL: checks stay off the GPU.
 
     Use a *dedicated* group (``create``): the checker's collectives then never
-    interleave with the job's own, and the group's timeout (set at creation,
-    gloo's per-operation timeout) bounds how long a check can wait for a rank
-    that does not come.  Never a NCCL group: the check must stay off the GPU.
+    interleave with the job's own, and its timeout (gloo's per operation, set at
+    creation) bounds how long a check can wait for a rank that does not come.
     """
 
     def __init__(self, group: Any = None, *, timeout_s: float) -> None:
@@ -142,21 +128,17 @@ class TorchGlooGroup:
         self._group = group
         self.rank = int(dist.get_rank(group))
         self.size = int(dist.get_world_size(group))
-        if group is None:
-            self.ranks = tuple(range(self.size))
-        else:
-            self.ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+        members = range(self.size) if group is None else dist.get_process_group_ranks(group)
+        self.ranks = tuple(int(r) for r in members)
         self.timeout_s = float(timeout_s)
 
     @classmethod
     def create(
         cls, ranks: Sequence[int] | None = None, *, timeout_s: float
     ) -> TorchGlooGroup | None:
-        """A new dedicated gloo group with a ``timeout_s`` per operation.
-
-        Like every ``new_group``, call it on *every* rank of the default group,
-        in the same order; ranks outside ``ranks`` get ``None``.
-        """
+        """A new dedicated gloo group with a ``timeout_s`` per operation.  Like every
+        ``new_group``, call it on *every* rank of the default group, in the same
+        order; ranks outside ``ranks`` get ``None``."""
         import torch.distributed as dist
 
         group = dist.new_group(
@@ -175,15 +157,10 @@ class TorchGlooGroup:
         except RuntimeError as exc:  # DistBackendError is a RuntimeError
             elapsed = time.monotonic() - start
             text = str(exc)
-            # With three ranks or more, the rank whose own timer fires first closes
-            # its connections, and a rank waiting on it (not on the missing one)
-            # sees "Connection closed by peer" at about the same time: no answer
-            # within the timeout either way, so both count as timeouts.
-            if (
-                "timed out" in text.lower()
-                or "timeout" in text.lower()
-                or elapsed >= self.timeout_s * 0.9
-            ):
+            low = text.lower()
+            # With three ranks or more, a rank waiting on the one whose timer fired
+            # first sees "Connection closed by peer" about as late: both are timeouts.
+            if "timeout" in low or "timed out" in low or elapsed >= self.timeout_s * 0.9:
                 raise GroupTimeout(
                     f"{what} on the divergence-check gloo group timed out after {elapsed:.1f}s "
                     f"(timeout {self.timeout_s:g}s): a rank did not reach the check ({text})"
@@ -211,12 +188,9 @@ class TorchGlooGroup:
 
 
 class InProcessWorld:
-    """``size`` group members living in threads of one process (fast tests).
-
-    Collectives meet at a ``threading.Barrier`` with ``timeout_s``; a member
-    that does not arrive breaks the barrier for everyone, as a lost rank breaks
-    a gloo group.
-    """
+    """``size`` group members in threads of one process (fast tests).  Collectives
+    meet at a ``threading.Barrier`` with ``timeout_s``; a member that does not
+    arrive breaks it for everyone, as a lost rank breaks a gloo group."""
 
     def __init__(self, size: int, timeout_s: float = 5.0) -> None:
         self.size = size = count(size, "size", 1)
@@ -272,10 +246,6 @@ class InProcessGroup:
         return self._world._exchange(self.rank, values, "all_gather")
 
 
-# ---------------------------------------------------------------------------
-# results and counters
-
-
 @dataclass(frozen=True)
 class CheckResult:
     """What one check found."""
@@ -329,17 +299,11 @@ class _Counts:
     check_seconds: float = 0.0
 
 
-# ---------------------------------------------------------------------------
-# the checker
-
-
 class DivergenceChecker:
     """Compares this rank's replica digest with every other member of ``group``.
-
-    ``digest`` must be the observer of ``cache`` (or inside its ``Tee``);
-    ``cache`` supplies state sizes and audits, and is what ``heal`` clears.
-    ``on_event`` receives every structured event (besides the log record).
-    """
+    ``digest`` must observe ``cache`` (or be in its ``Tee``); ``cache`` supplies
+    state sizes and audits and is what ``heal`` clears; ``on_event`` receives every
+    structured event (besides the log record)."""
 
     def __init__(
         self,
@@ -389,9 +353,8 @@ class DivergenceChecker:
         return self._step
 
     def steps_to_due(self) -> int:
-        """How many more ``on_step`` calls until one has work (1: the next), for a
-        caller that credits the steps in between with ``advance`` instead of calling.
-        It counts steps only, so it is the same on every rank."""
+        """``on_step`` calls until one has work (1: the next), for a caller that
+        credits those between with ``advance``; steps only, so equal on every rank."""
         if not self._started:
             return 1
         if not self._active:
@@ -404,11 +367,9 @@ class DivergenceChecker:
         self._step += steps
 
     def on_step(self) -> CheckResult | None:
-        """Count one scheduler step; run the check when it is due.
-
-        Call it on every rank at the same lockstep point of every step.  The
-        first call runs the start-up handshake (unless ``start`` did).  Raises
-        only under the ``abort`` policy; otherwise problems become events.
+        """Count one scheduler step; run the check when due.  Call it on every rank
+        at the same lockstep point of every step; the first call runs the handshake
+        (unless ``start`` did).  Raises only under ``abort``; else problems are events.
         """
         self._step += 1
         if self._active:
@@ -499,50 +460,40 @@ class DivergenceChecker:
 
     # -- one check -----------------------------------------------------------
     def check(self) -> CheckResult:
-        """Compare replicas now, at the current step.  Every rank must call it at
-        the same point (``on_step`` does, every ``interval_steps`` steps)."""
+        """Compare replicas now; every rank at the same point (as ``on_step`` does)."""
         step = self._step
         t0 = self._clock()
-        if self._group.size == 1:
-            # A world of one (a single-rank server): no other replica to differ
-            # from, so every check is ok without a digest or a collective (they
-            # cost ~100 us of the scheduler thread each, for nothing).
-            duration = self._clock() - t0
-            self._counts.checks += 1
-            self._counts.last_check_step = step
-            self._counts.check_seconds += duration
-            return CheckResult(step, "ok", duration)
-        self._check_index += 1
-        audit_every = self._config.audit_every_checks
-        audit = bool(audit_every) and self._check_index % audit_every == 0
         digests: dict[str, PoolDigest] = {}
-        try:
-            digests = self._digest.pool_digests(self._cache, audit=audit)
-            vector = self._vector(step, digests)
-        except Exception:  # still take part, or every other rank would wait
-            logger.exception("hicache-existence: computing the replica digest failed")
-            vector = [0] * (_HEADER + 3 * self._slots)
-            vector[_STEP], vector[_STATUS] = step, 1
-        # A healthy check moves one word, folded from the header (step, status,
-        # replica word), as [w, -w]: two int64, the cheapest all-reduce gloo has
-        # (on 4 ranks, 6 words cost several times 2).  Slot words and sizes
-        # travel in the gather, which runs only when the words differ.
-        word = mix("check", *vector[:_HEADER])
-        try:
-            reduced = self._group.all_reduce_max([word, -word])
-            gathered = self._group.all_gather(vector) if reduced[0] != -reduced[1] else None
-        except GroupError as exc:
-            self._record_failure(step, exc, "check")
-            return CheckResult(step, "failed", self._clock() - t0, self._failure_event)
+        gathered: list[list[int]] | None = None
+        # A world of one (a single-rank server) has no other replica to differ from:
+        # its checks are ok without a digest or a collective (~100 us each, for nothing).
+        if self._group.size > 1:
+            self._check_index += 1
+            audit_every = self._config.audit_every_checks
+            audit = bool(audit_every) and self._check_index % audit_every == 0
+            try:
+                digests = self._digest.pool_digests(self._cache, audit=audit)
+                vector = self._vector(step, digests)
+            except Exception:  # still take part, or every other rank would wait
+                logger.exception("hicache-existence: computing the replica digest failed")
+                vector = [0] * (_HEADER + 3 * self._slots)
+                vector[_STEP], vector[_STATUS] = step, 1
+            # The header folded into one word, as [w, -w]: two int64 are gloo's
+            # cheapest all-reduce (6 words on 4 ranks cost several times 2).
+            word = mix("check", *vector[:_HEADER])
+            try:
+                reduced = self._group.all_reduce_max([word, -word])
+                gathered = self._group.all_gather(vector) if reduced[0] != -reduced[1] else None
+            except GroupError as exc:
+                self._record_failure(step, exc, "check")
+                return CheckResult(step, "failed", self._clock() - t0, self._failure_event)
         self._counts.checks += 1
         self._counts.last_check_step = step
-        if gathered is None:
-            duration = self._clock() - t0
-            self._counts.check_seconds += duration
-            return CheckResult(step, "ok", duration)
-        event = self._diverged(step, gathered, digests)
+        event = None if gathered is None else self._diverged(step, gathered, digests)
         duration = self._clock() - t0
         self._counts.check_seconds += duration
+        if event is None:
+            return CheckResult(step, "ok", duration)
         event["check_duration_s"] = round(duration, 6)
         self._emit(logging.ERROR, event)
         if self._config.policy == "abort":
@@ -566,17 +517,8 @@ class DivergenceChecker:
             vector[_HEADER + 2 * k + s] += d.inflight
         return vector
 
-    def _local_pools(self) -> list[str]:
-        names = set(self._digest.pools())
-        if self._cache is not None:
-            names.update(self._cache.stats())
-        return sorted(names)
-
     def _diverged(
-        self,
-        step: int,
-        gathered: list[list[int]],
-        digests: dict[str, PoolDigest],
+        self, step: int, gathered: list[list[int]], digests: dict[str, PoolDigest]
     ) -> dict[str, Any]:
         k = self._slots
         group = self._group
@@ -604,7 +546,8 @@ class DivergenceChecker:
         reference = ordered[0]
         diverged = sorted(i for idx in ordered[1:] for i in idx)
         slot_set = set(slots)
-        local = self._local_pools()
+        names = self._cache.stats() if self._cache is not None else ()
+        local = sorted({*self._digest.pools(), *names})
         pools = [name for name in local if slot_of(name, k) in slot_set]
         # A diverged slot holding none of this rank's pools: a pool only other ranks
         # have (ranks that disagree on which pools exist); those ranks name it.
@@ -634,7 +577,7 @@ class DivergenceChecker:
             self._by_pool[name] = self._by_pool.get(name, 0) + 1
         action = {"log": "logged", "heal": "none", "abort": "aborted"}[self._config.policy]
         if self._config.policy == "heal" and slots:
-            self._heal(slot_set)
+            self._heal(pools)
             self._counts.heals += 1
             action = "healed: cleared " + (", ".join(pools) if pools else "no local pool")
         return {
@@ -666,27 +609,25 @@ class DivergenceChecker:
             "digest_errors": self._digest.errors,
         }
 
-    def _heal(self, slots: set[int]) -> None:
-        """Clear every local pool of the diverged slots and restart their digests.
+    def _heal(self, pools: list[str]) -> None:
+        """Clear the local ``pools`` of the diverged slots and restart their digests.
 
-        Every rank derives ``slots`` from the same reduced words, so every rank
+        Every rank derives the slots from the same gathered words, so every rank
         clears the same pools at the same step; beliefs are advisory, so the cost
         is redundant writes (those misses count as ``cleared``).
         """
         cache = self._cache
-        names = [n for n in self._local_pools() if slot_of(n, self._slots) in slots]
-        if cache is not None and cache.shared_lru:
+        assert cache is not None  # policy 'heal' requires one
+        if cache.shared_lru:
             # One shared LRU: a divergence in one pool moves every pool's
             # evictions, so every pool is cleared.
             cache.clear()
             self._digest.reset_all()
             return
-        if cache is not None:
-            existing = set(cache.pool_names())
-            for name in names:
-                if name in existing:
-                    cache.pool(name).clear()
-        for name in names:
+        existing = set(cache.pool_names())
+        for name in pools:
+            if name in existing:
+                cache.pool(name).clear()
             self._digest.reset(name)
 
     # -- failures and events -------------------------------------------------
@@ -716,10 +657,7 @@ class DivergenceChecker:
         """One structured event: to the package's event logger, then ``on_event``."""
         try:
             fields = {k: v for k, v in event.items() if k != "event"}
-            if level >= logging.ERROR:
-                _events.error(event["event"], **fields)
-            else:
-                _events.info(event["event"], **fields)
+            (_events.error if level >= logging.ERROR else _events.info)(event["event"], **fields)
             if self._on_event is not None:
                 self._on_event(event)
         except Exception:  # a broken sink must not break the scheduler
