@@ -5,5 +5,3 @@ The only code of the package that imports sglang (always lazily, inside a
 function, guarded): importing this sub-package costs nothing and never imports
 sglang or torch.
 """
-
-from __future__ import annotations

@@ -1,44 +1,35 @@
-"""HiCache cache mode's L3 writes: counted, and deduplicated on request.
+"""HiCache cache mode's L3 writes: counted, and deduplicated on request (docs/enable.md §3a).
 
-In ``--hicache-host-memory-mode cache`` (HiCache's default) host memory keeps a copy
-of every backed-up node and L3 is written from it: when the device-to-host copy of a
-node is acknowledged, ``UnifiedRadixCache.write_backup_storage(node_id)`` hands the
-node's pages to ``cache_controller.write_storage(host_indices, token_ids,
-hash_value, prefix_keys, extra_pools=...)``, the backup thread writes them, and the
-operation's ack comes back through the rank-synchronised storage drain, which pops it
-from ``tree.ongoing_backup``.  Upstream consults no existence cache on that path:
-every backed-up node is written whether or not L3 already holds its pages.
+In ``--hicache-host-memory-mode cache`` (HiCache's default)
+``UnifiedRadixCache.write_backup_storage(node_id)`` hands a backed-up node's host
+pages to ``cache_controller.write_storage``; the backup thread writes them and the
+rank-synchronised storage drain pops the operation from ``tree.ongoing_backup``.
+Upstream consults no existence cache there: every node is written, stored or not.
 
 ``CacheModeWrites`` sits on that path (``write_hooks``):
 
-* **launch**: inside ``write_backup_storage`` (a TP-lockstep point: it runs at the
-  rank-agreed write-through ack), ``write_storage``'s pages are looked up in the
-  existence cache (one ``covered`` query per pool, as a buffer-mode admission), and
-  the pages actually passed to the backend are counted ``written``;
-* **dedup** (``cache_mode.dedup``): pages believed stored are left out of the
-  write (``avoided``).  Which pages may be left out is the ``WritePlan`` rule:
-  any believed page when the backend keys pages by their own hash and the node has
-  no extra pools; only a believed prefix when the backend takes prefix keys (the
-  prefix context is advanced past it, as upstream does for omitted pages); the
-  whole node or nothing when extra pools (hybrid models) ride along.  A node whose
-  every page is believed still gets an operation, an empty one: upstream's
-  bookkeeping (the host lock held until the ack, ``ongoing_backup``) stays as is;
-* **upstream dedup**: on an sglang that deduplicates these writes itself
-  (``upstream_overlap``), ours is off and the launch only counts: no second
-  lookup (sglang's went through this cache), every page handed over ``written``;
-* **ack**: an operation leaves ``tree.ongoing_backup`` only at the storage drain;
-  the per-step hook (``reap``) sees it gone, in launch order (one backup thread,
-  FIFO queues), and counts this rank's outcome (acknowledged, failed, redundant by
-  the backend's own answer, with its cause).  The written pages become beliefs
-  unconditionally, as upstream's buffer mode does at its ack, so every rank adds
-  the same pages whatever its own backend answered.
+* **launch**: inside ``write_backup_storage`` (TP-lockstep: it runs at the
+  rank-agreed write-through ack) the pages are looked up (one ``covered`` query
+  per pool) and those passed to the backend counted ``written``;
+* **dedup** (``cache_mode.dedup``): believed pages are left out (``avoided``) by
+  the ``WritePlan`` rule: any of them when the backend keys pages by their own
+  hash and there are no extra pools; only a believed prefix with prefix keys
+  (the prefix context is advanced past it, as upstream does); all or nothing
+  when extra pools (hybrid models) ride along.  A fully believed node still gets
+  an empty operation, so upstream's bookkeeping (host lock until the ack,
+  ``ongoing_backup``) is unchanged;
+* **upstream dedup** (``upstream_overlap``): ours is off and the launch only
+  counts, with no second lookup (sglang's went through this cache);
+* **ack**: the per-step ``reap`` sees operations leave ``tree.ongoing_backup``
+  in launch order (one backup thread, FIFO queues) and counts this rank's
+  outcome (acknowledged, failed, redundant by the backend's answer, with its
+  cause).  The written pages become beliefs unconditionally, as in upstream's
+  buffer mode, so every rank adds the same pages whatever its backend answered.
 
-With ``dedup`` off the lookups, the beliefs and every counter are the same; only
-the write is upstream's, untouched.  A stale belief (L3 lost a page) can make dedup
-skip a page that is gone: the next prefetch hit query heals the belief
-(``heal_from_query``), and the page is recomputed and written again.  Data in L3 is
-keyed by the content-chained page hash, so a skipped write can cost a recompute,
-never a wrong output.
+With ``dedup`` off, lookups, beliefs and counters are the same; only the write is
+upstream's.  A page L3 lost but still believed is healed by the next prefetch hit
+query (``heal_from_query``), then recomputed and rewritten: L3 is keyed by the
+content-chained page hash, so a skipped write costs a recompute, never a wrong output.
 """
 
 from __future__ import annotations
@@ -72,10 +63,9 @@ def account_ack(
     noted: set[str],
     held: set[str],
 ) -> None:
-    """This rank's outcome of one pool's written ``keys`` at their storage ack
-    (both modes), and the causes of the redundant ones, classified before the ack
-    adds the pages to the beliefs: ``noted`` were believed at launch, ``held``
-    decided the write."""
+    """This rank's outcome of one pool's written ``keys`` at their storage ack (both
+    modes), and the causes of the redundant ones, classified before the ack adds
+    them to the beliefs (``noted``: believed at launch; ``held``: decided the write)."""
     stored = outcome.stored[pool]
     existed = outcome.existed.get(pool, set()).intersection(keys)
     already = min(len(existed), stored)
@@ -93,7 +83,6 @@ class WritePlan:
 
     #: Indices (into the node's KV pages) written, in order.
     keep: list[int]
-    #: The node's KV pages.
     pages: list[str]
     #: KV pages believed stored at launch (redundant_believed at the ack).
     believed: set[str]
@@ -194,8 +183,7 @@ class CacheModeWrites:
         if type(pages) is not list:  # the write path hands over its own list
             pages = list(pages)
         pool = self.cache.pool
-        # A read (no touch, no count): which extra-pool keys were believed, for their
-        # redundant_believed at the ack.
+        # A read (no touch, no count), for the extra pools' redundant_believed at the ack.
         extra_believed = (
             {p: set(pool(p).believed(keys)) for p, keys in extra.items() if keys} if extra else {}
         )
@@ -294,8 +282,7 @@ class CacheModeWrites:
                     )
         for pool, keys in pools.items():
             if keys:
-                # Believed stored whatever this rank's backend answered, so that
-                # every rank adds the same pages.
+                # Believed whatever this rank's backend answered: all ranks add the same.
                 beliefs = self.cache.pool(pool)
                 beliefs.add(keys)
                 beliefs.untrack_inflight(keys)
@@ -308,9 +295,9 @@ class CacheModeWrites:
     # -- prefetch hit queries ----------------------------------------------------------------
     def heal(self, operation: Any, chain: list[str], page_size: int) -> None:
         """A rank-agreed prefetch hit query's verdict heals the beliefs (upstream
-        heals only in buffer mode): beyond the agreed boundary nothing is believed;
+        heals only in buffer mode): nothing is believed beyond the agreed boundary;
         with the KV pool's own verdict, up to it is learnt.  A query cut by its
-        deadline is no verdict (its agreed hit may be a MIN over skipped lookups)."""
+        deadline is no verdict (its hit may be a MIN over skipped lookups)."""
         if getattr(operation, "deadline_expired", False) or page_size <= 0:
             return
         hit_tokens = int(getattr(operation, "storage_hit_count", 0) or 0)

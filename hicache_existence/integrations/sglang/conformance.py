@@ -1,11 +1,10 @@
 """Whether our existence cache serves everything the installed upstream's does.
 
-The replacement is a different class from upstream's: a public method that a new
-sglang adds to its existence cache (or to the per-pool beliefs ``pool()`` hands
-out) and calls from the scheduler would raise ``AttributeError`` there.  So the
-REPLACE is registered only when, checked at start against the installed wheel,
-every public name of upstream's classes and of their instances is served by ours,
-each callable accepting every parameter upstream's accepts.
+A public method a new sglang adds to its existence cache (or to the per-pool
+beliefs ``pool()`` hands out) would raise ``AttributeError`` on our replacement.
+So the REPLACE is registered only when, checked at start against the installed
+wheel, ours serves every public name of upstream's classes and instances, each
+callable accepting every parameter upstream's accepts.
 """
 
 from __future__ import annotations
@@ -53,12 +52,8 @@ def _probe(cls: type) -> Any:
         return None
 
 
-def _public(obj: object) -> list[str]:
-    return sorted(n for n in dir(obj) if not n.startswith("_"))
-
-
 def _missing(label: str, theirs: object, mine: object) -> Iterator[str]:
-    for name in _public(theirs):
+    for name in sorted(n for n in dir(theirs) if not n.startswith("_")):
         if not hasattr(mine, name):
             yield f"{label}.{name}"
             continue
@@ -88,13 +83,11 @@ def _unaccepted(want: Any, have: Any) -> Iterator[str]:
         q = mine.get(name)
         return var_keyword or (q is not None and q.kind is not kinds.POSITIONAL_ONLY)
 
-    i = 0
-    for p in theirs.values():
+    for i, p in enumerate(theirs.values()):  # positional parameters come first
         if p.kind in positional:
             ok_by_position = i < len(mine_positional) or var_positional
             if not (ok_by_position and (p.kind is kinds.POSITIONAL_ONLY or by_name(p.name))):
                 yield p.name
-            i += 1
         elif p.kind is kinds.KEYWORD_ONLY and not by_name(p.name):
             yield p.name
         elif p.kind is kinds.VAR_POSITIONAL and not var_positional:

@@ -4,14 +4,12 @@ Read when the existence cache is built (inside ``UnifiedRadixCache.__init__``,
 inside ``Scheduler.__init__``), never at plugin registration: a scheduler
 process loads plugins before its configuration is published.
 
-Two sources, each read guarded so an API change degrades to a default instead
-of an exception in the scheduler:
-
-1. sglang's runtime context (``sglang.srt.runtime_context``: ``get_parallel``,
-   ``get_serving``, ``get_disagg``, ``get_memory``, ``get_server_args``), the
-   same accessors sglang's own metric labels use;
-2. the ``ServerArgs`` record and the ``Scheduler`` found on the calling stack
-   (older releases keep ranks and settings there).
+Two sources, each read guarded (an API change degrades to a default, never an
+exception in the scheduler): sglang's runtime context
+(``sglang.srt.runtime_context``: ``get_parallel``, ``get_serving``,
+``get_disagg``, ``get_memory``, ``get_server_args``), the accessors sglang's own
+metric labels use; then the ``ServerArgs`` record and the ``Scheduler`` found on
+the calling stack (older releases keep ranks and settings there).
 """
 
 from __future__ import annotations
@@ -88,8 +86,7 @@ class SchedulerFacts:
 
 
 def _label(value: str) -> str:
-    text = _CONTROL.sub("", value or "")
-    return text[-_MAX_LABEL:] if len(text) > _MAX_LABEL else text
+    return _CONTROL.sub("", value or "")[-_MAX_LABEL:]
 
 
 def _read(fn: Callable[[], Any]) -> Any:
@@ -97,10 +94,6 @@ def _read(fn: Callable[[], Any]) -> Any:
         return fn()
     except Exception:
         return None
-
-
-def _none() -> None:
-    return None
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -137,7 +130,7 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
     rc = sys.modules.get("sglang.srt.runtime_context")
     if rc is not None:
         for part in _CONTEXT_PARTS:
-            values.update(_settings(_read(getattr(rc, part, _none)), model_path=False))
+            values.update(_settings(_read(getattr(rc, part, lambda: None)), model_path=False))
         if values:
             sources.append("runtime_context")
         server_args = _read(lambda: rc.get_server_args())
@@ -156,7 +149,6 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
             values.setdefault(key, value)
         sources.append("server_args")
 
-    flags = stored_values(server_args) if server_args is not None else None
     return SchedulerFacts(
         tp_rank=_int(values.get("tp_rank")),
         tp_size=max(1, _int(values.get("tp_size"), 1)),
@@ -169,7 +161,7 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
         host_memory_mode=values.get("host_memory_mode"),
         write_policy=_str(values.get("write_policy")),
         hierarchical_cache=values.get("hierarchical_cache"),
-        flags=flags,
+        flags=stored_values(server_args),
         sources=tuple(sources),
         port=_int(values.get("port")),
         page_size=_int(values.get("page_size")),
@@ -221,13 +213,12 @@ def _from_stack(depth: int) -> tuple[Any, Any]:
         owner = local.get("self")
         if (
             scheduler is None
-            and owner is not None
             and type(owner).__name__.endswith("Scheduler")
             and hasattr(owner, "server_args")
         ):
             scheduler = owner
             if server_args is None:
-                server_args = getattr(owner, "server_args", None)
+                server_args = owner.server_args
         if server_args is None:
             candidate = local.get("server_args")
             if candidate is not None and hasattr(candidate, "model_path"):

@@ -2,16 +2,15 @@
 
 sglang builds its parser with ``ServerArgs.add_cli_args(parser)``, parses
 strictly, then keeps only real fields in ``ServerArgs.from_cli_args``.  Two
-AROUND hooks make the flags real: the first adds them to the parser (unless a
-flag of that name already exists: argparse would otherwise fail every launch),
-the second carries the parsed values as a non-field attribute of the
-``ServerArgs`` record, which its ``__reduce__`` keeps when the record is
-pickled into every scheduler process.
+AROUND hooks make the flags real: one adds them to the parser (unless a flag of
+that name exists: argparse would fail every launch), the other carries the
+parsed values as a non-field attribute of the ``ServerArgs`` record, which its
+``__reduce__`` keeps when the record is pickled into every scheduler process.
 
 Scheduler processes load plugins before they receive that record, so the
-switch itself also travels as ``HICACHE_EXISTENCE_ENABLED=1`` in the
-environment the children inherit; the configuration text is read from the
-record when the cache is built (``facts.flag_values``).
+switch also travels as ``HICACHE_EXISTENCE_ENABLED=1`` in the environment the
+children inherit; the configuration text is read from the record when the
+cache is built (``facts.gather``).
 """
 
 from __future__ import annotations
@@ -48,18 +47,6 @@ class FlagValues:
     enabled: bool = False
     config: str | None = None
 
-    @classmethod
-    def from_stored(cls, stored: object) -> FlagValues | None:
-        """Read back what ``attach`` stored (plain data: pickles anywhere); ``None``
-        for anything else."""
-        if not isinstance(stored, Mapping):
-            return None
-        enabled = stored.get("enabled")
-        config = stored.get("config")
-        if not isinstance(enabled, bool) or not (config is None or isinstance(config, str)):
-            return None
-        return cls(enabled=enabled, config=config)
-
 
 def read_config_text(value: str) -> str:
     """``--hicache-existence-config``: JSON text, a file path or ``@path`` ->
@@ -93,7 +80,7 @@ def read_config_text(value: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> list[str]:
     """Add the flags that ``parser`` does not already have; returns those added."""
     existing = getattr(parser, "_option_string_actions", {})
-    added: list[str] = []
+    added = [flag for flag in (ENABLE_FLAG, CONFIG_FLAG) if flag not in existing]
     clash = [flag for flag in (ENABLE_FLAG, CONFIG_FLAG) if flag in existing]
     if clash:
         logger.warning(
@@ -104,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> list[str]:
     group = parser.add_argument_group(
         "hicache-existence", "Storage-existence cache observability (docs/enable.md)."
     )
-    if ENABLE_FLAG not in existing:
+    if ENABLE_FLAG in added:
         group.add_argument(
             ENABLE_FLAG,
             dest=ENABLE_DEST,
@@ -113,8 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> list[str]:
             help="Observe, verify and heal HiCache's storage-existence cache (buffer mode, "
             "prefill servers). Same as HICACHE_EXISTENCE_ENABLED=1.",
         )
-        added.append(ENABLE_FLAG)
-    if CONFIG_FLAG not in existing:
+    if CONFIG_FLAG in added:
         group.add_argument(
             CONFIG_FLAG,
             dest=CONFIG_DEST,
@@ -124,26 +110,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> list[str]:
             help="hicache-existence configuration: JSON text, a JSON file or @file; "
             "overrides HICACHE_EXISTENCE_CONFIG and HICACHE_EXISTENCE_* variables.",
         )
-        added.append(CONFIG_FLAG)
     return added
 
 
 def values_of_namespace(namespace: object) -> FlagValues:
     """The flags' values in a parsed namespace (absent flags: defaults)."""
-    enabled = getattr(namespace, ENABLE_DEST, False)
     config = getattr(namespace, CONFIG_DEST, None)
     return FlagValues(
-        enabled=bool(enabled),
+        enabled=bool(getattr(namespace, ENABLE_DEST, False)),
         config=config if isinstance(config, str) and config else None,
     )
 
 
 def stored_values(server_args: object) -> FlagValues | None:
-    """The values carried by a ``ServerArgs`` record, if any."""
+    """The values ``attach`` stored on a ``ServerArgs`` record (plain data: pickles
+    anywhere), if any."""
     stored = getattr(server_args, ATTR, None)
-    if stored is None:
-        stored = getattr(server_args, "__dict__", {}).get(ATTR)
-    return FlagValues.from_stored(stored)
+    if not isinstance(stored, Mapping):
+        return None
+    enabled, config = stored.get("enabled"), stored.get("config")
+    if not isinstance(enabled, bool) or not (config is None or isinstance(config, str)):
+        return None
+    return FlagValues(enabled=enabled, config=config)
 
 
 def around_add_cli_args(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -168,11 +156,17 @@ def around_from_cli_args(original: Callable[..., Any], *args: Any, **kwargs: Any
     if namespace is None:
         return server_args
     values = values_of_namespace(namespace)
-    if not values.enabled and values.config is None:
-        return server_args
     if values.enabled:
-        _check_config(values)
-    attach(server_args, values)
+        # Explicitly enabled with a configuration that does not load: stop the
+        # launch with a usage error rather than start without the feature.
+        try:
+            Config.load(values.config, dict(os.environ))
+        except ConfigError as exc:
+            raise SystemExit(
+                f"{ENABLE_FLAG}: invalid hicache-existence configuration: {exc}"
+            ) from None
+    if values.enabled or values.config is not None:
+        attach(server_args, values)
     if values.enabled:
         os.environ[ENV_ENABLED] = "1"
     return server_args
@@ -190,15 +184,6 @@ def attach(server_args: object, values: FlagValues) -> None:
             type(server_args).__name__,
             exc,
         )
-
-
-def _check_config(values: FlagValues) -> None:
-    """Explicitly enabled with a configuration that does not load: stop the
-    launch with a usage error rather than start without the feature."""
-    try:
-        Config.load(values.config, dict(os.environ))
-    except ConfigError as exc:
-        raise SystemExit(f"{ENABLE_FLAG}: invalid hicache-existence configuration: {exc}") from None
 
 
 def register(registry: Any, around: Any) -> None:

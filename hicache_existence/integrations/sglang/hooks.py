@@ -1,30 +1,22 @@
 """The hooks themselves: our cache in place of upstream's, and the per-step call.
 
-``replacement_class(generation, upstream)`` returns the class registered with
-``HookType.REPLACE`` on upstream's ``StorageExistenceCache``.  It is a subclass
-of our cache of the matching generation whose metaclass turns construction
-(``StorageExistenceCache()`` in ``UnifiedRadixCache.__init__``) into "build
-this process's ``ExistenceRuntime`` and return its wired cache".  The runtime
-lives in an explicit registry keyed by process id, so a forked child never
-steps its parent's runtime and tests can look it up.
+``replacement_class(generation, upstream)`` is what ``HookType.REPLACE`` puts in
+place of upstream's ``StorageExistenceCache``: a subclass of our cache of that
+generation whose metaclass turns construction (in ``UnifiedRadixCache.__init__``)
+into "build this process's ``ExistenceRuntime`` and return its wired cache".  The
+runtime lives in a registry keyed by process id, so a forked child never steps
+its parent's runtime and tests can look it up.  When the process should not be
+observed (disabled, HiCache off, a PD decode server, a second cache in the
+process, or any failure), construction returns upstream's own class: that
+scheduler runs exactly the code it would without us.  Both host memory modes
+are observed (``buffer_only``, and ``cache``: ``cache_mode.py``).
 
-When the process should not be observed (the configuration disables it, HiCache
-is off, the scheduler is a PD decode server, a second cache in the same process,
-or anything fails), construction returns an instance of upstream's own class:
-that scheduler then runs exactly the code it would have run without us.  Both
-host memory modes are observed: ``buffer_only`` (the cache decides admissions) and
-``cache``, HiCache's default, where upstream consults no existence cache and the
-package counts (and, with ``cache_mode.dedup``, deduplicates) its L3 writes
-(``cache_mode.py``).
-
-``after_check_hicache_events`` is registered AFTER
-``UnifiedRadixCache.check_hicache_events``: scheduler thread, every rank, same
-order.  On its first call it builds the dedicated replica groups (a collective
-over the whole world: every rank reaches this point once), then calls
-``ExistenceRuntime.step()`` every time.  It is a ``core.gate`` step hook, not a
-function: once the first call has bound it to the tree, a step of that tree is
-one C call with no Python frame of ours while nothing is due (in cache mode too:
-the write path's reap runs only while writes are pending).
+``after_check_hicache_events`` runs AFTER ``UnifiedRadixCache.check_hicache_events``
+(scheduler thread, every rank, same order).  Its first call builds the replica
+groups (a collective over the whole world, reached once by every rank); every
+call steps the ``ExistenceRuntime``.  It is a ``core.gate`` step hook: once bound
+to the tree, a step is one C call with no Python frame of ours while nothing is
+due (in cache mode too: the reap runs only while writes are pending).
 """
 
 from __future__ import annotations
@@ -148,13 +140,11 @@ class ProcessEntry:
             self.runtime.close()
 
     def reaper(self) -> Callable[[Any], None] | None:
-        """Cache mode's reap, which the step hook calls before the runtime's step
-        while the write path has operations pending (``None`` in buffer mode).
-        One membership test: the oldest pending operation still in upstream's
-        ``ongoing_backup`` (acks come in launch order) means none was acknowledged,
-        and the reaping (``WritePath.step``) waits for a step where one was.  It
-        never raises: a failure goes to ``WritePath.error`` (counted and logged),
-        as the hook's own guard would only count it."""
+        """Cache mode's reap (``None`` in buffer mode), called by the step hook
+        before the runtime's step while writes are pending.  Acks come in launch
+        order, so while the oldest pending operation is in ``ongoing_backup`` none
+        was acknowledged and ``WritePath.step`` waits.  Never raises: failures go
+        to ``WritePath.error`` (counted and logged; the hook's guard only counts)."""
         cache_mode = self.write_path.cache_mode
         if cache_mode is None:
             return None
@@ -185,8 +175,7 @@ class ProcessEntry:
 _LOCK = threading.Lock()
 _ENTRIES: dict[int, ProcessEntry] = {}
 _DECLINED: dict[int, str] = {}
-#: Host memory modes ("buffer", "cache") whose write-path hooks are missing in
-#: this process (``write_hooks.register``), by process id.
+#: Per pid, host memory modes ("buffer", "cache") missing write-path hooks.
 _UNCOUNTED: dict[int, frozenset[str]] = {}
 
 
@@ -321,8 +310,7 @@ def build_entry(
         )
     logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
-    # Also with divergence checks off: the rank must still join the start-up
-    # handshake (runtime.ExistenceRuntime), so it builds the groups like the others.
+    # Even with divergence checks off: the rank joins the start-up handshake.
     group = DeferredGroup(config.divergence.timeout_s)
     reconciling = config.reconciler.enabled
     agreement = DeferredAgreement() if reconciling else None
@@ -476,9 +464,8 @@ def replacement_class(generation: Generation, upstream: type) -> type:
 
 
 def _first_or_foreign_step(result: Any = None, *args: Any, **kwargs: Any) -> None:
-    """The step hook's fallback: a step of a tree this process has not bound yet
-    (its first), or of a tree that is not ours (a second tree, or a process without
-    an entry)."""
+    """The step hook's fallback: a tree's first step (not bound yet), or a step of a
+    tree not ours (a second tree, or a process without an entry)."""
     entry = _ENTRIES.get(PROCESS.pid)
     if entry is None or not args:
         return None
@@ -497,13 +484,11 @@ def _first_or_foreign_step(result: Any = None, *args: Any, **kwargs: Any) -> Non
     return None
 
 
-#: The per-step hook (``core.gate``'s step hook), bound to this process's tree once
-#: its first step has run: a step of that tree is then one identity test, one size
-#: test and the gate's (no registry lookup, no ownership check, no Python frame of
-#: ours in the compiled hook); any other call takes ``_first_or_foreign_step``.
-#: The binding is dropped in a forked child, whose steps then take the fallback and
-#: find no entry of their own.  Bound through this name, not through
-#: ``after_check_hicache_events``, which a test probe may wrap.
+#: The per-step hook (``core.gate``), bound to this process's tree after its first
+#: step: a step of that tree is then one identity test, one size test and the
+#: gate's (no Python frame of ours); any other call takes ``_first_or_foreign_step``.
+#: A forked child drops the binding and finds no entry of its own.  Bound through
+#: this name, not ``after_check_hicache_events``, which a test probe may wrap.
 _HOOK = _gate.step_hook(_first_or_foreign_step)
 _HOOK.__name__ = _HOOK.__qualname__ = "after_check_hicache_events"  # type: ignore[attr-defined]
 _HOOK.__module__ = __name__

@@ -1,22 +1,20 @@
 """Storage-tier KV events in a SGLang scheduler: the blocks of an acknowledged write,
 the publishing rank, and SGLang's own publisher (docs/kv-events.md).
 
-* **Blocks.**  A buffer-mode write's intent carries the node it backs up
-  (``BufferBackupSnapshot``: its page hashes, its tokens, its parent's last page
-  hash).  SGLang's own device and host events for the same node publish, per page,
-  the first 64 bits of that page hash, the previous page's as parent (none under
-  the root) and the page's tokens; so do these, for the pages this rank's backend
-  stored.  A node keyed in a namespace (``extra_key``, ``cache_salt``: its event
-  hashes differ from its storage hashes) or by bigrams gives no event, counted.
-* **Rank.**  One publisher per KV cache, as SGLang gates its own
-  (``is_kv_publisher_rank``: pipeline, attention-TP and attention-CP rank 0), tagged
-  with the DP rank SGLang's publisher would use (``select_kv_publisher_dp_rank``).
+* **Blocks.**  Each stored page of a buffer-mode write (from its intent's
+  ``BufferBackupSnapshot``: page hashes, tokens, the parent's last page hash) is
+  published as SGLang's device and host events publish that node: the first 64
+  bits of its hash, the previous page's as parent (none under the root), its
+  tokens.  A node keyed in a namespace (``extra_key``, ``cache_salt``: event and
+  storage hashes differ) or by bigrams gives no event, counted.
+* **Rank.**  One publisher per KV cache, gated as SGLang's (``is_kv_publisher_rank``),
+  tagged with the DP rank ``select_kv_publisher_dp_rank`` gives.
 * **Publisher.**  With ``--kv-events-config`` the events go on SGLang's own
-  publisher (the scheduler's ``SchedulerKvEventsPublisher.kv_event_publisher``,
-  captured by an AFTER hook on its ``init_kv_events``): one stream with the device
-  and host events, SGLang's sequence numbers and replay buffer.  Its ``publish``
-  is called from the emitter's thread, never the scheduler's.  Without it, the
-  package's own ZeroMQ publisher binds ``events.endpoint``.
+  publisher (``SchedulerKvEventsPublisher.kv_event_publisher``, captured by an
+  AFTER hook on ``init_kv_events``): one stream with the device and host events,
+  SGLang's sequence numbers and replay buffer; ``publish`` is called from the
+  emitter's thread, never the scheduler's.  Without it, the package's own ZeroMQ
+  publisher binds ``events.endpoint``.
 """
 
 from __future__ import annotations
@@ -79,9 +77,8 @@ def feed(events: KvEvents, intent: Any, keys: Sequence[str], stored: int) -> Non
 
     Scheduler thread: one queue item, whatever the page count; ``acked_blocks``
     runs on the emitter's thread.  The references stay valid: the intent's
-    ``BufferBackupSnapshot`` is a frozen struct SGLang builds for this write with
-    its own copies (``hash_values`` list, token array), and ``keys`` are its pages
-    (or the write's per-pool keys), which nothing changes after the ack."""
+    ``BufferBackupSnapshot`` is a frozen struct with SGLang's own copies for this
+    write, and ``keys`` (its pages or per-pool keys) never change after the ack."""
     if stored > 0:
         events.stored_from(acked_blocks, (intent, keys, stored), stored)
 
@@ -151,8 +148,7 @@ def after_init_kv_events(result: Any, publisher: Any, *a: Any, **kw: Any) -> Non
         if getattr(publisher, "enable_kv_cache_events", False):
             made = getattr(publisher, "kv_event_publisher", None)
             if made is not None:
-                _PUBLISHER.append(made)
-                del _PUBLISHER[:-1]
+                _PUBLISHER[:] = [made]
     except Exception as exc:  # never into the scheduler
         logger.warning("hicache-existence: SGLang's KV event publisher not found (%r)", exc)
     return None

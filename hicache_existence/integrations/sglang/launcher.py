@@ -1,24 +1,19 @@
 """``hicache-existence launch``: start sglang with the package enabled, without
-sglang's parser knowing our flags.
+sglang's parser knowing our flags (docs/enable.md §2).
 
-For an sglang whose parser cannot take ``--enable-hicache-existence`` (the
-plugin then warns), for wrappers that build sglang's command line themselves,
-and as the tested form of the environment route: the launcher takes our two
-flags out of the command line (wherever they are), turns them into the
-environment the plugin reads in every sglang process, and ``exec``s sglang
-with every other argument unchanged, in order.  ``exec`` keeps one process:
-signals and the exit status are sglang's own (PID 1 in a container).
+For an sglang whose parser cannot take ``--enable-hicache-existence``, for
+wrappers that build sglang's command line themselves, and as the tested form of
+the environment route: take our two flags out of the command line (wherever
+they are), turn them into the environment the plugin reads in every sglang
+process, and ``exec`` sglang with every other argument unchanged, in order (one
+process: signals and exit status are sglang's own, PID 1 in a container).
 
-Launching is enabling: the child always gets ``HICACHE_EXISTENCE_ENABLED=1``,
-as if ``--enable-hicache-existence`` had been given (which is accepted, and
-changes nothing); like the server flag, that wins over an ``enabled: false``
-in the configuration or the environment.  To run sglang without the package,
-start it directly.
-
-Precedence is the server flag's: the configuration given here is merged over
-``HICACHE_EXISTENCE_CONFIG`` and the ``HICACHE_EXISTENCE_<SECTION>__<KEY>``
-variables, and the child gets the merged result as ``HICACHE_EXISTENCE_CONFIG``
-(per-key variables are folded into it and removed, so they cannot override it).
+Launching is enabling: the child always gets ``HICACHE_EXISTENCE_ENABLED=1``
+(winning over ``enabled: false``, as the server flag does).  A configuration
+given here is merged over ``HICACHE_EXISTENCE_CONFIG`` and the per-key
+``HICACHE_EXISTENCE_<SECTION>__<KEY>`` variables into the child's
+``HICACHE_EXISTENCE_CONFIG``; the per-key variables are removed (they would
+override it).
 """
 
 from __future__ import annotations
@@ -121,7 +116,15 @@ def plan(
     except ConfigError as exc:
         raise LaunchError(f"invalid hicache-existence configuration: {exc}") from None
     merged = dataclasses.replace(merged, enabled=True)
-    command = _command(entry, python or sys.executable)
+    python = python or sys.executable
+    if entry in ENTRIES:
+        command: tuple[str, ...] = (python, *ENTRIES[entry])
+    elif entry.startswith("module:") and len(entry) > len("module:"):
+        command = (python, "-m", entry[len("module:") :])
+    else:
+        raise LaunchError(
+            f"--sglang-entry must be one of {sorted(ENTRIES)} or module:<name>, got {entry!r}"
+        )
     set_env = {ENV_ENABLED: "1"}
     unset: list[str] = []
     if flag_text is not None:
@@ -135,24 +138,13 @@ def plan(
     )
 
 
-def _command(entry: str, python: str) -> tuple[str, ...]:
-    if entry in ENTRIES:
-        return (python, *ENTRIES[entry])
-    if entry.startswith("module:") and len(entry) > len("module:"):
-        return (python, "-m", entry[len("module:") :])
-    raise LaunchError(
-        f"--sglang-entry must be one of {sorted(ENTRIES)} or module:<name>, got {entry!r}"
-    )
-
-
 def preflight(entry: str) -> list[str]:
     """Problems that would make the launch pointless (no exec happens with them)."""
     if entry.startswith("module:"):
         return []
-    problems: list[str] = []
     if importlib.util.find_spec("sglang") is None:
-        problems.append("sglang is not installed in this interpreter")
-        return problems
+        return ["sglang is not installed in this interpreter"]
+    problems: list[str] = []
     if importlib.util.find_spec("sglang.srt.plugins") is None:
         problems.append(
             "this sglang has no plugin system (sglang.srt.plugins, sglang >= 0.5.12); "

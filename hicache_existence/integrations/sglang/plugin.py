@@ -1,28 +1,22 @@
 """The sglang plugin: entry point ``hicache_existence`` of group ``sglang.srt.plugins``
 (the name ``SGLANG_PLUGINS`` must list to allow it).
 
-sglang calls ``register()`` in every process it starts (launcher, scheduler,
-detokenizer, DP controller) through ``sglang.srt.plugins.load_plugins()``,
-before the scheduler exists.  What it registers:
+sglang calls ``register()`` through ``sglang.srt.plugins.load_plugins()`` in every
+process it starts (launcher, scheduler, detokenizer, DP controller), before the
+scheduler exists.  It always registers the two AROUND hooks (``flags``) that add
+``--enable-hicache-existence`` and ``--hicache-existence-config`` (a command line
+without them parses as before).  Once enabled (``HICACHE_EXISTENCE_ENABLED=1``,
+``"enabled": true`` in ``HICACHE_EXISTENCE_CONFIG``, or the flag, which sets the
+variable for the scheduler processes) it also registers the REPLACE of upstream's
+``StorageExistenceCache`` by ours of the generation the installed class's shape
+shows, the AFTER on ``UnifiedRadixCache.check_hicache_events``, and the
+write-accounting hooks of both host memory modes (``write_hooks``).
 
-* always (installed = the flags are accepted): two AROUND hooks on
-  ``ServerArgs.add_cli_args`` / ``from_cli_args`` that add
-  ``--enable-hicache-existence`` and ``--hicache-existence-config``.  They only
-  add the two options; a command line without them parses exactly as before;
-* only when enabled (``HICACHE_EXISTENCE_ENABLED=1``, ``"enabled": true`` in
-  ``HICACHE_EXISTENCE_CONFIG``, or the flag, which sets the variable for the
-  scheduler processes it launches): REPLACE of upstream's
-  ``StorageExistenceCache`` by ours of the generation the installed class's
-  API shape shows, AFTER on ``UnifiedRadixCache.check_hicache_events``, and
-  the write-accounting hooks of both host memory modes (``write_hooks``).
-
-A target the installed sglang lacks, an API shape this package does not know,
-an upstream existence cache with a public name ours does not serve
-(``conformance.py``), or an invalid configuration produce one warning and no
-hook of that group (a write-path target turns off only its host memory mode's
-counting, with one warning naming it):
-sglang then runs exactly as it would without this package.  ``register()``
-itself never raises.
+A missing target, an unknown API shape, an upstream existence cache with a
+public name ours does not serve (``conformance.py``), or an invalid
+configuration produce one warning and no hook of that group (a write-path target
+turns off only its host memory mode's counting): sglang then runs exactly as it
+would without this package.  ``register()`` itself never raises.
 """
 
 from __future__ import annotations
@@ -99,13 +93,11 @@ def _register(report: dict[str, Any], env: Mapping[str, str]) -> None:
     except ConfigError as exc:
         _warn(report, f"invalid configuration in the environment ({exc}); staying inactive")
         return
-    enabled = config.enabled
-    report["enabled"] = enabled
-    if enabled:
-        logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
-    if not enabled:
+    report["enabled"] = config.enabled
+    if not config.enabled:
         logger.debug("hicache-existence: installed, not enabled; no cache hooks registered")
         return
+    logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     role = _process_role()
     if role is not None:
         # It never builds a tree cache; resolving the targets would only import
@@ -122,14 +114,13 @@ _NO_CACHE_ENTRIES = {"run_detokenizer_process": "detokenizer"}
 
 def _process_role(depth: int = 30) -> str | None:
     """``detokenizer`` when called from sglang's detokenizer process entry."""
-    frame = sys._getframe(1)
-    seen = 0
-    while frame is not None and seen < depth:
-        role = _NO_CACHE_ENTRIES.get(frame.f_code.co_name)
-        if role is not None:
-            return role
-        frame = frame.f_back  # type: ignore[assignment]
-        seen += 1
+    frame: Any = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        if frame.f_code.co_name in _NO_CACHE_ENTRIES:
+            return _NO_CACHE_ENTRIES[frame.f_code.co_name]
+        frame = frame.f_back
     return None
 
 
@@ -137,41 +128,35 @@ def register_cache_hooks(
     report: dict[str, Any], registry: Any, hook_type: Any, config: Config
 ) -> bool:
     """The REPLACE and AFTER hooks, all or nothing."""
+
+    def inactive(why: str) -> bool:
+        _warn(report, f"{why} the plugin stays inactive and sglang runs unmodified")
+        return False
+
     missing = _targets.first_missing(_targets.CACHE_TARGETS)
     if missing is not None:
-        _warn(
-            report,
-            f"the installed sglang lacks hook target {missing.target} ({missing.reason}); "
-            "the plugin stays inactive and sglang runs unmodified",
+        return inactive(
+            f"the installed sglang lacks hook target {missing.target} ({missing.reason});"
         )
-        return False
     upstream = _targets.resolve(_targets.CACHE_CLASS)
     generation = _targets.detect_generation(upstream)
     if generation is None or not isinstance(upstream, type):
-        _warn(
-            report,
+        return inactive(
             f"{_targets.CACHE_CLASS} has an API this package does not know (neither "
-            "pool(name) nor add(pool, hashes)); the plugin stays inactive and sglang runs "
-            "unmodified",
+            "pool(name) nor add(pool, hashes));"
         )
-        return False
     forced = config.cache.generation
     if forced not in ("auto", generation):
-        _warn(
-            report,
-            f"cache.generation is {forced!r} but the installed sglang has the {generation} "
-            "API; the plugin stays inactive and sglang runs unmodified",
+        return inactive(
+            f"cache.generation is {forced!r} but the installed sglang has the {generation} API;"
         )
-        return False
     gaps = _conformance.gaps(generation, upstream)
     if gaps:
-        _warn(
-            report,
+        return inactive(
             f"the installed sglang's existence cache has {', '.join(gaps)}, which this "
             f"package's {generation}-generation cache does not serve; upstream's "
-            "StorageExistenceCache stays, the plugin stays inactive and sglang runs unmodified",
+            "StorageExistenceCache stays,"
         )
-        return False
     replacement = _hooks.replacement_class(generation, upstream)
     registry.register(_targets.CACHE_CLASS, replacement, hook_type.REPLACE)
     registry.register(_targets.STEP_METHOD, _hooks.after_check_hicache_events, hook_type.AFTER)
@@ -200,7 +185,14 @@ def register_cache_hooks(
          hook_type.AFTER, "storage-tier events stay off SGLang's stream"),
     ):  # fmt: skip
         try:
-            report[key] = _register_optional(registry, target, hook, kind, without)
+            _targets.resolve(target)
+        except Exception as exc:
+            logger.info("hicache-existence: %s (%s)", without, exc)
+            report[key] = []
+            continue
+        try:
+            registry.register(target, hook, kind)
+            report[key] = [target]
         except Exception as exc:
             _warn(report, f"{target} not registered ({exc!r}); {without}")
     report["cache"] = True
@@ -213,14 +205,3 @@ def register_cache_hooks(
         _lru.BYTES_PER_ENTRY,
     )
     return True
-
-
-def _register_optional(registry: Any, target: str, hook: Any, kind: Any, without: str) -> list[str]:
-    """Register ``hook`` if the installed sglang has ``target``."""
-    try:
-        _targets.resolve(target)
-    except Exception as exc:
-        logger.info("hicache-existence: %s (%s)", without, exc)
-        return []
-    registry.register(target, hook, kind)
-    return [target]

@@ -1,15 +1,14 @@
 """Request boundaries for the trace recorder: one AROUND hook on the radix tree's insert.
 
-``UnifiedRadixCache.insert`` is where a request's prompt enters the tree once its
-prefill has run (and again at its end, for what it generated): in buffer mode its
-insert walk presents every node of the request's path to write admission, parent
-first, so the lookups made inside one insert are that request's page chain.  The
-hook numbers each insert (``Recorder.begin_request``) and closes it
-(``end_request``), which tags the lookups in between; a replay rebuilds each
-request's chain from them.  One Python frame per insert, on the scheduler thread,
-a few per request: cheaper than a hook on ``match_prefix``, which the scheduler
-calls several times per request while it schedules, and its page hashes exist
-only for the matched part.  Without a recorder the hook calls upstream and returns.
+``UnifiedRadixCache.insert`` is where a request's prompt enters the tree after its
+prefill (and again at its end, for what it generated): in buffer mode its walk
+presents every node of the request's path to write admission, parent first, so
+the lookups inside one insert are that request's page chain.  The hook brackets
+each insert (``Recorder.begin_request`` / ``end_request``), tagging the lookups
+in between, from which a replay rebuilds each chain.  A few Python frames per
+request, on the scheduler thread: cheaper than ``match_prefix``, called several
+times per request, whose page hashes cover only the matched part.  Without a
+recorder the hook calls upstream and returns.
 """
 
 from __future__ import annotations

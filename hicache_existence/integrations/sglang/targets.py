@@ -1,10 +1,9 @@
 """What the integration hooks in sglang, and how it recognises the installed API.
 
-Targets are resolved (imported) before anything is registered, so that a
-missing one leaves sglang exactly as it was instead of failing later inside
-``HookRegistry.apply_hooks``.  The cache generation is read from the *shape*
-of upstream's class, never from a version string: a release can backport or
-rename, the methods it has are what our replacement must provide.
+Targets are resolved (imported) before anything is registered, so a missing one
+leaves sglang as it was instead of failing inside ``HookRegistry.apply_hooks``.
+The cache generation is read from the *shape* of upstream's class, never from a
+version string: a release can backport or rename.
 """
 
 from __future__ import annotations
@@ -84,30 +83,23 @@ def first_missing(targets: Iterable[str]) -> TargetMissing | None:
 def detect_generation(cls: object) -> Generation | None:
     """The API generation of an upstream existence cache class, by its shape.
 
-    ``current``: a container with ``pool(name)`` whose per-pool objects carry
-    the operations.  ``flat`` (the seed's): ``add(pool, hashes)``,
-    ``contains_all(pool, hashes)`` and ``covers_all(...)`` on the cache itself.
-    ``None``: neither (an API this package does not know).
+    ``current``: ``pool(name)`` hands out per-pool objects carrying the
+    operations.  ``flat`` (the seed's): ``add(pool, hashes)``, ``contains_all``,
+    ``covers_all`` ... on the cache itself.  ``None``: an API we do not know.
     """
     if not isinstance(cls, type):
         return None
     if callable(getattr(cls, "pool", None)) and callable(getattr(cls, "clear_inflight", None)):
         return "current"
     flat_methods = ("add", "contains", "contains_all", "covers_all", "invalidate_beyond")
-    if all(callable(getattr(cls, name, None)) for name in flat_methods):
-        params = _positional(getattr(cls, "add", None))
-        if len(params) >= 3:  # self, pool, hashes
-            return "flat"
-    return None
-
-
-def _positional(fn: object) -> list[str]:
+    if not all(callable(getattr(cls, name, None)) for name in flat_methods):
+        return None
     try:
-        sig = inspect.signature(fn)  # type: ignore[arg-type]
+        params = inspect.signature(cls.add).parameters.values()  # type: ignore[attr-defined]
     except (TypeError, ValueError):
-        return []
+        return None
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in sig.parameters.values() if p.kind in kinds]
+    return "flat" if sum(p.kind in kinds for p in params) >= 3 else None  # self, pool, hashes
 
 
 def original_of(obj: object) -> object:

@@ -1,24 +1,21 @@
 """Which ranks hold replicas of this cache, and the dedicated groups over them.
 
-``UnifiedRadixCache.check_hicache_events`` MIN-reduces its queue sizes over
-the attention-CP and attention-TP groups (or the TP group when neither spans
-more than one rank) and, unless buffer mode runs with pipeline parallelism,
-hands the result down the PP group; every rank then applies the same
-mutations.  The ranks connected that way are exactly the replicas whose
-caches must be equal, so the divergence group is that set.
+``UnifiedRadixCache.check_hicache_events`` MIN-reduces its queue sizes over the
+attention-CP and attention-TP groups (or the TP group when neither spans more
+than one rank) and, unless buffer mode runs with pipeline parallelism, hands the
+result down the PP group, so every rank applies the same mutations: the ranks
+connected that way are the replicas whose caches must be equal.
 
-A rank knows only its own groups' members, not the other sets of the
-partition, yet ``new_group`` must be called by every rank for every set in
-the same order.  So the first step all-gathers each rank's neighbours once
-(a W-long 0/1 vector over a temporary gloo group of the whole world), every
-rank computes the same connected components, and each component gets a
-dedicated gloo group for the divergence checks and one for the reconciler's
-agreements: never the NCCL data group, never sglang's own CPU groups, whose
-collective order must stay untouched.  Every rank creates the same groups
-whatever its own settings (an agreement group exists where any member
-reconciles: the flag travels in the same all-gather), so ranks configured
-differently still meet in the divergence checker's start-up handshake, which
-reports the difference, instead of waiting for each other in ``new_group``.
+Every rank must call ``new_group`` for every set in the same order, yet knows
+only its own groups.  So the first step all-gathers each rank's neighbours once
+(a W-long 0/1 vector over a temporary gloo group of the world); every rank
+computes the same connected components and creates, for each, a gloo group for
+the divergence checks and one for the reconciler's agreements (never the NCCL
+data group nor sglang's CPU groups, whose collective order must stay untouched).
+The groups do not depend on a rank's own settings (an agreement group exists
+where any member reconciles: that flag rides the same all-gather), so
+differently configured ranks still meet in the divergence checker's start-up
+handshake, which reports the difference, instead of waiting in ``new_group``.
 """
 
 from __future__ import annotations
@@ -146,8 +143,7 @@ def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroup
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group(scratch)
-    adjacency = [r[:world] for r in gathered]
-    parts = components(adjacency)
+    parts = components([r[:world] for r in gathered])
     own: tuple[int, ...] = (me,)
     divergence: CheckGroup | None = None
     agree: Agreement | None = None
@@ -173,10 +169,10 @@ def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroup
 
 def unbuilt(timeout_s: float, reason: str) -> ReplicaGroups:
     """The groups of a rank whose replica groups could not be built (a peer never
-    came to ``new_group``: typically a rank running without the package): the
-    divergence checker's first collective fails, so it records one failed
-    handshake and stops, visibly, instead of comparing the rank with itself;
-    reconciler verdicts stay local."""
+    came to ``new_group``: typically a rank without the package): the divergence
+    checker's first collective fails, so it records one failed handshake and
+    stops, visibly, instead of comparing the rank with itself; reconciler
+    verdicts stay local."""
     dist = _dist()
     me = int(dist.get_rank()) if dist is not None else 0
     return ReplicaGroups((me,), UnavailableGroup(me, timeout_s, reason), None)

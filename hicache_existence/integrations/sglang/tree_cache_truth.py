@@ -1,19 +1,14 @@
 """The reconciler's ground truth, found on the running tree cache at first use.
 
-The existence cache (and with it the reconciler) is built inside
-``UnifiedRadixCache.__init__``, before ``init_hicache`` attaches the storage
-backend, and the backend can be attached or detached at run time.  So the
-truth is resolved lazily, on the reconciler's worker thread, from the tree
-cache the per-step hook saw:
-
-1. a ledger-recording backend (``LedgerRecordingStorage``) hands over the very
-   ledger it records into;
-2. else, with ``reconciler.redis_url`` set, the Redis ledger of this rank's
-   shard (named from the backend's storage config, like the file backend);
-3. else the backend's own ``batch_exists``.
-
-Until a backend exists every query fails with ``TruthUnavailable``, which the
-reconciler counts as an error and never as evidence of absence.
+The existence cache (and its reconciler) is built in ``UnifiedRadixCache.__init__``,
+before ``init_hicache`` attaches the storage backend (which may also come and go
+at run time), so the truth is resolved lazily, on the reconciler's thread, from
+the tree the step hook saw: a ledger-recording backend (``LedgerRecordingStorage``)
+hands over the ledger it records into; else, with ``reconciler.redis_url``, the
+Redis ledger of this rank's shard (named from the backend's storage config, as
+the file backend does); else the backend's own ``batch_exists``.  Until a backend
+exists every query fails with ``TruthUnavailable``: an error, never evidence of
+absence.
 """
 
 from __future__ import annotations
@@ -45,8 +40,8 @@ class TreeCacheGroundTruth:
         self._backend: Any = None
         self._truth: GroundTruth | None = None
         self._logged = False
-        #: Objects leased by the truths of backends attached before (a counter
-        #: never goes back when the backend is re-attached).
+        #: Objects leased by the truths of backends attached before (the counter
+        #: never goes back on a re-attach).
         self._leased_before = 0
 
     def bind(self, tree_cache: Any) -> None:
@@ -56,14 +51,11 @@ class TreeCacheGroundTruth:
         except TypeError:
             self._tree = lambda: tree_cache  # type: ignore[assignment]
 
-    def _current_backend(self) -> Any:
-        tree = self._tree() if self._tree is not None else None
-        controller = getattr(tree, "cache_controller", None) if tree is not None else None
-        return getattr(controller, "storage_backend", None), controller
-
     def resolve(self) -> GroundTruth:
         """The truth of the backend attached now (rebuilt when it changes)."""
-        backend, controller = self._current_backend()
+        tree = self._tree() if self._tree is not None else None
+        controller = getattr(tree, "cache_controller", None)
+        backend = getattr(controller, "storage_backend", None)
         if backend is None:
             raise TruthUnavailable("no HiCache storage backend is attached yet")
         with self._lock:

@@ -1,39 +1,28 @@
 """Where the installed sglang already does part of this package's job.
 
-Three upstream changes overlap the package (open pull requests when this was
-written): sglang deduplicating cache-mode L3 writes through its existence cache
-(#39845), a cap read from ``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES`` (#39747),
-and ``BlockStored`` KV events with medium ``EXTERNAL`` at the storage ack (#29923).
-If one lands, the package must not deduplicate a second time, count a lookup
-twice, fight sglang over the cap, or go quiet without saying why.
+Three upstream pull requests (open when this was written) overlap the package:
+cache-mode L3 writes deduplicated through sglang's existence cache (#39845), a
+cap read from ``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES`` (#39747), and
+``BlockStored`` events with medium ``EXTERNAL`` at the storage ack (#29923).  If
+one lands, the package must not deduplicate a second time, count a lookup twice,
+fight sglang over the cap, or go quiet without saying why.  So (``docs/enable.md``
+§8): ``cache_mode.dedup`` stays off (one warning when configured) and the write
+hooks only count, reading the beliefs without a counted lookup (sglang's went
+through this cache); ``mode_info``'s ``cache_mode_dedup`` says ``upstream``; the
+cap comes from ``resolve_cap`` alone; the package emits no storage-tier event of
+its own; the start-up line names each overlap and the cap's source.
 
-Each is recognised from the installed code itself, never from a version string
-(a release can backport or rename): the names a function's bytecode reads
-(``co_names``, nested code objects included) are enough to tell whether the
-cache-mode write path consults the existence cache, or whether any function on
-the HiCache paths emits ``StorageMedium.EXTERNAL`` events.  sglang 0.5.21 and
-0.5.23 do neither (``tests/test_upstream_overlap.py`` checks the installed wheel).
-
-What the package does with each (``docs/enable.md`` §8):
-
-* **upstream dedups cache-mode writes**: ``cache_mode.dedup`` stays off whatever
-  the configuration says (one warning when it asked for it); the write hooks
-  only count: the pages sglang hands to the backend are ``written``, and the
-  launch reads the beliefs without a counted lookup (sglang's own lookup went
-  through this package's cache and was counted there once).  ``mode_info``'s
-  ``cache_mode_dedup`` label says ``upstream``;
-* **the cap** comes from one place, ``resolve_cap``: ``cache.max_entries`` when
-  the operator set it, else ``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES`` when
-  set, else what sglang's constructor passed, else the package's default; the
-  start-up line names the source, and one warning names both when the two
-  settings disagree;
-* **upstream emits EXTERNAL storage events**: routers already hear about L3 from
-  sglang; the package emits no storage-tier event of its own (it emits none
-  today), and the start-up line says that sglang does.
+Each is recognised from the installed code, never a version string (a release
+can backport or rename): the names a function's bytecode reads (``co_names``,
+nested code included) tell whether the cache-mode write path consults the
+existence cache, or whether a function on the HiCache paths emits
+``StorageMedium.EXTERNAL`` events.  sglang 0.5.21 and 0.5.23 do neither
+(``tests/test_upstream_overlap.py`` checks the installed wheel).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import types
@@ -101,16 +90,6 @@ def code_names(fn: object) -> frozenset[str]:
     return frozenset(names)
 
 
-def _methods_called(cls: type, names: Iterable[str]) -> list[object]:
-    """The methods of ``cls`` among ``names`` (what ``self.<name>(...)`` may call)."""
-    out: list[object] = []
-    for name in names:
-        attr = inspect.getattr_static(cls, name, None)  # a property stays a property
-        if isinstance(attr, (types.FunctionType, staticmethod, classmethod)):
-            out.append(attr)
-    return out
-
-
 def dedup_target(resolve: Callable[[str], object]) -> str | None:
     """The cache-mode write target that reads the existence cache, looked one call
     deep into the tree's own methods; ``None`` when none does (sglang <= 0.5.23)."""
@@ -129,8 +108,11 @@ def dedup_target(resolve: Callable[[str], object]) -> str | None:
             continue
         if not isinstance(owner, type):
             continue
-        for callee in _methods_called(owner, names):
-            if _BELIEFS_ATTRIBUTE in code_names(callee):
+        for name in names:  # what ``self.<name>(...)`` may call
+            callee = inspect.getattr_static(owner, name, None)  # a property stays one
+            if isinstance(callee, (types.FunctionType, staticmethod, classmethod)) and (
+                _BELIEFS_ATTRIBUTE in code_names(callee)
+            ):
                 return f"{target} (through {getattr(callee, '__name__', callee)})"
     return None
 
@@ -171,14 +153,12 @@ def detect(
     import_module: Callable[[str], Any] = importlib.import_module,
 ) -> Overlap:
     """What the installed sglang does itself; never raises."""
-    try:
+    dedup: str | None = None
+    events: str | None = None
+    with contextlib.suppress(Exception):
         dedup = dedup_target(resolve)
-    except Exception:
-        dedup = None
-    try:
+    with contextlib.suppress(Exception):
         events = external_events_target(import_module)
-    except Exception:
-        events = None
     return Overlap(dedup, events)
 
 
@@ -200,18 +180,16 @@ def resolve_cap(
     env: Mapping[str, str],
     passed: Any,
 ) -> Cap:
-    """The one rule for the cap (module docstring): the operator's
-    ``cache.max_entries`` wins, then sglang's variable, then sglang's argument."""
-    raw = env.get(CAP_ENV)
+    """The one rule for the cap: the operator's ``cache.max_entries`` (even at its
+    default), then sglang's variable, then sglang's argument, then the default."""
+    raw = (env.get(CAP_ENV) or "").strip()
     env_cap: int | None = None
     warning: str | None = None
-    if raw is not None and raw.strip():
-        try:
-            env_cap = int(raw.strip())
-        except ValueError:
-            env_cap = None
+    if raw:
+        with contextlib.suppress(ValueError):
+            env_cap = int(raw)
         if env_cap is None or env_cap < 1:
-            warning = f"{CAP_ENV}={raw.strip()!r} is not a positive integer; ignored"
+            warning = f"{CAP_ENV}={raw!r} is not a positive integer; ignored"
             env_cap = None
     if configured_given:
         if env_cap is not None and env_cap != configured:

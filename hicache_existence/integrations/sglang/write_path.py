@@ -1,38 +1,30 @@
 """Write accounting of one scheduler process, fed from SGLang's real L3 write path.
 
-``WritePath`` holds what the hooks (``write_hooks``) learn between a write's
-decision, its launch and its storage ack, and turns it into ``WriteAccounting``
-calls.  Its state changes only through its own methods; the hooks only read
-upstream's arguments and call them.  Where each counter is taken (buffer mode,
-``--hicache-host-memory-mode buffer_only``):
+``WritePath`` turns what the hooks (``write_hooks``) learn between a write's
+decision, launch and storage ack into ``WriteAccounting`` calls; the hooks only
+read upstream's arguments and call its methods.  Where each buffer-mode counter
+is taken (the full table is in docs/metrics.md):
 
-* **avoided**, at admission: ``BufferModePipeline._write_intents`` (0.5.22+) drops
-  every pool whose keys ``covered()`` (believed stored or in flight); the pools it
-  dropped are the avoided pages (the keys come from ``_backup_pool_keys``, which it
-  calls first).  One count per admission decision: split repairs inside
-  ``_refresh_pending_backup_intents`` re-examine admitted intents and are not
-  counted; a queued intent retired at launch because its pool became covered
-  (``_drop_queue_head(dropped=False)``) is avoided once more, at that decision.
-  0.5.19-0.5.21 (flat): ``covers_all`` answering True inside
+* **avoided**: the pools ``BufferModePipeline._write_intents`` (0.5.22+) drops as
+  ``covered()`` (keys from ``_backup_pool_keys``, which it calls first), once per
+  admission decision (not its calls from ``_refresh_pending_backup_intents``),
+  plus queued intents retired as covered (``_drop_queue_head(dropped=False)``);
+  flat (0.5.19-0.5.21): ``covers_all`` answering True inside
   ``enqueue_backup_intent``, at most once per node per insert walk.
-* **written**, at the D2H launch: ``_stage_backup_intent`` returning True (where
-  upstream starts tracking the pages in flight); per pool from its
-  ``keys_by_pool`` (flat: the node's KV pages).
-* **acknowledged / failed**, at the storage ack: ``finish_storage_write_ack``
-  (scheduler thread, rank-synchronised drain) with this rank's outcome, which the
-  backup thread recorded when ``HiCacheController._page_backup`` returned
-  (``completed_tokens`` for KV, per-pool hit counts for the other pools).
-* **redundant**, the backend's own answer, observed on the backup thread inside
-  the write: the file backend's ``set`` asks its ``exists`` first and skips a
-  stored page; Mooncake's ``batch_set_v1`` asks ``batch_is_exist`` and puts only
-  missing objects.  Other backends give no answer: their redundant writes stay 0.
-  **redundant_believed**: redundant pages that were believed stored when the
-  write launched (read without touching the LRU), e.g. a node spanning believed
-  and new pages is written whole.
+* **written**: ``_stage_backup_intent`` returning True (the D2H launch, where
+  upstream starts tracking the pages in flight), per pool of ``keys_by_pool``
+  (flat: the node's KV pages).
+* **acknowledged / failed**: ``finish_storage_write_ack`` (scheduler thread,
+  rank-synchronised drain) with this rank's outcome, recorded by the backup
+  thread when ``_page_backup`` returned (``completed_tokens`` for KV, per-pool
+  hit counts for the others).
+* **redundant**: the backend's own answer inside the write (the file backend's
+  ``set`` asks ``exists``; Mooncake's ``batch_set_v1`` asks ``batch_is_exist``;
+  others give none); **redundant_believed**: those believed stored at launch
+  (read without touching the LRU).
 
 The scheduler thread does no I/O here: the backup thread hands its outcome over
-through a dict keyed by operation id, written before upstream puts the operation
-on its ack queue.
+through a dict keyed by operation id, written before upstream queues the ack.
 """
 
 from __future__ import annotations
@@ -139,8 +131,7 @@ class WritePath:
         self._admitting = 0
         self._refreshing = 0
         self._pool_keys: Mapping[Any, list[str]] | None = None
-        #: The tree whose sidecar pools (pool -> the pool driving it) ``_sidecars``
-        #: holds: read once per tree, not once per admission.
+        #: The tree whose sidecar pools (pool -> its driver) ``_sidecars`` holds.
         self._sidecar_tree: Any = None
         self._sidecars: dict[str, str] = {}
         self._walk: set[Any] | None = None
@@ -180,9 +171,7 @@ class WritePath:
     def admission(self, pipeline: Any, intents: list[Any]) -> None:
         """``_write_intents`` returned ``intents``: outside a queue refresh, for this
         cache's pipeline, the pools of the noted keys it left out were covered
-        (avoided).  One call per admission (it was three: the keys taken, the
-        pipeline's owner, the count), and none of its work when every pool with
-        keys was kept, the common case with no sidecar pool."""
+        (avoided).  Cheap when every pool with keys was kept (no sidecar pool)."""
         pool_keys = self._pool_keys
         if pool_keys is None:
             return

@@ -1,8 +1,7 @@
 """The backup thread's hooks: this rank's outcome, and the backends' own answers.
 
 ``_page_backup`` collects, during one storage write, which pages the file or
-Mooncake backend said it already held (redundant writes by the backend's own
-answer), then hands the outcome to the scheduler thread.
+Mooncake backend said it already held, then hands the outcome to the scheduler.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
 from hicache_existence.integrations.sglang.write_path import current
 
 
-# -- the backup thread ------------------------------------------------------------------------
 def _page_backup(p: Params) -> Hooked:
     operation_of = p["operation"]
 
@@ -81,8 +79,8 @@ def _mooncake_batch_set_v1(p: Params) -> Hooked:
     keys_of = p["keys"]
 
     def around_mooncake_batch_set_v1(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``MooncakeStore.batch_set_v1``: it asks ``batch_is_exist`` and puts
-        only missing objects; the pages it writes are the next query's."""
+        """AROUND ``MooncakeStore.batch_set_v1``: its pages are the next existence
+        query's (it puts only the objects ``batch_is_exist`` misses)."""
         feed = current()
         answers = feed.collecting() if feed is not None else None
         if feed is None or answers is None:

@@ -1,11 +1,10 @@
 """How a write-path hook is declared and bound, and what every hook shares.
 
-A ``Hook`` names its upstream target, its kind, the API generations and host
-memory modes it serves, and the upstream parameters it reads; ``Params.bind``
-reads where each parameter sits from the target's own signature, so no hook
-indexes upstream's arguments by a guessed position.  ``guard``, ``bracketed``
-and ``replaced`` are the error guard, the begin/end bracket (with the prelude)
-and the argument rewrite every hook module uses, written once.
+A ``Hook`` names its upstream target, kind, API generations, host memory modes
+and the upstream parameters it reads; ``Params.bind`` finds each parameter in
+the target's own signature, so no hook guesses upstream's argument positions.
+``guard``, ``bracketed`` and ``replaced`` are the error guard, the begin/end
+bracket and the argument rewrite every hook module shares.
 """
 
 from __future__ import annotations
@@ -49,16 +48,13 @@ class Param:
 
 
 class Params(dict[str, Param]):
-    """The named parameters one hook reads, bound to its target's signature.
-
-    ``"name?"`` in a hook's ``params`` is optional: absent from the signature,
-    it reads as ``None`` (one API generation has it, the other not)."""
+    """The named parameters one hook reads, bound to its target's signature
+    (``"name?"``: optional, reads as ``None`` where the signature lacks it)."""
 
     @classmethod
     def bind(cls, target: object, names: tuple[str, ...]) -> Params:
-        """Where each of ``names`` sits in ``target``'s signature.
-
-        Raises ``LookupError`` naming a required parameter the signature lacks."""
+        """Where each of ``names`` sits in ``target``'s signature (``LookupError``
+        naming a required parameter it lacks)."""
         fn = targets.original_of(target)
         try:
             signature = inspect.signature(fn)  # type: ignore[arg-type]
@@ -111,15 +107,14 @@ class Hook:
     generations: frozenset[str]
     #: Upstream parameters the hook reads (``"name?"``: may be absent).
     params: tuple[str, ...] = ()
-    #: Host memory modes whose accounting is wrong without it: a missing one turns
-    #: off that mode's hooks (its counters stay absent, never wrong), not the other's.
+    #: Host memory modes whose accounting is wrong without it: if missing, that
+    #: mode's hooks are off (counters absent, never wrong), not the other's.
     required: frozenset[Mode] = frozenset()
     #: What is not counted when this (optional) hook is missing.
     loses: str = ""
     #: Host memory modes it feeds: installed while one of them has all its required hooks.
     serves: frozenset[Mode] = MODES
-    #: A class (dotted) without which the hook does not apply at all: when the
-    #: installed sglang lacks that class, the hook is skipped with a debug line only.
+    #: A class (dotted) the hook needs: without it, skipped with a debug line only.
     only_with: str = ""
 
     def bound(self, target: object) -> Hooked:

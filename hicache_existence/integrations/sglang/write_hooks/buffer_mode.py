@@ -34,8 +34,7 @@ def _refresh_pending(p: Params) -> Hooked:
 
 def _backup_pool_keys(p: Params) -> Hooked:
     def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
-        """AFTER ``_backup_pool_keys`` (called by ``_write_intents`` only): the keys
-        the decision is about."""
+        """AFTER ``_backup_pool_keys`` (only ``_write_intents`` calls it): the keys."""
         feed = current()
         if feed is not None:
             feed.note_pool_keys(result)
@@ -46,9 +45,8 @@ def _backup_pool_keys(p: Params) -> Hooked:
 
 def _write_intents(p: Params) -> Hooked:
     def around_write_intents(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``_write_intents``: outside a queue refresh it is an admission
-        (``enqueue_backup_intent`` calls it once per node per insert walk, after
-        upstream's own dedupe), and the pools it left out were covered: avoided."""
+        """AROUND ``_write_intents``: outside a queue refresh, an admission (once per
+        node per insert walk, after upstream's dedupe); pools left out are avoided."""
         intents = original(pipeline, *a, **kw)
         feed = current()
         if feed is not None:
@@ -129,7 +127,7 @@ def _stage_backup_intent(p: Params) -> Hooked:
 
     def after_stage_backup_intent(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
         """AFTER ``_stage_backup_intent``: True is the D2H launch of the intent's
-        pages (flat generation: the node's KV pages, it passes no ``keys_by_pool``)."""
+        pages (flat: the node's KV pages; it passes no ``keys_by_pool``)."""
         if result is not True:
             return None
         feed = current()

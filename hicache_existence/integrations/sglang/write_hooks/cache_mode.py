@@ -1,9 +1,9 @@
 """Cache mode's write-path hooks, and the prefetch dispositions both modes use.
 
-``write_backup_storage`` brackets a node's L3 write; its ``write_storage`` call is
-the one the cache-mode path counts (and, with ``cache_mode.dedup``, reduces).  The
-hit-query drain and ``_handle_prefetch_result`` feed the causes of redundant writes
-(and cache mode's heal).
+``write_backup_storage`` brackets a node's L3 write, whose ``write_storage`` call
+the cache-mode path counts (and, with ``cache_mode.dedup``, reduces).  The
+hit-query drain and ``_handle_prefetch_result`` feed the causes of redundant
+writes (and cache mode's heal).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
 from hicache_existence.integrations.sglang.write_path import WritePath, current
 
 
-# -- cache mode (--hicache-host-memory-mode cache) -------------------------------------------
 def _write_backup_storage(p: Params) -> Hooked:
     node_of = p["node_id"]
 
@@ -48,9 +47,8 @@ def _write_storage(p: Params) -> Hooked:
     prefix_of, extra_of = p["prefix_keys"], p["extra_pools"]
 
     def around_write_storage(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``write_storage`` (both controllers), inside a cache-mode node write:
-        the pages are looked up; the believed ones are left out of the write when
-        ``cache_mode.dedup`` is on; the operation's pages are counted written."""
+        """AROUND ``write_storage`` (both controllers) inside a cache-mode node write:
+        look the pages up, leave the believed out with ``cache_mode.dedup``, count."""
         feed = current()
         cache_mode = feed.cache_mode if feed is not None else None
         if feed is None or cache_mode is None or not cache_mode.in_node:
@@ -84,10 +82,9 @@ def _hit_query(p: Params) -> Hooked:
     operation_of = p["operation"]
 
     def after_hit_query(result: Any, tree: Any, *a: Any, **kw: Any) -> None:
-        """AFTER ``_invalidate_absent_from_hit_query(operation)`` (the rank-agreed
-        prefetch hit-query drain, both modes): in cache mode, where upstream heals
-        nothing, heal the beliefs from the verdict; in both, remember which stored
-        pages the query found too short to prefetch."""
+        """AFTER ``_invalidate_absent_from_hit_query(operation)`` (rank-agreed hit
+        query drain): heal the beliefs in cache mode (upstream heals nothing there);
+        in both modes, remember stored pages found too short to prefetch."""
         feed = current()
         if feed is not None and feed.owns_tree(tree):
             guard(feed, lambda: feed.hit_query(tree, operation_of(a, kw)))

@@ -78,9 +78,8 @@ HOOKS: tuple[Hook, ...] = (
          ("operation_id",), required=BUFFER, serves=BUFFER),
     Hook(f"{CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
          required=MODES),
-    # Every tree of sglang 0.5.21-0.5.23 writes L3 through a HybridCacheController
-    # (hybrid_pool_assembler builds one for plain models too): its hooks are as
-    # required as HiCacheController's, where that class exists.
+    # sglang 0.5.21-0.5.23 writes L3 through a HybridCacheController (also for plain
+    # models): its hooks are as required as HiCacheController's, where it exists.
     Hook(f"{HYBRID_CONTROLLER}._page_backup", "AROUND", _page_backup, _BOTH, ("operation",),
          required=MODES, only_with=HYBRID_CONTROLLER),
     Hook(f"{FILE_BACKEND}.set", "AROUND", _file_set, _BOTH, ("key",),
@@ -123,17 +122,15 @@ def register(
     warn: Callable[[str], None] | None = None,
     off: set[str] | None = None,
 ) -> list[str]:
-    """Register the write-path hooks the installed sglang has, for ``generation``.
+    """Register the write-path hooks the installed sglang has, for ``generation``;
+    returns the targets registered.
 
-    Each host memory mode stands alone: a required hook of one mode that is missing
-    or has another signature turns off that mode's hooks (its counters then stay
-    absent: ``off`` receives the modes turned off, for the runtime to leave their
-    write families out) and leaves the other mode counting.  Every missing or
-    changed target gets one ``warn`` (default: a log warning) naming it and what
-    stops being counted; a backend whose module is there but does not import
-    (Mooncake without its client), or a hook whose ``only_with`` class the
-    installed sglang lacks, is dropped with a debug line only.  Returns the
-    targets registered."""
+    Each host memory mode stands alone: a required hook missing or with another
+    signature turns off its mode's hooks (``off`` receives the modes, whose write
+    families the runtime then leaves out), not the other mode's.  Every missing or
+    changed target gets one ``warn`` (default: a log warning) naming what stops
+    being counted; a backend whose module does not import (Mooncake without its
+    client), or a hook whose ``only_with`` class is absent, gets a debug line."""
     say = warn if warn is not None else _log_warning
     found: list[tuple[Hook, Hooked]] = []
     modes_off: set[Mode] = set()
