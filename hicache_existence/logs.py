@@ -172,11 +172,7 @@ class JsonFormatter(logging.Formatter):
 
 
 _LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
+    n: getattr(logging, n.upper()) for n in ("debug", "info", "warning", "error", "critical")
 }
 
 

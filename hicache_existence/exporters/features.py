@@ -58,20 +58,10 @@ def sample_features(
     values are keyed by the ``field`` its catalog specs read, so the families'
     names are written only in the catalog."""
     by_source: dict[str, _Values] = {}
-    if sources.mode is not None:
-        host_mode, policy, dedup = sources.mode()
-        dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
-        by_source["mode"] = {"mode": {(host_mode, policy, dedup_text): 1.0}}
-    if sources.divergence is not None:
-        by_source["divergence"] = _divergence(sources.divergence())
-    if sources.reconciler is not None:
-        by_source["reconciler"] = _reconciler(sources.reconciler(), label, pool_labels)
-    if sources.advisor is not None:
-        by_source["advisor"] = _advisor(sources.advisor(), label)
-    if sources.recorder is not None:
-        by_source["recorder"] = _recorder(sources.recorder())
-    if sources.events is not None:
-        by_source["events"] = _events(sources.events())
+    for name, read in _READERS.items():
+        source = getattr(sources, name)
+        if source is not None:
+            by_source[name] = read(source(), label, pool_labels)
     scalars: FeatureSamples = {}
     histograms: HistogramSamples = {}
     for spec in FEATURE_CATALOG:
@@ -86,7 +76,13 @@ def _scalar(value: float) -> dict[tuple[str, ...], float]:
     return {(): float(value)}
 
 
-def _divergence(stats: Any) -> _Values:
+def _mode(mode: tuple[str, str, bool | str], *_: Any) -> _Values:
+    host_mode, policy, dedup = mode
+    dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
+    return {"mode": {(host_mode, policy, dedup_text): 1.0}}
+
+
+def _divergence(stats: Any, *_: Any) -> _Values:
     failures = int(stats.failures)
     timeouts = int(stats.timeouts)
     return {
@@ -116,8 +112,6 @@ def _per_pool(
 
 
 def _reconciler(snap: Any, label: Callable[[str], str], pool_labels: tuple[str, ...]) -> _Values:
-    for pool, _result in snap.queries:
-        label(pool)
     queries: dict[tuple[str, ...], float] = {(p, r): 0.0 for p in pool_labels for r in RESULTS}
     for (pool, result), n in snap.queries.items():
         key = (label(pool), str(result))
@@ -140,7 +134,7 @@ def _reconciler(snap: Any, label: Callable[[str], str], pool_labels: tuple[str, 
     }
 
 
-def _advisor(snap: Any, label: Callable[[str], str]) -> _Values:
+def _advisor(snap: Any, label: Callable[[str], str], *_: Any) -> _Values:
     out: _Values = {"dropped_references": _scalar(snap.dropped_references)}
     for field, lookups in (("estimated_hit_ratio", False), ("estimated_lookup_hit_ratio", True)):
         series: dict[tuple[str, ...], float] = {}
@@ -153,7 +147,7 @@ def _advisor(snap: Any, label: Callable[[str], str]) -> _Values:
     return out
 
 
-def _recorder(snap: Any) -> _Values:
+def _recorder(snap: Any, *_: Any) -> _Values:
     return {
         "records": {(str(k),): float(n) for k, n in snap.records.items()},
         "dropped": {(str(k),): float(n) for k, n in snap.dropped.items()},
@@ -162,7 +156,7 @@ def _recorder(snap: Any) -> _Values:
     }
 
 
-def _events(snap: Any) -> _Values:
+def _events(snap: Any, *_: Any) -> _Values:
     return {
         "published": {(k,): float(n) for k, n in snap.published.items()},
         "dropped": {(k,): float(n) for k, n in snap.dropped.items()},
@@ -170,3 +164,14 @@ def _events(snap: Any) -> _Values:
         "unknown": _scalar(snap.unknown),
         "oldest_unverified_s": _scalar(snap.oldest_unverified_s),
     }
+
+
+#: Each source's reader: ``(snapshot, label, pool_labels)`` -> its values.
+_READERS: dict[str, Callable[..., _Values]] = {
+    "mode": _mode,
+    "divergence": _divergence,
+    "reconciler": _reconciler,
+    "advisor": _advisor,
+    "recorder": _recorder,
+    "events": _events,
+}

@@ -33,14 +33,12 @@ from hicache_existence.exporters.catalog import (
 from hicache_existence.exporters.features import HistogramSamples
 from hicache_existence.exporters.series import Samples, SeriesKey, SeriesReader
 
-ENV_DIR = "PROMETHEUS_MULTIPROC_DIR"
-
 
 def multiprocess_active() -> bool:
     """Whether prometheus_client writes values to multiprocess files (decided
     when prometheus_client was first imported, as SGLang arranges)."""
     return bool(getattr(values.ValueClass, "_multiprocess", False)) and bool(
-        os.environ.get(ENV_DIR)
+        os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     )
 
 
@@ -82,7 +80,6 @@ class MultiprocessFeeder:
         self._last: float | None = None
         self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
         self._logger = logs.get_logger("hicache_existence.exporters")
-        self.flushes = 0
         # Every series of the pools known now exists at 0 from the start.
         self._apply(*series_reader.sample_all(), counters=False)
 
@@ -110,7 +107,6 @@ class MultiprocessFeeder:
             self._last = now
             self.series_reader.settle()  # flush runs on the scheduler thread
             self._apply(*self.series_reader.sample_all(), counters=True)
-            self.flushes += 1
             return True
         except Exception as exc:  # observability never raises into the scheduler
             if self._errors.allow():

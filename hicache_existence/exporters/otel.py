@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from hicache_existence.exporters.catalog import (
@@ -93,17 +94,11 @@ class OTelExporter:
             self.instruments.append(
                 create(
                     spec.name,
-                    callbacks=[self._callback_for(spec)],
+                    callbacks=[partial(self._observe, spec)],
                     unit=spec.otel_unit,
                     description=spec.help,
                 )
             )
-
-    def _callback_for(self, spec: MetricSpec | FeatureSpec) -> Any:
-        def callback(options: Any) -> Iterable[Any]:
-            return list(self._observe(spec))
-
-        return callback
 
     def _current(self, name: str) -> Samples:
         with self._lock:
@@ -114,14 +109,15 @@ class OTelExporter:
             self._consumed.add(name)
             return self._samples
 
-    def _observe(self, spec: MetricSpec | FeatureSpec) -> Iterator[Any]:
+    def _observe(self, spec: MetricSpec | FeatureSpec, options: Any) -> list[Any]:
+        """The instrument's callback: its observations from the shared snapshot."""
         assert _metrics is not None
         samples = self._current(spec.name)
         extra = spec.labels if isinstance(spec, FeatureSpec) else ("pool", *spec.extra_labels)
-        for key, value in samples.get(spec.name, {}).items():
-            attributes = dict(self._deployment)
-            attributes.update(zip(extra, key))
-            yield _metrics.Observation(value, attributes)
+        return [
+            _metrics.Observation(value, {**self._deployment, **dict(zip(extra, key))})
+            for key, value in samples.get(spec.name, {}).items()
+        ]
 
 
 @contextmanager
