@@ -7,10 +7,10 @@ multipart message ``(topic, seq, payload)`` as SGLang's publisher sends it
 ``--workers id=tcp://host:port``) reads this one unchanged.  There is no replay
 socket: a subscriber that missed batches sees a gap in ``seq``.
 
-The endpoint's port is offset by the DP rank, as SGLang offsets its own, so each
-DP replica publishes on its own port (port 0 or ``*``: each binds a free one, which
-the start-up line names).  An endpoint that cannot be bound gets one
-warning naming it, and the server runs without events.
+Each DP replica publishes on the endpoint's port offset by its DP rank, as SGLang
+offsets its own (port 0 or ``*``: each binds a free one, which the start-up line
+names).  An endpoint that cannot be bound gets one warning naming it, and the
+server runs without events.
 """
 
 from __future__ import annotations

@@ -332,13 +332,12 @@ class DeploymentLabels:
             value = getattr(self, f.name)
             if f.name.endswith("_rank"):
                 _validate.count(value, f.name)
-            else:
-                if not isinstance(value, str):
-                    raise TypeError(f"{f.name} must be a str, got {type(value).__name__}")
-                if len(value) > _MAX_LABEL_VALUE or _CONTROL.search(value):
-                    raise ValueError(
-                        f"{f.name} must be at most {_MAX_LABEL_VALUE} printable characters"
-                    )
+            elif not isinstance(value, str):
+                raise TypeError(f"{f.name} must be a str, got {type(value).__name__}")
+            elif len(value) > _MAX_LABEL_VALUE or _CONTROL.search(value):
+                raise ValueError(
+                    f"{f.name} must be at most {_MAX_LABEL_VALUE} printable characters"
+                )
 
     def values(self) -> tuple[str, ...]:
         """Label values in ``DEPLOYMENT_LABELS`` order; credentials in a URL-like

@@ -1,12 +1,10 @@
-"""Feature metrics from snapshots: TP-divergence checks, the reconciler, the advisor,
-the recorder.
+"""Feature metrics (the mode served, TP-divergence checks, the reconciler, the
+advisor, the recorder, KV events), read like the cache metrics from immutable
+snapshots at export time, never recorded per operation.
 
-Like the cache metrics, these are read from immutable snapshots at export time
-(``DivergenceChecker.stats()``, ``Reconciler.snapshot()``, ``CapacityAdvisor.snapshot()``),
-never recorded per operation.  ``FeatureSources`` holds the callables that take
-those snapshots; a feature without a source exports nothing.  Series that can
-be enumerated up front (result and error labels, known pools) exist at 0 from
-the first sample.
+``FeatureSources`` holds the callables that take those snapshots; a feature
+without a source exports nothing.  Series that can be enumerated up front
+(result and error labels, known pools) exist at 0 from the first sample.
 """
 
 from __future__ import annotations
@@ -58,10 +56,20 @@ def sample_features(
     values are keyed by the ``field`` its catalog specs read, so the families'
     names are written only in the catalog."""
     by_source: dict[str, _Values] = {}
-    for name, read in _READERS.items():
-        source = getattr(sources, name)
-        if source is not None:
-            by_source[name] = read(source(), label, pool_labels)
+    if sources.mode is not None:
+        host_mode, policy, dedup = sources.mode()
+        dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
+        by_source["mode"] = {"mode": {(host_mode, policy, dedup_text): 1.0}}
+    if sources.divergence is not None:
+        by_source["divergence"] = _divergence(sources.divergence())
+    if sources.reconciler is not None:
+        by_source["reconciler"] = _reconciler(sources.reconciler(), label, pool_labels)
+    if sources.advisor is not None:
+        by_source["advisor"] = _advisor(sources.advisor(), label)
+    if sources.recorder is not None:
+        by_source["recorder"] = _recorder(sources.recorder())
+    if sources.events is not None:
+        by_source["events"] = _events(sources.events())
     scalars: FeatureSamples = {}
     histograms: HistogramSamples = {}
     for spec in FEATURE_CATALOG:
@@ -76,13 +84,7 @@ def _scalar(value: float) -> dict[tuple[str, ...], float]:
     return {(): float(value)}
 
 
-def _mode(mode: tuple[str, str, bool | str], *_: Any) -> _Values:
-    host_mode, policy, dedup = mode
-    dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
-    return {"mode": {(host_mode, policy, dedup_text): 1.0}}
-
-
-def _divergence(stats: Any, *_: Any) -> _Values:
+def _divergence(stats: Any) -> _Values:
     failures = int(stats.failures)
     timeouts = int(stats.timeouts)
     return {
@@ -134,7 +136,7 @@ def _reconciler(snap: Any, label: Callable[[str], str], pool_labels: tuple[str, 
     }
 
 
-def _advisor(snap: Any, label: Callable[[str], str], *_: Any) -> _Values:
+def _advisor(snap: Any, label: Callable[[str], str]) -> _Values:
     out: _Values = {"dropped_references": _scalar(snap.dropped_references)}
     for field, lookups in (("estimated_hit_ratio", False), ("estimated_lookup_hit_ratio", True)):
         series: dict[tuple[str, ...], float] = {}
@@ -147,7 +149,7 @@ def _advisor(snap: Any, label: Callable[[str], str], *_: Any) -> _Values:
     return out
 
 
-def _recorder(snap: Any, *_: Any) -> _Values:
+def _recorder(snap: Any) -> _Values:
     return {
         "records": {(str(k),): float(n) for k, n in snap.records.items()},
         "dropped": {(str(k),): float(n) for k, n in snap.dropped.items()},
@@ -156,7 +158,7 @@ def _recorder(snap: Any, *_: Any) -> _Values:
     }
 
 
-def _events(snap: Any, *_: Any) -> _Values:
+def _events(snap: Any) -> _Values:
     return {
         "published": {(k,): float(n) for k, n in snap.published.items()},
         "dropped": {(k,): float(n) for k, n in snap.dropped.items()},
@@ -164,14 +166,3 @@ def _events(snap: Any, *_: Any) -> _Values:
         "unknown": _scalar(snap.unknown),
         "oldest_unverified_s": _scalar(snap.oldest_unverified_s),
     }
-
-
-#: Each source's reader: ``(snapshot, label, pool_labels)`` -> its values.
-_READERS: dict[str, Callable[..., _Values]] = {
-    "mode": _mode,
-    "divergence": _divergence,
-    "reconciler": _reconciler,
-    "advisor": _advisor,
-    "recorder": _recorder,
-    "events": _events,
-}

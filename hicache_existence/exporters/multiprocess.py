@@ -1,17 +1,14 @@
 """Prometheus export inside SGLang ``--enable-metrics`` (prometheus_client
 multiprocess mode).
 
-In multiprocess mode every scheduler process writes its metric values to mmap
-files in ``PROMETHEUS_MULTIPROC_DIR`` and SGLang's HTTP server aggregates them
-with ``MultiProcessCollector``; custom collectors are not aggregated, so this
-module feeds ordinary ``Counter``/``Gauge`` objects instead.  It never touches them
-per page: ``flush()`` is called at most once per scheduler step, returns at once
-unless ``flush_interval_s`` has passed, and then applies one O(pools x metrics)
-batch: counters ``inc`` by the delta since the previous flush, gauges ``set``.
-
-Gauges use ``multiprocess_mode="mostrecent"`` (see ``catalog.GAUGE_MULTIPROCESS_MODE``).
-One feeder per process: two feeders with the same label set in one process
-would share mmap entries.
+Each scheduler process writes its values to mmap files in
+``PROMETHEUS_MULTIPROC_DIR``, which SGLang's HTTP server aggregates with
+``MultiProcessCollector``; custom collectors are not aggregated, so this feeds
+ordinary metric objects, never per page: ``flush()`` (at most once per scheduler
+step, a no-op until ``flush_interval_s`` has passed) applies one O(pools x metrics)
+batch: counters ``inc`` by the delta since the previous flush, gauges ``set``
+(``mostrecent``: ``catalog.GAUGE_MULTIPROCESS_MODE``).  One feeder per process: two
+with the same label set in one process would share mmap entries.
 """
 
 from __future__ import annotations

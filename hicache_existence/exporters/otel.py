@@ -1,17 +1,14 @@
 """OpenTelemetry export through ``opentelemetry-api`` only (the SDK is the
 application's choice, an optional extra here).
 
-Every catalog metric becomes an observable instrument (counters: observable
-counters, gauges: observable gauges) whose callback reads the same ``SeriesReader``
-values the Prometheus exporters render.  A collection takes one snapshot
-shared by all instruments: a callback takes a fresh snapshot only when its own
-instrument has already read the current one, so the cost per collection is one
-O(pools) snapshot plus O(pools) observations per instrument, whatever order the
-SDK calls the callbacks in.
+Every catalog metric becomes an observable counter or gauge whose callback reads
+the ``SeriesReader`` values the Prometheus exporters render.  A callback takes a
+fresh snapshot only when its own instrument has already read the current one, so
+a collection costs one O(pools) snapshot plus O(pools) observations per
+instrument, whatever order the SDK calls the callbacks in.
 
 Spans: ``span()`` wraps slow, rare work only (a reconcile pass, a divergence
-check), never a lookup.  Without opentelemetry installed, or while no tracer
-provider is set (or the no-op one), it is a no-op.
+check), never a lookup; a no-op without opentelemetry or a recording tracer provider.
 """
 
 from __future__ import annotations
@@ -23,12 +20,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from hicache_existence.exporters.catalog import (
-    DEPLOYMENT_LABELS,
-    DeploymentLabels,
-    FeatureSpec,
-    MetricSpec,
-)
+from hicache_existence.exporters.catalog import DeploymentLabels, FeatureSpec, MetricSpec
 from hicache_existence.exporters.series import Samples, SeriesReader
 
 try:  # optional extra
@@ -71,7 +63,7 @@ class OTelExporter:
                 "pip install 'hicache-existence[otel]'"
             )
         self.series_reader = series_reader
-        self._deployment = dict(zip(DEPLOYMENT_LABELS, (labels or DeploymentLabels()).values()))
+        self._deployment = (labels or DeploymentLabels()).as_dict()
         provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()
         meter = provider.get_meter(INSTRUMENTATION_NAME, _version)
         self._lock = threading.Lock()

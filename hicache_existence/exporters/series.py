@@ -50,7 +50,6 @@ class PoolLabeler:
     def __init__(self, max_pools: int = 16, initial: Iterable[str] = ("kv",)) -> None:
         self.max_pools = max_pools  # metrics.max_pools, >= 1 (Config checks it)
         self._labels: dict[str, str] = {}
-        self._order: list[str] = []
         for pool in initial:
             self.label(pool)
 
@@ -60,13 +59,11 @@ class PoolLabeler:
             own = sum(1 for v in self._labels.values() if v != OTHER_POOL)
             label = pool if own < self.max_pools and pool != OTHER_POOL else OTHER_POOL
             self._labels[pool] = label
-            if label not in self._order:
-                self._order.append(label)
         return label
 
     def labels(self) -> tuple[str, ...]:
         """Every label value handed out, in first-use order."""
-        return tuple(self._order)
+        return tuple(dict.fromkeys(self._labels.values()))
 
 
 #: The values of each extra label, so every series exists at 0 from the start.
