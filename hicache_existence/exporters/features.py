@@ -18,10 +18,10 @@ from hicache_existence.reconcile.counters import ERROR_KINDS, RESULTS
 
 #: metric name -> series (label values after the deployment labels) -> value.
 FeatureSamples = dict[str, dict[tuple[str, ...], float]]
-#: metric name -> series -> (bucket upper bounds, cumulative counts incl. +Inf, sum).
-HistogramSamples = dict[
-    str, dict[tuple[str, ...], tuple[tuple[float, ...], tuple[int, ...], float]]
-]
+#: (bucket upper bounds, cumulative counts incl. +Inf, sum).
+HistogramValue = tuple[tuple[float, ...], tuple[int, ...], float]
+#: metric name -> series -> histogram.
+HistogramSamples = dict[str, dict[tuple[str, ...], HistogramValue]]
 
 
 @dataclass(frozen=True)

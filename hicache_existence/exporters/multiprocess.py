@@ -27,7 +27,7 @@ from hicache_existence.exporters.catalog import (
     FeatureSpec,
     MetricSpec,
 )
-from hicache_existence.exporters.features import HistogramSamples
+from hicache_existence.exporters.features import HistogramSamples, HistogramValue
 from hicache_existence.exporters.series import Samples, SeriesKey, SeriesReader
 
 
@@ -151,10 +151,7 @@ class MultiprocessFeeder:
                 self._apply_histogram(fspec, histograms.get(fspec.name, {}), counters)
 
     def _apply_histogram(
-        self,
-        spec: FeatureSpec,
-        series: dict[SeriesKey, tuple[tuple[float, ...], tuple[int, ...], float]],
-        counters: bool,
+        self, spec: FeatureSpec, series: dict[SeriesKey, HistogramValue], counters: bool
     ) -> None:
         """Feed a histogram by bucket deltas.  prometheus_client's Histogram only
         offers observe(); its per-bucket values are incremented directly so the
