@@ -1,17 +1,15 @@
 """Structured log events: loggers, stable event names, rate limiting, CLI setup.
 
-The library only *asks* for loggers and never configures logging: applications
-(SGLang, the CLI) decide where events go.  An event is a stable name plus
-key-value fields.  When the application has configured structlog the event goes
-through structlog; otherwise it goes to the stdlib logger of the same name as
-``"<event> key=value ..."`` with the name and fields also attached to the record
-(``record.hicache_event``, ``record.hicache_fields``), so SGLang's own handlers
-show it.  structlog is an optional extra; nothing here needs it.
+The library only *asks* for loggers: applications (SGLang, the CLI) decide where
+events go.  An event is a stable name plus key-value fields, sent through
+structlog when the application configured it (an optional extra), else to the
+stdlib logger of the same name as ``"<event> key=value ..."`` with the name and
+fields also on the record (``hicache_event``, ``hicache_fields``), so SGLang's own
+handlers show it.
 
-``configure_logging`` is for the CLI only (``hicache_existence.cli``).
-``configure_package_logging`` applies the operator's ``logging`` settings to the
-package's own logger inside a host application (the SGLang plugin): a level and
-optionally a JSON handler on ``hicache_existence``, never the root logger.
+``configure_logging`` is for the CLI only.  ``configure_package_logging`` applies
+the ``logging`` settings inside a host application (the SGLang plugin): a level and
+optionally a JSON handler on the ``hicache_existence`` logger, never the root one.
 """
 
 from __future__ import annotations
@@ -172,11 +170,7 @@ class JsonFormatter(logging.Formatter):
 
 
 _LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
+    n: getattr(logging, n.upper()) for n in ("debug", "info", "warning", "error", "critical")
 }
 
 
@@ -249,13 +243,12 @@ def configure_package_logging(
 ) -> None:
     """Apply the ``logging`` section to the ``hicache_existence`` logger only.
 
-    For integrations running inside someone else's process (SGLang): ``level``
-    sets the package logger's level ("" leaves it to the application's root
-    level); ``json_output`` gives the package its own JSON-lines handler on
-    ``stream`` (stderr) and stops its records from also reaching the
-    application's handlers (each event printed once).  Other loggers, the root
-    logger and structlog's global configuration are left alone.  Idempotent: a
-    second call replaces what the first set.
+    For integrations inside someone else's process (SGLang): ``level`` sets the
+    package logger's level ("" leaves it to the root level); ``json_output`` gives
+    the package its own JSON-lines handler on ``stream`` (stderr) and stops its
+    records from also reaching the application's handlers (each event printed
+    once).  Other loggers and structlog are left alone.  Idempotent: a second call
+    replaces what the first set.
     """
     if not isinstance(level, str) or (level and level.lower() not in _LEVELS):
         raise ValueError(f"level must be '' or one of {sorted(_LEVELS)}, got {level!r}")

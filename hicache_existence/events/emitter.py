@@ -4,33 +4,30 @@ Routers and KV indexers score instances by the blocks each tier holds, from the
 events engines publish; SGLang publishes the device and host tiers only.  This
 emitter publishes the storage tier from what the package already knows:
 
-* **``BlockStored`` at the ack.**  ``stored(blocks)`` is called by the write path
-  when the storage drain acknowledges a write, with the pages this rank's backend
-  stored (never at launch, never for a page only believed).  A block is published
-  once until it is removed; an acknowledgement of a block already published
-  refreshes its verification time only.  A page whose block hash, parent or tokens
-  the write path cannot give as SGLang's own events would (a namespaced or bigram
-  key) is counted (``unknown``), not published.
-* **``BlockRemoved`` only when absence is verified.**  The emitter observes the
-  cache (``BeliefObserver``): ``invalidate_beyond(chain, keep)`` is only ever
-  called on a verdict (a reconciler query or a prefetch hit query that found
-  ``chain[keep]`` missing), and every page past it is unreachable by a prefix
-  lookup, since a page hash chains its whole prefix.  Published blocks among
-  ``chain[keep:]`` are removed, by source.  The LRU forgetting a belief (an
-  eviction inside ``add``) and ``clear`` say nothing about L3: no event.
+* **``BlockStored`` at the ack.**  The write path calls ``stored(blocks)`` when the
+  storage drain acknowledges a write, with the pages this rank's backend stored
+  (never at launch, never for a page only believed).  A block is published once
+  until removed; a repeated acknowledgement refreshes its verification time only.
+  A page whose block hash, parent or tokens the write path cannot give as
+  SGLang's own events would (a namespaced or bigram key) is counted
+  (``unknown``), not published.
+* **``BlockRemoved`` only when absence is verified.**  As a ``BeliefObserver`` the
+  emitter sees ``invalidate_beyond(chain, keep)``, only ever called on a verdict (a
+  reconciler query or a prefetch hit query found ``chain[keep]`` missing); every
+  page past it is unreachable by a prefix lookup (a page hash chains its whole
+  prefix), so published blocks among ``chain[keep:]`` are removed, by source.  An
+  LRU eviction inside ``add`` and ``clear`` say nothing about L3: no event.
 * **Off the scheduler thread.**  The scheduler thread puts one item per call on a
-  bounded queue (an acknowledgement: references to the write's own snapshot and
-  the function that reads its blocks; a verdict: its chain as a tuple and its
-  source), whatever the number of pages; a full queue drops the item and counts
-  its pages, never blocks.  The publisher thread owns everything per page: the
-  blocks of an acknowledgement, the published set (once per block until
-  removed), the events, their encoding and sending (``Sink``: the package's own
-  ZeroMQ publisher, or SGLang's, see ``integrations/sglang/kv_events.py``).  As
-  one queue carries stores and verdicts in call order, the publisher sees them
-  in the order the scheduler made them.
-* **Verification age.**  Each published block carries the time it was last
-  confirmed present (its ack, a hit query or a reconciler verdict that reached
-  past it); ``oldest_unverified_s`` is the age of the least recently confirmed.
+  bounded queue whatever the number of pages (an acknowledgement: references to
+  the write's own snapshot and the function that reads its blocks; a verdict: its
+  chain as a tuple and its source); a full queue drops the item and counts its
+  pages, never blocks.  The publisher thread does everything per page (blocks,
+  the published set, events, encoding, sending through a ``Sink``: the package's
+  own ZeroMQ publisher or SGLang's, ``integrations/sglang/kv_events.py``), in the
+  scheduler's call order, as one queue carries stores and verdicts.
+* **Verification age.**  Each published block carries when it was last confirmed
+  present (its ack, a hit query or a reconciler verdict reaching past it);
+  ``oldest_unverified_s`` is the age of the least recently confirmed.
 
 Nothing here raises into the cache: a failure is counted (``errors``).
 """

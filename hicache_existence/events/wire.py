@@ -24,9 +24,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: The storage media of SGLang's ``StorageMedium`` for the L3 tier.
-MEDIA = ("DISK", "EXTERNAL")
-
 
 def block_hash(page: str) -> int:
     """The event block hash of an SGLang page hash (64 hex digits): its first 64
@@ -103,17 +100,14 @@ def _pack(value: Any, out: bytearray) -> None:
         out += struct.pack(">d", value)
     elif isinstance(value, str):
         data = value.encode("utf-8")
-        if len(data) < 32:
-            out.append(0xA0 | len(data))
-        else:
-            _sized(len(data), len(data), _STR, out)
+        _header(len(data), 0xA0, 32, _STR, out)
         out += data
     elif isinstance(value, (list, tuple)):
-        _header(len(value), 0x90, _ARRAY, out)
+        _header(len(value), 0x90, 16, _ARRAY, out)
         for item in value:
             _pack(item, out)
     elif isinstance(value, Mapping):
-        _header(len(value), 0x80, _MAP, out)
+        _header(len(value), 0x80, 16, _MAP, out)
         for key, item in value.items():
             _pack(str(key), out)
             _pack(item, out)
@@ -149,12 +143,13 @@ def _sized(key: int, value: int, forms: _Forms, out: bytearray) -> None:
     raise ValueError(f"integer {value} does not fit in 64 bits")
 
 
-def _header(n: int, fix: int, forms: _Forms, out: bytearray) -> None:
-    """An array (``fix`` 0x90) or map (0x80) header of ``n`` entries."""
-    if n < 16:
+def _header(n: int, fix: int, fix_below: int, forms: _Forms, out: bytearray) -> None:
+    """A string, array or map header for ``n`` bytes or entries: the fix form
+    (``fix | n``) below ``fix_below``, else the narrowest sized form."""
+    if n < fix_below:
         out.append(fix | n)
     else:
         _sized(n, n, forms, out)
 
 
-__all__ = ["MEDIA", "Event", "Removed", "Stored", "block_hash", "encode_batch", "event_map"]
+__all__ = ["Event", "Removed", "Stored", "block_hash", "encode_batch", "event_map"]

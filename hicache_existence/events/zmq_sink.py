@@ -7,10 +7,10 @@ multipart message ``(topic, seq, payload)`` as SGLang's publisher sends it
 ``--workers id=tcp://host:port``) reads this one unchanged.  There is no replay
 socket: a subscriber that missed batches sees a gap in ``seq``.
 
-The endpoint's port is offset by the DP rank, as SGLang offsets its own, so each
-DP replica publishes on its own port (port 0 or ``*``: each binds a free one, which
-the start-up line names).  An endpoint that cannot be bound gets one
-warning naming it, and the server runs without events.
+Each DP replica publishes on the endpoint's port offset by its DP rank, as SGLang
+offsets its own (port 0 or ``*``: each binds a free one, which the start-up line
+names).  An endpoint that cannot be bound gets one warning naming it, and the
+server runs without events.
 """
 
 from __future__ import annotations
@@ -41,15 +41,14 @@ def offset_endpoint(endpoint: str, dp_rank: int) -> str:
 class ZmqSink:
     """A bound PUB socket publishing ``KVEventBatch`` messages (publisher thread only)."""
 
-    def __init__(self, endpoint: str, *, dp_rank: int = 0, topic: str = "", hwm: int = 100_000):
+    def __init__(self, endpoint: str, *, dp_rank: int = 0):
         import zmq  # lazily: only a process that publishes needs pyzmq
 
         self.endpoint = offset_endpoint(endpoint, dp_rank)
         self.dp_rank = dp_rank
-        self._topic = topic.encode("utf-8")
         self._seq = 0
         self._socket: Any = zmq.Context.instance().socket(zmq.PUB)
-        self._socket.set_hwm(hwm)
+        self._socket.set_hwm(100_000)
         try:
             self._socket.bind(self.endpoint)
         except Exception:
@@ -59,10 +58,10 @@ class ZmqSink:
         self.where: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @classmethod
-    def open(cls, endpoint: str, *, dp_rank: int = 0, topic: str = "") -> ZmqSink | None:
+    def open(cls, endpoint: str, *, dp_rank: int = 0) -> ZmqSink | None:
         """The sink, or ``None`` with one warning naming the endpoint."""
         try:
-            return cls(endpoint, dp_rank=dp_rank, topic=topic)
+            return cls(endpoint, dp_rank=dp_rank)
         except Exception as exc:
             logger.warning(
                 "hicache-existence: KV events off: cannot bind %s (%s); the server runs "
@@ -76,7 +75,8 @@ class ZmqSink:
         payload = encode_batch(ts, events, self.dp_rank)
         seq = self._seq
         self._seq += 1
-        self._socket.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        # (topic, seq, payload), the topic empty as in SGLang's default KVEventsConfig.
+        self._socket.send_multipart((b"", seq.to_bytes(8, "big"), payload))
 
     def close(self) -> None:
         self._socket.close(linger=0)

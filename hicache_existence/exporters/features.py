@@ -1,12 +1,10 @@
-"""Feature metrics from snapshots: TP-divergence checks, the reconciler, the advisor,
-the recorder.
+"""Feature metrics (the mode served, TP-divergence checks, the reconciler, the
+advisor, the recorder, KV events), read like the cache metrics from immutable
+snapshots at export time, never recorded per operation.
 
-Like the cache metrics, these are read from immutable snapshots at export time
-(``DivergenceChecker.stats()``, ``Reconciler.snapshot()``, ``CapacityAdvisor.snapshot()``),
-never recorded per operation.  ``FeatureSources`` holds the callables that take
-those snapshots; a feature without a source exports nothing.  Series that can
-be enumerated up front (result and error labels, known pools) exist at 0 from
-the first sample.
+``FeatureSources`` holds the callables that take those snapshots; a feature
+without a source exports nothing.  Series that can be enumerated up front
+(result and error labels, known pools) exist at 0 from the first sample.
 """
 
 from __future__ import annotations
@@ -20,10 +18,10 @@ from hicache_existence.reconcile.counters import ERROR_KINDS, RESULTS
 
 #: metric name -> series (label values after the deployment labels) -> value.
 FeatureSamples = dict[str, dict[tuple[str, ...], float]]
-#: metric name -> series -> (bucket upper bounds, cumulative counts incl. +Inf, sum).
-HistogramSamples = dict[
-    str, dict[tuple[str, ...], tuple[tuple[float, ...], tuple[int, ...], float]]
-]
+#: (bucket upper bounds, cumulative counts incl. +Inf, sum).
+HistogramValue = tuple[tuple[float, ...], tuple[int, ...], float]
+#: metric name -> series -> histogram.
+HistogramSamples = dict[str, dict[tuple[str, ...], HistogramValue]]
 
 
 @dataclass(frozen=True)
@@ -116,8 +114,6 @@ def _per_pool(
 
 
 def _reconciler(snap: Any, label: Callable[[str], str], pool_labels: tuple[str, ...]) -> _Values:
-    for pool, _result in snap.queries:
-        label(pool)
     queries: dict[tuple[str, ...], float] = {(p, r): 0.0 for p in pool_labels for r in RESULTS}
     for (pool, result), n in snap.queries.items():
         key = (label(pool), str(result))

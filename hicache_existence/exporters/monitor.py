@@ -18,21 +18,15 @@ from hicache_existence.core.stats import CacheStats
 
 class Monitor:
     """Emits ``CACHE_AT_CAPACITY`` once per pool, ``CACHE_CLEARED`` per clear seen
-    and ``EVICTION_BURST`` (rate-limited per pool) when evictions per second over
-    an interval exceed ``burst_fraction`` of the pool's capacity."""
+    and ``EVICTION_BURST`` (at most one a minute per pool) when evictions per
+    second over an interval exceed ``burst_fraction`` of the pool's capacity."""
 
     def __init__(
-        self,
-        *,
-        burst_fraction: float = 0.05,
-        burst_events_per_s: float = 1 / 60,
-        clock: Callable[[], float] | None = None,
-        logger: logs.EventLogger | None = None,
+        self, *, burst_fraction: float = 0.05, clock: Callable[[], float] | None = None
     ) -> None:
         self.burst_fraction = float(burst_fraction)
-        self._burst_rate = float(burst_events_per_s)
         self._clock = clock or time.monotonic
-        self._logger = logger or logs.get_logger("hicache_existence.exporters.monitor")
+        self._logger = logs.get_logger("hicache_existence.exporters.monitor")
         self._previous: CacheStats | None = None
         self._previous_at = 0.0
         self._at_cap: set[str] = set()
@@ -67,11 +61,9 @@ class Monitor:
                 continue
             rate = evicted / elapsed
             if rate >= self.burst_fraction * current.capacity:
-                limiter = self._limiters.get(pool)
-                if limiter is None:
-                    limiter = self._limiters[pool] = logs.RateLimiter(
-                        self._burst_rate, clock=self._clock
-                    )
+                if pool not in self._limiters:
+                    self._limiters[pool] = logs.RateLimiter(1 / 60, clock=self._clock)
+                limiter = self._limiters[pool]
                 if limiter.allow():
                     log.warning(
                         logs.EVICTION_BURST,

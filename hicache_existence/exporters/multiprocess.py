@@ -1,17 +1,14 @@
 """Prometheus export inside SGLang ``--enable-metrics`` (prometheus_client
 multiprocess mode).
 
-In multiprocess mode every scheduler process writes its metric values to mmap
-files in ``PROMETHEUS_MULTIPROC_DIR`` and SGLang's HTTP server aggregates them
-with ``MultiProcessCollector``; custom collectors are not aggregated, so this
-module feeds ordinary ``Counter``/``Gauge`` objects instead.  It never touches them
-per page: ``flush()`` is called at most once per scheduler step, returns at once
-unless ``flush_interval_s`` has passed, and then applies one O(pools x metrics)
-batch: counters ``inc`` by the delta since the previous flush, gauges ``set``.
-
-Gauges use ``multiprocess_mode="mostrecent"`` (see ``catalog.GAUGE_MULTIPROCESS_MODE``).
-One feeder per process: two feeders with the same label set in one process
-would share mmap entries.
+Each scheduler process writes its values to mmap files in
+``PROMETHEUS_MULTIPROC_DIR``, which SGLang's HTTP server aggregates with
+``MultiProcessCollector``; custom collectors are not aggregated, so this feeds
+ordinary metric objects, never per page: ``flush()`` (at most once per scheduler
+step, a no-op until ``flush_interval_s`` has passed) applies one O(pools x metrics)
+batch: counters ``inc`` by the delta since the previous flush, gauges ``set``
+(``mostrecent``: ``catalog.GAUGE_MULTIPROCESS_MODE``).  One feeder per process: two
+with the same label set in one process would share mmap entries.
 """
 
 from __future__ import annotations
@@ -30,17 +27,15 @@ from hicache_existence.exporters.catalog import (
     FeatureSpec,
     MetricSpec,
 )
-from hicache_existence.exporters.features import HistogramSamples
+from hicache_existence.exporters.features import HistogramSamples, HistogramValue
 from hicache_existence.exporters.series import Samples, SeriesKey, SeriesReader
-
-ENV_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def multiprocess_active() -> bool:
     """Whether prometheus_client writes values to multiprocess files (decided
     when prometheus_client was first imported, as SGLang arranges)."""
     return bool(getattr(values.ValueClass, "_multiprocess", False)) and bool(
-        os.environ.get(ENV_DIR)
+        os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     )
 
 
@@ -82,7 +77,6 @@ class MultiprocessFeeder:
         self._last: float | None = None
         self._errors = logs.RateLimiter(1 / 60, clock=self._clock)
         self._logger = logs.get_logger("hicache_existence.exporters")
-        self.flushes = 0
         # Every series of the pools known now exists at 0 from the start.
         self._apply(*series_reader.sample_all(), counters=False)
 
@@ -110,7 +104,6 @@ class MultiprocessFeeder:
             self._last = now
             self.series_reader.settle()  # flush runs on the scheduler thread
             self._apply(*self.series_reader.sample_all(), counters=True)
-            self.flushes += 1
             return True
         except Exception as exc:  # observability never raises into the scheduler
             if self._errors.allow():
@@ -158,10 +151,7 @@ class MultiprocessFeeder:
                 self._apply_histogram(fspec, histograms.get(fspec.name, {}), counters)
 
     def _apply_histogram(
-        self,
-        spec: FeatureSpec,
-        series: dict[SeriesKey, tuple[tuple[float, ...], tuple[int, ...], float]],
-        counters: bool,
+        self, spec: FeatureSpec, series: dict[SeriesKey, HistogramValue], counters: bool
     ) -> None:
         """Feed a histogram by bucket deltas.  prometheus_client's Histogram only
         offers observe(); its per-bucket values are incremented directly so the

@@ -1,33 +1,26 @@
 """OpenTelemetry export through ``opentelemetry-api`` only (the SDK is the
 application's choice, an optional extra here).
 
-Every catalog metric becomes an observable instrument (counters: observable
-counters, gauges: observable gauges) whose callback reads the same ``SeriesReader``
-values the Prometheus exporters render.  A collection takes one snapshot
-shared by all instruments: a callback takes a fresh snapshot only when its own
-instrument has already read the current one, so the cost per collection is one
-O(pools) snapshot plus O(pools) observations per instrument, whatever order the
-SDK calls the callbacks in.
+Every catalog metric becomes an observable counter or gauge whose callback reads
+the ``SeriesReader`` values the Prometheus exporters render.  A callback takes a
+fresh snapshot only when its own instrument has already read the current one, so
+a collection costs one O(pools) snapshot plus O(pools) observations per
+instrument, whatever order the SDK calls the callbacks in.
 
 Spans: ``span()`` wraps slow, rare work only (a reconcile pass, a divergence
-check), never a lookup.  Without opentelemetry installed, or while no tracer
-provider is set (or the no-op one), it is a no-op.
+check), never a lookup; a no-op without opentelemetry or a recording tracer provider.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
-from hicache_existence.exporters.catalog import (
-    DEPLOYMENT_LABELS,
-    DeploymentLabels,
-    FeatureSpec,
-    MetricSpec,
-)
+from hicache_existence.exporters.catalog import DeploymentLabels, FeatureSpec, MetricSpec
 from hicache_existence.exporters.series import Samples, SeriesReader
 
 try:  # optional extra
@@ -70,7 +63,7 @@ class OTelExporter:
                 "pip install 'hicache-existence[otel]'"
             )
         self.series_reader = series_reader
-        self._deployment = dict(zip(DEPLOYMENT_LABELS, (labels or DeploymentLabels()).values()))
+        self._deployment = (labels or DeploymentLabels()).as_dict()
         provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()
         meter = provider.get_meter(INSTRUMENTATION_NAME, _version)
         self._lock = threading.Lock()
@@ -93,17 +86,11 @@ class OTelExporter:
             self.instruments.append(
                 create(
                     spec.name,
-                    callbacks=[self._callback_for(spec)],
+                    callbacks=[partial(self._observe, spec)],
                     unit=spec.otel_unit,
                     description=spec.help,
                 )
             )
-
-    def _callback_for(self, spec: MetricSpec | FeatureSpec) -> Any:
-        def callback(options: Any) -> Iterable[Any]:
-            return list(self._observe(spec))
-
-        return callback
 
     def _current(self, name: str) -> Samples:
         with self._lock:
@@ -114,14 +101,15 @@ class OTelExporter:
             self._consumed.add(name)
             return self._samples
 
-    def _observe(self, spec: MetricSpec | FeatureSpec) -> Iterator[Any]:
+    def _observe(self, spec: MetricSpec | FeatureSpec, options: Any) -> list[Any]:
+        """The instrument's callback: its observations from the shared snapshot."""
         assert _metrics is not None
         samples = self._current(spec.name)
         extra = spec.labels if isinstance(spec, FeatureSpec) else ("pool", *spec.extra_labels)
-        for key, value in samples.get(spec.name, {}).items():
-            attributes = dict(self._deployment)
-            attributes.update(zip(extra, key))
-            yield _metrics.Observation(value, attributes)
+        return [
+            _metrics.Observation(value, {**self._deployment, **dict(zip(extra, key))})
+            for key, value in samples.get(spec.name, {}).items()
+        ]
 
 
 @contextmanager

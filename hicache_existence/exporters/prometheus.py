@@ -25,8 +25,7 @@ from prometheus_client.registry import Collector
 
 from hicache_existence import logs
 from hicache_existence.exporters.catalog import DeploymentLabels, FeatureSpec, MetricSpec
-from hicache_existence.exporters.features import HistogramSamples
-from hicache_existence.exporters.series import Samples, SeriesReader
+from hicache_existence.exporters.series import SeriesReader
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464
@@ -55,29 +54,18 @@ class PrometheusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         samples, histograms = self.series_reader.sample_all()
-        yield from self.render(samples, histograms)
-
-    def render(
-        self, samples: Samples, histograms: HistogramSamples | None = None
-    ) -> Iterator[Metric]:
         deployment = list(self._deployment)
         for spec in self._specs():
             family = _family(spec)
             if spec.kind == "histogram":
-                for key, (bounds, cumulative, total) in (
-                    (histograms or {}).get(spec.name, {}).items()
-                ):
-                    buckets = [(_le(b), float(c)) for b, c in zip(bounds, cumulative)]
+                for key, (bounds, cumulative, total) in histograms.get(spec.name, {}).items():
+                    buckets = [(repr(float(b)), float(c)) for b, c in zip(bounds, cumulative)]
                     buckets.append(("+Inf", float(cumulative[-1] if cumulative else 0)))
                     family.add_metric([*deployment, *key], buckets, total)
             else:
                 for key, value in samples.get(spec.name, {}).items():
                     family.add_metric([*deployment, *key], value)
             yield family
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 class MetricsServer:
@@ -138,11 +126,7 @@ def serve(
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    registry: CollectorRegistry | None = None,
 ) -> MetricsServer:
-    """Register a collector for ``series_reader`` on a fresh (or given) registry and
-    serve it on ``host:port`` (port 0 picks a free port; see ``.port``)."""
-    if registry is None:
-        return MetricsServer(registry_for(series_reader, labels), host, port)
-    registry.register(PrometheusCollector(series_reader, labels))
-    return MetricsServer(registry, host, port)
+    """Serve a fresh registry holding a collector for ``series_reader`` on
+    ``host:port`` (port 0 picks a free port; see ``.port``)."""
+    return MetricsServer(registry_for(series_reader, labels), host, port)

@@ -13,12 +13,12 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+from hicache_existence.accounting.causes import CAUSES
 from hicache_existence.accounting.ghosts import CACHE_BYTES_PER_ENTRY, GhostFactory
 from hicache_existence.accounting.writes import PoolWriteStats, WriteAccounting, WriteStats
 from hicache_existence.core.stats import MISS_REASONS, CacheStats, PoolStats
 from hicache_existence.exporters.catalog import (
     CATALOG,
-    CAUSE_LABELS,
     MISS_REASON_LABELS,
     OTHER_POOL,
     FeatureSpec,
@@ -50,7 +50,6 @@ class PoolLabeler:
     def __init__(self, max_pools: int = 16, initial: Iterable[str] = ("kv",)) -> None:
         self.max_pools = max_pools  # metrics.max_pools, >= 1 (Config checks it)
         self._labels: dict[str, str] = {}
-        self._order: list[str] = []
         for pool in initial:
             self.label(pool)
 
@@ -60,20 +59,20 @@ class PoolLabeler:
             own = sum(1 for v in self._labels.values() if v != OTHER_POOL)
             label = pool if own < self.max_pools and pool != OTHER_POOL else OTHER_POOL
             self._labels[pool] = label
-            if label not in self._order:
-                self._order.append(label)
         return label
 
     def labels(self) -> tuple[str, ...]:
         """Every label value handed out, in first-use order."""
-        return tuple(self._order)
+        return tuple(dict.fromkeys(self._labels.values()))
+
+
+#: The values of each extra label, so every series exists at 0 from the start.
+_LABEL_VALUES = {"reason": MISS_REASON_LABELS, "cause": CAUSES}
 
 
 def _series_of(spec: MetricSpec, pool_label: str) -> list[SeriesKey]:
-    if spec.extra_labels == ("reason",):
-        return [(pool_label, reason) for reason in MISS_REASON_LABELS]
-    if spec.extra_labels == ("cause",):
-        return [(pool_label, cause) for cause in CAUSE_LABELS]
+    if spec.extra_labels:
+        return [(pool_label, value) for value in _LABEL_VALUES[spec.extra_labels[0]]]
     return [(pool_label,)]
 
 
@@ -89,22 +88,18 @@ class SeriesReader:
         ghosts: GhostFactory | None = None,
         max_pools: int = 16,
         initial_pools: Iterable[str] = ("kv",),
-        bytes_per_entry: float = CACHE_BYTES_PER_ENTRY,
         features: FeatureSources | None = None,
         write_families: bool = True,
     ) -> None:
-        # Internal and typed: the collaborators are the runtime's own, the
-        # settings come from a validated ``Config`` (checks live at that edge).
+        # Internal and typed: the settings come from a validated ``Config``.
         self.cache = cache
-        self.writes = writes
+        # Without ``write_families`` (a host memory mode whose write path could not
+        # be hooked) the write families are left out: absent rather than 0 while L3
+        # is written.
+        self.writes = writes if write_families else None
         self.ghosts = ghosts
-        self.bytes_per_entry = float(bytes_per_entry)
         self.labeler = PoolLabeler(max_pools, initial_pools)
         self.features = features or FeatureSources()
-        #: The scalar families exported: without ``write_families`` (a host memory
-        #: mode whose write path could not be hooked) the write families are left
-        #: out, absent rather than 0 while L3 is written.
-        self.write_families = bool(write_families)
         self.specs: tuple[MetricSpec, ...] = (
             CATALOG if write_families else tuple(s for s in CATALOG if s.source != "writes")
         )
@@ -163,8 +158,6 @@ class SeriesReader:
         label = self.labeler.label
         for pool in cache_stats:
             label(pool)
-        if not self.write_families:
-            write_stats = None
         if write_stats is not None:
             for pool in write_stats:
                 label(pool)
@@ -203,7 +196,7 @@ class SeriesReader:
             else:
                 series[key] += getattr(stats, spec.field)
         mem = float(miss_memory or 0)
-        out[_MEMORY][key] += stats.entries * self.bytes_per_entry + mem
+        out[_MEMORY][key] += stats.entries * CACHE_BYTES_PER_ENTRY + mem
         out[_MISS_MEMORY][key] += mem
 
     @staticmethod
