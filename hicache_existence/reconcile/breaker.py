@@ -16,7 +16,6 @@ from collections.abc import Callable
 CLOSED = 0
 OPEN = 1
 HALF_OPEN = 2
-STATE_NAMES = ("closed", "open", "half_open")
 
 
 class CircuitBreaker:

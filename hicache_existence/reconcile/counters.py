@@ -45,20 +45,7 @@ ERROR_KINDS = (
 )
 
 #: Upper bounds (seconds) of the query-latency histogram buckets (+Inf implied).
-LATENCY_BUCKETS = (
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-)
+LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class Histogram:
