@@ -1,9 +1,8 @@
 """The reconciler's counters and latency histogram, and their frozen snapshot.
 
-Each field is written by one thread only (the scheduler thread or the worker),
-so plain ``+=`` needs no lock; ``snapshot()`` may run on any thread (the metrics
-layer's) and copies dicts before reading them.  Label values are bounded: pools
-are the cache's pool names, results and error kinds are the fixed tuples below.
+Each field has one writer thread (the scheduler's or the worker), so plain ``+=``
+needs no lock; ``snapshot()`` may run on any thread and copies dicts before
+reading them.  Label values are bounded: pool names, and the tuples below.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ drop a true belief.  ``WrittenLedgerTruth`` answers only once every record
 offered before the question is written (``LedgerWriter.wait_written``), waiting
 on the reconciler's worker thread (never the scheduler or storage threads) and
 for a bounded time, past which the question fails (``LedgerBehind``, never read
-as absence).  Offering stays non-blocking: a ``put_nowait`` and a counter, under
-one lock.
+as absence).
 """
 
 from __future__ import annotations

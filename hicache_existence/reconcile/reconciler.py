@@ -47,11 +47,10 @@ class Reconciler:
     """Install it as the cache's observer (alone or in a ``Tee``) and call
     ``apply(step)`` once per scheduler step on every rank, after
     ``check_hicache_events``, so every rank has seen the same writes when it
-    acts.  With ``truth=None`` it does nothing.  Arguments are checked where
-    they enter (``ReconcilerSection``).  Two bounds are not configuration:
-    ``max_candidates`` picks wait for admission (memory), and one agreement
-    acts on ``apply_page_budget`` pages (scheduler time; a longer first chain
-    still applies, alone)."""
+    acts; with ``truth=None`` it does nothing.  Arguments are checked where they
+    enter (``ReconcilerSection``).  Not configuration: ``max_candidates`` picks
+    wait for admission (memory), one agreement acts on ``apply_page_budget``
+    pages (scheduler time; a longer first chain still applies, alone)."""
 
     def __init__(
         self,
