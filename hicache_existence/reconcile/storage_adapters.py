@@ -294,12 +294,7 @@ class _LedgerRecordingMixin:
     def batch_exists(self, keys: Any, extra_info: Any = None) -> Any:
         inner = self._backend()
         count = inner.batch_exists(keys, extra_info)
-        if (
-            self._learns_absence(inner)
-            and isinstance(count, int)
-            and not isinstance(count, bool)
-            and 0 <= count < len(keys)
-        ):
+        if self._learns_absence(inner) and _validate.is_int(count) and 0 <= count < len(keys):
             # The real backend just said this page is absent: teach the ledger.
             self._stored(KV, [keys[count]], removed=True)
         return count
