@@ -443,13 +443,11 @@ class RedisLedger:
             return 0
         prefix = self.prefix(name)
         batch = self.settings.write_batch
-        removed = 0
         with redis_errors():  # one UNLINK per batch (on a cluster the keys share a slot)
-            for start in range(0, len(seq), batch):
-                removed += int(
-                    self._client.unlink(*[prefix + h for h in seq[start : start + batch]])
-                )
-        return removed
+            return sum(
+                int(self._client.unlink(*[prefix + h for h in seq[i : i + batch]]))
+                for i in range(0, len(seq), batch)
+            )
 
     def clear_shard(self) -> int:
         """Forget every page of this shard (its L3 was cleared); returns keys
