@@ -2,13 +2,10 @@
 integer vector over every TP rank, as upstream does for prefetch hit counts.
 
 Replicas stay identical only if every rank applies the same verdicts at the same
-lockstep point.  Each rank contributes what it knows (how many of its queries are
-done, in submission order, and each answer); the MIN is what every rank can act
-on.  An error is encoded as -1, so one rank's error wins and nobody invalidates.
-
-``GlooAgreement`` runs the collective on a dedicated CPU (gloo) group, never on
-the NCCL data group; torch is imported only when it is constructed.
-``InProcessGroup`` gives threads of one process the same semantics, for tests.
+lockstep point, so each acts on the MIN of what every rank knows (``vector``).
+``GlooAgreement`` runs it on a dedicated CPU (gloo) group, never the NCCL data
+group, importing torch only when constructed; ``InProcessGroup`` gives threads
+of one process the same semantics, for tests.
 """
 
 from __future__ import annotations
@@ -40,11 +37,8 @@ class SingleRank:
 
 
 class GlooAgreement:
-    """MIN all-reduce over a torch.distributed gloo group.
-
-    ``group`` is a process group created on every rank (``new_group(backend=
-    "gloo")``); ``None`` means the default group, which must then be gloo.
-    """
+    """MIN all-reduce over a torch.distributed gloo ``group`` created on every
+    rank (``None``: the default group, which must then be gloo)."""
 
     def __init__(self, group: Any = None) -> None:
         import torch

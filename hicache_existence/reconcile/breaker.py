@@ -1,10 +1,9 @@
 """A circuit breaker with exponential backoff, shared by the worker and the scheduler.
 
 After ``failures`` consecutive errors the circuit opens: queries fail fast (no
-I/O) and the scheduler admits none.  When the backoff has passed, one probe is
-let through (half-open); its success closes the circuit, its failure re-opens it
-with the backoff doubled up to ``backoff_max_s``.  A store that is down therefore
-costs one probe per backoff period instead of a timeout per query.
+I/O) and the scheduler admits none.  Once the backoff has passed one probe goes
+through (half-open): its success closes the circuit, its failure re-opens it
+with the backoff doubled up to ``backoff_max_s``.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from collections.abc import Callable
 CLOSED = 0
 OPEN = 1
 HALF_OPEN = 2
-STATE_NAMES = ("closed", "open", "half_open")
 
 
 class CircuitBreaker:

@@ -1,9 +1,8 @@
 """The reconciler's counters and latency histogram, and their frozen snapshot.
 
-Each field is written by one thread only (the scheduler thread or the worker),
-so plain ``+=`` needs no lock; ``snapshot()`` may run on any thread (the metrics
-layer's) and copies dicts before reading them.  Label values are bounded: pools
-are the cache's pool names, results and error kinds are the fixed tuples below.
+Each field has one writer thread (the scheduler's or the worker), so plain ``+=``
+needs no lock; ``snapshot()`` may run on any thread and copies dicts before
+reading them.  Label values are bounded: pool names, and the tuples below.
 """
 
 from __future__ import annotations
@@ -45,20 +44,7 @@ ERROR_KINDS = (
 )
 
 #: Upper bounds (seconds) of the query-latency histogram buckets (+Inf implied).
-LATENCY_BUCKETS = (
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-)
+LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class Histogram:

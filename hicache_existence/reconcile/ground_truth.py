@@ -1,13 +1,11 @@
 """The ground-truth interface, its errors, and an in-memory implementation.
 
-Ground truth answers "is this page in L3?" for a pool.  ``leading_present`` has
-the semantics of SGLang's ``HiCacheStorage.batch_exists``: the number of leading
-pages present, which is all a prefix cache can use.  An answer that could not be
-obtained raises a ``GroundTruthError``: callers must never read an error as
-evidence of absence.
-
-``absence_is_evidence()`` lets a truth say that, right now, a short answer does
-not prove absence (a ledger that lost its history); presence still counts.
+Ground truth answers "is this page in L3?" per pool.  ``leading_present`` has
+the semantics of SGLang's ``HiCacheStorage.batch_exists`` (the count of leading
+pages present, all a prefix cache can use).  An answer that could not be
+obtained raises a ``GroundTruthError``, never read as evidence of absence;
+``absence_is_evidence()`` lets a truth say that right now a short answer proves
+nothing (a ledger that lost its history), while presence still counts.
 """
 
 from __future__ import annotations
@@ -84,19 +82,14 @@ def absence_is_evidence(truth: object) -> bool:
     """Whether a short answer from ``truth`` proves absence right now (truths
     that do not say are trusted)."""
     probe = getattr(truth, "absence_is_evidence", None)
-    if probe is None:
-        return True
-    return bool(probe())
+    return probe is None or bool(probe())
 
 
 def leased_objects(truth: object) -> int:
     """L3 objects ``truth``'s answers leased on the store (``leased_objects()``:
     Mooncake's read leases); 0 for a truth that leases nothing or cannot say."""
-    leased = getattr(truth, "leased_objects", None)
-    if not callable(leased):
-        return 0
     try:
-        return int(leased())
+        return int(truth.leased_objects())  # type: ignore[attr-defined]
     except Exception:
         return 0
 
@@ -119,10 +112,7 @@ class InMemoryGroundTruth:
         name, seq = check_chain(pool, hashes)
         with self._lock:
             stored = self._pages.get(name, set())
-            for i, h in enumerate(seq):
-                if h not in stored:
-                    return i
-        return len(seq)
+            return next((i for i, h in enumerate(seq) if h not in stored), len(seq))
 
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         name, seq = check_chain(pool, hashes)

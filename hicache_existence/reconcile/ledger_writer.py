@@ -5,16 +5,13 @@ The storage thread must not wait on Redis: ``stored`` / ``removed`` only enqueue
 redundant write later).  One thread drains the queue, coalescing records of the
 same pool into pipelined batches.
 
-A record therefore reaches the ledger some time after the storage call that
-made it returned, and so after the storage ack that made the page believed.
-A verification asked in between would read the page as absent and drop a true
-belief (a stale-positive verdict, then a rewrite).  ``WrittenLedgerTruth``
-closes that window: it answers only once every record offered before the
-question has been written (``LedgerWriter.wait_written``).  The wait runs on the
-reconciler's worker thread, never on the scheduler or storage threads, and is
-bounded: past it the question fails (``LedgerBehind``), which is never read as
-absence.  Offering stays non-blocking: a counter bumped under a lock held for a
-``put_nowait``.
+A record thus reaches the ledger after the storage ack that made its page
+believed; a verification asked in between would read the page as absent and
+drop a true belief.  ``WrittenLedgerTruth`` answers only once every record
+offered before the question is written (``LedgerWriter.wait_written``), waiting
+on the reconciler's worker thread (never the scheduler or storage threads) and
+for a bounded time, past which the question fails (``LedgerBehind``, never read
+as absence).
 """
 
 from __future__ import annotations
@@ -24,9 +21,10 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from hicache_existence.reconcile.ground_truth import (
+    GroundTruth,
     GroundTruthError,
     LedgerBehind,
     absence_is_evidence,
@@ -38,7 +36,7 @@ logger = logging.getLogger(__name__)
 Record = tuple[str, str, tuple[str, ...]]
 
 
-class Ledger(Protocol):
+class Ledger(GroundTruth, Protocol):
     def record_stored(self, pool: str, hashes: Iterable[str]) -> int: ...
 
     def record_removed(self, pool: str, hashes: Iterable[str]) -> int: ...
@@ -153,16 +151,14 @@ class LedgerWriter:
 
     # -- readers of the ledger (never the storage or scheduler thread) --------------
     def wait_written(self, timeout_s: float) -> bool:
-        """Wait until every record offered before this call was written to the
-        ledger (or its write failed and was counted); False after ``timeout_s``.
-        Records offered meanwhile are not waited for."""
+        """Wait until every record offered before this call was written (or failed
+        and was counted), not those offered meanwhile; False after ``timeout_s``."""
         with self._lock:
             target = self._offered
             return self._written_changed.wait_for(lambda: self._written >= target, timeout_s)
 
     def truth(self, wait_s: float) -> WrittenLedgerTruth:
-        """The ledger this writer records into, as ground truth that answers only
-        after the records offered before each question (waiting ``wait_s`` at most)."""
+        """The ledger as ground truth behind this writer (``WrittenLedgerTruth``)."""
         return WrittenLedgerTruth(self._ledger, self, wait_s)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -191,13 +187,11 @@ class LedgerWriter:
 
 
 class WrittenLedgerTruth:
-    """A ledger as ground truth behind its ``LedgerWriter``: every question first
-    waits (``wait_s`` at most, on the asking thread) until the records offered
-    before it are written, so a page whose storage ack preceded the question is
-    in the answer.  Past the wait it raises ``LedgerBehind`` rather than answer
-    from a ledger that may lack those pages."""
+    """A ledger as ground truth behind its ``LedgerWriter``: each question waits
+    (``wait_s`` at most, on the asking thread) for the records offered before it,
+    else raises ``LedgerBehind``, so a page acked before the question is in the answer."""
 
-    def __init__(self, ledger: Any, writer: LedgerWriter, wait_s: float) -> None:
+    def __init__(self, ledger: Ledger, writer: LedgerWriter, wait_s: float) -> None:
         #: The ledger itself (its settings, its epoch, its other readers).
         self.ledger = ledger
         self._writer = writer
@@ -209,13 +203,11 @@ class WrittenLedgerTruth:
 
     def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
         self._barrier()
-        answer: int = self.ledger.leading_present(pool, hashes)
-        return answer
+        return self.ledger.leading_present(pool, hashes)
 
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         self._barrier()
-        answer: list[bool] = self.ledger.present(pool, hashes)
-        return answer
+        return self.ledger.present(pool, hashes)
 
     def absence_is_evidence(self) -> bool:
         return absence_is_evidence(self.ledger)

@@ -1,9 +1,8 @@
 """Opening the Redis ledger a URL names: standalone / Sentinel or Cluster.
 
-Kept apart from both ledger modules so that neither imports the other's
-opener: ``redis_cluster`` builds on ``redis_truth``, and this module on both
-(``tests/test_layering.py`` fails on an import cycle).  redis-py is still
-imported only when a ledger is built.
+Apart from both ledger modules so that neither imports the other's opener
+(``redis_cluster`` builds on ``redis_truth``; ``tests/test_layering.py`` fails
+on an import cycle).  redis-py is still imported only when a ledger is built.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """Side-by-side round-trip costs of the ledger's read methods against a real Redis.
 
-``leading_present`` must cost one round trip per chain.  Two ways qualify: a Lua
-script that walks the chain server-side and stops at the first absent page, and
-one pipeline (GET epoch + MGET of every key) whose answer is cut client-side.
-This measures both, interleaved call by call so load on a shared machine hits
-them alike, and reports medians of wall time and of the calling thread's CPU
-time (what the worker holds the GIL for).  Also the write path's throughput.
+``leading_present`` must cost one round trip per chain: a Lua script that walks
+the chain server-side and stops at the first absent page, or one pipeline (GET
+epoch + MGET of every key) cut client-side.  Both are measured interleaved call
+by call (load on a shared machine hits them alike), as medians of wall time and
+of the calling thread's CPU time (what the worker holds the GIL for); also the
+write path's throughput.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import statistics
 import time
@@ -80,16 +81,9 @@ def measure_reads(
                         cpu[m].append(time.thread_time() - c0)
                 for m in ledgers:
                     w = sorted(wall[m])
-                    rows.append(
-                        Row(
-                            n,
-                            case,
-                            m,
-                            statistics.median(w) * 1e6,
-                            w[int(0.9 * (len(w) - 1))] * 1e6,
-                            statistics.median(cpu[m]) * 1e6,
-                        )
-                    )
+                    p90 = w[int(0.9 * (len(w) - 1))]
+                    us = (statistics.median(w), p90, statistics.median(cpu[m]))
+                    rows.append(Row(n, case, m, *(x * 1e6 for x in us)))
         writer.clear_shard()
     finally:
         for led in ledgers.values():
@@ -101,16 +95,14 @@ def measure_writes(
     url: str, pages: int = 4096, ttl_s: float = 0.0, namespace: str = "hicache-measure"
 ) -> float:
     """Pages per second recorded by ``record_stored`` (pipelined batches)."""
-    led = RedisLedger(LedgerSettings(url, namespace=namespace, shard="w", ttl_s=ttl_s))
-    try:
+    settings = LedgerSettings(url, namespace=namespace, shard="w", ttl_s=ttl_s)
+    with contextlib.closing(RedisLedger(settings)) as led:
         c = page_chain(f"w{ttl_s}", pages)
         t0 = time.perf_counter()
         led.record_stored("kv", c)
         rate = pages / (time.perf_counter() - t0)
         led.clear_shard()
         return rate
-    finally:
-        led.close()
 
 
 def measure_memory(
@@ -122,29 +114,25 @@ def measure_memory(
 ) -> float:
     """Redis ``used_memory`` bytes per ledger page entry (records ``pages`` pages
     in one shard, reads INFO before and after, then removes them)."""
-    led = RedisLedger(LedgerSettings(url, namespace=namespace, shard=shard, ttl_s=ttl_s))
-    try:
+    settings = LedgerSettings(url, namespace=namespace, shard=shard, ttl_s=ttl_s)
+    with contextlib.closing(RedisLedger(settings)) as led:
         before = int(led._client.info("memory")["used_memory"])
         led.record_stored("kv", page_chain(f"m{ttl_s}", pages))
         after = int(led._client.info("memory")["used_memory"])
         led.clear_shard()
         return (after - before) / pages
-    finally:
-        led.close()
 
 
 def wait_ready(url: str, timeout_s: float) -> bool:
     """Whether the Redis at ``url`` answers PING within ``timeout_s``."""
-    led = RedisLedger(LedgerSettings(url, socket_timeout_s=0.5, connect_timeout_s=0.5))
-    try:
+    settings = LedgerSettings(url, socket_timeout_s=0.5, connect_timeout_s=0.5)
+    with contextlib.closing(RedisLedger(settings)) as led:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if led.ping():
                 return True
             time.sleep(0.02)
         return False
-    finally:
-        led.close()
 
 
 def format_rows(rows: Sequence[Row]) -> str:
@@ -154,7 +142,7 @@ def format_rows(rows: Sequence[Row]) -> str:
         f"{'pages':>5} {'case':14} {'lua us':>9} {'pipeline us':>12} {'ratio':>6} "
         f"{'lua cpu us':>11} {'pipe cpu us':>12}",
     ]
-    for pages, case in sorted({(r.pages, r.case) for r in rows}, key=lambda k: (k[0], k[1])):
+    for pages, case in sorted({(r.pages, r.case) for r in rows}):
         lua, pipe = by[(pages, case, "lua")], by[(pages, case, "pipeline")]
         lines.append(
             f"{pages:>5} {case:14} {lua.median_us:9.0f} {pipe.median_us:12.0f} "

@@ -1,28 +1,20 @@
 """Ground truth from a Mooncake store, reading its raw existence codes.
 
-SGLang's ``MooncakeStore.batch_exists`` counts leading pages whose objects the
-store client reports with code 1, and treats every other code as absent.  The
-client answers ``batch_is_exist`` with a negative error code per key when it
-cannot reach the master (measured with mooncake-transfer-engine-non-cuda
-0.3.13.post1: -900 for every key while ``mooncake_master`` is down, after up to
-~9 s of reconnect attempts), so through ``batch_exists`` an outage reads as "no
-page is stored".  Ground truth must never take an error for absence, so this
-adapter asks the store client itself and raises ``TruthUnavailable`` on any code
-other than 0 (absent) or 1 (present).
+SGLang's ``MooncakeStore.batch_exists`` counts the leading pages whose objects
+the store client reports with code 1 and takes every other code for absent.
+The client answers ``batch_is_exist`` with a negative code per key when it
+cannot reach the master (0.3.13.post1: -900 for every key while
+``mooncake_master`` is down, after up to ~9 s of reconnect attempts), so there
+an outage reads as "no page is stored".  This adapter asks the store client
+itself and raises ``TruthUnavailable`` on any code but 0 (absent) or 1 (present).
 
-Keys are derived from the backend's own attributes (its tenant/model prefix,
-the per-rank suffix, MLA or MHA layout, split heads), the way SGLang names a
-KV page's objects: ``<prefix>_<page hash>_<suffix>_k`` (and ``_v`` for MHA).
-Only the KV pool is answered.
+Keys derive from the backend's own attributes (tenant/model prefix, per-rank
+suffix, MLA or MHA layout, split heads) as SGLang names a KV page's objects:
+``<prefix>_<page hash>_<suffix>_k`` (and ``_v`` for MHA).  Only the KV pool is
+answered.
 
-Every object ``batch_is_exist`` finds is leased by the master
-(``MasterService::BatchExistKey``): it cannot be evicted for
-``default_kv_lease_ttl`` (a master flag, 10 s by default), and since the master
-evicts the objects with the earliest lease deadline first (a put sets it to the
-put time, a query to its time plus the TTL), a probed object is evicted after
-every object put or last read before the probe, after the lease too.  The
-store client has no existence call that does not lease, so the reconciler's
-probes keep the pages they sample alive longer (measured in docs/reconciler.md,
+The master leases every object ``batch_is_exist`` finds (no existence call
+does not), so probes keep the pages they sample alive longer (docs/reconciler.md,
 "Probes lease what they find"); ``lease_counts()`` counts those leases.
 """
 
@@ -34,7 +26,6 @@ from typing import Any
 
 from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
-    GroundTruthError,
     TruthUnavailable,
     UnsupportedPool,
     check_chain,
@@ -65,10 +56,8 @@ class MooncakeGroundTruth:
         self._leased_objects = 0
 
     def lease_counts(self) -> dict[str, int]:
-        """Answers that leased something on the master: ``queries`` (that found
-        at least one object), ``objects`` (objects found present, each leased for
-        the master's ``default_kv_lease_ttl`` and moved behind every object put
-        or read before in its eviction order).  Safe from any thread."""
+        """Answers that leased something (any thread): ``queries`` that found an
+        object, ``objects`` found (each leased for ``default_kv_lease_ttl``)."""
         with self._lock:
             return {"queries": self._leasing_queries, "objects": self._leased_objects}
 
@@ -96,8 +85,6 @@ class MooncakeGroundTruth:
         keys, per_page = self._objects(seq)
         try:
             codes = self._backend.store.batch_is_exist(keys)
-        except GroundTruthError:
-            raise
         except Exception as exc:
             raise TruthUnavailable(f"batch_is_exist raised {type(exc).__name__}: {exc}") from None
         if not isinstance(codes, list | tuple) or len(codes) != len(keys):
@@ -124,6 +111,3 @@ class MooncakeGroundTruth:
         return [
             all(c == 1 for c in codes[i : i + per_page]) for i in range(0, len(codes), per_page)
         ]
-
-
-__all__ = ["MooncakeGroundTruth", "is_mooncake_backend"]

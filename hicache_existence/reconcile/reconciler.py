@@ -1,19 +1,18 @@
 """The reconciler: verifies sampled beliefs against ground truth and heals them.
 
-Beliefs drift from L3 (it evicts, other instances write into it) and only
-ground truth can tell, but asking costs I/O the scheduler thread must never
-wait for: there a lookup costs a decrement (``sampling``) and ``apply(step)``
-acts every ``agree_interval_steps`` calls, while one worker thread behind a
-bounded queue asks (``worker``, with a ``breaker`` so a store that is down
-costs one probe per backoff, not a timeout per query).
+Beliefs drift from L3 (it evicts, other instances write into it) and only ground
+truth can tell, but asking costs I/O the scheduler thread must never wait for:
+there a lookup costs a decrement (``sampling``) and ``apply(step)`` acts every
+``agree_interval_steps`` calls, while one worker thread behind a bounded queue
+asks (``worker``; its ``breaker`` makes a store that is down cost one probe per
+backoff, not a timeout per query).
 
 TP replicas must stay identical, so every input of a decision is the same on
 every rank: the chains picked (a fixed-seed gap sequence over the lookups every
 rank sees), the answers acted on (the element-wise MIN of every rank's
-``vector``, so one rank's error means nobody acts) and the budget (a ``bucket``
+``vector``: one rank's error means nobody acts) and the budget (a ``bucket``
 refilled from the agreed clock).  Every rank joins every agreement whatever its
-state, so a diverged replica cannot hang the others.  ``verdicts`` says what an
-agreed answer does, and why it never undoes a write that raced its query.
+state, so a diverged replica cannot hang the others.
 """
 
 from __future__ import annotations
@@ -48,11 +47,10 @@ class Reconciler:
     """Install it as the cache's observer (alone or in a ``Tee``) and call
     ``apply(step)`` once per scheduler step on every rank, after
     ``check_hicache_events``, so every rank has seen the same writes when it
-    acts.  With ``truth=None`` it does nothing.  Arguments are checked where
-    they enter (``ReconcilerSection``).  Two bounds are not configuration:
-    ``max_candidates`` picks wait for admission (memory), and one agreement
-    acts on ``apply_page_budget`` pages (scheduler time; a longer first chain
-    still applies, alone)."""
+    acts; with ``truth=None`` it does nothing.  Arguments are checked where they
+    enter (``ReconcilerSection``).  Not configuration: ``max_candidates`` picks
+    wait for admission (memory), one agreement acts on ``apply_page_budget``
+    pages (scheduler time; a longer first chain still applies, alone)."""
 
     def __init__(
         self,
@@ -139,10 +137,8 @@ class Reconciler:
 
     # -- BeliefObserver (scheduler thread, once per cache operation) ------------------
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        """A lookup walked ``hashes``: maybe pick its chain for verification.
-
-        Not picking (the common case) costs a decrement; only a picked chain is
-        copied and timed."""
+        """A lookup walked ``hashes``: maybe pick its chain for verification (not
+        picking, the common case, costs a decrement; only a pick is copied and timed)."""
         if not self._on or self._applying:
             return
         sampler = self._sampler
@@ -178,17 +174,13 @@ class Reconciler:
         """Nothing to do: an invalidation only removes beliefs."""
 
     def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
-        """Nothing to do (the write path's hot path): a launch since the query is
-        in flight when the verdict applies, a storage ack ``add``s its pages
-        before releasing them (``added`` notes those), and a release without
-        an add is a launch that failed, whose page really is absent."""
+        """Nothing to do (the write path's hot path): a verdict reads what is in
+        flight when it applies, and ``added`` notes the acks (see ``verdicts``)."""
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
-        """A cleared pool (L3 flushed, storage detached): answers to queries that
-        were out are void, pending candidates are dropped.  In-flight refs
-        cleared alone (the write pipeline was reset): the dropped writes may
-        still land in L3 with no ack to say so, so answers to queries that were
-        out are void too."""
+        """A cleared pool (L3 flushed, storage detached) voids the answers out and
+        drops its candidates; in-flight refs cleared alone (the write pipeline was
+        reset) void the answers out too: the dropped writes may land with no ack."""
         if not self._on:
             return
         try:
@@ -203,8 +195,8 @@ class Reconciler:
 
     # -- the lockstep point ----------------------------------------------------------
     def steps_to_due(self) -> int:
-        """How many more ``apply`` calls until one agrees and applies (1: the next);
-        counted in steps, the same on every rank (off, the call it names returns at once)."""
+        """``apply`` calls until one agrees and applies (1: the next), the same on
+        every rank (off, the call it names returns at once)."""
         return self._interval - self._steps % self._interval
 
     def advance(self, steps: int) -> None:
@@ -213,9 +205,9 @@ class Reconciler:
         self._steps += steps
 
     def apply(self, step: int = -1) -> None:
-        """Call once per scheduler step on every rank, after the HiCache events
-        are drained.  Every ``agree_interval_steps`` calls it agrees with the other
-        ranks and applies verdicts; it never raises and never waits on I/O."""
+        """Once per scheduler step on every rank, after the HiCache events are
+        drained: every ``agree_interval_steps`` calls it agrees with the other
+        ranks and applies verdicts.  Never raises, never waits on I/O."""
         if not self._on:
             return
         self._steps += 1

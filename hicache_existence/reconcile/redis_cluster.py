@@ -1,34 +1,29 @@
 """The ledger on Redis Cluster: hash-tagged keys, one slot per (shard, pool).
 
-Key schema (``redis+cluster://`` URLs; the standalone schema is unchanged)::
+Key schema (``redis+cluster://`` URLs; docs/reconciler.md, "Redis Cluster")::
 
     {<namespace>:<shard>:<pool>}                "<token> <unix seconds>"  the epoch
     {<namespace>:<shard>:<pool>}:<page hash>    "1", optional TTL
 
-Every key of one (shard, pool) carries the same hash tag, so it lives in one
-slot on one primary.  That keeps the chain query at one round trip to one node
-(the same Lua script as standalone, stopping at the first absent page) and puts
-the epoch beside the pages it vouches for: a primary that comes back empty, or a
-replica promoted without them, loses the epoch together with the pages, so its
-answers become ``ledger_empty`` errors instead of false absences.  The other
-way, keys spread over every slot and queried in per-node batches, was measured
-slower on every chain length (docs/reconciler.md, ``benchmarks/ledger_cluster.py``)
-and cannot stop at the first absent page.  The cost: one (shard, pool) is not
-spread over the cluster's primaries; a deployment's shards are (one per TP rank
-and pool).
+The shared hash tag keeps a chain query at one round trip to one node (the
+standalone Lua script, stopping at the first absent page) and puts the epoch
+beside the pages it vouches for: a primary that comes back empty, or a replica
+promoted without them, loses both, so its answers become ``ledger_empty`` errors
+instead of false absences.  Keys spread over every slot were measured slower on
+every chain length (``benchmarks/ledger_cluster.py``) and cannot stop at the
+first absent page.  The cost: one (shard, pool) lives on one primary.
 
-A failover can lose the last writes a primary acknowledged before it died
-(replication is asynchronous), so after the primary serving a tag changes under
-a reader, and after any error reading it, absence is not evidence for
-``failover_distrust_s`` seconds (``reconciler.failover_distrust_s``, default 30;
-presence still teaches).  The cluster client is
-built on first use: a cluster that is down at start is an error to count, not a
-crash of the storage backend that records into it.
+Replication is asynchronous, so a failover can lose the last acknowledged
+writes: after the primary serving a tag changes under a reader, and after any
+error reading it, absence is not evidence for ``failover_distrust_s`` seconds
+(presence still teaches).  The client is built on first use: a cluster down at
+start is an error to count, not a crash of the backend that records into it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -42,7 +37,6 @@ from hicache_existence.reconcile.ground_truth import (
     check_chain,
 )
 from hicache_existence.reconcile.redis_truth import (
-    LUA_LEADING_PRESENT,
     LedgerSettings,
     RedisLedger,
     _escape_glob,
@@ -90,14 +84,11 @@ end
 return {epoch, flags}
 """
 
-_CHUNK = 1024
-
 
 def build_cluster_client(settings: LedgerSettings) -> Any:
-    """A ``redis.cluster.RedisCluster`` for a ``redis+cluster://`` URL: every
-    listed node is a seed; credentials, TLS and query parameters apply to every
-    node; explicit timeouts; bounded cluster-level retry.  Connects (it reads the
-    slot map), so it raises when no seed answers."""
+    """A ``redis.cluster.RedisCluster``: every listed node a seed, credentials, TLS
+    and query parameters for every node.  Connects (it reads the slot map), so it
+    raises when no seed answers."""
     import redis.cluster
 
     seeds = cluster_seeds(settings.url, "url")
@@ -129,44 +120,34 @@ class _LazyCluster:
         self._settings = settings
         self._factory = factory or (lambda: build_cluster_client(settings))
         self._lock = threading.Lock()
-        self._client: Any = None
+        #: The client once built (None before).
+        self.built: Any = None
 
     def get(self) -> Any:
-        client = self._client
+        client = self.built
         if client is not None:
             return client
         with self._lock:
-            if self._client is None:
+            if self.built is None:
                 try:
-                    self._client = self._factory()
-                except GroundTruthError:
-                    raise
+                    self.built = self._factory()
                 except Exception as exc:
                     raise TruthUnavailable(
                         f"cluster at {self._settings.redacted_url()} unreachable: {map_error(exc)}"
                     ) from None
-            return self._client
-
-    def built(self) -> Any:
-        return self._client
+            return self.built
 
     def close(self) -> None:
         """Close the client if it was ever built (never connect just to close)."""
-        if self._client is not None:
-            self._client.close()
+        if self.built is not None:
+            self.built.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.get(), name)
 
     def register_script(self, script: str) -> Callable[..., Any]:
-        holder: list[Any] = []
-
-        def call(keys: Sequence[str], args: Sequence[Any]) -> Any:
-            if not holder:
-                holder.append(self.get().register_script(script))
-            return holder[0](keys=keys, args=args)
-
-        return call
+        registered = functools.cache(lambda: self.get().register_script(script))
+        return lambda keys, args: registered()(keys=keys, args=args)
 
 
 class RedisClusterLedger(RedisLedger):
@@ -215,7 +196,7 @@ class RedisClusterLedger(RedisLedger):
             with redis_errors():
                 yield
         except GroundTruthError:
-            self._distrust(pool, "error")
+            self._distrust()
             raise
         self._check_owner(pool)
 
@@ -234,7 +215,7 @@ class RedisClusterLedger(RedisLedger):
         """A local lookup in the client's slot map (no I/O): a different primary
         serving the tag means a failover happened since the last read."""
         key = self.tag(pool)
-        client = self._lazy.built()
+        client = self._lazy.built
         try:
             node = client.get_node_from_key(key)
             owner = f"{node.host}:{node.port}"
@@ -245,29 +226,28 @@ class RedisClusterLedger(RedisLedger):
             self._owners[key] = owner
         if seen is not None and seen != owner:
             self.failovers += 1
-            self._distrust(pool, "failover")
+            if self._distrust():
+                logger.warning(
+                    "hicache-existence ledger %s: the primary of %s changed (failover): "
+                    "absence is not evidence for %.0f s",
+                    self.settings.redacted_url(),
+                    key,
+                    self.failover_distrust_s,
+                )
 
-    def _distrust(self, pool: str, why: str) -> None:
+    def _distrust(self) -> bool:
+        """Absence is not evidence for ``failover_distrust_s`` from now (False: off)."""
         if self.failover_distrust_s <= 0:
-            return
+            return False
         until = self._clock() + self.failover_distrust_s
         with self._lock:
-            if until > self._distrust_until:
-                self._distrust_until = until
-        if why == "failover":
-            logger.warning(
-                "hicache-existence ledger %s: the primary of %s changed (failover): "
-                "absence is not evidence for %.0f s",
-                self.settings.redacted_url(),
-                self.tag(pool),
-                self.failover_distrust_s,
-            )
+            self._distrust_until = max(self._distrust_until, until)
+        return True
 
     # -- writes ----------------------------------------------------------------------
     def record_stored(self, pool: str, hashes: Iterable[str]) -> int:
-        """Record pages written to L3: one script call per ``write_batch`` pages
-        (redis-py refuses MSET in a cluster pipeline; the script also sets the
-        TTL server-side); returns the pages recorded."""
+        """One script call per ``write_batch`` pages (redis-py refuses MSET in a
+        cluster pipeline; the script sets the TTL server-side)."""
         name, seq = check_chain(pool, hashes)
         if not seq:
             return 0
@@ -284,12 +264,3 @@ class RedisClusterLedger(RedisLedger):
     def _shard_pattern(self) -> str:
         """``{<shard prefix>*}:*``: every page key of the shard, never an epoch key."""
         return "{" + _escape_glob(self._shard_prefix) + "*}:*"
-
-
-__all__ = [
-    "LUA_LEADING_PRESENT",
-    "LUA_PRESENT",
-    "LUA_RECORD",
-    "RedisClusterLedger",
-    "build_cluster_client",
-]

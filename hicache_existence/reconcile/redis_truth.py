@@ -1,32 +1,26 @@
 """The Redis ledger: ground truth mirrored from successful L3 writes.
 
-Prefill instances that share one L3 record every page they store (see
-``storage_adapters.LedgerRecordingStorage``); the reconciler asks the ledger
+Prefill instances sharing one L3 record every page they store
+(``storage_adapters.LedgerRecordingStorage``); the reconciler asks the ledger
 which pages are present.  redis-py is imported only when a ledger is built.
 
-Key schema (one Redis database, standalone or Sentinel; Redis Cluster uses
-hash-tagged keys instead, see ``redis_cluster``)::
+Key schema (standalone or Sentinel; Redis Cluster: ``redis_cluster``; details in
+docs/reconciler.md, "Key schema")::
 
     <namespace>:epoch                          "<token> <unix seconds>", no TTL
     <namespace>:<shard>:<pool>:<page hash>     "1", optional TTL (ttl_s)
 
-* ``namespace`` separates deployments sharing one Redis (default ``hicache``).
-* ``shard`` is the L3 key space one rank writes and reads: TP-sharded KV is
-  stored per rank, MLA KV once per model (``shard_id`` derives it the way
-  SGLang's file backend suffixes its keys), so ranks query their own shard and the
-  reconciler MIN-reduces the answers across ranks, as upstream does for hits.
-* ``ttl_s`` > 0 makes entries expire to mirror L3 retention (e.g. the file
-  backend's eviction horizon); successful reads refresh it.
-* The epoch is written (SET NX) with every batch of records.  A missing epoch
-  means the ledger never saw a write or lost its data: no answer is evidence.
-  An epoch that changes under a reader means Redis restarted empty while L3 kept
-  its pages: absence stops being evidence for ``trust_after_reset_s`` (default
-  ``ttl_s``, forever without a TTL; run Redis with ``appendonly yes``).
+``shard`` is the L3 key space one rank writes and reads (``shard_id``); ranks
+query their own shard and the reconciler MIN-reduces the answers, as upstream
+does for hits.  ``ttl_s`` > 0 mirrors L3 retention; successful reads refresh it.
+Every batch of records writes the epoch (SET NX).  No epoch: the ledger never saw
+a write or lost its data, so no answer is evidence.  An epoch that changes under
+a reader means Redis restarted empty while L3 kept its pages: absence is not
+evidence for ``trust_after_reset_s`` (default ``ttl_s``, forever without one).
 
 ``leading_present`` costs one round trip: a Lua script walks the chain and stops
-at the first absent page (measured against a pipelined MGET: see
-docs/reconciler.md); ``method="pipeline"`` is kept for servers that forbid
-scripting.
+at the first absent page (faster than a pipelined MGET: docs/reconciler.md);
+``method="pipeline"`` serves servers that forbid scripting.
 """
 
 from __future__ import annotations
@@ -40,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
@@ -86,7 +81,7 @@ def validate_redis_url(url: str, arg: str = "redis_url") -> str:
         raise ConfigError(f"{arg} must be a string, got {type(url).__name__}")
     if not url:
         raise ConfigError(f"{arg} is empty")
-    if url.split("://", 1)[0] in CLUSTER_SCHEMES:
+    if is_cluster_url(url):
         cluster_seeds(url, arg)
         return url
     try:
@@ -106,23 +101,20 @@ def validate_redis_url(url: str, arg: str = "redis_url") -> str:
 
 def is_cluster_url(url: str) -> bool:
     """Whether ``url`` names a Redis Cluster (``redis+cluster://`` or ``rediss+cluster://``)."""
-    return isinstance(url, str) and url.split("://", 1)[0] in CLUSTER_SCHEMES
+    return url.split("://", 1)[0] in CLUSTER_SCHEMES
 
 
 def cluster_seeds(url: str, arg: str = "redis_url") -> list[tuple[str, int]]:
-    """The ``(host, port)`` seeds of a cluster URL (port 6379 when omitted), or
-    ``ConfigError`` naming ``arg`` (the message never shows the password).
-
-    The netloc is ``[user[:password]@]host[:port][,host[:port]...]`` (IPv6 hosts
-    in brackets); the path may only be empty, ``/`` or ``/0`` (a cluster has one
-    database); query parameters (``ssl_ca_certs``, ...) pass to every node."""
+    """The ``(host, port)`` seeds of a cluster URL, or ``ConfigError`` naming
+    ``arg`` (never showing the password).  The netloc is
+    ``[user[:password]@]host[:port][,host[:port]...]`` (IPv6 hosts in brackets,
+    port 6379 by default); the path may only be empty, ``/`` or ``/0`` (a cluster
+    has one database); query parameters (``ssl_ca_certs``, ...) pass to every node."""
     shown = redact_url(url)
     try:
         parts = urlsplit(url)
     except ValueError as exc:
         raise ConfigError(f"{arg} is not a valid URL ({shown}): {exc}") from None
-    if parts.scheme not in CLUSTER_SCHEMES:
-        raise ConfigError(f"{arg} is not a cluster URL ({shown})")
     if parts.path not in ("", "/", "/0") or parse_qs(parts.query).get("db", ["0"]) != ["0"]:
         raise ConfigError(f"{arg}: a Redis Cluster has only database 0 ({shown})")
     hosts = parts.netloc.rpartition("@")[2]
@@ -196,8 +188,8 @@ def shard_from_storage_config(storage_config: Any) -> str:
 @dataclass(frozen=True)
 class LedgerSettings:
     """How to reach and lay out the ledger (timeouts in seconds).  The URL and
-    the key labels are checked here (they also come from a storage backend's
-    extra config); the numbers where they enter (``ReconcilerSection``)."""
+    labels are checked here (a storage backend's extra config sets them too), the
+    numbers where they enter (``ReconcilerSection``)."""
 
     url: str
     namespace: str = "hicache"
@@ -245,8 +237,7 @@ class LedgerSettings:
 
 
 def build_client(settings: LedgerSettings) -> Any:
-    """A redis-py client with explicit timeouts and retry with exponential backoff
-    (no I/O happens here: a Redis that is down at start is not an error yet)."""
+    """A redis-py client (no I/O: a Redis down at start is not an error yet)."""
     import redis
 
     return redis.Redis.from_url(settings.url, health_check_interval=30, **client_options(settings))
@@ -277,10 +268,7 @@ def map_error(exc: BaseException) -> GroundTruthError:
     if isinstance(exc, rx.TimeoutError | TimeoutError):
         return TruthTimeout(text)
     # Redis Cluster: a failover or resharding in progress, or no node reachable.
-    if isinstance(
-        exc,
-        rx.ClusterError | rx.TryAgainError | rx.AskError | rx.RedisClusterException,
-    ):
+    if isinstance(exc, rx.ClusterError | rx.TryAgainError | rx.AskError | rx.RedisClusterException):
         return TruthUnavailable(text)
     if isinstance(exc, rx.InvalidResponse):
         return GarbageAnswer(text)
@@ -305,10 +293,8 @@ def redis_errors() -> Iterator[None]:
 
 class RedisLedger:
     """Ground truth read from, and the writer API of, the Redis ledger.
-
-    Thread-safe (redis-py pools connections).  Reads raise ``GroundTruthError``
-    subclasses; nothing here retries beyond the client's own bounded retry.
-    """
+    Thread-safe (redis-py pools connections); nothing retries beyond the
+    client's own bounded retry."""
 
     def __init__(
         self,
@@ -409,12 +395,9 @@ class RedisLedger:
         value = epoch.encode() if isinstance(epoch, str) else epoch
         with self._lock:
             known = self._epochs.get(key)
-            if known is None:
-                self._epochs[key] = value
-                return
-            if value == known:
-                return
             self._epochs[key] = value
+            if known is None or value == known:
+                return
             self.resets += 1
             self._distrust_until = self._clock() + self._reset_distrust
         logger.warning(
@@ -460,27 +443,19 @@ class RedisLedger:
             return 0
         prefix = self.prefix(name)
         batch = self.settings.write_batch
-        removed = 0
         with redis_errors():  # one UNLINK per batch (on a cluster the keys share a slot)
-            for start in range(0, len(seq), batch):
-                removed += int(
-                    self._client.unlink(*[prefix + h for h in seq[start : start + batch]])
-                )
-        return removed
+            return sum(
+                int(self._client.unlink(*[prefix + h for h in seq[i : i + batch]]))
+                for i in range(0, len(seq), batch)
+            )
 
     def clear_shard(self) -> int:
         """Forget every page of this shard (its L3 was cleared); returns keys
-        removed.  Epochs stay: the ledger still knows the shard's history, which
-        is now "nothing"."""
+        removed.  Epochs stay: the shard's history is now "nothing"."""
         removed = 0
         with redis_errors():
-            batch: list[Any] = []
-            for key in self._client.scan_iter(match=self._shard_pattern(), count=1000):
-                batch.append(key)
-                if len(batch) >= _CHUNK:
-                    removed += int(self._client.unlink(*batch))
-                    batch = []
-            if batch:
+            keys = self._client.scan_iter(match=self._shard_pattern(), count=1000)
+            while batch := list(islice(keys, _CHUNK)):
                 removed += int(self._client.unlink(*batch))
         return removed
 

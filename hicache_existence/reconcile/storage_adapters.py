@@ -1,19 +1,17 @@
-"""SGLang storage adapters: ground truth from any HiCache backend, and a wrapping
-backend that records successful writes into the Redis ledger.
-
-* ``BackendGroundTruth`` asks any object with SGLang's
-  ``batch_exists(keys, extra_info=None) -> int`` (every ``HiCacheStorage``).
-* ``LedgerRecordingStorage`` is a ``HiCacheStorage`` loadable with
-  ``--hicache-storage-backend dynamic``: it builds the real backend, delegates
-  every call to it, and records successful writes (and, with a TTL, reads) into
-  the ledger from a background thread, so prefill instances sharing one L3 learn
-  what the others stored.  The class is built on first access, importing sglang
-  only then; without sglang it is a plain class with the same behaviour.
+"""SGLang storage adapters: ground truth from any HiCache backend
+(``BackendGroundTruth``, over SGLang's ``batch_exists(keys, extra_info=None)``),
+and ``LedgerRecordingStorage``, a ``HiCacheStorage`` loadable with
+``--hicache-storage-backend dynamic`` that builds the real backend, delegates
+every call to it, and records successful writes (and, with a TTL, reads) into
+the Redis ledger from a background thread, so prefill instances sharing one L3
+learn what the others stored.  That class is built on first access, importing
+sglang only then (without sglang: a plain class with the same behaviour).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -38,13 +36,10 @@ KV = "kv"
 
 
 class BackendGroundTruth:
-    """Ground truth from a storage backend's ``batch_exists``.
-
-    Only the KV pool is answered unless ``key_for(pool, page_hash)`` maps another
-    pool's pages to the backend's keys (backends name sidecar objects their own
-    way).  Calls run on the reconciler's worker thread, concurrently with the
-    backend's own prefetch and backup threads, as upstream's own calls do.
-    """
+    """Ground truth from a storage backend's ``batch_exists``: the KV pool only,
+    unless ``key_for(pool, page_hash)`` maps another pool's pages to the backend's
+    keys.  Calls run on the reconciler's worker thread, concurrently with the
+    backend's own prefetch and backup threads, as upstream's own calls do."""
 
     def __init__(self, backend: Any, *, key_for: Callable[[str, str], str] | None = None) -> None:
         if not callable(getattr(backend, "batch_exists", None)):
@@ -80,17 +75,13 @@ class BackendGroundTruth:
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         name, seq = check_chain(pool, hashes)
         keys = self._keys(name, seq)
-        exists = getattr(self._backend, "exists", None)
-        out: list[bool] = []
+        exists = getattr(self._backend, "exists", None) or (
+            lambda key: self._backend.batch_exists([key], None) == 1
+        )
         try:
-            for key in keys:
-                if exists is not None:
-                    out.append(bool(exists(key)))
-                else:
-                    out.append(self._backend.batch_exists([key], None) == 1)
+            return [bool(exists(key)) for key in keys]
         except Exception as exc:
             raise ServerError(f"exists raised {type(exc).__name__}: {exc}") from None
-        return out
 
 
 #: Keys of ``--hicache-storage-backend-extra-config`` read by the wrapper; every
@@ -127,14 +118,7 @@ def _successes(keys: Iterable[str] | None, results: Any) -> list[str]:
 
 
 class _LedgerRecordingMixin:
-    """The behaviour of ``LedgerRecordingStorage`` (mixed into the class built
-    over sglang's ``HiCacheStorage`` when it is importable)."""
-
-    _inner: Any
-    _writer: LedgerWriter | None
-    _ledger: Any
-    _ttl: float
-    _learn_absence: bool | None
+    """``LedgerRecordingStorage``'s behaviour (mixed over sglang's ``HiCacheStorage``)."""
 
     def __init__(
         self,
@@ -144,9 +128,7 @@ class _LedgerRecordingMixin:
         inner: Any = None,
         ledger: Any = None,
     ) -> None:
-        self._inner = None
-        self._writer = None
-        self._ledger = None
+        self._inner: Any = inner
         self._pending_inner: tuple[str, Any] | None = None
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
@@ -157,7 +139,7 @@ class _LedgerRecordingMixin:
         self._ttl = float(extra.get("ledger_ttl_s", section.ttl_s))
         learn = extra.get("ledger_learn_absence")
         #: None: on, except for backends whose batch_exists reads errors as absence.
-        self._learn_absence = None if learn is None else bool(learn)
+        self._learn_absence: bool | None = None if learn is None else bool(learn)
         if ledger is None:
             url = str(extra.get("ledger_redis_url") or section.redis_url)
             if not url:
@@ -178,9 +160,7 @@ class _LedgerRecordingMixin:
         self._writer = LedgerWriter(
             ledger, batch_pages=getattr(getattr(ledger, "settings", None), "write_batch", 512)
         )
-        if inner is not None:
-            self._inner = inner
-        else:
+        if inner is None:
             self._create_inner(storage_config, extra)
         logger.info("hicache-existence: recording L3 writes into %r", ledger)
 
@@ -193,13 +173,9 @@ class _LedgerRecordingMixin:
         if inner_extra is None:
             inner_extra = {k: v for k, v in extra.items() if k not in WRAPPER_KEYS}
         inner_extra = dict(inner_extra)
-        for ours, theirs in (
-            ("inner_backend_name", "backend_name"),
-            ("inner_module_path", "module_path"),
-            ("inner_class_name", "class_name"),
-        ):
-            if ours in extra:
-                inner_extra[theirs] = extra[ours]
+        for key in ("backend_name", "module_path", "class_name"):
+            if "inner_" + key in extra:
+                inner_extra[key] = extra["inner_" + key]
         if dataclasses.is_dataclass(storage_config) and not isinstance(storage_config, type):
             inner_config = dataclasses.replace(storage_config, extra_config=inner_extra)
         else:
@@ -211,7 +187,7 @@ class _LedgerRecordingMixin:
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
-        if self._inner is None and self._pending_inner is not None:
+        if self._pending_inner is not None:
             name, config = self._pending_inner
             self._inner = _create_backend(name, config, mem_pool_host)
             self._pending_inner = None
@@ -229,34 +205,25 @@ class _LedgerRecordingMixin:
         return self._inner
 
     def ledger_ground_truth(self) -> Any:
-        """The ledger this backend records into, as ground truth for a reconciler:
-        each question first waits (``reconciler.timeout_ms`` at most) for the
-        records of the writes that returned before it, so a write acknowledged
-        before a verification is never read as absent."""
-        if self._writer is None:
-            return self._ledger
+        """The ledger this backend records into, as a reconciler's ground truth that
+        waits (``reconciler.timeout_ms`` at most) for the writes acked before a question."""
         return self._writer.truth(self._truth_wait_s)
 
     def ledger_counts(self) -> dict[str, dict[str, int]]:
         """The writer's counters (pages by op/result, errors by kind)."""
-        return self._writer.counts() if self._writer is not None else {}
+        return self._writer.counts()
 
     def flush_ledger(self, timeout_s: float = 5.0) -> bool:
         """Wait until every recorded write reached the ledger (tests, shutdown)."""
-        return self._writer.flush(timeout_s) if self._writer is not None else True
+        return self._writer.flush(timeout_s)
 
     # -- recording helpers (never raise into the storage path) -----------------------
     def _stored(self, pool: Any, keys: Iterable[str], removed: bool = False) -> None:
         try:
-            if self._writer is not None:
-                record = self._writer.removed if removed else self._writer.stored
-                record(_validate.pool_name(pool), keys)  # the pool name comes from upstream
+            record = self._writer.removed if removed else self._writer.stored
+            record(_validate.pool_name(pool), keys)  # the pool name comes from upstream
         except Exception:
             logger.debug("ledger record failed", exc_info=True)
-
-    def _refreshed(self, pool: Any, keys: Iterable[str]) -> None:
-        if self._ttl > 0:
-            self._stored(pool, keys)
 
     # -- HiCacheStorage: every call delegated ----------------------------------------
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -272,7 +239,7 @@ class _LedgerRecordingMixin:
         results = self._backend().batch_get_v2(transfers, extra_info)
         if self._ttl > 0 and isinstance(results, dict):
             for t in transfers or ():
-                self._refreshed(t.name, _successes(t.keys, results.get(t.name)))
+                self._stored(t.name, _successes(t.keys, results.get(t.name)))
         return results
 
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> Any:
@@ -284,7 +251,8 @@ class _LedgerRecordingMixin:
 
     def batch_get_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> Any:
         results = self._backend().batch_get_v1(keys, host_indices, extra_info)
-        self._refreshed(KV, _successes(keys, results))
+        if self._ttl > 0:
+            self._stored(KV, _successes(keys, results))
         return results
 
     def batch_set_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> Any:
@@ -294,14 +262,14 @@ class _LedgerRecordingMixin:
 
     def get(self, key: Any, target_location: Any = None, target_sizes: Any = None) -> Any:
         value = self._backend().get(key, target_location, target_sizes)
-        if value is not None:
-            self._refreshed(KV, [key])
+        if value is not None and self._ttl > 0:
+            self._stored(KV, [key])
         return value
 
     def batch_get(self, keys: Any, target_locations: Any = None, target_sizes: Any = None) -> Any:
         values = self._backend().batch_get(keys, target_locations, target_sizes)
         if self._ttl > 0 and isinstance(values, list | tuple):
-            self._refreshed(KV, [k for k, v in zip(keys, values) if v is not None])
+            self._stored(KV, [k for k, v in zip(keys, values) if v is not None])
         return values
 
     def set(
@@ -326,20 +294,14 @@ class _LedgerRecordingMixin:
     def batch_exists(self, keys: Any, extra_info: Any = None) -> Any:
         inner = self._backend()
         count = inner.batch_exists(keys, extra_info)
-        if (
-            self._learns_absence(inner)
-            and isinstance(count, int)
-            and not isinstance(count, bool)
-            and 0 <= count < len(keys)
-        ):
+        if self._learns_absence(inner) and _validate.is_int(count) and 0 <= count < len(keys):
             # The real backend just said this page is absent: teach the ledger.
             self._stored(KV, [keys[count]], removed=True)
         return count
 
     def _learns_absence(self, inner: Any) -> bool:
-        """Whether a ``batch_exists`` shortfall may remove a page from the ledger:
-        as configured, else yes except for a Mooncake store, whose
-        ``batch_exists`` answers 0 while its master is down."""
+        """Whether a ``batch_exists`` shortfall removes a page from the ledger: as
+        configured, else not for a Mooncake store (0 while its master is down)."""
         if self._learn_absence is not None:
             return self._learn_absence
         from hicache_existence.reconcile.mooncake_truth import is_mooncake_backend
@@ -348,7 +310,7 @@ class _LedgerRecordingMixin:
 
     def clear(self) -> Any:
         result = self._backend().clear()
-        if result is not False and self._writer is not None:
+        if result is not False:
             self._writer.cleared()
         return result
 
@@ -357,30 +319,24 @@ class _LedgerRecordingMixin:
 
     def close(self) -> None:
         try:
-            inner = self._inner
-            if inner is not None and hasattr(inner, "close"):
-                inner.close()
+            if hasattr(self._inner, "close"):
+                self._inner.close()
         finally:
-            if self._writer is not None:
-                self._writer.close()
-            if self._ledger is not None and hasattr(self._ledger, "close"):
+            self._writer.close()
+            if hasattr(self._ledger, "close"):
                 self._ledger.close()
 
     def __getattr__(self, name: str) -> Any:
         # Backend-specific attributes (not part of HiCacheStorage) reach the real one.
-        if name.startswith("_"):
-            raise AttributeError(name)
         inner = self.__dict__.get("_inner")
-        if inner is None:
+        if inner is None or name.startswith("_"):
             raise AttributeError(name)
         return getattr(inner, name)
 
 
 def _reconciler_section_from_env() -> ReconcilerSection:
     """The ``reconciler`` section from ``HICACHE_EXISTENCE_CONFIG`` and the
-    ``HICACHE_EXISTENCE_RECONCILER__*`` variables only: other variables with the
-    package's prefix (test switches, other features) are not this backend's
-    business."""
+    ``HICACHE_EXISTENCE_RECONCILER__*`` variables only (not the package's others)."""
     prefix = f"{ENV_PREFIX}RECONCILER__"
     env = {k: v for k, v in os.environ.items() if k.startswith(prefix) or k == ENV_CONFIG}
     return Config.from_env(env).reconciler
@@ -392,9 +348,7 @@ def _create_backend(name: str, storage_config: Any, mem_pool_host: Any) -> Any:
     return StorageBackendFactory.create_backend(name, storage_config, mem_pool_host)
 
 
-_CLASS: type | None = None
-
-
+@functools.cache
 def _build_class() -> type:
     """``LedgerRecordingStorage`` over sglang's ``HiCacheStorage`` if importable."""
     try:
@@ -416,9 +370,6 @@ def _build_class() -> type:
 
 def __getattr__(name: str) -> Any:
     """Build ``LedgerRecordingStorage`` on first access (sglang imported then)."""
-    global _CLASS
     if name == "LedgerRecordingStorage":
-        if _CLASS is None:
-            _CLASS = _build_class()
-        return _CLASS
+        return _build_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

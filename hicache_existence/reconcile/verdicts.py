@@ -1,28 +1,20 @@
 """What an agreed answer does to the beliefs, and the writes it must not undo.
 
-An answer taken at time T says nothing about a page whose write was in flight
-at T or launched after it: the write lands (and the ledger records it) after
-the answer.  Such a page is *written since the query* when, at the moment the
-verdict is applied, it is in flight (the pool's ``inflight_pages()``; for the
-seed generation that includes the set its pipeline passes to ``covers_all``) or it was added
-(``add``: the storage ack inserts a write's pages, then releases them from
-flight) after the query was admitted (admission precedes T, so the window is
-conservative).  Every page whose write overlaps T is one of those: launched
-before T and still out (in flight), launched before T and acked since (added
-since), launched after T (in flight, or added since).  Checking in-flight
-membership alone misses the acked-since pages; an epoch taken at the query
-alone misses writes launched before it and still out.  A release without an
-add is a launch that failed (the page really is absent); a reset of the write
-pipeline (``clear_inflight``), whose writes may land with no ack, voids the
-answers out.
+An answer taken at time T proves nothing about a page whose write overlaps T
+(docs/reconciler.md, "Writes racing a query").  Such a page is *written since
+the query*: in flight when the verdict applies (the pool's ``inflight_pages()``;
+for the seed generation also the set its pipeline passes to ``covers_all``), or
+added (the storage ack's ``add``, which precedes its release from flight) since
+the query was admitted, which precedes T.  Either check alone misses some of
+those writes.  A release without an add is a failed launch (the page really is
+absent); a reset of the write pipeline (``clear_inflight``), whose writes may
+land with no ack, voids the answers out.
 
-If the first missing page was written since the query, the verdict's
-invalidation is withheld (the chain is verified again when a later lookup
-picks it): past an unfinished write the answer proves nothing.  Otherwise the
-pages beyond it are dropped except those written since the query.  Every rank
-sees the same writes at the same lockstep points, so every rank withholds the
-same verdicts.  Fleet replay (``replay.fleet``) applies its verdicts with
-``apply_verdict`` too.
+If the first missing page was written since the query, the invalidation is
+withheld (a later pick verifies the chain again); otherwise the pages beyond it
+are dropped except those written since.  Every rank sees the same writes at the
+same lockstep points, so every rank withholds the same verdicts.  Fleet replay
+(``replay.fleet``) applies its verdicts with ``apply_verdict`` too.
 """
 
 from __future__ import annotations
@@ -47,11 +39,8 @@ def invalidation_span(
     chain: Sequence[str], leading: int, written: Callable[[str], bool]
 ) -> Sequence[str] | None:
     """The chain to pass to ``invalidate_beyond(..., leading)`` for an absence
-    verdict, given ``written(page)``: whether the page was written since the
-    answer was taken (in flight, or acknowledged since).  None (withhold) when
-    ``chain[leading]``, the page the answer stopped at, was: the answer
-    predates its write and proves nothing about the pages after it.  Otherwise
-    the chain without the later pages that were written since."""
+    verdict, without the later pages ``written(page)`` since the answer; None
+    (withhold) when ``chain[leading]``, where the answer stopped, was."""
     if written(chain[leading]):
         return None
     rest = chain[leading + 1 :]
@@ -72,8 +61,7 @@ def _disjoint(pages: Container[str], tail: Sequence[str]) -> bool:
 
 class WritesSince:
     """The pages each pool added (storage acks) while one of its queries was
-    out, with the ordinal of the add, so a verdict can tell which pages were
-    written since its query was admitted."""
+    out, with the add's ordinal: what was written since a query's admission."""
 
     #: Pages recorded per pool at most; past it the verdicts cannot tell.
     CAP = 1 << 18
@@ -121,10 +109,8 @@ class WritesSince:
         since: int,
         inflight: Sequence[Container[str] | None],
     ) -> Sequence[str] | None:
-        """What ``invalidate_beyond(chain, leading)`` may drop for an absence
-        answer whose query was admitted at add ordinal ``since``, given the
-        pool's in-flight page sets (``invalidation_span``).  O(1) when the
-        pool has no write in flight and none acked since the query."""
+        """``invalidation_span`` for a query admitted at add ordinal ``since``,
+        given the pool's in-flight page sets; O(1) with nothing written."""
         recent = self._recent.get(pool)
         if recent is None:
             recent = {}
@@ -167,10 +153,9 @@ def apply_verdict(
     doomed: Callable[[], Sequence[str] | None],
     learn: bool,
 ) -> Outcome:
-    """Apply the agreed answer ``leading`` (of ``len(chain)``) to ``pool``:
-    when absence is ``trusted``, ``invalidate_beyond(doomed(), leading)``
-    (withheld when ``doomed()`` is None: see the module docstring); when
-    ``learn``, add the leading pages the beliefs lack."""
+    """Apply the agreed answer ``leading`` to ``pool``: a ``trusted`` absence
+    runs ``invalidate_beyond(doomed(), leading)`` (withheld when None); with
+    ``learn``, the leading pages the beliefs lack are added."""
     invalidated, withheld, learnt = 0, False, 0
     beliefs = target.pool(pool)
     if leading < len(chain) and trusted:

@@ -1,8 +1,8 @@
 """A verification query and the worker thread that asks ground truth.
 
-The scheduler thread admits queries and times them out; the worker answers
-them.  A query's state changes hands under one lock, so an answer that comes
-back after its timeout (or after its pool was cleared) only counts as late.
+The scheduler thread admits queries and times them out; the worker answers them.
+A query's state changes hands under one lock, so an answer after its timeout (or
+after its pool was cleared) only counts as late.
 """
 
 from __future__ import annotations
