@@ -1,20 +1,10 @@
-"""The generated reference tables of docs/, from the one place each fact lives.
-
-* ``metrics_table()``: every exported family (``exporters.catalog``), for
-  docs/metrics.md;
-* ``config_table()``: every configuration key with its type, default,
-  environment variable and meaning (``Config``'s dataclasses and the ``#:``
-  comment above each field in config.py), for docs/enable.md;
-* ``stats_table()``: every field of a pool's ``PoolStats`` snapshot, its kind,
-  its meaning (the help text declared beside it in core/stats.py) and the metric it is
-  exported as (the catalog), for docs/design.md;
-* ``thresholds_table()``, ``alerts_table()`` and ``settings_table()``: the
-  judgements' thresholds (docs/doctor.md), the alerts' index and every setting's
-  value (docs/runbooks.md), from ``doctor.judgements``.
-
-``dashboards/build.py`` writes them between the docs' ``<!-- NAME:begin -->`` /
-``<!-- NAME:end -->`` markers, together with the dashboard and the rules, and
-``--check`` fails when a committed file differs.  No runtime code imports this.
+"""The generated reference tables of docs/, each from the one place its facts live:
+the catalog (docs/metrics.md), ``Config`` and the ``#:`` comments of config.py
+(docs/enable.md), ``PoolStats`` and its help texts (docs/design.md), and
+``doctor.judgements`` (the thresholds of docs/doctor.md; the alert index and the
+settings of docs/runbooks.md).  ``dashboards/build.py`` writes them between the docs'
+``<!-- NAME:begin -->`` / ``<!-- NAME:end -->`` markers, and ``--check`` fails when a
+committed file differs.  No runtime code imports this.
 """
 
 from __future__ import annotations
@@ -39,20 +29,16 @@ def _header(*columns: str) -> list[str]:
 
 def metrics_table() -> str:
     """The reference table of docs/metrics.md, from the catalog."""
-    lines = _header("metric", "type", "unit", "labels", "help")
+    rows: list[tuple[Any, str]] = []
     for spec in CATALOG:
         labels = ", ".join(("pool", *spec.extra_labels))
         if spec.extra_labels == ("reason",):
             labels += " (" + " / ".join(MISS_REASON_LABELS) + ")"
-        lines.append(
-            f"| `{spec.exposed_name}` | {spec.kind} | {spec.unit or '-'} | {labels} | {spec.help} |"
-        )
-    for fspec in FEATURE_CATALOG:
-        labels = ", ".join(fspec.labels) or "-"
-        lines.append(
-            f"| `{fspec.exposed_name}` | {fspec.kind} | {fspec.unit or '-'} | {labels} | "
-            f"{fspec.help} |"
-        )
+        rows.append((spec, labels))
+    rows += [(f, ", ".join(f.labels) or "-") for f in FEATURE_CATALOG]
+    lines = _header("metric", "type", "unit", "labels", "help")
+    for s, labels in rows:
+        lines.append(f"| `{s.exposed_name}` | {s.kind} | {s.unit or '-'} | {labels} | {s.help} |")
     return "\n".join(lines)
 
 
@@ -170,6 +156,7 @@ def stats_table() -> str:
         kind = f.metadata.get("kind")
         if kind is None:
             continue  # the pool's name
+        meaning = f.metadata.get("help")
         if kind == "miss_reason":
             reason = f.name.removeprefix("misses_")
             meaning = (
@@ -179,10 +166,8 @@ def stats_table() -> str:
             metric = f'`{by_reason.exposed_name}{{reason="{reason}"}}`'
             kind = "counter"
         elif f.name == "page_misses":
-            meaning = f.metadata["help"]
             metric = f"`{by_reason.exposed_name}`, summed over `reason`"
         else:
-            meaning = f.metadata["help"]
             metric = f"`{exported[f.name]}`"
         assert meaning, f"PoolStats.{f.name} has no help text in core/stats.py"
         rows.append(f"| `{f.name}` | {kind} | {_md(meaning)} | {metric} |")

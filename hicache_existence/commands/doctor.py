@@ -53,12 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--selector",
-        default=None,
         help="with --prometheus: narrow the series, e.g. '{job=\"sglang\"}'",
     )
     parser.add_argument(
         "--window",
-        default=None,
         help=f"with --prometheus: read the series this long apart (default {DEFAULT_WINDOW})",
     )
     parser.add_argument(
@@ -119,15 +117,9 @@ def _fail(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from hicache_existence.config import redact_url
+    from hicache_existence.doctor import scrape
     from hicache_existence.doctor.diagnosis import diagnose
     from hicache_existence.doctor.report import render_text
-    from hicache_existence.doctor.scrape import (
-        ReadError,
-        http_options,
-        parse_duration,
-        read_direct,
-        read_prometheus,
-    )
 
     if args.prometheus and args.urls:
         return _fail("give metrics URLs or --prometheus URL, not both")
@@ -138,36 +130,21 @@ def run(args: argparse.Namespace) -> int:
     if args.prometheus and args.interval is not None:
         return _fail("--interval is for metrics URLs; with --prometheus use --window")
     urls = [args.prometheus] if args.prometheus else args.urls
-    tls = [
-        n
-        for n, v in (
-            ("--ca-file", args.ca_file),
-            ("--insecure", args.insecure),
-            ("--cert-file", args.cert_file),
-            ("--key-file", args.key_file),
-        )
-        if v
-    ]
+    tls_options = ("--ca-file", "--insecure", "--cert-file", "--key-file")
+    tls = [n for n in tls_options if getattr(args, n[2:].replace("-", "_"))]
     if tls and not any(u.strip().lower().startswith("https://") for u in urls):
         return _fail(f"{', '.join(tls)}: for https URLs, and no URL is https")
     try:
-        options = http_options(
-            bearer_token_file=args.bearer_token_file,
-            bearer_token_env=args.bearer_token_env,
-            ca_file=args.ca_file,
-            insecure=args.insecure,
-            cert_file=args.cert_file,
-            key_file=args.key_file,
-        )
+        options = scrape.http_options(args)
         if args.prometheus:
             window = args.window or DEFAULT_WINDOW
             try:
-                window_s = parse_duration(window)
+                window_s = scrape.parse_duration(window)
             except ValueError as exc:
                 return _fail(f"--window: {exc}")
             selector = args.selector if args.selector is not None else "{}"
-            readings = read_prometheus(
-                args.prometheus, selector, window_s, args.timeout, options=options
+            readings = scrape.read_prometheus(
+                args.prometheus, selector, window_s, args.timeout, options
             )
             source = {
                 "mode": "prometheus",
@@ -178,19 +155,16 @@ def run(args: argparse.Namespace) -> int:
             }
         else:
             interval = DEFAULT_INTERVAL_S if args.interval is None else args.interval
-            readings = read_direct(args.urls, interval, args.timeout, options=options)
+            readings = scrape.read_direct(args.urls, interval, args.timeout, options)
             source = {
                 "mode": "direct",
                 "urls": [r.instance for r in readings],
                 "interval_s": interval,
             }
         report = diagnose(readings, source)
-    except ReadError as exc:
+    except scrape.ReadError as exc:
         return _fail(str(exc))
     except Exception as exc:  # never a traceback for an operator: one line, exit 2
         return _fail(f"internal error ({type(exc).__name__}: {exc}); please report it")
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
-        print(render_text(report))
+    print(json.dumps(report.as_dict(), indent=2) if args.json else render_text(report))
     return report.exit_code

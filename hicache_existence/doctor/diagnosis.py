@@ -17,12 +17,8 @@ from hicache_existence.doctor.model import Finding, InstanceReport, Report, rank
 
 
 def diagnose(readings: Sequence[Reading], source: Mapping[str, Any] | None = None) -> Report:
-    """Figures and ranked findings for these instances."""
-    if not readings:
-        raise ValueError("readings must not be empty")
-    names = [r.instance for r in readings]
-    if len(set(names)) != len(names):
-        raise ValueError(f"instances must be distinct, got {names}")
+    """Figures and ranked findings for these instances (distinct, as both readers
+    name them)."""
     instances: list[InstanceReport] = []
     views: list[View] = []
     findings: list[Finding] = []
@@ -30,20 +26,10 @@ def diagnose(readings: Sequence[Reading], source: Mapping[str, Any] | None = Non
         figures = figures_of(reading)
         view = View(reading.instance, figures, reading.seconds if reading.first else None)
         views.append(view)
-        mode, policy, dedup = view.mode()
-        pools = view.pools()
-        instances.append(
-            InstanceReport(
-                reading.instance,
-                view.seconds,
-                ranks_of(reading.last),
-                pools,
-                mode,
-                policy,
-                dedup,
-                figures,
-            )
-        )
+        modes = view.mode()
+        mode, _, dedup = modes
+        pools, ranks = view.pools(), ranks_of(reading.last)
+        instances.append(InstanceReport(view.instance, view.seconds, ranks, pools, *modes, figures))
         findings += rules.liveness(view, mode, dedup)
         findings += rules.divergence(view)
         findings += rules.reconciler_health(view)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: The largest body the doctor parses (a server with every feature on exports a few
 #: hundred KiB at most).
@@ -47,24 +46,16 @@ class Sample:
     labels: Labels
     value: float
 
-    def label(self, name: str) -> str | None:
-        return dict(self.labels).get(name)
-
 
 @dataclass(frozen=True)
 class Exposition:
-    """One parsed body: its samples (in body order) and the declared types."""
+    """One parsed body: its samples, in body order."""
 
     samples: tuple[Sample, ...]
-    types: Mapping[str, str] = field(default_factory=dict)
-
-    def names(self) -> set[str]:
-        return {s.name for s in self.samples}
 
 
 def _show(line: str) -> str:
-    text = line if len(line) <= 60 else line[:57] + "..."
-    return repr(text)
+    return repr(line if len(line) <= 60 else line[:57] + "...")
 
 
 def _labels(text: str, start: int, number: int, line: str) -> tuple[Labels, int]:
@@ -74,8 +65,7 @@ def _labels(text: str, start: int, number: int, line: str) -> tuple[Labels, int]
     i = start + 1
     n = len(text)
     while True:
-        while i < n and text[i] in " \t":
-            i += 1
+        i = n - len(text[i:].lstrip(" \t"))
         if i < n and text[i] == "}":
             return tuple(sorted(out.items())), i + 1
         m = _LABEL.match(text, i)
@@ -83,8 +73,7 @@ def _labels(text: str, start: int, number: int, line: str) -> tuple[Labels, int]
             raise ExpositionError(f"line {number}: bad label name in {_show(line)}")
         name = m.group(0)
         i = m.end()
-        while i < n and text[i] in " \t":
-            i += 1
+        i = n - len(text[i:].lstrip(" \t"))
         if i + 1 >= n or text[i] != "=" or text[i + 1] != '"':
             raise ExpositionError(f'line {number}: expected ="value" after {name} in {_show(line)}')
         i += 2
@@ -109,13 +98,10 @@ def _labels(text: str, start: int, number: int, line: str) -> tuple[Labels, int]
         out[name] = "".join(chars)
         if len(out) > MAX_LABELS:
             raise ExpositionError(f"line {number}: more than {MAX_LABELS} labels")
-        while i < n and text[i] in " \t":
-            i += 1
+        i = n - len(text[i:].lstrip(" \t"))
         if i < n and text[i] == ",":
             i += 1
-        elif i < n and text[i] == "}":
-            continue
-        else:
+        elif i >= n or text[i] != "}":
             raise ExpositionError(f"line {number}: expected , or }} in {_show(line)}")
 
 
@@ -140,7 +126,7 @@ def parse(body: str | bytes) -> Exposition:
             raise ExpositionError(f"not UTF-8 text (byte {exc.start})") from None
     samples: list[Sample] = []
     seen: set[tuple[str, Labels]] = set()
-    types: dict[str, str] = {}
+    typed: set[str] = set()
     for number, raw in enumerate(body.split("\n"), 1):
         line = raw.removesuffix("\r")
         stripped = line.strip(" \t")
@@ -153,9 +139,9 @@ def parse(body: str | bytes) -> Exposition:
             if words and words[0] == "TYPE":
                 if len(words) != 3 or not _NAME.fullmatch(words[1]) or words[2] not in _TYPES:
                     raise ExpositionError(f"line {number}: bad TYPE line {_show(line)}")
-                if words[1] in types:
+                if words[1] in typed:
                     raise ExpositionError(f"line {number}: second TYPE line for {words[1]}")
-                types[words[1]] = words[2]
+                typed.add(words[1])
             elif words and words[0] == "HELP" and (len(words) < 2 or not _NAME.fullmatch(words[1])):
                 raise ExpositionError(f"line {number}: bad HELP line {_show(line)}")
             continue
@@ -183,4 +169,4 @@ def parse(body: str | bytes) -> Exposition:
             raise ExpositionError(f"line {number}: duplicate sample {name}")
         seen.add(key)
         samples.append(Sample(name, labels, value))
-    return Exposition(tuple(samples), types)
+    return Exposition(tuple(samples))

@@ -63,17 +63,8 @@ SGLANG_SERIES = frozenset(SGLANG_STORAGE_SERIES + SGLANG_HICACHE_SERIES)
 #: Labels a figure keeps; every other label (ranks, model, pid, job, instance) is
 #: summed over.
 KEPT_LABELS = frozenset(
-    {
-        "pool",
-        "reason",
-        "result",
-        "kind",
-        "cause",
-        "cap_multiplier",
-        "host_memory_mode",
-        "write_policy",
-        "cache_mode_dedup",
-    }
+    {"pool", "reason", "result", "kind", "cause", "cap_multiplier"}
+    | {"host_memory_mode", "write_policy", "cache_mode_dedup"}  # mode_info's
 )
 #: Gauges aggregated with min instead of max: one stopped rank matters.
 MIN_GAUGES = frozenset({SERIES["divergence_active"]})
@@ -132,7 +123,7 @@ def is_read(name: str) -> bool:
 
 def readable(exposition: Exposition) -> str | None:
     """Why the doctor cannot diagnose this body (None: it can)."""
-    names = {canonical(n) for n in exposition.names()}
+    names = {canonical(s.name) for s in exposition.samples}
     if any(is_package(n) for n in names) or names & set(SGLANG_STORAGE_SERIES):
         return None
     return (
@@ -194,22 +185,17 @@ def figures_of(reading: Reading) -> dict[Key, Figure]:
         name = canonical(s.name)
         key = (name, _kept(s.labels))
         prior = before.get((name, s.labels))
-        if prior is None:
-            d = s.value  # a new series: counted from 0
-        elif s.value < prior:
-            d = s.value  # reset (a restart): counted from 0
-            resets.add(key)
-        else:
-            d = s.value - prior
+        if prior is not None and s.value < prior:
+            resets.add(key)  # a restart
+        # A new series, or a reset one, counts from 0.
+        d = s.value if prior is None or s.value < prior else s.value - prior
         deltas[key] = deltas.get(key, 0.0) + d
-    out: dict[Key, Figure] = {}
-    for k, v in sorted(last.items()):
-        if k in deltas:
-            d = deltas[k]
-            out[k] = Figure(v, d, d / reading.seconds, k in resets)
-        else:
-            out[k] = Figure(v)
-    return out
+    return {
+        k: Figure(v, deltas[k], deltas[k] / reading.seconds, k in resets)
+        if k in deltas
+        else Figure(v)
+        for k, v in sorted(last.items())
+    }
 
 
 def _aggregate(samples: Iterable[Sample]) -> dict[Key, float]:
@@ -233,7 +219,9 @@ def _aggregate(samples: Iterable[Sample]) -> dict[Key, float]:
 def ranks_of(exposition: Exposition) -> int:
     """Distinct (tp, dp, pp) rank label sets among the package's series."""
     seen = {
-        tuple(s.label(r) for r in RANK_LABELS) for s in exposition.samples if is_package(s.name)
+        tuple(dict(s.labels).get(r) for r in RANK_LABELS)
+        for s in exposition.samples
+        if is_package(s.name)
     }
     return len(seen)
 
@@ -291,15 +279,8 @@ class View:
         return out
 
     def pools(self) -> tuple[str, ...]:
-        return tuple(
-            sorted(
-                {
-                    dict(k[1])["pool"]
-                    for k in self.figures
-                    if is_package(k[0]) and "pool" in dict(k[1])
-                }
-            )
-        )
+        pools = {dict(k[1]).get("pool") for k in self.figures if is_package(k[0])}
+        return tuple(sorted(p for p in pools if p is not None))
 
     def mode_labels(self) -> Labels:
         """The labels of ``mode_info`` (empty when not exported)."""

@@ -1,21 +1,17 @@
 """Every judgement once: the doctor's findings and the Prometheus alerts, one table.
 
-A ``Judgement`` declares one question about a deployment: the finding that answers
-it (``hicache-existence doctor``), the alert that asks it (``integrations/prometheus
-/rules.yml``), its severity, the ratio it judges over catalog families, the
-threshold and the minimum-traffic guard (names of ``Settings`` fields, so every
-figure lives in ``SETTINGS`` alone), the alert's PromQL and annotations, and the
-fix.  The doctor evaluates the ratio, threshold and guard over scraped figures
-(``Judgement.exceeds``), ``dashboards/build.py`` renders the alerts from the same
-declaration and the same ``SETTINGS``, and ``hicache_existence.docs_tables`` the
-threshold table of docs/doctor.md and the alert index of docs/runbooks.md.  A
-finding and its alert therefore cannot disagree on severity or threshold.  The
-shape is kubernetes-mixin's: one config object, alerts and docs derived from it.
+A ``Judgement`` declares one question about a deployment: its finding (the doctor's),
+its alert (PromQL and annotations of ``integrations/prometheus/rules.yml``), its
+severity, the ratio it judges over catalog families, its threshold and minimum-traffic
+guard (names of ``Settings`` fields: every figure lives in ``SETTINGS`` alone), and the
+fix.  The doctor evaluates it over scraped figures (``Judgement.exceeds``);
+``dashboards/build.py`` renders the alerts and ``hicache_existence.docs_tables`` the
+docs' threshold and alert tables from the same declaration, so a finding and its alert
+cannot disagree (kubernetes-mixin's shape: one config object, alerts and docs derived).
 
-The doctor judges totals since the server started (one read) and the alerts 5m
-rates, so a guard has two figures: ``guard`` (a total the ratio's denominator must
-reach) and ``rate_guard`` (its per-second rate).  Findings whose evidence or fix
-needs code (the cap's advice, the fleet's routing cost) are hooks in
+The doctor judges totals since the server started, the alerts 5m rates: hence two
+guards, ``guard`` (a total the ratio's denominator must reach) and ``rate_guard``
+(its per-second rate).  Findings whose evidence or fix needs code are hooks in
 ``hicache_existence.doctor.rules`` that ask their judgement's ``exceeds``.
 
 Alert texts use ``%(name)s`` placeholders (as kubernetes-mixin's ``% $._config``):
@@ -116,9 +112,8 @@ class Settings:
     min_l3_tokens: int = 4096
     #: Failed written pages over written pages.
     failed_ratio: float = 0.01
-    #: A miss-reason memory below this share of the beliefs' memory may forget
-    #: evictions at a full cap; the doctor proposes twice its share, at least
-    #: ``miss_memory_floor``.
+    #: A miss-reason memory below this share of the beliefs' memory may forget evictions
+    #: at a full cap; the doctor proposes twice its share (at least ``miss_memory_floor``).
     miss_memory_small: float = 0.5
     #: The smallest miss-reason memory share the doctor proposes.
     miss_memory_floor: float = 0.2
@@ -128,10 +123,7 @@ class Settings:
 
     def value(self, name: str) -> float:
         """The numeric setting ``name`` (a ``Judgement``'s threshold or guard)."""
-        v = getattr(self, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"Settings.{name} is not a number")
-        return float(v)
+        return float(getattr(self, name))
 
     def placeholders(self) -> dict[str, str]:
         """Every field as text for ``%(name)s``, and ``<field>_pct`` for fractions."""
@@ -201,8 +193,7 @@ class Judgement:
 
     def past(self, num: float, den: float) -> bool:
         """The ratio ``num / den`` (0 when ``den`` is) is past the threshold."""
-        if self.threshold is None:
-            raise ValueError(f"{self.key} has no threshold")
+        assert self.threshold is not None, f"{self.key} has no threshold"
         share = num / den if den > 0 else 0.0
         limit = SETTINGS.value(self.threshold)
         return share > limit if self.direction == "above" else share < limit
@@ -251,10 +242,9 @@ EVICTION_CHURN = Judgement(
     rate_guard="min_queries_per_s",
 )
 #: At-cap redundancy is a warning, as ``redundant_writes`` of the same pages and as
-#: ``EVICTION_CHURN``, the cap's other judgement: L3 bytes written twice that a
-#: setting (``cache.max_entries``) removes are money lost, the runbooks' warning
-#: (it was an ``info`` alert beside a doctor warning).  Cache mode without dedup is
-#: left out: there the beliefs skip no write, so no cap can remove its rewrites
+#: ``EVICTION_CHURN``, the cap's other judgement: L3 bytes written twice that a setting
+#: (``cache.max_entries``) removes are money lost.  Cache mode without dedup is left
+#: out: there the beliefs skip no write, so no cap removes its rewrites
 #: (``CACHE_MODE_REWRITES``'s ticket).
 AT_CAP_REDUNDANT = Judgement(
     "cap_too_small",
@@ -494,10 +484,9 @@ PLUGIN_NOT_LOADED = Judgement(
     "plugin_not_loaded",
     "warning",
     fix=(
-        "install the package in the server's environment (a wheel built from the "
-        "checkout: docs/enable.md, section 1) and start "
-        "SGLang with `--enable-hicache-existence` (and `--enable-metrics`, so its "
-        "series are on this endpoint); docs/enable.md",
+        "install the package in the server's environment (a wheel built from the checkout: "
+        "docs/enable.md, section 1) and start SGLang with `--enable-hicache-existence` (and "
+        "`--enable-metrics`, so its series are on this endpoint)",
     ),
 )
 PLUGIN_NOT_LIVE = Judgement(

@@ -91,11 +91,7 @@ class InstanceReport:
         out = {f.name: _json(getattr(self, f.name)) for f in fields(self)[:-1]}
         out["resets"] = [key_text(k) for k, f in self.figures.items() if f.reset]
         out["figures"] = {
-            key_text(k): {
-                "value": number(f.value),
-                "delta": number(f.delta),
-                "rate_per_s": number(f.rate_per_s),
-            }
+            key_text(k): {n: number(getattr(f, n)) for n in ("value", "delta", "rate_per_s")}
             for k, f in self.figures.items()
         }
         return out

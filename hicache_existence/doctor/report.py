@@ -15,7 +15,6 @@ from hicache_existence.doctor.figures import (
     SGLANG_PREFETCHED,
     SGLANG_STORAGE_SERIES,
     View,
-    key_text,
 )
 from hicache_existence.doctor.judgements import SEVERITIES
 from hicache_existence.doctor.model import Finding, InstanceReport, Report, human_bytes, number
@@ -27,9 +26,7 @@ def _exact(value: float | None) -> str:
     shown = number(value)
     if shown is None:
         return "-"
-    if isinstance(shown, int):
-        return f"{shown:,}"
-    return str(shown)
+    return f"{shown:,}" if isinstance(shown, int) else str(shown)
 
 
 def _rate(value: float | None) -> str:
@@ -39,10 +36,9 @@ def _rate(value: float | None) -> str:
 def _source(source: Mapping[str, Any], n: int) -> str:
     what = f"{n} instance{'s' if n != 1 else ''}"
     if source.get("mode") == "prometheus":
-        sel = source.get("selector") or "{}"
         return (
             f"doctor's report: {what} from Prometheus {source.get('prometheus')} "
-            f"{sel}, read {source.get('window')} apart"
+            f"{source.get('selector') or '{}'}, read {source.get('window')} apart"
         )
     interval = source.get("interval_s")
     if interval:
@@ -68,9 +64,9 @@ def _instance(inst: InstanceReport) -> list[str]:
         f"{inst.instance}: {mode}; {inst.ranks} rank{'s' if inst.ranks != 1 else ''}; "
         f"pools: {', '.join(inst.pools) or 'none'}"
     ]
-    resets = [key_text(k) for k, f in inst.figures.items() if f.reset]
+    resets = sum(1 for f in inst.figures.values() if f.reset)
     if resets:
-        lines.append(f"  counters went down between the reads (a restart): {len(resets)} series")
+        lines.append(f"  counters went down between the reads (a restart): {resets} series")
     for pool in inst.pools:
         v = {n: view.value(n, pool=pool) for n in _HEADLINE.split()}
         w, r, checked = v["written_pages"], v["redundant_written_pages"], v["pages_checked"]
@@ -83,11 +79,10 @@ def _instance(inst: InstanceReport) -> list[str]:
             f"{_exact(v['capacity_entries'])}"
         )
     if any(k[0] in SGLANG_STORAGE_SERIES for k in inst.figures):
-        written = view.value(SGLANG_BACKUPED)
-        read = view.value(SGLANG_PREFETCHED)
         lines.append(
-            f"  L3 by SGLang's count: written {_exact(written)} tokens, read back "
-            f"{_exact(read)}, prefetch hits {_exact(view.value(SGLANG_PREFETCH_HIT))}"
+            f"  L3 by SGLang's count: written {_exact(view.value(SGLANG_BACKUPED))} tokens, read "
+            f"back {_exact(view.value(SGLANG_PREFETCHED))}, prefetch hits "
+            f"{_exact(view.value(SGLANG_PREFETCH_HIT))}"
         )
     if view.has("reconciler_queries"):
         answered = view.value("reconciler_queries", result=ANSWERED)

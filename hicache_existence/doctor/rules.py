@@ -1,8 +1,8 @@
 """The findings (docs/doctor.md, "Findings"): each judges one instance's figures (or
-the fleet's) by its declaration in ``hicache_existence.doctor.judgements``, whose
-threshold, guard, severity and fix it takes; what is left here is what needs
-code: the evidence each finding shows, the causes, the cap's advice, the fleet's
-routing cost.  Series are named by catalog family (``figures.series``).
+the fleet's) by its declaration in ``hicache_existence.doctor.judgements`` (threshold,
+guard, severity, fix); what needs code is here: each finding's evidence, the causes,
+the cap's advice, the fleet's routing cost.  Series are named by catalog family
+(``figures.series``).
 """
 
 from __future__ import annotations
@@ -66,18 +66,16 @@ CAUSE_FIXES: dict[str, str] = {
     ),
 }
 
-#: ``recompute`` outside cache mode: buffer mode keeps no host copy, so a page this
-#: instance stored is written again when its belief was dropped (the cap, a heal).
-RECOMPUTE_BUFFER_FIX = (
-    "pages this instance had stored, computed again after its belief was dropped (mostly by "
-    "the cap): see cap_too_small (`cache.max_entries`)"
-)
-
 
 def cause_fix(cause: str, mode: str | None) -> str:
-    """What to do about redundant writes of ``cause`` in host memory ``mode``."""
+    """What to do about redundant writes of ``cause`` in host memory ``mode``: outside
+    cache mode no host copy is kept, so a ``recompute`` page this instance stored is
+    written again when its belief was dropped (the cap, a heal)."""
     if cause == "recompute" and mode != "cache":
-        return RECOMPUTE_BUFFER_FIX
+        return (
+            "pages this instance had stored, computed again after its belief was dropped (mostly "
+            "by the cap): see cap_too_small (`cache.max_entries`)"
+        )
     return CAUSE_FIXES.get(cause, "a cause this doctor does not know")
 
 
@@ -93,6 +91,16 @@ def _n(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.3g}"
 
 
+def _ranked(by: Mapping[str, float]) -> list[tuple[float, str]]:
+    """(figure, label value) of the positive figures, largest first."""
+    return sorted(((n, c) for c, n in by.items() if n > 0), reverse=True)
+
+
+def _positive(by: Mapping[str, float]) -> list[str]:
+    """The label values whose figure is positive, in order."""
+    return [k for k in sorted(by) if by[k] > 0]
+
+
 def evidence(view: View, name: str, **labels: str) -> Evidence:
     """The figure ``name{labels}`` (summed over the labels not given)."""
     key = (series(name), tuple(sorted(labels.items())))
@@ -106,7 +114,14 @@ def evidences(view: View, names: str, **labels: str) -> list[Evidence]:
     return [evidence(view, name, **labels) for name in names.split()]
 
 
-def finding(
+def _each(
+    view: View, name: str, label: str, values: Sequence[str], **labels: str
+) -> list[Evidence]:
+    """``evidence`` of ``name`` at each of ``label``'s ``values``."""
+    return [evidence(view, name, **labels, **{label: v}) for v in values]
+
+
+def found(
     j: Judgement,
     view: View | None,
     summary: str,
@@ -118,13 +133,13 @@ def finding(
     *,
     severity: Severity | None = None,
     over: tuple[float, float] | None = None,
-) -> Finding:
-    """``j``'s finding (its fix unless given), at ``j``'s severity, or where ``over``
-    (a ratio's numerator and denominator) is not past ``j``'s threshold on enough
-    traffic, info; ``severity`` decides where the finding's code does."""
+) -> list[Finding]:
+    """``j``'s finding as a rule returns it (a list), with ``j``'s fix unless given, at
+    ``j``'s severity, or info where ``over`` (a ratio's numerator and denominator) is
+    not past ``j``'s threshold on enough traffic; ``severity`` overrides both."""
     if severity is None:
         severity = j.severity if over is None else j.severity_if(j.exceeds(*over))
-    return Finding(
+    finding = Finding(
         id=str(j.finding),
         severity=severity,
         instance=None if view is None else view.instance,
@@ -135,6 +150,7 @@ def finding(
         evidence=tuple(evidence),
         fix=tuple(j.fix if fix is None else fix),
     )
+    return [finding]
 
 
 def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
@@ -144,27 +160,24 @@ def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
     w = view.value("written_pages", pool=pool)
     rb = view.value("redundant_written_bytes", pool=pool)
     believed = view.value("redundant_believed_pages", pool=pool)
+    no_dedup = mode == "cache" and dedup is False
     # In cache mode without dedup the pages dedup would have saved (believed when
     # written) are cache_mode_without_dedup's, a ticket as its alert: only the rest
     # can make this a warning, or installing cache mode would page.
-    counted = max(0.0, r - believed) if mode == "cache" and dedup is False else r
+    counted = max(0.0, r - believed) if no_dedup else r
     names = "redundant_written_pages redundant_written_bytes written_pages redundant_believed_pages"
     ev = evidences(view, names, pool=pool)
     causes = view.values_by("redundant_cause_pages", "cause", pool=pool)
     fixes: list[str] = []
     cause_text = ""
     if causes:
-        ranked = sorted(((n, c) for c, n in causes.items() if n > 0), reverse=True)
-        ev += [evidence(view, "redundant_cause_pages", pool=pool, cause=c) for _, c in ranked]
+        ranked = _ranked(causes)
+        ev += _each(view, "redundant_cause_pages", "cause", [c for _, c in ranked], pool=pool)
         cause_text = "; by cause: " + ", ".join(f"{c} {_n(n)}" for n, c in ranked)
         fixes += [f"{c} ({_n(n)} pages): {cause_fix(c, mode)}" for n, c in ranked]
     else:
         misses = view.values_by("page_misses", "reason", pool=pool)
-        ev += [
-            evidence(view, "page_misses", pool=pool, reason=m)
-            for m in sorted(misses)
-            if misses[m] > 0
-        ]
+        ev += _each(view, "page_misses", "reason", _positive(misses), pool=pool)
         if believed > 0:
             cause_text = f"; {_n(believed)} were believed stored (their node was written whole)"
             fixes.append(f"believed pages ({_n(believed)}): {CAUSE_FIXES['believed_node']}")
@@ -179,25 +192,22 @@ def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
                 "route by prefix (the router's `cache_aware` policy); see cap_too_small if the "
                 "pool is full"
             )
-    if mode == "cache" and dedup is False:
+    if no_dedup:
         fixes.append(
             "cache mode without dedup: `cache_mode.dedup=true` (see cache_mode_without_dedup)"
         )
-    j = J.REDUNDANT_WRITES
-    return [
-        finding(
-            j,
-            view,
-            f"{pool}: {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in "
-            f"L3, {human_bytes(rb)} written twice{cause_text}",
-            ev,
-            fixes or None,
-            pool,
-            rb,
-            view.rate("redundant_written_bytes", pool=pool),
-            over=(counted, w),
-        )
-    ]
+    return found(
+        J.REDUNDANT_WRITES,
+        view,
+        f"{pool}: {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in "
+        f"L3, {human_bytes(rb)} written twice{cause_text}",
+        ev,
+        fixes or None,
+        pool,
+        rb,
+        view.rate("redundant_written_bytes", pool=pool),
+        over=(counted, w),
+    )
 
 
 def dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
@@ -209,33 +219,25 @@ def dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
     saved = view.value("redundant_believed_pages", pool=pool)
     per_page = _ratio(view.value("redundant_written_bytes", pool=pool), r)
     rate = view.rate("redundant_believed_pages", pool=pool)
-    return [
-        finding(
-            j,
-            view,
-            f"{pool}: cache mode writes {_pct(_ratio(r, w))} of its L3 pages twice and dedup "
-            f"is off; dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})",
-            (
-                Evidence(view.instance, key_text((series("mode_info"), view.mode_labels())), 1.0),
-                *evidences(
-                    view,
-                    "redundant_written_pages written_pages redundant_believed_pages",
-                    pool=pool,
-                ),
-            ),
-            pool=pool,
-            wasted=saved * per_page,
-            wasted_rate=None if rate is None else rate * per_page,
-        )
-    ]
+    mode_info = key_text((series("mode_info"), view.mode_labels()))
+    names = "redundant_written_pages written_pages redundant_believed_pages"
+    return found(
+        j,
+        view,
+        f"{pool}: cache mode writes {_pct(_ratio(r, w))} of its L3 pages twice and dedup "
+        f"is off; dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})",
+        [Evidence(view.instance, mode_info, 1.0), *evidences(view, names, pool=pool)],
+        pool=pool,
+        wasted=saved * per_page,
+        wasted_rate=None if rate is None else rate * per_page,
+    )
 
 
 def advisor_curve(view: View, pool: str) -> dict[float, float]:
     """{cap multiplier: estimated lookup hit ratio} (the largest over ranks)."""
     out: dict[float, float] = {}
-    for m, v in view.values_by(
-        "advisor_estimated_lookup_hit_ratio", "cap_multiplier", pool=pool
-    ).items():
+    by = view.values_by("advisor_estimated_lookup_hit_ratio", "cap_multiplier", pool=pool)
+    for m, v in by.items():
         try:
             multiplier = float(m)
         except ValueError:
@@ -259,12 +261,8 @@ def stored_pages(view: View, pool: str) -> float:
     """Distinct pages this instance stored in L3: its written pages that L3 did not
     hold yet and that it acknowledged (each new page counts once)."""
     written = view.value("written_pages", pool=pool)
-    return max(
-        0.0,
-        written
-        - view.value("redundant_written_pages", pool=pool)
-        - view.value("write_failed_pages", pool=pool),
-    )
+    redundant = view.value("redundant_written_pages", pool=pool)
+    return max(0.0, written - redundant - view.value("write_failed_pages", pool=pool))
 
 
 def cap_covering(pages: float) -> int:
@@ -284,52 +282,42 @@ def _cap_fix(
     # cannot tell a flat curve from a working set beyond its range.
     stored = stored_pages(view, pool)
     top = max(curve) * cap if curve else 0.0
-    beyond = (
-        multiple is not None
-        and cap > 0
-        and stored > top
-        and (multiple <= 1 or multiple == max(curve))
-    )
-    if beyond:
+    fix: str | None = None
+    flat = beyond = False
+    if multiple is None:
+        if cap > 0:
+            fix = (
+                f"`cache.max_entries={int(cap * 2)}` (twice the cap), then read the advisor's "
+                "curve (`advisor.enabled=true`) to size it"
+            )
+    elif cap > 0 and stored > top and (multiple <= 1 or multiple == max(curve)):
+        beyond = True
         covering = cap_covering(stored)
-        ev.append(
-            Evidence(view.instance, "distinct pages stored (written - redundant - failed)", stored)
-        )
-        return (
+        what = "distinct pages stored (written - redundant - failed)"
+        ev.append(Evidence(view.instance, what, stored))
+        fix = (
             f"`cache.max_entries={covering}` (`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={covering}`)"
             f": this instance stored {_n(stored)} distinct pages, more than the advisor's "
             f"largest cap ({max(curve):g}x = {_n(top)} entries), so its curve says nothing "
             f"about a cap that holds them; a cap of {covering} covers them (about 40 B per "
-            "entry per rank), then read the curve again",
-            False,
-            True,
+            "entry per rank), then read the curve again"
         )
-    if multiple is not None and multiple > 1 and cap > 0:
+    elif multiple > 1 and cap > 0:
         here = curve.get(1.0)
         now = "" if here is None else f" from {here:.3f}"
         entries = int(cap * multiple)
-        return (
+        fix = (
             f"`cache.max_entries={entries}` ({multiple:g}x the cap): the advisor estimates the "
             f"lookup hit ratio rises{now} to {curve[multiple]:.3f} "
-            f"(`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={entries}`); about 40 B per entry per rank",
-            False,
-            False,
+            f"(`HICACHE_EXISTENCE_CACHE__MAX_ENTRIES={entries}`); about 40 B per entry per rank"
         )
-    if multiple is not None:
-        return (
+    else:
+        flat = True
+        fix = (
             "the advisor's curve is flat: a larger cap would not raise the hit ratio on this "
-            "traffic; leave `cache.max_entries` as it is",
-            True,
-            False,
+            "traffic; leave `cache.max_entries` as it is"
         )
-    if cap > 0:
-        return (
-            f"`cache.max_entries={int(cap * 2)}` (twice the cap), then read the advisor's "
-            "curve (`advisor.enabled=true`) to size it",
-            False,
-            False,
-        )
-    return None, False, False
+    return fix, flat, beyond
 
 
 def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Finding]:
@@ -347,24 +335,18 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     not_believed = max(0.0, r - view.value("redundant_believed_pages", pool=pool))
     if evicted <= 0 and not (at_cap and evictions > 0 and not_believed > 0):
         return []
-    churn = _ratio(evicted, q)
-    ev = [
-        evidence(view, "page_misses", pool=pool, reason="evicted"),
-        evidence(view, "page_misses", pool=pool, reason="cold"),
-        *evidences(
-            view,
-            "queries evictions entries capacity_entries redundant_written_pages "
-            "redundant_believed_pages written_pages",
-            pool=pool,
-        ),
-    ]
+    ev = _each(view, "page_misses", "reason", ("evicted", "cold"), pool=pool)
+    ev += evidences(
+        view,
+        "queries evictions entries capacity_entries redundant_written_pages "
+        "redundant_believed_pages written_pages",
+        pool=pool,
+    )
     curve = advisor_curve(view, pool)
     if curve:
         lookup = "advisor_estimated_lookup_hit_ratio"
-        ev += [
-            evidence(view, lookup, pool=pool, cap_multiplier=m)
-            for m in sorted(view.values_by(lookup, "cap_multiplier", pool=pool), key=float)
-        ]
+        multipliers = sorted(view.values_by(lookup, "cap_multiplier", pool=pool), key=float)
+        ev += _each(view, lookup, "cap_multiplier", multipliers, pool=pool)
     fix, flat, beyond = _cap_fix(view, pool, curve, capacity, ev)
     fixes = [] if fix is None else [fix]
     cold = view.value("page_misses", pool=pool, reason="cold")
@@ -390,14 +372,14 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     wasted = not_believed * per_page if per_page else None
     full = f", full ({_n(entries)} of {_n(capacity)} entries)" if at_cap else ""
     summary = (
-        f"{pool}: {_n(evicted)} lookups ({_pct(churn)} of {_n(q)}) missed a page the cap had "
-        f"evicted while L3 kept it; {_n(evictions)} evictions{full}"
+        f"{pool}: {_n(evicted)} lookups ({_pct(_ratio(evicted, q))} of {_n(q)}) missed a page "
+        f"the cap had evicted while L3 kept it; {_n(evictions)} evictions{full}"
     )
     if at_cap and r > 0:
         summary += f"; {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in L3"
     if wasted is not None:
         summary += f"; at most {human_bytes(wasted)} rewritten for it"
-    return [finding(J.EVICTION_CHURN, view, summary, ev, fixes, pool, wasted, severity=severity)]
+    return found(J.EVICTION_CHURN, view, summary, ev, fixes, pool, wasted, severity=severity)
 
 
 def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
@@ -407,97 +389,86 @@ def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
     if written <= 0 or not j.past(read, written):
         return []
     hit = view.value(SGLANG_PREFETCH_HIT)
-    share = _ratio(read, written)
     never = read <= 0 and hit <= 0
-    unfulfilled = view.values_by(SGLANG_UNFULFILLED, "reason")
-    ranked = sorted(((n, r) for r, n in unfulfilled.items() if n > 0), reverse=True)
+    ranked = [r for _, r in _ranked(view.values_by(SGLANG_UNFULFILLED, "reason"))]
     ev = [
-        evidence(view, SGLANG_BACKUPED),
-        evidence(view, SGLANG_PREFETCHED),
-        evidence(view, SGLANG_PREFETCH_HIT),
-        *(evidence(view, SGLANG_UNFULFILLED, reason=r) for _, r in ranked),
+        *evidences(view, f"{SGLANG_BACKUPED} {SGLANG_PREFETCHED} {SGLANG_PREFETCH_HIT}"),
+        *_each(view, SGLANG_UNFULFILLED, "reason", ranked),
     ]
     fixes: list[str] = []
-    if ranked and ranked[0][1] == "below_threshold":
+    if ranked and ranked[0] == "below_threshold":
         fixes.append(
             "L3 holds the prefixes but they are shorter than the prefetch threshold: lower it, "
             "e.g. `--hicache-storage-backend-extra-config '{\"prefetch_threshold\": 64}'`"
         )
-    elif ranked and ranked[0][1] in ("deadline", "storage_transfer"):
+    elif ranked and ranked[0] in ("deadline", "storage_transfer"):
         fixes.append(
             "prefetches run out of time or fail: raise `prefetch_timeout_base` in "
             "`--hicache-storage-backend-extra-config`, or `--hicache-storage-prefetch-policy "
             "wait_complete`"
         )
-    wasted = None if bytes_per_token is None else (written - read) * bytes_per_token
-    rate = view.rate(SGLANG_BACKUPED)
-    rate_read = view.rate(SGLANG_PREFETCHED)
-    wasted_rate = None
-    if bytes_per_token is not None and rate is not None and rate_read is not None:
-        wasted_rate = max(0.0, rate - rate_read) * bytes_per_token
-    return [
-        finding(
-            j,
-            view,
-            f"L3 was written {_n(written)} tokens and read back "
-            + (
-                "none (no prefetch hit either)"
-                if never
-                else f"{_n(read)} ({_pct(share)}; {_n(hit)} tokens hit in L3 queries)"
-            ),
-            ev,
-            [*fixes, *j.fix],
-            wasted=wasted,
-            wasted_rate=wasted_rate,
-            severity=j.severity_if(never and j.exceeds(read, written)),
-        )
-    ]
+    wasted = wasted_rate = None
+    rate, rate_read = view.rate(SGLANG_BACKUPED), view.rate(SGLANG_PREFETCHED)
+    if bytes_per_token is not None:
+        wasted = (written - read) * bytes_per_token
+        if rate is not None and rate_read is not None:
+            wasted_rate = max(0.0, rate - rate_read) * bytes_per_token
+    return found(
+        j,
+        view,
+        f"L3 was written {_n(written)} tokens and read back "
+        + (
+            "none (no prefetch hit either)"
+            if never
+            else f"{_n(read)} ({_pct(_ratio(read, written))}; {_n(hit)} tokens hit in L3 queries)"
+        ),
+        ev,
+        [*fixes, *j.fix],
+        wasted=wasted,
+        wasted_rate=wasted_rate,
+        severity=j.severity_if(never and j.exceeds(read, written)),
+    )
 
 
 def stale(view: View, pool: str) -> list[Finding]:
-    j = J.STALE_POSITIVES
     positives = view.value("reconciler_stale_positives", pool=pool)
     if positives > 0:
         answered = view.value("reconciler_queries", pool=pool, result=ANSWERED)
         invalidated = view.value("reconciler_pages_invalidated", pool=pool)
-        return [
-            finding(
-                j,
-                view,
-                f"{pool}: {_n(positives)} of {_n(answered)} answered verifications "
-                f"({_pct(_ratio(positives, answered))}) found believed pages missing from L3; "
-                f"{_n(invalidated)} beliefs removed",
-                (
-                    evidence(view, "reconciler_stale_positives", pool=pool),
-                    *(evidence(view, "reconciler_queries", pool=pool, result=r) for r in ANSWERED),
-                    evidence(view, "reconciler_pages_invalidated", pool=pool),
-                    evidence(view, "page_misses", pool=pool, reason="invalidated"),
-                ),
-                pool=pool,
-                over=(positives, answered),
-            )
-        ]
+        return found(
+            J.STALE_POSITIVES,
+            view,
+            f"{pool}: {_n(positives)} of {_n(answered)} answered verifications "
+            f"({_pct(_ratio(positives, answered))}) found believed pages missing from L3; "
+            f"{_n(invalidated)} beliefs removed",
+            [
+                evidence(view, "reconciler_stale_positives", pool=pool),
+                *_each(view, "reconciler_queries", "result", ANSWERED, pool=pool),
+                evidence(view, "reconciler_pages_invalidated", pool=pool),
+                evidence(view, "page_misses", pool=pool, reason="invalidated"),
+            ],
+            pool=pool,
+            over=(positives, answered),
+        )
     healed = view.value("invalidations", pool=pool)
     if view.has("reconciler_queries") or healed <= 0:
         return []
-    return [
-        finding(
-            j,
-            view,
-            f"{pool}: {_n(healed)} beliefs were dropped by heals after prefetch shortfalls "
-            "(L3 lacked pages believed stored); no reconciler looks for the others",
-            (
-                evidence(view, "invalidations", pool=pool),
-                evidence(view, "page_misses", pool=pool, reason="invalidated"),
-            ),
-            (
-                "turn the reconciler on to find stale beliefs before a prefetch trips on them: "
-                "`reconciler.enabled=true` with `reconciler.redis_url` (docs/reconciler.md)",
-            ),
-            pool,
-            severity="info",
-        )
-    ]
+    return found(
+        J.STALE_POSITIVES,
+        view,
+        f"{pool}: {_n(healed)} beliefs were dropped by heals after prefetch shortfalls "
+        "(L3 lacked pages believed stored); no reconciler looks for the others",
+        [
+            evidence(view, "invalidations", pool=pool),
+            evidence(view, "page_misses", pool=pool, reason="invalidated"),
+        ],
+        [
+            "turn the reconciler on to find stale beliefs before a prefetch trips on them: "
+            "`reconciler.enabled=true` with `reconciler.redis_url` (docs/reconciler.md)"
+        ],
+        pool,
+        severity="info",
+    )
 
 
 def reconciler_health(view: View) -> list[Finding]:
@@ -508,52 +479,40 @@ def reconciler_health(view: View) -> list[Finding]:
     errors = view.values_by("reconciler_errors", "kind")
     open_ = view.value("reconciler_circuit_open") >= 1
     if view.seconds is not None and view.has("reconciler_queries"):
-        d_failed = [view.delta("reconciler_queries", result=r) for r in FAILED_RESULTS]
-        d_answered = [view.delta("reconciler_queries", result=r) for r in ANSWERED]
-        down = sum(d or 0.0 for d in d_failed) > 0 and sum(d or 0.0 for d in d_answered) == 0
+        # Between the two reads: every figure of a counter has a change then.
+        d_failed = view.delta("reconciler_queries", result=FAILED_RESULTS) or 0.0
+        down = d_failed > 0 and not view.delta("reconciler_queries", result=ANSWERED)
     else:
         down = failed > 0 and answered == 0
     if not (open_ or down or failed > 0 or sum(errors.values()) > 0):
         return []
     severity = worst(J.CIRCUIT_OPEN.severity_if(open_), J.RECONCILER_DOWN.severity_if(down))
-    kinds = ", ".join(f"{k} {_n(n)}" for k, n in sorted(errors.items()) if n > 0) or "none"
+    kinds = ", ".join(f"{k} {_n(errors[k])}" for k in _positive(errors)) or "none"
     state = "circuit breaker open" if open_ else ("no answers" if down else "answering")
-    return [
-        finding(
-            J.RECONCILER_DOWN,
-            view,
-            f"reconciler: {state}; {_n(failed)} verifications failed and {_n(answered)} were "
-            f"answered; errors by kind: {kinds}",
-            (
-                evidence(view, "reconciler_circuit_open"),
-                *(
-                    evidence(view, "reconciler_queries", result=r)
-                    for r in (*FAILED_RESULTS, *ANSWERED)
-                ),
-                *(
-                    evidence(view, "reconciler_errors", kind=k)
-                    for k in sorted(errors)
-                    if errors[k] > 0
-                ),
-            ),
-            severity=severity,
-        )
-    ]
+    return found(
+        J.RECONCILER_DOWN,
+        view,
+        f"reconciler: {state}; {_n(failed)} verifications failed and {_n(answered)} were "
+        f"answered; errors by kind: {kinds}",
+        [
+            evidence(view, "reconciler_circuit_open"),
+            *_each(view, "reconciler_queries", "result", (*FAILED_RESULTS, *ANSWERED)),
+            *_each(view, "reconciler_errors", "kind", _positive(errors)),
+        ],
+        severity=severity,
+    )
 
 
 def divergence(view: View) -> list[Finding]:
     out: list[Finding] = []
     diverged = view.value("divergences")
     if diverged > 0:
-        j = J.TP_DIVERGENCE
-        out.append(
-            finding(
-                j,
-                view,
-                f"{_n(diverged)} checks found TP replicas of the beliefs differing "
-                f"({_n(view.value('divergence_heals'))} heals)",
-                evidences(view, "divergences divergence_heals divergence_checks"),
-            )
+        out += found(
+            J.TP_DIVERGENCE,
+            view,
+            f"{_n(diverged)} checks found TP replicas of the beliefs differing "
+            f"({_n(view.value('divergence_heals'))} heals)",
+            evidences(view, "divergences divergence_heals divergence_checks"),
         )
     failures = view.values_by("divergence_check_failures", "reason")
     mismatches = view.value("divergence_config_mismatches")
@@ -572,24 +531,18 @@ def divergence(view: View) -> list[Finding]:
             )
         if failures.get("error", 0) > 0 or not fixes:
             fixes.append("restart the server (every rank) to resume checks")
-        j = J.TP_CHECKS_STOPPED
-        out.append(
-            finding(
-                j,
-                view,
-                "TP divergence checks stopped on at least one rank "
-                f"({_n(sum(failures.values()))} failed checks, {_n(mismatches)} config "
-                "mismatches): a divergence would go unnoticed",
-                (
-                    evidence(view, "divergence_active"),
-                    *(
-                        evidence(view, "divergence_check_failures", reason=r)
-                        for r in sorted(failures)
-                    ),
-                    evidence(view, "divergence_config_mismatches"),
-                ),
-                fixes,
-            )
+        out += found(
+            J.TP_CHECKS_STOPPED,
+            view,
+            "TP divergence checks stopped on at least one rank "
+            f"({_n(sum(failures.values()))} failed checks, {_n(mismatches)} config "
+            "mismatches): a divergence would go unnoticed",
+            [
+                evidence(view, "divergence_active"),
+                *_each(view, "divergence_check_failures", "reason", sorted(failures)),
+                evidence(view, "divergence_config_mismatches"),
+            ],
+            fixes,
         )
     return out
 
@@ -597,50 +550,35 @@ def divergence(view: View) -> list[Finding]:
 def liveness(view: View, mode: str | None, dedup: bool | None) -> list[Finding]:
     backuped = view.value(SGLANG_BACKUPED)
     if not any(is_package(k[0]) for k in view.figures):
-        j = J.PLUGIN_NOT_LOADED
-        return [
-            finding(
-                j,
-                view,
-                "SGLang reports L3 storage activity but exports no hicache_existence_* series: "
-                "the package is not enabled on this server",
-                (evidence(view, SGLANG_BACKUPED), evidence(view, SGLANG_PREFETCH_HIT)),
-            )
-        ]
+        return found(
+            J.PLUGIN_NOT_LOADED,
+            view,
+            "SGLang reports L3 storage activity but exports no hicache_existence_* series: "
+            "the package is not enabled on this server",
+            evidences(view, f"{SGLANG_BACKUPED} {SGLANG_PREFETCH_HIT}"),
+        )
     out: list[Finding] = []
     written = view.value("written_pages")
     expects_queries = mode != "cache" or dedup is True
     active = backuped > 0 or written > 0 or view.value("page_inserts") > 0
     if expects_queries and view.value("queries") == 0 and active:
-        j = J.PLUGIN_NOT_LIVE
-        out.append(
-            finding(
-                j,
-                view,
-                "the existence cache is never consulted: 0 lookups while L3 is written "
-                f"({_n(backuped)} tokens by SGLang's count)",
-                [
-                    *evidences(view, "queries page_inserts written_pages"),
-                    evidence(view, SGLANG_BACKUPED),
-                ],
-            )
+        out += found(
+            J.PLUGIN_NOT_LIVE,
+            view,
+            "the existence cache is never consulted: 0 lookups while L3 is written "
+            f"({_n(backuped)} tokens by SGLang's count)",
+            evidences(view, f"queries page_inserts written_pages {SGLANG_BACKUPED}"),
         )
     if backuped > 0 and written == 0 and view.value("write_acknowledged_pages") == 0:
         j = J.WRITE_ACCOUNTING_NOT_FED
-        out.append(
-            finding(
-                j,
-                view,
-                f"SGLang wrote {_n(backuped)} tokens to L3 but the package's write counters "
-                "are absent or 0: the write-path hooks are missing, so redundant writes go "
-                "uncounted",
-                (
-                    evidence(view, SGLANG_BACKUPED),
-                    evidence(view, "written_pages"),
-                    evidence(view, "write_acknowledged_pages"),
-                ),
-                [j.fix[0] + (f" ({mode})" if mode else "")],
-            )
+        out += found(
+            j,
+            view,
+            f"SGLang wrote {_n(backuped)} tokens to L3 but the package's write counters "
+            "are absent or 0: the write-path hooks are missing, so redundant writes go "
+            "uncounted",
+            evidences(view, f"{SGLANG_BACKUPED} written_pages write_acknowledged_pages"),
+            [j.fix[0] + (f" ({mode})" if mode else "")],
         )
     return out
 
@@ -649,32 +587,26 @@ def write_failures(view: View, pool: str) -> list[Finding]:
     failed = view.value("write_failed_pages", pool=pool)
     if failed <= 0:
         return []
-    j = J.WRITE_FAILURES
     w = view.value("written_pages", pool=pool)
-    return [
-        finding(
-            j,
-            view,
-            f"{pool}: L3 did not store {_n(failed)} of {_n(w)} written pages "
-            f"({_pct(_ratio(failed, w))})",
-            evidences(view, "write_failed_pages write_failed_bytes written_pages", pool=pool),
-            pool=pool,
-            wasted=view.value("write_failed_bytes", pool=pool),
-            wasted_rate=view.rate("write_failed_bytes", pool=pool),
-            over=(failed, w),
-        )
-    ]
+    return found(
+        J.WRITE_FAILURES,
+        view,
+        f"{pool}: L3 did not store {_n(failed)} of {_n(w)} written pages "
+        f"({_pct(_ratio(failed, w))})",
+        evidences(view, "write_failed_pages write_failed_bytes written_pages", pool=pool),
+        pool=pool,
+        wasted=view.value("write_failed_bytes", pool=pool),
+        wasted_rate=view.rate("write_failed_bytes", pool=pool),
+        over=(failed, w),
+    )
 
 
 def fleet(views: Sequence[View]) -> list[Finding]:
     if len(views) < 2:
         return []
-    s = J.SETTINGS
     written = {v.instance: v.value("written_pages") for v in views}
     redundant = {v.instance: v.value("redundant_written_pages") for v in views}
     total_w, total_r = sum(written.values()), sum(redundant.values())
-    share = _ratio(total_r, total_w)
-    writers = sum(1 for w in written.values() if w > 0)
     # What the routing costs, per instance.  Below its cap (no eviction) a cache
     # forgets nothing it stored, so its redundant pages that were not believed when
     # written came from elsewhere: another instance (or a previous process).  At
@@ -711,36 +643,32 @@ def fleet(views: Sequence[View]) -> list[Finding]:
         cost_rate = None if cost_rate is None or rate is None else cost_rate + rate * per_page
         ev.append(Evidence(v.instance, "share of the fleet's redundant pages", _ratio(r, total_r)))
     j = J.FLEET_REDUNDANT
-    high = j.exceeds(total_r, total_w) and writers > 1
+    high = j.exceeds(total_r, total_w) and sum(1 for w in written.values() if w > 0) > 1
     shares = ", ".join(
         f"{name} {_pct(_ratio(redundant[name], total_r))}" for name in sorted(redundant)
     )
     n = len(views)
-    lopsided = [
-        name
-        for name in redundant
-        if total_r > 0 and redundant[name] / total_r > min(s.lopsided_share, 2 / n)
-    ]
+    lopsided_share = min(J.SETTINGS.lopsided_share, 2 / n)
+    lopsided = [k for k, r in redundant.items() if total_r > 0 and r / total_r > lopsided_share]
     fixes = list(j.fix)
     if lopsided:
         fixes.append(
             f"{', '.join(sorted(lopsided))} writes far more than 1/{n} of the redundant pages: "
             "its beliefs were emptied (a restart, /flush_cache) or its cap is smaller"
         )
-    return [
-        finding(
-            j,
-            None,
-            f"fleet of {n}: {_n(total_r)} of {_n(total_w)} written pages ({_pct(share)}) were "
-            f"already in L3; share of the redundant pages: {shares}; the routing costs "
-            f"{human_bytes(cost_bytes)} ({'; '.join(sorted(methods))})",
-            ev,
-            fixes,
-            wasted=cost_bytes,
-            wasted_rate=cost_rate,
-            severity=j.severity_if(high),
-        )
-    ]
+    return found(
+        j,
+        None,
+        f"fleet of {n}: {_n(total_r)} of {_n(total_w)} written pages "
+        f"({_pct(_ratio(total_r, total_w))}) were already in L3; share of the redundant "
+        f"pages: {shares}; the routing costs {human_bytes(cost_bytes)} "
+        f"({'; '.join(sorted(methods))})",
+        ev,
+        fixes,
+        wasted=cost_bytes,
+        wasted_rate=cost_rate,
+        severity=j.severity_if(high),
+    )
 
 
 def bytes_per_token(view: View) -> float | None:
@@ -748,6 +676,4 @@ def bytes_per_token(view: View) -> float | None:
     SGLang's backed-up tokens, counted at the same storage ack (docs/metrics.md)."""
     tokens = view.value(SGLANG_BACKUPED)
     acked = view.value("write_acknowledged_bytes") + view.value("write_failed_bytes")
-    if tokens > 0 and acked > 0:
-        return acked / tokens
-    return None
+    return acked / tokens if tokens > 0 and acked > 0 else None

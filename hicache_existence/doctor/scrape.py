@@ -14,20 +14,22 @@ message or a ``repr``, and never follow a redirect to another origin.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import http.client
 import json
 import os
 import re
-import socket
 import ssl
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.request import Request
 
 from hicache_existence.config import redact_url
 from hicache_existence.doctor.exposition import (
@@ -89,7 +91,7 @@ class HTTPOptions:
 _TOKEN = re.compile(r"[\x21-\x7e]+")
 
 
-def _read_token(path: str | None, env_var: str | None, environ: Mapping[str, str]) -> str | None:
+def _read_token(path: str | None, env_var: str | None) -> str | None:
     if path is not None and env_var is not None:
         raise ReadError("give --bearer-token-file or --bearer-token-env, not both")
     if path is not None:
@@ -103,16 +105,13 @@ def _read_token(path: str | None, env_var: str | None, environ: Mapping[str, str
     elif env_var is not None:
         if not env_var or "=" in env_var:
             raise ReadError(f"--bearer-token-env: not an environment variable name: {env_var!r}")
-        token = environ.get(env_var, "").strip()
-        if not token:
-            raise ReadError(
-                f"--bearer-token-env: the environment variable {env_var} is unset or empty"
-            )
+        token = os.environ.get(env_var, "").strip()
         where = f"--bearer-token-env {env_var}"
     else:
         return None
     if not token:
-        raise ReadError(f"{where}: the file is empty")
+        unset = f"the environment variable {env_var} is unset or empty"
+        raise ReadError(f"{where}: {'the file is empty' if path is not None else unset}")
     if len(token) > 65536 or not _TOKEN.fullmatch(token):
         raise ReadError(f"{where}: not a bearer token (one line of visible ASCII, at most 64 KiB)")
     return token
@@ -149,24 +148,14 @@ def _tls_context(
     return context
 
 
-def http_options(
-    *,
-    bearer_token_file: str | None = None,
-    bearer_token_env: str | None = None,
-    ca_file: str | None = None,
-    insecure: bool = False,
-    cert_file: str | None = None,
-    key_file: str | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> HTTPOptions:
-    """The options of the command line, checked and loaded: ``ReadError`` (one line
-    naming the option, never the secret) for a missing, empty or malformed token,
-    an unloadable CA bundle or client certificate, contradictory options."""
-    token = _read_token(
-        bearer_token_file, bearer_token_env, os.environ if environ is None else environ
-    )
-    context = _tls_context(ca_file, insecure, cert_file, key_file)
-    return HTTPOptions(token, context, cert_file is not None)
+def http_options(args: argparse.Namespace) -> HTTPOptions:
+    """The options of the command line (``--bearer-token-file`` ... ``--key-file``),
+    checked and loaded: ``ReadError`` (one line naming the option, never the secret)
+    for a missing, empty or malformed token, an unloadable CA bundle or client
+    certificate, contradictory options."""
+    token = _read_token(args.bearer_token_file, args.bearer_token_env)
+    context = _tls_context(args.ca_file, args.insecure, args.cert_file, args.key_file)
+    return HTTPOptions(token, context, args.cert_file is not None)
 
 
 def _ssl_reason(exc: BaseException) -> str:
@@ -203,14 +192,8 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     redirect elsewhere (or to plain http) gets no password or token."""
 
     def redirect_request(
-        self,
-        req: urllib.request.Request,
-        fp: Any,
-        code: int,
-        msg: str,
-        headers: Any,
-        newurl: str,
-    ) -> urllib.request.Request | None:
+        self, req: Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> Request | None:
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         auth = req.unredirected_hdrs.get("Authorization")
         if new is not None and auth is not None and _origin(new.full_url) == _origin(req.full_url):
@@ -231,18 +214,12 @@ def _split_credentials(url: str) -> tuple[str, str | None]:
     return urllib.parse.urlunsplit(parts._replace(netloc=hostport)), header
 
 
-def _refused(code: int, basic: bool, options: HTTPOptions) -> str:
-    """What a 401/403 means for the credentials that were (or were not) sent."""
-    sent = [
-        what
-        for what, given in (
-            ("the URL's user and password", basic),
-            ("the bearer token", options.bearer_token is not None),
-        )
-        if given
-    ]
-    if sent:
-        return f": {' and '.join(sent)} {'were' if len(sent) > 1 else 'was'} refused"
+def _refused(basic: bool, options: HTTPOptions) -> str:
+    """What a 401/403 means for the credentials sent (never both: ``fetch``)."""
+    if basic:
+        return ": the URL's user and password was refused"
+    if options.bearer_token is not None:
+        return ": the bearer token was refused"
     return (
         ": the endpoint wants credentials (user:password@ in the URL, "
         "--bearer-token-file or --bearer-token-env)"
@@ -250,13 +227,9 @@ def _refused(code: int, basic: bool, options: HTTPOptions) -> str:
 
 
 def fetch(
-    url: str,
-    timeout_s: float,
-    accept: str = ACCEPT,
-    options: HTTPOptions | None = None,
+    url: str, timeout_s: float, options: HTTPOptions, accept: str = ACCEPT
 ) -> tuple[bytes, str]:
     """GET ``url``: (body, content type).  Reads at most ``MAX_BODY_BYTES``."""
-    options = options or HTTPOptions()
     shown = redact_url(url)
     try:
         target, basic = _split_credentials(url)
@@ -264,7 +237,7 @@ def fetch(
         raise ReadError(f"{shown}: not a URL ({_one_line(exc)})") from None
     if basic is not None and options.bearer_token is not None:
         raise ReadError(f"{shown}: give user:password@ in the URL or a bearer token, not both")
-    request = urllib.request.Request(target, headers={"Accept": accept, "User-Agent": USER_AGENT})
+    request = Request(target, headers={"Accept": accept, "User-Agent": USER_AGENT})
     if basic is not None:
         request.add_unredirected_header("Authorization", basic)
     elif options.bearer_token is not None:
@@ -272,18 +245,19 @@ def fetch(
     opener = urllib.request.build_opener(
         urllib.request.HTTPSHandler(context=options.ssl_context), _Redirects()
     )
+    hint = "" if options.client_certificate else "; does it want a client certificate?"
     try:
         with opener.open(request, timeout=timeout_s) as response:
             body = response.read(MAX_BODY_BYTES + 1)
             ctype = response.headers.get("Content-Type", "") or ""
     except urllib.error.HTTPError as exc:
-        refused = _refused(exc.code, basic is not None, options) if exc.code in (401, 403) else ""
+        refused = _refused(basic is not None, options) if exc.code in (401, 403) else ""
         raise ReadError(
             f"{shown}: HTTP {exc.code} {_one_line(exc.reason)}{refused}{_detail(exc)}"
         ) from None
     except urllib.error.URLError as exc:
         reason = exc.reason
-        if isinstance(reason, (socket.timeout, TimeoutError)):
+        if isinstance(reason, TimeoutError):  # socket.timeout too
             raise ReadError(f"{shown}: no answer within {timeout_s:g} s") from None
         if isinstance(reason, ssl.SSLCertVerificationError):
             raise ReadError(
@@ -291,7 +265,6 @@ def fetch(
                 "give its CA bundle with --ca-file"
             ) from None
         if isinstance(reason, ssl.SSLError):
-            hint = "" if options.client_certificate else "; does it want a client certificate?"
             raise ReadError(
                 f"{shown}: TLS handshake failed ({_ssl_reason(reason)}){hint}"
             ) from None
@@ -299,7 +272,6 @@ def fetch(
     except TimeoutError:
         raise ReadError(f"{shown}: no answer within {timeout_s:g} s") from None
     except ssl.SSLError as exc:  # TLS 1.3 reports a refused client certificate on read
-        hint = "" if options.client_certificate else "; does it want a client certificate?"
         raise ReadError(f"{shown}: TLS failed ({_ssl_reason(exc)}){hint}") from None
     except (http.client.HTTPException, OSError, ValueError) as exc:
         raise ReadError(f"{shown}: {type(exc).__name__}: {_one_line(exc)}") from None
@@ -319,9 +291,9 @@ def _detail(exc: urllib.error.HTTPError) -> str:
     return ""
 
 
-def read_endpoint(url: str, timeout_s: float, options: HTTPOptions | None = None) -> Exposition:
+def read_endpoint(url: str, timeout_s: float, options: HTTPOptions) -> Exposition:
     """One read of a metrics endpoint, parsed, with series the doctor can diagnose."""
-    body, ctype = fetch(url, timeout_s, options=options)
+    body, ctype = fetch(url, timeout_s, options)
     shown = redact_url(url)
     try:
         exposition = parse(body)
@@ -335,28 +307,21 @@ def read_endpoint(url: str, timeout_s: float, options: HTTPOptions | None = None
 
 
 def read_direct(
-    urls: Sequence[str],
-    interval_s: float,
-    timeout_s: float,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-    options: HTTPOptions | None = None,
+    urls: Sequence[str], interval_s: float, timeout_s: float, options: HTTPOptions
 ) -> list[Reading]:
     """Each endpoint read, then (``interval_s`` > 0) read again ``interval_s`` later."""
     targets = [endpoint_url(u) for u in urls]
     names = [redact_url(u) for u in targets]
     if len(set(names)) != len(names):
         raise ReadError("the same URL was given twice")
-    first: list[tuple[Exposition, float]] = []
-    for url in targets:
-        first.append((read_endpoint(url, timeout_s, options), clock()))
+    first = [(read_endpoint(url, timeout_s, options), time.monotonic()) for url in targets]
     if interval_s <= 0:
         return [Reading(name, e) for name, (e, _) in zip(names, first)]
-    sleep(interval_s)
+    time.sleep(interval_s)
     out = []
     for url, name, (before, t0) in zip(targets, names, first):
         exposition = read_endpoint(url, timeout_s, options)
-        out.append(Reading(name, exposition, before, max(clock() - t0, 1e-6)))
+        out.append(Reading(name, exposition, before, max(time.monotonic() - t0, 1e-6)))
     return out
 
 
@@ -368,15 +333,12 @@ _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y":
 
 def parse_duration(text: str) -> float:
     """A Prometheus duration (``15m``, ``1h30m``, ``90s``) in seconds; ValueError else."""
-    pos, total = 0, 0.0
     text = text.strip()
-    while pos < len(text):
-        m = _DURATION.match(text, pos)
-        if m is None:
-            raise ValueError(f"not a duration like 15m or 1h30m: {text!r}")
-        total += int(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if not text or total <= 0:
+    parts = _DURATION.findall(text)
+    if "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration like 15m or 1h30m: {text!r}")
+    total = sum((int(n) * _UNITS[u] for n, u in parts), 0.0)
+    if total <= 0:
         raise ValueError(f"a duration must be > 0, got {text!r}")
     return total
 
@@ -396,20 +358,16 @@ def series_selector(selector: str) -> str:
 
 
 def _api_query(
-    base: str, query: str, at: float, timeout_s: float, options: HTTPOptions | None
+    base: str, query: str, at: float, timeout_s: float, options: HTTPOptions
 ) -> list[Any]:
-    url = (
-        base.rstrip("/")
-        + "/api/v1/query?"
-        + urllib.parse.urlencode({"query": query, "time": f"{at:.3f}"})
-    )
+    params = urllib.parse.urlencode({"query": query, "time": f"{at:.3f}"})
+    url = f"{base.rstrip('/')}/api/v1/query?{params}"
     shown = redact_url(base)
     try:
-        body, _ = fetch(url, timeout_s, accept="application/json", options=options)
+        body, _ = fetch(url, timeout_s, options, accept="application/json")
     except ReadError as exc:
-        text = str(exc)
         # Prometheus answers a bad query with HTTP 400 and a JSON error: say which.
-        raise ReadError(text.replace(redact_url(url), shown + " (query API)")) from None
+        raise ReadError(str(exc).replace(redact_url(url), shown + " (query API)")) from None
     try:
         answer = json.loads(body)
     except (ValueError, RecursionError):
@@ -432,13 +390,10 @@ def _samples(base: str, result: list[Any]) -> dict[tuple[str, str], list[Sample]
     """Instant-vector results grouped by (job, instance)."""
     out: dict[tuple[str, str], list[Sample]] = {}
     for item in result:
-        metric = item.get("metric") if isinstance(item, dict) else None
-        value = item.get("value") if isinstance(item, dict) else None
-        number = (
-            value_of(value[1])
-            if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str)
-            else None
-        )
+        item = item if isinstance(item, dict) else {}
+        metric, value = item.get("metric"), item.get("value", ())
+        pair = isinstance(value, list) and len(value) == 2 and isinstance(value[1], str)
+        number = value_of(value[1]) if pair else None
         if (
             not isinstance(metric, dict)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in metric.items())
@@ -455,12 +410,7 @@ def _samples(base: str, result: list[Any]) -> dict[tuple[str, str], list[Sample]
 
 
 def read_prometheus(
-    base: str,
-    selector: str,
-    window_s: float,
-    timeout_s: float,
-    now: Callable[[], float] = time.time,
-    options: HTTPOptions | None = None,
+    base: str, selector: str, window_s: float, timeout_s: float, options: HTTPOptions
 ) -> list[Reading]:
     """The same series read from Prometheus at ``now - window_s`` and ``now``: one
     ``Reading`` per (job, instance), as two scrapes ``window_s`` apart would give."""
@@ -469,7 +419,7 @@ def read_prometheus(
         query = series_selector(selector)
     except ValueError as exc:
         raise ReadError(f"--selector: {exc}") from None
-    t1 = now()
+    t1 = time.time()
     t0 = t1 - window_s
     last = _samples(base, _api_query(base, query, t1, timeout_s, options))
     first = _samples(base, _api_query(base, query, t0, timeout_s, options))
@@ -481,13 +431,11 @@ def read_prometheus(
             f"{redact_url(base)}: no instance has hicache_existence_* or SGLang storage "
             f"series matching {query}"
         )
-    jobs_per_instance: dict[str, set[str]] = {}
-    for job, instance in last:
-        jobs_per_instance.setdefault(instance, set()).add(job)
+    jobs_per_instance = Counter(instance for _, instance in last)
     readings = []
     for (job, instance), samples in sorted(last.items()):
         name = instance or "(no instance label)"
-        if len(jobs_per_instance[instance]) > 1:
+        if jobs_per_instance[instance] > 1:
             name = f"{job}/{name}"
         before = Exposition(tuple(first.get((job, instance), ())))
         readings.append(Reading(name, Exposition(tuple(samples)), before, window_s))
