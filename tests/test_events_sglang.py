@@ -9,6 +9,7 @@ its ``KVCacheEventRecorder``, ``TreeNode``, ``RadixKey``, ``BufferBackupSnapshot
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from array import array
@@ -297,10 +298,18 @@ def test_a_port_of_the_systems_choosing_is_not_offset(port: str) -> None:
 
 def test_own_publisher_offsets_its_port_by_dp_rank() -> None:
     """DP rank r publishes on the endpoint's port + r, tagged r, as sglang's own."""
-    base = ZmqSink("tcp://127.0.0.1:*")
-    port = int(base.where.rsplit(":", 1)[1])
-    base.close()
-    sink = ZmqSink(f"tcp://127.0.0.1:{port}", dp_rank=1)
+    for _ in range(20):  # port + 1 may belong to another process: try another base
+        base = ZmqSink("tcp://127.0.0.1:*")
+        port = int(base.where.rsplit(":", 1)[1])
+        base.close()
+        try:
+            sink = ZmqSink(f"tcp://127.0.0.1:{port}", dp_rank=1)
+            break
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    else:
+        pytest.fail("no free pair of adjacent ports in 20 tries")
     sub = Subscriber(f"tcp://127.0.0.1:{port + 1}")
     try:
         sink.send(2.0, [Removed((5,), "DISK")])
