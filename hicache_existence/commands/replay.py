@@ -288,19 +288,10 @@ def run(args: argparse.Namespace) -> int:
     )
     result.timings["read_and_expand_s"] = expand_s
     print(report.format_table(result))
-    try:
-        report.write_json(result, json_path)
-        print(f"wrote {json_path}")
-        if plot_path is not None:
-            problem = report.write_plot(result, plot_path)
-            if problem:
-                print(f"note: {problem}", file=sys.stderr)
-            else:
-                print(f"wrote {plot_path}")
-    except OSError as exc:
-        print(f"error: cannot write the report: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    status = _written(json_path, lambda: report.write_json(result, json_path))
+    if status or plot_path is None:
+        return status
+    return _written(plot_path, lambda: report.write_plot(result, plot_path))
 
 
 def _model_config(args: argparse.Namespace, rate: float = 1.0) -> Any:
@@ -402,14 +393,18 @@ def _run_recorded(
     return _written(json_path, lambda: report.write_document(out, json_path))
 
 
-def _written(path: Path, write: Callable[[], object]) -> int:
-    """Run ``write`` (of ``path``): 0 and a line saying so, or 1 and the error."""
+def _written(path: Path, write: Callable[[], str | None]) -> int:
+    """Run ``write`` (of ``path``): 0 and a line saying so (or the note it returns
+    instead of writing), or 1 and the error."""
     try:
-        write()
+        problem = write()
     except OSError as exc:
         print(f"error: cannot write the report: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {path}")
+    if problem:
+        print(f"note: {problem}", file=sys.stderr)
+    else:
+        print(f"wrote {path}")
     return 0
 
 

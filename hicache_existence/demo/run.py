@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -156,20 +157,9 @@ def _free_port() -> int:
 # one rank
 
 
-def _requests(opts: DemoOptions) -> Sequence[Any]:
-    from hicache_existence.replay.pages import expand
-    from hicache_existence.replay.trace import read_trace
-
-    trace = read_trace(opts.trace or bundled_trace())
-    return expand(trace).requests
-
-
 def _batches(requests: Sequence[Any], per_step: int) -> Iterator[list[Any]]:
-    index = 0
-    while True:
-        batch = [requests[(index + i) % len(requests)] for i in range(per_step)]
-        index += per_step
-        yield batch
+    for index in itertools.count(0, per_step):
+        yield [requests[(index + i) % len(requests)] for i in range(per_step)]
 
 
 def rank_main(
@@ -219,6 +209,8 @@ def _rank_loop(
 ) -> None:
     from hicache_existence.demo.scheduler import SimulatedScheduler
     from hicache_existence.replay.l3 import L3
+    from hicache_existence.replay.pages import expand
+    from hicache_existence.replay.trace import read_trace
     from hicache_existence.runtime import ExistenceRuntime
 
     group: Any = None
@@ -260,17 +252,14 @@ def _rank_loop(
         config, labels, group=group, truth=truth or shard, agreement=agreement
     ).start()
     scheduler = SimulatedScheduler(runtime, shard, clear_swa_every=100)
-    requests = _requests(opts)
+    requests = expand(read_trace(opts.trace or bundled_trace())).requests
     steps = opts.steps or math.ceil(len(requests) / opts.requests_per_step)
     period = 1.0 / opts.steps_per_s if opts.steps_per_s > 0 else 0.0
     started = time.monotonic()
     batches = _batches(requests, opts.requests_per_step)
     step = 0
-    while True:
-        if not opts.keep_running and step >= steps:
-            break
-        if _stop_agreed(stop, world, step):  # SIGINT / SIGTERM to the parent
-            break
+    # _stop_agreed: SIGINT / SIGTERM to the parent.
+    while (opts.keep_running or step < steps) and not _stop_agreed(stop, world, step):
         scheduler.step(next(batches))
         step += 1
         if rank == 0 and step % 10 == 0:
@@ -321,11 +310,16 @@ def _stop_agreed(stop: Any, world: int, step: int) -> bool:
     return bool(t.item())
 
 
+def _checks(runtime: Any) -> tuple[Any, Any]:
+    """The divergence checker's stats and the reconciler's snapshot (None: off)."""
+    checker = runtime.checker.stats() if runtime.checker is not None else None
+    return checker, runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+
+
 def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> dict[str, Any]:
     runtime = scheduler.runtime
     total = runtime.cache.stats().total
-    checker = runtime.checker.stats() if runtime.checker is not None else None
-    rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+    checker, rec = _checks(runtime)
     t = scheduler.totals
     return {
         "step": step,
@@ -351,27 +345,18 @@ _BREAKER_STATES = ("closed", "open", "half-open")
 def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> dict[str, Any]:
     runtime.cache.settle()  # classify the last step's misses before reporting them
     stats = runtime.cache.stats()
-    advice = runtime._advice() if runtime.advisor is not None else None
-    checker = runtime.checker.stats() if runtime.checker is not None else None
-    rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+    advice = runtime._advice().pools if runtime.advisor is not None else {}
+    checker, rec = _checks(runtime)
     return {
         "steps": steps,
         "totals": scheduler.totals.as_dict(),
         "pools": {name: s.as_dict() for name, s in stats.items()},
         "cap": runtime.config.cache.max_entries,
         # Buffer mode sizes the cap by the lookup curve (prefetch healing re-teaches
-        # beliefs; docs/capacity.md); the reference-stream curve is kept beside it.
+        # beliefs; docs/capacity.md).
         "advice": {
-            pool: {str(m): v for m, v in a.lookup_estimates.items()}
-            for pool, a in advice.pools.items()
-        }
-        if advice
-        else {},
-        "advice_stream": {
-            pool: {str(m): v for m, v in a.estimates.items()} for pool, a in advice.pools.items()
-        }
-        if advice
-        else {},
+            pool: {str(m): v for m, v in a.lookup_estimates.items()} for pool, a in advice.items()
+        },
         "divergence": {
             "checks": checker.checks,
             "divergences": checker.divergences,
@@ -392,7 +377,6 @@ def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> di
         else None,
         "ledger": writer.writer.counts() if writer is not None else None,
         "l3": {"evicted": scheduler.shard.evictions, "dropped": scheduler.shard.dropped},
-        "stats_total": stats.total.as_dict(),
     }
 
 

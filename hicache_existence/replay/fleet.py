@@ -26,6 +26,7 @@ of the real one are not modelled.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import deque
@@ -37,8 +38,8 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.reconcile.sampling import Candidates, Sampler
 from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun, finish
-from hicache_existence.replay.pages import PageRequest, PageTrace
+from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun, finish, land_due
+from hicache_existence.replay.pages import PageRequest, PageTrace, counted
 
 Router = Literal["round-robin", "prefix-affinity"]
 ROUTERS: tuple[Router, ...] = ("round-robin", "prefix-affinity")
@@ -199,6 +200,7 @@ class _Instance:
                 self.page_size,
                 self.l3,
                 pool,
+                self.result,
                 self.writing.setdefault(pool, {}),
             )
         return run
@@ -265,27 +267,21 @@ def run_fleet(
     ]
     owner: dict[int, _Instance] = {}
     acks: deque[Ack] = deque()
-    total = len(trace.requests)
-    step = max(1, total // 20)
     started = time.perf_counter()
     peak = 0
 
-    def land(until: float | None) -> int:
-        """Land the acks due by ``until`` (all when None); returns the largest
-        entry count of an instance that landed something."""
-        landed: dict[int, _Instance] = {}
-        while acks and (until is None or acks[0][0] <= until):
-            _, run, keys = acks.popleft()
+    def land(until: float = math.inf) -> int:
+        """Land the acks due by ``until``; returns the largest entry count of an
+        instance that landed something."""
+        landed = set()
+        for _, run, keys in land_due(acks, until):
             inst = owner[id(run)]
-            before = inst.result.redundant_writes
-            run.land(keys, inst.result)
-            inst.share.redundant_writes += inst.result.redundant_writes - before
             inst.share.ledger_record_calls += -(-len(keys) // inst.batch)
-            landed[id(inst)] = inst
-        return max((len(i.cache) for i in landed.values()), default=0)
+            landed.add(inst)
+        return max((len(i.cache) for i in landed), default=0)
 
     learning = fleet.learn_rate > 0
-    for number, req in enumerate(trace.requests):
+    for number, req in enumerate(counted(trace.requests, progress)):
         # Acks only add; the request's heal may then remove: look before it.
         peak = max(peak, land(req.timestamp_ms))
         if learning:
@@ -296,20 +292,13 @@ def run_fleet(
         inst = instances[route(req, number, fleet)]
         run = inst.run(req.pool)
         owner.setdefault(id(run), inst)
-        r = inst.result
-        before = (r.writes_issued, r.writes_avoided)
-        run.request(req, r, acks)
-        inst.share.requests += 1
-        inst.share.writes_issued += r.writes_issued - before[0]
-        inst.share.writes_avoided += r.writes_avoided - before[1]
-        r.requests += 1
-        r.page_references += len(req.pages)
+        run.request(req, acks)
         peak = max(peak, len(inst.cache))
-        if progress is not None and (number + 1) % step == 0:
-            progress(number + 1, total)
-    peak = max(peak, land(None))
+    peak = max(peak, land())
     for inst in instances:
         inst.verify()
+        for name in _SHARES:
+            setattr(inst.share, name, getattr(inst.result, name))
     fleet_result = _sum(cap, instances, l3, peak)
     fleet_result.elapsed_s = time.perf_counter() - started
     times = [r.timestamp_ms for r in trace.requests]
@@ -324,6 +313,8 @@ def run_fleet(
     )
 
 
+#: The counters of an instance's share that are its ``ModelResult``'s.
+_SHARES = ("requests", "writes_issued", "redundant_writes", "writes_avoided")
 _SUMMED = (
     "requests",
     "page_references",

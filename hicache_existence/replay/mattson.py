@@ -28,9 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
-from hicache_existence.replay.pages import PageRequest, PageTrace
-
-ProgressFn = Callable[[int, int], None]
+from hicache_existence.replay.pages import PageRequest, PageTrace, counted
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,7 +191,7 @@ class _Pool:
 
 def belief_only_curves(
     requests: PageTrace | Iterable[PageRequest],
-    progress: ProgressFn | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, BeliefCurve]:
     """The exact belief-only curve of every pool (each pool is its own LRU)."""
     reqs = requests.requests if isinstance(requests, PageTrace) else tuple(requests)
@@ -201,10 +199,6 @@ def belief_only_curves(
     for r in reqs:
         sizes[r.pool] = sizes.get(r.pool, 0) + len(r.pages)
     pools = {name: _Pool(name, size) for name, size in sizes.items()}
-    total = len(reqs)
-    step = max(1, total // 20)
-    for number, r in enumerate(reqs, 1):
+    for r in counted(reqs, progress):
         pools[r.pool].request(r.pages)
-        if progress is not None and number % step == 0:
-            progress(number, total)
     return {name: pool.curve() for name, pool in pools.items()}

@@ -30,6 +30,7 @@ so redundant writes from partially covered nodes are a lower bound here).
 
 from __future__ import annotations
 
+import math
 import time
 import tracemalloc
 from collections import OrderedDict, deque
@@ -44,7 +45,7 @@ from hicache_existence.core.cache import PoolBeliefs, StorageExistenceCache
 from hicache_existence.core.policies import ChainPagesPolicy, PoolBeliefPolicy
 from hicache_existence.core.protocol import PoolView
 from hicache_existence.replay.l3 import L3, exhaust, leading
-from hicache_existence.replay.pages import PageRequest, PageTrace
+from hicache_existence.replay.pages import PageRequest, PageTrace, counted
 
 _HEAL = ChainPagesPolicy()
 
@@ -149,9 +150,10 @@ Ack = tuple[float, "PoolRun", Sequence[str]]
 
 
 class PoolRun:
-    """One pool's model state around its beliefs (a ``PoolView``).  ``writes``
-    (the runtime's ``WriteAccounting``, the demo's) hears every write, avoided
-    write and redundant page, as the write path's hooks tell it in a server."""
+    """One pool's model state around its beliefs (a ``PoolView``), counting into
+    ``result``.  ``writes`` (the runtime's ``WriteAccounting``, the demo's) hears
+    every write, avoided write and redundant page, as the write path's hooks tell
+    it in a server."""
 
     def __init__(
         self,
@@ -160,6 +162,7 @@ class PoolRun:
         page_size: int,
         l3: L3,
         pool: str,
+        result: ModelResult,
         writing: dict[str, int] | None = None,
         *,
         policy: PoolBeliefPolicy = _HEAL,
@@ -172,6 +175,7 @@ class PoolRun:
         #: L3 (shared by the instances of a fleet, see ``replay.fleet``) and this pool's part.
         self.l3 = l3
         self.pool = pool
+        self.result = result
         self.held = l3.held(pool)
         #: Pages with a write launched and not yet landed (ground truth, refcounted;
         #: shared by a fleet's instances like L3).
@@ -181,10 +185,10 @@ class PoolRun:
         self.policy = policy
         self.writes = writes
 
-    def land(self, keys: Sequence[str], result: ModelResult) -> None:
+    def land(self, keys: Sequence[str]) -> None:
         """The storage ack: L3 holds the pages, the beliefs learn them."""
         redundant = self.l3.write(self.pool, keys)
-        result.redundant_writes += redundant
+        self.result.redundant_writes += redundant
         if redundant and self.writes is not None:
             # L3 holds only this model's writes: a page again is one recomputed.
             self.writes.redundant(self.pool, redundant)
@@ -205,9 +209,12 @@ class PoolRun:
         else:
             del self.pending_nodes[last]
 
-    def request(self, req: PageRequest, result: ModelResult, acks: deque[Ack]) -> None:
+    def request(self, req: PageRequest, acks: deque[Ack]) -> None:
         pages = req.pages
         config = self.config
+        result = self.result
+        result.requests += 1
+        result.page_references += len(pages)
         matched = self.device.match(pages)
         result.device_hit_pages += matched
         rest = pages[matched:]
@@ -216,11 +223,12 @@ class PoolRun:
             if config.heal:
                 self.policy.heal_from_query(self.beliefs, rest, rest, hit, evidence=True)
             result.l3_hit_pages += hit
-        self._insert_walk(req, result, acks)
+        self._insert_walk(req, acks)
         self.device.insert(pages)
 
-    def _insert_walk(self, req: PageRequest, result: ModelResult, acks: deque[Ack]) -> None:
+    def _insert_walk(self, req: PageRequest, acks: deque[Ack]) -> None:
         pages = req.pages
+        result = self.result
         beliefs = self.beliefs
         bounded_store = bool(self.config.l3_pages)
         held = self.held
@@ -254,6 +262,16 @@ class PoolRun:
             else:
                 result.dropped_writes += len(keys)
             parent_last = keys[-1]
+
+
+def land_due(acks: deque[Ack], until: float = math.inf) -> list[Ack]:
+    """Land the acks due by ``until`` (all by default), in order; returns them."""
+    landed = []
+    while acks and acks[0][0] <= until:
+        ack = acks.popleft()
+        ack[1].land(ack[2])
+        landed.append(ack)
+    return landed
 
 
 #: The cache counters a replay reports (``ModelResult.cache_stats``).
@@ -294,34 +312,22 @@ def run_model(
     runs: dict[str, PoolRun] = {}
     l3 = L3(config.l3_pages)
     acks: deque[Ack] = deque()
-    total = len(trace.requests)
-    step = max(1, total // 20)
     started = time.perf_counter()
     peak = 0
-    for number, req in enumerate(trace.requests, 1):
-        now = req.timestamp_ms
-        if acks and acks[0][0] <= now:
-            while acks and acks[0][0] <= now:
-                _, owner, keys = acks.popleft()
-                owner.land(keys, result)
-            # Acks only add; the request's heal may then remove: look before it.
+    for req in counted(trace.requests, progress):
+        # Acks only add; the request's heal may then remove: look before it.
+        if land_due(acks, req.timestamp_ms):
             peak = max(peak, len(cache))
         run = runs.get(req.pool)
         if run is None:
             run = runs[req.pool] = PoolRun(
-                cache.pool(req.pool), config, trace.page_size, l3, req.pool
+                cache.pool(req.pool), config, trace.page_size, l3, req.pool, result
             )
-        run.request(req, result, acks)
+        run.request(req, acks)
         peak = max(peak, len(cache))
-        result.requests += 1
-        result.page_references += len(req.pages)
         if step_hook is not None:
             step_hook()
-        if progress is not None and number % step == 0:
-            progress(number, total)
-    while acks:
-        _, owner, keys = acks.popleft()
-        owner.land(keys, result)
+    land_due(acks)
     finish(result, [cache], l3, max(peak, len(cache)))
     result.elapsed_s = time.perf_counter() - started
     return result

@@ -29,9 +29,9 @@ into model nodes of ``node_pages`` pages.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from hicache_existence.replay.trace import Request, Trace
 
@@ -41,6 +41,17 @@ DEFAULT_PAGE_SIZE = 64
 #: Model node size for page traces, which carry no blocks (a Mooncake block at 64 tokens/page).
 DEFAULT_NODE_PAGES = 8
 _ROOT = hashlib.sha256(b"hicache-existence/replay/root").digest()
+_T = TypeVar("_T")
+
+
+def counted(items: Sequence[_T], progress: Callable[[int, int], None] | None) -> Iterator[_T]:
+    """``items``, calling ``progress(done, total)`` after every twentieth of them."""
+    total = len(items)
+    step = max(1, total // 20)
+    for number, item in enumerate(items, 1):
+        yield item
+        if progress is not None and number % step == 0:
+            progress(number, total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,37 +114,29 @@ def expand(
 
     ``salt`` changes every Mooncake page hash while keeping the sharing structure
     (for experiments that need independent hash draws, e.g. sampling variance)."""
-    total = len(trace.requests)
-    step = max(1, total // 20)
-    out: list[PageRequest] = []
+    requests = counted(trace.requests, progress)
     if trace.format == "mooncake":
         if trace.block_tokens % page_size:
             raise ValueError(
                 f"page_size {page_size} must divide the trace's block size "
                 f"{trace.block_tokens} tokens"
             )
-        per_block = trace.block_tokens // page_size
         memo: dict[tuple[bytes, int], tuple[tuple[str, ...], bytes]] = {}
         root = hashlib.sha256(_ROOT + salt).digest() if salt else _ROOT
-        for number, request in enumerate(trace.requests):
-            out.append(
-                _expand_mooncake(
-                    request, trace.block_tokens, page_size, per_block, partial_pages, memo, root
-                )
-            )
-            if progress is not None and (number + 1) % step == 0:
-                progress(number + 1, total)
+        out = [
+            _expand_mooncake(r, trace.block_tokens, page_size, partial_pages, memo, root)
+            for r in requests
+        ]
     else:
         canon: dict[str, str] = {}
-        for number, request in enumerate(trace.requests):
+        out = []
+        for request in requests:
             pages = tuple(map(canon.setdefault, request.pages, request.pages))
             out.append(
                 PageRequest(
                     request.timestamp_ms, request.pool, pages, chunk_ends(len(pages), node_pages)
                 )
             )
-            if progress is not None and (number + 1) % step == 0:
-                progress(number + 1, total)
     return PageTrace(trace.source, trace.format, page_size, tuple(out))
 
 
@@ -141,7 +144,6 @@ def _expand_mooncake(
     request: Request,
     block_tokens: int,
     page_size: int,
-    per_block: int,
     partial_pages: PartialPages,
     memo: dict[tuple[bytes, int], tuple[tuple[str, ...], bytes]],
     root: bytes,
@@ -155,15 +157,13 @@ def _expand_mooncake(
         key = (parent, block)
         found = memo.get(key)
         if found is None:
-            found = memo[key] = chained(parent, block.to_bytes(8, "little"), per_block)
+            tag = block.to_bytes(8, "little")
+            found = memo[key] = chained(parent, tag, block_tokens // page_size)
         hexes, parent = found
         if index == last:
             remaining = request.input_length - last * block_tokens
-            if partial_pages == "ceil":
-                count = -(-remaining // page_size)
-            else:
-                count = remaining // page_size
-            pages.extend(hexes[:count])
+            ceil = partial_pages == "ceil"
+            pages.extend(hexes[: -(-remaining // page_size) if ceil else remaining // page_size])
         else:
             pages.extend(hexes)
         if not ends or ends[-1] != len(pages):

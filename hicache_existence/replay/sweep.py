@@ -199,7 +199,6 @@ def sweep(
         references=trace.references,
         curves=curves,
         bytes_per_entry=bytes_per_entry(),
-        config=None,
         timings=timings,
     )
     if model == "buffer":
@@ -230,8 +229,7 @@ def _run_model_caps(
             rows.append(run_model(trace, cap, config, report))
             say(f"model: cap {format_cap(cap)} done ({index}/{total})")
         return rows
-    methods = multiprocessing.get_all_start_methods()
-    forked = "fork" in methods
+    forked = "fork" in multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if forked else "spawn")
     # Largest caps first: they take longest, so the tail of the run stays parallel.
     order = sorted(caps, reverse=True)
