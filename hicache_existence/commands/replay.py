@@ -72,13 +72,8 @@ def _listed(
 def _counts(text: str) -> tuple[int, ...]:
     from hicache_existence.replay.fleet import MAX_INSTANCES
 
-    return _listed(
-        text,
-        int,
-        "an instance count",
-        f"instance counts must be 1..{MAX_INSTANCES}",
-        lambda v: 1 <= v <= MAX_INSTANCES,
-    )
+    bounds = f"instance counts must be 1..{MAX_INSTANCES}"
+    return _listed(text, int, "an instance count", bounds, lambda v: 1 <= v <= MAX_INSTANCES)
 
 
 def _rates(text: str) -> tuple[float, ...]:

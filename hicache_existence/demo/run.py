@@ -1,14 +1,12 @@
 """``hicache-existence demo``: a simulated prefill server, end to end.
 
-The parent process plays SGLang's HTTP server: it puts prometheus_client in
-multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, as ``--enable-metrics`` does),
-serves the aggregated ``/metrics``, starts one scheduler process per TP rank and
-prints a live progress line read from the same metrics a scrape sees.  Each
-rank joins a ``torch.distributed`` gloo group (when torch is installed and more
-than one rank is asked for), builds an ``ExistenceRuntime`` and replays the trace
-through ``SimulatedScheduler``: the divergence checker compares the replicas over
-gloo, the reconciler agrees its verdicts over gloo and checks beliefs against an
-embedded L3 ground truth (or a Redis ledger with ``--redis-url``).
+The parent plays SGLang's HTTP server: prometheus_client in multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``, as ``--enable-metrics`` sets), the aggregated
+``/metrics``, one scheduler process per TP rank and a live progress line.  Each
+rank joins a gloo group (torch installed, more than one rank), builds an
+``ExistenceRuntime`` and replays the trace through ``SimulatedScheduler``: the
+divergence checker compares replicas and the reconciler agrees its verdicts over
+gloo, checking beliefs against the embedded L3 (or a Redis ledger, ``--redis-url``).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,11 +155,6 @@ def _free_port() -> int:
 # one rank
 
 
-def _batches(requests: Sequence[Any], per_step: int) -> Iterator[list[Any]]:
-    for index in itertools.count(0, per_step):
-        yield [requests[(index + i) % len(requests)] for i in range(per_step)]
-
-
 def rank_main(
     rank: int,
     world: int,
@@ -256,11 +249,11 @@ def _rank_loop(
     steps = opts.steps or math.ceil(len(requests) / opts.requests_per_step)
     period = 1.0 / opts.steps_per_s if opts.steps_per_s > 0 else 0.0
     started = time.monotonic()
-    batches = _batches(requests, opts.requests_per_step)
+    cycled = itertools.cycle(requests)
     step = 0
     # _stop_agreed: SIGINT / SIGTERM to the parent.
     while (opts.keep_running or step < steps) and not _stop_agreed(stop, world, step):
-        scheduler.step(next(batches))
+        scheduler.step(list(itertools.islice(cycled, opts.requests_per_step)))
         step += 1
         if rank == 0 and step % 10 == 0:
             reports.put({"rank": 0, "progress": _progress(scheduler, step, steps, opts)})
@@ -275,8 +268,6 @@ def _rank_loop(
     runtime.close()
     reports.put({"rank": rank, "done": True, "summary": summary})
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
         dist.destroy_process_group()
 

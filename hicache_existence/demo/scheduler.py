@@ -1,19 +1,17 @@
 """A simulated HiCache buffer-mode prefill scheduler, one TP rank.
 
 It drives an ``ExistenceRuntime`` through the replay's write-path model
-(``replay.model`` over ``replay.l3``: the one simulator of the write path and
-L3), so the demo's cache sees the calls SGLang's buffer-mode write path makes:
-prefetch hit queries that heal beliefs, write-through admission through
+(``replay.model`` over ``replay.l3``), so the cache sees the calls SGLang's
+buffer-mode write path makes: healing prefetch hit queries, admission through
 ``covered``, ``track_inflight`` at the launch and ``add`` + ``untrack_inflight``
-at the storage ack (the next step), beside a trailing-window pool (``swa``: the
-last page of each node, healed as such) that is cleared every
-``clear_swa_every`` steps; the runtime's ``WriteAccounting`` hears every write,
-and ``runtime.step()`` runs once per step, where the SGLang plugin's hook runs.
+at the ack (the next step), beside a trailing-window pool (``swa``: each node's
+last page) cleared every ``clear_swa_every`` steps.  The runtime's
+``WriteAccounting`` hears every write; ``runtime.step()`` runs once per step,
+where the SGLang plugin's hook runs.
 
-L3 is a per-rank shard with a capacity and LRU eviction, so beliefs go stale the
-way they do in production and the reconciler (reading the same shard as its
-ground truth) has something to find.  Every rank runs the same deterministic
-stream, which keeps replicas identical.
+L3 is a per-rank LRU shard, so beliefs go stale as in production and the
+reconciler (reading the shard as its ground truth) has something to find.  Every
+rank runs the same deterministic stream, which keeps replicas identical.
 """
 
 from __future__ import annotations

@@ -1,27 +1,24 @@
 """Fleet replay: N prefill instances behind a router, sharing one L3 and a ledger.
 
-Each instance is the single-instance write-path model (``replay.model``): its own
-``StorageExistenceCache`` at the cap, its own device prefix cache and its own
-pending writes; the L3 store (and the set of pages being written) is one for the
-fleet, so a page one instance wrote is redundant when another writes it again.
-A router sends each request of the trace to one instance:
+Each instance is the write-path model (``replay.model``) with its own cache at
+the cap, device prefix cache and pending writes; L3 (and the pages being written)
+is one for the fleet, so a page one instance wrote is redundant when another
+writes it again.  A router sends each request to one instance:
 
 * ``round-robin``: request ``i`` goes to instance ``i mod N``;
-* ``prefix-affinity``: the request's first ``affinity_pages`` pages (a Mooncake
-  block at 64 tokens per page) pick the instance, so requests sharing that
-  prefix meet on one instance, as a cache-aware router aims for.
+* ``prefix-affinity``: the first ``affinity_pages`` pages (a Mooncake block at 64
+  tokens per page) pick it, so requests sharing that prefix meet, as a
+  cache-aware router aims for.
 
-Optional **ledger learning** models the reconciler (docs/reconciler.md): every
-instance records the pages it writes into the shared ledger, and a sampled
-fraction ``learn_rate`` of its cache lookups (picked with the reconciler's gap
-sequence, through the cache's real observer interface) is verified against the
-ledger at the instance's next step; the verdict invalidates believed pages the
-ledger lacks and adds the leading pages it holds (``pages_learnt``: mostly
-pages other instances wrote).  As in the reconciler, an invalidation is
-withheld (``verdicts_withheld``) when the first page the ledger lacks is being
-written by the instance (in flight): the ledger learns it when the write lands.
-The ledger here is exact (it holds what L3 holds); errors, budgets and latency
-of the real one are not modelled.
+Optional **ledger learning** models the reconciler (docs/reconciler.md): each
+instance records its writes in the shared ledger, and a fraction ``learn_rate``
+of its lookups (picked with the reconciler's gap sequence, through the cache's
+real observer interface) is verified at its next step; the verdict invalidates
+believed pages the ledger lacks and adds leading ones it holds (``pages_learnt``:
+mostly other instances' writes).  As in the reconciler, an invalidation is
+withheld (``verdicts_withheld``) when the first page the ledger lacks is in
+flight on the instance.  The ledger is exact (it holds what L3 holds); the real
+one's errors, budgets and latency are not modelled.
 """
 
 from __future__ import annotations

@@ -1,31 +1,27 @@
 """A model of HiCache buffer mode's write path, driving the real cache classes.
 
-What it models (sglang 0.5.23, ``--hicache-host-memory-mode buffer_only``; see
-docs/replay.md for the sources and every assumption):
+What it models (sglang 0.5.23, ``--hicache-host-memory-mode buffer_only``;
+docs/replay.md has the sources and every assumption):
 
-* **device prefix cache**: a page LRU of ``device_pages`` with prefix matching;
-  ancestors are touched after their descendants, so it evicts leaves first like
-  the radix tree;
-* **prefetch hit query**: the part of the prompt the device misses, when at least
-  ``prefetch_threshold_tokens`` long, is looked up in L3 (the count of leading
-  pages present, ``batch_exists``); the agreed count heals the beliefs through the
-  real ``ChainPagesPolicy`` (``invalidate_beyond`` past it, ``add`` up to it);
-  the hits are loaded to the device;
-* **write-through admission**: the insert walk presents every node of the
-  request's path (buffer mode never marks a node backed up), oldest ancestor
-  first; a node whose pages are all ``covered()`` (believed or in flight) is not
-  written, else it needs a covered parent (root, a pending write of the parent,
-  or ``contains(parent's last page)``) and the whole node is written:
-  ``track_inflight`` at the launch, ``add`` + ``untrack_inflight`` at the storage
-  ack ``ack_latency_ms`` later (drained before the next request at or after it);
-* **L3 store** (``replay.l3``, the demo's too): keeps every page written, or the
-  ``l3_pages`` most recently written or read (LRU) when bounded, which is what
-  makes beliefs stale.
+* **device prefix cache**: a page LRU of ``device_pages`` with prefix matching,
+  ancestors touched after descendants, so leaves go first as in the radix tree;
+* **prefetch hit query**: a device miss of at least ``prefetch_threshold_tokens``
+  is looked up in L3 (leading pages present, ``batch_exists``); the count heals
+  the beliefs through the real ``ChainPagesPolicy`` (``invalidate_beyond`` past
+  it, ``add`` up to it) and the hits load to the device;
+* **write-through admission**: the insert walk presents every node of the path
+  (buffer mode never marks one backed up), oldest first; a node all ``covered()``
+  (believed or in flight) is not written, else, with a covered parent (root, a
+  pending write of it, or ``contains(its last page)``), all of it is:
+  ``track_inflight`` at the launch, ``add`` + ``untrack_inflight`` at the ack
+  ``ack_latency_ms`` later (landed before the next request at or after it);
+* **L3 store** (``replay.l3``): every page written, or the ``l3_pages`` most
+  recently written or read (LRU) when bounded, which makes beliefs stale.
 
-The cache under test is ``StorageExistenceCache`` itself (one per run, cap per
-pool), so its LRU, eviction, in-flight refcounts, healing and counters are the
-shipped code's.  Mooncake nodes are trace blocks (a radix node is a run of them,
-so redundant writes from partially covered nodes are a lower bound here).
+The cache is ``StorageExistenceCache`` itself (cap per pool), so LRU, eviction,
+in-flight refcounts, healing and counters are the shipped code's.  Mooncake nodes
+are trace blocks (a radix node is a run of them, so redundant writes from
+partially covered nodes are a lower bound here).
 """
 
 from __future__ import annotations

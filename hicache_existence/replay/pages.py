@@ -1,29 +1,22 @@
 """Expand a trace into SGLang-shaped page-hash chains.
 
-SGLang keys an L3 page by a 64-hex SHA-256 chained from its parent page, so a
-request's pages form a chain and two requests share exactly the pages of their
-common prefix.  Mooncake ids name 512-token blocks with the same prefix
-semantics; a block is split into ``block_tokens / page_size`` pages whose hashes
-are chained the same way::
+SGLang keys an L3 page by a 64-hex SHA-256 chained from its parent page, so two
+requests share exactly the pages of their common prefix.  A Mooncake block (same
+prefix semantics) is split into ``block_tokens / page_size`` pages chained alike::
 
     digest(page) = sha256(digest(parent) || block id (8 bytes LE) || index in block (4 bytes LE))
 
-starting from a fixed root digest; the page hash is the digest in lowercase hex.
-Equal block ids under the same parent therefore give equal pages, and the same id
-under a different parent (which a consistent trace never has) gives different
-ones, as a real chain would.
+from a fixed root digest; the page hash is the digest in lowercase hex.  Equal
+ids under the same parent give equal pages; under another parent (which a
+consistent trace never has), different ones, as a real chain would.
 
-The last block of a request is usually partial (``input_length`` is not a
-multiple of 512): it contributes ``ceil(remaining tokens / page_size)`` pages by
-default (a partial page is keyed like the full page at that position, which the
-trace's "equal id = equal content" rule makes consistent), or
-``floor(...)`` with ``partial_pages="floor"``, which matches SGLang storing only
-full pages.  Tokens beyond ``len(hash_ids) * block_tokens`` cannot occur: the
-reader rejects such requests.
+A request's partial last block gives ``ceil(remaining tokens / page_size)`` pages
+by default (a partial page keyed like the full page there, consistent under the
+trace's "equal id = equal content" rule), or ``floor(...)`` with
+``partial_pages="floor"``, as SGLang stores only full pages.
 
-Page traces already carry their page hashes; they are only interned (equal
-strings become one object, as in SGLang where the radix tree shares them) and cut
-into model nodes of ``node_pages`` pages.
+Page traces carry their hashes; they are only interned (one object per string, as
+the radix tree shares them) and cut into model nodes of ``node_pages`` pages.
 """
 
 from __future__ import annotations

@@ -1,28 +1,24 @@
 """Read and validate request traces, failing with the offending line number.
 
-Two formats, both JSON Lines (one object per line, blank lines ignored):
+JSON Lines (blank lines ignored), in three shapes:
 
 * **Mooncake** (the FAST'25 release): ``timestamp`` (ms), ``input_length`` and
   ``output_length`` (tokens) and ``hash_ids``, one id per ``block_tokens``-token
-  block (512 in Mooncake), equal ids meaning an equal prefix up to and including
-  that block.  The last block may be partial, so a request must satisfy
+  block (512 in Mooncake), equal ids meaning an equal prefix through that block.
+  The last block may be partial:
   ``(len(hash_ids) - 1) * block_tokens < input_length <= len(hash_ids) * block_tokens``.
-* **pages** (this project's): a header line
-  ``{"format": "hicache-existence-trace", "version": 1}`` (optional ``page_size``),
-  then one request per line: ``timestamp`` (ms), ``pages`` (the request's page
-  hashes in chain order, as SGLang computes them) and an optional ``pool``
-  (default ``kv``).
-* **pages, version 2** (what the recorder writes from a live server,
-  ``hicache_existence.accounting.recorder``): the header adds ``sample_rate``,
-  ``instance`` and ``started_unix``; each line is an event with a ``kind``
-  (lookup, add, invalidate, clear, write, prefetch, request).  Requests are the
-  chains of the lookups each request's insert walk made.  Files may be gzip
-  compressed; a directory reads every recorder file in it.
+* **pages** (this project's): a header ``{"format": "hicache-existence-trace",
+  "version": 1}`` (optional ``page_size``), then per line ``timestamp`` (ms),
+  ``pages`` (page hashes in chain order, as SGLang computes them) and an optional
+  ``pool`` (default ``kv``).
+* **pages, version 2** (``accounting.recorder``, from a live server): the header
+  adds ``sample_rate``, ``instance`` and ``started_unix``; each line is an event
+  with a ``kind``.  Requests are the chains their insert walks looked up.  Files
+  may be gzip compressed; a directory reads every recorder file in it.
 
 Every value is checked (types, signs, ranges, non-decreasing timestamps) and the
-whole file is read before anything is returned, so a caller that validates first
-never writes partial output for a bad trace.  Unknown extra fields are ignored,
-so traces with more columns still load.
+whole file is read before anything is returned, so a caller never writes partial
+output for a bad trace.  Unknown extra fields are ignored.
 """
 
 from __future__ import annotations
@@ -39,10 +35,8 @@ from hicache_existence.accounting import recorder as _recorder
 
 TraceFormat = Literal["mooncake", "pages"]
 
-#: The header tag of the project's own format.
 FORMAT_TAG = _recorder.FORMAT_TAG
 #: Version 1: one request per line.  Version 2: the recorder's events.
-FORMAT_VERSION = 1
 FORMAT_VERSIONS = (1, _recorder.VERSION)
 #: Mooncake's block size in tokens.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -271,8 +265,7 @@ def _mooncake(f: _Fields, block_tokens: int) -> Request:
     timestamp = f.timestamp()
     input_length = f.integer("input_length", MAX_TOKENS)
     output_length = f.integer("output_length", MAX_TOKENS)
-    raw_ids = f.array("hash_ids")
-    ids = tuple(raw_ids)
+    ids = tuple(f.array("hash_ids"))
     for index, block in enumerate(ids):
         if isinstance(block, bool) or not isinstance(block, int):
             raise f.fail(f"hash_ids[{index}] must be an integer, got {_show(block)}")
@@ -291,8 +284,7 @@ def _mooncake(f: _Fields, block_tokens: int) -> Request:
 
 
 def _pages(f: _Fields) -> Request:
-    timestamp = f.timestamp()
-    pages = _page_list(f)
+    timestamp, pages = f.timestamp(), _page_list(f)
     return Request(f.line, timestamp, _pool(f), 0, 0, (), pages)
 
 
@@ -307,7 +299,7 @@ class _Header:
     pid: int = 0
 
 
-def _header(f: _Fields, source: str) -> _Header:
+def _header(f: _Fields) -> _Header:
     if f.obj.get("format") != FORMAT_TAG:
         raise f.fail(f"header 'format' must be {FORMAT_TAG!r}, got {_show(f.obj.get('format'))}")
     version = f.obj.get("version")
@@ -449,7 +441,7 @@ def _parse(
                 )
             if is_header:
                 detected = "pages"
-                header = _header(f, source)
+                header = _header(f)
                 continue
             detected = "mooncake"
         elif "format" in obj and "timestamp" not in obj:
