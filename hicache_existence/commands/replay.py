@@ -12,6 +12,7 @@ no output files.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -317,17 +318,12 @@ def _run_fleet(
     cap = args.instance_cap or DEFAULT_CURRENT_CAP
     routers = ROUTERS if args.router == "both" else (args.router,)
     results = []
-    for router in routers:
-        for rate in args.learn_rate:
-            for n in args.fleet:
-                fleet = FleetConfig(
-                    instances=n,
-                    router=router,
-                    learn_rate=rate,
-                    affinity_pages=args.affinity_pages,
-                )
-                progress(f"fleet: {n} x cap {cap}, {router}, learn rate {rate:g}")
-                results.append(run_fleet(pages, cap, config, fleet))
+    for router, rate, n in itertools.product(routers, args.learn_rate, args.fleet):
+        fleet = FleetConfig(
+            instances=n, router=router, learn_rate=rate, affinity_pages=args.affinity_pages
+        )
+        progress(f"fleet: {n} x cap {cap}, {router}, learn rate {rate:g}")
+        results.append(run_fleet(pages, cap, config, fleet))
     print(report.format_fleet_table(results, config))
     return _written(json_path, lambda: report.write_fleet_json(results, config, json_path))
 
@@ -369,11 +365,10 @@ def _run_recorded(
         args.instance_cap = scaled(args.instance_cap or DEFAULT_CURRENT_CAP, rate)
         return _run_fleet(args, pages, config, json_path, progress)
     elif args.model == "buffer":
-        scaled_caps = tuple(sorted({scaled(c, rate) for c in caps}))
         current = scaled(args.current_cap or DEFAULT_CURRENT_CAP, rate)
         result = sweep(
             pages,
-            tuple(sorted({*scaled_caps, current})),
+            [*(scaled(c, rate) for c in caps), current],
             model="buffer",
             config=config,
             current_cap=current,

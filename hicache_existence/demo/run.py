@@ -382,11 +382,10 @@ class MetricsEndpoint:
         from prometheus_client import CollectorRegistry, start_http_server
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        self.registry = CollectorRegistry()
-        MultiProcessCollector(self.registry, path=directory)  # type: ignore[no-untyped-call]
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        address = self._httpd.server_address
-        self.port = int(address[1])
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        self._httpd, _ = start_http_server(port, addr=host, registry=registry)
+        self.port = int(self._httpd.server_address[1])
         self.url = f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
@@ -466,17 +465,17 @@ def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
         "lookups, the buffer-mode curve):"
     ]
     for pool, estimates in sorted(advice.items()):
-        known = [(float(m), v) for m, v in estimates.items() if v is not None]
+        known = {float(m): v for m, v in estimates.items() if v is not None}
         if not known:
             continue
-        cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known))
+        cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known.items()))
         lines.append(f"    {pool}: {cells}")
-        enough = recommended_multiple(dict(known))
-        here = dict(known).get(1.0)
+        enough = recommended_multiple(known)
+        here = known.get(1.0)
         if here is not None and enough is not None and enough > 1.0:
             lines.append(
                 f"      -> a cap of about {int(cap * enough)} ({enough:g}x) would raise it from "
-                f"{here:.3f} to {dict(known)[enough]:.3f}"
+                f"{here:.3f} to {known[enough]:.3f}"
             )
         elif here is not None:
             lines.append("      -> the current cap captures the reuse this workload has")

@@ -178,7 +178,6 @@ class _Instance:
             _Learner(fleet.learn_rate, fleet.pages_per_query) if fleet.learn_rate else None
         )
         self.cache = StorageExistenceCache(cap, observer=self.learner)
-        self.target = self.cache
         self.config = config
         self.page_size = page_size
         self.l3 = l3
@@ -216,7 +215,7 @@ class _Instance:
             share.verifications += 1
             refs = self.cache.pool(pool).inflight_refs()
             outcome = apply_verdict(
-                self.target,
+                self.cache,
                 pool,
                 chain,
                 leading,

@@ -340,17 +340,17 @@ def _pool(f: _Fields) -> str:
     return pool
 
 
-def _event(f: _Fields, instance: int, offset_ms: float) -> Event:
-    timestamp = f.timestamp() + offset_ms
+def _event(f: _Fields) -> Event:
+    timestamp = f.timestamp()
     kind = f.require("kind")
     if kind not in _recorder.KINDS:
         raise f.fail(f"field 'kind' must be one of {', '.join(_recorder.KINDS)}, got {_show(kind)}")
     if kind == _recorder.REQUEST:
         number = f.integer("request", MAX_BLOCK_ID)
-        return Event(f.line, timestamp, kind, "", (), request=number, instance=instance)
+        return Event(f.line, timestamp, kind, "", (), request=number)
     pool = _pool(f)
     if kind == _recorder.CLEAR:
-        return Event(f.line, timestamp, kind, pool, (), instance=instance)
+        return Event(f.line, timestamp, kind, pool, ())
     pages = _page_list(f)
     walked = hit = request = 0
     miss = False
@@ -364,7 +364,7 @@ def _event(f: _Fields, instance: int, offset_ms: float) -> Event:
         request = f.integer("request", MAX_BLOCK_ID, default=0)
     elif kind == _recorder.PREFETCH:
         hit = f.integer("hit", len(pages))
-    return Event(f.line, timestamp, kind, pool, pages, walked, miss, request, hit, instance)
+    return Event(f.line, timestamp, kind, pool, pages, walked, miss, request, hit)
 
 
 def _page_list(f: _Fields) -> tuple[str, ...]:
@@ -447,7 +447,7 @@ def _parse(
         elif "format" in obj and "timestamp" not in obj:
             raise f.fail("a header line is only allowed as the first line")
         if header is not None and header.version >= 2:
-            event = _event(f, 0, 0.0)
+            event = _event(f)
             stamp = event.timestamp_ms
             events.append(event)
         else:
