@@ -307,26 +307,23 @@ def _checks(runtime: Any) -> tuple[Any, Any]:
     return checker, runtime.reconciler.snapshot() if runtime.reconciler is not None else None
 
 
-def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> dict[str, Any]:
-    runtime = scheduler.runtime
-    total = runtime.cache.stats().total
-    checker, rec = _checks(runtime)
+def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> str:
+    """The live progress line (rank 0 sends it, the parent prints it)."""
+    total = scheduler.runtime.cache.stats().total
+    checker, rec = _checks(scheduler.runtime)
     t = scheduler.totals
-    return {
-        "step": step,
-        "steps": 0 if opts.keep_running else steps,
-        "requests": t.requests,
-        "hit_ratio": total.page_hit_ratio,
-        "evictions": total.evictions,
-        "written": t.writes_issued,
-        "avoided": t.writes_avoided,
-        "redundant": t.redundant_writes,
-        "checks": checker.checks if checker else 0,
-        "divergences": checker.divergences if checker else 0,
-        "stale": sum(rec.stale_positives.values()) if rec else 0,
-        "breaker": _BREAKER_STATES[rec.circuit_state] if rec else "",
-        "truth_errors": sum(rec.errors.values()) if rec else 0,
-    }
+    line = (
+        f"step {step}{'' if opts.keep_running else f'/{steps}'}  requests {t.requests}  "
+        f"page hit ratio {total.page_hit_ratio:.3f}  evictions {total.evictions}  "
+        f"written {t.writes_issued}  avoided {t.writes_avoided}  "
+        f"redundant {t.redundant_writes}  checks {checker.checks if checker else 0} "
+        f"(divergences {checker.divergences if checker else 0})  "
+        f"stale positives found {sum(rec.stale_positives.values()) if rec else 0}"
+    )
+    errors = sum(rec.errors.values()) if rec else 0
+    if rec and (rec.circuit_state or errors):
+        line += f"  ground truth: breaker {_BREAKER_STATES[rec.circuit_state]}, {errors} errors"
+    return line
 
 
 #: The reconciler's circuit states (``reconcile.breaker``), as printed.
@@ -391,21 +388,6 @@ class MetricsEndpoint:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
-
-
-def _line(p: dict[str, Any]) -> str:
-    of = f"/{p['steps']}" if p["steps"] else ""
-    return (
-        f"step {p['step']}{of}  requests {p['requests']}  page hit ratio {p['hit_ratio']:.3f}  "
-        f"evictions {p['evictions']}  written {p['written']}  avoided {p['avoided']}  "
-        f"redundant {p['redundant']}  checks {p['checks']} (divergences {p['divergences']})  "
-        f"stale positives found {p['stale']}"
-        + (
-            f"  ground truth: breaker {p['breaker']}, {p['truth_errors']} errors"
-            if p.get("breaker") and (p["breaker"] != "closed" or p["truth_errors"])
-            else ""
-        )
-    )
 
 
 def format_summary(summary: dict[str, Any], ranks: int) -> str:
@@ -619,10 +601,10 @@ def _follow(
         if "progress" in msg and opts.progress and not received:
             now = time.monotonic()
             if tty:
-                sys.stderr.write("\r" + _line(msg["progress"])[:200])
+                sys.stderr.write("\r" + msg["progress"][:200])
                 sys.stderr.flush()
             elif now - last_print >= 2.0:
-                out(_line(msg["progress"]))
+                out(msg["progress"])
                 last_print = now
         if msg.get("done"):
             done += 1

@@ -151,17 +151,10 @@ class _Learner:
         if sampler.countdown <= 0 and (n := sampler.picked(len(hashes))):
             self.picked.offer(pool, hashes, n)
 
-    def added(self, pool: str, hashes: Sequence[str]) -> None:
-        """Nothing to do."""
+    def _ignored(self, *args: object) -> None:
+        """The other observer calls: nothing to do."""
 
-    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
-        """Nothing to do."""
-
-    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
-        """Nothing to do."""
-
-    def cleared(self, pool: str, inflight_only: bool) -> None:
-        """Nothing to do."""
+    added = invalidated = inflight = cleared = _ignored
 
 
 class _Instance:

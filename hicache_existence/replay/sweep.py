@@ -133,8 +133,7 @@ def _init_worker(trace: PageTrace | None, config: ModelConfig | None, queue: Any
 def _run_cap(cap: int) -> ModelResult:
     assert _SHARED is not None, "worker started without a trace"
     trace, config = _SHARED
-    queue = _PROGRESS
-    tick = throttled(queue.put if queue is not None else (lambda _msg: None), 2.0)
+    tick = throttled(_PROGRESS.put, 2.0)
 
     def report(done: int, total: int) -> None:
         tick(f"model: cap {format_cap(cap)}: {done}/{total} requests")

@@ -238,7 +238,7 @@ class _Fields:
 
     def timestamp(self) -> float:
         value = self.require("timestamp")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not _is_number(value):
             raise self.fail(f"field 'timestamp' must be a number (ms), got {_show(value)}")
         number = float(value)
         if not math.isfinite(number) or number < 0:
@@ -252,6 +252,10 @@ class _Fields:
         if not isinstance(value, list):
             raise self.fail(f"field {name!r} must be an array, got {_show(value)}")
         return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _show(value: Any) -> str:
@@ -308,29 +312,21 @@ def _header(f: _Fields) -> _Header:
             f"unsupported trace version {_show(version)}; expected one of "
             f"{', '.join(map(str, FORMAT_VERSIONS))}"
         )
-    page_size = (f.integer("page_size", MAX_TOKENS) or None) if "page_size" in f.obj else None
-    header = _Header(int(version), page_size)
+    page_size = f.integer("page_size", MAX_TOKENS, default=0) or None
     if version == 1:
-        return header
+        return _Header(1, page_size)
     rate = f.require("sample_rate")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+    if not _is_number(rate) or not 0 < rate <= 1:
         raise f.fail(f"header 'sample_rate' must be a number within (0, 1], got {_show(rate)}")
-    header.sample_rate = float(rate)
     instance = f.obj.get("instance", "")
     if not isinstance(instance, str) or len(instance) > 256:
         raise f.fail("header 'instance' must be a string of <= 256 characters")
-    header.instance = instance
     started = f.obj.get("started_unix", 0.0)
-    if (
-        isinstance(started, bool)
-        or not isinstance(started, (int, float))
-        or not (0 <= started < MAX_TIMESTAMP_MS / 1000)
-    ):
+    if not _is_number(started) or not 0 <= started < MAX_TIMESTAMP_MS / 1000:
         raise f.fail(f"header 'started_unix' must be a time in seconds, got {_show(started)}")
-    header.started_unix = float(started)
-    header.part = f.integer("part", MAX_TOKENS, default=0)
-    header.pid = f.integer("pid", MAX_TOKENS, default=0)
-    return header
+    part = f.integer("part", MAX_TOKENS, default=0)
+    pid = f.integer("pid", MAX_TOKENS, default=0)
+    return _Header(int(version), page_size, float(rate), instance, float(started), part, pid)
 
 
 def _pool(f: _Fields) -> str:
