@@ -115,19 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--caps",
         type=_caps,
-        default=None,
         help="caps to report, e.g. 16K..2M (doubling, the default) or 64K,512K,1M",
     )
     parser.add_argument(
         "--current-cap",
         type=_cap,
-        default=None,
         help="the cap marked as current (default 512K, upstream's)",
     )
     parser.add_argument(
         "--page-size",
         type=_count(1),
-        default=None,
         help="tokens per page (default: a page trace's declared size, else 64)",
     )
     parser.add_argument(
@@ -179,15 +176,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path("replay-out"),
         help="directory for replay.json and replay.png (default ./replay-out)",
     )
-    parser.add_argument(
-        "--json", type=Path, default=None, help="JSON path (default OUT/replay.json)"
-    )
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/replay.png)")
+    parser.add_argument("--json", type=Path, help="JSON path (default OUT/replay.json)")
+    parser.add_argument("--plot", type=Path, help="PNG path (default OUT/replay.png)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     parser.add_argument(
         "--jobs",
         type=_count(1),
-        default=None,
         help="processes for the model runs (default: the usable CPUs)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -197,7 +191,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--fleet",
         type=_counts,
-        default=None,
         metavar="N[,N...]",
         help="replay as fleets of these instance counts (e.g. 1,2,4,8,16,32,64) instead "
         "of a cap sweep",
@@ -219,7 +212,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--instance-cap",
         type=_cap,
-        default=None,
         help="existence-cache cap of every instance (default 512K)",
     )
     fleet.add_argument(

@@ -525,20 +525,15 @@ def _requests_of(events: list[Event]) -> tuple[Request, ...]:
     lookups its insert walk made, in order, each page once; ordered by time over
     all instances."""
     chains: dict[tuple[int, int, int], dict[str, dict[str, None]]] = {}
-    out: list[tuple[float, int, Request]] = []
+    out: list[Request] = []
     for e in events:
         if e.kind == _recorder.LOOKUP and e.request:
             pools = chains.setdefault((e.instance, e.run, e.request), {})
             pools.setdefault(e.pool, {}).update(dict.fromkeys(e.pages))
         elif e.kind == _recorder.REQUEST:
             pools = chains.pop((e.instance, e.run, e.request), {}) or {"kv": {}}
-            for pool, pages in pools.items():
-                out.append(
-                    (
-                        e.timestamp_ms,
-                        len(out),
-                        Request(e.line, e.timestamp_ms, pool, 0, 0, (), tuple(pages), e.instance),
-                    )
-                )
-    out.sort(key=lambda item: (item[0], item[1]))
-    return tuple(r for _, _, r in out)
+            out.extend(
+                Request(e.line, e.timestamp_ms, pool, 0, 0, (), tuple(pages), e.instance)
+                for pool, pages in pools.items()
+            )
+    return tuple(sorted(out, key=lambda r: r.timestamp_ms))  # stable: ties keep their order
