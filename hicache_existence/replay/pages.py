@@ -73,10 +73,6 @@ class PageTrace:
         """Page references over all requests."""
         return sum(len(r.pages) for r in self.requests)
 
-    def pools(self) -> tuple[str, ...]:
-        """Pools in order of first appearance."""
-        return tuple(dict.fromkeys(r.pool for r in self.requests))
-
 
 def chained(parent: bytes, tag: bytes, count: int) -> tuple[tuple[str, ...], bytes]:
     """The ``count`` chained page hashes of ``tag`` (a block id, 8 bytes LE) under

@@ -375,14 +375,6 @@ def _page_list(f: _Fields) -> tuple[str, ...]:
     return tuple(pages)
 
 
-def trace_files(path: str | Path) -> list[Path]:
-    """The files a trace argument names: the file, or a directory's recorder files."""
-    path = Path(path)
-    if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.name.endswith(_recorder.SUFFIX))
-    return [path]
-
-
 def read_trace(
     path: str | Path,
     fmt: Literal["auto", "mooncake", "pages"] = "auto",
@@ -458,7 +450,7 @@ def _parse(
 
 def _read_recorded_dir(path: Path) -> Trace:
     """Every recorder file of a directory: parts of one process are joined in order."""
-    files = trace_files(path)
+    files = sorted(p for p in path.iterdir() if p.name.endswith(_recorder.SUFFIX))
     if not files:
         raise TraceError(str(path), 0, f"no recorder files (*{_recorder.SUFFIX}) in the directory")
     parts: list[tuple[_Header, list[Event]]] = []
