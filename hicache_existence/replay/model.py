@@ -125,9 +125,7 @@ class _Device:
 
     def match(self, pages: Sequence[str]) -> int:
         """Pages of the longest cached prefix (touched; ``insert`` re-orders them)."""
-        if not self.capacity:
-            return 0
-        return leading(self.pages, pages)
+        return leading(self.pages, pages) if self.capacity else 0
 
     def insert(self, pages: Sequence[str]) -> None:
         if not self.capacity:
