@@ -12,6 +12,7 @@ no output files.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -72,13 +73,8 @@ def _listed(
 def _counts(text: str) -> tuple[int, ...]:
     from hicache_existence.replay.fleet import MAX_INSTANCES
 
-    return _listed(
-        text,
-        int,
-        "an instance count",
-        f"instance counts must be 1..{MAX_INSTANCES}",
-        lambda v: 1 <= v <= MAX_INSTANCES,
-    )
+    bounds = f"instance counts must be 1..{MAX_INSTANCES}"
+    return _listed(text, int, "an instance count", bounds, lambda v: 1 <= v <= MAX_INSTANCES)
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -119,19 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--caps",
         type=_caps,
-        default=None,
         help="caps to report, e.g. 16K..2M (doubling, the default) or 64K,512K,1M",
     )
     parser.add_argument(
         "--current-cap",
         type=_cap,
-        default=None,
         help="the cap marked as current (default 512K, upstream's)",
     )
     parser.add_argument(
         "--page-size",
         type=_count(1),
-        default=None,
         help="tokens per page (default: a page trace's declared size, else 64)",
     )
     parser.add_argument(
@@ -183,15 +176,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path("replay-out"),
         help="directory for replay.json and replay.png (default ./replay-out)",
     )
-    parser.add_argument(
-        "--json", type=Path, default=None, help="JSON path (default OUT/replay.json)"
-    )
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/replay.png)")
+    parser.add_argument("--json", type=Path, help="JSON path (default OUT/replay.json)")
+    parser.add_argument("--plot", type=Path, help="PNG path (default OUT/replay.png)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     parser.add_argument(
         "--jobs",
         type=_count(1),
-        default=None,
         help="processes for the model runs (default: the usable CPUs)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -201,7 +191,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--fleet",
         type=_counts,
-        default=None,
         metavar="N[,N...]",
         help="replay as fleets of these instance counts (e.g. 1,2,4,8,16,32,64) instead "
         "of a cap sweep",
@@ -223,7 +212,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--instance-cap",
         type=_cap,
-        default=None,
         help="existence-cache cap of every instance (default 512K)",
     )
     fleet.add_argument(
@@ -288,19 +276,10 @@ def run(args: argparse.Namespace) -> int:
     )
     result.timings["read_and_expand_s"] = expand_s
     print(report.format_table(result))
-    try:
-        report.write_json(result, json_path)
-        print(f"wrote {json_path}")
-        if plot_path is not None:
-            problem = report.write_plot(result, plot_path)
-            if problem:
-                print(f"note: {problem}", file=sys.stderr)
-            else:
-                print(f"wrote {plot_path}")
-    except OSError as exc:
-        print(f"error: cannot write the report: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    status = _written(json_path, lambda: report.write_json(result, json_path))
+    if status or plot_path is None:
+        return status
+    return _written(plot_path, lambda: report.write_plot(result, plot_path))
 
 
 def _model_config(args: argparse.Namespace, rate: float = 1.0) -> Any:
@@ -331,17 +310,12 @@ def _run_fleet(
     cap = args.instance_cap or DEFAULT_CURRENT_CAP
     routers = ROUTERS if args.router == "both" else (args.router,)
     results = []
-    for router in routers:
-        for rate in args.learn_rate:
-            for n in args.fleet:
-                fleet = FleetConfig(
-                    instances=n,
-                    router=router,
-                    learn_rate=rate,
-                    affinity_pages=args.affinity_pages,
-                )
-                progress(f"fleet: {n} x cap {cap}, {router}, learn rate {rate:g}")
-                results.append(run_fleet(pages, cap, config, fleet))
+    for router, rate, n in itertools.product(routers, args.learn_rate, args.fleet):
+        fleet = FleetConfig(
+            instances=n, router=router, learn_rate=rate, affinity_pages=args.affinity_pages
+        )
+        progress(f"fleet: {n} x cap {cap}, {router}, learn rate {rate:g}")
+        results.append(run_fleet(pages, cap, config, fleet))
     print(report.format_fleet_table(results, config))
     return _written(json_path, lambda: report.write_fleet_json(results, config, json_path))
 
@@ -383,11 +357,10 @@ def _run_recorded(
         args.instance_cap = scaled(args.instance_cap or DEFAULT_CURRENT_CAP, rate)
         return _run_fleet(args, pages, config, json_path, progress)
     elif args.model == "buffer":
-        scaled_caps = tuple(sorted({scaled(c, rate) for c in caps}))
         current = scaled(args.current_cap or DEFAULT_CURRENT_CAP, rate)
         result = sweep(
             pages,
-            tuple(sorted({*scaled_caps, current})),
+            [*(scaled(c, rate) for c in caps), current],
             model="buffer",
             config=config,
             current_cap=current,
@@ -402,14 +375,18 @@ def _run_recorded(
     return _written(json_path, lambda: report.write_document(out, json_path))
 
 
-def _written(path: Path, write: Callable[[], object]) -> int:
-    """Run ``write`` (of ``path``): 0 and a line saying so, or 1 and the error."""
+def _written(path: Path, write: Callable[[], str | None]) -> int:
+    """Run ``write`` (of ``path``): 0 and a line saying so (or the note it returns
+    instead of writing), or 1 and the error."""
     try:
-        write()
+        problem = write()
     except OSError as exc:
         print(f"error: cannot write the report: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {path}")
+    if problem:
+        print(f"note: {problem}", file=sys.stderr)
+    else:
+        print(f"wrote {path}")
     return 0
 
 

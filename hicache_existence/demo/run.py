@@ -1,20 +1,19 @@
 """``hicache-existence demo``: a simulated prefill server, end to end.
 
-The parent process plays SGLang's HTTP server: it puts prometheus_client in
-multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, as ``--enable-metrics`` does),
-serves the aggregated ``/metrics``, starts one scheduler process per TP rank and
-prints a live progress line read from the same metrics a scrape sees.  Each
-rank joins a ``torch.distributed`` gloo group (when torch is installed and more
-than one rank is asked for), builds an ``ExistenceRuntime`` and replays the trace
-through ``SimulatedScheduler``: the divergence checker compares the replicas over
-gloo, the reconciler agrees its verdicts over gloo and checks beliefs against an
-embedded L3 ground truth (or a Redis ledger with ``--redis-url``).
+The parent plays SGLang's HTTP server: prometheus_client in multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``, as ``--enable-metrics`` sets), the aggregated
+``/metrics``, one scheduler process per TP rank and a live progress line.  Each
+rank joins a gloo group (torch installed, more than one rank), builds an
+``ExistenceRuntime`` and replays the trace through ``SimulatedScheduler``: the
+divergence checker compares replicas and the reconciler agrees its verdicts over
+gloo, checking beliefs against the embedded L3 (or a Redis ledger, ``--redis-url``).
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -24,7 +23,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,22 +155,6 @@ def _free_port() -> int:
 # one rank
 
 
-def _requests(opts: DemoOptions) -> Sequence[Any]:
-    from hicache_existence.replay.pages import expand
-    from hicache_existence.replay.trace import read_trace
-
-    trace = read_trace(opts.trace or bundled_trace())
-    return expand(trace).requests
-
-
-def _batches(requests: Sequence[Any], per_step: int) -> Iterator[list[Any]]:
-    index = 0
-    while True:
-        batch = [requests[(index + i) % len(requests)] for i in range(per_step)]
-        index += per_step
-        yield batch
-
-
 def rank_main(
     rank: int,
     world: int,
@@ -219,6 +202,8 @@ def _rank_loop(
 ) -> None:
     from hicache_existence.demo.scheduler import SimulatedScheduler
     from hicache_existence.replay.l3 import L3
+    from hicache_existence.replay.pages import expand
+    from hicache_existence.replay.trace import read_trace
     from hicache_existence.runtime import ExistenceRuntime
 
     group: Any = None
@@ -260,18 +245,15 @@ def _rank_loop(
         config, labels, group=group, truth=truth or shard, agreement=agreement
     ).start()
     scheduler = SimulatedScheduler(runtime, shard, clear_swa_every=100)
-    requests = _requests(opts)
+    requests = expand(read_trace(opts.trace or bundled_trace())).requests
     steps = opts.steps or math.ceil(len(requests) / opts.requests_per_step)
     period = 1.0 / opts.steps_per_s if opts.steps_per_s > 0 else 0.0
     started = time.monotonic()
-    batches = _batches(requests, opts.requests_per_step)
+    cycled = itertools.cycle(requests)
     step = 0
-    while True:
-        if not opts.keep_running and step >= steps:
-            break
-        if _stop_agreed(stop, world, step):  # SIGINT / SIGTERM to the parent
-            break
-        scheduler.step(next(batches))
+    # _stop_agreed: SIGINT / SIGTERM to the parent.
+    while (opts.keep_running or step < steps) and not _stop_agreed(stop, world, step):
+        scheduler.step(list(itertools.islice(cycled, opts.requests_per_step)))
         step += 1
         if rank == 0 and step % 10 == 0:
             reports.put({"rank": 0, "progress": _progress(scheduler, step, steps, opts)})
@@ -286,8 +268,6 @@ def _rank_loop(
     runtime.close()
     reports.put({"rank": rank, "done": True, "summary": summary})
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
         dist.destroy_process_group()
 
@@ -321,27 +301,29 @@ def _stop_agreed(stop: Any, world: int, step: int) -> bool:
     return bool(t.item())
 
 
-def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> dict[str, Any]:
-    runtime = scheduler.runtime
-    total = runtime.cache.stats().total
+def _checks(runtime: Any) -> tuple[Any, Any]:
+    """The divergence checker's stats and the reconciler's snapshot (None: off)."""
     checker = runtime.checker.stats() if runtime.checker is not None else None
-    rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+    return checker, runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+
+
+def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> str:
+    """The live progress line (rank 0 sends it, the parent prints it)."""
+    total = scheduler.runtime.cache.stats().total
+    checker, rec = _checks(scheduler.runtime)
     t = scheduler.totals
-    return {
-        "step": step,
-        "steps": 0 if opts.keep_running else steps,
-        "requests": t.requests,
-        "hit_ratio": total.page_hit_ratio,
-        "evictions": total.evictions,
-        "written": t.writes_issued,
-        "avoided": t.writes_avoided,
-        "redundant": t.redundant_writes,
-        "checks": checker.checks if checker else 0,
-        "divergences": checker.divergences if checker else 0,
-        "stale": sum(rec.stale_positives.values()) if rec else 0,
-        "breaker": _BREAKER_STATES[rec.circuit_state] if rec else "",
-        "truth_errors": sum(rec.errors.values()) if rec else 0,
-    }
+    line = (
+        f"step {step}{'' if opts.keep_running else f'/{steps}'}  requests {t.requests}  "
+        f"page hit ratio {total.page_hit_ratio:.3f}  evictions {total.evictions}  "
+        f"written {t.writes_issued}  avoided {t.writes_avoided}  "
+        f"redundant {t.redundant_writes}  checks {checker.checks if checker else 0} "
+        f"(divergences {checker.divergences if checker else 0})  "
+        f"stale positives found {sum(rec.stale_positives.values()) if rec else 0}"
+    )
+    errors = sum(rec.errors.values()) if rec else 0
+    if rec and (rec.circuit_state or errors):
+        line += f"  ground truth: breaker {_BREAKER_STATES[rec.circuit_state]}, {errors} errors"
+    return line
 
 
 #: The reconciler's circuit states (``reconcile.breaker``), as printed.
@@ -351,27 +333,18 @@ _BREAKER_STATES = ("closed", "open", "half-open")
 def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> dict[str, Any]:
     runtime.cache.settle()  # classify the last step's misses before reporting them
     stats = runtime.cache.stats()
-    advice = runtime._advice() if runtime.advisor is not None else None
-    checker = runtime.checker.stats() if runtime.checker is not None else None
-    rec = runtime.reconciler.snapshot() if runtime.reconciler is not None else None
+    advice = runtime._advice().pools if runtime.advisor is not None else {}
+    checker, rec = _checks(runtime)
     return {
         "steps": steps,
         "totals": scheduler.totals.as_dict(),
         "pools": {name: s.as_dict() for name, s in stats.items()},
         "cap": runtime.config.cache.max_entries,
         # Buffer mode sizes the cap by the lookup curve (prefetch healing re-teaches
-        # beliefs; docs/capacity.md); the reference-stream curve is kept beside it.
+        # beliefs; docs/capacity.md).
         "advice": {
-            pool: {str(m): v for m, v in a.lookup_estimates.items()}
-            for pool, a in advice.pools.items()
-        }
-        if advice
-        else {},
-        "advice_stream": {
-            pool: {str(m): v for m, v in a.estimates.items()} for pool, a in advice.pools.items()
-        }
-        if advice
-        else {},
+            pool: {str(m): v for m, v in a.lookup_estimates.items()} for pool, a in advice.items()
+        },
         "divergence": {
             "checks": checker.checks,
             "divergences": checker.divergences,
@@ -392,7 +365,6 @@ def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> di
         else None,
         "ledger": writer.writer.counts() if writer is not None else None,
         "l3": {"evicted": scheduler.shard.evictions, "dropped": scheduler.shard.dropped},
-        "stats_total": stats.total.as_dict(),
     }
 
 
@@ -407,31 +379,15 @@ class MetricsEndpoint:
         from prometheus_client import CollectorRegistry, start_http_server
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        self.registry = CollectorRegistry()
-        MultiProcessCollector(self.registry, path=directory)  # type: ignore[no-untyped-call]
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        address = self._httpd.server_address
-        self.port = int(address[1])
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        self._httpd, _ = start_http_server(port, addr=host, registry=registry)
+        self.port = int(self._httpd.server_address[1])
         self.url = f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
-
-
-def _line(p: dict[str, Any]) -> str:
-    of = f"/{p['steps']}" if p["steps"] else ""
-    return (
-        f"step {p['step']}{of}  requests {p['requests']}  page hit ratio {p['hit_ratio']:.3f}  "
-        f"evictions {p['evictions']}  written {p['written']}  avoided {p['avoided']}  "
-        f"redundant {p['redundant']}  checks {p['checks']} (divergences {p['divergences']})  "
-        f"stale positives found {p['stale']}"
-        + (
-            f"  ground truth: breaker {p['breaker']}, {p['truth_errors']} errors"
-            if p.get("breaker") and (p["breaker"] != "closed" or p["truth_errors"])
-            else ""
-        )
-    )
 
 
 def format_summary(summary: dict[str, Any], ranks: int) -> str:
@@ -491,17 +447,17 @@ def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
         "lookups, the buffer-mode curve):"
     ]
     for pool, estimates in sorted(advice.items()):
-        known = [(float(m), v) for m, v in estimates.items() if v is not None]
+        known = {float(m): v for m, v in estimates.items() if v is not None}
         if not known:
             continue
-        cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known))
+        cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known.items()))
         lines.append(f"    {pool}: {cells}")
-        enough = recommended_multiple(dict(known))
-        here = dict(known).get(1.0)
+        enough = recommended_multiple(known)
+        here = known.get(1.0)
         if here is not None and enough is not None and enough > 1.0:
             lines.append(
                 f"      -> a cap of about {int(cap * enough)} ({enough:g}x) would raise it from "
-                f"{here:.3f} to {dict(known)[enough]:.3f}"
+                f"{here:.3f} to {known[enough]:.3f}"
             )
         elif here is not None:
             lines.append("      -> the current cap captures the reuse this workload has")
@@ -645,10 +601,10 @@ def _follow(
         if "progress" in msg and opts.progress and not received:
             now = time.monotonic()
             if tty:
-                sys.stderr.write("\r" + _line(msg["progress"])[:200])
+                sys.stderr.write("\r" + msg["progress"][:200])
                 sys.stderr.flush()
             elif now - last_print >= 2.0:
-                out(_line(msg["progress"]))
+                out(msg["progress"])
                 last_print = now
         if msg.get("done"):
             done += 1

@@ -1,19 +1,17 @@
 """A simulated HiCache buffer-mode prefill scheduler, one TP rank.
 
 It drives an ``ExistenceRuntime`` through the replay's write-path model
-(``replay.model`` over ``replay.l3``: the one simulator of the write path and
-L3), so the demo's cache sees the calls SGLang's buffer-mode write path makes:
-prefetch hit queries that heal beliefs, write-through admission through
+(``replay.model`` over ``replay.l3``), so the cache sees the calls SGLang's
+buffer-mode write path makes: healing prefetch hit queries, admission through
 ``covered``, ``track_inflight`` at the launch and ``add`` + ``untrack_inflight``
-at the storage ack (the next step), beside a trailing-window pool (``swa``: the
-last page of each node, healed as such) that is cleared every
-``clear_swa_every`` steps; the runtime's ``WriteAccounting`` hears every write,
-and ``runtime.step()`` runs once per step, where the SGLang plugin's hook runs.
+at the ack (the next step), beside a trailing-window pool (``swa``: each node's
+last page) cleared every ``clear_swa_every`` steps.  The runtime's
+``WriteAccounting`` hears every write; ``runtime.step()`` runs once per step,
+where the SGLang plugin's hook runs.
 
-L3 is a per-rank shard with a capacity and LRU eviction, so beliefs go stale the
-way they do in production and the reconciler (reading the same shard as its
-ground truth) has something to find.  Every rank runs the same deterministic
-stream, which keeps replicas identical.
+L3 is a per-rank LRU shard, so beliefs go stale as in production and the
+reconciler (reading the shard as its ground truth) has something to find.  Every
+rank runs the same deterministic stream, which keeps replicas identical.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from collections.abc import Iterable
 
 from hicache_existence.core.policies import TrailingWindowPolicy
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun
+from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun, land_due
 from hicache_existence.replay.pages import DEFAULT_PAGE_SIZE, PageRequest
 from hicache_existence.runtime import ExistenceRuntime
 
@@ -60,14 +58,13 @@ class SimulatedScheduler:
             prefetch_threshold_tokens=PREFETCH_THRESHOLD_TOKENS,
         )
         cache, writes = runtime.cache, runtime.writes
-        self._kv = PoolRun(cache.pool(KV), config, page_size, shard, KV, writes=writes)
-        window = TrailingWindowPolicy()
-        self._swa = PoolRun(
-            cache.pool(SWA), config, page_size, shard, SWA, policy=window, writes=writes
-        )
         #: The kv pool's figures (the progress line and the summary); swa's apart.
         self.totals = ModelResult(cap=cache.max_entries)
-        self._swa_totals = ModelResult(cap=cache.max_entries)
+        self._kv = PoolRun(cache.pool(KV), config, page_size, shard, KV, self.totals, writes=writes)
+        swa, policy = ModelResult(cap=cache.max_entries), TrailingWindowPolicy()
+        self._swa = PoolRun(
+            cache.pool(SWA), config, page_size, shard, SWA, swa, policy=policy, writes=writes
+        )
         self._acks: deque[Ack] = deque()
         self.steps = 0
 
@@ -76,18 +73,13 @@ class SimulatedScheduler:
         admission in both pools, then the plugin's hook."""
         self.steps = now = self.steps + 1
         acks = self._acks
-        while acks and acks[0][0] <= now:
-            _, run, keys = acks.popleft()
-            run.land(keys, self.totals if run is self._kv else self._swa_totals)
-        totals = self.totals
+        land_due(acks, now)
         for request in requests:
-            totals.requests += 1
-            totals.page_references += len(request.pages)
             ends = request.node_ends
-            self._kv.request(PageRequest(now, KV, request.pages, ends), totals, acks)
+            self._kv.request(PageRequest(now, KV, request.pages, ends), acks)
             window = tuple(request.pages[end - 1] for end in ends)
             swa = PageRequest(now, SWA, window, tuple(range(1, len(window) + 1)))
-            self._swa.request(swa, self._swa_totals, acks)
+            self._swa.request(swa, acks)
         if self.clear_swa_every and now % self.clear_swa_every == 0:
             self.runtime.cache.pool(SWA).clear()
         self.runtime.step()

@@ -1,31 +1,29 @@
 """Fleet replay: N prefill instances behind a router, sharing one L3 and a ledger.
 
-Each instance is the single-instance write-path model (``replay.model``): its own
-``StorageExistenceCache`` at the cap, its own device prefix cache and its own
-pending writes; the L3 store (and the set of pages being written) is one for the
-fleet, so a page one instance wrote is redundant when another writes it again.
-A router sends each request of the trace to one instance:
+Each instance is the write-path model (``replay.model``) with its own cache at
+the cap, device prefix cache and pending writes; L3 (and the pages being written)
+is one for the fleet, so a page one instance wrote is redundant when another
+writes it again.  A router sends each request to one instance:
 
 * ``round-robin``: request ``i`` goes to instance ``i mod N``;
-* ``prefix-affinity``: the request's first ``affinity_pages`` pages (a Mooncake
-  block at 64 tokens per page) pick the instance, so requests sharing that
-  prefix meet on one instance, as a cache-aware router aims for.
+* ``prefix-affinity``: the first ``affinity_pages`` pages (a Mooncake block at 64
+  tokens per page) pick it, so requests sharing that prefix meet, as a
+  cache-aware router aims for.
 
-Optional **ledger learning** models the reconciler (docs/reconciler.md): every
-instance records the pages it writes into the shared ledger, and a sampled
-fraction ``learn_rate`` of its cache lookups (picked with the reconciler's gap
-sequence, through the cache's real observer interface) is verified against the
-ledger at the instance's next step; the verdict invalidates believed pages the
-ledger lacks and adds the leading pages it holds (``pages_learnt``: mostly
-pages other instances wrote).  As in the reconciler, an invalidation is
-withheld (``verdicts_withheld``) when the first page the ledger lacks is being
-written by the instance (in flight): the ledger learns it when the write lands.
-The ledger here is exact (it holds what L3 holds); errors, budgets and latency
-of the real one are not modelled.
+Optional **ledger learning** models the reconciler (docs/reconciler.md): each
+instance records its writes in the shared ledger, and a fraction ``learn_rate``
+of its lookups (picked with the reconciler's gap sequence, through the cache's
+real observer interface) is verified at its next step; the verdict invalidates
+believed pages the ledger lacks and adds leading ones it holds (``pages_learnt``:
+mostly other instances' writes).  As in the reconciler, an invalidation is
+withheld (``verdicts_withheld``) when the first page the ledger lacks is in
+flight on the instance.  The ledger is exact (it holds what L3 holds); the real
+one's errors, budgets and latency are not modelled.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import deque
@@ -37,8 +35,8 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.reconcile.sampling import Candidates, Sampler
 from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun, finish
-from hicache_existence.replay.pages import PageRequest, PageTrace
+from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun, finish, land_due
+from hicache_existence.replay.pages import PageRequest, PageTrace, counted
 
 Router = Literal["round-robin", "prefix-affinity"]
 ROUTERS: tuple[Router, ...] = ("round-robin", "prefix-affinity")
@@ -153,17 +151,10 @@ class _Learner:
         if sampler.countdown <= 0 and (n := sampler.picked(len(hashes))):
             self.picked.offer(pool, hashes, n)
 
-    def added(self, pool: str, hashes: Sequence[str]) -> None:
-        """Nothing to do."""
+    def _ignored(self, *args: object) -> None:
+        """The other observer calls: nothing to do."""
 
-    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
-        """Nothing to do."""
-
-    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
-        """Nothing to do."""
-
-    def cleared(self, pool: str, inflight_only: bool) -> None:
-        """Nothing to do."""
+    added = invalidated = inflight = cleared = _ignored
 
 
 class _Instance:
@@ -180,7 +171,6 @@ class _Instance:
             _Learner(fleet.learn_rate, fleet.pages_per_query) if fleet.learn_rate else None
         )
         self.cache = StorageExistenceCache(cap, observer=self.learner)
-        self.target = self.cache
         self.config = config
         self.page_size = page_size
         self.l3 = l3
@@ -199,6 +189,7 @@ class _Instance:
                 self.page_size,
                 self.l3,
                 pool,
+                self.result,
                 self.writing.setdefault(pool, {}),
             )
         return run
@@ -217,7 +208,7 @@ class _Instance:
             share.verifications += 1
             refs = self.cache.pool(pool).inflight_refs()
             outcome = apply_verdict(
-                self.target,
+                self.cache,
                 pool,
                 chain,
                 leading,
@@ -265,27 +256,21 @@ def run_fleet(
     ]
     owner: dict[int, _Instance] = {}
     acks: deque[Ack] = deque()
-    total = len(trace.requests)
-    step = max(1, total // 20)
     started = time.perf_counter()
     peak = 0
 
-    def land(until: float | None) -> int:
-        """Land the acks due by ``until`` (all when None); returns the largest
-        entry count of an instance that landed something."""
-        landed: dict[int, _Instance] = {}
-        while acks and (until is None or acks[0][0] <= until):
-            _, run, keys = acks.popleft()
+    def land(until: float = math.inf) -> int:
+        """Land the acks due by ``until``; returns the largest entry count of an
+        instance that landed something."""
+        landed = set()
+        for _, run, keys in land_due(acks, until):
             inst = owner[id(run)]
-            before = inst.result.redundant_writes
-            run.land(keys, inst.result)
-            inst.share.redundant_writes += inst.result.redundant_writes - before
             inst.share.ledger_record_calls += -(-len(keys) // inst.batch)
-            landed[id(inst)] = inst
-        return max((len(i.cache) for i in landed.values()), default=0)
+            landed.add(inst)
+        return max((len(i.cache) for i in landed), default=0)
 
     learning = fleet.learn_rate > 0
-    for number, req in enumerate(trace.requests):
+    for number, req in enumerate(counted(trace.requests, progress)):
         # Acks only add; the request's heal may then remove: look before it.
         peak = max(peak, land(req.timestamp_ms))
         if learning:
@@ -296,20 +281,13 @@ def run_fleet(
         inst = instances[route(req, number, fleet)]
         run = inst.run(req.pool)
         owner.setdefault(id(run), inst)
-        r = inst.result
-        before = (r.writes_issued, r.writes_avoided)
-        run.request(req, r, acks)
-        inst.share.requests += 1
-        inst.share.writes_issued += r.writes_issued - before[0]
-        inst.share.writes_avoided += r.writes_avoided - before[1]
-        r.requests += 1
-        r.page_references += len(req.pages)
+        run.request(req, acks)
         peak = max(peak, len(inst.cache))
-        if progress is not None and (number + 1) % step == 0:
-            progress(number + 1, total)
-    peak = max(peak, land(None))
+    peak = max(peak, land())
     for inst in instances:
         inst.verify()
+        for name in _SHARES:
+            setattr(inst.share, name, getattr(inst.result, name))
     fleet_result = _sum(cap, instances, l3, peak)
     fleet_result.elapsed_s = time.perf_counter() - started
     times = [r.timestamp_ms for r in trace.requests]
@@ -324,6 +302,8 @@ def run_fleet(
     )
 
 
+#: The counters of an instance's share that are its ``ModelResult``'s.
+_SHARES = ("requests", "writes_issued", "redundant_writes", "writes_avoided")
 _SUMMED = (
     "requests",
     "page_references",

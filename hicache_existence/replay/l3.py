@@ -1,14 +1,13 @@
 """L3 as every simulator models it: the pages each pool holds, LRU-bounded.
 
-One model for the replay (``replay.model``), fleet mode (``replay.fleet``: one
-L3 shared by the instances) and the demo (``demo.scheduler``: one rank's shard,
-also its reconciler's ground truth: ``leading_present`` and ``present``).  Each
-pool keeps every page written, or, bounded, the ``capacity`` most recently
-written (or read, when a read says so): that is what makes beliefs stale.
-``drop_every`` loses one recently written page in that many writes, as an L3
-node that fails or expires pages early would; a ``ledger`` (``record_stored`` /
-``record_removed``, e.g. the Redis one) is told of every change, as the wrapping
-storage backend would.
+One model for the replay (``replay.model``), fleet mode (one L3 shared by the
+instances) and the demo (one rank's shard, also its reconciler's ground truth:
+``leading_present`` and ``present``).  A pool keeps every page written or, bounded,
+the ``capacity`` most recently written (or read, when a read says so): that is
+what makes beliefs stale.  ``drop_every`` loses one recent page in that many
+writes, as a failing or early-expiring L3 node would; a ``ledger``
+(``record_stored`` / ``record_removed``, e.g. Redis) hears every change, as from
+the wrapping storage backend.
 
 Thread-safe: the demo's reconciler worker reads while its scheduler writes.
 """

@@ -1,24 +1,21 @@
 """The exact belief-only hit-ratio curve of a trace, for every cap, in one pass.
 
-Belief-only mode feeds each request's page chain to ``PoolBeliefs.add`` and
-nothing else.  A page reference is a *hit* when the page is believed as the
-request arrives (or repeats an earlier page of the same request, which ``add``
-counts as a refresh): exactly the cache's ``refreshes``, while misses are its
-``inserts``.  An LRU holds the ``cap`` most recently referenced distinct pages
-(``add`` touches in chain order and evicts at the end of the batch, so within a
-request later pages are more recent), hence a reference hits at cap ``C`` iff its
-*stack distance* -- the number of distinct pages referenced after its previous
-reference and before its request began -- is below ``C`` (Mattson et al., 1970).
-One pass gives the distance of every reference and so the curve for all caps.
+Belief-only mode feeds each request's chain to ``PoolBeliefs.add`` and nothing
+else.  A reference *hits* when the page is believed as the request arrives (or
+repeats a page of the same request): exactly the cache's ``refreshes``; misses
+are its ``inserts``.  The LRU holds the ``cap`` most recent distinct pages
+(``add`` touches in chain order and evicts at the end of the batch), so a
+reference hits at cap ``C`` iff its *stack distance* -- distinct pages referenced
+after its previous reference and before its request began -- is below ``C``
+(Mattson et al., 1970).  One pass gives every distance, so the curve at all caps.
 
-Distances come from a Fenwick tree over reference positions that counts
-superseded ("dead") positions: the distance of a reference whose previous
-position is ``a`` is ``distinct_so_far - (a + 1 - dead[0..a])``.  Chains make this
-cheap: consecutive pages of a request that were last referenced at consecutive
-positions (a reused prefix) form a *run* whose distances are ``d, d-1, ...``, so
-one tree query and one range update serve a whole run, and the per-page work is
-two C-level dict passes.  All distances of a request are taken before any of its
-updates, which is what makes them the batch's "as the request arrives".
+Distances come from a Fenwick tree over positions counting superseded ("dead")
+ones: a reference last seen at ``a`` has distance
+``distinct_so_far - (a + 1 - dead[0..a])``.  Pages of a request last referenced
+at consecutive positions (a reused prefix) form a *run* with distances
+``d, d-1, ...``: one tree query and one range update per run, two C-level dict
+passes per page.  A request's distances are all taken before its updates: the
+batch's "as the request arrives".
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
-from hicache_existence.replay.pages import PageRequest, PageTrace
-
-ProgressFn = Callable[[int, int], None]
+from hicache_existence.replay.pages import PageRequest, PageTrace, counted
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,7 +188,7 @@ class _Pool:
 
 def belief_only_curves(
     requests: PageTrace | Iterable[PageRequest],
-    progress: ProgressFn | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, BeliefCurve]:
     """The exact belief-only curve of every pool (each pool is its own LRU)."""
     reqs = requests.requests if isinstance(requests, PageTrace) else tuple(requests)
@@ -201,10 +196,6 @@ def belief_only_curves(
     for r in reqs:
         sizes[r.pool] = sizes.get(r.pool, 0) + len(r.pages)
     pools = {name: _Pool(name, size) for name, size in sizes.items()}
-    total = len(reqs)
-    step = max(1, total // 20)
-    for number, r in enumerate(reqs, 1):
+    for r in counted(reqs, progress):
         pools[r.pool].request(r.pages)
-        if progress is not None and number % step == 0:
-            progress(number, total)
     return {name: pool.curve() for name, pool in pools.items()}

@@ -1,35 +1,32 @@
 """A model of HiCache buffer mode's write path, driving the real cache classes.
 
-What it models (sglang 0.5.23, ``--hicache-host-memory-mode buffer_only``; see
-docs/replay.md for the sources and every assumption):
+What it models (sglang 0.5.23, ``--hicache-host-memory-mode buffer_only``;
+docs/replay.md has the sources and every assumption):
 
-* **device prefix cache**: a page LRU of ``device_pages`` with prefix matching;
-  ancestors are touched after their descendants, so it evicts leaves first like
-  the radix tree;
-* **prefetch hit query**: the part of the prompt the device misses, when at least
-  ``prefetch_threshold_tokens`` long, is looked up in L3 (the count of leading
-  pages present, ``batch_exists``); the agreed count heals the beliefs through the
-  real ``ChainPagesPolicy`` (``invalidate_beyond`` past it, ``add`` up to it);
-  the hits are loaded to the device;
-* **write-through admission**: the insert walk presents every node of the
-  request's path (buffer mode never marks a node backed up), oldest ancestor
-  first; a node whose pages are all ``covered()`` (believed or in flight) is not
-  written, else it needs a covered parent (root, a pending write of the parent,
-  or ``contains(parent's last page)``) and the whole node is written:
-  ``track_inflight`` at the launch, ``add`` + ``untrack_inflight`` at the storage
-  ack ``ack_latency_ms`` later (drained before the next request at or after it);
-* **L3 store** (``replay.l3``, the demo's too): keeps every page written, or the
-  ``l3_pages`` most recently written or read (LRU) when bounded, which is what
-  makes beliefs stale.
+* **device prefix cache**: a page LRU of ``device_pages`` with prefix matching,
+  ancestors touched after descendants, so leaves go first as in the radix tree;
+* **prefetch hit query**: a device miss of at least ``prefetch_threshold_tokens``
+  is looked up in L3 (leading pages present, ``batch_exists``); the count heals
+  the beliefs through the real ``ChainPagesPolicy`` (``invalidate_beyond`` past
+  it, ``add`` up to it) and the hits load to the device;
+* **write-through admission**: the insert walk presents every node of the path
+  (buffer mode never marks one backed up), oldest first; a node all ``covered()``
+  (believed or in flight) is not written, else, with a covered parent (root, a
+  pending write of it, or ``contains(its last page)``), all of it is:
+  ``track_inflight`` at the launch, ``add`` + ``untrack_inflight`` at the ack
+  ``ack_latency_ms`` later (landed before the next request at or after it);
+* **L3 store** (``replay.l3``): every page written, or the ``l3_pages`` most
+  recently written or read (LRU) when bounded, which makes beliefs stale.
 
-The cache under test is ``StorageExistenceCache`` itself (one per run, cap per
-pool), so its LRU, eviction, in-flight refcounts, healing and counters are the
-shipped code's.  Mooncake nodes are trace blocks (a radix node is a run of them,
-so redundant writes from partially covered nodes are a lower bound here).
+The cache is ``StorageExistenceCache`` itself (cap per pool), so LRU, eviction,
+in-flight refcounts, healing and counters are the shipped code's.  Mooncake nodes
+are trace blocks (a radix node is a run of them, so redundant writes from
+partially covered nodes are a lower bound here).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import tracemalloc
 from collections import OrderedDict, deque
@@ -44,7 +41,7 @@ from hicache_existence.core.cache import PoolBeliefs, StorageExistenceCache
 from hicache_existence.core.policies import ChainPagesPolicy, PoolBeliefPolicy
 from hicache_existence.core.protocol import PoolView
 from hicache_existence.replay.l3 import L3, exhaust, leading
-from hicache_existence.replay.pages import PageRequest, PageTrace
+from hicache_existence.replay.pages import PageRequest, PageTrace, counted
 
 _HEAL = ChainPagesPolicy()
 
@@ -128,9 +125,7 @@ class _Device:
 
     def match(self, pages: Sequence[str]) -> int:
         """Pages of the longest cached prefix (touched; ``insert`` re-orders them)."""
-        if not self.capacity:
-            return 0
-        return leading(self.pages, pages)
+        return leading(self.pages, pages) if self.capacity else 0
 
     def insert(self, pages: Sequence[str]) -> None:
         if not self.capacity:
@@ -149,9 +144,10 @@ Ack = tuple[float, "PoolRun", Sequence[str]]
 
 
 class PoolRun:
-    """One pool's model state around its beliefs (a ``PoolView``).  ``writes``
-    (the runtime's ``WriteAccounting``, the demo's) hears every write, avoided
-    write and redundant page, as the write path's hooks tell it in a server."""
+    """One pool's model state around its beliefs (a ``PoolView``), counting into
+    ``result``.  ``writes`` (the runtime's ``WriteAccounting``, the demo's) hears
+    every write, avoided write and redundant page, as the write path's hooks tell
+    it in a server."""
 
     def __init__(
         self,
@@ -160,6 +156,7 @@ class PoolRun:
         page_size: int,
         l3: L3,
         pool: str,
+        result: ModelResult,
         writing: dict[str, int] | None = None,
         *,
         policy: PoolBeliefPolicy = _HEAL,
@@ -172,6 +169,7 @@ class PoolRun:
         #: L3 (shared by the instances of a fleet, see ``replay.fleet``) and this pool's part.
         self.l3 = l3
         self.pool = pool
+        self.result = result
         self.held = l3.held(pool)
         #: Pages with a write launched and not yet landed (ground truth, refcounted;
         #: shared by a fleet's instances like L3).
@@ -181,10 +179,10 @@ class PoolRun:
         self.policy = policy
         self.writes = writes
 
-    def land(self, keys: Sequence[str], result: ModelResult) -> None:
+    def land(self, keys: Sequence[str]) -> None:
         """The storage ack: L3 holds the pages, the beliefs learn them."""
         redundant = self.l3.write(self.pool, keys)
-        result.redundant_writes += redundant
+        self.result.redundant_writes += redundant
         if redundant and self.writes is not None:
             # L3 holds only this model's writes: a page again is one recomputed.
             self.writes.redundant(self.pool, redundant)
@@ -205,9 +203,12 @@ class PoolRun:
         else:
             del self.pending_nodes[last]
 
-    def request(self, req: PageRequest, result: ModelResult, acks: deque[Ack]) -> None:
+    def request(self, req: PageRequest, acks: deque[Ack]) -> None:
         pages = req.pages
         config = self.config
+        result = self.result
+        result.requests += 1
+        result.page_references += len(pages)
         matched = self.device.match(pages)
         result.device_hit_pages += matched
         rest = pages[matched:]
@@ -216,11 +217,12 @@ class PoolRun:
             if config.heal:
                 self.policy.heal_from_query(self.beliefs, rest, rest, hit, evidence=True)
             result.l3_hit_pages += hit
-        self._insert_walk(req, result, acks)
+        self._insert_walk(req, acks)
         self.device.insert(pages)
 
-    def _insert_walk(self, req: PageRequest, result: ModelResult, acks: deque[Ack]) -> None:
+    def _insert_walk(self, req: PageRequest, acks: deque[Ack]) -> None:
         pages = req.pages
+        result = self.result
         beliefs = self.beliefs
         bounded_store = bool(self.config.l3_pages)
         held = self.held
@@ -254,6 +256,16 @@ class PoolRun:
             else:
                 result.dropped_writes += len(keys)
             parent_last = keys[-1]
+
+
+def land_due(acks: deque[Ack], until: float = math.inf) -> list[Ack]:
+    """Land the acks due by ``until`` (all by default), in order; returns them."""
+    landed = []
+    while acks and acks[0][0] <= until:
+        ack = acks.popleft()
+        ack[1].land(ack[2])
+        landed.append(ack)
+    return landed
 
 
 #: The cache counters a replay reports (``ModelResult.cache_stats``).
@@ -294,34 +306,22 @@ def run_model(
     runs: dict[str, PoolRun] = {}
     l3 = L3(config.l3_pages)
     acks: deque[Ack] = deque()
-    total = len(trace.requests)
-    step = max(1, total // 20)
     started = time.perf_counter()
     peak = 0
-    for number, req in enumerate(trace.requests, 1):
-        now = req.timestamp_ms
-        if acks and acks[0][0] <= now:
-            while acks and acks[0][0] <= now:
-                _, owner, keys = acks.popleft()
-                owner.land(keys, result)
-            # Acks only add; the request's heal may then remove: look before it.
+    for req in counted(trace.requests, progress):
+        # Acks only add; the request's heal may then remove: look before it.
+        if land_due(acks, req.timestamp_ms):
             peak = max(peak, len(cache))
         run = runs.get(req.pool)
         if run is None:
             run = runs[req.pool] = PoolRun(
-                cache.pool(req.pool), config, trace.page_size, l3, req.pool
+                cache.pool(req.pool), config, trace.page_size, l3, req.pool, result
             )
-        run.request(req, result, acks)
+        run.request(req, acks)
         peak = max(peak, len(cache))
-        result.requests += 1
-        result.page_references += len(req.pages)
         if step_hook is not None:
             step_hook()
-        if progress is not None and number % step == 0:
-            progress(number, total)
-    while acks:
-        _, owner, keys = acks.popleft()
-        owner.land(keys, result)
+    land_due(acks)
     finish(result, [cache], l3, max(peak, len(cache)))
     result.elapsed_s = time.perf_counter() - started
     return result

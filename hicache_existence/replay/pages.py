@@ -1,37 +1,30 @@
 """Expand a trace into SGLang-shaped page-hash chains.
 
-SGLang keys an L3 page by a 64-hex SHA-256 chained from its parent page, so a
-request's pages form a chain and two requests share exactly the pages of their
-common prefix.  Mooncake ids name 512-token blocks with the same prefix
-semantics; a block is split into ``block_tokens / page_size`` pages whose hashes
-are chained the same way::
+SGLang keys an L3 page by a 64-hex SHA-256 chained from its parent page, so two
+requests share exactly the pages of their common prefix.  A Mooncake block (same
+prefix semantics) is split into ``block_tokens / page_size`` pages chained alike::
 
     digest(page) = sha256(digest(parent) || block id (8 bytes LE) || index in block (4 bytes LE))
 
-starting from a fixed root digest; the page hash is the digest in lowercase hex.
-Equal block ids under the same parent therefore give equal pages, and the same id
-under a different parent (which a consistent trace never has) gives different
-ones, as a real chain would.
+from a fixed root digest; the page hash is the digest in lowercase hex.  Equal
+ids under the same parent give equal pages; under another parent (which a
+consistent trace never has), different ones, as a real chain would.
 
-The last block of a request is usually partial (``input_length`` is not a
-multiple of 512): it contributes ``ceil(remaining tokens / page_size)`` pages by
-default (a partial page is keyed like the full page at that position, which the
-trace's "equal id = equal content" rule makes consistent), or
-``floor(...)`` with ``partial_pages="floor"``, which matches SGLang storing only
-full pages.  Tokens beyond ``len(hash_ids) * block_tokens`` cannot occur: the
-reader rejects such requests.
+A request's partial last block gives ``ceil(remaining tokens / page_size)`` pages
+by default (a partial page keyed like the full page there, consistent under the
+trace's "equal id = equal content" rule), or ``floor(...)`` with
+``partial_pages="floor"``, as SGLang stores only full pages.
 
-Page traces already carry their page hashes; they are only interned (equal
-strings become one object, as in SGLang where the radix tree shares them) and cut
-into model nodes of ``node_pages`` pages.
+Page traces carry their hashes; they are only interned (one object per string, as
+the radix tree shares them) and cut into model nodes of ``node_pages`` pages.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from hicache_existence.replay.trace import Request, Trace
 
@@ -41,6 +34,17 @@ DEFAULT_PAGE_SIZE = 64
 #: Model node size for page traces, which carry no blocks (a Mooncake block at 64 tokens/page).
 DEFAULT_NODE_PAGES = 8
 _ROOT = hashlib.sha256(b"hicache-existence/replay/root").digest()
+_T = TypeVar("_T")
+
+
+def counted(items: Sequence[_T], progress: Callable[[int, int], None] | None) -> Iterator[_T]:
+    """``items``, calling ``progress(done, total)`` after every twentieth of them."""
+    total = len(items)
+    step = max(1, total // 20)
+    for number, item in enumerate(items, 1):
+        yield item
+        if progress is not None and number % step == 0:
+            progress(number, total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +72,6 @@ class PageTrace:
     def references(self) -> int:
         """Page references over all requests."""
         return sum(len(r.pages) for r in self.requests)
-
-    def pools(self) -> tuple[str, ...]:
-        """Pools in order of first appearance."""
-        return tuple(dict.fromkeys(r.pool for r in self.requests))
 
 
 def chained(parent: bytes, tag: bytes, count: int) -> tuple[tuple[str, ...], bytes]:
@@ -103,37 +103,29 @@ def expand(
 
     ``salt`` changes every Mooncake page hash while keeping the sharing structure
     (for experiments that need independent hash draws, e.g. sampling variance)."""
-    total = len(trace.requests)
-    step = max(1, total // 20)
-    out: list[PageRequest] = []
+    requests = counted(trace.requests, progress)
     if trace.format == "mooncake":
         if trace.block_tokens % page_size:
             raise ValueError(
                 f"page_size {page_size} must divide the trace's block size "
                 f"{trace.block_tokens} tokens"
             )
-        per_block = trace.block_tokens // page_size
         memo: dict[tuple[bytes, int], tuple[tuple[str, ...], bytes]] = {}
         root = hashlib.sha256(_ROOT + salt).digest() if salt else _ROOT
-        for number, request in enumerate(trace.requests):
-            out.append(
-                _expand_mooncake(
-                    request, trace.block_tokens, page_size, per_block, partial_pages, memo, root
-                )
-            )
-            if progress is not None and (number + 1) % step == 0:
-                progress(number + 1, total)
+        out = [
+            _expand_mooncake(r, trace.block_tokens, page_size, partial_pages, memo, root)
+            for r in requests
+        ]
     else:
         canon: dict[str, str] = {}
-        for number, request in enumerate(trace.requests):
+        out = []
+        for request in requests:
             pages = tuple(map(canon.setdefault, request.pages, request.pages))
             out.append(
                 PageRequest(
                     request.timestamp_ms, request.pool, pages, chunk_ends(len(pages), node_pages)
                 )
             )
-            if progress is not None and (number + 1) % step == 0:
-                progress(number + 1, total)
     return PageTrace(trace.source, trace.format, page_size, tuple(out))
 
 
@@ -141,7 +133,6 @@ def _expand_mooncake(
     request: Request,
     block_tokens: int,
     page_size: int,
-    per_block: int,
     partial_pages: PartialPages,
     memo: dict[tuple[bytes, int], tuple[tuple[str, ...], bytes]],
     root: bytes,
@@ -155,15 +146,13 @@ def _expand_mooncake(
         key = (parent, block)
         found = memo.get(key)
         if found is None:
-            found = memo[key] = chained(parent, block.to_bytes(8, "little"), per_block)
+            tag = block.to_bytes(8, "little")
+            found = memo[key] = chained(parent, tag, block_tokens // page_size)
         hexes, parent = found
         if index == last:
             remaining = request.input_length - last * block_tokens
-            if partial_pages == "ceil":
-                count = -(-remaining // page_size)
-            else:
-                count = remaining // page_size
-            pages.extend(hexes[:count])
+            ceil = partial_pages == "ceil"
+            pages.extend(hexes[: -(-remaining // page_size) if ceil else remaining // page_size])
         else:
             pages.extend(hexes)
         if not ends or ends[-1] != len(pages):

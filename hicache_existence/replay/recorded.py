@@ -1,22 +1,21 @@
 """Replay of a recorded trace (version 2): the cache's own reference stream, again.
 
-A recorder trace (``hicache_existence.accounting.recorder``) holds, for a SHARDS
-sample of pages chosen by hash, every lookup, add, invalidation and clear the live
-cache saw.  ``recorded_curves`` runs them, instance by instance and pool by pool,
-through the same exact LRU stack the capacity advisor uses (``core.sampler``, fed
-every recorded page) and reads the two curves the advisor exports at any caps: the
-reference stream (every page added and every page a lookup walked) and lookups
-alone (walked pages plus the page each lookup missed at).  A recorded stack
-distance ``d`` stands for ``d / rate`` entries (``accounting.advisor.hit_ratios``).
+A recorder trace (``accounting.recorder``) holds, for a SHARDS sample of pages
+chosen by hash, every lookup, add, invalidation and clear the live cache saw.
+``recorded_curves`` runs them, per instance and pool, through the advisor's exact
+LRU stack (``core.sampler``, fed every recorded page) and reads its two curves at
+any caps: the reference stream (pages added and walked) and lookups alone (walked
+pages plus the page each lookup missed at).  A recorded stack distance ``d``
+stands for ``d / rate`` entries (``accounting.advisor.hit_ratios``).
 
-So at sample rate 1 the curves are the advisor's at sampling rate 1, exactly; at a
-lower rate they are a SHARDS estimate like the advisor's own, from a different
-sample (the recorder's hash-prefix pages instead of the advisor's salted hash).
+At sample rate 1 the curves are exactly the advisor's at sampling rate 1; below
+it, a SHARDS estimate like the advisor's, from another sample (the recorder's
+hash-prefix pages, not the advisor's salted hash).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hicache_existence.accounting import recorder as _recorder
@@ -98,7 +97,7 @@ def recorded_curves(trace: Trace, caps: Sequence[int]) -> list[RecordedCurve]:
     return out
 
 
-def format_curves(curves: Sequence[RecordedCurve], format_cap: object) -> str:
+def format_curves(curves: Sequence[RecordedCurve], format_cap: Callable[[int], str]) -> str:
     """The curves as a table (``format_cap``: the sweep's cap formatter)."""
     lines = []
     for curve in curves:
@@ -110,8 +109,7 @@ def format_curves(curves: Sequence[RecordedCurve], format_cap: object) -> str:
         )
         lines.append(f"{'cap':>9} {'stream hit ratio':>17} {'lookup hit ratio':>17}")
         for cap, s, lk in zip(curve.caps, curve.stream, curve.lookups):
-            shown = format_cap(cap) if callable(format_cap) else str(cap)
-            lines.append(f"{shown:>9} {_ratio(s):>17} {_ratio(lk):>17}")
+            lines.append(f"{format_cap(cap):>9} {_ratio(s):>17} {_ratio(lk):>17}")
         lines.append("")
     return "\n".join(lines).rstrip("\n")
 

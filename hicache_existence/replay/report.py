@@ -40,18 +40,18 @@ def format_table(result: SweepResult) -> str:
         f"{result.references:,} page references (page size {result.page_size} tokens)",
     ]
     for pool, curve in result.curves.items():
-        out.append("")
         ceiling = 1 - curve.cold / max(curve.references, 1)
-        out.append(
-            f"belief-only, pool {pool}: {curve.references:,} references, "
-            f"{curve.distinct:,} distinct pages, ceiling {ceiling:.4f}"
-        )
         head = (
             f"{'cap':>7} {'hit ratio':>9} {'writes':>11} {'redundant':>11} "
             f"{'avoided':>11} {'evictions':>11} {'MiB':>7}"
         )
-        out.append(head)
-        out.append("-" * len(head))
+        out += [
+            "",
+            f"belief-only, pool {pool}: {curve.references:,} references, "
+            f"{curve.distinct:,} distinct pages, ceiling {ceiling:.4f}",
+            head,
+            "-" * len(head),
+        ]
         for row in result.belief_rows(pool):
             mark = "  <- current cap" if row["cap"] == result.current_cap else ""
             out.append(
@@ -60,26 +60,21 @@ def format_table(result: SweepResult) -> str:
                 f"{row['writes_avoided']:11,} {row['evictions']:11,} "
                 f"{_mib(row['memory_bytes']):>7}{mark}"
             )
-    if result.model_rows:
-        cfg = result.config
-        out.append("")
-        out.append(
-            "buffer-mode write path"
-            + (
-                f" (device {cfg.device_pages:,} pages, L3 "
-                f"{'unbounded' if not cfg.l3_pages else f'{cfg.l3_pages:,} pages'}, "
-                f"ack latency {cfg.ack_latency_ms:g} ms, prefetch threshold "
-                f"{cfg.prefetch_threshold_tokens} tokens, healing {'on' if cfg.heal else 'off'})"
-                if cfg
-                else ""
-            )
-        )
+    cfg = result.config
+    if result.model_rows and cfg:
         head = (
             f"{'cap':>7} {'hit ratio':>9} {'writes':>11} {'redundant':>10} {'avoided':>11} "
             f"{'stale':>8} {'dropped':>8} {'evictions':>11} {'healed':>8} {'MiB':>7}"
         )
-        out.append(head)
-        out.append("-" * len(head))
+        out += [
+            "",
+            f"buffer-mode write path (device {cfg.device_pages:,} pages, L3 "
+            f"{'unbounded' if not cfg.l3_pages else f'{cfg.l3_pages:,} pages'}, "
+            f"ack latency {cfg.ack_latency_ms:g} ms, prefetch threshold "
+            f"{cfg.prefetch_threshold_tokens} tokens, healing {'on' if cfg.heal else 'off'})",
+            head,
+            "-" * len(head),
+        ]
         for r in result.model_rows:
             mark = "  <- current cap" if r.cap == result.current_cap else ""
             out.append(
@@ -98,8 +93,7 @@ def format_table(result: SweepResult) -> str:
             f"; model: {t['model_s']:.2f} s wall on {t['model_jobs']:.0f} processes "
             f"({t['model_refs_per_s_per_core']:,.0f} page refs/s per core)"
         )
-    out.append("")
-    out.append(line)
+    out += ["", line]
     return "\n".join(out)
 
 
@@ -186,49 +180,30 @@ def write_plot(result: SweepResult, path: Path) -> str | None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     ax.set_xscale("log", base=2)
+    rows = {pool: result.belief_rows(pool) for pool in result.curves}
+    caps = {pool: [r["cap"] for r in pool_rows] for pool, pool_rows in rows.items()}
+    model, model_caps = result.model_rows, [r.cap for r in result.model_rows]
     for pool in result.curves:
         xs, ys = _curve_points(result, pool)
         ax.plot(xs, ys, "-", lw=1.8, label=f"belief-only hit ratio ({pool}, exact)")
-        rows = result.belief_rows(pool)
-        ax.plot(
-            [r["cap"] for r in rows],
-            [r["belief_hit_ratio"] for r in rows],
-            "o",
-            ms=4,
-            color=ax.lines[-1].get_color(),
-        )
-    if result.model_rows:
-        ax.plot(
-            [r.cap for r in result.model_rows],
-            [r.belief_hit_ratio for r in result.model_rows],
-            "s--",
-            ms=5,
-            label="buffer model: admission hit ratio",
-        )
+        hits = [r["belief_hit_ratio"] for r in rows[pool]]
+        ax.plot(caps[pool], hits, "o", ms=4, color=ax.lines[-1].get_color())
+    if model:
+        hits = [r.belief_hit_ratio for r in model]
+        ax.plot(model_caps, hits, "s--", ms=5, label="buffer model: admission hit ratio")
     ax.set_xlabel("existence-cache cap (entries per pool)")
     ax.set_ylabel("hit ratio")
     ax.set_ylim(0, 1.02)
     ax.grid(True, which="both", alpha=0.3)
     ax2 = ax.twinx()
-    for pool in result.curves:
-        rows = result.belief_rows(pool)
-        ax2.plot(
-            [r["cap"] for r in rows],
-            [r["redundant_writes"] for r in rows],
-            "^:",
-            color="tab:red",
-            ms=5,
-            label=f"belief-only: redundant writes ({pool})",
-        )
-    if result.model_rows:
-        ax2.plot(
-            [r.cap for r in result.model_rows],
-            [r.redundant_writes for r in result.model_rows],
-            "v-.",
-            color="tab:purple",
-            ms=5,
-            label="buffer model: redundant writes",
-        )
+    for pool, pool_rows in rows.items():
+        redundant = [r["redundant_writes"] for r in pool_rows]
+        label = f"belief-only: redundant writes ({pool})"
+        ax2.plot(caps[pool], redundant, "^:", color="tab:red", ms=5, label=label)
+    if model:
+        redundant = [r.redundant_writes for r in model]
+        label = "buffer model: redundant writes"
+        ax2.plot(model_caps, redundant, "v-.", color="tab:purple", ms=5, label=label)
     ax2.set_ylabel("redundant writes (pages, symlog)", color="tab:red")
     ax2.set_yscale("symlog", linthresh=10)
     ax2.set_ylim(bottom=0)
@@ -286,12 +261,12 @@ def format_fleet_table(results: Sequence[FleetResult], config: Any) -> str:
             f"{r.pages_learnt:>8,} {ops['record_calls']:>8.2f} {ops['record_pages']:>9.1f} "
             f"{ops['queries']:>7.3f} {share:>13.2f}"
         )
-    out.append("")
-    out.append(
+    out += [
+        "",
         "rec/s/i: ledger record round trips per instance per second; pages/s/i: pages "
         "recorded; q/s/i: verification queries (learning); max red share: the largest "
-        "instance's share of the fleet's redundant writes"
-    )
+        "instance's share of the fleet's redundant writes",
+    ]
     return "\n".join(out)
 
 

@@ -133,8 +133,7 @@ def _init_worker(trace: PageTrace | None, config: ModelConfig | None, queue: Any
 def _run_cap(cap: int) -> ModelResult:
     assert _SHARED is not None, "worker started without a trace"
     trace, config = _SHARED
-    queue = _PROGRESS
-    tick = throttled(queue.put if queue is not None else (lambda _msg: None), 2.0)
+    tick = throttled(_PROGRESS.put, 2.0)
 
     def report(done: int, total: int) -> None:
         tick(f"model: cap {format_cap(cap)}: {done}/{total} requests")
@@ -199,7 +198,6 @@ def sweep(
         references=trace.references,
         curves=curves,
         bytes_per_entry=bytes_per_entry(),
-        config=None,
         timings=timings,
     )
     if model == "buffer":
@@ -230,8 +228,7 @@ def _run_model_caps(
             rows.append(run_model(trace, cap, config, report))
             say(f"model: cap {format_cap(cap)} done ({index}/{total})")
         return rows
-    methods = multiprocessing.get_all_start_methods()
-    forked = "fork" in methods
+    forked = "fork" in multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if forked else "spawn")
     # Largest caps first: they take longest, so the tail of the run stays parallel.
     order = sorted(caps, reverse=True)

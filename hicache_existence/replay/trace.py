@@ -1,28 +1,24 @@
 """Read and validate request traces, failing with the offending line number.
 
-Two formats, both JSON Lines (one object per line, blank lines ignored):
+JSON Lines (blank lines ignored), in three shapes:
 
 * **Mooncake** (the FAST'25 release): ``timestamp`` (ms), ``input_length`` and
   ``output_length`` (tokens) and ``hash_ids``, one id per ``block_tokens``-token
-  block (512 in Mooncake), equal ids meaning an equal prefix up to and including
-  that block.  The last block may be partial, so a request must satisfy
+  block (512 in Mooncake), equal ids meaning an equal prefix through that block.
+  The last block may be partial:
   ``(len(hash_ids) - 1) * block_tokens < input_length <= len(hash_ids) * block_tokens``.
-* **pages** (this project's): a header line
-  ``{"format": "hicache-existence-trace", "version": 1}`` (optional ``page_size``),
-  then one request per line: ``timestamp`` (ms), ``pages`` (the request's page
-  hashes in chain order, as SGLang computes them) and an optional ``pool``
-  (default ``kv``).
-* **pages, version 2** (what the recorder writes from a live server,
-  ``hicache_existence.accounting.recorder``): the header adds ``sample_rate``,
-  ``instance`` and ``started_unix``; each line is an event with a ``kind``
-  (lookup, add, invalidate, clear, write, prefetch, request).  Requests are the
-  chains of the lookups each request's insert walk made.  Files may be gzip
-  compressed; a directory reads every recorder file in it.
+* **pages** (this project's): a header ``{"format": "hicache-existence-trace",
+  "version": 1}`` (optional ``page_size``), then per line ``timestamp`` (ms),
+  ``pages`` (page hashes in chain order, as SGLang computes them) and an optional
+  ``pool`` (default ``kv``).
+* **pages, version 2** (``accounting.recorder``, from a live server): the header
+  adds ``sample_rate``, ``instance`` and ``started_unix``; each line is an event
+  with a ``kind``.  Requests are the chains their insert walks looked up.  Files
+  may be gzip compressed; a directory reads every recorder file in it.
 
 Every value is checked (types, signs, ranges, non-decreasing timestamps) and the
-whole file is read before anything is returned, so a caller that validates first
-never writes partial output for a bad trace.  Unknown extra fields are ignored,
-so traces with more columns still load.
+whole file is read before anything is returned, so a caller never writes partial
+output for a bad trace.  Unknown extra fields are ignored.
 """
 
 from __future__ import annotations
@@ -39,10 +35,8 @@ from hicache_existence.accounting import recorder as _recorder
 
 TraceFormat = Literal["mooncake", "pages"]
 
-#: The header tag of the project's own format.
 FORMAT_TAG = _recorder.FORMAT_TAG
 #: Version 1: one request per line.  Version 2: the recorder's events.
-FORMAT_VERSION = 1
 FORMAT_VERSIONS = (1, _recorder.VERSION)
 #: Mooncake's block size in tokens.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -244,7 +238,7 @@ class _Fields:
 
     def timestamp(self) -> float:
         value = self.require("timestamp")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not _is_number(value):
             raise self.fail(f"field 'timestamp' must be a number (ms), got {_show(value)}")
         number = float(value)
         if not math.isfinite(number) or number < 0:
@@ -260,6 +254,10 @@ class _Fields:
         return value
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _show(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (str, int, float, bool)) else None
     if text is None:
@@ -271,8 +269,7 @@ def _mooncake(f: _Fields, block_tokens: int) -> Request:
     timestamp = f.timestamp()
     input_length = f.integer("input_length", MAX_TOKENS)
     output_length = f.integer("output_length", MAX_TOKENS)
-    raw_ids = f.array("hash_ids")
-    ids = tuple(raw_ids)
+    ids = tuple(f.array("hash_ids"))
     for index, block in enumerate(ids):
         if isinstance(block, bool) or not isinstance(block, int):
             raise f.fail(f"hash_ids[{index}] must be an integer, got {_show(block)}")
@@ -291,8 +288,7 @@ def _mooncake(f: _Fields, block_tokens: int) -> Request:
 
 
 def _pages(f: _Fields) -> Request:
-    timestamp = f.timestamp()
-    pages = _page_list(f)
+    timestamp, pages = f.timestamp(), _page_list(f)
     return Request(f.line, timestamp, _pool(f), 0, 0, (), pages)
 
 
@@ -307,7 +303,7 @@ class _Header:
     pid: int = 0
 
 
-def _header(f: _Fields, source: str) -> _Header:
+def _header(f: _Fields) -> _Header:
     if f.obj.get("format") != FORMAT_TAG:
         raise f.fail(f"header 'format' must be {FORMAT_TAG!r}, got {_show(f.obj.get('format'))}")
     version = f.obj.get("version")
@@ -316,29 +312,21 @@ def _header(f: _Fields, source: str) -> _Header:
             f"unsupported trace version {_show(version)}; expected one of "
             f"{', '.join(map(str, FORMAT_VERSIONS))}"
         )
-    page_size = (f.integer("page_size", MAX_TOKENS) or None) if "page_size" in f.obj else None
-    header = _Header(int(version), page_size)
+    page_size = f.integer("page_size", MAX_TOKENS, default=0) or None
     if version == 1:
-        return header
+        return _Header(1, page_size)
     rate = f.require("sample_rate")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+    if not _is_number(rate) or not 0 < rate <= 1:
         raise f.fail(f"header 'sample_rate' must be a number within (0, 1], got {_show(rate)}")
-    header.sample_rate = float(rate)
     instance = f.obj.get("instance", "")
     if not isinstance(instance, str) or len(instance) > 256:
         raise f.fail("header 'instance' must be a string of <= 256 characters")
-    header.instance = instance
     started = f.obj.get("started_unix", 0.0)
-    if (
-        isinstance(started, bool)
-        or not isinstance(started, (int, float))
-        or not (0 <= started < MAX_TIMESTAMP_MS / 1000)
-    ):
+    if not _is_number(started) or not 0 <= started < MAX_TIMESTAMP_MS / 1000:
         raise f.fail(f"header 'started_unix' must be a time in seconds, got {_show(started)}")
-    header.started_unix = float(started)
-    header.part = f.integer("part", MAX_TOKENS, default=0)
-    header.pid = f.integer("pid", MAX_TOKENS, default=0)
-    return header
+    part = f.integer("part", MAX_TOKENS, default=0)
+    pid = f.integer("pid", MAX_TOKENS, default=0)
+    return _Header(int(version), page_size, float(rate), instance, float(started), part, pid)
 
 
 def _pool(f: _Fields) -> str:
@@ -348,17 +336,17 @@ def _pool(f: _Fields) -> str:
     return pool
 
 
-def _event(f: _Fields, instance: int, offset_ms: float) -> Event:
-    timestamp = f.timestamp() + offset_ms
+def _event(f: _Fields) -> Event:
+    timestamp = f.timestamp()
     kind = f.require("kind")
     if kind not in _recorder.KINDS:
         raise f.fail(f"field 'kind' must be one of {', '.join(_recorder.KINDS)}, got {_show(kind)}")
     if kind == _recorder.REQUEST:
         number = f.integer("request", MAX_BLOCK_ID)
-        return Event(f.line, timestamp, kind, "", (), request=number, instance=instance)
+        return Event(f.line, timestamp, kind, "", (), request=number)
     pool = _pool(f)
     if kind == _recorder.CLEAR:
-        return Event(f.line, timestamp, kind, pool, (), instance=instance)
+        return Event(f.line, timestamp, kind, pool, ())
     pages = _page_list(f)
     walked = hit = request = 0
     miss = False
@@ -372,7 +360,7 @@ def _event(f: _Fields, instance: int, offset_ms: float) -> Event:
         request = f.integer("request", MAX_BLOCK_ID, default=0)
     elif kind == _recorder.PREFETCH:
         hit = f.integer("hit", len(pages))
-    return Event(f.line, timestamp, kind, pool, pages, walked, miss, request, hit, instance)
+    return Event(f.line, timestamp, kind, pool, pages, walked, miss, request, hit)
 
 
 def _page_list(f: _Fields) -> tuple[str, ...]:
@@ -385,14 +373,6 @@ def _page_list(f: _Fields) -> tuple[str, ...]:
         if not 0 < len(page) <= MAX_HASH_CHARS:
             raise f.fail(f"pages[{index}] must have 1..{MAX_HASH_CHARS} characters")
     return tuple(pages)
-
-
-def trace_files(path: str | Path) -> list[Path]:
-    """The files a trace argument names: the file, or a directory's recorder files."""
-    path = Path(path)
-    if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.name.endswith(_recorder.SUFFIX))
-    return [path]
 
 
 def read_trace(
@@ -449,13 +429,13 @@ def _parse(
                 )
             if is_header:
                 detected = "pages"
-                header = _header(f, source)
+                header = _header(f)
                 continue
             detected = "mooncake"
         elif "format" in obj and "timestamp" not in obj:
             raise f.fail("a header line is only allowed as the first line")
         if header is not None and header.version >= 2:
-            event = _event(f, 0, 0.0)
+            event = _event(f)
             stamp = event.timestamp_ms
             events.append(event)
         else:
@@ -470,7 +450,7 @@ def _parse(
 
 def _read_recorded_dir(path: Path) -> Trace:
     """Every recorder file of a directory: parts of one process are joined in order."""
-    files = trace_files(path)
+    files = sorted(p for p in path.iterdir() if p.name.endswith(_recorder.SUFFIX))
     if not files:
         raise TraceError(str(path), 0, f"no recorder files (*{_recorder.SUFFIX}) in the directory")
     parts: list[tuple[_Header, list[Event]]] = []
@@ -537,20 +517,15 @@ def _requests_of(events: list[Event]) -> tuple[Request, ...]:
     lookups its insert walk made, in order, each page once; ordered by time over
     all instances."""
     chains: dict[tuple[int, int, int], dict[str, dict[str, None]]] = {}
-    out: list[tuple[float, int, Request]] = []
+    out: list[Request] = []
     for e in events:
         if e.kind == _recorder.LOOKUP and e.request:
             pools = chains.setdefault((e.instance, e.run, e.request), {})
             pools.setdefault(e.pool, {}).update(dict.fromkeys(e.pages))
         elif e.kind == _recorder.REQUEST:
             pools = chains.pop((e.instance, e.run, e.request), {}) or {"kv": {}}
-            for pool, pages in pools.items():
-                out.append(
-                    (
-                        e.timestamp_ms,
-                        len(out),
-                        Request(e.line, e.timestamp_ms, pool, 0, 0, (), tuple(pages), e.instance),
-                    )
-                )
-    out.sort(key=lambda item: (item[0], item[1]))
-    return tuple(r for _, _, r in out)
+            out.extend(
+                Request(e.line, e.timestamp_ms, pool, 0, 0, (), tuple(pages), e.instance)
+                for pool, pages in pools.items()
+            )
+    return tuple(sorted(out, key=lambda r: r.timestamp_ms))  # stable: ties keep their order
