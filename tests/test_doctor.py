@@ -994,6 +994,30 @@ def test_prometheus_route_groups_by_instance_and_reads_two_times(
     assert doc["instances"][1]["figures"]["sglang:backuped_tokens_total"]["value"] == 1600
 
 
+def _named(capsys: pytest.CaptureFixture[str], targets: Sequence[tuple[str, str]]) -> Any:
+    """Run the Prometheus route over one written-pages series per (job, instance)."""
+    rows = [
+        ({"__name__": P + "written_pages_total", "job": j, "instance": i, "pool": "kv"}, "10")
+        for j, i in targets
+    ]
+    answers = [(200, "application/json", prom_answer(rows))] * 2
+    with serve({"/api/v1/query": answers}) as url:
+        code, out, err = doctor(capsys, "--prometheus", url, "--json")
+    return [i["instance"] for i in json.loads(out)["instances"]] if out else (code, err)
+
+
+def test_prometheus_route_names_every_target_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    """An instance label shared by two jobs is prefixed with the job, so is the
+    placeholder of a target without one when a target's label spells it; names still
+    shared (crafted labels) are refused with exit 2 rather than merged: the fleet's
+    figures are keyed by name, and one target would hide another's."""
+    assert _named(capsys, [("j1", "a"), ("j2", "a"), ("j3", "b")]) == ["j1/a", "j2/a", "b"]
+    none = "(no instance label)"
+    assert _named(capsys, [("j1", ""), ("j2", none)]) == [f"j1/{none}", f"j2/{none}"]
+    code, err = _named(capsys, [("j1", "a"), ("j2", "a"), ("j3", "j1/a")])
+    assert code == 2 and "share the name 'j1/a'" in err and "--selector" in err
+
+
 @pytest.mark.parametrize(
     ("answer", "message"),
     [

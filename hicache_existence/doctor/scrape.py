@@ -110,8 +110,9 @@ def _read_token(path: str | None, env_var: str | None) -> str | None:
     else:
         return None
     if not token:
-        unset = f"the environment variable {env_var} is unset or empty"
-        raise ReadError(f"{where}: {'the file is empty' if path is not None else unset}")
+        if path is not None:
+            raise ReadError(f"{where}: the file is empty")
+        raise ReadError(f"--bearer-token-env: the environment variable {env_var} is unset or empty")
     if len(token) > 65536 or not _TOKEN.fullmatch(token):
         raise ReadError(f"{where}: not a bearer token (one line of visible ASCII, at most 64 KiB)")
     return token
@@ -431,12 +432,20 @@ def read_prometheus(
             f"{redact_url(base)}: no instance has hicache_existence_* or SGLang storage "
             f"series matching {query}"
         )
-    jobs_per_instance = Counter(instance for _, instance in last)
+    # An instance is named by its label, by job/label where two targets share the
+    # label (or the placeholder); names still shared (crafted labels) are refused: the
+    # fleet's figures are keyed by name, so one target would hide another's.
+    short = {where: where[1] or "(no instance label)" for where in last}
+    shared = Counter(short.values())
+    names = {w: f"{w[0]}/{n}" if shared[n] > 1 else n for w, n in short.items()}
+    clash = sorted(n for n, k in Counter(names.values()).items() if k > 1)
+    if clash:
+        raise ReadError(
+            f"{redact_url(base)}: targets of different jobs or instances share the name "
+            f"{clash[0]!r}; narrow --selector to one of them"
+        )
     readings = []
-    for (job, instance), samples in sorted(last.items()):
-        name = instance or "(no instance label)"
-        if jobs_per_instance[instance] > 1:
-            name = f"{job}/{name}"
-        before = Exposition(tuple(first.get((job, instance), ())))
-        readings.append(Reading(name, Exposition(tuple(samples)), before, window_s))
+    for where, samples in sorted(last.items()):
+        before = Exposition(tuple(first.get(where, ())))
+        readings.append(Reading(names[where], Exposition(tuple(samples)), before, window_s))
     return readings
