@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from hicache_existence.core import _validate
 
@@ -377,18 +377,34 @@ class Config:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+#: Query parameters that carry a secret (redis-py reads ``?password=`` on every
+#: scheme, and it is the only way to give a unix socket's password).
+_SECRET_PARAMS = frozenset({"password", "passwd", "pass", "token", "auth"})
+
+
 def redact_url(url: str) -> str:
-    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
+    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``, and
+    ``?password=secret`` -> ``?password=***``."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
-    if "@" not in parts.netloc:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.split(":", 1)[0]
-    masked = f"{user}:***@{hostport}" if user else f"***@{hostport}"
-    return urlunsplit((parts.scheme, masked, parts.path, parts.query, parts.fragment))
+    out = url
+    if "@" in parts.netloc:
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        masked = f"{user}:***@{hostport}" if user else f"***@{hostport}"
+        out = urlunsplit((parts.scheme, masked, parts.path, parts.query, parts.fragment))
+    items = parts.query.split("&")
+    for i, item in enumerate(items):
+        name, eq, _ = item.partition("=")
+        if eq and unquote(name).lower() in _SECRET_PARAMS:
+            items[i] = f"{name}=***"
+    query = "&".join(items)
+    if query != parts.query:  # splice, so that a unix:// URL keeps its form
+        head, _, rest = out.partition("?")
+        out = f"{head}?{query}{rest[len(parts.query) :]}"
+    return out
 
 
 class _EnvText(str):

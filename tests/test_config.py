@@ -105,6 +105,14 @@ def test_redacted_masks_credentials_everywhere_they_are_shown():
     assert "s3cret" not in shown and "user:***@redis.example:6380" in shown
     assert redact_url("redis://:pw@h:1/0") == "redis://***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+    # redis-py's ?password= (a unix socket's only way to give one), any scheme.
+    assert (
+        redact_url("unix:///tmp/r.sock?db=0&password=pw") == "unix:///tmp/r.sock?db=0&password=***"
+    )
+    assert redact_url("redis://u:pw@h:1/0?Pass%77ord=x&db=1#f") == (
+        "redis://u:***@h:1/0?Pass%77ord=***&db=1#f"
+    )
+    assert redact_url("redis://h:1/0?db=1&password") == "redis://h:1/0?db=1&password"
 
 
 def test_round_trip_through_json():
