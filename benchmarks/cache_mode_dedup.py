@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pressures", default="low,high")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--inner", action="store_true", help="time the per-step hook's due work too")
+    ap.add_argument(
+        "--detail", action="store_true", help="time the write accounting's methods inside the hooks"
+    )
     args = ap.parse_args(argv)
 
     results: dict[str, Any] = {}
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                     hicache_ratio=2.0,
                     config={"cache_mode": {"dedup": dedup}},
                     env={"HX_PROBE_COST_DIR": str(probe)}
-                    | ({"HX_PROBE_COST_INNER": "1"} if args.inner else {}),
+                    | ({"HX_PROBE_COST_INNER": "1"} if args.inner else {})
+                    | ({"HX_PROBE_COST_DETAIL": "1"} if args.detail else {}),
                 )
                 servers[name] = (stack.enter_context(launch(spec, root / name)), probe)
             stream = conversation_requests(

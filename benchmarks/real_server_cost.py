@@ -227,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the per-step hook's due work (HX_PROBE_COST_INNER: the step's "
         "due path, the metrics flush, cache mode's ack reaping) in the breakdown",
     )
+    ap.add_argument(
+        "--detail",
+        action="store_true",
+        help="also time the write accounting's methods inside the hooks (HX_PROBE_COST_DETAIL: "
+        "a breakdown; each nested timer adds its cold cost to the totals)",
+    )
     args = ap.parse_args(argv)
 
     stream = trace_requests(limit=args.requests, max_blocks=args.max_blocks, max_new_tokens=4)
@@ -249,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             env = {"HX_PROBE_COST_DIR": str(probe_dir)}
             if args.inner:
                 env["HX_PROBE_COST_INNER"] = "1"
+            if args.detail:
+                env["HX_PROBE_COST_DETAIL"] = "1"
             config = None
             if name == "recorder_on":
                 if not args.no_recorder_probe:

@@ -23,6 +23,16 @@ from hicache_existence.integrations.sglang import write_path as wp
 PAGE = 4
 
 
+def _plan_write(
+    feed: Any, controller: Any, host: Any, tokens: Any, kv: Any, prefix: Any, extra: Any
+) -> Any:
+    """What the ``write_storage`` hook does: the plan, then the arguments it changes."""
+    plan = feed.plan_cache_write(controller, kv, prefix, extra)
+    if plan is None or plan.whole:
+        return None if plan is None else (plan, {})
+    return feed.cache_write_changes(plan, controller, host, tokens, prefix)
+
+
 def pages(prefix: str, n: int) -> list[str]:
     return [f"{prefix}{i:063x}" for i in range(n)]
 
@@ -355,7 +365,7 @@ def _extra_plan(made: Any, kv_believed: int, swa_believed: bool) -> tuple[Any, A
         cache.pool("swa").add(swa)
     host = Indices(range(4 * PAGE))
     extra = [NS(name="swa", keys=swa)]
-    call = feed.plan_cache_write(tree.cache_controller, host, [7] * 4 * PAGE, kv, None, extra)
+    call = _plan_write(feed, tree.cache_controller, host, [7] * 4 * PAGE, kv, None, extra)
     assert call is not None
     return feed, *call
 
@@ -489,7 +499,7 @@ def test_a_pool_never_seen_is_counted_under_its_own_name_never_as_kv(made: Any) 
     kv, gdn = pages("k", 3), pages("g", 1)
     host = Indices(range(3 * PAGE))
     extra = [NS(name=NewPool.GDN, keys=gdn)]
-    call = feed.plan_cache_write(tree.cache_controller, host, [7] * 3 * PAGE, kv, None, extra)
+    call = _plan_write(feed, tree.cache_controller, host, [7] * 3 * PAGE, kv, None, extra)
     assert call is not None
     plan, _changes = call
     feed.cache_mode.launched(1, plan, 1)
@@ -510,7 +520,7 @@ def test_an_extra_pool_s_believed_pages_written_again_are_redundant_believed(mad
     tree.storage_existence_cache.pool("swa").add(swa)
     host = Indices(range(4 * PAGE))
     extra = [NS(name="swa", keys=swa)]
-    call = feed.plan_cache_write(tree.cache_controller, host, [7] * 4 * PAGE, kv, None, extra)
+    call = _plan_write(feed, tree.cache_controller, host, [7] * 4 * PAGE, kv, None, extra)
     assert call is not None
     plan, _changes = call
     feed.cache_mode.launched(1, plan, 1)

@@ -16,7 +16,7 @@ import sys
 import tracemalloc
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -493,3 +493,73 @@ def test_edge_arguments_behave_the_same_in_both_implementations(impl):
     gone = index.discard([sub], 1)
     assert gone == ["a"] and gone[0] is sub
     assert index.evict(2**64) == {1: 1} and len(index) == 0
+
+
+# -- the module's batch check and in-flight refcounts (C against the Python twins) ----------
+_C_MODULE = lru.compiled("core._lru") if CIndex is not None else None
+_ITEMS = st.one_of(st.sampled_from(["a", "b", "c", "d"]), st.builds(Sub, st.sampled_from("ab")))
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(_ITEMS, st.integers(), st.binary(max_size=2), st.none()), max_size=8),
+    st.sampled_from([list, tuple, iter, "str"]),
+    st.sampled_from([(), ("chain",)]),
+)
+def test_page_hashes_compiled_matches_the_validator(items, kind, arg):
+    """Same result (the very list or tuple given back; other iterables materialised)
+    and the same TypeError text, naming the argument and index, for every input."""
+    assert _C_MODULE is not None
+    from hicache_existence.core import _validate
+
+    def build():
+        return "".join(map(str, items)) if kind == "str" else kind(items)
+
+    outcomes = []
+    for fn in (_C_MODULE.page_hashes, _validate.page_hashes):
+        given_value = build()
+        try:
+            got = fn(given_value, *arg)
+        except TypeError as exc:
+            outcomes.append(("error", str(exc)))
+        else:
+            same = got is given_value
+            outcomes.append(("ok", list(got), same, type(got)))
+    assert outcomes[0] == outcomes[1]
+    assert lru.page_hashes is _C_MODULE.page_hashes
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from("abcdef"), st.integers(1, 3), max_size=6),
+    st.lists(st.tuples(st.booleans(), st.lists(_ITEMS, max_size=6)), max_size=6),
+)
+def test_inflight_refcounts_compiled_match_the_twins(start, ops):
+    """Adds and releases in any order leave the same refcounts and counts as the
+    Python twins (the reference loop the cache used before)."""
+    assert _C_MODULE is not None
+    refs_c, refs_py = dict(start), dict(start)
+    for add, keys in ops:
+        if add:
+            _C_MODULE.inflight_add(refs_c, keys)
+            lru.py_inflight_add(refs_py, keys)
+        else:
+            assert _C_MODULE.inflight_release(refs_c, keys) == lru.py_inflight_release(
+                refs_py, keys
+            )
+        assert refs_c == refs_py
+        assert all(type(v) is int and v >= 1 for v in refs_c.values())
+
+
+@needs_c
+def test_inflight_functions_refuse_what_is_not_a_dict_and_a_sequence():
+    assert _C_MODULE is not None
+    for fn in (_C_MODULE.inflight_add, _C_MODULE.inflight_release):
+        with pytest.raises(TypeError, match="refs must be a dict"):
+            fn([], ["a"])
+        with pytest.raises(TypeError, match="hashes must be a list or tuple"):
+            fn({}, iter(["a"]))
+        with pytest.raises(TypeError, match="expected 2 arguments"):
+            fn({})

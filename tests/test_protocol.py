@@ -127,3 +127,67 @@ def test_the_protocol_is_what_consumers_annotate() -> None:
 
     for fn in (Reconciler.__init__, CacheModeWrites.__init__):
         assert inspect.signature(fn).parameters["cache"].annotation == "ExistenceCache"
+
+
+class _Log:
+    """An observer that records every call it gets."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def added(self, pool: str, hashes: object) -> None:
+        self.calls.append(("added", pool))
+
+    def touched(self, pool: str, hashes: object, stop: int) -> None:
+        self.calls.append(("touched", pool))
+
+    def invalidated(self, pool: str, hashes: object, keep_pages: int) -> None:
+        self.calls.append(("invalidated", pool))
+
+    def inflight(self, pool: str, hashes: object, delta: int) -> None:
+        self.calls.append(("inflight", pool))
+
+    def cleared(self, pool: str, inflight_only: bool) -> None:
+        self.calls.append(("cleared", pool))
+
+
+def _ops(cache: ExistenceCache, pool: str) -> None:
+    view = cache.pool(pool)
+    view.add(H[:3])
+    view.covered(H[:4])
+    view.track_inflight(H[4:5])
+    view.untrack_inflight(H[4:5])
+    view.invalidate_beyond(H[:3], 2)
+
+
+@pytest.mark.parametrize("cls", [StorageExistenceCache, FlatStorageExistenceCache])
+def test_an_empty_tee_is_not_called_and_observers_attached_later_see_every_pool(
+    cls: type,
+) -> None:
+    """A cache holds ``None`` while its ``Tee`` is empty (no call per operation) and
+    the ``Tee`` itself once an observer is attached, appended or assigned, for the
+    pools that existed then and those created after; back to ``None`` when the last
+    observer goes.  Fails if a pool keeps notifying an empty ``Tee``, or misses a
+    late observer."""
+    from hicache_existence.core.observers import Tee
+
+    tee = Tee()
+    cache = cls(16, observer=tee)
+    cache.pool("kv")
+    assert all(view._observer is None for view in cache.pools())
+    log = _Log()
+    tee.append(log)
+    _ops(cache, "kv")
+    _ops(cache, "swa")  # created after the observer came
+    kinds = [k for k, _ in log.calls]
+    assert {p for _, p in log.calls} == {"kv", "swa"}
+    assert {"added", "touched", "invalidated"} <= set(kinds)  # flat reports no in-flight
+    assert all(view._observer is tee for view in cache.pools())
+    tee.discard(log)
+    assert all(view._observer is None for view in cache.pools())
+    before = len(log.calls)
+    _ops(cache, "kv")
+    assert len(log.calls) == before
+    tee.observers = (log,)  # assigned, as a recorder toggle does
+    _ops(cache, "kv")
+    assert len(log.calls) > before

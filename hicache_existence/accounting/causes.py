@@ -152,7 +152,7 @@ class CauseTracker:
     def launched(self, node: Any, pages: Iterable[str]) -> None:
         """A write of ``pages`` by ``node`` left: take their dispositions."""
         disp = self._disposition
-        if not len(disp):
+        if not disp.new and not disp.old:  # the common case, without a call
             return
         found = disp.present(pages)
         if not found:

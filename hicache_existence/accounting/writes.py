@@ -219,10 +219,22 @@ class WriteAccounting:
         ``pool`` finished; ``already_stored`` of the stored pages were already in
         L3 (the backend said so), ``believed`` of those were believed stored
         when the write launched (a node is written whole when any page is not)."""
-        stored = _validate.count(stored, "stored")
-        failed = _validate.count(failed, "failed")
-        already = _validate.count(already_stored, "already_stored")
-        believed = _validate.count(believed, "believed")
+        already = already_stored
+        # The common case checked inline (the scheduler thread, every storage ack).
+        if not (
+            type(stored) is int
+            and type(failed) is int
+            and type(already) is int
+            and type(believed) is int
+            and stored >= 0
+            and failed >= 0
+            and already >= 0
+            and believed >= 0
+        ):
+            stored = _validate.count(stored, "stored")
+            failed = _validate.count(failed, "failed")
+            already = _validate.count(already_stored, "already_stored")
+            believed = _validate.count(believed, "believed")
         if already > stored:
             raise ValueError(
                 f"already_stored must be <= stored, got already_stored={already}, stored={stored}"
@@ -232,7 +244,9 @@ class WriteAccounting:
                 f"believed must be <= already_stored, got believed={believed}, "
                 f"already_stored={already}"
             )
-        rec = self._pool(pool)
+        rec = self._pools.get(pool) if type(pool) is str else None
+        if rec is None:
+            rec = self._pool(pool)
         rec.acknowledged += stored
         rec.failed += failed
         rec.redundant += already

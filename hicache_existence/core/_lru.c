@@ -1607,11 +1607,198 @@ static PyTypeObject HookType = {
     .tp_new = Hook_new,
 };
 
+/* ---- module functions: the caches' per-batch checks and in-flight refcounts ----
+ *
+ * Run on every mutation of a cache, in the scheduler thread, where a Python loop
+ * over a chain's pages (or a "".join of it, as a type check) costs several
+ * microseconds in a cold cache.  Twins: hicache_existence.core.lru (page_hashes,
+ * inflight_add, inflight_release). */
+
+static PyObject *page_hashes_fallback = NULL;
+
+PyDoc_STRVAR(page_hashes_doc,
+             "page_hashes(hashes, arg='hashes') -> hashes\n\n"
+             "A list or tuple of str, returned as is; TypeError naming arg[index] for an item\n"
+             "that is not a str.  Any other iterable: _validate.page_hashes's answer.");
+
+static PyObject *
+mod_page_hashes(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "page_hashes expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *seq = args[0];
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+        if (page_hashes_fallback == NULL) {
+            PyObject *v = PyImport_ImportModule("hicache_existence.core._validate");
+            if (v == NULL) {
+                return NULL;
+            }
+            page_hashes_fallback = PyObject_GetAttrString(v, "page_hashes");
+            Py_DECREF(v);
+            if (page_hashes_fallback == NULL) {
+                return NULL;
+            }
+        }
+        return PyObject_Vectorcall(page_hashes_fallback, args, (size_t)nargs, NULL);
+    }
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = items[i];
+        if (PyUnicode_Check(it)) {
+            continue;
+        }
+        const char *name = Py_TYPE(it)->tp_name;
+        const char *dot = strrchr(name, '.');
+        if (nargs == 2 && PyUnicode_Check(args[1])) {
+            PyErr_Format(PyExc_TypeError, "%U[%zd] must be a str page hash, got %.100s", args[1],
+                         i, dot ? dot + 1 : name);
+        }
+        else {
+            PyErr_Format(PyExc_TypeError, "hashes[%zd] must be a str page hash, got %.100s", i,
+                         dot ? dot + 1 : name);
+        }
+        return NULL;
+    }
+    return Py_NewRef(seq);
+}
+
+static int
+parse_refs(const char *name, PyObject *const *args, Py_ssize_t nargs, PyObject **refs,
+           PyObject **seq)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s expected 2 arguments, got %zd", name, nargs);
+        return -1;
+    }
+    if (!PyDict_CheckExact(args[0])) {
+        PyErr_Format(PyExc_TypeError, "%s: refs must be a dict", name);
+        return -1;
+    }
+    if (!PyList_CheckExact(args[1]) && !PyTuple_CheckExact(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s: hashes must be a list or tuple", name);
+        return -1;
+    }
+    *refs = args[0];
+    *seq = args[1];
+    return 0;
+}
+
+PyDoc_STRVAR(inflight_add_doc,
+             "inflight_add(refs, hashes) -> None\n\n"
+             "One ref more per page: refs[h] = refs.get(h, 0) + 1 for each h, in order.");
+
+static PyObject *
+mod_inflight_add(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *refs, *seq;
+    if (parse_refs("inflight_add", args, nargs, &refs, &seq) < 0) {
+        return NULL;
+    }
+    /* A list may not change size under us: nothing here runs Python code for exact
+     * str keys (a subclass's __hash__/__eq__ could, so the size is re-read). */
+    Py_INCREF(seq);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *old = PyDict_GetItemWithError(refs, key);
+        long long n = 0;
+        if (old != NULL) {
+            n = PyLong_AsLongLong(old);
+            if (n == -1 && PyErr_Occurred()) {
+                Py_DECREF(key);
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        else if (PyErr_Occurred()) {
+            Py_DECREF(key);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        PyObject *v = PyLong_FromLongLong(n + 1);
+        int rc = v == NULL ? -1 : PyDict_SetItem(refs, key, v);
+        Py_XDECREF(v);
+        Py_DECREF(key);
+        if (rc < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(inflight_release_doc,
+             "inflight_release(refs, hashes) -> (released, unmatched)\n\n"
+             "One ref less per page, in order; a page at its last ref leaves refs.  Counts the\n"
+             "pages that had a ref and those that had none.");
+
+static PyObject *
+mod_inflight_release(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *refs, *seq;
+    if (parse_refs("inflight_release", args, nargs, &refs, &seq) < 0) {
+        return NULL;
+    }
+    Py_ssize_t released = 0, unmatched = 0;
+    Py_INCREF(seq);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *old = PyDict_GetItemWithError(refs, key);
+        int rc = 0;
+        if (old == NULL) {
+            if (PyErr_Occurred()) {
+                rc = -1;
+            }
+            else {
+                unmatched++;
+            }
+        }
+        else {
+            long long n = PyLong_AsLongLong(old);
+            if (n == -1 && PyErr_Occurred()) {
+                rc = -1;
+            }
+            else {
+                released++;
+                if (n <= 1) {
+                    rc = PyDict_DelItem(refs, key);
+                }
+                else {
+                    PyObject *v = PyLong_FromLongLong(n - 1);
+                    rc = v == NULL ? -1 : PyDict_SetItem(refs, key, v);
+                    Py_XDECREF(v);
+                }
+            }
+        }
+        Py_DECREF(key);
+        if (rc < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(nn)", released, unmatched);
+}
+
+static PyMethodDef lru_module_methods[] = {
+    {"page_hashes", (PyCFunction)(void (*)(void))mod_page_hashes, METH_FASTCALL,
+     page_hashes_doc},
+    {"inflight_add", (PyCFunction)(void (*)(void))mod_inflight_add, METH_FASTCALL,
+     inflight_add_doc},
+    {"inflight_release", (PyCFunction)(void (*)(void))mod_inflight_release, METH_FASTCALL,
+     inflight_release_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef lru_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hicache_existence.core._lru",
     .m_doc = "Compiled LRU index behind the existence caches (optional accelerator).",
     .m_size = -1,
+    .m_methods = lru_module_methods,
 };
 
 PyMODINIT_FUNC

@@ -17,7 +17,7 @@ from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.counting import CountingPool
-from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource, Tee
 from hicache_existence.core.stats import (
     CLEARED,
     EVICTED,
@@ -26,6 +26,8 @@ from hicache_existence.core.stats import (
     PoolStats,
     make_cache_stats,
 )
+
+_SEQ = (list, tuple)
 
 #: Upstream's default cap per pool (~32M tokens at page size 64).
 HICACHE_EXISTENCE_CACHE_MAX_ENTRIES = 512 * 1024
@@ -65,7 +67,9 @@ class PoolBeliefs(CountingPool):
 
     def add(self, hashes: Iterable[str]) -> None:
         """Insert or refresh every page in order, then evict oldest-first to the cap."""
-        seq = _validate.page_sequence(hashes)
+        seq: Sequence[str] = (
+            hashes if type(hashes) in _SEQ else _validate.page_sequence(hashes)  # type: ignore[assignment]
+        )
         entries = self._entries
         n = len(seq)
         # Pages already present (or repeated) move to the MRU end, as upstream.
@@ -91,7 +95,7 @@ class PoolBeliefs(CountingPool):
     def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
         """Drop beliefs beyond the leading ``keep_pages`` of ``hashes`` (absent ones skipped)."""
         keep = _validate.count(keep_pages, "keep_pages")
-        seq = _validate.page_hashes(hashes)
+        seq = lru.page_hashes(hashes)
         gone = self._entries.discard(seq[keep:])
         c = self._counters
         c.invalidate_calls += 1
@@ -103,32 +107,19 @@ class PoolBeliefs(CountingPool):
 
     def track_inflight(self, hashes: Iterable[str]) -> None:
         """One ref per page at its D2H launch (several writes may carry the same page)."""
-        seq = _validate.page_hashes(hashes)
-        refs = self._inflight
-        get = refs.get
-        for h in seq:
-            refs[h] = get(h, 0) + 1
+        seq = lru.page_hashes(hashes)
+        lru.inflight_add(self._inflight, seq)
         self._counters.inflight_tracked += len(seq)
         if self._observer is not None:
             self._observer.inflight(self.name, seq, 1)
 
     def untrack_inflight(self, hashes: Iterable[str]) -> None:
         """Drop one ref per page at the storage ack (or a failed launch)."""
-        seq = _validate.page_hashes(hashes)
-        refs = self._inflight
-        released = unmatched = 0
-        for h in seq:
-            n = refs.get(h)
-            if n is None:
-                unmatched += 1
-                continue
-            released += 1
-            if n <= 1:
-                del refs[h]
-            else:
-                refs[h] = n - 1
-        self._counters.inflight_released += released
-        self._counters.inflight_unmatched += unmatched
+        seq = lru.page_hashes(hashes)
+        released, unmatched = lru.inflight_release(self._inflight, seq)
+        c = self._counters
+        c.inflight_released += released
+        c.inflight_unmatched += unmatched
         if self._observer is not None:
             self._observer.inflight(self.name, seq, -1)
 
@@ -162,8 +153,10 @@ class PoolBeliefs(CountingPool):
         return self._walk(_validate.page_sequence(hashes), None)
 
     def covered(self, hashes: Iterable[str]) -> bool:
-        """Every page believed or in flight?  Touches believed ones; in-flight-only: rescues."""
-        return self._walk(_validate.page_sequence(hashes), self._inflight)
+        """Every page believed or in flight?  Touches believed ones; in-flight-only: rescues.
+        (Upstream asks per admission: a list or tuple goes straight to the walk.)"""
+        seq = hashes if type(hashes) in _SEQ else _validate.page_sequence(hashes)
+        return self._walk(seq, self._inflight)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -218,6 +211,15 @@ class StorageExistenceCache:
         self._miss_memory = miss_memory
         self._observer = observer
         self._advisor = advisor
+        if isinstance(observer, Tee):
+            observer.listen(self._observe)
+
+    def _observe(self, observer: BeliefObserver | None) -> None:
+        """What every pool notifies from now on (a ``Tee``'s listener: ``None`` while
+        it is empty, so an idle ``Tee`` costs no call)."""
+        self._observer = observer
+        for beliefs in list(self._pools.values()):
+            beliefs._observer = observer
 
     @property
     def max_entries(self) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Container, Iterable, Iterator, Sequence
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES, MissMemoryFactory
 from hicache_existence.core.counting import CountingPool
-from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource, Tee
 from hicache_existence.core.stats import (
     CLEARED,
     EVICTED,
@@ -71,18 +71,10 @@ class FlatPoolBeliefs(CountingPool):
         return self._cache.covers_all(self.name, hashes, extra_cover=self._inflight)
 
     def track_inflight(self, hashes: Iterable[str]) -> None:
-        refs = self._inflight
-        for h in _validate.page_hashes(hashes):
-            refs[h] = refs.get(h, 0) + 1
+        lru.inflight_add(self._inflight, lru.page_hashes(hashes))
 
     def untrack_inflight(self, hashes: Iterable[str]) -> None:
-        refs = self._inflight
-        for h in _validate.page_hashes(hashes):
-            n = refs.get(h, 0)
-            if n > 1:
-                refs[h] = n - 1
-            else:
-                refs.pop(h, None)
+        lru.inflight_release(self._inflight, lru.page_hashes(hashes))
 
     def clear(self) -> None:
         """Forget this pool's beliefs and in-flight refs (the others' stay)."""
@@ -160,6 +152,15 @@ class FlatStorageExistenceCache:
         self._any_memory = False
         self._observer = observer
         self._advisor = advisor
+        if isinstance(observer, Tee):
+            observer.listen(self._observe)
+
+    def _observe(self, observer: BeliefObserver | None) -> None:
+        """What the cache and every pool notify from now on (a ``Tee``'s listener:
+        ``None`` while it is empty, so an idle ``Tee`` costs no call)."""
+        self._observer = observer
+        for rec in list(self._pools.values()):
+            rec._observer = observer
 
     @property
     def max_entries(self) -> int:
@@ -186,7 +187,7 @@ class FlatStorageExistenceCache:
         if isinstance(resolved, FlatPoolBeliefs):
             return resolved
         if pages is not None:
-            _validate.page_hashes(pages)
+            lru.page_hashes(pages)
         rec = self._pools.get(resolved)
         if rec is None:
             memory = self._miss_memory(resolved) if self._miss_memory else None
@@ -234,7 +235,7 @@ class FlatStorageExistenceCache:
         """Drop ``pool``'s beliefs beyond the leading ``keep_pages`` of ``hashes``."""
         resolved = self._resolve(pool)
         keep = _validate.count(keep_pages, "keep_pages")
-        seq = _validate.page_hashes(hashes)
+        seq = lru.page_hashes(hashes)
         rec = self._pool(resolved)
         gone = self._entries.discard(seq[keep:], rec.tag)
         rec.size -= len(gone)

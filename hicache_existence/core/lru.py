@@ -265,6 +265,30 @@ def compiled(name: str) -> ModuleType | None:
         return None
 
 
+def py_inflight_add(refs: dict[str, int], hashes: Sequence[str]) -> None:
+    """One ref more per page of ``hashes`` (a checked list or tuple), in order."""
+    get = refs.get
+    for h in hashes:
+        refs[h] = get(h, 0) + 1
+
+
+def py_inflight_release(refs: dict[str, int], hashes: Sequence[str]) -> tuple[int, int]:
+    """One ref less per page, in order (the last one drops the page):
+    ``(released, unmatched)``, the pages that had a ref and those that had none."""
+    released = unmatched = 0
+    for h in hashes:
+        n = refs.get(h)
+        if n is None:
+            unmatched += 1
+            continue
+        released += 1
+        if n <= 1:
+            del refs[h]
+        else:
+            refs[h] = n - 1
+    return released, unmatched
+
+
 def _select() -> tuple[Callable[[], LruIndexType], Callable[..., SamplerType], str]:
     module = compiled("core._lru")
     if module is not None:
@@ -275,6 +299,19 @@ def _select() -> tuple[Callable[[], LruIndexType], Callable[..., SamplerType], s
 #: The implementation the caches use, its sampler (the one ``attach`` takes:
 #: ``Sampler(threshold, max_keys, half_life=0)``), and its name ("c" or "python").
 LruIndex, Sampler, BACKEND = _select()
+
+#: The caches' batch checks and in-flight refcounts, from the same build as the index
+#: (a build from before them: the Python twins).  ``page_hashes`` is
+#: ``_validate.page_hashes`` (same results and errors) with a list or tuple checked in
+#: one C pass that reads no string's characters, where ``"".join`` copies them all.
+_compiled = compiled("core._lru") if BACKEND == "c" else None
+page_hashes: Callable[..., Sequence[str]] = getattr(_compiled, "page_hashes", _validate.page_hashes)
+inflight_add: Callable[[dict[str, int], Sequence[str]], None] = getattr(
+    _compiled, "inflight_add", py_inflight_add
+)
+inflight_release: Callable[[dict[str, int], Sequence[str]], tuple[int, int]] = getattr(
+    _compiled, "inflight_release", py_inflight_release
+)
 
 #: Bytes an entry costs at full cap (512K entries, CPython 3.11, tracemalloc, hash strings
 #: excluded): the C index's 8-byte slot at <= 3/4 load plus its 24-byte node; an

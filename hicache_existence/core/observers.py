@@ -65,38 +65,61 @@ class SamplerSource(Protocol):
 
 class Tee:
     """Fans one cache's operation stream out to several observers, in order (the cache
-    holds one observer; the TP digest and the reconciler each need the stream)."""
+    holds one observer; the TP digest and the reconciler each need the stream).
 
-    __slots__ = ("observers",)
+    A cache given a ``Tee`` listens to it (``listen``) and holds ``None`` instead
+    while it has no observer: an empty ``Tee`` costs the hot path no call, and
+    attaching one later (the reconciler, a recorder) reaches every pool at once."""
+
+    __slots__ = ("_observers", "_listeners")
 
     def __init__(self, *observers: BeliefObserver) -> None:
-        self.observers = tuple(observers)
+        self._observers: tuple[BeliefObserver, ...] = tuple(observers)
+        self._listeners: list[Callable[[Tee | None], None]] = []
+
+    @property
+    def observers(self) -> tuple[BeliefObserver, ...]:
+        """The observers, in notification order (assignable: listeners are told)."""
+        return self._observers
+
+    @observers.setter
+    def observers(self, value: Iterable[BeliefObserver]) -> None:
+        self._observers = tuple(value)
+        live = self if self._observers else None
+        for listen in self._listeners:
+            listen(live)
+
+    def listen(self, listener: Callable[[Tee | None], None]) -> None:
+        """Call ``listener(self)`` now and whenever observers change, ``listener(None)``
+        instead while there are none (what a cache should call then)."""
+        self._listeners.append(listener)
+        listener(self if self._observers else None)
 
     def append(self, observer: BeliefObserver) -> None:
         """Add an observer that needs the cache to exist first (the reconciler):
         build the ``Tee``, then the cache, then append.  Scheduler thread only."""
-        self.observers = (*self.observers, observer)
+        self.observers = (*self._observers, observer)
 
     def discard(self, observer: BeliefObserver) -> None:
         """Stop notifying ``observer`` (absent: nothing).  Scheduler thread only."""
-        self.observers = tuple(o for o in self.observers if o is not observer)
+        self.observers = tuple(o for o in self._observers if o is not observer)
 
     def added(self, pool: str, hashes: Sequence[str]) -> None:
-        for o in self.observers:
+        for o in self._observers:
             o.added(pool, hashes)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
-        for o in self.observers:
+        for o in self._observers:
             o.touched(pool, hashes, stop)
 
     def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
-        for o in self.observers:
+        for o in self._observers:
             o.invalidated(pool, hashes, keep_pages)
 
     def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
-        for o in self.observers:
+        for o in self._observers:
             o.inflight(pool, hashes, delta)
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
-        for o in self.observers:
+        for o in self._observers:
             o.cleared(pool, inflight_only)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from hicache_existence.core import _validate
+from hicache_existence.core import _validate, lru
 
 
 class _Beliefs(Protocol):
@@ -39,7 +39,7 @@ class PoolBeliefPolicy:
     ) -> None:
         """A transfer delivered only ``delivered_pages``: the rest is not stored."""
         delivered = _validate.count(delivered_pages, "delivered_pages")
-        beliefs.invalidate_beyond(_validate.page_hashes(keys, "keys"), delivered)
+        beliefs.invalidate_beyond(lru.page_hashes(keys, "keys"), delivered)
 
 
 class ChainPagesPolicy(PoolBeliefPolicy):
@@ -57,7 +57,7 @@ class ChainPagesPolicy(PoolBeliefPolicy):
     ) -> None:
         # Validate first: a policy either heals completely or changes nothing.
         hit = _validate.count(hit_pages, "hit_pages")
-        pages = _validate.page_hashes(chain, "chain")
+        pages = lru.page_hashes(chain, "chain")
         beliefs.invalidate_beyond(pages, hit)
         if evidence:
             beliefs.add(pages[:hit])
@@ -77,7 +77,7 @@ class TrailingWindowPolicy(PoolBeliefPolicy):
         evidence: bool,
     ) -> None:
         hit = _validate.count(hit_pages, "hit_pages")
-        beliefs.invalidate_beyond(_validate.page_hashes(chain, "chain"), hit)
+        beliefs.invalidate_beyond(lru.page_hashes(chain, "chain"), hit)
 
 
 def default_belief_policy(hit_policy: object) -> PoolBeliefPolicy:

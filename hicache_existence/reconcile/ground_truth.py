@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from hicache_existence.core import _validate
+from hicache_existence.core import _validate, lru
 
 
 class GroundTruthError(Exception):
@@ -97,7 +97,7 @@ def leased_objects(truth: object) -> int:
 def check_chain(pool: str, hashes: Iterable[str]) -> tuple[str, Sequence[str]]:
     """Validate a query's arguments (naming them) before any I/O."""
     name = _validate.pool_name(pool, "pool")
-    return name, _validate.page_hashes(hashes, "hashes")
+    return name, lru.page_hashes(hashes, "hashes")
 
 
 class InMemoryGroundTruth:

@@ -35,6 +35,7 @@ content-chained page hash, so a skipped write costs a recompute, never a wrong o
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +43,11 @@ from hicache_existence.accounting.causes import CauseTracker
 from hicache_existence.accounting.recorder import Recorder
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.policies import ChainPagesPolicy, default_belief_policy
-from hicache_existence.core.protocol import ExistenceCache
+from hicache_existence.core.protocol import ExistenceCache, PoolView
 
 KV = "kv"
 _CHAIN = ChainPagesPolicy()
+_NOTHING: frozenset[str] = frozenset()
 
 
 def pool_name(pool: object) -> str:
@@ -60,8 +62,8 @@ def account_ack(
     keys: Sequence[str],
     outcome: Any,
     node: Any,
-    noted: set[str],
-    held: set[str],
+    noted: AbstractSet[str],
+    held: AbstractSet[str],
 ) -> None:
     """This rank's outcome of one pool's written ``keys`` at their storage ack (both
     modes), and the causes of the redundant ones, classified before the ack adds
@@ -145,33 +147,18 @@ class CacheModeWrites:
         self.causes = causes
         self._size_pool = size_pool
         self._sized: set[str] = set()
-        #: The node whose ``write_backup_storage`` is running (scheduler thread).
-        self._node: Any = None
-        self._in_node = False
+        #: The node whose ``write_backup_storage`` is running, and whether one is
+        #: (the hooks set them: the node write's first ``write_storage`` takes them).
+        self.node: Any = None
+        self.in_node = False
         #: Launched operations, in launch order (= ack order).
         self._pending: dict[int, _Launch] = {}
+        #: The KV pool's beliefs, once looked up (a pool object is never replaced).
+        self._kv: PoolView | None = None
         #: The trace recorder (set by ``WritePath.attach_recorder``).
         self.recorder: Recorder | None = None
 
     # -- the node write --------------------------------------------------------------
-    def begin_node(self, node_id: Any) -> None:
-        """``write_backup_storage(node_id)`` starts: its ``write_storage`` is ours."""
-        self._node, self._in_node = node_id, True
-
-    def end_node(self) -> None:
-        self._node, self._in_node = None, False
-
-    @property
-    def in_node(self) -> bool:
-        return self._in_node
-
-    def claim(self) -> Any:
-        """The node of the running node write, for its one ``write_storage`` call
-        (later calls in the same node write are not ours)."""
-        node = self._node
-        self._node, self._in_node = None, False
-        return node
-
     def plan(
         self,
         pages: Sequence[str],
@@ -192,8 +179,11 @@ class CacheModeWrites:
             # left out what it skips: count what it sends, classify without a lookup.
             believed = set(pool(KV).believed(pages)) if pages else set()
             return WritePlan(list(range(len(pages))), pages, believed, extra, True, extra_believed)
-        covered = pool(KV).covered(pages) if pages else True
-        believed = set(pages) if covered else set(pool(KV).believed(pages))
+        kv = self._kv
+        if kv is None:
+            kv = self._kv = pool(KV)
+        covered = kv.covered(pages) if pages else True
+        believed = set(pages) if covered else set(kv.believed(pages))
         extra_covered = not extra or all(pool(p).covered(keys) for p, keys in extra.items() if keys)
         keep = list(range(len(pages)))
         extra_written = True
@@ -209,26 +199,43 @@ class CacheModeWrites:
         return WritePlan(keep, pages, believed, extra, extra_written, extra_believed)
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:
-        """The operation carrying ``plan``'s pages was queued for the backup thread."""
-        written = plan.written_pages
-        self._count(KV, written, plan.skipped)
+        """The operation carrying ``plan``'s pages was queued for the backup thread.
+        Every node write runs this on the scheduler thread: the KV pool's common case
+        is inline (no property, helper or empty-pool calls)."""
+        pages, keep = plan.pages, plan.keep
+        whole = len(keep) == len(pages)
+        written = pages if whole else [pages[i] for i in keep]
+        if KV not in self._sized:
+            self._sized.add(KV)
+            self._size_pool(KV)
+        writes = self.writes
+        writes.written(KV, len(written))
+        if not whole:
+            writes.avoided(KV, len(pages) - len(keep))
         if self.recorder is not None:
             self.recorder.written(KV, written)
-        extra = plan.extra if plan.extra_written else {}
-        for pool, keys in plan.extra.items():
-            self._count(
-                pool, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
-            )
+        extra = plan.extra
+        if extra:
+            for name, keys in extra.items():
+                self._count(
+                    name, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
+                )
+            if not plan.extra_written:
+                extra = {}
         if written:
-            self.cache.pool(KV).track_inflight(written)
-        for pool, keys in extra.items():
-            self.cache.pool(pool).track_inflight(keys)
+            kv = self._kv
+            if kv is None:
+                kv = self._kv = self.cache.pool(KV)
+            kv.track_inflight(written)
+        for name, keys in extra.items():
+            self.cache.pool(name).track_inflight(keys)
         self.causes.launched(node, written)
+        believed = plan.believed
         self._pending[int(operation_id)] = _Launch(
             node,
             written,
             # believed is a subset of the node's pages: whole, it is the write's
-            plan.believed if written is plan.pages else plan.believed & set(written),
+            believed if whole or not believed else believed.intersection(written),
             extra,
             {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()}
             if extra
@@ -270,23 +277,33 @@ class CacheModeWrites:
         return done
 
     def _acked(self, launch: _Launch, outcome: Any) -> None:
-        pools = {KV: launch.pages, **launch.extra}
+        node, pages, extra = launch.node_id, launch.pages, launch.extra
         if outcome is not None:  # None: this rank wrote nothing (non-writer rank, backup_skip)
-            for pool, keys in pools.items():
-                if pool in outcome.stored:
+            stored = outcome.stored
+            # The beliefs decided the write only with dedup on (its node rules).
+            dedup = self.dedup
+            if KV in stored:
+                noted = launch.believed
+                held = noted if dedup else _NOTHING
+                account_ack(self.writes, self.causes, KV, pages, outcome, node, noted, held)
+            for pool, keys in extra.items():
+                if pool in stored:
                     noted = launch.believed_of(pool)
-                    # The beliefs decided the write only with dedup on (its node rules).
-                    held = noted if self.dedup else set()
-                    account_ack(
-                        self.writes, self.causes, pool, keys, outcome, launch.node_id, noted, held
-                    )
-        for pool, keys in pools.items():
+                    held = noted if dedup else _NOTHING
+                    account_ack(self.writes, self.causes, pool, keys, outcome, node, noted, held)
+        # Believed whatever this rank's backend answered: all ranks add the same.
+        if pages:
+            kv = self._kv
+            if kv is None:
+                kv = self._kv = self.cache.pool(KV)
+            kv.add(pages)
+            kv.untrack_inflight(pages)
+        for pool, keys in extra.items():
             if keys:
-                # Believed whatever this rank's backend answered: all ranks add the same.
                 beliefs = self.cache.pool(pool)
                 beliefs.add(keys)
                 beliefs.untrack_inflight(keys)
-        self.causes.stored(launch.node_id, launch.pages)
+        self.causes.stored(node, pages)
 
     def clear(self) -> None:
         """The tree was reset: its operations will never be acknowledged."""

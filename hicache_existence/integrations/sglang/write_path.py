@@ -129,8 +129,11 @@ class WritePath:
         self.errors = 0
         self._errors_lock = threading.Lock()
         self._admitting = 0
-        self._refreshing = 0
-        self._pool_keys: Mapping[Any, list[str]] | None = None
+        #: Queue refreshes running (their ``_write_intents`` calls are repairs).
+        self.refreshing = 0
+        #: What ``_backup_pool_keys`` answered for the admission being decided
+        #: (the AFTER hook sets it outside a refresh; ``admission`` takes it).
+        self.pool_keys: Mapping[Any, list[str]] | None = None
         #: The tree whose sidecar pools (pool -> its driver) ``_sidecars`` holds.
         self._sidecar_tree: Any = None
         self._sidecars: dict[str, str] = {}
@@ -158,25 +161,21 @@ class WritePath:
     # -- admission (current generation) -------------------------------------------------
     def begin_refresh(self) -> None:
         """A queue refresh starts: its ``_write_intents`` calls are split repairs."""
-        self._refreshing += 1
+        self.refreshing += 1
 
     def end_refresh(self) -> None:
-        self._refreshing -= 1
-
-    def note_pool_keys(self, pool_keys: Mapping[Any, list[str]]) -> None:
-        """``_backup_pool_keys`` answered: the keys the next decision is about."""
-        if not self._refreshing:
-            self._pool_keys = pool_keys
+        self.refreshing -= 1
 
     def admission(self, pipeline: Any, intents: list[Any]) -> None:
         """``_write_intents`` returned ``intents``: outside a queue refresh, for this
         cache's pipeline, the pools of the noted keys it left out were covered
-        (avoided).  Cheap when every pool with keys was kept (no sidecar pool)."""
-        pool_keys = self._pool_keys
+        (avoided).  Per admission on the scheduler thread: without sidecar pools the
+        common cases (every keyed pool kept; none kept) take no helper call."""
+        pool_keys = self.pool_keys
         if pool_keys is None:
             return
-        self._pool_keys = None
-        if self._refreshing:
+        self.pool_keys = None
+        if self.refreshing:
             return
         tree = getattr(pipeline, "_cache", None)
         if getattr(tree, "storage_existence_cache", None) is not self.cache:  # owns_tree
@@ -189,6 +188,12 @@ class WritePath:
             }
         sidecars = self._sidecars
         if not sidecars:
+            if not intents:  # every pool with keys was covered
+                avoided = self.writes.avoided
+                for pool, k in pool_keys.items():
+                    if k:
+                        avoided(str.__str__(pool) if isinstance(pool, str) else str(pool), len(k))
+                return
             keyed = 0
             for k in pool_keys.values():
                 if k:
@@ -230,7 +235,7 @@ class WritePath:
 
     def end_admission(self) -> None:
         self._admitting -= 1
-        self._pool_keys = None
+        self.pool_keys = None
 
     def covered_in_admission(self, pool: Any, hashes: Any) -> None:
         """``covers_all`` answered True: avoided, if it is this admission's first."""
@@ -351,47 +356,42 @@ class WritePath:
 
     # -- cache mode ------------------------------------------------------------------------
     def plan_cache_write(
-        self,
-        controller: Any,
-        host_indices: Any,
-        token_ids: Any,
-        hash_value: Any,
-        prefix_keys: Any,
-        extra_pools: Any,
-    ) -> tuple[WritePlan, dict[str, Any]] | None:
-        """A cache-mode ``write_storage``: the plan, and the arguments it changes
-        (none when the node is written whole).  ``None``: not this cache's write."""
+        self, controller: Any, hash_value: Any, prefix_keys: Any, extra_pools: Any
+    ) -> WritePlan | None:
+        """A cache-mode ``write_storage``'s plan (``None``: not this cache's write);
+        ``cache_write_changes`` gives the arguments it changes unless written whole."""
         cache_mode = self.cache_mode
         if cache_mode is None:
             return None
         if self.controller is None:
             self.controller = controller
-        pages = list(hash_value or ())  # str page hashes (the cache checks them)
         extra = (
             {pool_name(t.name): list(t.keys) for t in extra_pools if getattr(t, "keys", None)}
             if extra_pools
             else {}
         )
-        plan = cache_mode.plan(pages, extra, prefix_keyed=prefix_keys is not None)
-        if plan.whole:  # dedup off, or nothing believed: upstream's call as it is
-            return plan, {}
+        # str page hashes (the cache checks them), as a list the plan may keep
+        return cache_mode.plan(list(hash_value or ()), extra, prefix_keyed=prefix_keys is not None)
+
+    def cache_write_changes(
+        self, plan: WritePlan, controller: Any, host_indices: Any, token_ids: Any, prefix_keys: Any
+    ) -> tuple[WritePlan, dict[str, Any]]:
+        """The ``write_storage`` arguments a plan not written whole changes (and the
+        plan, made whole when the host indices do not span its pages)."""
+        pages = plan.pages
         page = int(getattr(controller, "page_size", 0) or 0)
         if page <= 0 or len(host_indices) != len(pages) * page:
             return dataclasses.replace(plan, keep=list(range(len(pages))), extra_written=True), {}
         keep = plan.keep
-        if not keep and not plan.extra_written:
-            changes = {
-                "host_indices": host_indices[:0],
-                "token_ids": token_ids[:0],
-                "hash_value": [],
-                "extra_pools": None,
-            }
-        elif not keep:  # every page believed, no extra pool: an empty write, no gather
+        changes: dict[str, Any]
+        if not keep:  # every page believed: an empty write, no gather
             changes = {
                 "host_indices": host_indices[:0],
                 "token_ids": token_ids[:0],
                 "hash_value": [],
             }
+            if not plan.extra_written:
+                changes["extra_pools"] = None
         elif keep == list(range(keep[0], len(pages))):  # a believed prefix left out
             first = keep[0]
             changes = {

@@ -22,7 +22,11 @@ to the process's stderr (the server log), which ``Server.probes()`` reads back.
     method of the current generation's ``PoolBeliefs`` and ``StorageExistenceCache``,
     of the write accounting (``WritePath``, cache mode's ``CacheModeWrites`` and
     ``Beliefs``, the ``CauseTracker``) and in the per-step hook
-    ``after_check_hicache_events`` (nested calls counted once). Written every 0.5 s
+    ``after_check_hicache_events`` (nested calls counted once), and the write-path
+    hooks themselves (``hook:<target>``; an AROUND hook net of upstream's call inside
+    it, so the frames the hooks add around upstream count too; the write accounting's
+    own methods, which only the hooks call, are timed inside them with
+    ``HX_PROBE_COST_DETAIL=1``, for a breakdown). Written every 0.5 s
     to ``cost-<pid>.json`` in that directory, with a per-function breakdown.
     With ``HX_PROBE_RECORDER_TOGGLE=<path>`` the recorder is attached only while that
     file exists (``_RecorderToggle``; the record's ``recorder_on`` says which).
@@ -82,6 +86,7 @@ class _Cost:
         self.nested = 0
         self.hook_nested = 0  # of which inside the per-step hook
         self.passthrough_ns = 0.0  # one nested wrapper's cost (start-up calibration)
+        self.timer_ns = 0.0  # one timed call's timers (start-up calibration)
         self.it_nested0 = (0, 0)
         self.pid = os.getpid()
         #: name -> [ns, calls, this iteration's ns, calls, busy ns, calls, poll ns, calls]
@@ -303,9 +308,81 @@ def _probe_cost_flat(mod: ModuleType) -> None:
 
 
 def _probe_cost_write_path(mod: ModuleType) -> None:
-    # The write accounting's work; the AROUND hooks' own frames around upstream's
-    # calls are not timed (timing them would count upstream's work as ours).
+    # The write accounting's work (the hooks' own frames: ``_probe_cost_write_hooks``).
     _wrap_class(mod.WritePath)
+
+
+def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
+    """A write-path hook as SGLang calls it, timed as one of the package's top-level
+    calls (``hook:<name>``): an AFTER hook whole; an AROUND hook net of upstream's
+    call inside it, during which the timer stops and the package's own methods that
+    upstream calls are top-level calls again (as they are without the hook)."""
+    import threading
+    import time
+
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+    slot = _COST.by_name.setdefault(f"hook:{name}", [0] * 8)
+
+    def account(dt: int) -> None:
+        _COST.ns += dt
+        _COST.calls += 1
+        slot[0] += dt
+        slot[1] += 1
+        if not slot[3]:
+            _COST.touched.append(slot)
+        slot[2] += dt
+        slot[3] += 1
+
+    if kind == "AFTER":
+
+        def after(*args: Any, **kwargs: Any) -> Any:
+            if _COST.depth or get_ident() != _COST.main:
+                return hooked(*args, **kwargs)
+            _COST.depth = 1
+            t0 = perf()
+            try:
+                return hooked(*args, **kwargs)
+            finally:
+                account(perf() - t0)
+                _COST.depth = 0
+
+        return after
+
+    def around(original: Any, *args: Any, **kwargs: Any) -> Any:
+        if _COST.depth or get_ident() != _COST.main:
+            return hooked(original, *args, **kwargs)
+        spent = [0]  # upstream's time inside the hook (its own timers included)
+
+        def upstream(*a: Any, **kw: Any) -> Any:
+            _COST.depth = 0
+            u0 = perf()
+            try:
+                return original(*a, **kw)
+            finally:
+                spent[0] += perf() - u0
+                _COST.depth = 1
+
+        _COST.depth = 1
+        t0 = perf()
+        try:
+            return hooked(upstream, *args, **kwargs)
+        finally:
+            # The pause's own timers are a timed call's more: off at their calibration.
+            account(max(0, perf() - t0 - spent[0] - int(_COST.timer_ns)))
+            _COST.depth = 0
+
+    return around
+
+
+def _probe_cost_write_hooks(mod: ModuleType) -> None:
+    bound = mod.Hook.bound
+
+    def timed_bound(self: Any, target: object) -> Any:
+        hooked = bound(self, target)
+        return _hook_timed(hooked, self.kind, self.target.rsplit(".", 1)[-1])
+
+    mod.Hook.bound = timed_bound
 
 
 def _probe_cost_cache_mode(mod: ModuleType) -> None:
@@ -478,7 +555,7 @@ def _cost_writer(out_dir: str) -> None:
     ns0, calls0 = _COST.ns, _COST.calls
     for _ in range(2000):
         empty()
-    timer_ns = (_COST.ns - ns0) / max(1, _COST.calls - calls0)
+    timer_ns = _COST.timer_ns = (_COST.ns - ns0) / max(1, _COST.calls - calls0)
     # What a nested call's wrapper adds to its caller's interval: a timed loop of
     # wrapped calls against the same loop of direct calls (hot, so it under-subtracts).
     inner_fn = lambda: None  # noqa: E731
@@ -590,13 +667,20 @@ def install() -> None:
         hx_cpu_standins.on_import(
             "sglang.srt.mem_cache.buffer_mode.storage_existence_cache", _probe_cost_upstream_cache
         )
+        if os.environ.get("HX_PROBE_COST_DETAIL"):
+            # The write accounting's methods, which only the hooks call: a breakdown
+            # of the hooks' time, at the price of a nested wrapper per call, whose
+            # cold cost inside the hook's interval the hot calibration under-subtracts.
+            hx_cpu_standins.on_import(
+                "hicache_existence.integrations.sglang.write_path", _probe_cost_write_path
+            )
+            hx_cpu_standins.on_import(
+                "hicache_existence.integrations.sglang.cache_mode", _probe_cost_cache_mode
+            )
+            hx_cpu_standins.on_import("hicache_existence.accounting.causes", _probe_cost_causes)
         hx_cpu_standins.on_import(
-            "hicache_existence.integrations.sglang.write_path", _probe_cost_write_path
+            "hicache_existence.integrations.sglang.write_hooks.binding", _probe_cost_write_hooks
         )
-        hx_cpu_standins.on_import(
-            "hicache_existence.integrations.sglang.cache_mode", _probe_cost_cache_mode
-        )
-        hx_cpu_standins.on_import("hicache_existence.accounting.causes", _probe_cost_causes)
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
         if os.environ.get("HX_PROBE_COST_INNER"):

@@ -162,28 +162,35 @@ def bracketed(
 
 
 def read_then_account(
-    owns: Callable[[WritePath, Any], bool],
+    tree_attr: str | None,
     read: Callable[[WritePath, Any, tuple[Any, ...], dict[str, Any]], Any],
-    account: Callable[[WritePath, Any, Any], None],
+    account: Callable[..., None],
     name: str,
     doc: str,
 ) -> Hooked:
-    """An AROUND hook for a call that consumes what it is about: ``read(feed,
-    owner, a, kw)`` before upstream's call (``None``: nothing to account), then
-    ``account(feed, owner, read)`` after it; failures are counted, never raised."""
+    """An AROUND hook for a call that consumes what it is about, when the owner
+    (``tree_attr``: the attribute holding the tree; ``None``: the owner is the tree)
+    holds this process's cache: ``read(feed, owner, a, kw)`` before upstream's call
+    (``None``: nothing to account), then ``account(feed, *read)`` after it; failures
+    are counted, never raised.  Per event on the scheduler thread: no helper frames
+    around the two calls."""
 
     def around(original: Hooked, owner: Any, *a: Any, **kw: Any) -> Any:
         feed = current()
-        if feed is None or not owns(feed, owner):
+        tree = owner if tree_attr is None else getattr(owner, tree_attr, None)
+        if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
             return original(owner, *a, **kw)
         seen = None
         try:
             seen = read(feed, owner, a, kw)
-        except Exception as exc:
+        except Exception as exc:  # accounting never raises into the scheduler
             feed.error(exc)
         result = original(owner, *a, **kw)
         if seen is not None:
-            guard(feed, lambda: account(feed, owner, seen))
+            try:
+                account(feed, *seen)
+            except Exception as exc:
+                feed.error(exc)
         return result
 
     around.__name__ = around.__qualname__ = name

@@ -34,10 +34,11 @@ def _refresh_pending(p: Params) -> Hooked:
 
 def _backup_pool_keys(p: Params) -> Hooked:
     def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
-        """AFTER ``_backup_pool_keys`` (only ``_write_intents`` calls it): the keys."""
+        """AFTER ``_backup_pool_keys`` (only ``_write_intents`` calls it): the keys
+        the next decision is about, outside a queue refresh (its repairs are not)."""
         feed = current()
-        if feed is not None:
-            feed.note_pool_keys(result)
+        if feed is not None and not feed.refreshing:
+            feed.pool_keys = result
         return None
 
     return after_backup_pool_keys
@@ -49,7 +50,7 @@ def _write_intents(p: Params) -> Hooked:
         node per insert walk, after upstream's dedupe); pools left out are avoided."""
         intents = original(pipeline, *a, **kw)
         feed = current()
-        if feed is not None:
+        if feed is not None and feed.pool_keys is not None:
             try:
                 feed.admission(pipeline, intents)
             except Exception as exc:  # accounting never raises into the scheduler
@@ -131,16 +132,16 @@ def _stage_backup_intent(p: Params) -> Hooked:
         if result is not True:
             return None
         feed = current()
-        if feed is None or not feed.owns_pipeline(pipeline):
+        tree = getattr(pipeline, "_cache", None)
+        if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
             return None
-
-        def launched() -> None:
+        try:
             intent = intent_of(a, kw)
             keys = keys_of(a, kw)
             by_pool = keys if isinstance(keys, Mapping) else {"kv": intent.snapshot.hash_values}
             feed.launched(pipeline, intent, by_pool)
-
-        guard(feed, launched)
+        except Exception as exc:  # accounting never raises into the scheduler
+            feed.error(exc)
         return None
 
     return after_stage_backup_intent
@@ -156,9 +157,9 @@ def _storage_write_ack(p: Params) -> Hooked:
         return None if entry is None else (entry, outcome)
 
     return read_then_account(
-        WritePath.owns_pipeline,
+        "_cache",
         read,
-        lambda feed, pipeline, seen: feed.acked(*seen),
+        WritePath.acked,
         "around_storage_write_ack",
         """AROUND ``finish_storage_write_ack``: this rank's outcome of the write,
         read before upstream pops the pipeline's entry.""",
