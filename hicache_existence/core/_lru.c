@@ -1686,6 +1686,59 @@ parse_refs(const char *name, PyObject *const *args, Py_ssize_t nargs, PyObject *
     return 0;
 }
 
+/* refs[key] as a count: 1 and *n when present, 0 when absent, -1 on an error. */
+static int
+ref_count(PyObject *refs, PyObject *key, long long *n)
+{
+    PyObject *old = PyDict_GetItemWithError(refs, key);
+    if (old == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *n = PyLong_AsLongLong(old);
+    return (*n == -1 && PyErr_Occurred()) ? -1 : 1;
+}
+
+/* refs[key] = n, or del refs[key] when n <= 0. */
+static int
+set_count(PyObject *refs, PyObject *key, long long n)
+{
+    if (n <= 0) {
+        return PyDict_DelItem(refs, key);
+    }
+    PyObject *v = PyLong_FromLongLong(n);
+    int rc = v == NULL ? -1 : PyDict_SetItem(refs, key, v);
+    Py_XDECREF(v);
+    return rc;
+}
+
+/* One ref more (delta 1) or less (-1) per page of seq, in order; counts the pages
+ * that had a ref and those that had none.  Nothing here runs Python code for exact
+ * str keys; a subclass's __hash__/__eq__ could, so seq is held and its size re-read. */
+static int
+shift_refs(PyObject *refs, PyObject *seq, int delta, Py_ssize_t *had, Py_ssize_t *lacked)
+{
+    int rc = 0;
+    Py_INCREF(seq);
+    for (Py_ssize_t i = 0; rc == 0 && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        long long n = 0;
+        int found = ref_count(refs, key, &n);
+        if (found < 0) {
+            rc = -1;
+        }
+        else if (found == 0 && delta < 0) {
+            (*lacked)++;
+        }
+        else {
+            *(found ? had : lacked) += 1;
+            rc = set_count(refs, key, n + delta);
+        }
+        Py_DECREF(key);
+    }
+    Py_DECREF(seq);
+    return rc;
+}
+
 PyDoc_STRVAR(inflight_add_doc,
              "inflight_add(refs, hashes) -> None\n\n"
              "One ref more per page: refs[h] = refs.get(h, 0) + 1 for each h, in order.");
@@ -1694,39 +1747,11 @@ static PyObject *
 mod_inflight_add(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *refs, *seq;
-    if (parse_refs("inflight_add", args, nargs, &refs, &seq) < 0) {
+    Py_ssize_t had = 0, lacked = 0;
+    if (parse_refs("inflight_add", args, nargs, &refs, &seq) < 0
+        || shift_refs(refs, seq, 1, &had, &lacked) < 0) {
         return NULL;
     }
-    /* A list may not change size under us: nothing here runs Python code for exact
-     * str keys (a subclass's __hash__/__eq__ could, so the size is re-read). */
-    Py_INCREF(seq);
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        PyObject *key = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
-        PyObject *old = PyDict_GetItemWithError(refs, key);
-        long long n = 0;
-        if (old != NULL) {
-            n = PyLong_AsLongLong(old);
-            if (n == -1 && PyErr_Occurred()) {
-                Py_DECREF(key);
-                Py_DECREF(seq);
-                return NULL;
-            }
-        }
-        else if (PyErr_Occurred()) {
-            Py_DECREF(key);
-            Py_DECREF(seq);
-            return NULL;
-        }
-        PyObject *v = PyLong_FromLongLong(n + 1);
-        int rc = v == NULL ? -1 : PyDict_SetItem(refs, key, v);
-        Py_XDECREF(v);
-        Py_DECREF(key);
-        if (rc < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
     Py_RETURN_NONE;
 }
 
@@ -1739,47 +1764,11 @@ static PyObject *
 mod_inflight_release(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *refs, *seq;
-    if (parse_refs("inflight_release", args, nargs, &refs, &seq) < 0) {
+    Py_ssize_t released = 0, unmatched = 0;
+    if (parse_refs("inflight_release", args, nargs, &refs, &seq) < 0
+        || shift_refs(refs, seq, -1, &released, &unmatched) < 0) {
         return NULL;
     }
-    Py_ssize_t released = 0, unmatched = 0;
-    Py_INCREF(seq);
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        PyObject *key = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
-        PyObject *old = PyDict_GetItemWithError(refs, key);
-        int rc = 0;
-        if (old == NULL) {
-            if (PyErr_Occurred()) {
-                rc = -1;
-            }
-            else {
-                unmatched++;
-            }
-        }
-        else {
-            long long n = PyLong_AsLongLong(old);
-            if (n == -1 && PyErr_Occurred()) {
-                rc = -1;
-            }
-            else {
-                released++;
-                if (n <= 1) {
-                    rc = PyDict_DelItem(refs, key);
-                }
-                else {
-                    PyObject *v = PyLong_FromLongLong(n - 1);
-                    rc = v == NULL ? -1 : PyDict_SetItem(refs, key, v);
-                    Py_XDECREF(v);
-                }
-            }
-        }
-        Py_DECREF(key);
-        if (rc < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
     return Py_BuildValue("(nn)", released, unmatched);
 }
 

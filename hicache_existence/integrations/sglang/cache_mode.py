@@ -101,10 +101,6 @@ class WritePlan:
         return [self.pages[i] for i in self.keep]
 
     @property
-    def skipped(self) -> int:
-        return len(self.pages) - len(self.keep)
-
-    @property
     def whole(self) -> bool:
         return len(self.keep) == len(self.pages) and self.extra_written
 
