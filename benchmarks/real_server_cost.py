@@ -80,6 +80,8 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         "rec_poll": [0, 0],
         "ctrl_busy": [0, 0],
         "ctrl_poll": [0, 0],
+        "actrl_busy": [0, 0, 0],
+        "actrl_poll": [0, 0, 0],
     }
     by_name: dict[str, list[int]] = {}
     files = sorted(out_dir.glob("cost-*.json"))
@@ -89,7 +91,7 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         rec = json.loads(f.read_text())
         for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls", "hook_ns"):
             total[k] += int(rec[k])
-        for k in ("busy", "poll", "rec_busy", "rec_poll", "ctrl_busy", "ctrl_poll"):
+        for k in ("busy", "poll", "rec_busy", "rec_poll", "ctrl_busy", "ctrl_poll", *_ACTRL):
             got = list(rec.get(k, ())) + [0] * len(total[k])  # older probes: fewer fields
             total[k] = [a + int(b) for a, b in zip(total[k], got)]
         total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
@@ -106,6 +108,17 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
     states = {json.loads(f.read_text()).get("recorder_on") for f in files}
     total["recorder_on"] = states.pop() if len(states) == 1 else None
     return total
+
+
+#: The AROUND control's fields (``hx_probes._around_control``).
+_ACTRL = ("actrl_busy", "actrl_poll")
+
+
+def around_control(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[int]]:
+    """A round's AROUND control readings (nothing from a probe that records none)."""
+    if not any(after.get("actrl_busy", ())):
+        return {}
+    return {k: [a - b for a, b in zip(after[k], before[k])] for k in _ACTRL}
 
 
 def fresh_cost(out_dir: Path) -> dict[str, Any]:
@@ -150,6 +163,8 @@ def one_round(
         # [thread ns, calls] of the empty hook timed beside the per-step hook
         "ctrl_busy": [a - b for a, b in zip(after["ctrl_busy"], before["ctrl_busy"])],
         "ctrl_poll": [a - b for a, b in zip(after["ctrl_poll"], before["ctrl_poll"])],
+        # [thread ns, calls, real AROUND hook calls] of the empty AROUND hook
+        **around_control(before, after),
         "timer_ns_per_call": after["timer_ns"],
         "passthrough_ns_per_call": after["passthrough_ns"],
         "by_name_ms": {
@@ -356,6 +371,17 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
             (pkg_p - hook_p) - max(0, calls_p - it_p) * timer_p - (nested_p - nested_hook) * through
         )
         share_insitu = max(0.0, busy_in + max(0.0, poll_in)) / ns_b
+    # And net of the AROUND control too (probes that record it): an empty AROUND
+    # hook timed beside every real one; what it records beyond the empty function's
+    # control is the pause's cost, counted in every AROUND hook's time.
+    a_b, a_p = r.get("actrl_busy"), r.get("actrl_poll")
+    share_around = around_b = None
+    if share_insitu is not None and a_b and a_p and a_b[1] and ctrl_b_calls:
+        around_b = max(0.0, a_b[0] / a_b[1] - ctrl_b_ns / ctrl_b_calls)
+        around_p = max(0.0, a_p[0] / a_p[1] - ctrl_ns / ctrl_calls) if a_p[1] else around_b
+        busy_a = busy_in - a_b[2] * around_b
+        poll_a = poll_in - a_p[2] * around_p
+        share_around = max(0.0, busy_a + max(0.0, poll_a)) / ns_b
     return {
         "busy_iterations": it_b,
         "busy_ms": ns_b / 1e6,
@@ -374,6 +400,8 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         "timer_us_insitu_poll": ctrl_ns / ctrl_calls / 1e3 if ctrl_calls else None,
         "timer_us_insitu_busy": ctrl_b_ns / ctrl_b_calls / 1e3 if ctrl_b_calls else None,
         "share_insitu": share_insitu,
+        "share_insitu_around": share_around,
+        "around_extra_us_insitu_busy": around_b / 1e3 if around_b is not None else None,
     }
 
 
@@ -394,6 +422,18 @@ def insitu_summary(be: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "timer_us_insitu_poll_median": round(med(x["timer_us_insitu_poll"] for x in be), 3),
         "timer_us_insitu_busy_median": round(med(x["timer_us_insitu_busy"] for x in be), 3),
+        **(
+            {}
+            if any(x.get("share_insitu_around") is None for x in be)
+            else {
+                "package_share_of_busy_insitu_around_median": (
+                    f"{100 * med(x['share_insitu_around'] for x in be):.2f}%"
+                ),
+                "around_extra_us_insitu_busy_median": round(
+                    med(x["around_extra_us_insitu_busy"] for x in be), 3
+                ),
+            }
+        ),
     }
 
 

@@ -27,9 +27,13 @@ def _plan_write(
     feed: Any, controller: Any, host: Any, tokens: Any, kv: Any, prefix: Any, extra: Any
 ) -> Any:
     """What the ``write_storage`` hook does: the plan, then the arguments it changes."""
-    plan = feed.plan_cache_write(controller, kv, prefix, extra)
-    if plan is None or plan.whole:
-        return None if plan is None else (plan, {})
+    if feed.cache_mode is None:
+        return None
+    if feed.controller is None:
+        feed.controller = controller
+    plan = feed.cache_mode.plan(kv, extra, prefix_keyed=prefix is not None)
+    if plan.whole:
+        return (plan, {})
     return feed.cache_write_changes(plan, controller, host, tokens, prefix)
 
 

@@ -63,7 +63,7 @@ def test_a_query_below_the_threshold_explains_the_rewrite() -> None:
     disposition taken at the launch names the cause."""
     t = CauseTracker(known())
     a = pages("a", 5)
-    t.queried(a[:3], below_threshold=True)
+    t.queried(a, 3, below_threshold=True)
     t.launched(2, a)
     assert t.classify(2, a, believed=a) == {"below_prefetch_threshold": 3, "recompute": 2}
 
@@ -74,8 +74,8 @@ def test_a_prefetch_that_stopped_short_explains_the_rest() -> None:
     disposition (written again later, it is a recompute)."""
     t = CauseTracker(known())
     a = pages("a", 6)
-    t.queried(a, below_threshold=False)
-    t.prefetched(a[:2], a)
+    t.queried(a, 6, below_threshold=False)
+    t.prefetched(a, 2)
     t.launched(3, a)
     assert t.classify(3, a, believed=a) == {"recompute": 2, "prefetch_shortfall": 4}
 
@@ -85,7 +85,7 @@ def test_a_revoked_prefetch_is_a_shortfall() -> None:
     host capacity): its pages, written again, are a shortfall."""
     t = CauseTracker(known())
     a = pages("a", 4)
-    t.queried(a, below_threshold=False)
+    t.queried(a, 9, below_threshold=False)  # found beyond the chain: all of it
     t.launched(1, a)
     assert t.classify(1, a) == {"prefetch_shortfall": 4}
 
@@ -95,7 +95,7 @@ def test_a_disposition_is_consumed_by_the_next_write() -> None:
     page is what the local record says."""
     t = CauseTracker(known())
     a = pages("a", 2)
-    t.queried(a, below_threshold=True)
+    t.queried(a, 2, below_threshold=True)
     t.launched(1, a)
     assert t.classify(1, a) == {"below_prefetch_threshold": 2}
     t.stored(1, a)
@@ -108,7 +108,7 @@ def test_held_pages_come_first() -> None:
     the page was written with its node: believed_node, whatever else is known."""
     t = CauseTracker(known())
     a = pages("a", 3)
-    t.queried(a, below_threshold=True)
+    t.queried(a, 3, below_threshold=True)
     t.launched(1, a)
     assert t.classify(1, a, believed=a, held=a[:1]) == {
         "believed_node": 1,
@@ -121,7 +121,7 @@ def test_memory_is_bounded_by_two_generations() -> None:
     a size below 1 is refused."""
     t = CauseTracker(known(), max_entries=8)
     for i in range(20):
-        t.queried(pages(f"q{i:02d}", 3), below_threshold=i % 2 == 0)
+        t.queried(pages(f"q{i:02d}", 3), 3, below_threshold=i % 2 == 0)
         t.stored(i, pages(f"s{i:02d}", 3))
     assert len(t) <= 2 * 8 + 2 * 8
     newest = pages("q18", 3)  # even: below the threshold
@@ -191,8 +191,8 @@ class _Reference:
 _PAGES = pages("p", 12)
 _span = st.lists(st.sampled_from(_PAGES), min_size=0, max_size=6, unique=True)
 _event = st.one_of(
-    st.tuples(st.just("queried"), _span, st.booleans()),
-    st.tuples(st.just("prefetched"), _span, st.integers(0, 6)),
+    st.tuples(st.just("queried"), _span, st.integers(-1, 7), st.booleans()),
+    st.tuples(st.just("prefetched"), _span, st.integers(-1, 7)),
     st.tuples(st.just("write"), _span, st.integers(0, 3), _span, _span),
 )
 
@@ -208,12 +208,11 @@ def test_the_tracker_agrees_with_the_reference(
     t, ref = CauseTracker(known(*remembered)), _Reference(set(remembered))
     for ev in events:
         if ev[0] == "queried":
-            t.queried(ev[1], below_threshold=ev[2])
-            ref.queried(ev[1], ev[2])
+            t.queried(ev[1], ev[2], below_threshold=ev[3])
+            ref.queried(ev[1][: max(ev[2], 0)], ev[3])
         elif ev[0] == "prefetched":
-            loaded = ev[1][: ev[2]]
-            t.prefetched(loaded, ev[1])
-            ref.prefetched(loaded, ev[1])
+            t.prefetched(ev[1], ev[2])
+            ref.prefetched(ev[1][: max(ev[2], 0)], ev[1])
         else:
             _, ps, node, believed, held = ev
             believed = [p for p in believed if p in ps]

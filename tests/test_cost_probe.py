@@ -29,8 +29,10 @@ def cost() -> Any:
     c = hx_probes._COST
     saved = (c.main, c.ns, c.calls, c.depth, dict(c.by_name), c.timer_ns)
     c.main, c.ns, c.calls, c.depth, c.timer_ns = threading.get_ident(), 0, 0, 0, 0.0
+    c.actrl_ns = c.actrl_calls = c.around_calls = 0
     yield c
     c.main, c.ns, c.calls, c.depth, by_name, c.timer_ns = saved
+    c.actrl_ns = c.actrl_calls = c.around_calls = 0
     c.by_name.clear()
     c.by_name.update(by_name)
     c.touched.clear()
@@ -72,3 +74,47 @@ def test_an_after_hook_counts_whole_and_other_threads_not_at_all(cost: Any) -> N
     worker.start()
     worker.join()
     assert slot[1] == 1  # not the scheduler thread: not counted
+
+
+def test_every_around_call_runs_the_around_control_beside_it(cost: Any) -> None:
+    """Each timed AROUND call runs the empty AROUND control once (before it one
+    call, after it the next); the control's time is its own, never the package's,
+    and it records the pause's timers, not the empty upstream inside it."""
+
+    def hook(original: Any, x: int) -> int:
+        _spin(1)
+        return int(original(x))
+
+    timed = hx_probes._hook_timed(hook, "AROUND", "probe_test_control")
+    for _ in range(4):
+        assert timed(lambda x: x + 1, 1) == 2
+    assert (cost.actrl_calls, cost.around_calls, cost.calls) == (4, 4, 4)
+    assert 0 < cost.actrl_ns < 4 * 0.5e6, cost.actrl_ns  # far below the hooks' 4 ms
+    assert 3.5e6 < cost.ns < 12e6, cost.ns
+    assert cost.depth == 0
+
+
+def test_the_share_nets_out_what_the_around_control_records() -> None:
+    """``busy_share``: AROUND hook calls are net of what the AROUND control records
+    beyond the empty function's control, per iteration kind; a probe without the
+    AROUND control gives no such figure."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from real_server_cost import busy_share
+
+    r: dict[str, Any] = {
+        "timer_ns_per_call": 0.0,
+        # 10 busy iterations, 1e9 ns, package 1e6 ns in 100 calls
+        "busy": [10, 1_000_000_000, 1_000_000, 100, 0],
+        "poll": [5, 1_000_000, 0, 5, 0, 0, 0],
+        "ctrl_busy": [2_000, 10],  # 200 ns an empty function
+        "ctrl_poll": [1_000, 5],
+    }
+    base = busy_share(r)
+    assert base["share_insitu_around"] is None
+    assert base["share_insitu"] == (1_000_000 - 100 * 200) / 1e9
+    # The AROUND control: 1,200 ns a call, 1,000 more than the empty function; 20
+    # real AROUND calls in busy iterations take 20,000 ns more off.
+    r.update(actrl_busy=[12_000, 10, 20], actrl_poll=[0, 0, 0])
+    got = busy_share(r)
+    assert got["around_extra_us_insitu_busy"] == 1.0
+    assert got["share_insitu_around"] == (1_000_000 - 100 * 200 - 20 * 1_000) / 1e9

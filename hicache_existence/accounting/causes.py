@@ -5,13 +5,14 @@ backend's ``exists``, Mooncake's ``batch_is_exist``).  ``CauseTracker`` keeps th
 little it takes to say why SGLang wrote it anyway, from events the write path
 reports in scheduler-thread order (every TP rank sees the same ones):
 
-* ``queried(pages, below_threshold)``: a rank-agreed prefetch hit query found
-  ``pages`` in L3.  Below the prefetch threshold they are not loaded, so a
-  rewrite is ``below_prefetch_threshold``; at or above it, until the due prefetch
-  reports, a rewrite is a ``prefetch_shortfall`` (a prefetch revoked for lack of
-  host memory never reports);
-* ``prefetched(loaded, requested)``: requested pages a prefetch did not deliver
-  (a deadline, a failed transfer, no host memory) stay a ``prefetch_shortfall``;
+* ``queried(chain, found, below_threshold)``: a rank-agreed prefetch hit query
+  found the chain's first ``found`` pages in L3.  Below the prefetch threshold
+  they are not loaded, so a rewrite is ``below_prefetch_threshold``; at or above
+  it, until the due prefetch reports, a rewrite is a ``prefetch_shortfall`` (a
+  prefetch revoked for lack of host memory never reports);
+* ``prefetched(requested, loaded)``: requested pages a prefetch did not deliver
+  (beyond its first ``loaded``: a deadline, a failed transfer, no host memory)
+  stay a ``prefetch_shortfall``;
 * ``launched(node, pages)``: a write by tree node ``node`` left; a page's next
   write consumes its pending disposition;
 * ``stored(node, pages)``: the write was acknowledged.
@@ -92,14 +93,6 @@ class _Generations:
         if len(new) >= self.size:
             self.old, self.new = new, {}
 
-    def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
-        """``put`` of every key (one C-level update; the generation may overshoot
-        ``size`` by the batch before it turns over)."""
-        new = self.new
-        new.update(dict.fromkeys(keys, value))
-        if len(new) >= self.size:
-            self.old, self.new = new, {}
-
     def present(self, keys: Iterable[Hashable]) -> set[Hashable]:
         """The keys held, found by C-level set intersections."""
         wanted = set(keys)
@@ -134,20 +127,38 @@ class CauseTracker:
         self._taken: dict[str, int] = {}
 
     # -- events --------------------------------------------------------------------
-    def queried(self, pages: Sequence[str], *, below_threshold: bool) -> None:
-        """A rank-agreed hit query found ``pages`` (a chain prefix) in L3."""
-        if pages:
-            self._disposition.put_many(pages, _BELOW if below_threshold else _SHORT)
-
-    def prefetched(self, loaded: Sequence[str], requested: Sequence[str]) -> None:
-        """A prefetch delivered ``loaded`` (a prefix of ``requested``): those are
-        no shortfall; the rest of ``requested`` is."""
+    # Per hit query and prefetch result on the scheduler thread: one C-level update of
+    # the newer generation each, without helper frames or slices of a whole chain.
+    def queried(self, chain: Sequence[str], found: int, *, below_threshold: bool) -> None:
+        """A rank-agreed hit query found ``chain``'s first ``found`` pages in L3."""
+        if found <= 0:
+            return
         disp = self._disposition
-        if loaded:
-            disp.put_many(loaded, _LOADED)
-        rest = requested[len(loaded) :]
-        if rest:
-            disp.put_many(rest, _SHORT)
+        new = disp.new
+        new.update(
+            dict.fromkeys(
+                chain if found >= len(chain) else chain[:found],
+                _BELOW if below_threshold else _SHORT,
+            )
+        )
+        if len(new) >= disp.size:
+            disp.old, disp.new = new, {}
+
+    def prefetched(self, requested: Sequence[str], loaded: int) -> None:
+        """A prefetch of ``requested`` delivered its first ``loaded`` pages: those
+        are no shortfall; the rest of ``requested`` is."""
+        if not requested:
+            return
+        disp = self._disposition
+        new = disp.new
+        if loaded >= len(requested):
+            new.update(dict.fromkeys(requested, _LOADED))
+        else:
+            if loaded > 0:
+                new.update(dict.fromkeys(requested[:loaded], _LOADED))
+            new.update(dict.fromkeys(requested[max(loaded, 0) :], _SHORT))
+        if len(new) >= disp.size:
+            disp.old, disp.new = new, {}
 
     def launched(self, node: Any, pages: Iterable[str]) -> None:
         """A write of ``pages`` by ``node`` left: take their dispositions."""

@@ -155,16 +155,18 @@ class CacheModeWrites:
         self.recorder: Recorder | None = None
 
     # -- the node write --------------------------------------------------------------
-    def plan(
-        self,
-        pages: Sequence[str],
-        extra: dict[str, list[str]],
-        *,
-        prefix_keyed: bool,
-    ) -> WritePlan:
-        """Look the node's pages up and decide what is written (module docstring)."""
-        if type(pages) is not list:  # the write path hands over its own list
-            pages = list(pages)
+    def plan(self, hash_value: Any, extra_pools: Any, *, prefix_keyed: bool) -> WritePlan:
+        """Look a node write's pages up and decide what is written (module
+        docstring), from ``write_storage``'s own arguments: its KV page hashes, its
+        extra pools' transfers (hybrid models; ``None``: none), whether it passes
+        prefix keys.  Called by the hook itself: no argument-conversion frame."""
+        # str page hashes (the cache checks them), as a list the plan may keep
+        pages: list[str] = list(hash_value or ())
+        extra = (
+            {pool_name(t.name): list(t.keys) for t in extra_pools if getattr(t, "keys", None)}
+            if extra_pools
+            else {}
+        )
         pool = self.cache.pool
         # A read (no touch, no count), for the extra pools' redundant_believed at the ack.
         extra_believed = (
@@ -181,17 +183,20 @@ class CacheModeWrites:
         covered = kv.covered(pages) if pages else True
         believed = set(pages) if covered else set(kv.believed(pages))
         extra_covered = not extra or all(pool(p).covered(keys) for p, keys in extra.items() if keys)
-        keep = list(range(len(pages)))
         extra_written = True
-        if self.dedup:
-            if extra:
-                if covered and extra_covered:
-                    keep, extra_written = [], False
-            elif prefix_keyed:
-                first = next((i for i, p in enumerate(pages) if p not in believed), len(pages))
-                keep = keep[first:]
-            else:
-                keep = [i for i, p in enumerate(pages) if p not in believed]
+        if not self.dedup:
+            keep = list(range(len(pages)))
+        elif extra:
+            keep = list(range(len(pages)))
+            if covered and extra_covered:
+                keep, extra_written = [], False
+        elif covered:  # every page believed (or in flight): nothing to write
+            keep = []
+        elif prefix_keyed:
+            first = next((i for i, p in enumerate(pages) if p not in believed), len(pages))
+            keep = list(range(first, len(pages)))
+        else:
+            keep = [i for i, p in enumerate(pages) if p not in believed]
         return WritePlan(keep, pages, believed, extra, extra_written, extra_believed)
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:

@@ -355,29 +355,12 @@ class WritePath:
                     kv_events.feed(self.events, entry.intent, keys, outcome.stored[name])
 
     # -- cache mode ------------------------------------------------------------------------
-    def plan_cache_write(
-        self, controller: Any, hash_value: Any, prefix_keys: Any, extra_pools: Any
-    ) -> WritePlan | None:
-        """A cache-mode ``write_storage``'s plan (``None``: not this cache's write);
-        ``cache_write_changes`` gives the arguments it changes unless written whole."""
-        cache_mode = self.cache_mode
-        if cache_mode is None:
-            return None
-        if self.controller is None:
-            self.controller = controller
-        extra = (
-            {pool_name(t.name): list(t.keys) for t in extra_pools if getattr(t, "keys", None)}
-            if extra_pools
-            else {}
-        )
-        # str page hashes (the cache checks them), as a list the plan may keep
-        return cache_mode.plan(list(hash_value or ()), extra, prefix_keyed=prefix_keys is not None)
-
     def cache_write_changes(
         self, plan: WritePlan, controller: Any, host_indices: Any, token_ids: Any, prefix_keys: Any
     ) -> tuple[WritePlan, dict[str, Any]]:
-        """The ``write_storage`` arguments a plan not written whole changes (and the
-        plan, made whole when the host indices do not span its pages)."""
+        """The ``write_storage`` arguments a plan (``CacheModeWrites.plan``) not
+        written whole changes (and the plan, made whole when the host indices do not
+        span its pages)."""
         pages = plan.pages
         page = int(getattr(controller, "page_size", 0) or 0)
         if page <= 0 or len(host_indices) != len(pages) * page:
@@ -428,12 +411,7 @@ class WritePath:
             self.recorder.set_page_size(page)
             self.recorder.prefetch("kv", chain, hit_tokens // page)
         threshold = int(getattr(tree, "prefetch_threshold", 0) or 0)
-        self.causes.queried(chain[: hit_tokens // page], below_threshold=hit_tokens < threshold)
-
-    def prefetched(self, tree: Any, requested: list[str], completed_tokens: int) -> None:
-        """A prefetch finished: ``requested``'s first ``completed_tokens`` loaded."""
-        page = int(tree.page_size)
-        self.causes.prefetched(requested[: completed_tokens // page], requested)
+        self.causes.queried(chain, hit_tokens // page, below_threshold=hit_tokens < threshold)
 
     def step(self, tree: Any) -> None:
         """Per scheduler step (cache mode): account the acknowledged operations."""
@@ -464,18 +442,16 @@ def _node_of(intent: Any) -> Any:
     return getattr(snapshot, "node_id", None)
 
 
-_FEEDS: dict[int, WritePath] = {}
+#: pid -> that process's write path.  The hooks read it inline, as
+#: ``FEEDS.get(PROCESS.pid)`` (``None``: the package observes no cache in this
+#: process): a lookup function would be one more cold frame per event.
+FEEDS: dict[int, WritePath] = {}
 
 
 def attach(feed: WritePath) -> None:
     """Make ``feed`` this process's write path (the hooks look it up)."""
-    _FEEDS[PROCESS.pid] = feed
+    FEEDS[PROCESS.pid] = feed
 
 
 def detach() -> None:
-    _FEEDS.pop(PROCESS.pid, None)
-
-
-def current() -> WritePath | None:
-    """This process's write path (``None`` when the package observes no cache here)."""
-    return _FEEDS.get(PROCESS.pid)
+    FEEDS.pop(PROCESS.pid, None)

@@ -117,6 +117,15 @@ class _Cost:
         self.it_ctrl0 = (0, 0)
         self.ctrl_busy = [0, 0]
         self.ctrl_poll = [0, 0]
+        # The in-situ AROUND control (``_around_control``): an empty AROUND hook timed
+        # beside every real one, as ``_hook_timed`` times it (its pause included):
+        # [ns, calls]; and the real AROUND hook calls per iteration kind.
+        self.actrl_ns = 0
+        self.actrl_calls = 0
+        self.around_calls = 0
+        self.it_actrl0 = (0, 0, 0)
+        self.actrl_busy = [0, 0, 0]  # ns, control calls, real AROUND calls
+        self.actrl_poll = [0, 0, 0]
 
 
 _COST = _Cost()
@@ -349,9 +358,25 @@ def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
 
         return after
 
+    control = _around_control()
+    flip = [False]
+
     def around(original: Any, *args: Any, **kwargs: Any) -> Any:
         if _COST.depth or get_ident() != _COST.main:
             return hooked(original, *args, **kwargs)
+        # The control runs before the hook one call and after it the next (as the
+        # per-step hook's control does).
+        first = flip[0] = not flip[0]
+        if first:
+            control()
+        try:
+            return timed_around(original, *args, **kwargs)
+        finally:
+            _COST.around_calls += 1
+            if not first:
+                control()
+
+    def timed_around(original: Any, *args: Any, **kwargs: Any) -> Any:
         spent = [0]  # upstream's time inside the hook (its own timers included)
 
         def upstream(*a: Any, **kw: Any) -> Any:
@@ -373,6 +398,45 @@ def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
             _COST.depth = 0
 
     return around
+
+
+def _around_control() -> Any:
+    """An empty AROUND hook around an empty upstream, timed exactly as ``_hook_timed``
+    times a real AROUND hook, into ``actrl_*``: what the timers and the pause record
+    per call in the cold state of the hook's own iteration.  Beyond the empty
+    function's control (``_control``), that is an AROUND hook's over-count."""
+    import time
+
+    perf = time.thread_time_ns
+
+    def empty_upstream() -> None:
+        return None
+
+    def empty_hook(original: Any) -> Any:
+        return original()
+
+    def control() -> None:
+        spent = [0]
+
+        def upstream() -> Any:
+            _COST.depth = 0
+            u0 = perf()
+            try:
+                return empty_upstream()
+            finally:
+                spent[0] += perf() - u0
+                _COST.depth = 1
+
+        _COST.depth = 1
+        t0 = perf()
+        try:
+            empty_hook(upstream)
+        finally:
+            _COST.actrl_ns += max(0, perf() - t0 - spent[0] - int(_COST.timer_ns))
+            _COST.actrl_calls += 1
+            _COST.depth = 0
+
+    return control
 
 
 def _probe_cost_write_hooks(mod: ModuleType) -> None:
@@ -468,6 +532,10 @@ def _iteration_marks(cls: type) -> None:
                 ctrl = c.ctrl_busy if c.it_work else c.ctrl_poll
                 ctrl[0] += c.ctrl_ns - c.it_ctrl0[0]
                 ctrl[1] += c.ctrl_calls - c.it_ctrl0[1]
+                actrl = c.actrl_busy if c.it_work else c.actrl_poll
+                actrl[0] += c.actrl_ns - c.it_actrl0[0]
+                actrl[1] += c.actrl_calls - c.it_actrl0[1]
+                actrl[2] += c.around_calls - c.it_actrl0[2]
                 dnested = c.nested - c.it_nested0[0]
                 if c.it_work:
                     b = c.busy
@@ -494,6 +562,7 @@ def _iteration_marks(cls: type) -> None:
             c.it_t0, c.it_ns0, c.it_calls0, c.it_hook0 = now, c.ns, c.calls, c.hook_ns
             c.it_rec0 = (c.rec_ns, c.rec_calls)
             c.it_ctrl0 = (c.ctrl_ns, c.ctrl_calls)
+            c.it_actrl0 = (c.actrl_ns, c.actrl_calls, c.around_calls)
             c.it_nested0 = (c.nested, c.hook_nested)
             c.it_work = False
         return ingest(self, *args, **kwargs)
@@ -599,6 +668,8 @@ def _cost_writer(out_dir: str) -> None:
                 "rec_poll": list(_COST.rec_poll),
                 "ctrl_busy": list(_COST.ctrl_busy),
                 "ctrl_poll": list(_COST.ctrl_poll),
+                "actrl_busy": list(_COST.actrl_busy),
+                "actrl_poll": list(_COST.actrl_poll),
                 "by_name": {k: list(v) for k, v in _COST.by_name.items()},
                 "t": time.time(),
             }

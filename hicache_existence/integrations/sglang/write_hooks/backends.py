@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.write_hooks.binding import (
     Hooked,
     Params,
     guard,
 )
-from hicache_existence.integrations.sglang.write_path import current
+from hicache_existence.integrations.sglang.write_path import FEEDS
 
 
 def _page_backup(p: Params) -> Hooked:
@@ -22,7 +23,7 @@ def _page_backup(p: Params) -> Hooked:
     def around_page_backup(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``_page_backup`` (backup thread): collect the backend's existence
         answers during the write, then hand this rank's outcome to the scheduler."""
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         answers = feed.begin_backup(controller) if feed is not None else None
         if feed is None or answers is None:
             return original(controller, *a, **kw)
@@ -43,7 +44,7 @@ def _file_set(p: Params) -> Hooked:
 
     def around_file_set(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``HiCacheFile.set``: it asks ``exists`` first and skips a stored page."""
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         answers = feed.collecting() if feed is not None else None
         key = key_of(a, kw)
         if answers is None or not isinstance(key, str):
@@ -66,7 +67,7 @@ def _file_exists(p: Params) -> Hooked:
     def around_file_exists(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``HiCacheFile.exists``: the answer ``set`` acts on."""
         answer = original(backend, *a, **kw)
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         answers = feed.collecting() if feed is not None else None
         if answers is not None and answers.probe is not None and key_of(a, kw) == answers.probe:
             answers.answer = bool(answer)
@@ -81,7 +82,7 @@ def _mooncake_batch_set_v1(p: Params) -> Hooked:
     def around_mooncake_batch_set_v1(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``MooncakeStore.batch_set_v1``: its pages are the next existence
         query's (it puts only the objects ``batch_is_exist`` misses)."""
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         answers = feed.collecting() if feed is not None else None
         if feed is None or answers is None:
             return original(backend, *a, **kw)
@@ -102,7 +103,7 @@ def _mooncake_batch_exist(p: Params) -> Hooked:
         """AROUND ``MooncakeStore._batch_exist``: a page existed when all of its
         objects did (objects are laid out page by page)."""
         answer = original(backend, *a, **kw)
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         answers = feed.collecting() if feed is not None else None
         pages = answers.batch_pages if answers is not None else None
         if feed is not None and answers is not None and pages:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from hicache_existence.integrations.sglang import targets
-from hicache_existence.integrations.sglang.write_path import WritePath, current
+from hicache_existence.integrations.sglang.process import PROCESS
+from hicache_existence.integrations.sglang.write_path import FEEDS, WritePath
 
 Kind = Literal["AROUND", "AFTER"]
 Hooked = Callable[..., Any]
@@ -146,7 +147,7 @@ def bracketed(
     after it, even when upstream raises.  Upstream is called exactly once."""
 
     def around(original: Hooked, owner: Any, *a: Any, **kw: Any) -> Any:
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         token = SKIP if feed is None else enter(feed, owner, a, kw)
         if token is SKIP:
             return original(owner, *a, **kw)
@@ -176,7 +177,7 @@ def read_then_account(
     around the two calls."""
 
     def around(original: Hooked, owner: Any, *a: Any, **kw: Any) -> Any:
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         tree = owner if tree_attr is None else getattr(owner, tree_attr, None)
         if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
             return original(owner, *a, **kw)
@@ -203,11 +204,13 @@ def replaced(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(a, kw)`` with the named parameters in ``changes`` replaced where they sit."""
     args, kwargs = list(a), dict(kw)
-    for param in params:
-        if param.name not in changes or not param.present:
+    n, absent = len(args), Param.ABSENT
+    for param in params:  # per deduplicated node write: no property frames
+        name, i = param.name, param.index
+        if i == absent or name not in changes:
             continue
-        if 0 <= param.index < len(args):
-            args[param.index] = changes[param.name]
+        if 0 <= i < n:
+            args[i] = changes[name]
         else:
-            kwargs[param.name] = changes[param.name]
+            kwargs[name] = changes[name]
     return tuple(args), kwargs

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.write_hooks.binding import (
     SKIP,
     Hooked,
@@ -18,7 +19,7 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
     guard,
     read_then_account,
 )
-from hicache_existence.integrations.sglang.write_path import WritePath, current
+from hicache_existence.integrations.sglang.write_path import FEEDS, WritePath
 
 
 # -- admission (current generation) ---------------------------------------------------------
@@ -36,7 +37,7 @@ def _backup_pool_keys(p: Params) -> Hooked:
     def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
         """AFTER ``_backup_pool_keys`` (only ``_write_intents`` calls it): the keys
         the next decision is about, outside a queue refresh (its repairs are not)."""
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         if feed is not None and not feed.refreshing:
             feed.pool_keys = result
         return None
@@ -45,19 +46,19 @@ def _backup_pool_keys(p: Params) -> Hooked:
 
 
 def _write_intents(p: Params) -> Hooked:
-    def around_write_intents(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``_write_intents``: outside a queue refresh, an admission (once per
-        node per insert walk, after upstream's dedupe); pools left out are avoided."""
-        intents = original(pipeline, *a, **kw)
-        feed = current()
+    def after_write_intents(intents: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
+        """AFTER ``_write_intents``: outside a queue refresh, an admission (once per
+        node per insert walk, after upstream's dedupe); pools left out are avoided.
+        (It needs only the result: an AFTER hook adds no call of upstream's own.)"""
+        feed = FEEDS.get(PROCESS.pid)
         if feed is not None and feed.pool_keys is not None:
             try:
                 feed.admission(pipeline, intents)
             except Exception as exc:  # accounting never raises into the scheduler
                 feed.error(exc)
-        return intents
+        return None
 
-    return around_write_intents
+    return after_write_intents
 
 
 def _drop_queue_head(p: Params) -> Hooked:
@@ -66,7 +67,7 @@ def _drop_queue_head(p: Params) -> Hooked:
     def around_drop_queue_head(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``_drop_queue_head``: ``dropped=False`` retires a queued intent
         whose pool became covered before its launch (avoided at that decision)."""
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         head = None
         if feed is not None and feed.owns_pipeline(pipeline) and dropped_of(a, kw, True) is False:
             queue = getattr(pipeline, "pending_write_queue", None)
@@ -104,7 +105,7 @@ def _flat_covers_all(p: Params) -> Hooked:
         """AROUND our flat cache's ``covers_all``: True inside an admission is avoided."""
         covered = original(cache, *a, **kw)
         if covered:
-            feed = current()
+            feed = FEEDS.get(PROCESS.pid)
             if feed is not None and cache is feed.cache:
                 guard(feed, lambda: feed.covered_in_admission(pool_of(a, kw), hashes_of(a, kw, ())))
         return covered
@@ -131,7 +132,7 @@ def _stage_backup_intent(p: Params) -> Hooked:
         pages (flat: the node's KV pages; it passes no ``keys_by_pool``)."""
         if result is not True:
             return None
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         tree = getattr(pipeline, "_cache", None)
         if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
             return None

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.write_hooks.binding import (
     Hooked,
     Params,
-    read_then_account,
     replaced,
 )
-from hicache_existence.integrations.sglang.write_path import WritePath, current
+from hicache_existence.integrations.sglang.write_path import FEEDS
 
 
 def _write_backup_storage(p: Params) -> Hooked:
-    node_of = p["node_id"]
+    node_at, node_key = p["node_id"].index, p["node_id"].name
 
     def around_write_backup_storage(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``UnifiedRadixCache.write_backup_storage(node_id)`` (cache mode): the
         L3 write of one backed-up node; its ``write_storage`` call is the one the
         cache-mode path counts (and, with ``cache_mode.dedup``, reduces).  Written
-        without helper calls: it runs at every node write, on the scheduler thread."""
-        feed = current()
+        without helper calls (its parameter read inline): it runs at every node
+        write, on the scheduler thread."""
+        feed = FEEDS.get(PROCESS.pid)
         cache_mode = feed.cache_mode if feed is not None else None
         if (
             feed is None
@@ -35,7 +36,8 @@ def _write_backup_storage(p: Params) -> Hooked:
             or getattr(tree, "storage_existence_cache", None) is not feed.cache
         ):
             return original(tree, *a, **kw)
-        cache_mode.node, cache_mode.in_node = node_of(a, kw), True
+        cache_mode.node = a[node_at] if 0 <= node_at < len(a) else kw.get(node_key)
+        cache_mode.in_node = True
         try:
             return original(tree, *a, **kw)
         finally:
@@ -45,24 +47,34 @@ def _write_backup_storage(p: Params) -> Hooked:
 
 
 def _write_storage(p: Params) -> Hooked:
-    host_of, tokens_of, hashes_of = p["host_indices"], p["token_ids"], p["hash_value"]
-    prefix_of, extra_of = p["prefix_keys"], p["extra_pools"]
+    host_of, tokens_of = p["host_indices"], p["token_ids"]
+    hashes_of, prefix_of, extra_of = p["hash_value"], p["prefix_keys"], p["extra_pools"]
     changed = (host_of, tokens_of, hashes_of, prefix_of, extra_of)
+    # Read inline below: a parameter read through its ``Param`` is a frame per node write.
+    hashes_at, prefix_at, extra_at = hashes_of.index, prefix_of.index, extra_of.index
+    hashes_key, prefix_key, extra_key = hashes_of.name, prefix_of.name, extra_of.name
 
     def around_write_storage(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``write_storage`` (both controllers) inside a cache-mode node write:
         look the pages up, leave the believed out with ``cache_mode.dedup``, count.
         The node write's first ``write_storage`` is ours; nothing nested is."""
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         cache_mode = feed.cache_mode if feed is not None else None
         if feed is None or cache_mode is None or not cache_mode.in_node:
             return original(controller, *a, **kw)
         node, cache_mode.node, cache_mode.in_node = cache_mode.node, None, False
         plan = None
         try:
-            prefix_keys = prefix_of(a, kw)
-            plan = feed.plan_cache_write(controller, hashes_of(a, kw), prefix_keys, extra_of(a, kw))
-            if plan is not None and not plan.whole:
+            n = len(a)
+            prefix_keys = a[prefix_at] if 0 <= prefix_at < n else kw.get(prefix_key)
+            if feed.controller is None:
+                feed.controller = controller
+            plan = cache_mode.plan(
+                a[hashes_at] if 0 <= hashes_at < n else kw.get(hashes_key),
+                a[extra_at] if 0 <= extra_at < n else kw.get(extra_key),
+                prefix_keyed=prefix_keys is not None,
+            )
+            if len(plan.keep) != len(plan.pages) or not plan.extra_written:  # not whole
                 plan, changes = feed.cache_write_changes(
                     plan, controller, host_of(a, kw), tokens_of(a, kw), prefix_keys
                 )
@@ -84,16 +96,18 @@ def _write_storage(p: Params) -> Hooked:
 
 
 def _hit_query(p: Params) -> Hooked:
-    operation_of = p["operation"]
+    operation_at, operation_key = p["operation"].index, p["operation"].name
 
     def after_hit_query(result: Any, tree: Any, *a: Any, **kw: Any) -> None:
         """AFTER ``_invalidate_absent_from_hit_query(operation)`` (rank-agreed hit
         query drain): heal the beliefs in cache mode (upstream heals nothing there);
         in both modes, remember stored pages found too short to prefetch."""
-        feed = current()
+        feed = FEEDS.get(PROCESS.pid)
         if feed is not None and getattr(tree, "storage_existence_cache", None) is feed.cache:
             try:
-                feed.hit_query(tree, operation_of(a, kw))
+                feed.hit_query(
+                    tree, a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
+                )
             except Exception as exc:  # accounting never raises into the scheduler
                 feed.error(exc)
         return None
@@ -102,18 +116,29 @@ def _hit_query(p: Params) -> Hooked:
 
 
 def _prefetch_result(p: Params) -> Hooked:
-    operation_of = p["operation"]
+    operation_at, operation_key = p["operation"].index, p["operation"].name
 
-    def read(feed: WritePath, tree: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        operation = operation_of(a, kw)
-        return tree, list(operation.hash_value or ()), int(operation.completed_tokens)
-
-    return read_then_account(
-        None,
-        read,
-        WritePath.prefetched,
-        "around_prefetch_result",
+    def around_prefetch_result(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``_handle_prefetch_result(operation)`` (rank-synchronised): the
         pages a prefetch loaded from L3, and those it requested but did not load
-        (read before upstream consumes the operation).""",
-    )
+        (read before upstream consumes the operation, recorded after it)."""
+        feed = FEEDS.get(PROCESS.pid)
+        if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
+            return original(tree, *a, **kw)
+        try:
+            operation: Any = (
+                a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
+            )
+            requested = list(operation.hash_value or ())
+            loaded = int(operation.completed_tokens) // int(tree.page_size)
+        except Exception as exc:  # accounting never raises into the scheduler
+            feed.error(exc)
+            return original(tree, *a, **kw)
+        result = original(tree, *a, **kw)
+        try:
+            feed.causes.prefetched(requested, loaded)
+        except Exception as exc:
+            feed.error(exc)
+        return result
+
+    return around_prefetch_result

@@ -64,7 +64,7 @@ HOOKS: tuple[Hook, ...] = (
          required=BUFFER, serves=BUFFER),
     Hook(f"{PIPELINE}._backup_pool_keys", "AFTER", _backup_pool_keys, _CUR,
          required=BUFFER, serves=BUFFER),
-    Hook(f"{PIPELINE}._write_intents", "AROUND", _write_intents, _CUR,
+    Hook(f"{PIPELINE}._write_intents", "AFTER", _write_intents, _CUR,
          required=BUFFER, serves=BUFFER),
     Hook(f"{PIPELINE}._drop_queue_head", "AROUND", _drop_queue_head, _CUR, ("dropped",),
          loses="buffer mode: queued writes retired before launch (avoided)",
