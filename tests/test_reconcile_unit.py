@@ -14,9 +14,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from reconcile_helpers import FaultyTruth, TrustToggle, chain, step_until_idle, wired
+from reconcile_helpers import FaultyTruth, TrustToggle, chain, step_until_idle
+from reconcile_helpers import wired as _wired
 
 from hicache_existence.config import Config, ConfigError, ReconcilerSection
+from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.flat import FlatStorageExistenceCache
 from hicache_existence.core.observers import BeliefObserver, Tee
 from hicache_existence.reconcile.agreement import (
@@ -64,6 +66,15 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def wired(truth: Any, **kwargs: Any) -> tuple[StorageExistenceCache, Reconciler]:
+    """``reconcile_helpers.wired`` with a patient query timeout unless a test sets one:
+    these tests check what an answer does, and on a loaded CI machine the worker
+    thread may not run within the production default (50 ms), which turns the
+    answer into a timeout (a 3.13 leg failed so, once)."""
+    kwargs.setdefault("timeout_s", 5.0)
+    return _wired(truth, **kwargs)
 
 
 def fake_ledger(method: str = "lua", ttl_s: float = 0.0, **kw: Any) -> RedisLedger:

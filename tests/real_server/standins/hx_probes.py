@@ -370,40 +370,51 @@ def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
         if first:
             control()
         try:
-            return timed_around(original, *args, **kwargs)
+            return _paused(perf, account, hooked, original, args, kwargs)
         finally:
             _COST.around_calls += 1
             if not first:
                 control()
 
-    def timed_around(original: Any, *args: Any, **kwargs: Any) -> Any:
-        spent = [0]  # upstream's time inside the hook (its own timers included)
-
-        def upstream(*a: Any, **kw: Any) -> Any:
-            _COST.depth = 0
-            u0 = perf()
-            try:
-                return original(*a, **kw)
-            finally:
-                spent[0] += perf() - u0
-                _COST.depth = 1
-
-        _COST.depth = 1
-        t0 = perf()
-        try:
-            return hooked(upstream, *args, **kwargs)
-        finally:
-            # The pause's own timers are a timed call's more: off at their calibration.
-            account(max(0, perf() - t0 - spent[0] - int(_COST.timer_ns)))
-            _COST.depth = 0
-
     return around
 
 
+def _paused(
+    perf: Any,
+    record: Any,
+    hooked: Any,
+    original: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``hooked(original, *args, **kwargs)`` timed into ``record`` with the timer
+    paused during ``original`` (upstream's call): an AROUND hook's own time.  The
+    AROUND control runs this very code around an empty hook and upstream."""
+    spent = [0]  # upstream's time inside the hook (its own timers included)
+
+    def upstream(*a: Any, **kw: Any) -> Any:
+        _COST.depth = 0
+        u0 = perf()
+        try:
+            return original(*a, **kw)
+        finally:
+            spent[0] += perf() - u0
+            _COST.depth = 1
+
+    _COST.depth = 1
+    t0 = perf()
+    try:
+        return hooked(upstream, *args, **kwargs)
+    finally:
+        # The pause's own timers are a timed call's more: off at their calibration.
+        record(max(0, perf() - t0 - spent[0] - int(_COST.timer_ns)))
+        _COST.depth = 0
+
+
 def _around_control() -> Any:
-    """An empty AROUND hook around an empty upstream, timed exactly as ``_hook_timed``
-    times a real AROUND hook, into ``actrl_*``: what the timers and the pause record
-    per call in the cold state of the hook's own iteration.  Beyond the empty
+    """An empty AROUND hook around an empty upstream, timed by the code that times a
+    real AROUND hook (``_paused``), into ``actrl_*``: what the timers and the pause
+    record per call in the cold state of the hook's own iteration.  Beyond the empty
     function's control (``_control``), that is an AROUND hook's over-count."""
     import time
 
@@ -415,26 +426,12 @@ def _around_control() -> Any:
     def empty_hook(original: Any) -> Any:
         return original()
 
+    def record(dt: int) -> None:
+        _COST.actrl_ns += dt
+        _COST.actrl_calls += 1
+
     def control() -> None:
-        spent = [0]
-
-        def upstream() -> Any:
-            _COST.depth = 0
-            u0 = perf()
-            try:
-                return empty_upstream()
-            finally:
-                spent[0] += perf() - u0
-                _COST.depth = 1
-
-        _COST.depth = 1
-        t0 = perf()
-        try:
-            empty_hook(upstream)
-        finally:
-            _COST.actrl_ns += max(0, perf() - t0 - spent[0] - int(_COST.timer_ns))
-            _COST.actrl_calls += 1
-            _COST.depth = 0
+        _paused(perf, record, empty_hook, empty_upstream, (), {})
 
     return control
 
