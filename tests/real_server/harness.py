@@ -813,8 +813,16 @@ class FileCreations:
     that stored a page L3 did not hold (two instances racing on one page rename
     it twice). ``first_ctime_ns`` keeps each name's inode change time at its
     first rename (read when the event arrives; the kernel's coarse clock can only
-    put it early). Linux only (``ctypes`` over libc)."""
+    put it early). Linux only (``ctypes`` over libc).
 
+    The watch also takes ``IN_MOVED_FROM``, the other half of each rename, which
+    names the unique temporary file: inotify merges an unread event into an
+    identical one queued just before it (same mask, watch and name; a rename's
+    cookie is not compared), so two renames onto one page in a row, the race of
+    two instances, would read as one. With each rename's own ``IN_MOVED_FROM``
+    between them, no two ``IN_MOVED_TO`` are ever adjacent."""
+
+    IN_MOVED_FROM = 0x00000040
     IN_MOVED_TO = 0x00000080
     IN_Q_OVERFLOW = 0x00004000
 
@@ -830,7 +838,8 @@ class FileCreations:
         self._fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1")
-        wd = libc.inotify_add_watch(self._fd, os.fsencode(self.directory), self.IN_MOVED_TO)
+        mask = self.IN_MOVED_FROM | self.IN_MOVED_TO
+        wd = libc.inotify_add_watch(self._fd, os.fsencode(self.directory), mask)
         if wd < 0:
             os.close(self._fd)
             raise OSError(ctypes.get_errno(), f"inotify_add_watch {self.directory}")
