@@ -93,6 +93,14 @@ class _Generations:
         if len(new) >= self.size:
             self.old, self.new = new, {}
 
+    def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
+        """``put`` of every key (one C-level update; the generation may overshoot
+        ``size`` by the batch before it turns over)."""
+        new = self.new
+        new.update(dict.fromkeys(keys, value))
+        if len(new) >= self.size:
+            self.old, self.new = new, {}
+
     def present(self, keys: Iterable[Hashable]) -> set[Hashable]:
         """The keys held, found by C-level set intersections."""
         wanted = set(keys)
@@ -127,38 +135,20 @@ class CauseTracker:
         self._taken: dict[str, int] = {}
 
     # -- events --------------------------------------------------------------------
-    # Per hit query and prefetch result on the scheduler thread: one C-level update of
-    # the newer generation each, without helper frames or slices of a whole chain.
     def queried(self, chain: Sequence[str], found: int, *, below_threshold: bool) -> None:
         """A rank-agreed hit query found ``chain``'s first ``found`` pages in L3."""
-        if found <= 0:
-            return
-        disp = self._disposition
-        new = disp.new
-        new.update(
-            dict.fromkeys(
-                chain if found >= len(chain) else chain[:found],
-                _BELOW if below_threshold else _SHORT,
-            )
-        )
-        if len(new) >= disp.size:
-            disp.old, disp.new = new, {}
+        if found > 0:
+            pages = chain if found >= len(chain) else chain[:found]
+            self._disposition.put_many(pages, _BELOW if below_threshold else _SHORT)
 
     def prefetched(self, requested: Sequence[str], loaded: int) -> None:
         """A prefetch of ``requested`` delivered its first ``loaded`` pages: those
         are no shortfall; the rest of ``requested`` is."""
-        if not requested:
-            return
-        disp = self._disposition
-        new = disp.new
-        if loaded >= len(requested):
-            new.update(dict.fromkeys(requested, _LOADED))
-        else:
-            if loaded > 0:
-                new.update(dict.fromkeys(requested[:loaded], _LOADED))
-            new.update(dict.fromkeys(requested[max(loaded, 0) :], _SHORT))
-        if len(new) >= disp.size:
-            disp.old, disp.new = new, {}
+        cut = min(max(loaded, 0), len(requested))
+        if cut:
+            self._disposition.put_many(requested[:cut], _LOADED)
+        if cut < len(requested):
+            self._disposition.put_many(requested[cut:], _SHORT)
 
     def launched(self, node: Any, pages: Iterable[str]) -> None:
         """A write of ``pages`` by ``node`` left: take their dispositions."""

@@ -183,20 +183,19 @@ class CacheModeWrites:
         covered = kv.covered(pages) if pages else True
         believed = set(pages) if covered else set(kv.believed(pages))
         extra_covered = not extra or all(pool(p).covered(keys) for p, keys in extra.items() if keys)
+        keep = list(range(len(pages)))
         extra_written = True
-        if not self.dedup:
-            keep = list(range(len(pages)))
-        elif extra:
-            keep = list(range(len(pages)))
-            if covered and extra_covered:
-                keep, extra_written = [], False
-        elif covered:  # every page believed (or in flight): nothing to write
-            keep = []
-        elif prefix_keyed:
-            first = next((i for i, p in enumerate(pages) if p not in believed), len(pages))
-            keep = list(range(first, len(pages)))
-        else:
-            keep = [i for i, p in enumerate(pages) if p not in believed]
+        if self.dedup:
+            if extra:
+                if covered and extra_covered:
+                    keep, extra_written = [], False
+            elif covered:  # every page believed (or in flight): nothing to write
+                keep = []
+            elif prefix_keyed:
+                first = next((i for i, p in enumerate(pages) if p not in believed), len(pages))
+                keep = keep[first:]
+            else:
+                keep = [i for i, p in enumerate(pages) if p not in believed]
         return WritePlan(keep, pages, believed, extra, extra_written, extra_believed)
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:

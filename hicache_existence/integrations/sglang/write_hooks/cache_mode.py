@@ -74,7 +74,7 @@ def _write_storage(p: Params) -> Hooked:
                 a[extra_at] if 0 <= extra_at < n else kw.get(extra_key),
                 prefix_keyed=prefix_keys is not None,
             )
-            if len(plan.keep) != len(plan.pages) or not plan.extra_written:  # not whole
+            if not plan.whole:
                 plan, changes = feed.cache_write_changes(
                     plan, controller, host_of(a, kw), tokens_of(a, kw), prefix_keys
                 )
@@ -96,7 +96,7 @@ def _write_storage(p: Params) -> Hooked:
 
 
 def _hit_query(p: Params) -> Hooked:
-    operation_at, operation_key = p["operation"].index, p["operation"].name
+    operation_of = p["operation"]
 
     def after_hit_query(result: Any, tree: Any, *a: Any, **kw: Any) -> None:
         """AFTER ``_invalidate_absent_from_hit_query(operation)`` (rank-agreed hit
@@ -105,9 +105,7 @@ def _hit_query(p: Params) -> Hooked:
         feed = FEEDS.get(PROCESS.pid)
         if feed is not None and getattr(tree, "storage_existence_cache", None) is feed.cache:
             try:
-                feed.hit_query(
-                    tree, a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
-                )
+                feed.hit_query(tree, operation_of(a, kw))
             except Exception as exc:  # accounting never raises into the scheduler
                 feed.error(exc)
         return None
@@ -116,7 +114,7 @@ def _hit_query(p: Params) -> Hooked:
 
 
 def _prefetch_result(p: Params) -> Hooked:
-    operation_at, operation_key = p["operation"].index, p["operation"].name
+    operation_of = p["operation"]
 
     def around_prefetch_result(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``_handle_prefetch_result(operation)`` (rank-synchronised): the
@@ -126,9 +124,7 @@ def _prefetch_result(p: Params) -> Hooked:
         if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
             return original(tree, *a, **kw)
         try:
-            operation: Any = (
-                a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
-            )
+            operation = operation_of(a, kw)
             requested = list(operation.hash_value or ())
             loaded = int(operation.completed_tokens) // int(tree.page_size)
         except Exception as exc:  # accounting never raises into the scheduler
