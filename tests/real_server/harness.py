@@ -159,6 +159,11 @@ class ServerSpec:
     host_memory_mode: str = "buffer_only"
     #: ``--hicache-write-policy`` (``None``: sglang's default, ``write_through``).
     write_policy: str | None = None
+    #: ``--hicache-storage-prefetch-policy`` (``None``: sglang's default, ``best_effort``,
+    #: which ends a prefetch when its request is scheduled: how much of it loaded then
+    #: depends on the machine's load).  ``wait_complete`` loads every prefetch whole,
+    #: for tests that compare prefetched counts across servers or with a known figure.
+    prefetch_policy: str | None = None
     #: ``--sleep-on-idle``: an idle scheduler waits in a poll (up to 1 s) instead of
     #: spinning a core (sglang's default, kept everywhere else).  For stacks of three
     #: servers or more on a 2-core machine, where the idle ones' spinning slows every
@@ -264,6 +269,8 @@ def server_args(spec: ServerSpec, model: Path, port: int, workdir: Path) -> list
         ]
         if spec.write_policy is not None:
             args += ["--hicache-write-policy", spec.write_policy]
+        if spec.prefetch_policy is not None:
+            args += ["--hicache-storage-prefetch-policy", spec.prefetch_policy]
         if spec.storage_extra_config is not None:
             args += [
                 "--hicache-storage-backend-extra-config",
