@@ -79,3 +79,32 @@ def test_events_share_is_the_recorded_one() -> None:
     assert f"{feature}%" == e["feature_share_of_busy"]
     assert f"{off}%" == e["events_off"]["package_share_of_busy_median"]
     assert f"{on}%" == e["events_on"]["package_share_of_busy_median"]
+
+
+def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
+    """The experiment that did not land (compiled hooks and walk) against main then."""
+    x = RECORD["compiled_hooks"]
+    shares = _claim(
+        r"in buffer mode ([\d.]+)% and ([\d.]+)% of busy time against main's ([\d.]+)% and "
+        r"([\d.]+)% \(([\d.]+)% and ([\d.]+)% against ([\d.]+)% and ([\d.]+)% in situ\)"
+    )
+    runs = [x[t][k]["summary"] for t in ("compiled", "main") for k in ("buffer", "buffer_repeat")]
+    assert [f"{v}%" for v in shares[:4]] == [r["package_share_of_busy_median"] for r in runs]
+    assert [f"{v}%" for v in shares[4:]] == [
+        r["package_share_of_busy_insitu_timer_median"] for r in runs
+    ]
+    covered = _claim(r"`covered` ([\d.]+) and ([\d.]+) ms a round against ([\d.]+) and ([\d.]+);")
+    by_fn = [r["package_ms_by_function_per_round"]["PoolBeliefs.covered"]["busy_ms"] for r in runs]
+    assert [float(v) for v in covered] == by_fn
+    cache = _claim(
+        r"in cache mode ([\d.]+)% / ([\d.]+)% \(low pressure, dedup off / on\) and ([\d.]+)% / "
+        r"([\d.]+)% \(high\) against ([\d.]+)% / ([\d.]+)% and ([\d.]+)% / ([\d.]+)%"
+    )
+    recorded = [
+        x[t]["cache"][p][m]["package_share_of_busy_median"]
+        for t in ("compiled", "main")
+        for p in ("low", "high")
+        for m in ("off", "on")
+    ]
+    assert [f"{v}%" for v in cache] == recorded
+    assert x["main"]["commit"] in README
