@@ -279,6 +279,19 @@ def test_reconciler_section_builds_the_cluster_ledger(cluster: RedisCluster) -> 
 # -- failover ------------------------------------------------------------------------
 
 
+def read_when_reachable(led: RedisClusterLedger, pages: list[str], within_s: float = 5.0) -> int:
+    """``leading_present`` once the ledger reaches the cluster again: errors (a stale
+    slot map right after a failover) are retried for ``within_s``, never answers."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return led.leading_present("kv", pages)
+        except GroundTruthError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_primary_killed_failover_errors_are_never_evidence(tmp_path: Path) -> None:
     """SIGKILL the primary serving the ledger's tag while a reconciler verifies and
     a writer records: queries fail (counted, never absences), nothing is
@@ -335,7 +348,17 @@ def test_primary_killed_failover_errors_are_never_evidence(tmp_path: Path) -> No
         assert recovered_at is not None, "no failover within 20 s"
         recovery_s = recovered_at - t_kill
         cluster_ok_s = c.wait_ok(20) + recovery_s
+        # Verification resumes once the breaker's last backoff (at most 0.4 s) ends and
+        # the reconciler's client has refreshed its slot map (its first read after the
+        # failover may still meet the dead primary: one more error, one more backoff).
+        # A fixed 200 steps was sometimes shorter than that (present 60 > 60 failed).
         steps(200)
+        resumed_by = time.monotonic() + 10
+        present_before = before.queries.get(("kv", "present"), 0)
+        while rec.snapshot().queries.get(("kv", "present"), 0) <= present_before:
+            if time.monotonic() > resumed_by:
+                break
+            steps(10)
         snap = rec.snapshot()
         FIGURES["failover_recovery_s"] = round(recovery_s, 2)
         FIGURES["failover_cluster_ok_s"] = round(cluster_ok_s, 2)
@@ -345,9 +368,12 @@ def test_primary_killed_failover_errors_are_never_evidence(tmp_path: Path) -> No
         assert snap.queries.get(("kv", "absent"), 0) == 0
         assert snap.pages_invalidated == {} and snap.stale_positives == {}
         assert set(kv.lru_keys()) >= {h for ch in chains for h in ch}
-        # The replica took over with every page; verification resumed.
+        # The replica took over with every page; verification resumed.  A read may
+        # still meet the dead primary once (the client refreshes its slot map after
+        # the error: a full run saw "connection refused" here); it is an error, never
+        # an answer, and the next read goes to the new primary.
         assert c.owner_of(led.tag("kv")) is not owner
-        assert all(led.leading_present("kv", ch) == 16 for ch in chains)
+        assert all(read_when_reachable(led, ch) == 16 for ch in chains)
         assert snap.queries.get(("kv", "present"), 0) > before.queries.get(("kv", "present"), 0)
         # Absence right after the failover is not evidence; after the window it is.
         assert led.failovers >= 1 or sum(snap.errors.values()) > 0
