@@ -144,10 +144,11 @@ class CauseTracker:
     def prefetched(self, requested: Sequence[str], loaded: int) -> None:
         """A prefetch of ``requested`` delivered its first ``loaded`` pages: those
         are no shortfall; the rest of ``requested`` is."""
-        cut = min(max(loaded, 0), len(requested))
-        if cut:
-            self._disposition.put_many(requested[:cut], _LOADED)
-        if cut < len(requested):
+        n = len(requested)
+        cut = min(max(loaded, 0), n)
+        if cut:  # loaded whole (the common case): the chain itself, not a copy of it
+            self._disposition.put_many(requested if cut == n else requested[:cut], _LOADED)
+        if cut < n:
             self._disposition.put_many(requested[cut:], _SHORT)
 
     def launched(self, node: Any, pages: Iterable[str]) -> None:

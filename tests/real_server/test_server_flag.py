@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness import (
@@ -115,7 +114,7 @@ def serve_twice(srv: Server, ours: bool) -> Served:
 #: Every prefetch loaded whole: the servers are compared on their prefetched pages, and
 #: the restart with a known count (sglang's best_effort ends a prefetch when its request
 #: is scheduled, which cut the restart's loads under a full test run's load: 69 of 115).
-WHOLE: dict[str, Any] = {"prefetch_policy": "wait_complete"}
+WHOLE = "wait_complete"
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +122,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Ser
     """The server with the flag and the one without, started side by side (one
     start-up's wall time), each serving the stream twice on its own L3."""
     workdir = tmp_path_factory.mktemp("flag")
-    specs = [ServerSpec(existence=True, **WHOLE), ServerSpec(existence=False, **WHOLE)]
+    specs = [
+        ServerSpec(existence=True, prefetch_policy=WHOLE),
+        ServerSpec(existence=False, prefetch_policy=WHOLE),
+    ]
     with launch_together(specs, workdir) as (on, off):
         with_flag, without = side_by_side(
             lambda: serve_twice(on, ours=True), lambda: serve_twice(off, ours=False)
@@ -224,7 +226,9 @@ def test_restart_through_the_launcher_on_warm_l3_loads_prefixes_and_rewrites_one
     l3 = enabled.server.l3_dir
     enabled.server.stop()
     before = set(enabled.server.l3_pages())
-    with launch(ServerSpec(existence=True, l3_dir=l3, **WHOLE), tmp_path, launcher=True) as srv:
+    with launch(
+        ServerSpec(existence=True, l3_dir=l3, prefetch_policy=WHOLE), tmp_path, launcher=True
+    ) as srv:
         assert srv.proc is not None
         argv, env = proc_view(srv.proc.pid)  # exec: sglang runs in the launcher's process
         assert argv[1:3] == ["-m", "sglang.launch_server"], argv
