@@ -15,6 +15,12 @@ The truth the counters are held to never reads them: SGLang's own
 the file backend created (``HiCacheFile.set`` skips a page that exists, so a file
 is created once), and the greedy outputs.
 
+Every server loads each prefetch whole (``--hicache-storage-prefetch-policy
+wait_complete``): the pair is compared on exact counts, and SGLang's default,
+``best_effort``, ends a prefetch (its hit query included) when the request is
+scheduled, so how much two servers load depends on the machine's I/O (880 prefetched
+tokens against 7,520 beside a disk writer), and with it what each writes again.
+
 The ``write_through`` pair also runs the trace recorder at sampling rate 1 (every
 page recorded), with a relative ``recorder.path``: its records are held to the same
 truth (the write records' pages to the written pages, SGLang's backed-up pages and
@@ -65,6 +71,8 @@ COUNTERS = WRITE_PAGES
 #: The policy whose servers also record a trace at rate 1 (it reads L3 back, so its
 #: prefetch records carry hits).
 RECORDED = "write_through"
+#: Prefetches load whole (module doc): the pair's counts do not depend on its I/O.
+WHOLE = "wait_complete"
 #: Relative on purpose: made absolute when the server loads its configuration,
 #: against its working directory (``Server.workdir``).
 TRACE_DIR = "trace"
@@ -84,6 +92,7 @@ def spec(policy: str, dedup: bool) -> ServerSpec:
         write_policy=policy,
         max_total_tokens=4096,
         hicache_ratio=2.0,
+        prefetch_policy=WHOLE,
         config=config,
     )
 
