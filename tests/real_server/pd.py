@@ -32,6 +32,7 @@ from typing import Any
 
 from harness import (
     REPO,
+    PortTaken,
     Server,
     ServerDied,
     ServerSpec,
@@ -119,17 +120,24 @@ def short_of_memory(proc: RecipeProcess) -> bool:
 
 
 def start_retrying(proc: RecipeProcess, attempts: int = 3, pause_s: float = 10.0) -> None:
-    """Start ``proc``; again (after a pause) when sglang refused for host memory.
+    """Start ``proc``; again (after a pause) when sglang refused for host memory, and
+    again at once when a port it binds was taken.
 
     SGLang keeps a reserve of host memory free before it allocates a HiCache pool
     (``pool_host/base.py``, measured against the whole machine's available memory;
     10 GB upstream, less with the ``host_reserve`` stand-in), so on a shared machine
-    a start can fail for other processes' memory."""
+    a start can fail for other processes' memory.  A taken port is most often one
+    SGLang picked for itself (torch.distributed's store: ``EADDRINUSE`` on a port
+    that is not the recipe's), which it picks again at the next launch; the recipe's
+    own port stays, because the router is given it."""
     for attempt in range(attempts):
         proc.start_async()
         try:
             proc.wait_started()
             return
+        except PortTaken:  # _wait_ready stopped it
+            if attempt == attempts - 1:
+                raise
         except (ServerDied, TimeoutError):
             if attempt == attempts - 1 or not short_of_memory(proc):
                 raise
@@ -138,12 +146,15 @@ def start_retrying(proc: RecipeProcess, attempts: int = 3, pause_s: float = 10.0
 
 
 def start_all(procs: Sequence[RecipeProcess]) -> None:
-    """Spawn every process, then wait for each: their start-ups overlap."""
+    """Spawn every process, then wait for each: their start-ups overlap.  One that
+    failed for host memory or a taken port starts again (``start_retrying``)."""
     for p in procs:
         p.start_async()
     for p in procs:
         try:
             p.wait_started()
+        except PortTaken:
+            start_retrying(p)
         except ServerDied:
             if not short_of_memory(p):
                 raise
