@@ -108,3 +108,34 @@ def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
     ]
     assert [f"{v}%" for v in cache] == recorded
     assert x["main"]["commit"] in README
+
+
+def test_the_admission_prototype_is_the_recorded_one() -> None:
+    """The measurement of buffer mode without its admission hooks (not landed)."""
+    x = RECORD["admission_without_hooks"]
+    shares = _claim(
+        r"alternating on the quiet machine: ([\d.]+)% and ([\d.]+)% of busy time "
+        r"against main's ([\d.]+)% and ([\d.]+)% "
+        r"\(([\d.]+)% and ([\d.]+)% against ([\d.]+)% and ([\d.]+)% in situ\)"
+    )
+    runs = [x[t][k]["summary"] for t in ("prototype", "main") for k in ("buffer", "buffer_repeat")]
+    assert [f"{v}%" for v in shares[:4]] == [r["package_share_of_busy_median"] for r in runs]
+    assert [f"{v}%" for v in shares[4:]] == [
+        r["package_share_of_busy_insitu_timer_median"] for r in runs
+    ]
+    ms = _claim(
+        r"the package's time ([\d.]+) and ([\d.]+) ms a round against ([\d.]+) and ([\d.]+), "
+        r"of which the two hooks were ([\d.]+) and ([\d.]+) ms"
+    )
+    assert [float(v) for v in ms[:4]] == [r["package_busy_ms_median"] for r in runs]
+    hooks = [
+        round(sum(r["package_ms_by_function_per_round"][f"hook:{h}"]["busy_ms"] for h in HOOKS), 3)
+        for r in runs[2:]
+    ]
+    assert [float(v) for v in ms[4:]] == hooks
+    for r in runs[:2]:  # the prototype registered neither hook
+        assert not any(f"hook:{h}" in r["package_ms_by_function_per_round"] for h in HOOKS)
+    assert x["main"]["commit"] in README and x["prototype"]["on"] == x["main"]["commit"]
+
+
+HOOKS = ("_write_intents", "_backup_pool_keys")
