@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 README = " ".join((ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8").split())
@@ -81,18 +82,26 @@ def test_events_share_is_the_recorded_one() -> None:
     assert f"{on}%" == e["events_on"]["package_share_of_busy_median"]
 
 
-def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
-    """The experiment that did not land (compiled hooks and walk) against main then."""
-    x = RECORD["compiled_hooks"]
+def _buffer_pairs(x: dict[str, Any], tried: str, lead: str) -> list[dict[str, Any]]:
+    """An experiment's two buffer runs and main's, whose shares (and in-situ shares) the
+    README states after ``lead`` as "A and B of busy time against main's C and D (...)";
+    returns the four summaries, the experiment's first."""
     shares = _claim(
-        r"in buffer mode ([\d.]+)% and ([\d.]+)% of busy time against main's ([\d.]+)% and "
+        re.escape(lead) + r"([\d.]+)% and ([\d.]+)% of busy time against main's ([\d.]+)% and "
         r"([\d.]+)% \(([\d.]+)% and ([\d.]+)% against ([\d.]+)% and ([\d.]+)% in situ\)"
     )
-    runs = [x[t][k]["summary"] for t in ("compiled", "main") for k in ("buffer", "buffer_repeat")]
+    runs = [x[t][k]["summary"] for t in (tried, "main") for k in ("buffer", "buffer_repeat")]
     assert [f"{v}%" for v in shares[:4]] == [r["package_share_of_busy_median"] for r in runs]
     assert [f"{v}%" for v in shares[4:]] == [
         r["package_share_of_busy_insitu_timer_median"] for r in runs
     ]
+    return runs
+
+
+def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
+    """The experiment that did not land (compiled hooks and walk) against main then."""
+    x = RECORD["compiled_hooks"]
+    runs = _buffer_pairs(x, "compiled", "in buffer mode ")
     covered = _claim(r"`covered` ([\d.]+) and ([\d.]+) ms a round against ([\d.]+) and ([\d.]+);")
     by_fn = [r["package_ms_by_function_per_round"]["PoolBeliefs.covered"]["busy_ms"] for r in runs]
     assert [float(v) for v in covered] == by_fn
@@ -113,16 +122,7 @@ def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
 def test_the_admission_prototype_is_the_recorded_one() -> None:
     """The measurement of buffer mode without its admission hooks (not landed)."""
     x = RECORD["admission_without_hooks"]
-    shares = _claim(
-        r"alternating on the quiet machine: ([\d.]+)% and ([\d.]+)% of busy time "
-        r"against main's ([\d.]+)% and ([\d.]+)% "
-        r"\(([\d.]+)% and ([\d.]+)% against ([\d.]+)% and ([\d.]+)% in situ\)"
-    )
-    runs = [x[t][k]["summary"] for t in ("prototype", "main") for k in ("buffer", "buffer_repeat")]
-    assert [f"{v}%" for v in shares[:4]] == [r["package_share_of_busy_median"] for r in runs]
-    assert [f"{v}%" for v in shares[4:]] == [
-        r["package_share_of_busy_insitu_timer_median"] for r in runs
-    ]
+    runs = _buffer_pairs(x, "prototype", "alternating on the quiet machine: ")
     ms = _claim(
         r"the package's time ([\d.]+) and ([\d.]+) ms a round against ([\d.]+) and ([\d.]+), "
         r"of which the two hooks were ([\d.]+) and ([\d.]+) ms"
