@@ -119,6 +119,10 @@ def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
     assert x["main"]["commit"] in README
 
 
+#: Buffer mode's two per-admission hooks, which the prototype did not register.
+HOOKS = ("_write_intents", "_backup_pool_keys")
+
+
 def test_the_admission_prototype_is_the_recorded_one() -> None:
     """The measurement of buffer mode without its admission hooks (not landed)."""
     x = RECORD["admission_without_hooks"]
@@ -136,6 +140,3 @@ def test_the_admission_prototype_is_the_recorded_one() -> None:
     for r in runs[:2]:  # the prototype registered neither hook
         assert not any(f"hook:{h}" in r["package_ms_by_function_per_round"] for h in HOOKS)
     assert x["main"]["commit"] in README and x["prototype"]["on"] == x["main"]["commit"]
-
-
-HOOKS = ("_write_intents", "_backup_pool_keys")

@@ -98,6 +98,12 @@ TINY_LLAMA: dict[str, Any] = {
 }
 START_TIMEOUT_S = float(os.environ.get("HX_SERVER_START_TIMEOUT_S", "240"))
 REQUEST_TIMEOUT_S = 120.0
+#: ``ServerSpec.prefetch_policy`` for servers held to exact counts that depend on what a
+#: prefetch loaded: sglang's default, ``best_effort``, ends a prefetch (its hit query
+#: included) when its request is scheduled, so under slow I/O it loads less (880 of
+#: 7,520 tokens beside a disk writer), or none, and the prefix is computed and written
+#: again.  ``wait_complete`` loads every prefetch whole.
+LOAD_WHOLE = "wait_complete"
 
 
 def free_port() -> int:
@@ -161,8 +167,8 @@ class ServerSpec:
     write_policy: str | None = None
     #: ``--hicache-storage-prefetch-policy`` (``None``: sglang's default, ``best_effort``,
     #: which ends a prefetch when its request is scheduled: how much of it loaded then
-    #: depends on the machine's load).  ``wait_complete`` loads every prefetch whole,
-    #: for tests that compare prefetched counts across servers or with a known figure.
+    #: depends on the machine's load).  ``LOAD_WHOLE`` for tests that compare
+    #: prefetch-dependent counts across servers or with a known figure.
     prefetch_policy: str | None = None
     #: ``--sleep-on-idle``: an idle scheduler waits in a poll (up to 1 s) instead of
     #: spinning a core (sglang's default, kept everywhere else).  For stacks of three

@@ -15,11 +15,9 @@ The truth the counters are held to never reads them: SGLang's own
 the file backend created (``HiCacheFile.set`` skips a page that exists, so a file
 is created once), and the greedy outputs.
 
-Every server loads each prefetch whole (``--hicache-storage-prefetch-policy
-wait_complete``): the pair is compared on exact counts, and SGLang's default,
-``best_effort``, ends a prefetch (its hit query included) when the request is
-scheduled, so how much two servers load depends on the machine's I/O (880 prefetched
-tokens against 7,520 beside a disk writer), and with it what each writes again.
+Every server loads each prefetch whole (``harness.LOAD_WHOLE``): the pair is
+compared on exact counts, which SGLang's default prefetch policy makes depend on the
+machine's I/O.
 
 The ``write_through`` pair also runs the trace recorder at sampling rate 1 (every
 page recorded), with a relative ``recorder.path``: its records are held to the same
@@ -42,6 +40,7 @@ import pytest
 from doctor_cli import Run as DoctorRun
 from doctor_cli import check_evidence, doctor, metrics_url
 from harness import (
+    LOAD_WHOLE,
     WRITE_PAGES,
     Server,
     ServerSpec,
@@ -71,8 +70,6 @@ COUNTERS = WRITE_PAGES
 #: The policy whose servers also record a trace at rate 1 (it reads L3 back, so its
 #: prefetch records carry hits).
 RECORDED = "write_through"
-#: Prefetches load whole (module doc): the pair's counts do not depend on its I/O.
-WHOLE = "wait_complete"
 #: Relative on purpose: made absolute when the server loads its configuration,
 #: against its working directory (``Server.workdir``).
 TRACE_DIR = "trace"
@@ -92,7 +89,7 @@ def spec(policy: str, dedup: bool) -> ServerSpec:
         write_policy=policy,
         max_total_tokens=4096,
         hicache_ratio=2.0,
-        prefetch_policy=WHOLE,
+        prefetch_policy=LOAD_WHOLE,
         config=config,
     )
 

@@ -9,10 +9,9 @@ and its node, spanning A and B, is written).  Truth: the master's own object cou
 (two objects per page for the tiny MHA Llama), objects put, and SGLang's backed-up
 count.  Mooncake answers a put of a stored object with success, so only the
 existence query (``batch_is_exist``, which the hooks read) sees the redundancy.
-Both servers wait for each prefetch, its hit query included
-(``--hicache-storage-prefetch-policy wait_complete``): under SGLang's default
-``best_effort`` a request scheduled before its hit query answers is recomputed with
-no answer to classify, so A's rewrite is a ``recompute``, not
+Both servers wait for each prefetch, its hit query included (``harness.LOAD_WHOLE``):
+under SGLang's default a request scheduled before its hit query answers is recomputed
+with no answer to classify, so A's rewrite is a ``recompute``, not
 ``below_prefetch_threshold`` (a full run's failure).
 """
 
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from harness import (
+    LOAD_WHOLE,
     REPO,
     WRITE_PAGES,
     Server,
@@ -79,7 +79,7 @@ def readings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, di
                 storage_backend="mooncake",
                 storage_extra_config=m.extra_config(),
                 config={"cache_mode": {"dedup": dedup}},
-                prefetch_policy="wait_complete",
+                prefetch_policy=LOAD_WHOLE,
             )
             for m, dedup in zip(masters, (False, True))
         ]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from harness import (
+    LOAD_WHOLE,
     Server,
     ServerSpec,
     TraceRequest,
@@ -111,20 +112,17 @@ def serve_twice(srv: Server, ours: bool) -> Served:
     return Served(srv, first, second, prefetched, files_first, srv.l3_pages(), r)
 
 
-#: Every prefetch loaded whole: the servers are compared on their prefetched pages, and
-#: the restart with a known count (sglang's best_effort ends a prefetch when its request
-#: is scheduled, which cut the restart's loads under a full test run's load: 69 of 115).
-WHOLE = "wait_complete"
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Served]]:
     """The server with the flag and the one without, started side by side (one
     start-up's wall time), each serving the stream twice on its own L3."""
     workdir = tmp_path_factory.mktemp("flag")
+    # Every prefetch loaded whole: the servers are compared on their prefetched pages,
+    # and the restart below with a known count (best_effort cut its loads under a full
+    # test run's load: 69 of 115).
     specs = [
-        ServerSpec(existence=True, prefetch_policy=WHOLE),
-        ServerSpec(existence=False, prefetch_policy=WHOLE),
+        ServerSpec(existence=True, prefetch_policy=LOAD_WHOLE),
+        ServerSpec(existence=False, prefetch_policy=LOAD_WHOLE),
     ]
     with launch_together(specs, workdir) as (on, off):
         with_flag, without = side_by_side(
@@ -227,7 +225,7 @@ def test_restart_through_the_launcher_on_warm_l3_loads_prefixes_and_rewrites_one
     enabled.server.stop()
     before = set(enabled.server.l3_pages())
     with launch(
-        ServerSpec(existence=True, l3_dir=l3, prefetch_policy=WHOLE), tmp_path, launcher=True
+        ServerSpec(existence=True, l3_dir=l3, prefetch_policy=LOAD_WHOLE), tmp_path, launcher=True
     ) as srv:
         assert srv.proc is not None
         argv, env = proc_view(srv.proc.pid)  # exec: sglang runs in the launcher's process

@@ -25,9 +25,8 @@ dummy page); the attention does (last paragraph).
 Three servers start side by side (``--sleep-on-idle``: three schedulers spinning
 on two cores slow each other): cache mode with dedup off, with dedup on, and
 ``buffer_only``; each has its own L3 directory, loads each prefetch whole
-(``--hicache-storage-prefetch-policy wait_complete``: the servers are compared on
-exact counts, which SGLang's default ``best_effort`` makes depend on the machine's
-I/O, as ``test_cache_mode.py`` says), and serves the same requests:
+(``harness.LOAD_WHOLE``: the servers are compared on exact counts), and serves the
+same requests:
 
 1. **L2 pressure** (as ``test_cache_mode.py``): a multi-turn conversation workload
    (``harness.conversation_requests``, 8 conversations of 6 turns) through a
@@ -85,6 +84,7 @@ from typing import Any
 
 import pytest
 from harness import (
+    LOAD_WHOLE,
     TINY_LLAMA,
     Server,
     ServerSpec,
@@ -157,7 +157,7 @@ def spec(mode: str) -> ServerSpec:
         hicache_ratio=2.0,
         config={"cache_mode": {"dedup": mode == "cache_on"}} if cache else None,
         sleep_on_idle=True,
-        prefetch_policy="wait_complete",
+        prefetch_policy=LOAD_WHOLE,
     )
 
 
