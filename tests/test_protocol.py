@@ -39,6 +39,36 @@ def test_both_generations_offer_every_member_of_the_protocol(cls: type) -> None:
     assert cache.pools() == (view,) and cache.pool("kv") is view
 
 
+@pytest.mark.parametrize("cls", [StorageExistenceCache, FlatStorageExistenceCache])
+def test_the_covered_tally_counts_true_answers_only_while_on(cls: type) -> None:
+    """``covered_pages`` adds the pages of each ``covered()`` answered True while the
+    cache's tally is on (pools created later included); off, or False: nothing.
+    The answers, LRU and counters equal an untallied cache's under the same calls."""
+    cache, plain = cls(8), cls(8)
+    for c in (cache, plain):
+        c.pool("kv").add(H[:4])
+        c.pool("kv").track_inflight(H[4:5])
+    calls = [H[:3], "on", H[:5], H[:6], iter(H[:2]), "swa", "off", H[:4]]
+    answers, plain_answers = [], []
+    for call in calls:
+        if call == "on" or call == "off":
+            cache.tally_covered(call == "on")
+        elif call == "swa":  # a pool created while the tally is on
+            for c in (cache, plain):
+                c.pool("swa").add(H[:1])
+            answers.append(cache.pool("swa").covered(H[:1]))
+            plain_answers.append(plain.pool("swa").covered(H[:1]))
+        else:
+            seq = list(call)
+            answers.append(cache.pool("kv").covered(seq if isinstance(call, list) else iter(seq)))
+            plain_answers.append(plain.pool("kv").covered(seq))
+    assert answers == plain_answers == [True, True, False, True, True, True]
+    assert (cache.pool("kv").covered_pages, cache.pool("swa").covered_pages) == (7, 1)
+    assert plain.pool("kv").covered_pages == 0
+    assert cache.stats() == plain.stats()
+    assert list(cache.lru_items()) == list(plain.lru_items())
+
+
 def test_a_flat_view_is_the_seed_calls_on_its_pool() -> None:
     """The view's operations equal the seed API's calls on its pool: same LRU
     order, same counters, and a view's ``clear`` leaves the other pools."""

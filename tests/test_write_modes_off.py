@@ -66,7 +66,7 @@ def test_a_changed_hybrid_write_storage_turns_cache_mode_off() -> None:
     assert len(said) == 1 and said[0].startswith(target), said
     assert "cache-mode write counters and dedup (cache-mode servers) are off" in said[0]
     assert not any(t.endswith((".write_storage", ".write_backup_storage")) for t in done)
-    assert f"{wh.PIPELINE}._write_intents" in done
+    assert f"{wh.PIPELINE}._drop_queue_head" in done
     assert f"{wh.HYBRID_CONTROLLER}._page_backup" in done  # buffer mode reads the outcome
 
 

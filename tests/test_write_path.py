@@ -11,6 +11,8 @@ from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.cache import StorageExistenceCache
@@ -207,6 +209,175 @@ def test_failed_pages_and_untouched_lru(feed_of) -> None:
     assert (kv.written, kv.acknowledged, kv.failed, kv.redundant) == (6, 2, 4, 0)
 
 
+# -- current generation, admissions tallied by the cache --------------------------------
+class BufferModePipeline:
+    """Upstream's admission and flush, reduced to the calls that matter here (named
+    as upstream's class, which ``install_on`` matches): ``_write_intents`` asks
+    ``covered()`` once per pool with keys; the flush refreshes the queue (its
+    repairs ask again), then asks once more per head at launch, retiring a covered
+    head with ``_drop_queue_head(dropped=False)``; the step hook follows the flush."""
+
+    def __init__(self, cache: Any, feed: wp.WritePath, sidecars: Any = ()) -> None:
+        self._cache = NS(storage_existence_cache=cache, sidecar_pool_specs=sidecars)
+        self.cache, self.feed = cache, feed
+        self.pending_write_queue: list[NS] = []
+        self.launched: list[NS] = []
+
+    def _backup_pool_keys(self, snapshot: Any) -> dict[str, list[str]]:
+        return dict(snapshot)
+
+    def _write_intents(self, snapshot: Any) -> list[tuple[str, list[str]]]:
+        keys = self._backup_pool_keys(snapshot)
+        sidecars = {s.pool_name: s.indices_from_pool for s in self._cache.sidecar_pool_specs}
+        intents = []
+        for pool, k in sorted(keys.items()):
+            if pool in sidecars or not k:
+                continue
+            riders = [n for n, source in sidecars.items() if source == pool and keys.get(n)]
+            if not all(self.cache.pool(n).covered(keys[n]) for n in (pool, *riders)):
+                intents.append((pool, k))
+        return intents
+
+    def enqueue_backup_intent(self, snapshot: dict[str, list[str]]) -> None:
+        for pool, keys in self._write_intents(snapshot):
+            self.pending_write_queue.append(NS(pool=pool, keys=keys))
+
+    def _refresh_pending_backup_intents(self) -> None:
+        for intent in self.pending_write_queue:  # a split repair re-asks
+            self._write_intents({intent.pool: intent.keys})
+
+    def _drop_queue_head(self, intent_tokens: int, *, dropped: bool) -> None:
+        self.pending_write_queue.pop(0)
+
+    def flush_pending_writes(self, launches: int) -> None:
+        """Refresh, then launch up to ``launches`` heads (the rest wait: staging full)."""
+        if not self.pending_write_queue:
+            return
+        around_refresh_pending(type(self)._refresh_pending_backup_intents, self)
+        while self.pending_write_queue:
+            head = self.pending_write_queue[0]
+            if self.cache.pool(head.pool).covered(head.keys):
+                around_drop_queue_head(type(self)._drop_queue_head, self, 0, dropped=False)
+                continue
+            if launches <= 0:
+                break
+            launches -= 1
+            self.cache.pool(head.pool).track_inflight(head.keys)
+            self.launched.append(self.pending_write_queue.pop(0))
+
+    def ack_all(self) -> None:
+        for intent in self.launched:
+            self.cache.pool(intent.pool).untrack_inflight(intent.keys)
+            self.cache.pool(intent.pool).add(intent.keys)
+        self.launched.clear()
+
+    def step(self) -> None:
+        """The step hook after ``check_hicache_events`` (its flush included)."""
+        if self.feed.flushed:
+            self.feed.flushed_reap(self._cache)
+
+
+def test_tallied_admissions_are_avoided_once_and_the_flush_counts_none(feed_of) -> None:
+    """Without sidecar pools, each covered() True of an admission is that pool's
+    avoided pages, counted by the cache itself; the flush's repairs and launch checks
+    count nothing (the tally is off from its refresh to the step hook), and a head
+    retired at launch counts once, at its retirement."""
+    cache = StorageExistenceCache(64)
+    feed = feed_of(cache, "current")
+    p = BufferModePipeline(cache, feed)
+    assert feed.tally_admissions(p._cache) and feed.tallies
+    a, b = pages("a", 4), pages("b", 3)
+    cache.pool("kv").add(a)
+    p.enqueue_backup_intent({"kv": a, "swa": a[-1:]})  # kv covered: avoided 4
+    p.enqueue_backup_intent({"kv": b})
+    assert [(i.pool, len(i.keys)) for i in p.pending_write_queue] == [("swa", 1), ("kv", 3)]
+    w = feed.writes.stats()
+    assert (w["kv"].avoided, "swa" in w) == (4, False)
+    cache.pool("swa").add(a[-1:])  # the swa head became covered while queued
+    p.flush_pending_writes(launches=0)  # repairs ask 2x, the launch check 1x: True
+    assert feed.flushed and cache.pool("kv").tally is False
+    w = feed.writes.stats()
+    assert (w["kv"].avoided, w["swa"].avoided) == (4, 1)  # the retirement only
+    p.enqueue_backup_intent({"kv": a})  # before the step hook: not possible upstream
+    p.step()
+    assert not feed.flushed and cache.pool("swa").tally is True
+    p.enqueue_backup_intent({"kv": a, "swa": a[-1:]})
+    w = feed.writes.stats()
+    assert (w["kv"].avoided, w["swa"].avoided) == (8, 2)
+    assert feed.errors == 0
+
+
+def test_a_tree_with_sidecar_pools_gets_the_admission_hooks_on_its_pipeline(feed_of) -> None:
+    """Upstream's all() over a driver and its riders stops at the first pool not
+    covered, so a covered() True is not one avoided pool there: such a tree keeps
+    the tally off, and its pipeline (that instance only) gets the two admission
+    hooks, which count a driver avoided only with its riders covered."""
+    cache = StorageExistenceCache(64)
+    feed = feed_of(cache, "current")
+    sidecars = [NS(pool_name="idx", indices_from_pool="kv")]
+    p = BufferModePipeline(cache, feed, sidecars)
+    other = BufferModePipeline(cache, feed, sidecars)
+    assert not feed.tally_admissions(p._cache) and not feed.tallies
+    done = wh.install_on(p)
+    assert done == [f"{wh.PIPELINE}._backup_pool_keys", f"{wh.PIPELINE}._write_intents"]
+    assert "_write_intents" in vars(p) and "_write_intents" not in vars(other)
+    a = pages("a", 4)
+    cache.pool("kv").add(a)
+    assert p._write_intents({"kv": a, "idx": a}) == [("kv", a)]  # the rider is not covered
+    assert "kv" not in feed.writes.stats() and cache.pool("kv").covered_pages == 0
+    cache.pool("idx").add(a)
+    assert p._write_intents({"kv": a, "idx": a}) == []
+    assert feed.writes.stats()["kv"].avoided == 4  # the driver; its rider has no intent
+    other._write_intents({"kv": a, "idx": a})  # not hooked
+    assert feed.writes.stats()["kv"].avoided == 4
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "flush", "ack", "step"]),
+        st.dictionaries(
+            st.sampled_from(["kv", "swa", "mamba"]),
+            st.lists(st.integers(0, 11), max_size=5, unique=True),
+            max_size=3,
+        ),
+        st.integers(0, 2),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_OPS)
+def test_the_tally_counts_what_the_admission_hooks_count(ops: list[Any]) -> None:
+    """Differential: any sequence of admissions, flushes (some heads left queued),
+    acks and steps gives the same avoided pages per pool counted by the cache's
+    tally as by the two admission hooks (the accounting of 0.5.22-0.5.23 until now,
+    held exact by the real-server tests)."""
+    counted = []
+    for tallied in (True, False):
+        cache = StorageExistenceCache(8)  # small: evictions too
+        feed = wp.WritePath(WriteAccounting(), cache)
+        wp.attach(feed)
+        try:
+            p = BufferModePipeline(cache, feed)
+            if tallied:
+                assert feed.tally_admissions(p._cache)
+            else:
+                wh.install_on(p)
+            for op, keys, launches in ops:
+                if op == "admit":
+                    p.enqueue_backup_intent({k: [f"{i:064x}" for i in v] for k, v in keys.items()})
+                elif op == "flush":
+                    p.flush_pending_writes(launches)
+                    p.step()  # upstream: the step hook follows every flush
+                elif op == "ack":
+                    p.ack_all()
+            counted.append({k: s.avoided for k, s in feed.writes.stats().items() if s.avoided})
+        finally:
+            wp.detach()
+    assert counted[0] == counted[1]
+
+
 # -- flat generation (0.5.19 - 0.5.21) -------------------------------------------------
 def test_flat_shape_counts_a_node_once_per_insert_walk(feed_of) -> None:
     """covers_all True inside enqueue_backup_intent is avoided, once per node per
@@ -356,8 +527,13 @@ def test_register_installs_what_resolves() -> None:
     done = wh.register(registry, kinds, "current", resolve_without_mooncake, said.append)
     assert done == got
     assert not any("mooncake" in t for t in done)
-    assert f"{wh.PIPELINE}._write_intents" in done and wh.FLAT_COVERS_ALL not in done
+    assert f"{wh.PIPELINE}._refresh_pending_backup_intents" in done
+    assert wh.FLAT_COVERS_ALL not in done
     assert f"{wh.PIPELINE}.enqueue_backup_intent" not in done  # the d(d+1)/2 hot call
+    # checked, but installed per pipeline (install_on), only where a tree has sidecars
+    per_pipeline = {f"{wh.PIPELINE}._write_intents", f"{wh.PIPELINE}._backup_pool_keys"}
+    assert {h.target for h in wh.HOOKS if h.per_instance} == per_pipeline
+    assert not per_pipeline & set(done)
     assert set(_CACHE_MODE) <= set(done)
     mooncake = [h.target for h in wh.HOOKS if "mooncake" in h.target]
     assert len(said) == len(mooncake) and all(t in m for t, m in zip(mooncake, said))
@@ -406,7 +582,7 @@ def test_a_missing_cache_mode_target_leaves_buffer_mode_counting() -> None:
 
     done = wh.register(registry, kinds, "current", resolve, said.append)
     assert not any(t in done for t in _CACHE_MODE)
-    assert f"{wh.PIPELINE}._write_intents" in done
+    assert f"{wh.PIPELINE}._drop_queue_head" in done
     assert f"{wh.PIPELINE}.finish_storage_write_ack" in done
     assert len(said) == 2  # the two controllers' write_storage
     assert said[0].startswith(f"{wh.CONTROLLER}.write_storage") and "cache-mode" in said[0]
@@ -453,7 +629,7 @@ def test_a_target_without_a_named_parameter_counts_as_missing() -> None:
     said.clear()
     done = wh.register(registry, kinds, "current", resolve_file, said.append)
     assert done and not any(t.startswith(wh.FILE_BACKEND) for t in done)
-    assert f"{wh.PIPELINE}._write_intents" in done and len(said) == 2
+    assert f"{wh.PIPELINE}._drop_queue_head" in done and len(said) == 2
     assert all("has no parameter 'key'" in m and "file backend" in m for m in said)
 
 

@@ -141,3 +141,20 @@ def test_bad_acks_raise_and_change_nothing(call, exc, match):
     with pytest.raises(exc, match=match):
         call(w)
     assert w.stats() == before
+
+
+def test_avoided_pages_counted_elsewhere_are_added_at_each_snapshot():
+    """``avoided_from``: a source's pages per pool join ``avoided`` (and its bytes and
+    ratio) in every snapshot, a pool only the source knows included; zero adds no pool."""
+    w = WriteAccounting(page_size_bytes=10)
+    tally = {"kv": 3, "swa": 0}
+    w.avoided(pool="kv", pages=2)
+    w.written(pool="kv", pages=5)
+    w.avoided_from(lambda: list(tally.items()))
+    s = w.stats()
+    assert (s["kv"].avoided, s["kv"].avoided_bytes, "swa" not in s) == (5, 50, True)
+    tally["swa"] = 4
+    s = w.stats()
+    assert (s["swa"].avoided, s["swa"].written, s["kv"].avoided_ratio) == (4, 0, 0.5)
+    w.avoided_from(None)
+    assert w.stats()["kv"].avoided == 2 and "swa" not in w.stats()

@@ -10,12 +10,15 @@ finished), ``redundant`` (ground truth learned later) and ``redundant_cause``
 write path classifies, as SGLang's does in both modes).
 
 Recording bumps plain ints on the scheduler thread; ``stats()`` returns immutable
-snapshots (pages and bytes) that subtract to deltas, like ``stats.py``.
+snapshots (pages and bytes) that subtract to deltas, like ``stats.py``.  Avoided
+pages may also be counted where the decision is made (``avoided_from``: buffer
+mode's admissions, tallied by the existence cache itself), and added at each
+snapshot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -167,6 +170,13 @@ class WriteAccounting:
         self._sizes = sizes
         self._pools: dict[str, _PoolWrites] = {}
         self._causes: dict[str, dict[str, int]] = {}
+        self._avoided_from: Callable[[], Iterable[tuple[str, int]]] | None = None
+
+    def avoided_from(self, source: Callable[[], Iterable[tuple[str, int]]] | None) -> None:
+        """Add ``source``'s ``(pool, pages)`` to ``avoided`` at each snapshot: pages
+        avoided as counted where they are decided, each pool's count never falling
+        (read from any thread, so a snapshot needs no lock).  ``None``: none."""
+        self._avoided_from = source
 
     def _pool(self, pool: str) -> _PoolWrites:
         rec = self._pools.get(pool) if type(pool) is str else None
@@ -298,16 +308,22 @@ class WriteAccounting:
     def stats(self) -> WriteStats:
         """An immutable snapshot, O(pools); safe from another thread (each dict is
         copied in one C call before it is walked)."""
-        return WriteStats(
-            MappingProxyType(
-                {
-                    name: PoolWriteStats(
-                        name,
-                        page_size_bytes=self.page_size(name),
-                        causes=MappingProxyType(dict(self._causes.get(name, {}))),
-                        **{name: getattr(rec, name) for name in WRITE_FIELDS},
-                    )
-                    for name, rec in self._pools.copy().items()
-                }
+        pools = self._pools.copy()
+        extra: dict[str, int] = {}
+        if self._avoided_from is not None:
+            for pool, pages in self._avoided_from():
+                if pages:
+                    extra[pool] = extra.get(pool, 0) + pages
+                    if pool not in pools:
+                        pools[pool] = _PoolWrites()
+        out: dict[str, PoolWriteStats] = {}
+        for name, rec in pools.items():
+            counts = {field: getattr(rec, field) for field in WRITE_FIELDS}
+            counts["avoided"] += extra.get(name, 0)
+            out[name] = PoolWriteStats(
+                name,
+                page_size_bytes=self.page_size(name),
+                causes=MappingProxyType(dict(self._causes.get(name, {}))),
+                **counts,
             )
-        )
+        return WriteStats(MappingProxyType(out))

@@ -37,7 +37,8 @@ MissMemoryFactory = Callable[[str], "MissMemory | None"]
 
 class PoolBeliefs(CountingPool):
     """One pool's LRU of page hashes believed in L3 and its refcounted in-flight pages
-    (D2H launch to storage ack); ``CountingPool`` counts lookups, as for the seed."""
+    (D2H launch to storage ack); ``CountingPool`` counts lookups (and tallies covered
+    pages), as for the seed."""
 
     __slots__ = ("_max_entries", "_inflight")
 
@@ -156,7 +157,11 @@ class PoolBeliefs(CountingPool):
         """Every page believed or in flight?  Touches believed ones; in-flight-only: rescues.
         (Upstream asks per admission: a list or tuple goes straight to the walk.)"""
         seq = hashes if type(hashes) in _SEQ else _validate.page_sequence(hashes)
-        return self._walk(seq, self._inflight)  # type: ignore[arg-type]
+        if self._walk(seq, self._inflight):  # type: ignore[arg-type]
+            if self.tally:
+                self.covered_pages += len(seq)  # type: ignore[arg-type]
+            return True
+        return False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -211,8 +216,15 @@ class StorageExistenceCache:
         self._miss_memory = miss_memory
         self._observer = observer
         self._advisor = advisor
+        self._tally = False
         if isinstance(observer, Tee):
             observer.listen(self._observe)
+
+    def tally_covered(self, on: bool) -> None:
+        """Turn every pool's ``covered()`` tally on or off (``CountingPool``), new pools too."""
+        self._tally = on = bool(on)
+        for beliefs in list(self._pools.values()):
+            beliefs.tally = on
 
     def _observe(self, observer: BeliefObserver | None) -> None:
         """What every pool notifies from now on (a ``Tee``'s listener: ``None`` while
@@ -248,6 +260,7 @@ class StorageExistenceCache:
                     observer=self._observer,
                     advisor=self._advisor,
                 )
+                beliefs.tally = self._tally
                 self._pools[key] = beliefs
         return beliefs
 

@@ -31,6 +31,8 @@ class CountingPool:
         "_missed",
         "_observer",
         "_sampler",
+        "tally",
+        "covered_pages",
     )
 
     def __init__(
@@ -50,6 +52,12 @@ class CountingPool:
         self._memory = memory
         self._missed: list[str] = []
         self._observer = observer
+        #: ``covered_pages``: the pages of every ``covered()`` answered True while
+        #: ``tally`` is on (the cache's ``tally_covered``).  Buffer mode's write path
+        #: turns it on where upstream's only other questions are its flush's (then
+        #: off): the tally is then the admissions' avoided pages, with no hook on them.
+        self.tally = False
+        self.covered_pages = 0
         # The index feeds the sampler; the walk reports what it can't (misses, rescues, contains).
         self._sampler: SamplerType | None = None
         if advisor is not None:

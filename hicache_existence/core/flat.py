@@ -68,7 +68,13 @@ class FlatPoolBeliefs(CountingPool):
 
     def covered(self, hashes: Iterable[str]) -> bool:
         """``covers_all`` with this pool's in-flight refs as the extra cover."""
-        return self._cache.covers_all(self.name, hashes, extra_cover=self._inflight)
+        if not self.tally:
+            return self._cache.covers_all(self.name, hashes, extra_cover=self._inflight)
+        seq = _validate.page_sequence(hashes)
+        if self._cache.covers_all(self.name, seq, extra_cover=self._inflight):
+            self.covered_pages += len(seq)
+            return True
+        return False
 
     def track_inflight(self, hashes: Iterable[str]) -> None:
         lru.inflight_add(self._inflight, lru.page_hashes(hashes))
@@ -152,8 +158,15 @@ class FlatStorageExistenceCache:
         self._any_memory = False
         self._observer = observer
         self._advisor = advisor
+        self._tally = False
         if isinstance(observer, Tee):
             observer.listen(self._observe)
+
+    def tally_covered(self, on: bool) -> None:
+        """Turn every pool's ``covered()`` tally on or off (``CountingPool``), new pools too."""
+        self._tally = on = bool(on)
+        for rec in list(self._pools.values()):
+            rec.tally = on
 
     def _observe(self, observer: BeliefObserver | None) -> None:
         """What the cache and every pool notify from now on (a ``Tee``'s listener:
@@ -193,6 +206,7 @@ class FlatStorageExistenceCache:
             memory = self._miss_memory(resolved) if self._miss_memory else None
             tag = 0 if resolved == self._primary else len(self._pools) + 1
             rec = FlatPoolBeliefs(self, resolved, tag, memory)
+            rec.tally = self._tally
             self._pools[resolved] = self._by_tag[tag] = rec
             self._any_memory = self._any_memory or memory is not None
         return rec

@@ -47,6 +47,10 @@ class PoolView(Protocol):
     def covered(self, hashes: Iterable[str]) -> bool:
         """A counted chain lookup of pages believed stored or in flight."""
 
+    @property
+    def covered_pages(self) -> int:
+        """Pages of the ``covered()`` answered True while the tally was on."""
+
     def track_inflight(self, hashes: Iterable[str]) -> None:
         """One in-flight ref per page at its launch."""
 
@@ -91,6 +95,9 @@ class ExistenceCache(Protocol):
 
     def clear(self) -> None:
         """Forget every belief of every pool."""
+
+    def tally_covered(self, on: bool) -> None:
+        """Turn every pool's tally of covered pages (``covered_pages``) on or off."""
 
     def settle(self) -> None:
         """Classify every pool's pending misses (miss reasons)."""

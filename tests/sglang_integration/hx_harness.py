@@ -258,6 +258,9 @@ def scenario_plan(s: Scenarios) -> dict[str, Any]:
         ),
         "buffer_inflight": lambda: s.run("buffer_inflight", env=s.env(**RECONCILING)),
         "buffer_writes": lambda: s.run("buffer_writes", env=s.env(HICACHE_EXISTENCE_ENABLED="1")),
+        "buffer_writes_hooked": lambda: s.run(
+            "buffer_writes", "0", "1", env=s.env(HICACHE_EXISTENCE_ENABLED="1")
+        ),
         "buffer_writes_capped": lambda: s.run(
             "buffer_writes",
             "1",

@@ -554,15 +554,22 @@ def write_report(server: BufferModeServer) -> dict[str, Any]:
 
 
 @scenario
-def buffer_writes(cap: str = "0") -> dict[str, Any]:
+def buffer_writes(cap: str = "0", admission_hooks: str = "0") -> dict[str, Any]:
     """Write accounting fed by the real buffer-mode write path over the real file
     backend: a prefix written, re-admitted without a write, extended (the node
     spans believed pages and is written whole), and, with a small cap, replayed
-    after its beliefs were evicted while L3 kept the pages."""
+    after its beliefs were evicted while L3 kept the pages.  ``admission_hooks``:
+    count admissions as on a tree with sidecar pools (the two hooks installed on
+    the pipeline), not by the cache's tally."""
     logs = capture_logs()
     load_plugins()
+    if int(admission_hooks):
+        from hicache_existence.integrations.sglang.write_path import WritePath
+
+        WritePath.tally_admissions = lambda self, tree: False  # type: ignore[method-assign]
     server = BufferModeServer()
     feed = server.entry.write_path if server.entry else None
+    server.pump()  # a scheduler steps before its first batch (admissions get wired)
     a = list(range(1, 33))  # 8 pages of 4 tokens
     b = list(range(101, 133))  # 8 more
     c = list(range(501, 533))  # 8 unrelated pages
@@ -587,6 +594,8 @@ def buffer_writes(cap: str = "0") -> dict[str, Any]:
     result = {
         "phases": phases,
         "hooks": sorted(registry_state()),
+        "tallied": feed.tallies if feed else None,
+        "on_pipeline": sorted(k for k in vars(server.pipeline) if k.startswith("_write_i")),
         "errors": feed.errors if feed else None,
         "page_bytes": entry.runtime.writes.page_size("kv") if entry else None,
         "host_page_bytes": (

@@ -74,3 +74,18 @@ def test_evicted_beliefs_cause_redundant_writes_classified_evicted(scenarios: Sc
     assert after["files"] == before["files"] == 16
     assert after["misses"]["evicted"] > before["misses"]["evicted"]
     assert after["misses"]["cold"] == before["misses"]["cold"]
+
+
+def test_the_admission_hooks_count_what_the_tally_counts(scenarios: Scenarios) -> None:
+    """A tree with sidecar pools counts admissions by the two hooks installed on its
+    pipeline (that instance only), any other by the cache's covered() tally: over the
+    same phases of the real pipeline, every counter is the same either way."""
+    tallied = scenarios.get("buffer_writes").value()
+    hooked = scenarios.get("buffer_writes_hooked").value()
+    assert (tallied["tallied"], tallied["on_pipeline"]) == (True, [])
+    assert (hooked["tallied"], hooked["on_pipeline"]) == (False, ["_write_intents"])
+    assert hooked["errors"] == 0 and hooked["warnings"] == []
+    for name in ("a", "a_again", "a_b"):
+        assert hooked["phases"][name] == tallied["phases"][name], name
+    assert _kv(hooked, "a_again")["avoided"] == 8
+    assert not any(h.endswith(("._write_intents", "._backup_pool_keys")) for h in hooked["hooks"])

@@ -43,6 +43,7 @@ from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import kv_events as _kv_events
 from hicache_existence.integrations.sglang import targets as _targets
 from hicache_existence.integrations.sglang import upstream_overlap as _overlap
+from hicache_existence.integrations.sglang import write_hooks as _write_hooks
 from hicache_existence.integrations.sglang import write_path as _write_path
 from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.targets import Generation
@@ -108,10 +109,29 @@ class ProcessEntry:
     def first_step(self, tree_cache: Any) -> None:
         """Bind the tree cache and build the replica groups (once, every rank)."""
         try:
+            self._count_admissions(tree_cache)
             self._first_step(tree_cache)
         finally:  # bound or not, the group's size is final now (unbound: one rank)
             if self.group is not None:
                 self.runtime.group_bound()
+
+    def _count_admissions(self, tree_cache: Any) -> None:
+        """Buffer mode, current generation: admissions are counted by the cache's
+        ``covered()`` tally, or, on a tree with sidecar pools, by the admission
+        hooks installed on its pipeline (before its first insert: the first step
+        comes before the first batch)."""
+        if self.facts.cache_mode or self.runtime.generation != "current":
+            return
+        if "buffer" in _UNCOUNTED.get(os.getpid(), frozenset()):
+            return
+        pipeline = getattr(tree_cache, "buffer_pipeline", None)
+        try:
+            if pipeline is None or self.write_path.tally_admissions(tree_cache):
+                return
+            if self.owns(tree_cache):
+                _write_hooks.install_on(pipeline, "current")
+        except Exception as exc:  # the groups are still built
+            logger.warning("hicache-existence: buffer-mode admissions not counted: %r", exc)
 
     def _first_step(self, tree_cache: Any) -> None:
         if self.truth is not None:
@@ -168,6 +188,8 @@ class ProcessEntry:
         cache_mode = self.write_path.cache_mode
         hook.pending = cache_mode.pending_operations if reap and cache_mode else None
         hook.reap = reap
+        if reap is None and self.write_path.tallies:  # buffer mode: after each flush
+            hook.pending, hook.reap = self.write_path.flushed, self.write_path.flushed_reap
         hook.step = self.runtime.tick
         hook.tree = tree_cache
 

@@ -6,10 +6,15 @@ read upstream's arguments and call its methods.  Where each buffer-mode counter
 is taken (the full table is in docs/metrics.md):
 
 * **avoided**: the pools ``BufferModePipeline._write_intents`` (0.5.22+) drops as
-  ``covered()`` (keys from ``_backup_pool_keys``, which it calls first), once per
-  admission decision (not its calls from ``_refresh_pending_backup_intents``),
-  plus queued intents retired as covered (``_drop_queue_head(dropped=False)``);
-  flat (0.5.19-0.5.21): ``covers_all`` answering True inside
+  ``covered()``, once per admission decision (not its calls from
+  ``_refresh_pending_backup_intents``), plus queued intents retired as covered
+  (``_drop_queue_head(dropped=False)``).  Without sidecar pools each ``covered()``
+  True outside ``flush_pending_writes`` is one admission's avoided pool, so the
+  cache tallies them itself (``tally_admissions``; off from the flush's queue
+  refresh to the step hook that follows it): no hook runs per admission.  With
+  sidecar pools (upstream's ``all()`` stops at the first pool not covered), the
+  hooks on ``_backup_pool_keys`` and ``_write_intents`` decide, installed on that
+  pipeline only.  Flat (0.5.19-0.5.21): ``covers_all`` answering True inside
   ``enqueue_backup_intent``, at most once per node per insert walk.
 * **written**: ``_stage_backup_intent`` returning True (the D2H launch, where
   upstream starts tracking the pages in flight), per pool of ``keys_by_pool``
@@ -131,6 +136,11 @@ class WritePath:
         self._admitting = 0
         #: Queue refreshes running (their ``_write_intents`` calls are repairs).
         self.refreshing = 0
+        #: The cache whose ``covered()`` tally counts admissions (``tally_admissions``).
+        self._tallied: ExistenceCache | None = None
+        #: Not empty from a flush's queue refresh to the step hook after it, which
+        #: then calls ``flushed_reap`` (the step hook's ``pending`` in buffer mode).
+        self.flushed: list[None] = []
         #: What ``_backup_pool_keys`` answered for the admission being decided
         #: (the AFTER hook sets it outside a refresh; ``admission`` takes it).
         self.pool_keys: Mapping[Any, list[str]] | None = None
@@ -159,9 +169,48 @@ class WritePath:
         return getattr(tree, "storage_existence_cache", None) is self.cache
 
     # -- admission (current generation) -------------------------------------------------
+    def tally_admissions(self, tree: Any) -> bool:
+        """Count ``tree``'s admissions (current generation) from the cache's
+        ``covered()`` tally; False (nothing changed) for a tree with sidecar pools,
+        or not ours.
+
+        Upstream asks ``covered()`` in an admission's ``_write_intents`` and inside
+        ``flush_pending_writes`` (the repairs of its queue refresh, which it calls
+        first, and each head's launch check).  Without sidecar pools an admission
+        asks once per pool with keys, and True leaves that pool out: so the tally,
+        off from the refresh to the step hook after it, is exactly the admissions'
+        avoided pages."""
+        cache = self.cache
+        if not self.owns_tree(tree) or getattr(tree, "sidecar_pool_specs", None):
+            return False
+        self._tallied = cache
+        self.writes.avoided_from(self._tally)
+        cache.tally_covered(True)
+        return True
+
+    @property
+    def tallies(self) -> bool:
+        """Whether admissions are counted by the cache's tally (``tally_admissions``)."""
+        return self._tallied is not None
+
+    def _tally(self) -> list[tuple[str, int]]:
+        """Each pool's tallied pages (any thread: a tuple of pools, then ints)."""
+        cache = self._tallied
+        return [(p.name, p.covered_pages) for p in cache.pools()] if cache is not None else []
+
+    def flushed_reap(self, tree: Any) -> None:
+        """The step hook after a flush (``flushed`` not empty): admissions come next."""
+        self.flushed.clear()
+        if self._tallied is not None:
+            self._tallied.tally_covered(True)
+
     def begin_refresh(self) -> None:
-        """A queue refresh starts: its ``_write_intents`` calls are split repairs."""
+        """A queue refresh starts: its ``_write_intents`` calls are split repairs,
+        and the flush it opens asks ``covered()`` at launch (not admissions)."""
         self.refreshing += 1
+        if self._tallied is not None and not self.flushed:
+            self._tallied.tally_covered(False)
+            self.flushed.append(None)
 
     def end_refresh(self) -> None:
         self.refreshing -= 1

@@ -2,7 +2,8 @@
 
 Modules: ``binding`` (the ``Hook`` record, parameter binding, and the prelude,
 guard and bracket every hook shares), ``buffer_mode``, ``backends`` (the backup
-thread), ``cache_mode``, and ``registry`` (the table ``HOOKS`` and ``register``).
+thread), ``cache_mode``, and ``registry`` (the table ``HOOKS``, ``register`` and
+``install_on``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hicache_existence.integrations.sglang.write_hooks.registry import (
     PIPELINE,
     TREE,
     hook,
+    install_on,
     register,
 )
 
@@ -34,6 +36,7 @@ __all__ = [
     "TREE",
     "Params",
     "hook",
+    "install_on",
     "register",
     "targets",
 ]

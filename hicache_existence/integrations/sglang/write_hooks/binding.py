@@ -117,6 +117,9 @@ class Hook:
     serves: frozenset[Mode] = MODES
     #: A class (dotted) the hook needs: without it, skipped with a debug line only.
     only_with: str = ""
+    #: Checked at registration like any other, but installed on one object only,
+    #: where that object's tree needs it (``registry.install_on``), not on the class.
+    per_instance: bool = False
 
     def bound(self, target: object) -> Hooked:
         """The callable to install on ``target`` (raises ``LookupError`` when its

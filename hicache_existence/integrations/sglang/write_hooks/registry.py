@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -62,10 +63,13 @@ HOOKS: tuple[Hook, ...] = (
          ("node_id",), required=BUFFER, serves=BUFFER),
     Hook(f"{PIPELINE}._refresh_pending_backup_intents", "AROUND", _refresh_pending, _CUR,
          required=BUFFER, serves=BUFFER),
+    # An admission's avoided pools: the cache's covered() tally counts them
+    # (WritePath.tally_admissions), except on a tree with sidecar pools, whose
+    # pipeline gets these two (install_on).
     Hook(f"{PIPELINE}._backup_pool_keys", "AFTER", _backup_pool_keys, _CUR,
-         required=BUFFER, serves=BUFFER),
+         required=BUFFER, serves=BUFFER, per_instance=True),
     Hook(f"{PIPELINE}._write_intents", "AFTER", _write_intents, _CUR,
-         required=BUFFER, serves=BUFFER),
+         required=BUFFER, serves=BUFFER, per_instance=True),
     Hook(f"{PIPELINE}._drop_queue_head", "AROUND", _drop_queue_head, _CUR, ("dropped",),
          loses="buffer mode: queued writes retired before launch (avoided)",
          serves=BUFFER),
@@ -153,11 +157,47 @@ def register(
             continue
         found.append((h, installed))
     kept = [(h, installed) for h, installed in found if h.serves - modes_off]
+    kept = [(h, installed) for h, installed in kept if not h.per_instance]
     for h, installed in kept:
         registry.register(h.target, installed, getattr(hook_type, h.kind))
     if off is not None:
         off.update(modes_off)
     return [h.target for h, _ in kept]
+
+
+def install_on(owner: Any, generation: str = "current") -> list[str]:
+    """Install the ``per_instance`` hooks of ``generation`` whose class is
+    ``owner``'s on ``owner`` itself, as the plugin would on the class (an AFTER hook
+    sees the result, then the call's arguments); returns the methods wrapped.  A
+    method whose signature no longer fits is left alone with a warning."""
+    done: list[str] = []
+    cls = type(owner)
+    classes = {c.__name__ for c in cls.__mro__}
+    for h in HOOKS:
+        path, _, method = h.target.rpartition(".")
+        if not h.per_instance or generation not in h.generations:
+            continue
+        if path.rpartition(".")[2] not in classes:
+            continue
+        try:
+            after = h.bound(getattr(cls, method))
+        except Exception as exc:
+            _log_warning(f"{h.target} is missing or changed ({exc}); not hooked on {owner!r}")
+            continue
+        setattr(owner, method, _after(getattr(owner, method), after, owner))
+        done.append(h.target)
+    return done
+
+
+def _after(call: Callable[..., Any], after: Hooked, owner: Any) -> Callable[..., Any]:
+    def hooked(*a: Any, **kw: Any) -> Any:
+        result = call(*a, **kw)
+        with contextlib.suppress(Exception):  # the hooks count their own failures
+            after(result, owner, *a, **kw)
+        return result
+
+    hooked.__name__ = hooked.__qualname__ = getattr(after, "__name__", "after")
+    return hooked
 
 
 def _resolves(resolve: Callable[[str], object], target: str) -> bool:
