@@ -124,7 +124,7 @@ HOOKS = ("_write_intents", "_backup_pool_keys")
 
 
 def test_the_admission_prototype_is_the_recorded_one() -> None:
-    """The measurement of buffer mode without its admission hooks (not landed)."""
+    """The measurement of buffer mode without its admission hooks (the prototype)."""
     x = RECORD["admission_without_hooks"]
     runs = _buffer_pairs(x, "prototype", "alternating on the quiet machine: ")
     ms = _claim(
@@ -140,3 +140,44 @@ def test_the_admission_prototype_is_the_recorded_one() -> None:
     for r in runs[:2]:  # the prototype registered neither hook
         assert not any(f"hook:{h}" in r["package_ms_by_function_per_round"] for h in HOOKS)
     assert x["main"]["commit"] in README and x["prototype"]["on"] == x["main"]["commit"]
+
+
+def test_the_admission_tally_is_the_recorded_one() -> None:
+    """Buffer mode counting admissions by the cache's tally, against its parent."""
+    x = RECORD["admission_tally"]
+    lead = f"its parent `{x['main']['commit']}` with the commands above, alternating on the "
+    runs = _buffer_pairs(x, "tallied", lead + "quiet machine: ")
+    ms = _claim(
+        r"the package's time ([\d.]+) and ([\d.]+) ms a round against ([\d.]+) and ([\d.]+);"
+    )
+    assert [float(v) for v in ms] == [r["package_busy_ms_median"] for r in runs]
+    hook = _claim(
+        r"the per-step hook ([\d.]+) and ([\d.]+) µs per polling iteration against ([\d.]+) and "
+        r"([\d.]+) \(([\d.]+) and ([\d.]+) in situ against ([\d.]+) and ([\d.]+)\)"
+    )
+    assert [float(v) for v in hook[:4]] == [
+        round(r["hook_us_per_poll_iteration_median"], 2) for r in runs
+    ]
+    assert [float(v) for v in hook[4:]] == [
+        round(r["hook_us_per_poll_iteration_insitu_median"], 2) for r in runs
+    ]
+    net = _claim(r"the package adds ([\d.]+)% and ([\d.]+)% against ([\d.]+)% and ([\d.]+)%\)")
+    assert [f"{v}%" for v in net] == [
+        r["package_share_of_busy_net_of_replaced_cache_median"] for r in runs
+    ]
+    cache = _claim(
+        r"did not move: ([\d.]+)% / ([\d.]+)% \(low pressure, dedup off / on\) and ([\d.]+)% / "
+        r"([\d.]+)% \(high\) against ([\d.]+)% / ([\d.]+)% and ([\d.]+)% / ([\d.]+)%"
+    )
+    recorded = [
+        x[t]["cache"][p][m]["package_share_of_busy_median"]
+        for t in ("tallied", "main")
+        for p in ("low", "high")
+        for m in ("off", "on")
+    ]
+    assert [f"{v}%" for v in cache] == recorded
+    for r in runs[:2]:  # neither admission hook ran where the tally counts
+        assert not any(f"hook:{h}" in r["package_ms_by_function_per_round"] for h in HOOKS)
+    for r in runs[2:]:
+        assert all(f"hook:{h}" in r["package_ms_by_function_per_round"] for h in HOOKS)
+    assert f"Built in `{x['tallied']['commit']}`" in README
