@@ -98,6 +98,22 @@ def _buffer_pairs(x: dict[str, Any], tried: str, lead: str) -> list[dict[str, An
     return runs
 
 
+def _cache_pairs(x: dict[str, Any], tried: str, lead: str) -> None:
+    """An experiment's cache-mode shares and main's, which the README states after
+    ``lead`` as "A / B (low pressure, dedup off / on) and C / D (high) against ..."."""
+    cache = _claim(
+        re.escape(lead) + r"([\d.]+)% / ([\d.]+)% \(low pressure, dedup off / on\) and "
+        r"([\d.]+)% / ([\d.]+)% \(high\) against ([\d.]+)% / ([\d.]+)% and ([\d.]+)% / ([\d.]+)%"
+    )
+    recorded = [
+        x[t]["cache"][p][m]["package_share_of_busy_median"]
+        for t in (tried, "main")
+        for p in ("low", "high")
+        for m in ("off", "on")
+    ]
+    assert [f"{v}%" for v in cache] == recorded
+
+
 def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
     """The experiment that did not land (compiled hooks and walk) against main then."""
     x = RECORD["compiled_hooks"]
@@ -105,17 +121,7 @@ def test_the_rejected_compiled_hooks_are_the_recorded_ones() -> None:
     covered = _claim(r"`covered` ([\d.]+) and ([\d.]+) ms a round against ([\d.]+) and ([\d.]+);")
     by_fn = [r["package_ms_by_function_per_round"]["PoolBeliefs.covered"]["busy_ms"] for r in runs]
     assert [float(v) for v in covered] == by_fn
-    cache = _claim(
-        r"in cache mode ([\d.]+)% / ([\d.]+)% \(low pressure, dedup off / on\) and ([\d.]+)% / "
-        r"([\d.]+)% \(high\) against ([\d.]+)% / ([\d.]+)% and ([\d.]+)% / ([\d.]+)%"
-    )
-    recorded = [
-        x[t]["cache"][p][m]["package_share_of_busy_median"]
-        for t in ("compiled", "main")
-        for p in ("low", "high")
-        for m in ("off", "on")
-    ]
-    assert [f"{v}%" for v in cache] == recorded
+    _cache_pairs(x, "compiled", "in cache mode ")
     assert x["main"]["commit"] in README
 
 
@@ -165,17 +171,7 @@ def test_the_admission_tally_is_the_recorded_one() -> None:
     assert [f"{v}%" for v in net] == [
         r["package_share_of_busy_net_of_replaced_cache_median"] for r in runs
     ]
-    cache = _claim(
-        r"did not move: ([\d.]+)% / ([\d.]+)% \(low pressure, dedup off / on\) and ([\d.]+)% / "
-        r"([\d.]+)% \(high\) against ([\d.]+)% / ([\d.]+)% and ([\d.]+)% / ([\d.]+)%"
-    )
-    recorded = [
-        x[t]["cache"][p][m]["package_share_of_busy_median"]
-        for t in ("tallied", "main")
-        for p in ("low", "high")
-        for m in ("off", "on")
-    ]
-    assert [f"{v}%" for v in cache] == recorded
+    _cache_pairs(x, "tallied", "did not move: ")
     for r in runs[:2]:  # neither admission hook ran where the tally counts
         assert not any(f"hook:{h}" in r["package_ms_by_function_per_round"] for h in HOOKS)
     for r in runs[2:]:
