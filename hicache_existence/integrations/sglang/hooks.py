@@ -125,10 +125,10 @@ class ProcessEntry:
         if "buffer" in _UNCOUNTED.get(os.getpid(), frozenset()):
             return
         pipeline = getattr(tree_cache, "buffer_pipeline", None)
+        if pipeline is None or not self.owns(tree_cache):
+            return
         try:
-            if pipeline is None or self.write_path.tally_admissions(tree_cache):
-                return
-            if self.owns(tree_cache):
+            if not self.write_path.tally_admissions(tree_cache):
                 _write_hooks.install_on(pipeline, "current")
         except Exception as exc:  # the groups are still built
             logger.warning("hicache-existence: buffer-mode admissions not counted: %r", exc)

@@ -170,9 +170,9 @@ class WritePath:
 
     # -- admission (current generation) -------------------------------------------------
     def tally_admissions(self, tree: Any) -> bool:
-        """Count ``tree``'s admissions (current generation) from the cache's
-        ``covered()`` tally; False (nothing changed) for a tree with sidecar pools,
-        or not ours.
+        """Count the admissions of ``tree`` (current generation, holding this cache)
+        from the cache's ``covered()`` tally; False (nothing changed) for a tree
+        with sidecar pools.
 
         Upstream asks ``covered()`` in an admission's ``_write_intents`` and inside
         ``flush_pending_writes`` (the repairs of its queue refresh, which it calls
@@ -181,7 +181,7 @@ class WritePath:
         off from the refresh to the step hook after it, is exactly the admissions'
         avoided pages."""
         cache = self.cache
-        if not self.owns_tree(tree) or getattr(tree, "sidecar_pool_specs", None):
+        if getattr(tree, "sidecar_pool_specs", None):
             return False
         self._tallied = cache
         self.writes.avoided_from(self._tally)
