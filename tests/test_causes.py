@@ -194,7 +194,37 @@ _event = st.one_of(
     st.tuples(st.just("queried"), _span, st.integers(-1, 7), st.booleans()),
     st.tuples(st.just("prefetched"), _span, st.integers(-1, 7)),
     st.tuples(st.just("write"), _span, st.integers(0, 3), _span, _span),
+    # a query and its own prefetch of what it found, next (the one-store shortcut)
+    st.tuples(st.just("fetch"), _span, st.integers(-1, 7), st.integers(-1, 7), st.booleans()),
+    # a prefetch of the pages the last query found, whatever happened since
+    st.tuples(st.just("prefetch_last"), st.integers(-1, 7)),
 )
+
+
+def _apply(t: CauseTracker, ev: tuple[Any, ...], last: list[str]) -> dict[str, int] | None:
+    """One event on a tracker (a write's classification returned; ``last``: the
+    pages the last query found, which ``prefetch_last`` requests)."""
+    if ev[0] in ("queried", "fetch"):
+        last[:] = ev[1][: max(ev[2], 0)]
+    if ev[0] == "queried":
+        t.queried(ev[1], ev[2], below_threshold=ev[3])
+    elif ev[0] == "prefetch_last":
+        t.prefetched(list(last), ev[1])
+    elif ev[0] == "prefetched":
+        t.prefetched(ev[1], ev[2])
+    elif ev[0] == "fetch":
+        _, span, found, loaded, below = ev
+        t.queried(span, found, below_threshold=below)
+        t.prefetched(span[: max(found, 0)], loaded)
+    else:
+        _, ps, node, believed, held = ev
+        believed = [p for p in believed if p in ps]
+        held = [p for p in held if p in believed]
+        t.launched(node, ps)
+        got = t.classify(node, ps, believed, held)
+        t.stored(node, ps)
+        return dict(got)
+    return None
 
 
 @settings(max_examples=300, deadline=None)
@@ -206,13 +236,24 @@ def test_the_tracker_agrees_with_the_reference(
     for every page, the tracker names the same causes as the reference model,
     and every classified page gets exactly one cause."""
     t, ref = CauseTracker(known(*remembered)), _Reference(set(remembered))
+    last: list[str] = []
     for ev in events:
         if ev[0] == "queried":
-            t.queried(ev[1], ev[2], below_threshold=ev[3])
+            _apply(t, ev, last)
             ref.queried(ev[1][: max(ev[2], 0)], ev[3])
         elif ev[0] == "prefetched":
             t.prefetched(ev[1], ev[2])
             ref.prefetched(ev[1][: max(ev[2], 0)], ev[1])
+        elif ev[0] == "prefetch_last":
+            requested = list(last)
+            _apply(t, ev, last)
+            ref.prefetched(requested[: max(ev[1], 0)], requested)
+        elif ev[0] == "fetch":
+            _apply(t, ev, last)
+            _, span, found, loaded, below = ev
+            ref.queried(span[: max(found, 0)], below)
+            requested = span[: max(found, 0)]
+            ref.prefetched(requested[: max(loaded, 0)], requested)
         else:
             _, ps, node, believed, held = ev
             believed = [p for p in believed if p in ps]
@@ -224,3 +265,54 @@ def test_the_tracker_agrees_with_the_reference(
             assert sum(got.values()) == len(ps) and set(got) <= set(CAUSES)
             t.stored(node, ps)
             ref.stored(node, ps)
+
+
+class _EveryPage(CauseTracker):
+    """The tracker without its one-store shortcut: a prefetch always writes each
+    page's disposition (what ``prefetched`` did before the shortcut)."""
+
+    def queried(self, chain: Any, found: int, *, below_threshold: bool) -> None:
+        super().queried(chain, found, below_threshold=below_threshold)
+        self._open = None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_event, max_size=40), _span, st.integers(1, 6))
+def test_the_shortcut_changes_nothing_even_when_memory_is_short(
+    events: list[tuple[Any, ...]], remembered: list[str], room: int
+) -> None:
+    """With room for only a few pages (generations turning over), the tracker with
+    the shortcut names every write's causes as the one without it, and holds as much."""
+    fast = CauseTracker(known(*remembered), max_entries=room)
+    slow = _EveryPage(known(*remembered), max_entries=room)
+    seen_fast: list[str] = []
+    seen_slow: list[str] = []
+    for ev in events:
+        assert _apply(fast, ev, seen_fast) == _apply(slow, ev, seen_slow)
+        assert len(fast) == len(slow)
+
+
+def test_a_query_whose_prefetch_delivers_everything_leaves_no_shortfall() -> None:
+    """The shortcut's own case, and its limits: a prefetch that delivered every
+    page its query found leaves no shortfall; one for fewer pages (the host had room
+    for part), or after a write took one of them, writes each page as before."""
+    sizes = []
+    for t in (CauseTracker(known()), _EveryPage(known())):
+        chain = pages("c", 4)
+        t.queried(chain, 3, below_threshold=False)
+        t.prefetched(chain[:3], 99)
+        t.launched(1, chain)
+        assert t.classify(1, chain) == {"other_instance": 4}
+        t.queried(pages("d", 4), 4, below_threshold=False)
+        t.prefetched(pages("d", 2), 2)  # truncated to host room: the rest stays short
+        t.launched(2, pages("d", 4))
+        assert t.classify(2, pages("d", 4)) == {"other_instance": 2, "prefetch_shortfall": 2}
+        t.queried(pages("e", 2), 2, below_threshold=False)
+        t.launched(3, pages("e", 2)[:1])  # a write between the query and its prefetch
+        t.prefetched(pages("e", 2), 2)
+        assert t.classify(3, pages("e", 2)[:1]) == {"prefetch_shortfall": 1}
+        t.stored(3, pages("e", 2)[:1])
+        sizes.append(len(t))  # the page written holds its disposition again
+        t.launched(4, pages("e", 2)[1:])
+        assert t.classify(4, pages("e", 2)[1:]) == {"other_instance": 1}
+    assert sizes[0] == sizes[1]

@@ -98,15 +98,16 @@ def _buffer_pairs(x: dict[str, Any], tried: str, lead: str) -> list[dict[str, An
     return runs
 
 
-def _cache_pairs(x: dict[str, Any], tried: str, lead: str) -> None:
-    """An experiment's cache-mode shares and main's, which the README states after
-    ``lead`` as "A / B (low pressure, dedup off / on) and C / D (high) against ..."."""
+def _cache_pairs(x: dict[str, Any], tried: str, lead: str, run: str = "cache") -> None:
+    """An experiment's cache-mode shares and main's (``run``: which of their cache runs),
+    which the README states after ``lead`` as "A / B (low pressure, dedup off / on) and
+    C / D (high) against ..."."""
     cache = _claim(
         re.escape(lead) + r"([\d.]+)% / ([\d.]+)% \(low pressure, dedup off / on\) and "
         r"([\d.]+)% / ([\d.]+)% \(high\) against ([\d.]+)% / ([\d.]+)% and ([\d.]+)% / ([\d.]+)%"
     )
     recorded = [
-        x[t]["cache"][p][m]["package_share_of_busy_median"]
+        x[t][run][p][m]["package_share_of_busy_median"]
         for t in (tried, "main")
         for p in ("low", "high")
         for m in ("off", "on")

@@ -158,3 +158,19 @@ def test_avoided_pages_counted_elsewhere_are_added_at_each_snapshot():
     assert (s["swa"].avoided, s["swa"].written, s["kv"].avoided_ratio) == (4, 0, 0.5)
     w.avoided_from(None)
     assert w.stats()["kv"].avoided == 2 and "swa" not in w.stats()
+
+
+def test_live_counters_are_the_ones_every_snapshot_reads():
+    """``live``: a pool's own counters, stable across calls, so a hot path bumping
+    them directly is what the next snapshot (and the method API) sees; a bad pool
+    name gets the same error as everywhere."""
+    w = WriteAccounting(page_size_bytes=10)
+    kv = w.live("kv")
+    assert w.live("kv") is kv
+    kv.written += 4
+    kv.avoided += 2
+    w.written(pool="kv", pages=1)
+    s = w.stats()["kv"]
+    assert (s.written, s.avoided, s.written_bytes) == (5, 2, 50)
+    with pytest.raises((TypeError, ValueError)):
+        w.live("")

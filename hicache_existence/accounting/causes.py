@@ -43,7 +43,9 @@ Memory is bounded and the work per event is C-level batch dict and set operation
 (a Python step only per page that had a disposition): dispositions and the nodes
 that wrote are kept in two generations each (the older dropped when the newer
 holds ``max_entries``), so the most recent ``max_entries`` to ``2 * max_entries``
-are remembered.  Pages are the tree's own hash strings.
+are remembered.  Pages are the tree's own hash strings.  A query's pages share
+one disposition object, so its own prefetch reporting next with every page
+delivered (the common case) costs one store, not a pass over the chain.
 """
 
 from __future__ import annotations
@@ -70,6 +72,18 @@ _BELOW: Final = 1
 _SHORT: Final = 2
 #: Delivered by a prefetch: no disposition (kept, rather than popped page by page).
 _LOADED: Final = 3
+
+
+class _Query:
+    """The disposition a hit query at or above the threshold gives its pages, shared
+    by them: when its own prefetch reports next and delivers every page, one store
+    turns all of them to ``_LOADED`` (``prefetched``), not a pass over the chain."""
+
+    __slots__ = ("code",)
+
+    def __init__(self) -> None:
+        self.code = _SHORT
+
 
 #: ``(pool, page) -> True / False / None``: whether this process has a record of the
 #: page (believed now, or once believed), or ``None`` when it cannot tell.
@@ -101,11 +115,6 @@ class _Generations:
         if len(new) >= self.size:
             self.old, self.new = new, {}
 
-    def present(self, keys: Iterable[Hashable]) -> set[Hashable]:
-        """The keys held, found by C-level set intersections."""
-        wanted = set(keys)
-        return (self.new.keys() & wanted) | (self.old.keys() & wanted)
-
     def pop(self, key: Hashable) -> Any:
         value = self.new.pop(key, None)
         old = self.old.pop(key, None)
@@ -133,19 +142,40 @@ class CauseTracker:
         self._nodes = _Generations(self.max_entries)
         #: page -> disposition taken at its launch, until its ack (in flight only).
         self._taken: dict[str, int] = {}
+        #: The last disposition event, when it was a query at or above the threshold:
+        #: its shared disposition and the pages it was given.  Any other event that
+        #: changes the dispositions closes it (``None``).
+        self._open: tuple[_Query, list[str]] | None = None
 
     # -- events --------------------------------------------------------------------
     def queried(self, chain: Sequence[str], found: int, *, below_threshold: bool) -> None:
         """A rank-agreed hit query found ``chain``'s first ``found`` pages in L3."""
-        if found > 0:
+        if found <= 0:
+            return
+        if below_threshold:
+            self._open = None
             pages = chain if found >= len(chain) else chain[:found]
-            self._disposition.put_many(pages, _BELOW if below_threshold else _SHORT)
+            self._disposition.put_many(pages, _BELOW)
+            return
+        # A list of its own: compared with the prefetch's pages when that reports.
+        kept = chain[:found] if type(chain) is list else list(chain[:found])
+        query, disp = _Query(), self._disposition
+        disp.put_many(kept, query)
+        # Open unless the put turned the generations over (then ``new`` is empty and a
+        # ``_LOADED`` put would add the pages to it again, which a store would not).
+        self._open = (query, kept) if disp.new else None
 
     def prefetched(self, requested: Sequence[str], loaded: int) -> None:
         """A prefetch of ``requested`` delivered its first ``loaded`` pages: those
         are no shortfall; the rest of ``requested`` is."""
         n = len(requested)
         cut = min(max(loaded, 0), n)
+        opened, self._open = self._open, None
+        if cut == n and opened is not None and opened[1] == requested:
+            # The query just before it (no disposition changed since) asked for exactly
+            # these pages and all came: the same as ``_LOADED`` on each, in one store.
+            opened[0].code = _LOADED
+            return
         if cut:  # loaded whole (the common case): the chain itself, not a copy of it
             self._disposition.put_many(requested if cut == n else requested[:cut], _LOADED)
         if cut < n:
@@ -154,16 +184,25 @@ class CauseTracker:
     def launched(self, node: Any, pages: Iterable[str]) -> None:
         """A write of ``pages`` by ``node`` left: take their dispositions."""
         disp = self._disposition
-        if not disp.new and not disp.old:  # the common case, without a call
+        new, old = disp.new, disp.old
+        if not new and not old:  # the common case, without a call
             return
-        found = disp.present(pages)
+        if type(pages) is not list:  # read twice below
+            pages = list(pages)
+        # C-level view intersections, inline: every node write runs this.
+        found = new.keys() & pages
+        if old:
+            found |= old.keys() & pages
         if not found:
             return
+        self._open = None
         taken = self._taken
         if len(taken) > 4 * self.max_entries:  # writes that never came back (a reset)
             taken.clear()
         for page in found:
             code = disp.pop(page)
+            if type(code) is _Query:  # its state now, fixed for this write
+                code = code.code
             if code is not None and code != _LOADED:
                 taken[page] = code  # type: ignore[index]
 
@@ -189,9 +228,19 @@ class CauseTracker:
         ``stored`` records this write): ``believed``, the pages believed stored when
         it left; ``held``, those among them an admission decision consulted."""
         out: dict[Cause, int] = {}
+        if type(pages) is not list:  # read twice in the common case
+            pages = list(pages)
         held_set, believed_set = set(held), set(believed)
         taken = self._taken
         rewritten = node is not None and node in self._nodes
+        if pages and not held_set and (not taken or taken.keys().isdisjoint(pages)):
+            # No page decided the write or has a disposition (every ack of a write
+            # whose pages were all believed, in the common case): one cause for all,
+            # found by C-level set tests rather than the loop below.
+            if rewritten:
+                return {"host_copy_reclaimed": len(pages)}
+            if believed_set.issuperset(pages):
+                return {"recompute": len(pages)}
         remembers = self.remembers
         for page in pages:
             cause: Cause
@@ -217,6 +266,7 @@ class CauseTracker:
 
     def reset(self) -> None:
         """L3 was cleared: nothing pending is a disposition any more."""
+        self._open = None
         self._disposition.clear()
         self._nodes.clear()
         self._taken.clear()

@@ -187,6 +187,12 @@ class WriteAccounting:
                 rec = self._pools[name] = _PoolWrites()
         return rec
 
+    def live(self, pool: str) -> _PoolWrites:
+        """Pool ``pool``'s live counters (one int slot per counter, never replaced),
+        for a hot path that bumps ``written`` / ``avoided`` itself with counts it made
+        (cache mode's node write): no call per event."""
+        return self._pool(pool)
+
     def written(self, pool: str, pages: int, already_stored: int = 0) -> None:
         """``pages`` pages of ``pool`` were written; ``already_stored`` of them
         were already in L3 according to ground truth."""

@@ -195,6 +195,10 @@ class PoolBeliefs(CountingPool):
 PoolExistenceBeliefs = PoolBeliefs
 
 
+#: No name is this object (``StorageExistenceCache._alias`` before any is seen).
+_NO_ALIAS = object()
+
+
 class StorageExistenceCache:
     """Every storage pool's beliefs, each pool created on first use.  All off by default (no
     arguments is upstream's call): ``miss_memory`` (``pool name -> MissMemory | None``, per
@@ -217,6 +221,10 @@ class StorageExistenceCache:
         self._observer = observer
         self._advisor = advisor
         self._tally = False
+        #: The last non-``str`` name asked for and its pool (a pool is never replaced):
+        #: sglang asks with ``PoolName`` members, whose ``__hash__`` is Python code.
+        self._alias: object = _NO_ALIAS
+        self._aliased: PoolBeliefs | None = None
         if isinstance(observer, Tee):
             observer.listen(self._observe)
 
@@ -244,6 +252,8 @@ class StorageExistenceCache:
 
     def pool(self, name: str) -> PoolBeliefs:
         """The beliefs of pool ``name``, created on first use."""
+        if name is self._alias:
+            return self._aliased  # type: ignore[return-value]
         try:
             beliefs = self._pools.get(name)
         except TypeError:  # unhashable: let the validator word the error
@@ -262,6 +272,8 @@ class StorageExistenceCache:
                 )
                 beliefs.tally = self._tally
                 self._pools[key] = beliefs
+        if type(name) is not str:
+            self._alias, self._aliased = name, beliefs
         return beliefs
 
     def pools(self) -> tuple[PoolBeliefs, ...]:

@@ -34,10 +34,9 @@ content-chained page hash, so a skipped write costs a recompute, never a wrong o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import Any
+import functools
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from hicache_existence.accounting.causes import CauseTracker
 from hicache_existence.accounting.recorder import Recorder
@@ -62,8 +61,8 @@ def account_ack(
     keys: Sequence[str],
     outcome: Any,
     node: Any,
-    noted: AbstractSet[str],
-    held: AbstractSet[str],
+    noted: Collection[str],
+    held: Collection[str],
 ) -> None:
     """This rank's outcome of one pool's written ``keys`` at their storage ack (both
     modes), and the causes of the redundant ones, classified before the ack adds
@@ -71,7 +70,7 @@ def account_ack(
     stored = outcome.stored[pool]
     existed = outcome.existed.get(pool, set()).intersection(keys)
     already = min(len(existed), stored)
-    believed = min(len(existed & noted), already)
+    believed = min(len(existed.intersection(noted)), already)
     writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
     if already:
         redundant = [k for k in keys if k in existed][:already]
@@ -79,20 +78,22 @@ def account_ack(
             writes.redundant_cause(pool, cause, n)
 
 
-@dataclass(slots=True)
-class WritePlan:
-    """What one cache-mode node write sends to L3, and what it leaves out."""
+class WritePlan(NamedTuple):
+    """What one cache-mode node write sends to L3, and what it leaves out.  A named
+    tuple: ``CacheModeWrites.plan`` builds one per node write without an ``__init__``
+    frame (``_plan``)."""
 
     #: Indices (into the node's KV pages) written, in order.
     keep: list[int]
     pages: list[str]
-    #: KV pages believed stored at launch (redundant_believed at the ack).
-    believed: set[str]
+    #: KV pages believed stored at launch (redundant_believed at the ack): ``pages``
+    #: itself when every page is (no set built per node write).
+    believed: Collection[str]
     #: Extra pools' keys (hybrid models), written whole or not at all.
-    extra: dict[str, list[str]] = field(default_factory=dict)
-    extra_written: bool = True
+    extra: dict[str, list[str]]
+    extra_written: bool
     #: Extra pools' keys believed stored at launch (their redundant_believed).
-    extra_believed: dict[str, set[str]] = field(default_factory=dict)
+    extra_believed: dict[str, set[str]]
 
     @property
     def written_pages(self) -> list[str]:
@@ -105,19 +106,14 @@ class WritePlan:
         return len(self.keep) == len(self.pages) and self.extra_written
 
 
-@dataclass(slots=True)
-class _Launch:
-    """A launched cache-mode operation, until its ack."""
+#: A ``WritePlan`` from its six fields, all in C (no generated ``__new__`` frame).
+_plan: Callable[[tuple[Any, ...]], WritePlan] = functools.partial(tuple.__new__, WritePlan)
 
-    node_id: Any
-    pages: list[str]
-    believed: set[str]
-    extra: dict[str, list[str]]
-    #: Per extra pool, its written keys believed at launch.
-    extra_believed: dict[str, set[str]] = field(default_factory=dict)
 
-    def believed_of(self, pool: str) -> set[str]:
-        return self.believed if pool == KV else self.extra_believed.get(pool, set())
+#: A launched cache-mode operation, until its ack: its node, its KV pages written
+#: and those believed at launch, its extra pools' keys written and, per extra pool,
+#: those believed at launch.  A tuple: one is built at every node write.
+_Launch = tuple[Any, list[str], Collection[str], dict[str, list[str]], dict[str, set[str]]]
 
 
 class CacheModeWrites:
@@ -143,6 +139,8 @@ class CacheModeWrites:
         self.causes = causes
         self._size_pool = size_pool
         self._sized: set[str] = set()
+        #: The KV pool's live write counters (``WriteAccounting.live``), once sized.
+        self._kv_writes: Any = None
         #: The node whose ``write_backup_storage`` is running, and whether one is
         #: (the hooks set them: the node write's first ``write_storage`` takes them).
         self.node: Any = None
@@ -175,13 +173,13 @@ class CacheModeWrites:
         if self.upstream_dedup:
             # sglang looked these pages up in this cache already (counted there) and
             # left out what it skips: count what it sends, classify without a lookup.
-            believed = set(pool(KV).believed(pages)) if pages else set()
-            return WritePlan(list(range(len(pages))), pages, believed, extra, True, extra_believed)
+            believed: Collection[str] = set(pool(KV).believed(pages)) if pages else set()
+            return _plan((list(range(len(pages))), pages, believed, extra, True, extra_believed))
         kv = self._kv
         if kv is None:
             kv = self._kv = pool(KV)
         covered = kv.covered(pages) if pages else True
-        believed = set(pages) if covered else set(kv.believed(pages))
+        believed = pages if covered else set(kv.believed(pages))
         extra_covered = not extra or all(pool(p).covered(keys) for p, keys in extra.items() if keys)
         keep = list(range(len(pages)))
         extra_written = True
@@ -196,7 +194,7 @@ class CacheModeWrites:
                 keep = keep[first:]
             else:
                 keep = [i for i, p in enumerate(pages) if p not in believed]
-        return WritePlan(keep, pages, believed, extra, extra_written, extra_believed)
+        return _plan((keep, pages, believed, extra, extra_written, extra_believed))
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:
         """The operation carrying ``plan``'s pages was queued for the backup thread.
@@ -205,13 +203,14 @@ class CacheModeWrites:
         pages, keep = plan.pages, plan.keep
         whole = len(keep) == len(pages)
         written = pages if whole else [pages[i] for i in keep]
-        if KV not in self._sized:
+        counters = self._kv_writes
+        if counters is None:
             self._sized.add(KV)
             self._size_pool(KV)
-        writes = self.writes
-        writes.written(KV, len(written))
+            counters = self._kv_writes = self.writes.live(KV)
+        counters.written += len(written)
         if not whole:
-            writes.avoided(KV, len(pages) - len(keep))
+            counters.avoided += len(pages) - len(keep)
         if self.recorder is not None:
             self.recorder.written(KV, written)
         extra = plan.extra
@@ -227,15 +226,19 @@ class CacheModeWrites:
             if kv is None:
                 kv = self._kv = self.cache.pool(KV)
             kv.track_inflight(written)
+            self.causes.launched(node, written)  # nothing written takes nothing
         for name, keys in extra.items():
             self.cache.pool(name).track_inflight(keys)
-        self.causes.launched(node, written)
         believed = plan.believed
-        self._pending[int(operation_id)] = _Launch(
+        self._pending[int(operation_id)] = (
             node,
             written,
             # believed is a subset of the node's pages: whole, it is the write's
-            believed if whole or not believed else believed.intersection(written),
+            believed
+            if whole or not believed
+            else written
+            if believed is pages  # every page believed
+            else set(believed).intersection(written),
             extra,
             {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()}
             if extra
@@ -277,18 +280,17 @@ class CacheModeWrites:
         return done
 
     def _acked(self, launch: _Launch, outcome: Any) -> None:
-        node, pages, extra = launch.node_id, launch.pages, launch.extra
+        node, pages, believed, extra, extra_believed = launch
         if outcome is not None:  # None: this rank wrote nothing (non-writer rank, backup_skip)
             stored = outcome.stored
             # The beliefs decided the write only with dedup on (its node rules).
             dedup = self.dedup
             if KV in stored:
-                noted = launch.believed
-                held = noted if dedup else _NOTHING
-                account_ack(self.writes, self.causes, KV, pages, outcome, node, noted, held)
+                held = believed if dedup else _NOTHING
+                account_ack(self.writes, self.causes, KV, pages, outcome, node, believed, held)
             for pool, keys in extra.items():
                 if pool in stored:
-                    noted = launch.believed_of(pool)
+                    noted = extra_believed.get(pool, _NOTHING)
                     held = noted if dedup else _NOTHING
                     account_ack(self.writes, self.causes, pool, keys, outcome, node, noted, held)
         # Believed whatever this rank's backend answered: all ranks add the same.

@@ -34,7 +34,6 @@ through a dict keyed by operation id, written before upstream queues the ack.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
@@ -153,6 +152,9 @@ class WritePath:
         self._outcomes: dict[int, Outcome] = {}
         self._believed: dict[int, dict[str, set[str]]] = {}
         self._backup = threading.local()
+        #: A fully believed node write's empty host indices, per controller: one slice,
+        #: reused (a tensor slice per node write is a trip through torch's dispatcher).
+        self._empty_host: tuple[Any, Any] | None = None
 
     def attach_recorder(self, recorder: Recorder | None) -> None:
         """Record this path's writes and prefetch hit queries in ``recorder``."""
@@ -412,13 +414,18 @@ class WritePath:
         span its pages)."""
         pages = plan.pages
         page = int(getattr(controller, "page_size", 0) or 0)
-        if page <= 0 or len(host_indices) != len(pages) * page:
-            return dataclasses.replace(plan, keep=list(range(len(pages))), extra_written=True), {}
+        shape = getattr(host_indices, "shape", None)  # a tensor's ``len`` is Python code
+        size = shape[0] if shape else len(host_indices)
+        if page <= 0 or size != len(pages) * page:
+            return plan._replace(keep=list(range(len(pages))), extra_written=True), {}
         keep = plan.keep
         changes: dict[str, Any]
         if not keep:  # every page believed: an empty write, no gather
+            empty = self._empty_host
+            if empty is None or empty[0] is not controller:
+                empty = self._empty_host = (controller, host_indices[:0])
             changes = {
-                "host_indices": host_indices[:0],
+                "host_indices": empty[1],
                 "token_ids": token_ids[:0],
                 "hash_value": [],
             }

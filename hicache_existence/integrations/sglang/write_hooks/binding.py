@@ -3,8 +3,8 @@
 A ``Hook`` names its upstream target, kind, API generations, host memory modes
 and the upstream parameters it reads; ``Params.bind`` finds each parameter in
 the target's own signature, so no hook guesses upstream's argument positions.
-``guard``, ``bracketed`` and ``replaced`` are the error guard, the begin/end
-bracket and the argument rewrite every hook module shares.
+``guard`` and ``bracketed`` are the error guard and the begin/end bracket every
+hook module shares.
 """
 
 from __future__ import annotations
@@ -200,20 +200,3 @@ def read_then_account(
     around.__name__ = around.__qualname__ = name
     around.__doc__ = doc
     return around
-
-
-def replaced(
-    a: tuple[Any, ...], kw: dict[str, Any], changes: Mapping[str, Any], params: tuple[Param, ...]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(a, kw)`` with the named parameters in ``changes`` replaced where they sit."""
-    args, kwargs = list(a), dict(kw)
-    n, absent = len(args), Param.ABSENT
-    for param in params:  # per deduplicated node write: no property frames
-        name, i = param.name, param.index
-        if i == absent or name not in changes:
-            continue
-        if 0 <= i < n:
-            args[i] = changes[name]
-        else:
-            kwargs[name] = changes[name]
-    return tuple(args), kwargs

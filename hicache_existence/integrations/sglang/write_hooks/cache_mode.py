@@ -11,11 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hicache_existence.integrations.sglang.process import PROCESS
-from hicache_existence.integrations.sglang.write_hooks.binding import (
-    Hooked,
-    Params,
-    replaced,
-)
+from hicache_existence.integrations.sglang.write_hooks.binding import Hooked, Params
 from hicache_existence.integrations.sglang.write_path import FEEDS
 
 
@@ -49,10 +45,15 @@ def _write_backup_storage(p: Params) -> Hooked:
 def _write_storage(p: Params) -> Hooked:
     host_of, tokens_of = p["host_indices"], p["token_ids"]
     hashes_of, prefix_of, extra_of = p["hash_value"], p["prefix_keys"], p["extra_pools"]
-    changed = (host_of, tokens_of, hashes_of, prefix_of, extra_of)
+    # Where a deduplicated write's changed arguments go (the parameters the target has).
+    places = tuple(
+        (q.name, q.index) for q in (host_of, tokens_of, hashes_of, prefix_of, extra_of) if q.present
+    )
     # Read inline below: a parameter read through its ``Param`` is a frame per node write.
     hashes_at, prefix_at, extra_at = hashes_of.index, prefix_of.index, extra_of.index
     hashes_key, prefix_key, extra_key = hashes_of.name, prefix_of.name, extra_of.name
+    host_at, tokens_at = host_of.index, tokens_of.index
+    host_key, tokens_key = host_of.name, tokens_of.name
 
     def around_write_storage(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``write_storage`` (both controllers) inside a cache-mode node write:
@@ -74,12 +75,23 @@ def _write_storage(p: Params) -> Hooked:
                 a[extra_at] if 0 <= extra_at < n else kw.get(extra_key),
                 prefix_keyed=prefix_keys is not None,
             )
-            if not plan.whole:
+            if len(plan.keep) != len(plan.pages) or not plan.extra_written:  # not whole
                 plan, changes = feed.cache_write_changes(
-                    plan, controller, host_of(a, kw), tokens_of(a, kw), prefix_keys
+                    plan,
+                    controller,
+                    a[host_at] if 0 <= host_at < n else kw.get(host_key),
+                    a[tokens_at] if 0 <= tokens_at < n else kw.get(tokens_key),
+                    prefix_keys,
                 )
-                if changes:
-                    a, kw = replaced(a, kw, changes, changed)
+                if changes:  # replaced where they sit (inline: no frame per node write)
+                    args, kwargs = list(a), dict(kw)
+                    for name, i in places:
+                        if name in changes:
+                            if 0 <= i < n:
+                                args[i] = changes[name]
+                            else:
+                                kwargs[name] = changes[name]
+                    a, kw = tuple(args), kwargs
         except Exception as exc:
             feed.error(exc)
             plan = None
@@ -114,7 +126,7 @@ def _hit_query(p: Params) -> Hooked:
 
 
 def _prefetch_result(p: Params) -> Hooked:
-    operation_of = p["operation"]
+    operation_at, operation_key = p["operation"].index, p["operation"].name  # read inline
 
     def around_prefetch_result(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``_handle_prefetch_result(operation)`` (rank-synchronised): the
@@ -124,7 +136,9 @@ def _prefetch_result(p: Params) -> Hooked:
         if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
             return original(tree, *a, **kw)
         try:
-            operation = operation_of(a, kw)
+            operation: Any = (
+                a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
+            )
             requested = list(operation.hash_value or ())
             loaded = int(operation.completed_tokens) // int(tree.page_size)
         except Exception as exc:  # accounting never raises into the scheduler
