@@ -178,3 +178,33 @@ def test_the_admission_tally_is_the_recorded_one() -> None:
     for r in runs[2:]:
         assert all(f"hook:{h}" in r["package_ms_by_function_per_round"] for h in HOOKS)
     assert f"Built in `{x['tallied']['commit']}`" in README
+
+
+def test_the_lighter_paths_are_the_recorded_ones() -> None:
+    """The prefetch chain in one store and cache mode's lighter node write, against
+    their parent: both modes, two runs of each tree."""
+    x = RECORD["lighter_paths"]
+    lead = f"its parent `{x['main']['commit']}` with the commands above, alternating on the "
+    runs = _buffer_pairs(x, "lighter", lead + "quiet machine: ")
+    ms = _claim(
+        r"the package's time ([\d.]+) and ([\d.]+) ms a round against ([\d.]+) and ([\d.]+), "
+        r"the prefetch result hook ([\d.]+) and ([\d.]+) against ([\d.]+) and ([\d.]+);"
+    )
+    assert [float(v) for v in ms[:4]] == [r["package_busy_ms_median"] for r in runs]
+    prefetch = [
+        r["package_ms_by_function_per_round"]["hook:_handle_prefetch_result"]["busy_ms"]
+        for r in runs
+    ]
+    assert [float(v) for v in ms[4:]] == prefetch
+    _cache_pairs(x, "lighter", "the first pair: ")
+    _cache_pairs(x, "lighter", "the second pair: ", run="cache_repeat")
+    node = _claim(
+        r"the node write hook \(`hook:write_storage`, low pressure, first pair\) (\d+\.\d+) / "
+        r"(\d+\.\d+) ms a round against (\d+\.\d+) / (\d+\.\d+)"
+    )
+    assert [float(v) for v in node] == [
+        x[t]["cache"]["low"][m]["package_ms_by_function_per_round"]["hook:write_storage"]["busy_ms"]
+        for t in ("lighter", "main")
+        for m in ("off", "on")
+    ]
+    assert f"Built in `{x['lighter']['commit']}`" in README
