@@ -217,14 +217,19 @@ def _apply(t: CauseTracker, ev: tuple[Any, ...], last: list[str]) -> dict[str, i
         t.queried(span, found, below_threshold=below)
         t.prefetched(span[: max(found, 0)], loaded)
     else:
-        _, ps, node, believed, held = ev
-        believed = [p for p in believed if p in ps]
-        held = [p for p in held if p in believed]
+        ps, node, believed, held = _write(ev)
         t.launched(node, ps)
         got = t.classify(node, ps, believed, held)
         t.stored(node, ps)
         return dict(got)
     return None
+
+
+def _write(ev: tuple[Any, ...]) -> tuple[list[str], int, list[str], list[str]]:
+    """A write event's pages, node, believed pages (among them) and held (among those)."""
+    _, ps, node, believed, held = ev
+    believed = [p for p in believed if p in ps]
+    return ps, node, believed, [p for p in held if p in believed]
 
 
 @settings(max_examples=300, deadline=None)
@@ -255,15 +260,12 @@ def test_the_tracker_agrees_with_the_reference(
             requested = span[: max(found, 0)]
             ref.prefetched(requested[: max(loaded, 0)], requested)
         else:
-            _, ps, node, believed, held = ev
-            believed = [p for p in believed if p in ps]
-            held = [p for p in held if p in believed]
-            t.launched(node, ps)
+            ps, node, believed, held = _write(ev)
             ref.launched(ps)
-            got = t.classify(node, ps, believed, held)
-            assert got == ref.classify(node, ps, believed, held)
-            assert sum(got.values()) == len(ps) and set(got) <= set(CAUSES)
-            t.stored(node, ps)
+            want = ref.classify(node, ps, believed, held)
+            got = _apply(t, ev, last)  # launch, classify, ack
+            assert got == want
+            assert got is not None and sum(got.values()) == len(ps) and set(got) <= set(CAUSES)
             ref.stored(node, ps)
 
 
