@@ -195,7 +195,7 @@ class PoolBeliefs(CountingPool):
 PoolExistenceBeliefs = PoolBeliefs
 
 
-#: No name is this object (``StorageExistenceCache._alias`` before any is seen).
+#: No name is this object (``StorageExistenceCache._alias`` before any name is seen).
 _NO_ALIAS = object()
 
 
@@ -223,8 +223,8 @@ class StorageExistenceCache:
         self._tally = False
         #: The last non-``str`` name asked for and its pool (a pool is never replaced):
         #: sglang asks with ``PoolName`` members, whose ``__hash__`` is Python code.
-        self._alias: object = _NO_ALIAS
-        self._aliased: PoolBeliefs | None = None
+        #: One tuple, so a reader on another thread never pairs a name with another's pool.
+        self._alias: tuple[object, PoolBeliefs | None] = (_NO_ALIAS, None)
         if isinstance(observer, Tee):
             observer.listen(self._observe)
 
@@ -252,8 +252,9 @@ class StorageExistenceCache:
 
     def pool(self, name: str) -> PoolBeliefs:
         """The beliefs of pool ``name``, created on first use."""
-        if name is self._alias:
-            return self._aliased  # type: ignore[return-value]
+        alias = self._alias
+        if name is alias[0]:
+            return alias[1]  # type: ignore[return-value]
         try:
             beliefs = self._pools.get(name)
         except TypeError:  # unhashable: let the validator word the error
@@ -273,7 +274,7 @@ class StorageExistenceCache:
                 beliefs.tally = self._tally
                 self._pools[key] = beliefs
         if type(name) is not str:
-            self._alias, self._aliased = name, beliefs
+            self._alias = (name, beliefs)
         return beliefs
 
     def pools(self) -> tuple[PoolBeliefs, ...]:
