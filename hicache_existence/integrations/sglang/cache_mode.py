@@ -139,7 +139,8 @@ class CacheModeWrites:
         self.causes = causes
         self._size_pool = size_pool
         self._sized: set[str] = set()
-        #: The KV pool's live write counters (``WriteAccounting.live``), once sized.
+        #: The KV pool's live write counters (``WriteAccounting.live``), once sized
+        #: (``_sized`` holds the extra pools sized so far).
         self._kv_writes: Any = None
         #: The node whose ``write_backup_storage`` is running, and whether one is
         #: (the hooks set them: the node write's first ``write_storage`` takes them).
@@ -204,8 +205,7 @@ class CacheModeWrites:
         whole = len(keep) == len(pages)
         written = pages if whole else [pages[i] for i in keep]
         counters = self._kv_writes
-        if counters is None:
-            self._sized.add(KV)
+        if counters is None:  # the KV pool's first write: size it, once
             self._size_pool(KV)
             counters = self._kv_writes = self.writes.live(KV)
         counters.written += len(written)
