@@ -15,16 +15,20 @@ The truth the counters are held to never reads them: SGLang's own
 the file backend created (``HiCacheFile.set`` skips a page that exists, so a file
 is created once), and the greedy outputs.
 
-Every server loads each prefetch whole (``harness.LOAD_WHOLE``): the pair is
-compared on exact counts, which SGLang's default prefetch policy makes depend on the
-machine's I/O.
+Every server loads each prefetch whole (``harness.LOAD_WHOLE``), and still the two
+servers of a pair need not take the same path: a write dedup leaves out acks at
+once, a host copy is locked until its write acks, and the next request's hit query
+sees only the files written by then.  So what one server must equal the other is
+only what no timing moves (the greedy outputs, the set of pages L3 ends up
+holding); every count is held to its own server's truth.
 
 The ``write_through`` pair also runs the trace recorder at sampling rate 1 (every
 page recorded), with a relative ``recorder.path``: its records are held to the same
 truth (the write records' pages to the written pages, SGLang's backed-up pages and
 the page files; the prefetch records' ``hit`` to SGLang's
-``sglang:storage_prefetch_hit_tokens_total``), and its files must be where the
-relative path pointed when the server loaded its configuration.
+``sglang:storage_prefetch_hit_tokens_total`` and ``sglang:prefetched_tokens_total``),
+and its files must be where the relative path pointed when the server loaded its
+configuration.
 """
 
 from __future__ import annotations
@@ -144,11 +148,10 @@ def settled(srv: Server, outputs: list[list[int]]) -> Run:
         frozenset(srv.l3_pages()),
         outputs,
     )
-    # SGLang creates the series at its first hit (absent: none yet).
+    # SGLang creates the series at its first counted hit, and it counts a hit only
+    # while its request still waits (the recorder test): absent, none counted.
     run.prefetch_hit_tokens = srv.value("sglang:storage_prefetch_hit_tokens_total", absent_ok=True)
     if srv.spec.config and "recorder" in srv.spec.config:
-        # Strict: this policy reads L3 back, so SGLang has counted hits.
-        run.prefetch_hit_tokens = family(fams, "sglang:storage_prefetch_hit_tokens").total("_total")
         run.recorder_series = {
             name: {
                 lab[key]: v for n, lab, v in family(fams, P + name).samples if n.endswith("_total")
@@ -226,33 +229,35 @@ def test_counters_equal_sglangs_count_and_the_files_l3_created(pair) -> None:
 
 def test_dedup_changes_no_output_and_no_page_in_l3(pair) -> None:
     """Dedup on and off: identical greedy outputs for every request and exactly
-    the same pages in L3.  Under write_through some requests are served from L3
-    (the same prefetched tokens on both); write_back's host keeps what this
-    workload comes back to, and selective writes too little to load back."""
+    the same pages in L3.  Under write_through some requests are served from L3 on
+    both; write_back's host keeps what this workload comes back to, and selective
+    writes too little to load back (how much each loads is timing: module
+    docstring)."""
     policy, off, on = pair
     assert on.outputs == off.outputs
     assert on.files == off.files
-    assert on.prefetched_tokens == off.prefetched_tokens
     if policy == "write_through":
-        assert off.prefetched_tokens > 0
+        assert off.prefetched_tokens > 0 and on.prefetched_tokens > 0
 
 
 def test_dedup_removes_the_redundant_writes_it_was_told_about(pair) -> None:
     """With L2 pressure, cache mode without dedup writes pages L3 held; every one
     of them was believed stored (redundant_believed: what dedup would save).  With
-    dedup on those pages are left out (avoided), the rest is written as before
-    (written off = written on + avoided on), and redundant pages are at most 0.5%
-    of written (here none: one server, nothing forgotten by the cap)."""
+    dedup on, believed pages are left out (avoided) and every page written is one
+    L3 did not hold: written = the page files created, the same files as without
+    dedup, redundant pages at most 0.5% of written (here none: one server, nothing
+    forgotten by the cap).  Each server against its own truth: how many pages a
+    server rewrites depends on its timing (module docstring)."""
     policy, off, on = pair
     c_off, c_on = off.counters, on.counters
     assert c_off["redundant_believed_pages"] == c_off["redundant_written_pages"]
     assert c_off["write_avoided_pages"] == 0
-    assert c_on["write_avoided_pages"] == c_off["redundant_believed_pages"]
-    assert c_off["written_pages"] == c_on["written_pages"] + c_on["write_avoided_pages"]
     assert c_on["redundant_written_pages"] <= 0.005 * c_on["written_pages"]
     assert c_on["redundant_written_pages"] == 0
+    assert c_on["written_pages"] == len(on.files) == len(off.files)
     if policy != "write_through_selective":
         assert c_off["redundant_written_pages"] > 0, "the workload made no L2 pressure"
+        assert c_on["write_avoided_pages"] > 0, "dedup left nothing out"
 
 
 def test_causes_name_the_mechanism_of_each_write_policy(pair) -> None:
@@ -350,8 +355,10 @@ def test_the_recorder_at_rate_1_records_every_write_and_every_l3_hit(pair) -> No
         hit_pages = sum(r["hit"] for r in prefetches)
         # SGLang counts a rank-agreed hit only while its request still waits for the
         # prefetch (``_record_storage_prefetch_hit``; a request gone by the drain is
-        # discarded uncounted: timing), the recorder every hit query: at least as many.
-        assert hit_pages * page >= run.prefetch_hit_tokens > 0, (hit_pages, run.prefetch_hit_tokens)
+        # discarded uncounted: timing, and it may count none), the recorder every hit
+        # query: at least as many, and some wherever SGLang loaded pages from L3.
+        assert hit_pages * page >= run.prefetch_hit_tokens, (hit_pages, run.prefetch_hit_tokens)
+        assert hit_pages > 0 < run.prefetched_tokens, (hit_pages, run.prefetched_tokens)
         seen: set[str] = set()
         for r in sorted(records, key=lambda r: r["timestamp"]):
             if r["kind"] == "write":
