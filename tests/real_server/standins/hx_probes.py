@@ -730,8 +730,13 @@ def _probe_diverge(mod: ModuleType) -> None:
 def install() -> None:
     hx_cpu_standins.on_import("sglang.srt.mem_cache.unified_radix_cache", _probe_tree)
     if os.environ.get("HX_PROBE_COST_DIR"):
-        hx_cpu_standins.on_import("hicache_existence.core.cache", _probe_cost_cache)
-        hx_cpu_standins.on_import("hicache_existence.core.flat", _probe_cost_flat)
+        if os.environ.get("HX_PROBE_COST_CACHE", "1") != "0":
+            # ``HX_PROBE_COST_CACHE=0`` (cache mode): upstream asks the cache nothing
+            # there, so its methods run only nested inside the package's hooks, where a
+            # wrapper adds its cold cost, which the hot calibration under-subtracts, and
+            # nothing to the breakdown.
+            hx_cpu_standins.on_import("hicache_existence.core.cache", _probe_cost_cache)
+            hx_cpu_standins.on_import("hicache_existence.core.flat", _probe_cost_flat)
         hx_cpu_standins.on_import(
             "sglang.srt.mem_cache.buffer_mode.storage_existence_cache", _probe_cost_upstream_cache
         )
