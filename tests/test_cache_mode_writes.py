@@ -539,7 +539,7 @@ def test_an_extra_pool_s_believed_pages_written_again_are_redundant_believed(mad
 @pytest.mark.parametrize("through", ["bound", "hook"])
 def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged(through: str) -> None:
     """The per-step call (a step hook bound by ``ProcessEntry.bind``, and the one
-    SGLang calls, bound to the tree by its first call) hands the write path a step only
+    SGLang calls, bound to the tree by its first call) runs cache mode's reap only
     when the oldest pending operation has left upstream's ``ongoing_backup`` (acks
     drain in launch order): with writes in flight and none drained, a step is one
     membership test; once the oldest is drained, that step accounts it."""
@@ -556,13 +556,13 @@ def test_the_per_step_call_reaps_only_when_the_oldest_write_was_acknowledged(thr
     feed = entry.write_path
     assert feed.cache_mode is not None
     reaps: list[int] = []
-    reap = feed.step
+    reap = feed.cache_mode.reap
 
-    def counted(tree: Any) -> None:
+    def counted(ongoing: Any, outcomes: Any) -> int:
         reaps.append(runtime.steps)
-        reap(tree)
+        return reap(ongoing, outcomes)
 
-    feed.step = counted  # type: ignore[method-assign]
+    feed.cache_mode.reap = counted  # type: ignore[method-assign]
     wp.attach(feed)
     try:
         tree = Tree(runtime.cache, set())

@@ -35,7 +35,8 @@ content-chained page hash, so a skipped write costs a recompute, never a wrong o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
+import types
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 from hicache_existence.accounting.causes import CauseTracker
@@ -83,37 +84,42 @@ class WritePlan(NamedTuple):
     tuple: ``CacheModeWrites.plan`` builds one per node write without an ``__init__``
     frame (``_plan``)."""
 
-    #: Indices (into the node's KV pages) written, in order.
-    keep: list[int]
+    #: Indices (into the node's KV pages) written, in order; ``None``: every page (the
+    #: common case, tested without a length or a list built per node write).
+    keep: list[int] | None
     pages: list[str]
     #: KV pages believed stored at launch (redundant_believed at the ack): ``pages``
     #: itself when every page is (no set built per node write).
     believed: Collection[str]
     #: Extra pools' keys (hybrid models), written whole or not at all.
-    extra: dict[str, list[str]]
+    extra: Mapping[str, list[str]]
     extra_written: bool
     #: Extra pools' keys believed stored at launch (their redundant_believed).
-    extra_believed: dict[str, set[str]]
+    extra_believed: Mapping[str, set[str]]
 
     @property
     def written_pages(self) -> list[str]:
-        if len(self.keep) == len(self.pages):  # written whole: keep is every index
+        if self.keep is None:
             return self.pages
         return [self.pages[i] for i in self.keep]
 
     @property
     def whole(self) -> bool:
-        return len(self.keep) == len(self.pages) and self.extra_written
+        return self.keep is None and self.extra_written
 
 
 #: A ``WritePlan`` from its six fields, all in C (no generated ``__new__`` frame).
 _plan: Callable[[tuple[Any, ...]], WritePlan] = functools.partial(tuple.__new__, WritePlan)
 
+#: No extra pools (a plain model's node write): one shared, read-only empty mapping
+#: rather than two dicts built per node write.
+_NO_EXTRA: Mapping[str, Any] = types.MappingProxyType({})
+
 
 #: A launched cache-mode operation, until its ack: its node, its KV pages written
 #: and those believed at launch, its extra pools' keys written and, per extra pool,
 #: those believed at launch.  A tuple: one is built at every node write.
-_Launch = tuple[Any, list[str], Collection[str], dict[str, list[str]], dict[str, set[str]]]
+_Launch = tuple[Any, list[str], Collection[str], Mapping[str, list[str]], Mapping[str, set[str]]]
 
 
 class CacheModeWrites:
@@ -158,58 +164,74 @@ class CacheModeWrites:
         """Look a node write's pages up and decide what is written (module
         docstring), from ``write_storage``'s own arguments: its KV page hashes, its
         extra pools' transfers (hybrid models; ``None``: none), whether it passes
-        prefix keys.  Called by the hook itself: no argument-conversion frame."""
+        prefix keys.  Called by the hook itself: no argument-conversion frame; a
+        plain model's node write (no extra pool, our own dedup) takes the first
+        branches only."""
         # str page hashes (the cache checks them), as a list the plan may keep
         pages: list[str] = list(hash_value or ())
-        extra = (
+        kv = self._kv
+        if kv is None:
+            kv = self._kv = self.cache.pool(KV)
+        if extra_pools or self.upstream_dedup:
+            return self._plan_with(pages, extra_pools, kv, prefix_keyed)
+        if not pages:
+            return _plan((None, pages, pages, _NO_EXTRA, True, _NO_EXTRA))
+        if kv.covered(pages):  # every page believed (or in flight): nothing to write
+            return _plan(([] if self.dedup else None, pages, pages, _NO_EXTRA, True, _NO_EXTRA))
+        believed = set(kv.believed(pages))
+        keep = None
+        if self.dedup and believed:
+            if prefix_keyed:  # only a believed prefix (the prefix context advances past it)
+                first = next((i for i, p in enumerate(pages) if p not in believed), len(pages))
+                keep = list(range(first, len(pages))) if first else None
+            else:
+                keep = [i for i, p in enumerate(pages) if p not in believed]
+        return _plan((keep, pages, believed, _NO_EXTRA, True, _NO_EXTRA))
+
+    def _plan_with(
+        self, pages: list[str], extra_pools: Any, kv: PoolView, prefix_keyed: bool
+    ) -> WritePlan:
+        """``plan`` with extra pools riding along (written whole or not at all) or
+        with sglang's own dedup (``upstream_dedup``: count, never leave out)."""
+        extra: Mapping[str, list[str]] = (
             {pool_name(t.name): list(t.keys) for t in extra_pools if getattr(t, "keys", None)}
             if extra_pools
-            else {}
+            else _NO_EXTRA
         )
+        if not extra and not self.upstream_dedup:  # no extra pool has keys: a plain write
+            return self.plan(pages, None, prefix_keyed=prefix_keyed)
         pool = self.cache.pool
         # A read (no touch, no count), for the extra pools' redundant_believed at the ack.
-        extra_believed = (
-            {p: set(pool(p).believed(keys)) for p, keys in extra.items() if keys} if extra else {}
+        extra_believed: Mapping[str, set[str]] = (
+            {p: set(pool(p).believed(keys)) for p, keys in extra.items() if keys}
+            if extra
+            else _NO_EXTRA
         )
         if self.upstream_dedup:
             # sglang looked these pages up in this cache already (counted there) and
             # left out what it skips: count what it sends, classify without a lookup.
-            believed: Collection[str] = set(pool(KV).believed(pages)) if pages else set()
-            return _plan((list(range(len(pages))), pages, believed, extra, True, extra_believed))
-        kv = self._kv
-        if kv is None:
-            kv = self._kv = pool(KV)
+            believed: Collection[str] = set(kv.believed(pages)) if pages else set()
+            return _plan((None, pages, believed, extra, True, extra_believed))
         covered = kv.covered(pages) if pages else True
         believed = pages if covered else set(kv.believed(pages))
-        extra_covered = not extra or all(pool(p).covered(keys) for p, keys in extra.items() if keys)
-        keep = list(range(len(pages)))
-        extra_written = True
-        if self.dedup:
-            if extra:
-                if covered and extra_covered:
-                    keep, extra_written = [], False
-            elif covered:  # every page believed (or in flight): nothing to write
-                keep = []
-            elif prefix_keyed:
-                first = next((i for i, p in enumerate(pages) if p not in believed), len(pages))
-                keep = keep[first:]
-            else:
-                keep = [i for i, p in enumerate(pages) if p not in believed]
-        return _plan((keep, pages, believed, extra, extra_written, extra_believed))
+        # counted lookups of every extra pool, dedup on or off (the same counters)
+        extra_covered = all(pool(p).covered(keys) for p, keys in extra.items() if keys)
+        if self.dedup and covered and extra_covered:
+            return _plan(([], pages, believed, extra, False, extra_believed))
+        return _plan((None, pages, believed, extra, True, extra_believed))
 
     def launched(self, operation_id: int, plan: WritePlan, node: Any) -> None:
         """The operation carrying ``plan``'s pages was queued for the backup thread.
         Every node write runs this on the scheduler thread: the KV pool's common case
         is inline (no property, helper or empty-pool calls)."""
         pages, keep = plan.pages, plan.keep
-        whole = len(keep) == len(pages)
-        written = pages if whole else [pages[i] for i in keep]
+        written = pages if keep is None else [pages[i] for i in keep]
         counters = self._kv_writes
         if counters is None:  # the KV pool's first write: size it, once
             self._size_pool(KV)
             counters = self._kv_writes = self.writes.live(KV)
         counters.written += len(written)
-        if not whole:
+        if keep is not None:
             counters.avoided += len(pages) - len(keep)
         if self.recorder is not None:
             self.recorder.written(KV, written)
@@ -220,29 +242,27 @@ class CacheModeWrites:
                     name, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
                 )
             if not plan.extra_written:
-                extra = {}
+                extra = _NO_EXTRA
         if written:
             kv = self._kv
             if kv is None:
                 kv = self._kv = self.cache.pool(KV)
             kv.track_inflight(written)
             self.causes.launched(node, written)  # nothing written takes nothing
+        believed = plan.believed
+        if keep is not None and believed:  # believed is a subset of the node's pages
+            believed = written if believed is pages else set(believed).intersection(written)
+        if not extra:
+            self._pending[int(operation_id)] = (node, written, believed, _NO_EXTRA, _NO_EXTRA)
+            return
         for name, keys in extra.items():
             self.cache.pool(name).track_inflight(keys)
-        believed = plan.believed
         self._pending[int(operation_id)] = (
             node,
             written,
-            # believed is a subset of the node's pages: whole, it is the write's
-            believed
-            if whole or not believed
-            else written
-            if believed is pages  # every page believed
-            else set(believed).intersection(written),
+            believed,
             extra,
-            {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()}
-            if extra
-            else {},
+            {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()},
         )
 
     def _count(self, pool: str, written: Sequence[str], skipped: int) -> None:
@@ -265,9 +285,10 @@ class CacheModeWrites:
         hook tests it for emptiness without a call)."""
         return self._pending
 
-    def reap(self, ongoing: Any, take_outcome: Callable[[int], Any]) -> int:
+    def reap(self, ongoing: Any, outcomes: MutableMapping[int, Any]) -> int:
         """Per step: account the operations the storage drain acknowledged (gone
-        from ``ongoing``, upstream's ``ongoing_backup``), oldest first."""
+        from ``ongoing``, upstream's ``ongoing_backup``), oldest first, each with
+        this rank's outcome popped from ``outcomes`` (``WritePath.outcomes``)."""
         done = 0
         pending = self._pending
         while pending:
@@ -275,7 +296,7 @@ class CacheModeWrites:
             if op_id in ongoing:
                 break
             launch = pending.pop(op_id)
-            self._acked(launch, take_outcome(op_id))
+            self._acked(launch, outcomes.pop(op_id, None))
             done += 1
         return done
 

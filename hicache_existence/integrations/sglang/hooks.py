@@ -163,21 +163,24 @@ class ProcessEntry:
         """Cache mode's reap (``None`` in buffer mode), called by the step hook
         before the runtime's step while writes are pending.  Acks come in launch
         order, so while the oldest pending operation is in ``ongoing_backup`` none
-        was acknowledged and ``WritePath.step`` waits.  Never raises: failures go
-        to ``WritePath.error`` (counted and logged; the hook's guard only counts)."""
-        cache_mode = self.write_path.cache_mode
+        was acknowledged and nothing is reaped; otherwise ``CacheModeWrites.reap``
+        runs itself (not through ``WritePath.step``: no frame of ours more per ack).
+        Never raises: failures go to ``WritePath.error`` (counted and logged; the
+        hook's guard only counts)."""
+        write_path = self.write_path
+        cache_mode = write_path.cache_mode
         if cache_mode is None:
             return None
         pending = cache_mode.pending_operations
-        reap = self.write_path.step
+        reap, outcomes, error = cache_mode.reap, write_path.outcomes, write_path.error
 
         def reap_acknowledged(tree_cache: Any) -> None:
             try:
-                if next(iter(pending)) in tree_cache.ongoing_backup:
-                    return
-            except Exception:  # WritePath.step reports what is wrong
-                pass
-            reap(tree_cache)
+                ongoing = tree_cache.ongoing_backup
+                if next(iter(pending), None) not in ongoing:
+                    reap(ongoing, outcomes)
+            except Exception as exc:
+                error(exc)
 
         return reap_acknowledged
 

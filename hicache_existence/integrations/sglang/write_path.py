@@ -384,6 +384,12 @@ class WritePath:
         """This rank's outcome of ``operation_id`` (once), if its backup recorded one."""
         return self._outcomes.pop(operation_id, None)
 
+    @property
+    def outcomes(self) -> dict[int, Outcome]:
+        """This rank's outcomes by operation id, each popped at its ack (the live
+        dict: cache mode's reap pops them without a call of ours per ack)."""
+        return self._outcomes
+
     def acked(self, entry: Any, outcome: Outcome | None) -> None:
         """Scheduler thread, at the storage ack of a write this pipeline owns."""
         notes = self._believed.pop(id(entry.intent), {})
@@ -416,9 +422,9 @@ class WritePath:
         page = int(getattr(controller, "page_size", 0) or 0)
         shape = getattr(host_indices, "shape", None)  # a tensor's ``len`` is Python code
         size = shape[0] if shape else len(host_indices)
-        if page <= 0 or size != len(pages) * page:
-            return plan._replace(keep=list(range(len(pages))), extra_written=True), {}
         keep = plan.keep
+        if keep is None or page <= 0 or size != len(pages) * page:  # written whole
+            return plan._replace(keep=None, extra_written=True), {}
         changes: dict[str, Any]
         if not keep:  # every page believed: an empty write, no gather
             empty = self._empty_host
@@ -474,7 +480,7 @@ class WritePath:
         cache_mode = self.cache_mode
         if cache_mode is not None and cache_mode.pending:
             try:
-                cache_mode.reap(tree.ongoing_backup, self.take_outcome)
+                cache_mode.reap(tree.ongoing_backup, self._outcomes)
             except Exception as exc:
                 self.error(exc)
 

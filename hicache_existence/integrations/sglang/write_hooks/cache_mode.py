@@ -75,7 +75,7 @@ def _write_storage(p: Params) -> Hooked:
                 a[extra_at] if 0 <= extra_at < n else kw.get(extra_key),
                 prefix_keyed=prefix_keys is not None,
             )
-            if len(plan.keep) != len(plan.pages) or not plan.extra_written:  # ``not plan.whole``
+            if plan.keep is not None or not plan.extra_written:  # ``not plan.whole``
                 plan, changes = feed.cache_write_changes(
                     plan,
                     controller,
