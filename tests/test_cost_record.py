@@ -98,17 +98,19 @@ def _buffer_pairs(x: dict[str, Any], tried: str, lead: str) -> list[dict[str, An
     return runs
 
 
-def _cache_pairs(x: dict[str, Any], tried: str, lead: str, run: str = "cache") -> None:
-    """An experiment's cache-mode shares and main's (``run``: which of their cache runs),
-    which the README states after ``lead`` as "A / B (low pressure, dedup off / on) and
-    C / D (high) against ..."."""
+def _cache_pairs(
+    x: dict[str, Any], tried: str, lead: str, run: str = "cache", against: str = "main"
+) -> None:
+    """An experiment's cache-mode shares and ``against``'s (``run``: which of their cache
+    runs), which the README states after ``lead`` as "A / B (low pressure, dedup off / on)
+    and C / D (high) against ..."."""
     cache = _claim(
         re.escape(lead) + r"([\d.]+)% / ([\d.]+)% \(low pressure, dedup off / on\) and "
         r"([\d.]+)% / ([\d.]+)% \(high\) against ([\d.]+)% / ([\d.]+)% and ([\d.]+)% / ([\d.]+)%"
     )
     recorded = [
         x[t][run][p][m]["package_share_of_busy_median"]
-        for t in (tried, "main")
+        for t in (tried, against)
         for p in ("low", "high")
         for m in ("off", "on")
     ]
@@ -208,3 +210,54 @@ def test_the_lighter_paths_are_the_recorded_ones() -> None:
         for m in ("off", "on")
     ]
     assert f"Built in `{x['lighter']['commit']}`" in README
+
+
+def test_the_node_write_trim_and_the_unwrapped_cache_are_the_recorded_ones() -> None:
+    """Cache mode's lighter node write and ack against their parent, and the same code
+    measured with and without the probe wrapping the cache's methods."""
+    x = RECORD["node_write_trim"]
+    assert f"against its parent `{x['main']['commit']}`" in README
+    assert f"so `{x['trimmed']['commit']}` runs less of it" in README
+    _cache_pairs(x, "trimmed", "trimmed, first runs: ")
+    _cache_pairs(x, "trimmed", "trimmed, second runs: ", run="cache_repeat")
+    runs = [x[t][r] for t in ("trimmed", "main") for r in ("cache", "cache_repeat")]
+    insitu = [
+        float(run[p][m]["package_share_of_busy_insitu_timer_median"].rstrip("%"))
+        for run in runs
+        for p in ("low", "high")
+        for m in ("off", "on")
+    ]
+    lo, hi, main_lo, main_hi = _claim(
+        r"\(([\d.]+)% to ([\d.]+)% in situ against ([\d.]+)% to ([\d.]+)%\)\. The node write"
+    )
+    assert (float(lo), float(hi)) == (min(insitu[:8]), max(insitu[:8]))
+    assert (float(main_lo), float(main_hi)) == (min(insitu[8:]), max(insitu[8:]))
+    node = _claim(
+        r"\(([\d.]+) to ([\d.]+) ms a round in the first runs against ([\d.]+) to ([\d.]+)\)"
+    )
+    by_tree = [
+        [
+            x[t]["cache"][p][m]["package_ms_by_function_per_round"]["hook:write_storage"]["busy_ms"]
+            for p in ("low", "high")
+            for m in ("off", "on")
+        ]
+        for t in ("trimmed", "main")
+    ]
+    assert [float(v) for v in node] == [f(ms) for ms in by_tree for f in (min, max)]
+    gross = [
+        float(run[p][m]["package_share_of_busy_median"].rstrip("%"))
+        for run in runs[:2]
+        for p in ("low", "high")
+        for m in ("off", "on")
+    ]
+    met, low, high = _claim(r"gross, (\d) of its 8 medians do \(([\d.]+)-([\d.]+)%\)")
+    assert (int(met), float(low), float(high)) == (
+        sum(g <= 0.3 for g in gross),
+        min(gross),
+        max(gross),
+    )
+    a = x["apparatus"]
+    _cache_pairs(a, "unwrapped", "without the wrappers, first runs: ", against="wrapped")
+    _cache_pairs(
+        a, "unwrapped", "without them, second runs: ", run="cache_repeat", against="wrapped"
+    )
