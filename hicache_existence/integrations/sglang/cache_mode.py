@@ -214,7 +214,8 @@ class CacheModeWrites:
             return _plan((None, pages, believed, extra, True, extra_believed))
         covered = kv.covered(pages) if pages else True
         believed = pages if covered else set(kv.believed(pages))
-        # counted lookups of every extra pool, dedup on or off (the same counters)
+        # counted lookups of the extra pools (up to the first not covered), dedup on or
+        # off alike (the same counters)
         extra_covered = all(pool(p).covered(keys) for p, keys in extra.items() if keys)
         if self.dedup and covered and extra_covered:
             return _plan(([], pages, believed, extra, False, extra_believed))

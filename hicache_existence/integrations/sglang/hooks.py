@@ -176,9 +176,10 @@ class ProcessEntry:
 
         def reap_acknowledged(tree_cache: Any) -> None:
             try:
-                ongoing = tree_cache.ongoing_backup
-                if next(iter(pending), None) not in ongoing:
-                    reap(ongoing, outcomes)
+                if pending:
+                    ongoing = tree_cache.ongoing_backup
+                    if next(iter(pending)) not in ongoing:
+                        reap(ongoing, outcomes)
             except Exception as exc:
                 error(exc)
 

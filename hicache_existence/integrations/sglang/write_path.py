@@ -387,7 +387,8 @@ class WritePath:
     @property
     def outcomes(self) -> dict[int, Outcome]:
         """This rank's outcomes by operation id, each popped at its ack (the live
-        dict: cache mode's reap pops them without a call of ours per ack)."""
+        dict, never replaced: cache mode's reaper holds it and pops them without a
+        call of ours per ack)."""
         return self._outcomes
 
     def acked(self, entry: Any, outcome: Outcome | None) -> None:
@@ -476,7 +477,9 @@ class WritePath:
         self.causes.queried(chain, hit_tokens // page, below_threshold=hit_tokens < threshold)
 
     def step(self, tree: Any) -> None:
-        """Per scheduler step (cache mode): account the acknowledged operations."""
+        """Account the acknowledged operations (cache mode), as one call: what the
+        step hook's reaper (``ProcessEntry.reaper``) does at a step, for a caller
+        that drives the tree itself (tests, tools)."""
         cache_mode = self.cache_mode
         if cache_mode is not None and cache_mode.pending:
             try:

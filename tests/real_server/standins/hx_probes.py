@@ -242,7 +242,8 @@ _INNER = {
     "hicache_existence.runtime": (("ExistenceRuntime", "_step_due"),),
     "hicache_existence.exporters": (("Telemetry", "step"),),
     "hicache_existence.exporters.multiprocess": (("MultiprocessFeeder", "flush"),),
-    "hicache_existence.integrations.sglang.write_path": (("WritePath", "step"),),
+    # cache mode's acks, as the step hook's reaper runs them
+    "hicache_existence.integrations.sglang.cache_mode": (("CacheModeWrites", "reap"),),
 }
 
 
