@@ -289,7 +289,7 @@ class CacheModeWrites:
     def reap(self, ongoing: Any, outcomes: MutableMapping[int, Any]) -> int:
         """Per step: account the operations the storage drain acknowledged (gone
         from ``ongoing``, upstream's ``ongoing_backup``), oldest first, each with
-        this rank's outcome popped from ``outcomes`` (``WritePath.outcomes``)."""
+        this rank's outcome popped from ``outcomes`` (the write path's, by operation id)."""
         done = 0
         pending = self._pending
         while pending:

@@ -159,36 +159,10 @@ class ProcessEntry:
         with contextlib.suppress(Exception):
             self.runtime.close()
 
-    def reaper(self) -> Callable[[Any], None] | None:
-        """Cache mode's reap (``None`` in buffer mode), called by the step hook
-        before the runtime's step while writes are pending.  Acks come in launch
-        order, so while the oldest pending operation is in ``ongoing_backup`` none
-        was acknowledged and nothing is reaped; otherwise ``CacheModeWrites.reap``
-        runs itself (not through ``WritePath.step``: no frame of ours more per ack).
-        Never raises: failures go to ``WritePath.error`` (counted and logged; the
-        hook's guard only counts)."""
-        write_path = self.write_path
-        cache_mode = write_path.cache_mode
-        if cache_mode is None:
-            return None
-        pending = cache_mode.pending_operations
-        reap, outcomes, error = cache_mode.reap, write_path.outcomes, write_path.error
-
-        def reap_acknowledged(tree_cache: Any) -> None:
-            try:
-                if pending:
-                    ongoing = tree_cache.ongoing_backup
-                    if next(iter(pending)) not in ongoing:
-                        reap(ongoing, outcomes)
-            except Exception as exc:
-                error(exc)
-
-        return reap_acknowledged
-
     def bind(self, hook: _gate.StepHookType, tree_cache: Any) -> None:
         """Point ``hook`` at ``tree_cache``: its steps then reap (cache mode, writes
         pending) and step this runtime's gate without a Python frame of ours."""
-        reap = self.reaper()
+        reap = self.write_path.reaper()
         cache_mode = self.write_path.cache_mode
         hook.pending = cache_mode.pending_operations if reap and cache_mode else None
         hook.reap = reap

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,13 +384,6 @@ class WritePath:
         """This rank's outcome of ``operation_id`` (once), if its backup recorded one."""
         return self._outcomes.pop(operation_id, None)
 
-    @property
-    def outcomes(self) -> dict[int, Outcome]:
-        """This rank's outcomes by operation id, each popped at its ack (the live
-        dict, never replaced: cache mode's reaper holds it and pops them without a
-        call of ours per ack)."""
-        return self._outcomes
-
     def acked(self, entry: Any, outcome: Outcome | None) -> None:
         """Scheduler thread, at the storage ack of a write this pipeline owns."""
         notes = self._believed.pop(id(entry.intent), {})
@@ -476,16 +469,38 @@ class WritePath:
         threshold = int(getattr(tree, "prefetch_threshold", 0) or 0)
         self.causes.queried(chain, hit_tokens // page, below_threshold=hit_tokens < threshold)
 
-    def step(self, tree: Any) -> None:
-        """Account the acknowledged operations (cache mode), as one call: what the
-        step hook's reaper (``ProcessEntry.reaper``) does at a step, for a caller
-        that drives the tree itself (tests, tools)."""
+    def reaper(self) -> Callable[[Any], None] | None:
+        """Cache mode's reap of a tree's acknowledged operations (``None`` in buffer
+        mode), which the step hook calls before the runtime's step while writes are
+        pending.  Acks come in launch order, so while the oldest pending operation is
+        in ``ongoing_backup`` none was acknowledged and nothing is reaped; otherwise
+        ``CacheModeWrites.reap`` accounts them, each with this rank's outcome popped
+        from ``_outcomes`` (never replaced: the reaper holds it).  One frame of ours
+        per step.  Never raises: failures go to ``error`` (counted and logged; the
+        hook's guard only counts)."""
         cache_mode = self.cache_mode
-        if cache_mode is not None and cache_mode.pending:
+        if cache_mode is None:
+            return None
+        pending = cache_mode.pending_operations
+        reap, outcomes, error = cache_mode.reap, self._outcomes, self.error
+
+        def reap_acknowledged(tree: Any) -> None:
             try:
-                cache_mode.reap(tree.ongoing_backup, self._outcomes)
+                if pending:
+                    ongoing = tree.ongoing_backup
+                    if next(iter(pending)) not in ongoing:
+                        reap(ongoing, outcomes)
             except Exception as exc:
-                self.error(exc)
+                error(exc)
+
+        return reap_acknowledged
+
+    def step(self, tree: Any) -> None:
+        """The reaper's work as one call, for a caller that drives the tree itself
+        (tests, tools); the server's step hook binds ``reaper()`` instead."""
+        reap = self.reaper()
+        if reap is not None:
+            reap(tree)
 
     # -- errors ----------------------------------------------------------------------------
     def error(self, exc: BaseException) -> None:
