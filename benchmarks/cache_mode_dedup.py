@@ -48,10 +48,10 @@ from harness import (  # noqa: E402
     sglang_total,
 )
 from real_server_cost import (  # noqa: E402
-    around_control,
     breakdown,
     busy_share,
     by_name_split,
+    call_controls,
     fresh_cost,
     insitu_summary,
 )
@@ -93,7 +93,7 @@ def one_round(srv: Server, probe: Path, stream: list[Any]) -> dict[str, Any]:
         poll=[a - b for a, b in zip(after_cost["poll"], before_cost["poll"])],
         ctrl_busy=[a - b for a, b in zip(after_cost["ctrl_busy"], before_cost["ctrl_busy"])],
         ctrl_poll=[a - b for a, b in zip(after_cost["ctrl_poll"], before_cost["ctrl_poll"])],
-        **around_control(before_cost, after_cost),
+        **call_controls(before_cost, after_cost),
         timer_ns_per_call=after_cost["timer_ns"],
         passthrough_ns_per_call=after_cost["passthrough_ns"],
         by_name_split=by_name_split(before_cost, after_cost),

@@ -82,6 +82,8 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         "ctrl_poll": [0, 0],
         "actrl_busy": [0, 0, 0],
         "actrl_poll": [0, 0, 0],
+        "sctrl_busy": [0, 0],
+        "sctrl_poll": [0, 0],
     }
     by_name: dict[str, list[int]] = {}
     files = sorted(out_dir.glob("cost-*.json"))
@@ -91,7 +93,16 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
         rec = json.loads(f.read_text())
         for k in ("sched_cpu_ns", "pkg_ns", "pkg_calls", "hook_ns"):
             total[k] += int(rec[k])
-        for k in ("busy", "poll", "rec_busy", "rec_poll", "ctrl_busy", "ctrl_poll", *_ACTRL):
+        for k in (
+            "busy",
+            "poll",
+            "rec_busy",
+            "rec_poll",
+            "ctrl_busy",
+            "ctrl_poll",
+            *_ACTRL,
+            *_SCTRL,
+        ):
             got = list(rec.get(k, ())) + [0] * len(total[k])  # older probes: fewer fields
             total[k] = [a + int(b) for a, b in zip(total[k], got)]
         total["timer_ns"] = max(total["timer_ns"], float(rec.get("timer_ns_per_call", 0.0)))
@@ -105,20 +116,30 @@ def read_cost(out_dir: Path) -> dict[str, Any]:
             for j, v in enumerate(counts):
                 slot[j] += int(v)
     total["by_name"] = by_name
+    # A probe with the per-site control records it even where no call ran one (cache
+    # mode, whose top-level calls are the per-step and AROUND hooks).
+    total["site"] = all("sctrl_busy" in json.loads(f.read_text()) for f in files)
     states = {json.loads(f.read_text()).get("recorder_on") for f in files}
     total["recorder_on"] = states.pop() if len(states) == 1 else None
     return total
 
 
+#: The per-step hook's control's fields (``hx_probes._control``).
+_CTRL = ("ctrl_busy", "ctrl_poll")
 #: The AROUND control's fields (``hx_probes._around_control``).
 _ACTRL = ("actrl_busy", "actrl_poll")
+#: The per-site control's fields (``hx_probes._site_control``).
+_SCTRL = ("sctrl_busy", "sctrl_poll")
 
 
-def around_control(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[int]]:
-    """A round's AROUND control readings (nothing from a probe that records none)."""
-    if not any(after.get("actrl_busy", ())):
-        return {}
-    return {k: [a - b for a, b in zip(after[k], before[k])] for k in _ACTRL}
+def call_controls(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[int]]:
+    """A round's AROUND and per-site control readings (none from a probe that
+    records none)."""
+    keys = [
+        *(_ACTRL if any(after.get("actrl_busy", ())) else ()),
+        *(_SCTRL if after["site"] else ()),
+    ]
+    return {k: [a - b for a, b in zip(after[k], before[k])] for k in keys}
 
 
 def fresh_cost(out_dir: Path) -> dict[str, Any]:
@@ -164,7 +185,7 @@ def one_round(
         "ctrl_busy": [a - b for a, b in zip(after["ctrl_busy"], before["ctrl_busy"])],
         "ctrl_poll": [a - b for a, b in zip(after["ctrl_poll"], before["ctrl_poll"])],
         # [thread ns, calls, real AROUND hook calls] of the empty AROUND hook
-        **around_control(before, after),
+        **call_controls(before, after),
         "timer_ns_per_call": after["timer_ns"],
         "passthrough_ns_per_call": after["passthrough_ns"],
         "by_name_ms": {
@@ -382,6 +403,29 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         busy_a = busy_in - a_b[2] * around_b
         poll_a = poll_in - a_p[2] * around_p
         share_around = max(0.0, busy_a + max(0.0, poll_a)) / ns_b
+    # And every timed call net of a control at its own call site (probes that record
+    # it): the per-step hook's, each AROUND hook's and every other call's (methods,
+    # AFTER hooks: ``sctrl``), each run beside the call it stands for; what is left is
+    # the calls' own time, with no calibration at all.
+    s_b, s_p = r.get("sctrl_busy"), r.get("sctrl_poll")
+    share_site = site_b = uncontrolled = None
+    if s_b is not None and ctrl_b_calls:
+        a_b, a_p = a_b or [0, 0, 0], a_p or [0, 0, 0]
+        around_mean_b = a_b[0] / a_b[1] if a_b[1] else 0.0
+        around_mean_p = a_p[0] / a_p[1] if a_p[1] else around_mean_b
+        busy_s = pkg_b - nested_b * through - ctrl_b_ns - a_b[2] * around_mean_b - s_b[0]
+        poll_s = (
+            (pkg_p - hook_p)
+            - (nested_p - nested_hook) * through
+            - a_p[2] * around_mean_p
+            - (s_p[0] if s_p else 0)
+        )
+        share_site = max(0.0, busy_s + max(0.0, poll_s)) / ns_b
+        site_b = s_b[0] / s_b[1] if s_b[1] else None
+        # Every top-level call has one control beside it: none left over.
+        uncontrolled = (calls_b - ctrl_b_calls - a_b[2] - s_b[1]) + (
+            max(0, calls_p - it_p) - a_p[2] - (s_p[1] if s_p else 0)
+        )
     return {
         "busy_iterations": it_b,
         "busy_ms": ns_b / 1e6,
@@ -402,6 +446,9 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         "share_insitu": share_insitu,
         "share_insitu_around": share_around,
         "around_extra_us_insitu_busy": around_b / 1e3 if around_b is not None else None,
+        "share_insitu_site": share_site,
+        "timer_us_site_busy": site_b / 1e3 if site_b is not None else None,
+        "site_uncontrolled_calls": uncontrolled,
     }
 
 
@@ -432,6 +479,28 @@ def insitu_summary(be: list[dict[str, Any]]) -> dict[str, Any]:
                 "around_extra_us_insitu_busy_median": round(
                     med(x["around_extra_us_insitu_busy"] for x in be), 3
                 ),
+            }
+        ),
+        **(
+            {}
+            if any(x.get("share_insitu_site") is None for x in be)
+            else {
+                "package_share_of_busy_insitu_site_median": (
+                    f"{100 * med(x['share_insitu_site'] for x in be):.2f}%"
+                ),
+                "package_share_of_busy_insitu_site_max": (
+                    f"{100 * max(x['share_insitu_site'] for x in be):.2f}%"
+                ),
+                **(
+                    {}
+                    if any(x["timer_us_site_busy"] is None for x in be)
+                    else {
+                        "timer_us_site_busy_median": round(
+                            med(x["timer_us_site_busy"] for x in be), 3
+                        )
+                    }
+                ),
+                "site_uncontrolled_calls_max": max(x["site_uncontrolled_calls"] for x in be),
             }
         ),
     }
@@ -492,6 +561,12 @@ def run_toggle(args: Any, stream: list[TraceRequest]) -> int:
         "recorder_ms_per_round_paired_median": round(med(paired_ms), 3),
         "target": "recorder_share_of_busy <= 0.05% (issue 31)",
     }
+    if all(x["share_insitu_site"] is not None for x in (*on, *off)):
+        # The same pairs, every timed call net of the control beside it: the timers'
+        # own cost, which moves with each call's cold state, out of both sides.
+        site = [a["share_insitu_site"] - b["share_insitu_site"] for a, b in zip(on, off)]
+        result["recorder_share_of_busy_paired_median_insitu_site"] = f"{100 * med(site):.3f}%"
+        result["recorder_share_of_busy_paired_insitu_site"] = [f"{100 * d:.3f}%" for d in site]
     return report(rounds, result, args)
 
 

@@ -29,10 +29,10 @@ def cost() -> Any:
     c = hx_probes._COST
     saved = (c.main, c.ns, c.calls, c.depth, dict(c.by_name), c.timer_ns)
     c.main, c.ns, c.calls, c.depth, c.timer_ns = threading.get_ident(), 0, 0, 0, 0.0
-    c.actrl_ns = c.actrl_calls = c.around_calls = 0
+    c.actrl_ns = c.actrl_calls = c.around_calls = c.sctrl_ns = c.sctrl_calls = 0
     yield c
     c.main, c.ns, c.calls, c.depth, by_name, c.timer_ns = saved
-    c.actrl_ns = c.actrl_calls = c.around_calls = 0
+    c.actrl_ns = c.actrl_calls = c.around_calls = c.sctrl_ns = c.sctrl_calls = 0
     c.by_name.clear()
     c.by_name.update(by_name)
     c.touched.clear()
@@ -118,3 +118,86 @@ def test_the_share_nets_out_what_the_around_control_records() -> None:
     got = busy_share(r)
     assert got["around_extra_us_insitu_busy"] == 1.0
     assert got["share_insitu_around"] == (1_000_000 - 100 * 200 - 20 * 1_000) / 1e9
+
+
+def test_every_other_top_level_call_runs_the_site_control_beside_it(cost: Any) -> None:
+    """A method or AFTER hook timed at top level runs the empty per-site control once
+    (before it one call, after it the next), outside its own interval; a nested
+    call, upstream's cache, the per-step hook (its own control) and an AROUND hook
+    (the AROUND control) run none."""
+    seen: list[tuple[Any, ...]] = []
+
+    def method(x: int) -> int:
+        _spin(1)
+        seen.append((x, cost.sctrl_calls))
+        return x + 1
+
+    timed = hx_probes._timed(method)
+    for i in range(4):
+        assert timed(i) == i + 1
+    # before the call, after it, before, after: what the method saw when it ran
+    assert [n for _, n in seen] == [1, 1, 3, 3]
+    assert (cost.sctrl_calls, cost.calls) == (4, 4)
+    assert 0 < cost.sctrl_ns < 4 * 0.5e6, cost.sctrl_ns  # not the method's 4 ms
+    assert 3.5e6 < cost.ns < 12e6, cost.ns
+
+    outer = hx_probes._timed(lambda: timed(0))  # the inner call is nested: no control
+    upstream = hx_probes._timed(lambda: None, "upstream.")
+
+    def after_check_hicache_events() -> None:
+        return None
+
+    # as the integration names it (``hooks._HOOK``)
+    after_check_hicache_events.__qualname__ = "after_check_hicache_events"
+    step = hx_probes._timed(after_check_hicache_events)
+    around = hx_probes._hook_timed(lambda original: original(), "AROUND", "probe_test_site")
+    outer()
+    upstream()
+    step()
+    around(lambda: None)
+    assert cost.sctrl_calls == 5  # the outer call's only
+    after = hx_probes._hook_timed(lambda result: _spin(1), "AFTER", "probe_test_site_after")
+    after(None)
+    after(None)
+    assert cost.sctrl_calls == 7
+
+
+def test_the_share_nets_every_call_at_the_control_beside_it() -> None:
+    """``share_insitu_site``: the package's busy and polling-iteration time, each
+    timed call net of its own kind of control (the per-step hook's, the AROUND
+    hooks', the per-site one), with no calibration; every call has one beside it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from real_server_cost import busy_share
+
+    r: dict[str, Any] = {
+        "timer_ns_per_call": 100.0,
+        # busy: 10 iterations, 1e9 ns, package 1e6 ns in 100 calls (10 of them the
+        # per-step hook, 20 AROUND hooks, 70 others)
+        "busy": [10, 1_000_000_000, 1_000_000, 100, 0],
+        # poll: 5 iterations, package 60,000 ns in 9 calls (5 per-step hook calls,
+        # 10,000 ns of them, 4 others), nothing nested
+        "poll": [5, 1_000_000, 60_000, 9, 10_000, 0, 0],
+        "ctrl_busy": [2_000, 10],
+        "ctrl_poll": [1_000, 5],
+        "actrl_busy": [30_000, 20, 20],
+        "actrl_poll": [0, 0, 0],
+    }
+    assert busy_share(r)["share_insitu_site"] is None  # no per-site control recorded
+    r.update(sctrl_busy=[140_000, 70], sctrl_poll=[8_000, 4])
+    got = busy_share(r)
+    busy = 1_000_000 - 2_000 - 30_000 - 140_000
+    poll = 60_000 - 10_000 - 8_000
+    assert got["share_insitu_site"] == (busy + poll) / 1e9
+    assert got["timer_us_site_busy"] == 2.0
+    assert got["site_uncontrolled_calls"] == 0
+    r["busy"][3] = 103  # three calls with no control beside them
+    assert busy_share(r)["site_uncontrolled_calls"] == 3
+    # A probe with the control, where no call ran one (cache mode: the per-step and
+    # AROUND hooks are all its top-level calls): the share is still net of theirs.
+    r.update(
+        busy=[10, 1_000_000_000, 1_000_000, 30, 0], poll=[5, 1_000_000, 10_000, 5, 10_000, 0, 0]
+    )
+    r.update(sctrl_busy=[0, 0], sctrl_poll=[0, 0])
+    got = busy_share(r)
+    assert got["share_insitu_site"] == (1_000_000 - 2_000 - 30_000) / 1e9
+    assert got["timer_us_site_busy"] is None and got["site_uncontrolled_calls"] == 0

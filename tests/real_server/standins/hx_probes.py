@@ -126,6 +126,15 @@ class _Cost:
         self.it_actrl0 = (0, 0, 0)
         self.actrl_busy = [0, 0, 0]  # ns, control calls, real AROUND calls
         self.actrl_poll = [0, 0, 0]
+        # The per-site control (``_site_control``): an empty function timed beside
+        # every other top-level call of the package (a method, an AFTER hook: all but
+        # the per-step hook and the AROUND hooks, which have their own), at its own
+        # call site: [ns, calls].
+        self.sctrl_ns = 0
+        self.sctrl_calls = 0
+        self.it_sctrl0 = (0, 0)
+        self.sctrl_busy = [0, 0]
+        self.sctrl_poll = [0, 0]
 
 
 _COST = _Cost()
@@ -145,6 +154,10 @@ def _timed(fn: Any, prefix: str = "") -> Any:
     slot = _COST.by_name.setdefault(name, [0] * 8)
     is_hook = name == _HOOK
     own = not prefix
+    # The per-step hook has its own control (``_probe_cost_hooks``); upstream's
+    # cache is not the package's, so its timers are not netted out of it.
+    control = _site_control() if own and not is_hook else None
+    flip = [False]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _COST.depth:
@@ -153,6 +166,11 @@ def _timed(fn: Any, prefix: str = "") -> Any:
             return fn(*args, **kwargs)
         if get_ident() != _COST.main:
             return fn(*args, **kwargs)
+        first = False
+        if control is not None:
+            first = flip[0] = not flip[0]
+            if first:
+                control(args, kwargs)
         _COST.depth = 1
         n0 = _COST.nested
         t0 = perf()
@@ -177,10 +195,37 @@ def _timed(fn: Any, prefix: str = "") -> Any:
             slot[2] += dt
             slot[3] += 1
             _COST.depth = 0
+            if control is not None and not first:
+                control(args, kwargs)
 
     wrapper.__name__ = getattr(fn, "__name__", "wrapped")
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
+
+
+def _site_control() -> Any:
+    """An empty function timed as ``_timed`` times the package's, with the same
+    arguments, into ``sctrl_*``: what the timers record per call at that call site,
+    in its own cold state.  Run before the timed call one call and after it the
+    next (as the per-step hook's control), so that neither always finds the timers'
+    code warmed by the other; the share net of it (``share_insitu_site``) nets every
+    timed call at a control taken beside it rather than beside the per-step hook."""
+    import time
+
+    perf = time.thread_time_ns
+
+    def empty(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def control(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        t0 = perf()
+        try:
+            empty(*args, **kwargs)
+        finally:
+            _COST.sctrl_ns += perf() - t0
+            _COST.sctrl_calls += 1
+
+    return control
 
 
 def _rec_timed(fn: Any) -> Any:
@@ -345,10 +390,15 @@ def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
         slot[3] += 1
 
     if kind == "AFTER":
+        site = _site_control()
+        turn = [False]
 
         def after(*args: Any, **kwargs: Any) -> Any:
             if _COST.depth or get_ident() != _COST.main:
                 return hooked(*args, **kwargs)
+            first = turn[0] = not turn[0]
+            if first:
+                site(args, kwargs)
             _COST.depth = 1
             t0 = perf()
             try:
@@ -356,6 +406,8 @@ def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
             finally:
                 account(perf() - t0)
                 _COST.depth = 0
+                if not first:
+                    site(args, kwargs)
 
         return after
 
@@ -447,6 +499,13 @@ def _probe_cost_write_hooks(mod: ModuleType) -> None:
     mod.Hook.bound = timed_bound
 
 
+def _probe_cost_recorder_hooks(mod: ModuleType) -> None:
+    # The recorder's request boundaries: an AROUND hook on every insert, registered
+    # whenever the package is enabled (inert without a recorder), by the plugin itself
+    # rather than through ``Hook.bound``; timed as the write-path hooks are.
+    mod.around_insert = _hook_timed(mod.around_insert, "AROUND", "insert")
+
+
 def _probe_cost_cache_mode(mod: ModuleType) -> None:
     # Cache mode's write path: the dedup plan, the ack reaping, the beliefs it keeps.
     _wrap_class(mod.CacheModeWrites)
@@ -534,6 +593,9 @@ def _iteration_marks(cls: type) -> None:
                 actrl[0] += c.actrl_ns - c.it_actrl0[0]
                 actrl[1] += c.actrl_calls - c.it_actrl0[1]
                 actrl[2] += c.around_calls - c.it_actrl0[2]
+                sctrl = c.sctrl_busy if c.it_work else c.sctrl_poll
+                sctrl[0] += c.sctrl_ns - c.it_sctrl0[0]
+                sctrl[1] += c.sctrl_calls - c.it_sctrl0[1]
                 dnested = c.nested - c.it_nested0[0]
                 if c.it_work:
                     b = c.busy
@@ -561,6 +623,7 @@ def _iteration_marks(cls: type) -> None:
             c.it_rec0 = (c.rec_ns, c.rec_calls)
             c.it_ctrl0 = (c.ctrl_ns, c.ctrl_calls)
             c.it_actrl0 = (c.actrl_ns, c.actrl_calls, c.around_calls)
+            c.it_sctrl0 = (c.sctrl_ns, c.sctrl_calls)
             c.it_nested0 = (c.nested, c.hook_nested)
             c.it_work = False
         return ingest(self, *args, **kwargs)
@@ -645,6 +708,7 @@ def _cost_writer(out_dir: str) -> None:
         costs.append(_COST.ns - ns1)
     passthrough_ns = _COST.passthrough_ns = max(0.0, (costs[0] - costs[1]) / (50 * 200))
     _COST.ns, _COST.calls, _COST.nested = ns0, calls0, 0
+    _COST.sctrl_ns = _COST.sctrl_calls = 0
     for fn in (empty, inner, via_wrapper, direct):
         _COST.by_name.pop(getattr(getattr(fn, "__wrapped__", fn), "__qualname__", ""), None)
 
@@ -668,6 +732,8 @@ def _cost_writer(out_dir: str) -> None:
                 "ctrl_poll": list(_COST.ctrl_poll),
                 "actrl_busy": list(_COST.actrl_busy),
                 "actrl_poll": list(_COST.actrl_poll),
+                "sctrl_busy": list(_COST.sctrl_busy),
+                "sctrl_poll": list(_COST.sctrl_poll),
                 "by_name": {k: list(v) for k, v in _COST.by_name.items()},
                 "t": time.time(),
             }
@@ -756,6 +822,9 @@ def install() -> None:
             "hicache_existence.integrations.sglang.write_hooks.binding", _probe_cost_write_hooks
         )
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
+        hx_cpu_standins.on_import(
+            "hicache_existence.integrations.sglang.recorder_hooks", _probe_cost_recorder_hooks
+        )
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
         if os.environ.get("HX_PROBE_COST_INNER"):
             for module in _INNER:
