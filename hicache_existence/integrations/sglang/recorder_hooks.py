@@ -7,31 +7,35 @@ the lookups inside one insert are that request's page chain.  The hook brackets
 each insert (``Recorder.begin_request`` / ``end_request``), tagging the lookups
 in between, from which a replay rebuilds each chain.  A few Python frames per
 request, on the scheduler thread: cheaper than ``match_prefix``, called several
-times per request, whose page hashes cover only the matched part.  Without a
-recorder the hook calls upstream and returns.
+times per request, whose page hashes cover only the matched part.
+
+The hook is registered whenever the package is enabled (the recorder's
+configuration may come from a server flag read after registration), so most
+servers run it without a recorder: that path is one frame, a dict lookup and an
+attribute read before upstream's call, written inline.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hicache_existence.integrations.sglang.write_hooks.binding import SKIP, bracketed
-from hicache_existence.integrations.sglang.write_path import WritePath
+from hicache_existence.integrations.sglang.process import PROCESS
+from hicache_existence.integrations.sglang.write_hooks.binding import Hooked
+from hicache_existence.integrations.sglang.write_path import FEEDS
 
 TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert"
 
 
-def _begin(feed: WritePath, tree: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+def around_insert(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
+    """AROUND ``UnifiedRadixCache.insert``: one request boundary for the recorder."""
+    feed = FEEDS.get(PROCESS.pid)
+    if feed is None:
+        return original(tree, *a, **kw)
     recorder = feed.recorder
-    if recorder is None or not feed.owns_tree(tree):
-        return SKIP
+    if recorder is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
+        return original(tree, *a, **kw)
     recorder.begin_request()
-    return recorder
-
-
-around_insert = bracketed(
-    _begin,
-    lambda feed, recorder: recorder.end_request(),
-    "around_insert",
-    """AROUND ``UnifiedRadixCache.insert``: one request boundary for the recorder.""",
-)
+    try:
+        return original(tree, *a, **kw)
+    finally:
+        recorder.end_request()
