@@ -366,49 +366,62 @@ def test_lookups_inside_an_insert_carry_its_request_number(tmp_path: Path) -> No
     ]
 
 
-def test_the_insert_hook_brackets_each_insert_of_this_process_tree(tmp_path: Path) -> None:
-    """``recorder_hooks.around_insert``: an insert of the tree holding this process's
-    cache is one request (the lookups inside it carry its number, closed even when
-    upstream raises); without a write path, without a recorder or on another tree,
-    upstream runs alone and nothing is recorded."""
+def test_the_insert_hook_brackets_each_insert_of_the_tree_it_is_installed_on(
+    tmp_path: Path,
+) -> None:
+    """``recorder_hooks.install_on``: on a ``UnifiedRadixCache`` (or a subclass), once,
+    each insert is one request (the lookups inside it carry its number, closed even
+    when upstream raises) while the write path has a recorder, and upstream's call
+    alone while it has none (or there is no write path); another class is left alone."""
     import types
 
+    from hicache_existence.integrations.sglang import recorder_hooks
     from hicache_existence.integrations.sglang.process import PROCESS
-    from hicache_existence.integrations.sglang.recorder_hooks import around_insert
     from hicache_existence.integrations.sglang.write_path import FEEDS
 
     r = rec.Recorder(section(tmp_path, sample_rate=1.0))
     chain = [page(i) for i in range(3)]
-    tree = types.SimpleNamespace(storage_existence_cache=object())
-    other = types.SimpleNamespace(storage_existence_cache=object())
     seen: list[int] = []
 
-    def insert(t: Any, key: str, *, value: int = 0) -> str:
-        seen.append(r.tap.request)
-        r.touched("kv", chain, 3)
-        if key == "fail":
-            raise RuntimeError("upstream")
-        return f"{key}{value}"
+    class UnifiedRadixCache:
+        def insert(self, key: str, *, value: int = 0) -> str:
+            seen.append(r.tap.request)
+            r.touched("kv", chain, 3)
+            if key == "fail":
+                raise RuntimeError("upstream")
+            return f"{key}{value}"
 
-    feed = types.SimpleNamespace(recorder=None, cache=tree.storage_existence_cache)
+    class Tree(UnifiedRadixCache):
+        pass
+
+    class Other:
+        def insert(self, key: str) -> str:
+            return key
+
+    other = Other()
+    assert not recorder_hooks.install_on(other) and "insert" not in vars(other)
+    tree = Tree()
+    assert recorder_hooks.install_on(tree) and recorder_hooks.install_on(tree)  # once
+    feed = types.SimpleNamespace(recorder=None)
     saved = FEEDS.pop(PROCESS.pid, None)
     try:
-        assert around_insert(insert, tree, "a", value=1) == "a1"  # no write path
+        assert tree.insert("a", value=1) == "a1"  # no write path
         FEEDS[PROCESS.pid] = feed  # type: ignore[assignment]
-        assert around_insert(insert, tree, "b") == "b0"  # no recorder
+        assert tree.insert("b") == "b0"  # no recorder
         feed.recorder = r
-        assert around_insert(insert, other, "c") == "c0"  # another tree
-        assert around_insert(insert, tree, "d", value=2) == "d2"
+        assert tree.insert("d", value=2) == "d2"
         with pytest.raises(RuntimeError, match="upstream"):
-            around_insert(insert, tree, "fail")
+            tree.insert("fail")
+        feed.recorder = None  # detached again
+        assert tree.insert("e") == "e0"
     finally:
         FEEDS.pop(PROCESS.pid, None)
         if saved is not None:
             FEEDS[PROCESS.pid] = saved
-    assert seen == [0, 0, 0, 1, 2]
+    assert seen == [0, 0, 1, 2, 0]
     assert r.tap.request == 0
     got = encoded(r)
-    assert [x.get("request", 0) for x in got if x["kind"] == "lookup"] == [0, 0, 0, 1, 2]
+    assert [x.get("request", 0) for x in got if x["kind"] == "lookup"] == [0, 0, 1, 2, 0]
     assert [x for x in got if x["kind"] == "request"] == [
         {"kind": "request", "request": 1},
         {"kind": "request", "request": 2},

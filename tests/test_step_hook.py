@@ -423,3 +423,44 @@ def test_the_cost_probe_times_the_hook_under_its_name():
     assert mod.after_check_hicache_events("r", NS()) is None  # no entry: the fallback's
     assert probes._COST.by_name["after_check_hicache_events"][1] == 1
     assert probes._COST.calls == 1 and probes._COST.hook_ns == probes._COST.ns
+
+
+def test_the_first_step_brackets_inserts_only_with_a_recorder(clean, tmp_path):
+    """The recorder's insert hook is installed on this process's tree at the first
+    step, before any insert, and only when a recorder is configured: a server
+    without one never runs it; a foreign tree is left alone."""
+    from hicache_existence.config import Config
+    from hicache_existence.integrations.sglang import hooks
+    from hicache_existence.integrations.sglang.facts import SchedulerFacts
+    from hicache_existence.integrations.sglang.process import PROCESS
+    from hicache_existence.runtime import ExistenceRuntime
+
+    class UnifiedRadixCache(_Tree):
+        def insert(self, key: Any) -> Any:
+            return key
+
+    plain = UnifiedRadixCache(_entry(cache_mode=False).cache)
+    hooks.after_check_hicache_events(None, plain)
+    assert "insert" not in vars(plain)  # no recorder: the class's insert, untouched
+    hooks.reset_for_tests()
+
+    config = Config.from_mapping(
+        {
+            "enabled": True,
+            "metrics": {"mode": "off"},
+            "recorder": {"enabled": True, "path": str(tmp_path / "trace")},
+        }
+    )
+    runtime = ExistenceRuntime(config, generation="current")
+    entry = hooks.ProcessEntry(runtime, SchedulerFacts(), None, None, None)
+    hooks._ENTRIES[PROCESS.pid] = entry
+    hooks._write_path.attach(entry.write_path)  # as the cache's construction does
+    foreign = UnifiedRadixCache(object())
+    hooks.after_check_hicache_events(None, foreign)
+    assert "insert" not in vars(foreign)
+    ours = UnifiedRadixCache(entry.cache)
+    hooks.after_check_hicache_events(None, ours)
+    assert entry.first_done and "insert" in vars(ours)
+    assert ours.insert("k") == "k"
+    assert runtime.recorder is not None
+    assert [x[1] for x in runtime.recorder._queue] == ["request"]  # one insert, one request

@@ -41,6 +41,7 @@ from hicache_existence.exporters import resolve_mode
 from hicache_existence.integrations.sglang import conformance as _conformance
 from hicache_existence.integrations.sglang import facts as _facts
 from hicache_existence.integrations.sglang import kv_events as _kv_events
+from hicache_existence.integrations.sglang import recorder_hooks as _recorder_hooks
 from hicache_existence.integrations.sglang import targets as _targets
 from hicache_existence.integrations.sglang import upstream_overlap as _overlap
 from hicache_existence.integrations.sglang import write_hooks as _write_hooks
@@ -110,6 +111,7 @@ class ProcessEntry:
         """Bind the tree cache and build the replica groups (once, every rank)."""
         try:
             self._count_admissions(tree_cache)
+            self._bracket_inserts(tree_cache)
             self._first_step(tree_cache)
         finally:  # bound or not, the group's size is final now (unbound: one rank)
             if self.group is not None:
@@ -132,6 +134,22 @@ class ProcessEntry:
                 _write_hooks.install_on(pipeline, "current")
         except Exception as exc:  # the groups are still built
             logger.warning("hicache-existence: buffer-mode admissions not counted: %r", exc)
+
+    def _bracket_inserts(self, tree_cache: Any) -> None:
+        """With a recorder, each insert into this process's tree is a request
+        boundary (``recorder_hooks``: installed here, before the first insert, so
+        that a server without a recorder never runs it)."""
+        if self.runtime.recorder is None or not self.owns(tree_cache):
+            return
+        try:
+            if not _recorder_hooks.install_on(tree_cache):
+                logger.info(
+                    "hicache-existence: %s is no %s; traces have no request boundaries",
+                    type(tree_cache).__name__,
+                    _recorder_hooks.TARGET.rsplit(".", 1)[0],
+                )
+        except Exception as exc:  # the trace is still recorded, without boundaries
+            logger.warning("hicache-existence: traces have no request boundaries: %r", exc)
 
     def _first_step(self, tree_cache: Any) -> None:
         if self.truth is not None:

@@ -176,13 +176,14 @@ def register_cache_hooks(
     # A mode without its write path exports no write families (absent, never 0).
     report["write_modes_off"] = sorted(modes_off)
     _hooks.set_uncounted_modes(modes_off)
-    # Optional: a missing target costs one info line; events.enabled may come
-    # from a flag read later, so the publisher hook is registered (inert) anyway.
-    for key, target, hook, kind, without in (
-        ("recorder_hooks", _recorder_hooks.TARGET, _recorder_hooks.around_insert,
-         hook_type.AROUND, "traces have no request boundaries"),
+    # Optional: a missing target costs one info line.  events.enabled may come from
+    # a flag read later, so the publisher hook (called once) is registered, inert;
+    # the recorder's hook runs at every insert, so the runtime installs it on its
+    # tree at the first step, and only with a recorder (recorder_hooks.install_on).
+    for key, target, hook, without in (
+        ("recorder_hooks", _recorder_hooks.TARGET, None, "traces have no request boundaries"),
         ("events_hooks", _kv_events.TARGET, _kv_events.after_init_kv_events,
-         hook_type.AFTER, "storage-tier events stay off SGLang's stream"),
+         "storage-tier events stay off SGLang's stream"),
     ):  # fmt: skip
         try:
             _targets.resolve(target)
@@ -191,7 +192,8 @@ def register_cache_hooks(
             report[key] = []
             continue
         try:
-            registry.register(target, hook, kind)
+            if hook is not None:
+                registry.register(target, hook, hook_type.AFTER)
             report[key] = [target]
         except Exception as exc:
             _warn(report, f"{target} not registered ({exc!r}); {without}")
