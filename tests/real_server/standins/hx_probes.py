@@ -667,6 +667,16 @@ class _RecorderToggle:
         others = tuple(o for o in tee.observers if o is not recorder.tap)
         tee.observers = (*others, recorder.tap) if want else others
         entry.write_path.attach_recorder(recorder if want else None)
+        # The insert hook, where the runtime installs it on the tree (only with a
+        # recorder): out of the tree while detached, as in a server without one.
+        from hicache_existence.integrations.sglang import recorder_hooks
+
+        tree = getattr(hooks._HOOK, "tree", None)
+        if tree is not None and hasattr(recorder_hooks, "install_on"):
+            if want:
+                recorder_hooks.install_on(tree)
+            else:
+                vars(tree).pop("insert", None)
         self.on = want
 
 
