@@ -370,14 +370,9 @@ def test_the_insert_hook_brackets_each_insert_of_the_tree_it_is_installed_on(
     tmp_path: Path,
 ) -> None:
     """``recorder_hooks.install_on``: on a ``UnifiedRadixCache`` (or a subclass), once,
-    each insert is one request (the lookups inside it carry its number, closed even
-    when upstream raises) while the write path has a recorder, and upstream's call
-    alone while it has none (or there is no write path); another class is left alone."""
-    import types
-
+    each insert is one request of the recorder (the lookups inside it carry its
+    number, closed even when upstream raises); another class is left alone."""
     from hicache_existence.integrations.sglang import recorder_hooks
-    from hicache_existence.integrations.sglang.process import PROCESS
-    from hicache_existence.integrations.sglang.write_path import FEEDS
 
     r = rec.Recorder(section(tmp_path, sample_rate=1.0))
     chain = [page(i) for i in range(3)]
@@ -399,33 +394,65 @@ def test_the_insert_hook_brackets_each_insert_of_the_tree_it_is_installed_on(
             return key
 
     other = Other()
-    assert not recorder_hooks.install_on(other) and "insert" not in vars(other)
+    assert not recorder_hooks.install_on(other, r) and "insert" not in vars(other)
     tree = Tree()
-    assert recorder_hooks.install_on(tree) and recorder_hooks.install_on(tree)  # once
-    feed = types.SimpleNamespace(recorder=None)
-    saved = FEEDS.pop(PROCESS.pid, None)
-    try:
-        assert tree.insert("a", value=1) == "a1"  # no write path
-        FEEDS[PROCESS.pid] = feed  # type: ignore[assignment]
-        assert tree.insert("b") == "b0"  # no recorder
-        feed.recorder = r
-        assert tree.insert("d", value=2) == "d2"
-        with pytest.raises(RuntimeError, match="upstream"):
-            tree.insert("fail")
-        feed.recorder = None  # detached again
-        assert tree.insert("e") == "e0"
-    finally:
-        FEEDS.pop(PROCESS.pid, None)
-        if saved is not None:
-            FEEDS[PROCESS.pid] = saved
-    assert seen == [0, 0, 1, 2, 0]
-    assert r.tap.request == 0
+    assert recorder_hooks.install_on(tree, r) and recorder_hooks.install_on(tree, r)  # once
+    r.touched("kv", chain, 3)  # outside any insert
+    assert tree.insert("d", value=2) == "d2"
+    with pytest.raises(RuntimeError, match="upstream"):
+        tree.insert("fail")
+    assert seen == [1, 2] and r.tap.request == 0
     got = encoded(r)
-    assert [x.get("request", 0) for x in got if x["kind"] == "lookup"] == [0, 0, 1, 2, 0]
+    assert [x.get("request", 0) for x in got if x["kind"] == "lookup"] == [0, 1, 2]
     assert [x for x in got if x["kind"] == "request"] == [
         {"kind": "request", "request": 1},
         {"kind": "request", "request": 2},
     ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    calls=st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=12),
+    capacity=st.integers(1, 6),
+)
+def test_bracket_records_what_begin_and_end_request_record(
+    tmp_path_factory: pytest.TempPathFactory, calls: list[tuple[bool, int]], capacity: int
+) -> None:
+    """``Recorder.bracket`` is ``begin_request``, the call, ``end_request`` in one frame:
+    the same records, numbers, tap state and queue-full drops, whether the call
+    raises or not, at any queue capacity (the writer not draining)."""
+    tmp = tmp_path_factory.mktemp("bracket")
+    chain = [page(i) for i in range(3)]
+    recorders = [
+        rec.Recorder(section(tmp / name, sample_rate=1.0, queue_records=capacity))
+        for name in ("bracket", "methods")
+    ]
+
+    def work(r: rec.Recorder, fail: bool, lookups: int) -> str:
+        for _ in range(lookups):
+            r.touched("kv", chain, 3)
+        if fail:
+            raise ValueError("insert")
+        return "ok"
+
+    a, b = recorders
+    bracketed = a.bracket(lambda fail, lookups: work(a, fail, lookups))
+    for fail, lookups in calls:
+        with contextlib.suppress(ValueError):
+            bracketed(fail, lookups)
+        b.begin_request()
+        try:
+            with contextlib.suppress(ValueError):
+                work(b, fail, lookups)
+        finally:
+            b.end_request()
+    assert [x[1:] for x in a._queue] == [x[1:] for x in b._queue]  # timestamps aside
+    assert (a.tap.request, a.queue_full, a.tap.dropped) == (
+        b.tap.request,
+        b.queue_full,
+        b.tap.dropped,
+    )
+    assert a._request == b._request == len(calls)
 
 
 # -- the writer: files, rotation, bound, drops ------------------------------------------------

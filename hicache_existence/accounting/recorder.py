@@ -380,6 +380,28 @@ class Recorder:
         self._request += 1
         self.tap.request = self._request
 
+    def bracket(self, insert: Callable[..., Any]) -> Callable[..., Any]:
+        """``insert`` with each call one request (``begin_request``, the call,
+        ``end_request``, even when it raises): what the tree's insert becomes in a
+        server with a recorder.  One frame per insert, the two methods' work written
+        inline (four frames a call, in this server's cold state, were 8 us a call)."""
+        tap, queue, capacity, clock = self.tap, self._queue, self.capacity, self._clock
+
+        def bracketed(*a: Any, **kw: Any) -> Any:
+            number = self._request = self._request + 1
+            tap.request = number
+            try:
+                return insert(*a, **kw)
+            finally:
+                tap.request = 0
+                if len(queue) >= capacity:
+                    self.queue_full += 1
+                else:
+                    queue.append((clock(), REQUEST, "", (), None, number, 0))
+
+        bracketed.hx_brackets = insert  # type: ignore[attr-defined]
+        return bracketed
+
     def end_request(self) -> None:
         number = self.tap.request
         self.tap.request = 0

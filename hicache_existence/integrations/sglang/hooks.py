@@ -139,10 +139,11 @@ class ProcessEntry:
         """With a recorder, each insert into this process's tree is a request
         boundary (``recorder_hooks``: installed here, before the first insert, so
         that a server without a recorder never runs it)."""
-        if self.runtime.recorder is None or not self.owns(tree_cache):
+        recorder = self.runtime.recorder
+        if recorder is None or not self.owns(tree_cache):
             return
         try:
-            if not _recorder_hooks.install_on(tree_cache):
+            if not _recorder_hooks.install_on(tree_cache, recorder):
                 logger.info(
                     "hicache-existence: %s is no %s; traces have no request boundaries",
                     type(tree_cache).__name__,

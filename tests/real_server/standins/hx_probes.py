@@ -500,10 +500,80 @@ def _probe_cost_write_hooks(mod: ModuleType) -> None:
 
 
 def _probe_cost_recorder_hooks(mod: ModuleType) -> None:
-    # The recorder's request boundaries: an AROUND hook on every insert, registered
-    # whenever the package is enabled (inert without a recorder), by the plugin itself
-    # rather than through ``Hook.bound``; timed as the write-path hooks are.
-    mod.around_insert = _hook_timed(mod.around_insert, "AROUND", "insert")
+    # The recorder's request boundaries where the plugin registered them on the
+    # class, an AROUND hook (before 2209f49), rather than through ``Hook.bound``:
+    # timed as the write-path hooks are.
+    if hasattr(mod, "around_insert"):
+        mod.around_insert = _hook_timed(mod.around_insert, "AROUND", "insert")
+
+
+def _probe_cost_recorder_bracket(mod: ModuleType) -> None:
+    """The recorder's request boundaries where the runtime brackets the tree's
+    insert with ``Recorder.bracket`` (one closure calling insert): timed as an
+    AROUND hook is (``_paused``: the timer stops during insert, inside which the
+    package's methods are top-level calls again), with the AROUND control beside it
+    (before the call one time, after it the next) and its time as ``hook:insert``."""
+    import threading
+    import time
+
+    if not hasattr(mod.Recorder, "bracket"):
+        return
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+    original_bracket = mod.Recorder.bracket
+    slot = _COST.by_name.setdefault("hook:insert", [0] * 8)
+
+    def bracket(self: Any, insert: Any) -> Any:
+        spent = [0]
+        timing = [False]
+
+        def upstream(*a: Any, **kw: Any) -> Any:
+            if not timing[0]:
+                return insert(*a, **kw)
+            _COST.depth = 0
+            u0 = perf()
+            try:
+                return insert(*a, **kw)
+            finally:
+                spent[0] += perf() - u0
+                _COST.depth = 1
+
+        inner = original_bracket(self, upstream)
+        control = _around_control()
+        flip = [False]
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            if _COST.depth or get_ident() != _COST.main:
+                return inner(*a, **kw)
+            first = flip[0] = not flip[0]
+            if first:
+                control()
+            spent[0] = 0
+            timing[0] = True
+            _COST.depth = 1
+            t0 = perf()
+            try:
+                return inner(*a, **kw)
+            finally:
+                dt = max(0, perf() - t0 - spent[0] - int(_COST.timer_ns))
+                timing[0] = False
+                _COST.depth = 0
+                _COST.ns += dt
+                _COST.calls += 1
+                slot[0] += dt
+                slot[1] += 1
+                if not slot[3]:
+                    _COST.touched.append(slot)
+                slot[2] += dt
+                slot[3] += 1
+                _COST.around_calls += 1
+                if not first:
+                    control()
+
+        timed.hx_brackets = inner.hx_brackets  # type: ignore[attr-defined]
+        return timed
+
+    mod.Recorder.bracket = bracket
 
 
 def _probe_cost_cache_mode(mod: ModuleType) -> None:
@@ -674,7 +744,7 @@ class _RecorderToggle:
         tree = getattr(hooks._HOOK, "tree", None)
         if tree is not None and hasattr(recorder_hooks, "install_on"):
             if want:
-                recorder_hooks.install_on(tree)
+                recorder_hooks.install_on(tree, recorder)
             else:
                 vars(tree).pop("insert", None)
         self.on = want
@@ -834,6 +904,9 @@ def install() -> None:
         hx_cpu_standins.on_import("hicache_existence.integrations.sglang.hooks", _probe_cost_hooks)
         hx_cpu_standins.on_import(
             "hicache_existence.integrations.sglang.recorder_hooks", _probe_cost_recorder_hooks
+        )
+        hx_cpu_standins.on_import(
+            "hicache_existence.accounting.recorder", _probe_cost_recorder_bracket
         )
         hx_cpu_standins.on_import("sglang.srt.managers.scheduler", _probe_cost_scheduler)
         if os.environ.get("HX_PROBE_COST_INNER"):
