@@ -261,3 +261,84 @@ def test_the_node_write_trim_and_the_unwrapped_cache_are_the_recorded_ones() -> 
     _cache_pairs(
         a, "unwrapped", "without them, second runs: ", run="cache_repeat", against="wrapped"
     )
+
+
+def _pct(values: list[str]) -> str:
+    """ "A%" or "A-B%" over recorded "x.xx%" figures, as the README states a range."""
+    f = sorted(float(v.rstrip("%")) for v in values)
+    return f"{f[0]:.2f}%" if f[0] == f[-1] else f"{f[0]:.2f}-{f[-1]:.2f}%"
+
+
+def test_the_per_site_figures_are_the_recorded_ones() -> None:
+    """Every call net of the control beside it, the recorder's insert hook counted and
+    then installed only with a recorder, and the recorder's own cost per tree: the
+    README's section states what ``per_site`` holds."""
+    x = RECORD["per_site"]
+    v, m, i = x["validation"], x["main"], x["installed"]
+    site, gross = "package_share_of_busy_insitu_site_median", "package_share_of_busy_median"
+    vb = [v["buffer"]["summary"], v["buffer_repeat"]["summary"]]
+    mb = [m[k]["summary"] for k in ("buffer", "buffer_repeat", "buffer_third")]
+    ib = [i["buffer"]["summary"], i["buffer_repeat"]["summary"]]
+
+    def cache(runs: list[dict[str, Any]], key: str) -> list[str]:
+        return [r[p][s][key] for r in runs for p in ("low", "high") for s in ("off", "on")]
+
+    vc = [v["cache_repeat"], v["cache_third"]]
+    mc, ic = [m["cache"], m["cache_repeat"]], [i["cache"], i["cache_repeat"]]
+    timers = [r["timer_us_site_busy_median"] for r in vb + mb + ib]
+    calib = [r["timer_ns_per_call"] / 1e3 for r in vb + mb + ib]
+    assert (
+        f"recorded {min(timers):.2f}-{max(timers):.2f} µs a call in busy iterations against a "
+        f"calibration of {min(calib):.2f}-{max(calib):.2f} µs" in README
+    )
+    assert (
+        f"buffer mode took {', '.join(r[site] for r in vb)} of busy time (gross "
+        f"{', '.join(r[gross] for r in vb)}) and cache mode {_pct(cache(vc, site))} (gross "
+        f"{_pct(cache(vc, gross))})" in README
+    )
+    assert all(r["site_uncontrolled_calls_max"] == 0 for r in vb + mb + ib)
+    assert all(n == 0 for n in cache(vc + mc + ic, "site_uncontrolled_calls_max"))
+    assert (
+        f"the package took {', '.join(r[site] for r in mb)} of busy time in buffer mode net of "
+        f"the controls (gross {', '.join(r[gross] for r in mb)}) and {_pct(cache(mc, site))} in "
+        f"cache mode (gross {_pct(cache(mc, gross))})" in README
+    )
+    hook = "hook_us_per_poll_iteration"
+    insitu = [r[f"{hook}_insitu_median"] for r in ib] + cache(ic, f"{hook}_insitu_median")
+    bare = [r[f"{hook}_median"] for r in ib] + cache(ic, f"{hook}_median")
+    assert (
+        f"buffer mode {', '.join(r[site] for r in ib)} (gross {', '.join(r[gross] for r in ib)}), "
+        f"cache mode {_pct(cache(ic, site))} (gross {_pct(cache(ic, gross))}); the per-step hook "
+        f"{min(insitu):.2f}-{max(insitu):.2f} µs per polling iteration net of its control "
+        f"({min(bare):.2f}-{max(bare):.2f} gross)" in README
+    )
+    assert max(insitu) <= 0.5 and all(float(r[site].rstrip("%")) <= 0.3 for r in ib)
+    within = sum(float(s.rstrip("%")) <= 0.3 for s in cache(ic, site))
+    (stated,) = _claim(r"cache mode is in (\d) of its 8 medians")
+    assert int(stated) == within
+    inserts = [r["package_ms_by_function_per_round"]["hook:insert"] for r in mb]
+    assert (
+        f"{min(s['busy_ms'] for s in inserts):.3f}-{max(s['busy_ms'] for s in inserts):.3f} ms a "
+        f"buffer-mode round ({int(inserts[0]['busy_calls'])} inserts for 20 requests)" in README
+    )
+    share = "recorder_share_of_busy_paired_median"
+    for tree, runs in (
+        ("validation", ("recorder", "recorder_repeat")),
+        ("main", ("recorder", "recorder_repeat")),
+        ("installed", ("recorder", "recorder_repeat", "recorder_third")),
+        ("closure", ("recorder", "recorder_repeat", "recorder_third")),
+        ("compiled", ("recorder", "recorder_repeat")),
+    ):
+        s = [x[tree][k]["summary"] for k in runs]
+        ms = [f"{r['recorder_ms_per_round_paired_median']:.2f}" for r in s]
+        row = (
+            f"| {', '.join(r[share + '_insitu_site'] for r in s)} "
+            f"({', '.join(r[share] for r in s)}) | {', '.join(ms)} |"
+        )
+        assert row in README, (tree, row)
+        if tree != "validation":
+            assert f"`{x[tree]['commit']}` (`{tree}`)" in README
+    compiled = [
+        x["compiled"][k]["summary"][share + "_insitu_site"] for k in ("recorder", "recorder_repeat")
+    ]
+    assert f"In C it costs {', '.join(compiled)} of busy time net of the controls" in README
