@@ -5,10 +5,10 @@ prefill (and again at its end, for what it generated): in buffer mode its walk
 presents every node of the request's path to write admission, parent first, so
 the lookups inside one insert are that request's page chain.  The tree's insert
 is bracketed (``Recorder.bracket``: ``begin_request`` / ``end_request``'s work in
-one frame), tagging the lookups in between, from which a replay rebuilds each
-chain.  One Python frame per insert, a few per request, on the scheduler thread:
-cheaper than ``match_prefix``, called several times per request, whose page
-hashes cover only the matched part.
+one C call, or one frame without a compiler), tagging the lookups in between,
+from which a replay rebuilds each chain.  About two per request, on the scheduler
+thread: cheaper than ``match_prefix``, called several times per request, whose
+page hashes cover only the matched part.
 
 Only a server with a recorder pays for it: the hook is installed at the first
 step on the tree that holds this process's cache (``install_on``, before its
