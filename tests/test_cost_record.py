@@ -342,3 +342,17 @@ def test_the_per_site_figures_are_the_recorded_ones() -> None:
         x["compiled"][k]["summary"][share + "_insitu_site"] for k in ("recorder", "recorder_repeat")
     ]
     assert f"In C it costs {', '.join(compiled)} of busy time net of the controls" in README
+
+
+def test_the_per_site_ab_trees_runs_are_the_recorded_ones() -> None:
+    """The foundation's hot paths measured beside the per-site runs (``ab_trees.py``):
+    how many A/B means left their A/A range, up and down, as the README says."""
+    runs = RECORD["per_site"]["validation"]["ab_trees"]["runs"]
+    pairs = [(r["A/B"][op]["gmean"], r["A/A"][op]) for r in runs for op in r["A/B"]]
+    above = sum(g > aa["max"] for g, aa in pairs)
+    below = sum(g < aa["min"] for g, aa in pairs)
+    up, n, down = _claim(
+        r"two runs: (\d+) of the (\d+) A/B means above their A/A range, (\d+) below"
+    )
+    assert (int(up), int(n), int(down)) == (above, len(pairs), below)
+    assert above == 0
