@@ -201,3 +201,35 @@ def test_the_share_nets_every_call_at_the_control_beside_it() -> None:
     got = busy_share(r)
     assert got["share_insitu_site"] == (1_000_000 - 2_000 - 30_000) / 1e9
     assert got["timer_us_site_busy"] is None and got["site_uncontrolled_calls"] == 0
+
+
+def test_the_recorder_bracket_counts_its_own_time_not_the_insert(cost: Any) -> None:
+    """``Recorder.bracket`` as the probe times it (``hook:insert``, an AROUND hook):
+    the bracket's own 1 ms counts, the insert's 8 ms does not, and a package method
+    the insert calls counts once, top-level; the AROUND control runs beside it."""
+    import types
+
+    method = hx_probes._timed(lambda: _spin(2), "")
+
+    class Recorder:
+        def bracket(self, insert: Any) -> Any:
+            def bracketed(*a: Any, **kw: Any) -> Any:
+                _spin(1)
+                return insert(*a, **kw)
+
+            bracketed.hx_brackets = insert  # type: ignore[attr-defined]
+            return bracketed
+
+    def insert(x: int) -> int:
+        _spin(6)
+        method()
+        return x + 1
+
+    hx_probes._probe_cost_recorder_bracket(types.SimpleNamespace(Recorder=Recorder))
+    bracketed = Recorder().bracket(insert)
+    assert bracketed.hx_brackets.__name__ == "upstream"  # the paused insert
+    assert bracketed(1) == 2
+    slot = cost.by_name["hook:insert"]
+    assert slot[1] == 1 and 0.5e6 < slot[0] < 4e6, slot[0]  # not the insert's 8 ms
+    assert cost.calls == 2 and cost.around_calls == 1 and cost.actrl_calls == 1
+    assert cost.depth == 0

@@ -382,11 +382,12 @@ Tap_get_request(TapObject *self, void *closure)
     return PyLong_FromSsize_t(self->request);
 }
 
+/* Set a count attribute (request, numbered): an int >= 0, never deleted. */
 static int
-Tap_set_request(TapObject *self, PyObject *value, void *closure)
+set_count(Py_ssize_t *field, PyObject *value, const char *name)
 {
     if (value == NULL) {
-        PyErr_SetString(PyExc_TypeError, "request cannot be deleted");
+        PyErr_Format(PyExc_TypeError, "%s cannot be deleted", name);
         return -1;
     }
     Py_ssize_t v = PyLong_AsSsize_t(value);
@@ -394,11 +395,17 @@ Tap_set_request(TapObject *self, PyObject *value, void *closure)
         return -1;
     }
     if (v < 0) {
-        PyErr_SetString(PyExc_ValueError, "request must be >= 0");
+        PyErr_Format(PyExc_ValueError, "%s must be >= 0", name);
         return -1;
     }
-    self->request = v;
+    *field = v;
     return 0;
+}
+
+static int
+Tap_set_request(TapObject *self, PyObject *value, void *closure)
+{
+    return set_count(&self->request, value, "request");
 }
 
 static PyObject *
@@ -410,20 +417,7 @@ Tap_get_numbered(TapObject *self, void *closure)
 static int
 Tap_set_numbered(TapObject *self, PyObject *value, void *closure)
 {
-    if (value == NULL) {
-        PyErr_SetString(PyExc_TypeError, "numbered cannot be deleted");
-        return -1;
-    }
-    Py_ssize_t v = PyLong_AsSsize_t(value);
-    if (v == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (v < 0) {
-        PyErr_SetString(PyExc_ValueError, "numbered must be >= 0");
-        return -1;
-    }
-    self->numbered = v;
-    return 0;
+    return set_count(&self->numbered, value, "numbered");
 }
 
 /*

@@ -367,17 +367,9 @@ def _probe_cost_write_path(mod: ModuleType) -> None:
     _wrap_class(mod.WritePath)
 
 
-def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
-    """A write-path hook as SGLang calls it, timed as one of the package's top-level
-    calls (``hook:<name>``): an AFTER hook whole; an AROUND hook net of upstream's
-    call inside it, during which the timer stops and the package's own methods that
-    upstream calls are top-level calls again (as they are without the hook)."""
-    import threading
-    import time
-
-    perf = time.thread_time_ns
-    get_ident = threading.get_ident
-    slot = _COST.by_name.setdefault(f"hook:{name}", [0] * 8)
+def _accounter(name: str) -> Any:
+    """``account(dt)``: one top-level call of the package, ``dt`` ns, under ``name``."""
+    slot = _COST.by_name.setdefault(name, [0] * 8)
 
     def account(dt: int) -> None:
         _COST.ns += dt
@@ -388,6 +380,21 @@ def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
             _COST.touched.append(slot)
         slot[2] += dt
         slot[3] += 1
+
+    return account
+
+
+def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
+    """A write-path hook as SGLang calls it, timed as one of the package's top-level
+    calls (``hook:<name>``): an AFTER hook whole; an AROUND hook net of upstream's
+    call inside it, during which the timer stops and the package's own methods that
+    upstream calls are top-level calls again (as they are without the hook)."""
+    import threading
+    import time
+
+    perf = time.thread_time_ns
+    get_ident = threading.get_ident
+    account = _accounter(f"hook:{name}")
 
     if kind == "AFTER":
         site = _site_control()
@@ -521,7 +528,7 @@ def _probe_cost_recorder_bracket(mod: ModuleType) -> None:
     perf = time.thread_time_ns
     get_ident = threading.get_ident
     original_bracket = mod.Recorder.bracket
-    slot = _COST.by_name.setdefault("hook:insert", [0] * 8)
+    account = _accounter("hook:insert")
 
     def bracket(self: Any, insert: Any) -> Any:
         spent = [0]
@@ -555,17 +562,9 @@ def _probe_cost_recorder_bracket(mod: ModuleType) -> None:
             try:
                 return inner(*a, **kw)
             finally:
-                dt = max(0, perf() - t0 - spent[0] - int(_COST.timer_ns))
+                account(max(0, perf() - t0 - spent[0] - int(_COST.timer_ns)))
                 timing[0] = False
                 _COST.depth = 0
-                _COST.ns += dt
-                _COST.calls += 1
-                slot[0] += dt
-                slot[1] += 1
-                if not slot[3]:
-                    _COST.touched.append(slot)
-                slot[2] += dt
-                slot[3] += 1
                 _COST.around_calls += 1
                 if not first:
                     control()
