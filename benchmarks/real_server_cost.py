@@ -406,7 +406,8 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
     # And every timed call net of a control at its own call site (probes that record
     # it): the per-step hook's, each AROUND hook's and every other call's (methods,
     # AFTER hooks: ``sctrl``), each run beside the call it stands for; what is left is
-    # the calls' own time, with no calibration at all.
+    # the calls' own time, with no timer calibration (nested calls' wrappers are still
+    # netted at theirs).
     s_b, s_p = r.get("sctrl_busy"), r.get("sctrl_poll")
     share_site = site_b = uncontrolled = None
     if s_b is not None and ctrl_b_calls:
@@ -424,7 +425,7 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         site_b = s_b[0] / s_b[1] if s_b[1] else None
         # Every top-level call has one control beside it: none left over.
         uncontrolled = (calls_b - ctrl_b_calls - a_b[2] - s_b[1]) + (
-            max(0, calls_p - it_p) - a_p[2] - (s_p[1] if s_p else 0)
+            max(0, calls_p - ctrl_calls) - a_p[2] - (s_p[1] if s_p else 0)
         )
     return {
         "busy_iterations": it_b,

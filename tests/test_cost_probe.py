@@ -233,3 +233,12 @@ def test_the_recorder_bracket_counts_its_own_time_not_the_insert(cost: Any) -> N
     assert slot[1] == 1 and 0.5e6 < slot[0] < 4e6, slot[0]  # not the insert's 8 ms
     assert cost.calls == 2 and cost.around_calls == 1 and cost.actrl_calls == 1
     assert cost.depth == 0
+
+
+def test_a_compiled_hook_s_control_calls_upstream_from_c(cost: Any) -> None:
+    """The control beside the compiled recorder bracket runs a C call into upstream
+    (``operator.call``), as the bracket does, not a Python hook frame."""
+    control = hx_probes._around_control(compiled=True)
+    control()
+    control()
+    assert cost.actrl_calls == 2 and cost.actrl_ns > 0 and cost.depth == 0

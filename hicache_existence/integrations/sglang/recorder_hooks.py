@@ -32,9 +32,12 @@ _CLASS = TARGET.rsplit(".", 2)[1]
 
 def install_on(tree: Any, recorder: Recorder) -> bool:
     """Make each insert into ``tree`` (an instance of the target's class or of a
-    subclass: the class's own hooks, other plugins' included, still run inside) one
-    request of ``recorder`` (``Recorder.bracket``), once; False when ``tree`` is no
-    such tree."""
+    subclass) one request of ``recorder`` (``Recorder.bracket``), once; False when
+    ``tree`` is no such tree.  The bracket wraps ``tree.insert`` as bound now: hooks
+    on the class registered by then (other plugins' included) run inside it, later
+    ones are not seen; an outer insert is one request however often it calls its
+    class's (a subclass's ``super().insert``); sglang calls ``insert`` through the
+    instance only (0.5.21, 0.5.23)."""
     if not any(c.__name__ == _CLASS for c in type(tree).__mro__):
         return False
     if hasattr(vars(tree).get("insert"), "hx_brackets"):

@@ -471,11 +471,15 @@ def _paused(
         _COST.depth = 0
 
 
-def _around_control() -> Any:
+def _around_control(compiled: bool = False) -> Any:
     """An empty AROUND hook around an empty upstream, timed by the code that times a
     real AROUND hook (``_paused``), into ``actrl_*``: what the timers and the pause
     record per call in the cold state of the hook's own iteration.  Beyond the empty
-    function's control (``_control``), that is an AROUND hook's over-count."""
+    function's control (``_control``), that is an AROUND hook's over-count.
+    ``compiled``: the hook is a C call into upstream (``operator.call``, 3.11+), for
+    a compiled hook such as the recorder's bracket, whose control must not run a
+    Python frame the hook does not."""
+    import operator
     import time
 
     perf = time.thread_time_ns
@@ -485,6 +489,9 @@ def _around_control() -> Any:
 
     def empty_hook(original: Any) -> Any:
         return original()
+
+    if compiled and hasattr(operator, "call"):
+        empty_hook = operator.call
 
     def record(dt: int) -> None:
         _COST.actrl_ns += dt
@@ -546,7 +553,8 @@ def _probe_cost_recorder_bracket(mod: ModuleType) -> None:
                 _COST.depth = 1
 
         inner = original_bracket(self, upstream)
-        control = _around_control()
+        compiled = type(inner).__name__ == "Bracket"  # the C bracket: no Python frame
+        control = _around_control(compiled)
         flip = [False]
 
         def timed(*a: Any, **kw: Any) -> Any:
