@@ -236,8 +236,9 @@ def instance_name(host: str, port: int | None, labels: Mapping[str, Any]) -> str
 
 class Recorder:
     """Records the cache's traffic (module docstring): a ``BeliefObserver`` (in a
-    ``Tee``); the write path calls ``written`` and ``prefetch``, the insert hook
-    ``begin_request``/``end_request``.  ``start()`` starts the writer thread,
+    ``Tee``); the write path calls ``written`` and ``prefetch``; the tree's insert is
+    ``bracket``-ed (``begin_request``/``end_request`` do the same around code a
+    caller runs itself: tests, tools).  ``start()`` starts the writer thread,
     ``close()`` drains and closes the file.  Scheduler-thread methods never raise
     and never block."""
 
