@@ -194,11 +194,12 @@ def _ops(cache: ExistenceCache, pool: str) -> None:
 def test_an_empty_tee_is_not_called_and_observers_attached_later_see_every_pool(
     cls: type,
 ) -> None:
-    """A cache holds ``None`` while its ``Tee`` is empty (no call per operation) and
-    the ``Tee`` itself once an observer is attached, appended or assigned, for the
-    pools that existed then and those created after; back to ``None`` when the last
-    observer goes.  Fails if a pool keeps notifying an empty ``Tee``, or misses a
-    late observer."""
+    """A cache holds ``None`` while its ``Tee`` is empty (no call per operation), the
+    observer itself while there is one (no Python loop in front of it) and the
+    ``Tee`` with two, whether attached, appended or assigned, for the pools that
+    existed then and those created after; back to ``None`` when the last observer
+    goes.  Fails if a pool keeps notifying an empty ``Tee``, or misses a late
+    observer, or a second one."""
     from hicache_existence.core.observers import Tee
 
     tee = Tee()
@@ -212,7 +213,14 @@ def test_an_empty_tee_is_not_called_and_observers_attached_later_see_every_pool(
     kinds = [k for k, _ in log.calls]
     assert {p for _, p in log.calls} == {"kv", "swa"}
     assert {"added", "touched", "invalidated"} <= set(kinds)  # flat reports no in-flight
+    assert all(view._observer is log for view in cache.pools())
+    second = _Log()
+    tee.append(second)
     assert all(view._observer is tee for view in cache.pools())
+    _ops(cache, "kv")
+    assert second.calls and log.calls[-len(second.calls) :] == second.calls
+    tee.discard(second)
+    assert all(view._observer is log for view in cache.pools())
     tee.discard(log)
     assert all(view._observer is None for view in cache.pools())
     before = len(log.calls)

@@ -3,6 +3,7 @@ drops, and the replay of what it wrote (``hicache_existence.accounting.recorder`
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -892,11 +893,16 @@ TAPS = [rec.PyTap] + (
 )
 
 
+#: The observer's calls, a request number set, the write path's calls.
+TAP_CALLS: tuple[str, ...] = ("touched", "added", "invalidated", "inflight", "cleared", "req")
+TAP_CALLS += ("written", "prefetch")
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["touched", "added", "invalidated", "inflight", "cleared", "req"]),
+            st.sampled_from(TAP_CALLS),
             st.lists(st.sampled_from([page(i) for i in range(12)]), max_size=8),
             st.integers(0, 8),
             st.booleans(),
@@ -909,8 +915,9 @@ TAPS = [rec.PyTap] + (
 def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capacity: int) -> None:
     """For any operation stream both taps queue the same records (only operations
     with a recorded page, every one with bound None; clears that are not
-    in-flight-only; the request number of the moment) and drop the same ones once
-    the queue holds ``capacity`` records."""
+    in-flight-only; the request number of the moment, none for the write path's
+    writes and prefetch queries, a query's held pages counted among the recorded
+    ones) and drop the same ones once the queue holds ``capacity`` records."""
     seen = []
     for tap_type in TAPS:
         queue: collections.deque[Any] = collections.deque()
@@ -927,6 +934,10 @@ def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capa
                 tap.inflight("kv", hashes, 1)
             elif name == "req":
                 tap.request = n
+            elif name == "written":
+                tap.written("kv", hashes if flag else tuple(hashes))
+            elif name == "prefetch":
+                tap.prefetch("kv", hashes, n - 2)
             else:
                 tap.cleared("kv", flag)
         seen.append((list(queue), tap.dropped, tap.errors))
@@ -944,6 +955,13 @@ def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capa
             expected.append((kind, "kv", pages, idx, extra, request))
         elif name == "cleared" and not flag:
             expected.append(("clear", "kv", (), None, None, request))
+        elif name in ("written", "prefetch") and hashes and (idx is None or idx):
+            pages = tuple(hashes) if idx is None else tuple(hashes[i] for i in idx)
+            held = bisect.bisect_left(range(len(hashes)) if idx is None else idx, n - 2)
+            if name == "written":
+                expected.append(("write", "kv", pages, None, None, 0))
+            else:
+                expected.append(("prefetch", "kv", pages, None, held, 0))
     for queue_seen, dropped, errors in seen:
         assert [r[1:] for r in queue_seen] == expected[:capacity]
         assert dropped == max(0, len(expected) - capacity) and errors == 0
@@ -961,7 +979,14 @@ def test_a_failing_clock_or_queue_never_reaches_the_cache(tap_type: Any) -> None
     assert tap.touched("kv", ["a"], 1) is None
     assert tap.added("kv", ["a"]) is None
     assert tap.cleared("kv", False) is None
-    assert tap.errors == 3
+    assert tap.written("kv", ["a"]) is None
+    assert tap.prefetch("kv", ["a"], 1) is None
+    assert tap.errors == 5
+    queue: collections.deque[Any] = collections.deque()
+    tap = tap_type("8", queue, 10, time.monotonic)
+    assert tap.prefetch("kv", ["0"], "one") is None  # not an index: counted, not queued
+    assert tap.written("kv", [0]) is None  # a page the test cannot compare
+    assert tap.errors == 2 and not queue
 
     class BadQueue(list):  # type: ignore[type-arg]
         def append(self, item: Any) -> None:

@@ -165,7 +165,8 @@ typedef struct {
     Py_ssize_t errors;
 } TapObject;
 
-static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *K_REQUEST, *EMPTY, *NO_POOL;
+static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *K_WRITE, *K_PREFETCH, *K_REQUEST,
+    *EMPTY, *NO_POOL;
 
 static void
 Tap_dealloc(TapObject *self)
@@ -241,7 +242,7 @@ Tap_init(TapObject *self, PyObject *args, PyObject *kwds)
 /* Queue one record; every reference passed is borrowed.  Never fails. */
 static void
 tap_put(TapObject *self, PyObject *kind, PyObject *pool, PyObject *pages, PyObject *idx,
-        PyObject *extra)
+        PyObject *extra, Py_ssize_t request)
 {
     Py_ssize_t n = PyObject_Size(self->queue);
     if (n < 0) {
@@ -254,7 +255,7 @@ tap_put(TapObject *self, PyObject *kind, PyObject *pool, PyObject *pages, PyObje
         return;
     }
     PyObject *t = PyObject_CallNoArgs(self->clock);
-    PyObject *req = t != NULL ? PyLong_FromSsize_t(self->request) : NULL;
+    PyObject *req = t != NULL ? PyLong_FromSsize_t(request) : NULL;
     PyObject *rec = req != NULL ? PyTuple_Pack(7, t, kind, pool, pages, idx, extra, req) : NULL;
     PyObject *res = rec != NULL ? PyObject_CallOneArg(self->append, rec) : NULL;
     if (res == NULL) {
@@ -267,58 +268,70 @@ tap_put(TapObject *self, PyObject *kind, PyObject *pool, PyObject *pages, PyObje
     Py_XDECREF(t);
 }
 
-static PyObject *
-tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyObject *extra)
+/* The recorded pages of hashes: 1 with new references in *pages (tuple) and *idx (their
+ * indices, a list; None: every page), 0 when none is recorded (or the queue is gone),
+ * -1 on a failure (cleared and counted).  Allocates nothing when no page is recorded. */
+static int
+tap_select(TapObject *self, PyObject *hashes, PyObject **pages, PyObject **idx)
 {
+    *pages = *idx = NULL;
     if (self->queue == NULL) {
-        Py_RETURN_NONE;
+        return 0;
     }
-    PyObject *pages = NULL;
-    PyObject *idx = NULL;
     PyObject *seq = NULL;
     if (self->bound == Py_None) {
-        pages = PySequence_Tuple(hashes);
-        idx = Py_NewRef(Py_None);
+        *pages = PySequence_Tuple(hashes);
+        *idx = Py_NewRef(Py_None);
     }
     else {
         Py_ssize_t first = first_below(hashes, self->bound);
         if (first == NONE_BELOW) {
-            Py_RETURN_NONE; /* most operations: no page recorded, nothing allocated */
+            return 0; /* most operations: no page recorded, nothing allocated */
         }
-        idx = below_impl(hashes, self->bound, first == CANNOT_TELL ? 0 : first);
-        if (idx == NULL) { /* not a list or tuple: test its tuple */
+        *idx = below_impl(hashes, self->bound, first == CANNOT_TELL ? 0 : first);
+        if (*idx == NULL) { /* not a list or tuple: test its tuple */
             PyErr_Clear();
             seq = PySequence_Tuple(hashes);
-            idx = seq != NULL ? below_impl(seq, self->bound, 0) : NULL;
+            *idx = seq != NULL ? below_impl(seq, self->bound, 0) : NULL;
             hashes = seq;
         }
-        if (idx != NULL) {
-            Py_ssize_t m = PyList_GET_SIZE(idx);
+        if (*idx != NULL) {
+            Py_ssize_t m = PyList_GET_SIZE(*idx);
             if (m == 0) {
-                Py_DECREF(idx);
+                Py_CLEAR(*idx);
                 Py_XDECREF(seq);
-                Py_RETURN_NONE;
+                return 0;
             }
-            pages = PyTuple_New(m);
-            if (pages != NULL) {
+            *pages = PyTuple_New(m);
+            if (*pages != NULL) {
                 for (Py_ssize_t j = 0; j < m; j++) {
-                    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(idx, j));
+                    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(*idx, j));
                     PyObject *item = PySequence_Fast_GET_ITEM(hashes, i);
-                    PyTuple_SET_ITEM(pages, j, Py_NewRef(item));
+                    PyTuple_SET_ITEM(*pages, j, Py_NewRef(item));
                 }
             }
         }
     }
-    if (pages == NULL || idx == NULL) {
+    Py_XDECREF(seq);
+    if (*pages == NULL || *idx == NULL) {
         PyErr_Clear();
         self->errors++;
+        Py_CLEAR(*pages);
+        Py_CLEAR(*idx);
+        return -1;
     }
-    else {
-        tap_put(self, kind, pool, pages, idx, extra);
+    return 1;
+}
+
+static PyObject *
+tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyObject *extra)
+{
+    PyObject *pages, *idx;
+    if (tap_select(self, hashes, &pages, &idx) > 0) {
+        tap_put(self, kind, pool, pages, idx, extra, self->request);
+        Py_DECREF(pages);
+        Py_DECREF(idx);
     }
-    Py_XDECREF(pages);
-    Py_XDECREF(idx);
-    Py_XDECREF(seq);
     Py_RETURN_NONE;
 }
 
@@ -371,7 +384,68 @@ Tap_cleared(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         self->errors++;
     }
     else if (only == 0 && self->queue != NULL) {
-        tap_put(self, K_CLEAR, args[0], EMPTY, Py_None, Py_None);
+        tap_put(self, K_CLEAR, args[0], EMPTY, Py_None, Py_None, self->request);
+    }
+    Py_RETURN_NONE;
+}
+
+/* The write path's records (Recorder.written, Recorder.prefetch): as the Python methods
+ * queued them, (clock(), kind, pool, recorded pages, None, extra, 0), and nothing for a
+ * chain without a recorded page.  Compiled because the hit-query hook that records a
+ * prefetch ran them as four Python frames, cold, once a query. */
+static PyObject *
+Tap_written(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "written() takes 2 positional arguments");
+        return NULL;
+    }
+    PyObject *pages, *idx;
+    if (tap_select(self, args[1], &pages, &idx) > 0) {
+        if (PyTuple_GET_SIZE(pages)) {
+            tap_put(self, K_WRITE, args[0], pages, Py_None, Py_None, 0);
+        }
+        Py_DECREF(pages);
+        Py_DECREF(idx);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Tap_prefetch(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "prefetch() takes 3 positional arguments");
+        return NULL;
+    }
+    Py_ssize_t hit = PyNumber_AsSsize_t(args[2], NULL); /* clipped, as bisect would place it */
+    if (hit == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        self->errors++;
+        Py_RETURN_NONE;
+    }
+    PyObject *pages, *idx;
+    if (tap_select(self, args[1], &pages, &idx) > 0) {
+        Py_ssize_t m = PyTuple_GET_SIZE(pages), below_hit = 0;
+        if (idx == Py_None) { /* every page: the indices are 0..m-1 */
+            below_hit = hit < 0 ? 0 : (hit > m ? m : hit);
+        }
+        else {
+            while (below_hit < m && PyLong_AsSsize_t(PyList_GET_ITEM(idx, below_hit)) < hit) {
+                below_hit++;
+            }
+        }
+        PyObject *extra = m ? PyLong_FromSsize_t(below_hit) : NULL;
+        if (extra != NULL) {
+            tap_put(self, K_PREFETCH, args[0], pages, Py_None, extra, 0);
+            Py_DECREF(extra);
+        }
+        else if (m) {
+            PyErr_Clear();
+            self->errors++;
+        }
+        Py_DECREF(pages);
+        Py_DECREF(idx);
     }
     Py_RETURN_NONE;
 }
@@ -459,7 +533,7 @@ Bracket_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
             tap->errors++;
         }
         else {
-            tap_put(tap, K_REQUEST, NO_POOL, EMPTY, Py_None, extra);
+            tap_put(tap, K_REQUEST, NO_POOL, EMPTY, Py_None, extra, 0);
             Py_DECREF(extra);
         }
 #if PY_VERSION_HEX >= 0x030C0000
@@ -559,6 +633,10 @@ static PyMethodDef Tap_methods[] = {
     {"inflight", (PyCFunction)(void (*)(void))Tap_inflight, METH_FASTCALL,
      "In-flight refs: not recorded (BeliefObserver)."},
     {"cleared", (PyCFunction)(void (*)(void))Tap_cleared, METH_FASTCALL, "A clear (BeliefObserver)."},
+    {"written", (PyCFunction)(void (*)(void))Tap_written, METH_FASTCALL,
+     "written(pool, pages): the write path launched an L3 write (Recorder.written)."},
+    {"prefetch", (PyCFunction)(void (*)(void))Tap_prefetch, METH_FASTCALL,
+     "prefetch(pool, chain, hit_pages): a prefetch hit query (Recorder.prefetch)."},
     {"bracket", (PyCFunction)Tap_bracket, METH_O,
      "bracket(insert): insert with each call one request (Bracket)."},
     {NULL, NULL, 0, NULL},
@@ -940,11 +1018,13 @@ PyInit__recorder(void)
     K_ADD = PyUnicode_InternFromString("add");
     K_INVALIDATE = PyUnicode_InternFromString("invalidate");
     K_CLEAR = PyUnicode_InternFromString("clear");
+    K_WRITE = PyUnicode_InternFromString("write");
+    K_PREFETCH = PyUnicode_InternFromString("prefetch");
     K_REQUEST = PyUnicode_InternFromString("request");
     NO_POOL = PyUnicode_InternFromString("");
     EMPTY = PyTuple_New(0);
     if (K_LOOKUP == NULL || K_ADD == NULL || K_INVALIDATE == NULL || K_CLEAR == NULL
-        || K_REQUEST == NULL || NO_POOL == NULL || EMPTY == NULL) {
+        || K_WRITE == NULL || K_PREFETCH == NULL || K_REQUEST == NULL || NO_POOL == NULL || EMPTY == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&recorder_module);

@@ -40,6 +40,7 @@ import contextlib
 import gzip
 import json
 import logging
+import operator
 import os
 import re
 import socket
@@ -142,29 +143,40 @@ class PyTap:
         self.errors = 0
 
     def _put(
-        self, kind: str, pool: str, pages: tuple[str, ...], idx: list[int] | None, extra: Any
+        self,
+        kind: str,
+        pool: str,
+        pages: tuple[str, ...],
+        idx: list[int] | None,
+        extra: Any,
+        request: int,
     ) -> None:
         try:
             if len(self.queue) >= self.capacity:
                 self.dropped += 1
                 return
-            self.queue.append((self.clock(), kind, pool, pages, idx, extra, self.request))
+            self.queue.append((self.clock(), kind, pool, pages, idx, extra, request))
         except Exception:
             self.errors += 1
 
-    def _offer(self, kind: str, pool: str, hashes: Sequence[str], extra: Any) -> None:
+    def _recorded(self, hashes: Sequence[str]) -> tuple[tuple[str, ...], list[int] | None] | None:
+        """The recorded pages of ``hashes`` and their indices (``None``: every page);
+        ``None`` when the test fails (counted)."""
         try:
             if self.bound is None:
-                self._put(kind, pool, tuple(hashes), None, extra)
-                return
+                return tuple(hashes), None
             if not isinstance(hashes, (list, tuple)):
                 hashes = tuple(hashes)
             idx = py_below(hashes, self.bound)
+            return tuple([hashes[i] for i in idx]), idx
         except Exception:
             self.errors += 1
-            return
-        if idx:
-            self._put(kind, pool, tuple([hashes[i] for i in idx]), idx, extra)
+            return None
+
+    def _offer(self, kind: str, pool: str, hashes: Sequence[str], extra: Any) -> None:
+        got = self._recorded(hashes)
+        if got is not None and (got[0] or self.bound is None):
+            self._put(kind, pool, got[0], got[1], extra, self.request)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
         self._offer(LOOKUP, pool, hashes, stop)
@@ -180,7 +192,27 @@ class PyTap:
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
         if not inflight_only:
-            self._put(CLEAR, pool, (), None, None)
+            self._put(CLEAR, pool, (), None, None, self.request)
+
+    def written(self, pool: str, pages: Sequence[str]) -> None:
+        """The write path launched an L3 write of ``pages`` (no request's)."""
+        got = self._recorded(pages)
+        if got is not None and got[0]:
+            self._put(WRITE, pool, got[0], None, None, 0)
+
+    def prefetch(self, pool: str, chain: Sequence[str], hit_pages: int) -> None:
+        """A prefetch hit query on ``chain`` whose first ``hit_pages`` L3 holds: the
+        recorded pages, and how many of them are among those held (no request's)."""
+        try:
+            hit = operator.index(hit_pages)
+        except Exception:
+            self.errors += 1
+            return
+        got = self._recorded(chain)
+        if got is not None and got[0]:
+            pages, idx = got
+            held = min(max(hit, 0), len(pages)) if idx is None else bisect_left(idx, hit)
+            self._put(PREFETCH, pool, pages, None, held, 0)
 
     def bracket(self, insert: Callable[..., Any]) -> Callable[..., Any]:
         """``insert`` with each call one request (the compiled ``Bracket``'s twin):
@@ -194,7 +226,7 @@ class PyTap:
                 return insert(*a, **kw)
             finally:
                 self.request = 0
-                self._put(REQUEST, "", (), None, number)
+                self._put(REQUEST, "", (), None, number, 0)
 
         bracketed.hx_brackets = insert  # type: ignore[attr-defined]
         return bracketed
@@ -269,6 +301,12 @@ class Recorder:
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         #: What the cache's ``Tee`` calls (``Tap``): the hot path, in C.
         self.tap = Tap(self._bound, self._queue, self.capacity, clock)
+        #: ``written(pool, pages)``: the write path launched an L3 write of ``pages``;
+        #: ``prefetch(pool, chain, hit_pages)``: a rank-agreed prefetch hit query on
+        #: ``chain``, L3 holding its first ``hit_pages``.  The tap's own (compiled: one
+        #: C call, where the Python methods ran four frames, cold, once a query).
+        self.written: Callable[[str, Sequence[str]], None] = self.tap.written
+        self.prefetch: Callable[[str, Sequence[str], int], None] = self.tap.prefetch
         # counters: the scheduler thread writes queue_full, the writer the rest
         self.queue_full = 0
         self.write_errors = 0
@@ -346,24 +384,6 @@ class Recorder:
         else:
             queue.append((self._clock(), kind, pool, pages, None, extra, 0))
 
-    def _pick(self, hashes: Sequence[str]) -> Sequence[int]:
-        """Indices of the recorded pages of ``hashes`` (the compiled test)."""
-        b = self._bound
-        if b is None:
-            return range(len(hashes))
-        try:
-            return below(hashes, b)
-        except Exception:  # a sequence the test cannot take: a copy, else nothing
-            try:
-                return py_below(list(hashes), b)
-            except Exception:
-                return ()
-
-    def _pages(self, hashes: Sequence[str], idx: Sequence[int]) -> tuple[str, ...]:
-        if self._bound is None:
-            return tuple(hashes)
-        return tuple([hashes[i] for i in idx])
-
     # BeliefObserver, through the tap (the runtime puts ``tap`` itself in the Tee)
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
         """A lookup walked ``hashes[:stop]`` (and missed at ``hashes[stop]``)."""
@@ -380,18 +400,6 @@ class Recorder:
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
         self.tap.cleared(pool, inflight_only)
-
-    def written(self, pool: str, pages: Sequence[str]) -> None:
-        """The write path launched an L3 write of ``pages``."""
-        idx = self._pick(pages)
-        if idx:
-            self._put(WRITE, pool, self._pages(pages, idx), None)
-
-    def prefetch(self, pool: str, chain: Sequence[str], hit_pages: int) -> None:
-        """A rank-agreed prefetch hit query on ``chain``: L3 holds its first ``hit_pages``."""
-        idx = self._pick(chain)
-        if idx:
-            self._put(PREFETCH, pool, self._pages(chain, idx), bisect_left(idx, hit_pages))
 
     def begin_request(self) -> None:
         """An insert of a request's prompt starts: its lookups carry its number."""

@@ -235,8 +235,8 @@ class StorageExistenceCache:
             beliefs.tally = on
 
     def _observe(self, observer: BeliefObserver | None) -> None:
-        """What every pool notifies from now on (a ``Tee``'s listener: ``None`` while
-        it is empty, so an idle ``Tee`` costs no call)."""
+        """What every pool notifies from now on (a ``Tee``'s listener:
+        ``None``, its one observer, or the ``Tee``)."""
         self._observer = observer
         for beliefs in list(self._pools.values()):
             beliefs._observer = observer

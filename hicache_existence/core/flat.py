@@ -170,7 +170,7 @@ class FlatStorageExistenceCache:
 
     def _observe(self, observer: BeliefObserver | None) -> None:
         """What the cache and every pool notify from now on (a ``Tee``'s listener:
-        ``None`` while it is empty, so an idle ``Tee`` costs no call)."""
+        ``None``, its one observer, or the ``Tee``)."""
         self._observer = observer
         for rec in list(self._pools.values()):
             rec._observer = observer

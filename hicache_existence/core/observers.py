@@ -67,15 +67,17 @@ class Tee:
     """Fans one cache's operation stream out to several observers, in order (the cache
     holds one observer; the TP digest and the reconciler each need the stream).
 
-    A cache given a ``Tee`` listens to it (``listen``) and holds ``None`` instead
-    while it has no observer: an empty ``Tee`` costs the hot path no call, and
-    attaching one later (the reconciler, a recorder) reaches every pool at once."""
+    A cache given a ``Tee`` listens to it (``listen``) and holds what it should call:
+    ``None`` while it has no observer (no call), the observer itself while it has one
+    (one call, not a Python loop in front of it: a recorder's compiled tap, a TP=2
+    rank's digest), the ``Tee`` beyond that.  Attaching one later (the reconciler, a
+    recorder) reaches every pool at once."""
 
     __slots__ = ("_observers", "_listeners")
 
     def __init__(self, *observers: BeliefObserver) -> None:
         self._observers: tuple[BeliefObserver, ...] = tuple(observers)
-        self._listeners: list[Callable[[Tee | None], None]] = []
+        self._listeners: list[Callable[[BeliefObserver | None], None]] = []
 
     @property
     def observers(self) -> tuple[BeliefObserver, ...]:
@@ -85,15 +87,21 @@ class Tee:
     @observers.setter
     def observers(self, value: Iterable[BeliefObserver]) -> None:
         self._observers = tuple(value)
-        live = self if self._observers else None
+        live = self._live()
         for listen in self._listeners:
             listen(live)
 
-    def listen(self, listener: Callable[[Tee | None], None]) -> None:
-        """Call ``listener(self)`` now and whenever observers change, ``listener(None)``
-        instead while there are none (what a cache should call then)."""
+    def _live(self) -> BeliefObserver | None:
+        observers = self._observers
+        if len(observers) == 1:
+            return observers[0]
+        return self if observers else None
+
+    def listen(self, listener: Callable[[BeliefObserver | None], None]) -> None:
+        """Call ``listener`` now and whenever observers change with what a cache
+        should call: ``None`` (no observer), the one observer, or the ``Tee``."""
         self._listeners.append(listener)
-        listener(self if self._observers else None)
+        listener(self._live())
 
     def append(self, observer: BeliefObserver) -> None:
         """Add an observer that needs the cache to exist first (the reconciler):

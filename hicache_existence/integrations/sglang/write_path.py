@@ -463,9 +463,11 @@ class WritePath:
         if self.cache_mode is not None:
             self.cache_mode.heal(operation, list(chain), page)
         hit_tokens = int(getattr(operation, "storage_hit_count", 0) or 0)
-        if self.recorder is not None:
-            self.recorder.set_page_size(page)
-            self.recorder.prefetch("kv", chain, hit_tokens // page)
+        recorder = self.recorder
+        if recorder is not None:
+            if recorder.page_size != page:
+                recorder.set_page_size(page)
+            recorder.prefetch("kv", chain, hit_tokens // page)
         threshold = int(getattr(tree, "prefetch_threshold", 0) or 0)
         self.causes.queried(chain, hit_tokens // page, below_threshold=hit_tokens < threshold)
 
