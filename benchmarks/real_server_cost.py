@@ -393,7 +393,8 @@ def busy_share(r: dict[str, Any]) -> dict[str, float]:
         )
         share_insitu = max(0.0, busy_in + max(0.0, poll_in)) / ns_b
     # And net of the AROUND control too (probes that record it): an empty AROUND
-    # hook timed beside every real one; what it records beyond the empty function's
+    # hook timed with every real one (beside it in earlier probes, nested with it
+    # around the same upstream call now); what it records beyond the empty function's
     # control is the pause's cost, counted in every AROUND hook's time.
     a_b, a_p = r.get("actrl_busy"), r.get("actrl_poll")
     share_around = around_b = None

@@ -76,10 +76,27 @@ def test_an_after_hook_counts_whole_and_other_threads_not_at_all(cost: Any) -> N
     assert slot[1] == 1  # not the scheduler thread: not counted
 
 
-def test_every_around_call_runs_the_around_control_beside_it(cost: Any) -> None:
-    """Each timed AROUND call runs the empty AROUND control once (before it one
-    call, after it the next); the control's time is its own, never the package's,
-    and it records the pause's timers, not the empty upstream inside it."""
+def _nesting() -> str:
+    """Which of the real hook (``hook``) and the AROUND control's empty hook
+    (``empty_hook``) is nearer the upstream call running this."""
+    names = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back  # type: ignore[assignment]
+    return "control inside" if names.index("empty_hook") < names.index("hook") else "hook inside"
+
+
+def test_every_around_call_nests_the_around_control_with_it(cost: Any) -> None:
+    """Each timed AROUND call runs the empty AROUND control once, around the same
+    upstream call: inside the hook one call, outside it the next (so each runs its
+    tail cold after upstream as often as the other).  The control's time is its own,
+    never the package's, and it records the pause's timers, not upstream inside it."""
+    seen = []
+
+    def upstream(x: int) -> int:
+        seen.append(_nesting())
+        return x + 1
 
     def hook(original: Any, x: int) -> int:
         _spin(1)
@@ -87,7 +104,8 @@ def test_every_around_call_runs_the_around_control_beside_it(cost: Any) -> None:
 
     timed = hx_probes._hook_timed(hook, "AROUND", "probe_test_control")
     for _ in range(4):
-        assert timed(lambda x: x + 1, 1) == 2
+        assert timed(upstream, 1) == 2
+    assert seen == ["control inside", "hook inside"] * 2
     assert (cost.actrl_calls, cost.around_calls, cost.calls) == (4, 4, 4)
     assert 0 < cost.actrl_ns < 4 * 0.5e6, cost.actrl_ns  # far below the hooks' 4 ms
     assert 3.5e6 < cost.ns < 12e6, cost.ns
@@ -232,6 +250,12 @@ def test_the_recorder_bracket_counts_its_own_time_not_the_insert(cost: Any) -> N
     slot = cost.by_name["hook:insert"]
     assert slot[1] == 1 and 0.5e6 < slot[0] < 4e6, slot[0]  # not the insert's 8 ms
     assert cost.calls == 2 and cost.around_calls == 1 and cost.actrl_calls == 1
+    assert cost.depth == 0
+    # The next call nests the control outside the bracket: the same counts again.
+    assert bracketed(2) == 3
+    assert slot[1] == 2 and 1e6 < slot[0] < 8e6, slot[0]
+    assert cost.calls == 4 and cost.around_calls == 2 and cost.actrl_calls == 2
+    assert 0 < cost.actrl_ns < 2 * 0.5e6, cost.actrl_ns  # not the insert's
     assert cost.depth == 0
 
 
