@@ -266,3 +266,35 @@ def test_a_compiled_hook_s_control_calls_upstream_from_c(cost: Any) -> None:
     control()
     control()
     assert cost.actrl_calls == 2 and cost.actrl_ns > 0 and cost.depth == 0
+
+
+def test_the_around_control_benchmark_runs_both_arrangements() -> None:
+    """``benchmarks/around_control.py`` (the evidence for nesting the control) runs
+    every hook in both arrangements, the compiled bracket too where it is built; a
+    run of four calls, for its shape only (its figures are measured, not tested)."""
+    import json
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "around_control.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--calls", "4", "--evict-mb", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    out = json.loads(done.stdout)
+    hooks = [row["hook"] for row in out["hooks"]]
+    assert hooks[:3] == ["empty Python hook", "empty C call (operator.call)", "small Python hook"]
+    for row in out["hooks"]:
+        for arrangement in ("beside", "nested"):
+            r = row[arrangement]
+            assert r["net_ns"] == r["own_ns"] - r["control_ns"] and r["control_ns"] > 0
+    from hicache_existence.accounting import recorder
+
+    if recorder.Tap is not recorder.PyTap:
+        assert hooks[3:] == ["recorder bracket (C)"]
+    bad = subprocess.run(
+        [sys.executable, str(script), "--calls", "1"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--calls must be >= 2" in bad.stderr
