@@ -43,10 +43,13 @@ def section(tmp_path: Path, **kw: Any) -> RecorderSection:
     return Config.from_mapping({"recorder": {**base, **kw}}).recorder
 
 
+#: The taps: the Python twin and, where built, the compiled one.
+TAPS = [rec.PyTap] + ([rec.Tap] if rec.Tap is not rec.PyTap else [])
+
+
 def drain(r: rec.Recorder) -> list[tuple[Any, ...]]:
-    out = list(r._queue)
-    r._queue.clear()
-    return out
+    """Every record the writer would write now (the queue's and the request ends)."""
+    return r._take(final=True)
 
 
 # -- sampling --------------------------------------------------------------------------------
@@ -455,11 +458,73 @@ def test_bracket_records_what_begin_and_end_request_record(
                 work(b, fail, lookups)
         finally:
             b.end_request()
-    assert [x[1:] for x in a._queue] == [x[1:] for x in b._queue]  # timestamps aside
+    assert [x[1:] for x in drain(a)] == [x[1:] for x in drain(b)]  # timestamps aside
     assert a.tap.request == b.tap.request == 0
     assert a.tap.numbered == b.tap.numbered == len(calls)
     assert a.snapshot().dropped == b.snapshot().dropped
     assert python_tap or rec.Tap is rec.PyTap or type(bracketed).__name__ == "Bracket"
+
+
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_request_ends_merge_into_the_queue_in_time_order(tmp_path: Path, tap_type: Any) -> None:
+    """Request ends are noted apart from the queue (no record made at an insert) and
+    taken in time order among the queued records, up to the clock at the take: a
+    request's lookups come before its end, and an end noted after the take waits for
+    the next one, so the file's times never decrease.  ``final`` takes everything."""
+    now = [0.0]
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0), clock=lambda: now[0])
+    r.tap = tap_type(r._bound, r._queue, r.capacity, r._clock)
+    chain = [page(0)]
+    bracketed = r.bracket(lambda: r.touched("kv", chain, 1))
+    for t in (1.0, 3.0):  # lookup at t, its request's end at t + 1 (the clock moves)
+        now[0] = t
+        bracketed()  # the lookup and the end share the clock's reading: lookup first
+        now[0] = t + 1
+        r.touched("kv", chain, 1)  # outside any request
+    now[0] = 3.5  # the take's horizon: the t=4 lookup is not due yet
+    got = [(x[0], x[1], x[6] if x[1] == "lookup" else x[5]) for x in r._take()]
+    assert got == [
+        (1.0, "lookup", 1),
+        (1.0, "request", 1),
+        (2.0, "lookup", 0),
+        (3.0, "lookup", 2),
+        (3.0, "request", 2),
+    ]
+    r.tap.ended(7)  # noted at 3.5, after nothing else
+    assert [(x[0], x[1]) for x in r._take(final=True)] == [(3.5, "request"), (4.0, "lookup")]
+    assert r._take(final=True) == []
+    with pytest.raises(TypeError):
+        r.tap.ended("7")
+
+
+def test_request_ends_are_read_by_the_monotonic_clock_without_calling_it(tmp_path: Path) -> None:
+    """The compiled tap reads CLOCK_MONOTONIC itself when its clock is
+    ``time.monotonic``: the same time base as the queued records'."""
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0))
+    before = time.monotonic()
+    r.bracket(lambda: None)()
+    after = time.monotonic()
+    ((t, number),) = r.tap.take_requests()
+    assert before <= t <= after and number == 1
+
+
+def test_a_busy_scheduler_and_the_writer_write_a_readable_trace(tmp_path: Path) -> None:
+    """A scheduler thread bracketing inserts (lookups inside and outside them) while
+    the writer drains every few milliseconds: the trace reads back (its times never
+    decrease), with one request per insert and every lookup in it."""
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0, flush_interval_s=0.002)).start()
+    chain = [page(i) for i in range(4)]
+    bracketed = r.bracket(lambda: r.touched("kv", chain, 4))
+    inserts = 3000
+    for i in range(inserts):
+        bracketed()
+        if i % 3 == 0:
+            r.added("kv", chain)
+    r.close()
+    trace = read_trace(tmp_path / "trace")
+    assert len(trace.requests) == inserts
+    assert all(q.pages == tuple(chain) for q in trace.requests)
+    assert r.snapshot().dropped == {"queue_full": 0, "write_error": 0}
 
 
 # -- the writer: files, rotation, bound, drops ------------------------------------------------
@@ -884,13 +949,6 @@ def test_a_restarted_instance_starts_from_an_empty_cache(tmp_path: Path) -> None
     (curve,) = recorded_curves(trace, [1000])
     assert curve.lookups == (0.0,)  # both lookups missed: the second cache was empty
     assert curve.events["clear"] == 1
-
-
-TAPS = [rec.PyTap] + (
-    [lru.compiled("accounting._recorder").Tap]  # type: ignore[union-attr]
-    if lru.compiled("accounting._recorder") is not None
-    else []
-)
 
 
 #: The observer's calls, a request number set, the write path's calls.

@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
+#include <time.h>
 
 PyDoc_STRVAR(below_doc,
 "below(keys, bound, /) -> list[int]\n\n"
@@ -163,15 +164,24 @@ typedef struct {
     Py_ssize_t numbered; /* the last request number given (Recorder.begin_request, Bracket) */
     Py_ssize_t dropped;
     Py_ssize_t errors;
+    /* Request ends not yet taken by the writer (take_requests): (time, number) in C, so
+     * that a request's end allocates no Python object and calls nothing (Bracket). */
+    struct RequestEnd {
+        double t;
+        Py_ssize_t number;
+    } *ends;
+    Py_ssize_t ends_len, ends_cap;
+    int monotonic; /* clock is time.monotonic: read CLOCK_MONOTONIC directly */
 } TapObject;
 
-static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *K_WRITE, *K_PREFETCH, *K_REQUEST,
-    *EMPTY, *NO_POOL;
+static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *K_WRITE, *K_PREFETCH, *EMPTY;
 
 static void
 Tap_dealloc(TapObject *self)
 {
     PyObject_GC_UnTrack(self);
+    PyMem_Free(self->ends);
+    self->ends = NULL;
     Py_CLEAR(self->bound);
     Py_CLEAR(self->queue);
     Py_CLEAR(self->append);
@@ -228,6 +238,15 @@ Tap_init(TapObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "queue must have an append method");
         return -1;
     }
+    PyObject *time = PyImport_ImportModule("time");
+    PyObject *monotonic = time != NULL ? PyObject_GetAttrString(time, "monotonic") : NULL;
+    Py_XDECREF(time);
+    if (monotonic == NULL) {
+        Py_DECREF(append);
+        return -1;
+    }
+    self->monotonic = clock == monotonic;
+    Py_DECREF(monotonic);
     Py_INCREF(bound);
     Py_XSETREF(self->bound, bound);
     Py_INCREF(queue);
@@ -266,6 +285,63 @@ tap_put(TapObject *self, PyObject *kind, PyObject *pool, PyObject *pages, PyObje
     Py_XDECREF(rec);
     Py_XDECREF(req);
     Py_XDECREF(t);
+}
+
+/* The tap's clock as a double: CLOCK_MONOTONIC read as time.monotonic converts it when the
+ * clock is time.monotonic (no call), else the clock called.  -1 on a failure (cleared). */
+static int
+tap_now(TapObject *self, double *t)
+{
+    if (self->monotonic) {
+        struct timespec ts;
+        if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0) {
+            *t = (double)((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9;
+            return 0;
+        }
+    }
+    PyObject *o = PyObject_CallNoArgs(self->clock);
+    *t = o != NULL ? PyFloat_AsDouble(o) : -1.0;
+    Py_XDECREF(o);
+    if (*t == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* Note request `number`'s end (Bracket, Tap.ended): dropped and counted once `capacity`
+ * ends wait for the writer, a failure counted.  Never fails. */
+static void
+tap_end(TapObject *self, Py_ssize_t number)
+{
+    if (self->queue == NULL) {
+        return;
+    }
+    if (self->ends_len >= self->capacity) {
+        self->dropped++;
+        return;
+    }
+    if (self->ends_len == self->ends_cap) {
+        Py_ssize_t cap = self->ends_cap ? self->ends_cap * 2 : 64;
+        if (cap > self->capacity) {
+            cap = self->capacity;
+        }
+        struct RequestEnd *ends = PyMem_Realloc(self->ends, (size_t)cap * sizeof(*ends));
+        if (ends == NULL) {
+            self->errors++;
+            return;
+        }
+        self->ends = ends;
+        self->ends_cap = cap;
+    }
+    double t;
+    if (tap_now(self, &t) < 0) {
+        self->errors++;
+        return;
+    }
+    self->ends[self->ends_len].t = t;
+    self->ends[self->ends_len].number = number;
+    self->ends_len++;
 }
 
 /* The recorded pages of hashes: 1 with new references in *pages (tuple) and *idx (their
@@ -451,6 +527,36 @@ Tap_prefetch(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+Tap_ended(TapObject *self, PyObject *number)
+{
+    Py_ssize_t n = PyNumber_AsSsize_t(number, PyExc_OverflowError);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    tap_end(self, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Tap_take_requests(TapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out = PyList_New(self->ends_len);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->ends_len; i++) {
+        PyObject *item = Py_BuildValue("(dn)", self->ends[i].t, self->ends[i].number);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    self->ends_len = 0;
+    return out;
+}
+
+static PyObject *
 Tap_get_request(TapObject *self, void *closure)
 {
     return PyLong_FromSsize_t(self->request);
@@ -499,10 +605,12 @@ Tap_set_numbered(TapObject *self, PyObject *value, void *closure)
  * what the tree's insert attribute becomes in a server with a recorder.  A call
  * numbers the next request, sets it as the tap's request (the lookups inside the
  * insert carry it), calls insert with the arguments as given, then, returned or
- * raised, resets the request and queues (clock(), "request", "", (), None, number, 0)
- * as Recorder.end_request does (dropped and counted when the queue is full).  One C
- * call per insert: in the server the Python frames doing the same (one closure)
- * cost a few microseconds an insert, cold.  Insert's own exception passes through.
+ * raised, resets the request and notes its end (time, number) in the tap's C array,
+ * as Recorder.end_request does (dropped and counted once `capacity` ends wait); the
+ * writer takes them (take_requests) and writes them in time order among the queued
+ * records.  One C call per insert, no Python object made: in the server the Python
+ * frames doing the same (one closure) cost a few microseconds an insert, cold, and a
+ * queued record tuple about a microsecond more.  Insert's own exception passes through.
  */
 typedef struct {
     PyObject_HEAD
@@ -520,29 +628,22 @@ Bracket_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
     tap->request = number;
     PyObject *res = PyObject_Vectorcall(self->insert, args, nargsf, kwnames);
     tap->request = 0;
-    if (tap->queue != NULL) {
-#if PY_VERSION_HEX >= 0x030C0000
-        PyObject *raised = PyErr_GetRaisedException();
-#else
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-#endif
-        PyObject *extra = PyLong_FromSsize_t(number);
-        if (extra == NULL) {
-            PyErr_Clear();
-            tap->errors++;
-        }
-        else {
-            tap_put(tap, K_REQUEST, NO_POOL, EMPTY, Py_None, extra, 0);
-            Py_DECREF(extra);
-        }
-#if PY_VERSION_HEX >= 0x030C0000
-        PyErr_SetRaisedException(raised);
-#else
-        PyErr_Restore(type, value, traceback);
-#endif
+    if (res != NULL) {
+        tap_end(tap, number);
+        return res;
     }
-    return res;
+    /* insert raised: its exception passes through (the clock may be Python code) */
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *raised = PyErr_GetRaisedException();
+    tap_end(tap, number);
+    PyErr_SetRaisedException(raised);
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    tap_end(tap, number);
+    PyErr_Restore(type, value, traceback);
+#endif
+    return NULL;
 }
 
 static PyObject *
@@ -637,6 +738,10 @@ static PyMethodDef Tap_methods[] = {
      "written(pool, pages): the write path launched an L3 write (Recorder.written)."},
     {"prefetch", (PyCFunction)(void (*)(void))Tap_prefetch, METH_FASTCALL,
      "prefetch(pool, chain, hit_pages): a prefetch hit query (Recorder.prefetch)."},
+    {"ended", (PyCFunction)Tap_ended, METH_O,
+     "ended(number): request number ended (what Bracket notes; Recorder.end_request)."},
+    {"take_requests", (PyCFunction)Tap_take_requests, METH_NOARGS,
+     "take_requests() -> [(time, number)]: the request ends noted since the last take."},
     {"bracket", (PyCFunction)Tap_bracket, METH_O,
      "bracket(insert): insert with each call one request (Bracket)."},
     {NULL, NULL, 0, NULL},
@@ -1020,11 +1125,9 @@ PyInit__recorder(void)
     K_CLEAR = PyUnicode_InternFromString("clear");
     K_WRITE = PyUnicode_InternFromString("write");
     K_PREFETCH = PyUnicode_InternFromString("prefetch");
-    K_REQUEST = PyUnicode_InternFromString("request");
-    NO_POOL = PyUnicode_InternFromString("");
     EMPTY = PyTuple_New(0);
     if (K_LOOKUP == NULL || K_ADD == NULL || K_INVALIDATE == NULL || K_CLEAR == NULL
-        || K_WRITE == NULL || K_PREFETCH == NULL || K_REQUEST == NULL || NO_POOL == NULL || EMPTY == NULL) {
+        || K_WRITE == NULL || K_PREFETCH == NULL || EMPTY == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&recorder_module);

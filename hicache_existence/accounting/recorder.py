@@ -22,9 +22,11 @@ for ``d / rate`` pages.
 the recorder's ``tap`` (``_recorder.Tap``, compiled; ``PyTap`` without a
 compiler): per operation one C call that tests the pages (a few ns a page,
 nothing allocated) and, only when a page was recorded, appends one tuple to a
-``deque`` (atomic under the GIL: no lock); no hashing, encoding or I/O.  With
-``queue_records`` waiting, a record is dropped and counted.  A writer thread
-drains the queue every ``flush_interval_s``, encodes JSON lines (compiled too:
+``deque`` (atomic under the GIL: no lock); no hashing, encoding or I/O.  A
+request's end (each insert's) is a time and a number in the tap's C array, no
+Python object made.  With ``queue_records`` waiting (records, or request ends), the
+next is dropped and counted.  A writer thread drains both every
+``flush_interval_s``, merged in time order (``Recorder._take``), encodes JSON lines (compiled too:
 the writer holds the GIL the scheduler needs), writes each chunk as one complete
 gzip member (a file cut short by a killed server keeps every member before the
 cut readable), rotates at ``file_bytes`` and deletes this instance's oldest
@@ -40,6 +42,7 @@ import contextlib
 import gzip
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -120,7 +123,17 @@ class PyTap:
     keep_pages), request)`` to ``queue`` (dropped and counted at ``capacity``).
     Never raises (failures count in ``errors``)."""
 
-    __slots__ = ("bound", "queue", "capacity", "clock", "request", "numbered", "dropped", "errors")
+    __slots__ = (
+        "bound",
+        "queue",
+        "capacity",
+        "clock",
+        "request",
+        "numbered",
+        "dropped",
+        "errors",
+        "ends",
+    )
 
     def __init__(
         self, bound: str | None, queue: Any, capacity: int, clock: Callable[[], float]
@@ -141,6 +154,8 @@ class PyTap:
         self.numbered = 0
         self.dropped = 0
         self.errors = 0
+        #: Request ends (time, number) not yet taken by the writer (``take_requests``).
+        self.ends: list[tuple[float, int]] = []
 
     def _put(
         self,
@@ -214,10 +229,27 @@ class PyTap:
             held = min(max(hit, 0), len(pages)) if idx is None else bisect_left(idx, hit)
             self._put(PREFETCH, pool, pages, None, held, 0)
 
+    def ended(self, number: int) -> None:
+        """Request ``number`` ended: noted for the writer (dropped and counted once
+        ``capacity`` ends wait)."""
+        number = operator.index(number)
+        if len(self.ends) >= self.capacity:
+            self.dropped += 1
+            return
+        try:
+            self.ends.append((float(self.clock()), number))
+        except Exception:
+            self.errors += 1
+
+    def take_requests(self) -> list[tuple[float, int]]:
+        """The request ends noted since the last take, oldest first."""
+        ends, self.ends = self.ends, []
+        return ends
+
     def bracket(self, insert: Callable[..., Any]) -> Callable[..., Any]:
         """``insert`` with each call one request (the compiled ``Bracket``'s twin):
-        numbered, carried by the lookups inside it, closed by a ``request`` record
-        however the call ends."""
+        numbered, carried by the lookups inside it, its end noted however the call
+        ends."""
 
         def bracketed(*a: Any, **kw: Any) -> Any:
             number = self.numbered = self.numbered + 1
@@ -226,7 +258,7 @@ class PyTap:
                 return insert(*a, **kw)
             finally:
                 self.request = 0
-                self._put(REQUEST, "", (), None, number, 0)
+                self.ended(number)
 
         bracketed.hx_brackets = insert  # type: ignore[attr-defined]
         return bracketed
@@ -307,14 +339,14 @@ class Recorder:
         #: C call, where the Python methods ran four frames, cold, once a query).
         self.written: Callable[[str, Sequence[str]], None] = self.tap.written
         self.prefetch: Callable[[str, Sequence[str], int], None] = self.tap.prefetch
-        # counters: the scheduler thread writes queue_full, the writer the rest
-        self.queue_full = 0
+        # counters (the writer's; the tap counts drops and its own failures)
         self.write_errors = 0
         self._records = dict.fromkeys(KINDS, 0)
         self.written_bytes = 0
         self.files_deleted = 0
         # writer state (writer thread only, after start)
         self._files: list[tuple[Path, int]] = []  # closed files of this instance, oldest first
+        self._ends: list[tuple[float, int]] = []  # request ends taken, not yet due
         self._current: Path | None = None
         self._raw: Any = None
         self._part = 0
@@ -367,7 +399,7 @@ class Recorder:
             thread.join(timeout_s)
         if thread is None or not thread.is_alive():
             with self._lock:
-                self._drain()
+                self._drain(final=True)
                 self._close_file()
 
     def set_page_size(self, page_size: int) -> None:
@@ -376,14 +408,6 @@ class Recorder:
             self.page_size = page_size
 
     # -- the scheduler side ------------------------------------------------------------
-    def _put(self, kind: str, pool: str, pages: tuple[str, ...], extra: Any) -> None:
-        """Queue a record from the Python side (writes, prefetch queries, requests)."""
-        queue = self._queue
-        if len(queue) >= self.capacity:
-            self.queue_full += 1
-        else:
-            queue.append((self._clock(), kind, pool, pages, None, extra, 0))
-
     # BeliefObserver, through the tap (the runtime puts ``tap`` itself in the Tee)
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
         """A lookup walked ``hashes[:stop]`` (and missed at ``hashes[stop]``)."""
@@ -419,7 +443,7 @@ class Recorder:
         number = self.tap.request
         self.tap.request = 0
         if number:
-            self._put(REQUEST, "", (), number)
+            self.tap.ended(number)
 
     # -- reading -----------------------------------------------------------------------
     def snapshot(self) -> RecorderSnapshot:
@@ -427,7 +451,7 @@ class Recorder:
         return RecorderSnapshot(
             dict(self._records),
             {
-                "queue_full": self.queue_full + self.tap.dropped,
+                "queue_full": self.tap.dropped,
                 "write_error": self.write_errors + self.tap.errors,
             },
             self.written_bytes,
@@ -456,7 +480,7 @@ class Recorder:
                     self._warn(f"recorder writer error: {exc!r}")
         with self._lock:
             with contextlib.suppress(Exception):
-                self._drain()
+                self._drain(final=True)
             self._close_file()
 
     def _scan(self) -> None:
@@ -468,17 +492,36 @@ class Recorder:
         found.sort()
         self._files = [(path, size) for _, _, path, size in found]
 
-    def _drain(self) -> None:
+    def _take(self, final: bool = False) -> list[tuple[Any, ...]]:
+        """The records due, in time order: the queued ones and the tap's request ends
+        up to now (``final``: all), merged; a later end waits for the next take, so
+        the file's times never decrease (a request's lookups come before its end)."""
+        horizon = math.inf if final else self._clock()
+        ends = self._ends + self.tap.take_requests()
         queue = self._queue
+        popleft = queue.popleft
+        out: list[tuple[Any, ...]] = []
+        i, n = 0, len(ends)
+        while queue and queue[0][0] <= horizon:
+            record = popleft()
+            while i < n and ends[i][0] < record[0]:
+                out.append((ends[i][0], REQUEST, "", (), None, ends[i][1], 0))
+                i += 1
+            out.append(record)
+        while i < n and ends[i][0] <= horizon:
+            out.append((ends[i][0], REQUEST, "", (), None, ends[i][1], 0))
+            i += 1
+        self._ends = ends[i:]
+        return out
+
+    def _drain(self, final: bool = False) -> None:
         chunk: list[str] = []
         kinds: list[str] = []
         size = 0
-        popleft = queue.popleft
         t0 = self._t0
         # (The compiled encoder takes float times only: a test's int clock skips it.)
         encode = _native_encode if type(t0) is float else None
-        while queue:
-            record = popleft()
+        for record in self._take(final):
             try:
                 if encode is None:
                     line = self._encode(record)
