@@ -497,6 +497,60 @@ def test_request_ends_merge_into_the_queue_in_time_order(tmp_path: Path, tap_typ
         r.tap.ended("7")
 
 
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_a_clock_that_notes_ends_never_overfills_the_ends(tap_type: Any) -> None:
+    """A clock that is Python code may note another end while the tap reads it (another
+    thread, re-entry): the ends stay within ``capacity``, the rest dropped and counted
+    (the compiled tap wrote one past its array before the time was read first)."""
+    inner = [True]
+
+    def clock() -> float:
+        if inner[0]:
+            inner[0] = False
+            tap.ended(999)
+        return 1.0
+
+    tap = tap_type(None, collections.deque(), 64, clock)
+    inner[0] = False
+    for number in range(1, 64):
+        tap.ended(number)
+    inner[0] = True
+    tap.ended(64)  # its clock notes 999 into the last slot first
+    taken = tap.take_requests()
+    assert len(taken) == 64 and tap.dropped == 1
+    assert [n for _, n in taken][-1] == 999
+
+
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_ends_noted_while_the_writer_takes_them_are_kept(tap_type: Any) -> None:
+    """Taking the ends may run Python code (a collection's callbacks on 3.10/3.11,
+    inside the list's allocation) that notes more: they wait for the next take,
+    none lost, none written twice (the compiled tap lost them and overran its list)."""
+    import gc
+
+    tap = tap_type(None, collections.deque(), 10_000, time.monotonic)
+    for number in range(1, 501):
+        tap.ended(number)
+    pending = list(range(501, 541))
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        while phase == "start" and pending:
+            tap.ended(pending.pop(0))
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(note)
+    try:
+        gc.set_threshold(1)
+        first = tap.take_requests()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(note)
+    rest = tap.take_requests()
+    numbers = [n for _, n in first + rest] + pending
+    assert sorted(numbers) == list(range(1, 541)) and len(numbers) == 540
+    assert tap.dropped == 0 and tap.errors == 0
+
+
 def test_request_ends_are_read_by_the_monotonic_clock_without_calling_it(tmp_path: Path) -> None:
     """The compiled tap reads CLOCK_MONOTONIC itself when its clock is
     ``time.monotonic``: the same time base as the queued records'."""

@@ -310,11 +310,18 @@ tap_now(TapObject *self, double *t)
 }
 
 /* Note request `number`'s end (Bracket, Tap.ended): dropped and counted once `capacity`
- * ends wait for the writer, a failure counted.  Never fails. */
+ * ends wait for the writer, a failure counted.  Never fails.  The time is read first: a
+ * clock that is Python code may note other ends (another thread, re-entry), and the
+ * capacity test, the growth and the store below run no Python code. */
 static void
 tap_end(TapObject *self, Py_ssize_t number)
 {
     if (self->queue == NULL) {
+        return;
+    }
+    double t;
+    if (tap_now(self, &t) < 0) {
+        self->errors++;
         return;
     }
     if (self->ends_len >= self->capacity) {
@@ -333,11 +340,6 @@ tap_end(TapObject *self, Py_ssize_t number)
         }
         self->ends = ends;
         self->ends_cap = cap;
-    }
-    double t;
-    if (tap_now(self, &t) < 0) {
-        self->errors++;
-        return;
     }
     self->ends[self->ends_len].t = t;
     self->ends[self->ends_len].number = number;
@@ -540,19 +542,25 @@ Tap_ended(TapObject *self, PyObject *number)
 static PyObject *
 Tap_take_requests(TapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *out = PyList_New(self->ends_len);
-    if (out == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < self->ends_len; i++) {
-        PyObject *item = Py_BuildValue("(dn)", self->ends[i].t, self->ends[i].number);
+    /* Detached first: building the list may run Python code (a collection's finalizers
+     * on 3.10/3.11), which may note new ends; they go to a fresh array. */
+    struct RequestEnd *ends = self->ends;
+    Py_ssize_t n = self->ends_len;
+    self->ends = NULL;
+    self->ends_len = self->ends_cap = 0;
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *item = Py_BuildValue("(dn)", ends[i].t, ends[i].number);
         if (item == NULL) {
-            Py_DECREF(out);
-            return NULL;
+            Py_CLEAR(out);
+            break;
         }
         PyList_SET_ITEM(out, i, item);
     }
-    self->ends_len = 0;
+    if (out == NULL) {
+        self->errors += n; /* those ends are lost, counted */
+    }
+    PyMem_Free(ends);
     return out;
 }
 

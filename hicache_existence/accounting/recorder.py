@@ -233,13 +233,15 @@ class PyTap:
         """Request ``number`` ended: noted for the writer (dropped and counted once
         ``capacity`` ends wait)."""
         number = operator.index(number)
+        try:
+            t = float(self.clock())  # first: a clock may note other ends
+        except Exception:
+            self.errors += 1
+            return
         if len(self.ends) >= self.capacity:
             self.dropped += 1
             return
-        try:
-            self.ends.append((float(self.clock()), number))
-        except Exception:
-            self.errors += 1
+        self.ends.append((t, number))
 
     def take_requests(self) -> list[tuple[float, int]]:
         """The request ends noted since the last take, oldest first."""
