@@ -60,30 +60,13 @@ def _beside(hook: Any, compiled: bool, upstream: Any, calls: int) -> tuple[float
 
 
 def _nested(hook: Any, compiled: bool, upstream: Any, calls: int) -> tuple[float, float]:
-    """The probe's arrangement, as it runs it: a Python hook through ``_hook_timed``;
-    a compiled one (the control's hook a C call too) through the same ``_paused``
-    nesting.  Mean ns a call: the hook's own, the control's."""
+    """The probe's arrangement, as it runs it (``_hook_timed``; a compiled hook's
+    control a C call too).  Mean ns a call: the hook's own, the control's."""
     cost = hx_probes._COST
-    if compiled:
-        name = "around_control:nested_c"
-        account = hx_probes._accounter(name)
-        control = hx_probes._around_control(True)
-        perf = time.thread_time_ns
-        for i in range(calls):
-            if i % 2 == 0:
-
-                def inner(*a: Any) -> Any:
-                    return control(lambda: upstream(*a))
-
-                hx_probes._paused(perf, account, hook, inner, (), {})
-            else:
-                control(lambda: hx_probes._paused(perf, account, hook, upstream, (), {}))
-    else:
-        name = "hook:around_control:nested"
-        timed = hx_probes._hook_timed(hook, "AROUND", "around_control:nested")
-        for _ in range(calls):
-            timed(upstream)
-    slot = cost.by_name[name]
+    timed = hx_probes._hook_timed(hook, "AROUND", "around_control:nested", compiled)
+    for _ in range(calls):
+        timed(upstream)
+    slot = cost.by_name["hook:around_control:nested"]
     return slot[0] / slot[1], cost.actrl_ns / cost.actrl_calls
 
 

@@ -72,7 +72,7 @@ def test_share_of_sha256_pages_recorded_is_the_rate() -> None:
     """Over 20,000 SHA-256 page hashes the recorded share is the rate (these exact
     hashes: a deterministic count)."""
     pages = [page(i) for i in range(20000)]
-    counts = {rate: len(rec.below(pages, rec.bound(rate) or "")) for rate in (0.02, 0.25, 0.5)}
+    counts = {rate: len(rec.py_below(pages, rec.bound(rate) or "")) for rate in (0.02, 0.25, 0.5)}
     assert counts == {0.02: 398, 0.25: 5006, 0.5: 9995}
     for rate, n in counts.items():  # the first 32 bits of the hash, below rate x 2^32
         assert n == sum(int(p[:8], 16) < int(rate * 2**32) for p in pages)

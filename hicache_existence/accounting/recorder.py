@@ -110,11 +110,6 @@ _native_encode: Callable[[tuple[Any, ...], float], str | None] | None = (
     _native.encode if _native is not None else None
 )
 
-#: The page test the recorder runs: compiled when built, else the twin.
-below: Callable[[Sequence[str], str], list[int]] = (
-    _native.below if _native is not None else py_below
-)
-
 
 class PyTap:
     """The compiled ``Tap``'s twin, the recorder's ``BeliefObserver`` in the cache's

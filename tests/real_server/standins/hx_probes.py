@@ -384,7 +384,7 @@ def _accounter(name: str) -> Any:
     return account
 
 
-def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
+def _hook_timed(hooked: Any, kind: str, name: str, compiled: bool = False) -> Any:
     """A write-path hook as SGLang calls it, timed as one of the package's top-level
     calls (``hook:<name>``): an AFTER hook whole; an AROUND hook net of upstream's
     call inside it, during which the timer stops and the package's own methods that
@@ -418,7 +418,7 @@ def _hook_timed(hooked: Any, kind: str, name: str) -> Any:
 
         return after
 
-    control = _around_control()
+    control = _around_control(compiled)
     flip = [False]
 
     def around(original: Any, *args: Any, **kwargs: Any) -> Any:
