@@ -18,7 +18,6 @@ control's error; a small Python hook; the recorder's compiled bracket (when buil
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import operator
 import sys
@@ -192,7 +191,7 @@ def main() -> None:
     except ImportError:  # not built: the Python hooks only
         pass
     else:
-        tap = _recorder.Tap("05000000", collections.deque(), 10**9, time.monotonic)
+        tap = _recorder.Tap("05000000", 10**9, time.monotonic)
         rows.append(_bracket(tap, upstream, args.calls))
     out = {
         "calls": args.calls,

@@ -264,8 +264,8 @@ class RecorderSection:
     max_bytes: Annotated[int, _at_least(RECORDER_MIN_BYTES)] = 256 * 1024 * 1024
     #: A file is closed and the next one started past this size (at most max_bytes / 2).
     file_bytes: Annotated[int, _at_least(RECORDER_MIN_BYTES)] = 16 * 1024 * 1024
-    #: Records (and, apart, request ends) queued for the writer thread at most; beyond, dropped
-    #: (counted), never waited for.
+    #: Records (request ends among them) waiting for the writer thread at most; beyond,
+    #: dropped (counted), never waited for.
     queue_records: _Count = 65536
     #: Seconds between the writer thread's flushes to disk.
     flush_interval_s: _Positive = 1.0

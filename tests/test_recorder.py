@@ -4,7 +4,6 @@ drops, and the replay of what it wrote (``hicache_existence.accounting.recorder`
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import dataclasses
 import gzip
@@ -48,8 +47,8 @@ TAPS = [rec.PyTap] + ([rec.Tap] if rec.Tap is not rec.PyTap else [])
 
 
 def drain(r: rec.Recorder) -> list[tuple[Any, ...]]:
-    """Every record the writer would write now (the queue's and the request ends)."""
-    return r._take(final=True)
+    """Every record the writer would write now (request ends among them)."""
+    return r.tap.take(1 << 30)  # type: ignore[no-any-return]
 
 
 # -- sampling --------------------------------------------------------------------------------
@@ -438,7 +437,7 @@ def test_bracket_records_what_begin_and_end_request_record(
     ]
     if python_tap:
         for r in recorders:
-            r.tap = rec.PyTap(r._bound, r._queue, r.capacity, r._clock)
+            r.tap = rec.PyTap(r._bound, r.capacity, r._clock)
 
     def work(r: rec.Recorder, fail: bool, lookups: int) -> str:
         for _ in range(lookups):
@@ -466,42 +465,48 @@ def test_bracket_records_what_begin_and_end_request_record(
 
 
 @pytest.mark.parametrize("tap_type", TAPS)
-def test_request_ends_merge_into_the_queue_in_time_order(tmp_path: Path, tap_type: Any) -> None:
-    """Request ends are noted apart from the queue (no record made at an insert) and
-    taken in time order among the queued records, up to the clock at the take: a
-    request's lookups come before its end, and an end noted after the take waits for
-    the next one, so the file's times never decrease.  ``final`` takes everything."""
+def test_records_and_request_ends_are_taken_in_the_order_they_happened(
+    tmp_path: Path, tap_type: Any
+) -> None:
+    """A request's end is one more record of the tap's (no Python object made at an
+    insert), so the writer takes a request's lookups before its end, whatever the
+    clock reads (here it steps back); ``take(limit)`` takes the oldest, the rest wait."""
     now = [0.0]
     r = rec.Recorder(section(tmp_path, sample_rate=1.0), clock=lambda: now[0])
-    r.tap = tap_type(r._bound, r._queue, r.capacity, r._clock)
+    r.tap = tap_type(r._bound, r.capacity, r._clock)
     chain = [page(0)]
     bracketed = r.bracket(lambda: r.touched("kv", chain, 1))
-    for t in (1.0, 3.0):  # lookup at t, its request's end at t + 1 (the clock moves)
+    for t in (1.0, 3.0, 2.5):  # the lookup and its request's end read the same time
         now[0] = t
-        bracketed()  # the lookup and the end share the clock's reading: lookup first
+        bracketed()
         now[0] = t + 1
         r.touched("kv", chain, 1)  # outside any request
-    now[0] = 3.5  # the take's horizon: the t=4 lookup is not due yet
-    got = [(x[0], x[1], x[6] if x[1] == "lookup" else x[5]) for x in r._take()]
+    assert r.tap.waiting == 9
+    first = r.tap.take(4)
+    got = [(x[0], x[1], x[6] if x[1] == "lookup" else x[5]) for x in first + r.tap.take(100)]
     assert got == [
         (1.0, "lookup", 1),
         (1.0, "request", 1),
         (2.0, "lookup", 0),
         (3.0, "lookup", 2),
         (3.0, "request", 2),
+        (4.0, "lookup", 0),
+        (2.5, "lookup", 3),
+        (2.5, "request", 3),
+        (3.5, "lookup", 0),
     ]
-    r.tap.ended(7)  # noted at 3.5, after nothing else
-    assert [(x[0], x[1]) for x in r._take(final=True)] == [(3.5, "request"), (4.0, "lookup")]
-    assert r._take(final=True) == []
+    assert len(first) == 4 and r.tap.waiting == 0 and r.tap.take(100) == []
     with pytest.raises(TypeError):
         r.tap.ended("7")
+    with pytest.raises(TypeError):
+        r.tap.take("all")
 
 
 @pytest.mark.parametrize("tap_type", TAPS)
-def test_a_clock_that_notes_ends_never_overfills_the_ends(tap_type: Any) -> None:
-    """A clock that is Python code may note another end while the tap reads it (another
-    thread, re-entry): the ends stay within ``capacity``, the rest dropped and counted
-    (the compiled tap wrote one past its array before the time was read first)."""
+def test_a_clock_that_logs_records_never_overfills_the_tap(tap_type: Any) -> None:
+    """A clock that is Python code may log another record while the tap reads it
+    (another thread, re-entry): the records stay within ``capacity``, the rest dropped
+    and counted (the time is read before the capacity test and the store)."""
     inner = [True]
 
     def clock() -> float:
@@ -510,27 +515,56 @@ def test_a_clock_that_notes_ends_never_overfills_the_ends(tap_type: Any) -> None
             tap.ended(999)
         return 1.0
 
-    tap = tap_type(None, collections.deque(), 64, clock)
+    tap = tap_type(None, 64, clock)
     inner[0] = False
-    for number in range(1, 64):
+    for number in range(1, 63):
         tap.ended(number)
+    tap.touched("kv", [page(0)], 1)
     inner[0] = True
-    tap.ended(64)  # its clock notes 999 into the last slot first
-    taken = tap.take_requests()
+    tap.touched("kv", [page(1)], 1)  # its clock logs 999 into the last slot first
+    taken = tap.take(1000)
     assert len(taken) == 64 and tap.dropped == 1
-    assert [n for _, n in taken][-1] == 999
+    assert [x[5] for x in taken][-2:] == [1, 999]
 
 
 @pytest.mark.parametrize("tap_type", TAPS)
-def test_ends_noted_while_the_writer_takes_them_are_kept(tap_type: Any) -> None:
-    """Taking the ends may run Python code (a collection's callbacks on 3.10/3.11,
-    inside the list's allocation) that notes more: they wait for the next take,
-    none lost, none written twice (the compiled tap lost them and overran its list)."""
+def test_a_clock_that_changes_the_chain_never_records_what_it_no_longer_holds(
+    tap_type: Any,
+) -> None:
+    """A clock that is Python code runs between the page test and the store: a chain
+    it empties or fills with what the test cannot compare is recorded as it is then
+    (the compiled tap) or as it was (the twin), never read past its end; a page the
+    test cannot compare is counted, not raised."""
+    chain: list[Any] = [page(0), page(1)]
+    change = [None]
+
+    def clock() -> float:
+        if change[0] is not None:
+            chain[:] = change[0]
+        return 1.0
+
+    tap = tap_type(rec.bound(0.5), 64, clock)
+    for changed in ([], [0, 1, 2], [page(2)] * 100):
+        chain[:] = [page(i) for i in range(40)]
+        change[0] = changed
+        assert tap.touched("kv", chain, 1) is None
+    for record in tap.take(100):
+        assert all(isinstance(p, str) for p in record[3])
+        assert record[4] is not None and len(record[4]) == len(record[3])
+    assert tap.errors <= 1
+
+
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_records_logged_while_the_writer_takes_them_are_kept(tap_type: Any) -> None:
+    """Taking may run Python code (a collection's callbacks on 3.10/3.11, inside an
+    allocation) that logs more: they wait for the next take, none lost, none written
+    twice, the order kept."""
     import gc
 
-    tap = tap_type(None, collections.deque(), 10_000, time.monotonic)
+    tap = tap_type(None, 10_000, time.monotonic)
     for number in range(1, 501):
         tap.ended(number)
+        tap.touched("kv", [page(number)], 1)
     pending = list(range(501, 541))
 
     def note(phase: str, info: dict[str, Any]) -> None:
@@ -541,25 +575,27 @@ def test_ends_noted_while_the_writer_takes_them_are_kept(tap_type: Any) -> None:
     gc.callbacks.append(note)
     try:
         gc.set_threshold(1)
-        first = tap.take_requests()
+        first = tap.take(10_000)
     finally:
         gc.set_threshold(*threshold)
         gc.callbacks.remove(note)
-    rest = tap.take_requests()
-    numbers = [n for _, n in first + rest] + pending
-    assert sorted(numbers) == list(range(1, 541)) and len(numbers) == 540
+    rest = tap.take(10_000)
+    numbers = [x[5] for x in first + rest if x[1] == "request"] + pending
+    assert numbers == list(range(1, 541))
+    assert [x[1] for x in first[:1000]] == ["request", "lookup"] * 500
     assert tap.dropped == 0 and tap.errors == 0
 
 
-def test_request_ends_are_read_by_the_monotonic_clock_without_calling_it(tmp_path: Path) -> None:
+def test_records_are_read_by_the_monotonic_clock_without_calling_it(tmp_path: Path) -> None:
     """The compiled tap reads CLOCK_MONOTONIC itself when its clock is
-    ``time.monotonic``: the same time base as the queued records'."""
+    ``time.monotonic``: the time base of the writer's own readings."""
     r = rec.Recorder(section(tmp_path, sample_rate=1.0))
     before = time.monotonic()
-    r.bracket(lambda: None)()
+    r.bracket(lambda: r.touched("kv", [page(0)], 1))()
     after = time.monotonic()
-    ((t, number),) = r.tap.take_requests()
-    assert before <= t <= after and number == 1
+    lookup, end = r.tap.take(10)
+    assert before <= lookup[0] <= end[0] <= after
+    assert (lookup[1], lookup[6], end[1], end[5]) == ("lookup", 1, "request", 1)
 
 
 def test_a_busy_scheduler_and_the_writer_write_a_readable_trace(tmp_path: Path) -> None:
@@ -1024,17 +1060,16 @@ TAP_CALLS += ("written", "prefetch")
     st.sampled_from([None, "40000000", "c0000000"]),
     st.integers(1, 40),
 )
-def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capacity: int) -> None:
-    """For any operation stream both taps queue the same records (only operations
+def test_compiled_tap_logs_what_the_twin_does(ops: list[Any], bound: Any, capacity: int) -> None:
+    """For any operation stream both taps log the same records (only operations
     with a recorded page, every one with bound None; clears that are not
     in-flight-only; the request number of the moment, none for the write path's
     writes and prefetch queries, a query's held pages counted among the recorded
-    ones) and drop the same ones once the queue holds ``capacity`` records."""
+    ones) and drop the same ones once ``capacity`` records wait."""
     seen = []
     for tap_type in TAPS:
-        queue: collections.deque[Any] = collections.deque()
         ticks = iter(range(10**6))
-        tap = tap_type(bound, queue, capacity, lambda ticks=ticks: float(next(ticks)))
+        tap = tap_type(bound, capacity, lambda ticks=ticks: float(next(ticks)))
         for name, hashes, n, flag in ops:
             if name == "touched":
                 tap.touched("kv", hashes, n)
@@ -1052,7 +1087,7 @@ def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capa
                 tap.prefetch("kv", hashes, n - 2)
             else:
                 tap.cleared("kv", flag)
-        seen.append((list(queue), tap.dropped, tap.errors))
+        seen.append((tap.take(1000), tap.dropped, tap.errors))
     expected = []
     request = 0
     for name, hashes, n, flag in ops:
@@ -1080,42 +1115,33 @@ def test_compiled_tap_queues_what_the_twin_does(ops: list[Any], bound: Any, capa
 
 
 @pytest.mark.parametrize("tap_type", TAPS)
-def test_a_failing_clock_or_queue_never_reaches_the_cache(tap_type: Any) -> None:
-    """A clock or queue that raises is counted in the tap's errors; the call
-    returns None.  Bad constructor arguments raise TypeError/ValueError naming them."""
+def test_a_failing_clock_never_reaches_the_cache(tap_type: Any) -> None:
+    """A clock that raises is counted in the tap's errors; the call returns None.
+    Bad constructor arguments raise TypeError/ValueError naming them."""
 
     def broken() -> float:
         raise OSError("clock")
 
-    tap = tap_type(None, collections.deque(), 10, broken)
+    tap = tap_type(None, 10, broken)
     assert tap.touched("kv", ["a"], 1) is None
     assert tap.added("kv", ["a"]) is None
     assert tap.cleared("kv", False) is None
     assert tap.written("kv", ["a"]) is None
     assert tap.prefetch("kv", ["a"], 1) is None
-    assert tap.errors == 5
-    queue: collections.deque[Any] = collections.deque()
-    tap = tap_type("8", queue, 10, time.monotonic)
-    assert tap.prefetch("kv", ["0"], "one") is None  # not an index: counted, not queued
+    assert tap.ended(3) is None
+    assert tap.errors == 6 and tap.waiting == 0
+    tap = tap_type("8", 10, time.monotonic)
+    assert tap.prefetch("kv", ["0"], "one") is None  # not an index: counted, not logged
     assert tap.written("kv", [0]) is None  # a page the test cannot compare
-    assert tap.errors == 2 and not queue
-
-    class BadQueue(list):  # type: ignore[type-arg]
-        def append(self, item: Any) -> None:
-            raise RuntimeError("full of surprises")
-
-    tap = tap_type("8", BadQueue(), 10, time.monotonic)
-    tap.added("kv", ["0"])
-    tap.added("kv", {"0", "1"})  # not a list or tuple: tested as a tuple
-    assert tap.errors == 2
+    assert tap.errors == 2 and tap.waiting == 0
+    tap.added("kv", {"0", "9"})  # not a list or tuple: tested as a tuple
+    assert [x[3] for x in tap.take(10)] == [("0",)]
     with pytest.raises(TypeError, match="bound"):
-        tap_type(5, [], 10, time.monotonic)
+        tap_type(5, 10, time.monotonic)
     with pytest.raises(ValueError, match="capacity"):
-        tap_type("8", [], 0, time.monotonic)
+        tap_type("8", 0, time.monotonic)
     with pytest.raises(TypeError, match="clock"):
-        tap_type("8", [], 10, None)
-    with pytest.raises(TypeError, match="queue"):
-        tap_type("8", object(), 10, time.monotonic)
+        tap_type("8", 10, None)
 
 
 def test_a_cache_operation_survives_a_broken_recorder(tmp_path: Path) -> None:

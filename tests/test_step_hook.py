@@ -463,5 +463,5 @@ def test_the_first_step_brackets_inserts_only_with_a_recorder(clean, tmp_path):
     assert entry.first_done and "insert" in vars(ours)
     assert ours.insert("k") == "k"
     assert runtime.recorder is not None
-    taken = runtime.recorder._take(final=True)
+    taken = runtime.recorder.tap.take(100)
     assert [x[1] for x in taken] == ["request"]  # one insert, one request

@@ -146,55 +146,144 @@ recorder_below(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /*
  * Tap: the recorder's BeliefObserver as the cache's Tee calls it, once per
  * operation, without entering Python.  An operation none of whose pages is
- * recorded returns after the page test; otherwise one record
- *     (clock(), kind, pool, recorded pages (tuple), their indices (list; None:
- *      every page), extra (lookup: stop; invalidate: keep_pages), request)
- * is appended to the queue (a collections.deque), unless it already holds
- * `capacity` records: then the record is dropped and counted.  Nothing raises
- * into the cache: a failure (the clock, the append) is counted in `errors`.
+ * recorded returns after the page test; otherwise one record is kept, in C, and a
+ * request's end (Bracket, Tap.ended) is one more, in the order they happen, until
+ * the writer takes them (take()) as the tuples
+ *     (time, kind, pool, recorded pages (tuple), their indices (list; None: every
+ *      page), extra (lookup: stop; invalidate: keep_pages; prefetch: hit), request)
+ *     (time, "request", "", (), None, number, 0)             a request's end
+ * At `capacity` records waiting, a record is dropped and counted.  Nothing raises
+ * into the cache: a failure (the clock, memory) is counted in `errors`.
+ *
+ * Why records are C structs, not queued tuples: in the server's cold state the
+ * tuples, list, float and ints a record made cost 1.5-3 us of the scheduler's time
+ * (allocator pages and a deque block to fetch); a struct and borrowed-then-owned
+ * pointers cost a few cache lines.  The writer makes the tuples, on its own thread.
+ *
+ * Two logs: the scheduler's calls append to `log`; take() drains `out`, and swaps
+ * the two when `out` is empty.  Making the tuples may run Python code (a
+ * collection's callbacks), which may append records: they go to `log`, whose arrays
+ * take() never holds.
  */
+typedef struct {
+    double t;
+    PyObject *kind;       /* borrowed: one of the module's interned kinds */
+    PyObject *pool;       /* owned; NULL: an end's (or taken) */
+    PyObject *extra;      /* owned; NULL: None, or `hit` when has_hit */
+    Py_ssize_t hit;       /* a prefetch's recorded pages among those held */
+    Py_ssize_t request;   /* the request whose insert ran (an end: its number) */
+    Py_ssize_t first, n;  /* its pages: pages[first:first + n] */
+    char has_hit, indexed, end;
+} TapRecord;
+
+typedef struct {
+    PyObject *page; /* owned; NULL once taken */
+    Py_ssize_t index;
+} TapPage;
+
+typedef struct {
+    TapRecord *records;
+    Py_ssize_t head, len, cap; /* records[head:len] wait (take() advances head) */
+    TapPage *pages;
+    Py_ssize_t npages, pages_cap;
+} TapLog;
+
 typedef struct {
     PyObject_HEAD
     PyObject *bound; /* str, or Py_None: every page */
-    PyObject *queue;
-    PyObject *append;
-    PyObject *clock;
+    PyObject *clock; /* NULL once cleared: the tap then records nothing */
     Py_ssize_t capacity;
     Py_ssize_t request;
     Py_ssize_t numbered; /* the last request number given (Recorder.begin_request, Bracket) */
     Py_ssize_t dropped;
     Py_ssize_t errors;
-    /* Request ends not yet taken by the writer (take_requests): (time, number) in C, so
-     * that a request's end allocates no Python object and calls nothing (Bracket). */
-    struct RequestEnd {
-        double t;
-        Py_ssize_t number;
-    } *ends;
-    Py_ssize_t ends_len, ends_cap;
+    TapLog log; /* what the scheduler's calls append to */
+    TapLog out; /* what take() drains */
+    int taking; /* a take() runs: a nested one (a collection's callback) takes nothing */
     int monotonic; /* clock is time.monotonic: read CLOCK_MONOTONIC directly */
 } TapObject;
 
-static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *K_WRITE, *K_PREFETCH, *EMPTY;
+static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *K_WRITE, *K_PREFETCH, *K_REQUEST;
+static PyObject *EMPTY, *EMPTY_STR, *ZERO;
+
+/* Drop a log's references (those not taken) and empty it; its arrays are kept. */
+static void
+log_empty(TapLog *log)
+{
+    Py_ssize_t len = log->len, npages = log->npages;
+    TapRecord *records = log->records;
+    TapPage *pages = log->pages;
+    log->head = log->len = log->npages = 0; /* first: a DECREF below may run Python code */
+    for (Py_ssize_t i = 0; i < len; i++) {
+        Py_XDECREF(records[i].pool);
+        Py_XDECREF(records[i].extra);
+    }
+    for (Py_ssize_t i = 0; i < npages; i++) {
+        Py_XDECREF(pages[i].page);
+    }
+}
+
+static void
+log_free(TapLog *log)
+{
+    TapLog gone = *log;
+    memset(log, 0, sizeof(*log));
+    log_empty(&gone);
+    PyMem_Free(gone.records);
+    PyMem_Free(gone.pages);
+}
+
+/* Room in `log` for one more record and `pages` more pages: 0, or -1 (no memory;
+ * the log unchanged).  Runs no Python code. */
+static int
+log_reserve(TapLog *log, Py_ssize_t pages)
+{
+    if (log->len == log->cap) {
+        Py_ssize_t cap = log->cap ? log->cap * 2 : 64;
+        if (cap > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(TapRecord)) {
+            return -1;
+        }
+        TapRecord *r = PyMem_Realloc(log->records, (size_t)cap * sizeof(TapRecord));
+        if (r == NULL) {
+            return -1;
+        }
+        log->records = r;
+        log->cap = cap;
+    }
+    if (pages > log->pages_cap - log->npages) {
+        Py_ssize_t cap = log->pages_cap ? log->pages_cap : 256;
+        while (cap - log->npages < pages) {
+            if (cap > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(TapPage)) {
+                return -1;
+            }
+            cap *= 2;
+        }
+        TapPage *p = PyMem_Realloc(log->pages, (size_t)cap * sizeof(TapPage));
+        if (p == NULL) {
+            return -1;
+        }
+        log->pages = p;
+        log->pages_cap = cap;
+    }
+    return 0;
+}
 
 static void
 Tap_dealloc(TapObject *self)
 {
     PyObject_GC_UnTrack(self);
-    PyMem_Free(self->ends);
-    self->ends = NULL;
     Py_CLEAR(self->bound);
-    Py_CLEAR(self->queue);
-    Py_CLEAR(self->append);
     Py_CLEAR(self->clock);
+    log_free(&self->log);
+    log_free(&self->out);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* The logs hold page hashes, pools and ints (what the cache passes): not visited. */
 static int
 Tap_traverse(TapObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->bound);
-    Py_VISIT(self->queue);
-    Py_VISIT(self->append);
     Py_VISIT(self->clock);
     return 0;
 }
@@ -203,8 +292,6 @@ static int
 Tap_clear(TapObject *self)
 {
     Py_CLEAR(self->bound);
-    Py_CLEAR(self->queue);
-    Py_CLEAR(self->append);
     Py_CLEAR(self->clock);
     return 0;
 }
@@ -212,13 +299,13 @@ Tap_clear(TapObject *self)
 static int
 Tap_init(TapObject *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *bound, *queue, *clock;
+    PyObject *bound, *clock;
     Py_ssize_t capacity;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Tap() takes no keyword arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOnO:Tap", &bound, &queue, &capacity, &clock)) {
+    if (!PyArg_ParseTuple(args, "OnO:Tap", &bound, &capacity, &clock)) {
         return -1;
     }
     if (bound != Py_None && !PyUnicode_Check(bound)) {
@@ -233,58 +320,22 @@ Tap_init(TapObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "clock must be callable");
         return -1;
     }
-    PyObject *append = PyObject_GetAttrString(queue, "append");
-    if (append == NULL) {
-        PyErr_SetString(PyExc_TypeError, "queue must have an append method");
+    if (self->clock != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Tap is already initialized");
         return -1;
     }
     PyObject *time = PyImport_ImportModule("time");
     PyObject *monotonic = time != NULL ? PyObject_GetAttrString(time, "monotonic") : NULL;
     Py_XDECREF(time);
     if (monotonic == NULL) {
-        Py_DECREF(append);
         return -1;
     }
     self->monotonic = clock == monotonic;
     Py_DECREF(monotonic);
-    Py_INCREF(bound);
-    Py_XSETREF(self->bound, bound);
-    Py_INCREF(queue);
-    Py_XSETREF(self->queue, queue);
-    Py_XSETREF(self->append, append);
-    Py_INCREF(clock);
-    Py_XSETREF(self->clock, clock);
+    self->bound = Py_NewRef(bound);
+    self->clock = Py_NewRef(clock);
     self->capacity = capacity;
     return 0;
-}
-
-/* Queue one record; every reference passed is borrowed.  Never fails. */
-static void
-tap_put(TapObject *self, PyObject *kind, PyObject *pool, PyObject *pages, PyObject *idx,
-        PyObject *extra, Py_ssize_t request)
-{
-    Py_ssize_t n = PyObject_Size(self->queue);
-    if (n < 0) {
-        PyErr_Clear();
-        self->errors++;
-        return;
-    }
-    if (n >= self->capacity) {
-        self->dropped++;
-        return;
-    }
-    PyObject *t = PyObject_CallNoArgs(self->clock);
-    PyObject *req = t != NULL ? PyLong_FromSsize_t(request) : NULL;
-    PyObject *rec = req != NULL ? PyTuple_Pack(7, t, kind, pool, pages, idx, extra, req) : NULL;
-    PyObject *res = rec != NULL ? PyObject_CallOneArg(self->append, rec) : NULL;
-    if (res == NULL) {
-        PyErr_Clear();
-        self->errors++;
-    }
-    Py_XDECREF(res);
-    Py_XDECREF(rec);
-    Py_XDECREF(req);
-    Py_XDECREF(t);
 }
 
 /* The tap's clock as a double: CLOCK_MONOTONIC read as time.monotonic converts it when the
@@ -309,108 +360,230 @@ tap_now(TapObject *self, double *t)
     return 0;
 }
 
-/* Note request `number`'s end (Bracket, Tap.ended): dropped and counted once `capacity`
- * ends wait for the writer, a failure counted.  Never fails.  The time is read first: a
- * clock that is Python code may note other ends (another thread, re-entry), and the
- * capacity test, the growth and the store below run no Python code. */
+/* A new record at time t with room for `pages` pages (the caller appends them), or
+ * NULL: dropped at capacity or no memory (counted).  Runs no Python code. */
+static TapRecord *
+tap_record(TapObject *self, double t, PyObject *kind, PyObject *pool, Py_ssize_t request,
+           Py_ssize_t pages)
+{
+    TapLog *log = &self->log;
+    if (log->len + (self->out.len - self->out.head) >= self->capacity) {
+        self->dropped++;
+        return NULL;
+    }
+    if (log_reserve(log, pages) < 0) {
+        self->errors++;
+        return NULL;
+    }
+    TapRecord *r = &log->records[log->len++];
+    memset(r, 0, sizeof(*r));
+    r->t = t;
+    r->kind = kind;
+    r->pool = Py_XNewRef(pool);
+    r->request = request;
+    r->first = log->npages;
+    return r;
+}
+
+/* Note request `number`'s end (Bracket, Tap.ended).  Never fails.  The time is read
+ * first: a clock that is Python code may note other records. */
 static void
 tap_end(TapObject *self, Py_ssize_t number)
 {
-    if (self->queue == NULL) {
+    double t;
+    if (self->clock == NULL) {
         return;
     }
-    double t;
     if (tap_now(self, &t) < 0) {
         self->errors++;
         return;
     }
-    if (self->ends_len >= self->capacity) {
-        self->dropped++;
-        return;
+    TapRecord *r = tap_record(self, t, K_REQUEST, NULL, number, 0);
+    if (r != NULL) {
+        r->end = 1;
     }
-    if (self->ends_len == self->ends_cap) {
-        Py_ssize_t cap = self->ends_cap ? self->ends_cap * 2 : 64;
-        if (cap > self->capacity) {
-            cap = self->capacity;
-        }
-        struct RequestEnd *ends = PyMem_Realloc(self->ends, (size_t)cap * sizeof(*ends));
-        if (ends == NULL) {
-            self->errors++;
-            return;
-        }
-        self->ends = ends;
-        self->ends_cap = cap;
-    }
-    self->ends[self->ends_len].t = t;
-    self->ends[self->ends_len].number = number;
-    self->ends_len++;
 }
 
-/* The recorded pages of hashes: 1 with new references in *pages (tuple) and *idx (their
- * indices, a list; None: every page), 0 when none is recorded (or the queue is gone),
- * -1 on a failure (cleared and counted).  Allocates nothing when no page is recorded. */
+/* Which pages of an operation's hashes are recorded: the sequence (a list or tuple,
+ * owned) and either the first recorded index (`idx` NULL: test from it, in C) or the
+ * recorded indices (`idx`, an owned list: a sequence or keys the C test cannot take). */
+typedef struct {
+    PyObject *seq;
+    PyObject *idx;
+    Py_ssize_t first;
+} Selection;
+
+/* 1: some page may be recorded (sel's references owned), 0: none (nothing allocated:
+ * most operations), -1: a failure (cleared, counted).  May run Python code (another
+ * sequence's iteration, a str subclass's comparison): no log is held across it. */
 static int
-tap_select(TapObject *self, PyObject *hashes, PyObject **pages, PyObject **idx)
+tap_select(TapObject *self, PyObject *hashes, Selection *sel)
 {
-    *pages = *idx = NULL;
-    if (self->queue == NULL) {
+    sel->seq = sel->idx = NULL;
+    sel->first = 0;
+    if (self->clock == NULL) {
         return 0;
     }
-    PyObject *seq = NULL;
-    if (self->bound == Py_None) {
-        *pages = PySequence_Tuple(hashes);
-        *idx = Py_NewRef(Py_None);
-    }
-    else {
-        Py_ssize_t first = first_below(hashes, self->bound);
-        if (first == NONE_BELOW) {
-            return 0; /* most operations: no page recorded, nothing allocated */
-        }
-        *idx = below_impl(hashes, self->bound, first == CANNOT_TELL ? 0 : first);
-        if (*idx == NULL) { /* not a list or tuple: test its tuple */
-            PyErr_Clear();
-            seq = PySequence_Tuple(hashes);
-            *idx = seq != NULL ? below_impl(seq, self->bound, 0) : NULL;
-            hashes = seq;
-        }
-        if (*idx != NULL) {
-            Py_ssize_t m = PyList_GET_SIZE(*idx);
-            if (m == 0) {
-                Py_CLEAR(*idx);
-                Py_XDECREF(seq);
+    if (PyList_Check(hashes) || PyTuple_Check(hashes)) {
+        if (self->bound != Py_None) {
+            Py_ssize_t first = first_below(hashes, self->bound);
+            if (first == NONE_BELOW) {
                 return 0;
             }
-            *pages = PyTuple_New(m);
-            if (*pages != NULL) {
-                for (Py_ssize_t j = 0; j < m; j++) {
-                    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(*idx, j));
-                    PyObject *item = PySequence_Fast_GET_ITEM(hashes, i);
-                    PyTuple_SET_ITEM(*pages, j, Py_NewRef(item));
-                }
+            if (first != CANNOT_TELL) {
+                sel->seq = Py_NewRef(hashes);
+                sel->first = first;
+                return 1;
             }
         }
+        else {
+            sel->seq = Py_NewRef(hashes);
+            return 1;
+        }
     }
-    Py_XDECREF(seq);
-    if (*pages == NULL || *idx == NULL) {
+    /* The slow path: a tuple (nothing can change it), its indices tested as Python does. */
+    sel->seq = PySequence_Tuple(hashes);
+    if (sel->seq != NULL && self->bound != Py_None) {
+        sel->idx = below_impl(sel->seq, self->bound, 0);
+        if (sel->idx == NULL) {
+            Py_CLEAR(sel->seq);
+        }
+    }
+    if (sel->seq == NULL) {
         PyErr_Clear();
         self->errors++;
-        Py_CLEAR(*pages);
-        Py_CLEAR(*idx);
         return -1;
     }
     return 1;
 }
 
-static PyObject *
-tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyObject *extra)
+/* Append sel's recorded pages to record r (room reserved for all of seq's pages): their
+ * count, or -1 when a key no longer takes the C test (a clock that is Python code
+ * changed the list).  Counts in *below_hit the recorded pages at an index < hit.
+ * Runs no Python code. */
+static Py_ssize_t
+tap_append(TapObject *self, TapRecord *r, Selection *sel, Py_ssize_t hit, Py_ssize_t *below_hit)
 {
-    PyObject *pages, *idx;
-    if (tap_select(self, hashes, &pages, &idx) > 0) {
-        tap_put(self, kind, pool, pages, idx, extra, self->request);
-        Py_DECREF(pages);
-        Py_DECREF(idx);
+    TapLog *log = &self->log;
+    TapPage *pages = log->pages + log->npages;
+    Py_ssize_t m = 0, below = 0;
+    if (sel->idx != NULL) {
+        Py_ssize_t k = PyList_GET_SIZE(sel->idx), size = PyTuple_GET_SIZE(sel->seq);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(sel->idx, j));
+            if (i < 0 || i >= size) { /* below_impl's own indices: cannot happen */
+                PyErr_Clear();
+                break;
+            }
+            pages[m].page = Py_NewRef(PyTuple_GET_ITEM(sel->seq, i));
+            pages[m].index = i;
+            below += i < hit;
+            m++;
+        }
     }
-    Py_RETURN_NONE;
+    else {
+        Py_ssize_t size = PySequence_Fast_GET_SIZE(sel->seq);
+        PyObject **items = PySequence_Fast_ITEMS(sel->seq);
+        PyObject *bound = self->bound;
+        int every = bound == Py_None;
+        const unsigned char *bd = every ? NULL : (const unsigned char *)PyUnicode_DATA(bound);
+        Py_ssize_t blen = every ? 0 : PyUnicode_GET_LENGTH(bound);
+        for (Py_ssize_t i = sel->first; i < size; i++) {
+            PyObject *key = items[i];
+            if (!every) {
+                if (!is_fast_key(key)) {
+                    for (Py_ssize_t j = 0; j < m; j++) {
+                        Py_DECREF(pages[j].page); /* the list still holds them */
+                    }
+                    return -1;
+                }
+                if (!ascii_lt(key, bd, blen)) {
+                    continue;
+                }
+            }
+            pages[m].page = Py_NewRef(key);
+            pages[m].index = i;
+            below += i < hit;
+            m++;
+        }
+    }
+    log->npages += m;
+    r->n = m;
+    *below_hit = below;
+    return m;
+}
+
+/* The reserve for sel's pages: every page of seq from the first possible one. */
+static Py_ssize_t
+sel_most(Selection *sel)
+{
+    if (sel->idx != NULL) {
+        return PyList_GET_SIZE(sel->idx);
+    }
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(sel->seq);
+    return size > sel->first ? size - sel->first : 0;
+}
+
+enum { KEEP_INDICES = 1, PAGES_ONLY = 2, HIT = 4 };
+
+/* Store sel's record at time t (see tap_offer).  Runs no Python code. */
+static void
+tap_store(TapObject *self, Selection *sel, double t, PyObject *kind, PyObject *pool,
+          PyObject *extra, Py_ssize_t request, int mode, Py_ssize_t hit)
+{
+    Py_ssize_t most = sel_most(sel);
+    if (most == 0 && (mode & PAGES_ONLY)) {
+        return;
+    }
+    TapRecord *r = tap_record(self, t, kind, pool, request, most);
+    if (r == NULL) {
+        return;
+    }
+    Py_ssize_t below_hit;
+    Py_ssize_t m = tap_append(self, r, sel, hit, &below_hit);
+    if (m < 0 || (m == 0 && ((mode & PAGES_ONLY) || self->bound != Py_None))) {
+        /* unmade (the last record): no page is recorded after all, or a key changed */
+        self->log.len--;
+        Py_XDECREF(r->pool); /* the caller holds the pool: nothing is freed */
+        self->errors += m < 0;
+        return;
+    }
+    r->indexed = (mode & KEEP_INDICES) && self->bound != Py_None;
+    if (mode & HIT) {
+        r->has_hit = 1;
+        r->hit = below_hit;
+    }
+    else if (extra != NULL && extra != Py_None) {
+        r->extra = Py_NewRef(extra);
+    }
+}
+
+/* One operation's record of the recorded pages of `hashes`: `extra` borrowed (NULL:
+ * None), `request` the record's, `mode` what it keeps (KEEP_INDICES: the pages'
+ * indices, when pages are sampled; PAGES_ONLY: no record without a recorded page;
+ * HIT: the count of recorded pages at an index below `hit`, as its extra).  The time
+ * is read once a page is known to be recorded, after the test (which may run Python
+ * code only off the C path) and before the store (which runs none). */
+static void
+tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyObject *extra,
+          Py_ssize_t request, int mode, Py_ssize_t hit)
+{
+    Selection sel;
+    if (tap_select(self, hashes, &sel) <= 0) {
+        return;
+    }
+    double t;
+    if (sel.idx != NULL && PyList_GET_SIZE(sel.idx) == 0) {
+        /* the slow path's test found none */
+    }
+    else if (tap_now(self, &t) < 0) {
+        self->errors++;
+    }
+    else if (self->clock != NULL) { /* (a clock that is Python code may clear the tap) */
+        tap_store(self, &sel, t, kind, pool, extra, request, mode, hit);
+    }
+    Py_XDECREF(sel.idx);
+    Py_XDECREF(sel.seq);
 }
 
 static PyObject *
@@ -420,7 +593,8 @@ Tap_touched(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "touched() takes 3 positional arguments");
         return NULL;
     }
-    return tap_offer(self, K_LOOKUP, args[0], args[1], args[2]);
+    tap_offer(self, K_LOOKUP, args[0], args[1], args[2], self->request, KEEP_INDICES, 0);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -430,7 +604,8 @@ Tap_added(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "added() takes 2 positional arguments");
         return NULL;
     }
-    return tap_offer(self, K_ADD, args[0], args[1], Py_None);
+    tap_offer(self, K_ADD, args[0], args[1], NULL, self->request, KEEP_INDICES, 0);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -440,7 +615,8 @@ Tap_invalidated(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "invalidated() takes 3 positional arguments");
         return NULL;
     }
-    return tap_offer(self, K_INVALIDATE, args[0], args[1], args[2]);
+    tap_offer(self, K_INVALIDATE, args[0], args[1], args[2], self->request, KEEP_INDICES, 0);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -460,17 +636,25 @@ Tap_cleared(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (only < 0) {
         PyErr_Clear();
         self->errors++;
+        Py_RETURN_NONE;
     }
-    else if (only == 0 && self->queue != NULL) {
-        tap_put(self, K_CLEAR, args[0], EMPTY, Py_None, Py_None, self->request);
+    double t;
+    if (only || self->clock == NULL) {
+        Py_RETURN_NONE;
+    }
+    if (tap_now(self, &t) < 0) {
+        self->errors++;
+    }
+    else if (self->clock != NULL) {
+        tap_record(self, t, K_CLEAR, args[0], self->request, 0);
     }
     Py_RETURN_NONE;
 }
 
-/* The write path's records (Recorder.written, Recorder.prefetch): as the Python methods
- * queued them, (clock(), kind, pool, recorded pages, None, extra, 0), and nothing for a
- * chain without a recorded page.  Compiled because the hit-query hook that records a
- * prefetch ran them as four Python frames, cold, once a query. */
+/* The write path's records (Recorder.written, Recorder.prefetch): (time, kind, pool,
+ * recorded pages, None, extra, 0), and nothing for a chain without a recorded page.
+ * Compiled because the hit-query hook that records a prefetch ran them as four Python
+ * frames, cold, once a query. */
 static PyObject *
 Tap_written(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -478,14 +662,7 @@ Tap_written(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "written() takes 2 positional arguments");
         return NULL;
     }
-    PyObject *pages, *idx;
-    if (tap_select(self, args[1], &pages, &idx) > 0) {
-        if (PyTuple_GET_SIZE(pages)) {
-            tap_put(self, K_WRITE, args[0], pages, Py_None, Py_None, 0);
-        }
-        Py_DECREF(pages);
-        Py_DECREF(idx);
-    }
+    tap_offer(self, K_WRITE, args[0], args[1], NULL, 0, PAGES_ONLY, 0);
     Py_RETURN_NONE;
 }
 
@@ -502,29 +679,7 @@ Tap_prefetch(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         self->errors++;
         Py_RETURN_NONE;
     }
-    PyObject *pages, *idx;
-    if (tap_select(self, args[1], &pages, &idx) > 0) {
-        Py_ssize_t m = PyTuple_GET_SIZE(pages), below_hit = 0;
-        if (idx == Py_None) { /* every page: the indices are 0..m-1 */
-            below_hit = hit < 0 ? 0 : (hit > m ? m : hit);
-        }
-        else {
-            while (below_hit < m && PyLong_AsSsize_t(PyList_GET_ITEM(idx, below_hit)) < hit) {
-                below_hit++;
-            }
-        }
-        PyObject *extra = m ? PyLong_FromSsize_t(below_hit) : NULL;
-        if (extra != NULL) {
-            tap_put(self, K_PREFETCH, args[0], pages, Py_None, extra, 0);
-            Py_DECREF(extra);
-        }
-        else if (m) {
-            PyErr_Clear();
-            self->errors++;
-        }
-        Py_DECREF(pages);
-        Py_DECREF(idx);
-    }
+    tap_offer(self, K_PREFETCH, args[0], args[1], NULL, 0, PAGES_ONLY | HIT, hit);
     Py_RETURN_NONE;
 }
 
@@ -539,29 +694,115 @@ Tap_ended(TapObject *self, PyObject *number)
     Py_RETURN_NONE;
 }
 
+/* Record i of `out` as the writer's tuple, its references moved into it (NULL on no
+ * memory: the record stays, for the next take). */
 static PyObject *
-Tap_take_requests(TapObject *self, PyObject *Py_UNUSED(ignored))
+tap_tuple(TapLog *out, Py_ssize_t i)
 {
-    /* Detached first: building the list may run Python code (a collection's finalizers
-     * on 3.10/3.11), which may note new ends; they go to a fresh array. */
-    struct RequestEnd *ends = self->ends;
-    Py_ssize_t n = self->ends_len;
-    self->ends = NULL;
-    self->ends_len = self->ends_cap = 0;
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *item = Py_BuildValue("(dn)", ends[i].t, ends[i].number);
-        if (item == NULL) {
-            Py_CLEAR(out);
+    TapRecord *r = &out->records[i];
+    PyObject *t = PyFloat_FromDouble(r->t);
+    if (t == NULL) {
+        return NULL;
+    }
+    if (r->end) {
+        PyObject *number = PyLong_FromSsize_t(r->request);
+        PyObject *item = number != NULL ? PyTuple_Pack(7, t, K_REQUEST, EMPTY_STR, EMPTY,
+                                                       Py_None, number, ZERO)
+                                        : NULL;
+        Py_XDECREF(number);
+        Py_DECREF(t);
+        return item;
+    }
+    PyObject *pages = r->n ? PyTuple_New(r->n) : Py_NewRef(EMPTY);
+    PyObject *idx = r->indexed ? PyList_New(r->n) : Py_NewRef(Py_None);
+    PyObject *extra = r->has_hit ? PyLong_FromSsize_t(r->hit)
+                                 : Py_NewRef(r->extra != NULL ? r->extra : Py_None);
+    PyObject *request = PyLong_FromSsize_t(r->request);
+    PyObject *item = NULL;
+    for (Py_ssize_t j = 0; idx != NULL && r->indexed && j < r->n; j++) {
+        PyObject *index = PyLong_FromSsize_t(out->pages[r->first + j].index);
+        if (index == NULL) {
+            Py_CLEAR(idx);
             break;
         }
-        PyList_SET_ITEM(out, i, item);
+        PyList_SET_ITEM(idx, j, index);
     }
-    if (out == NULL) {
-        self->errors += n; /* those ends are lost, counted */
+    if (pages != NULL && idx != NULL && extra != NULL && request != NULL) {
+        item = PyTuple_New(7);
     }
-    PyMem_Free(ends);
-    return out;
+    if (item == NULL) {
+        Py_DECREF(t);
+        Py_XDECREF(pages);
+        Py_XDECREF(idx);
+        Py_XDECREF(extra);
+        Py_XDECREF(request);
+        return NULL;
+    }
+    /* No failure from here: the record's references move into the tuple. */
+    for (Py_ssize_t j = 0; j < r->n; j++) {
+        TapPage *p = &out->pages[r->first + j];
+        PyTuple_SET_ITEM(pages, j, p->page);
+        p->page = NULL;
+    }
+    PyObject *pool = r->pool != NULL ? r->pool : Py_NewRef(EMPTY_STR);
+    r->pool = NULL;
+    Py_CLEAR(r->extra);
+    PyTuple_SET_ITEM(item, 0, t);
+    PyTuple_SET_ITEM(item, 1, Py_NewRef(r->kind));
+    PyTuple_SET_ITEM(item, 2, pool);
+    PyTuple_SET_ITEM(item, 3, pages);
+    PyTuple_SET_ITEM(item, 4, idx);
+    PyTuple_SET_ITEM(item, 5, extra);
+    PyTuple_SET_ITEM(item, 6, request);
+    return item;
+}
+
+PyDoc_STRVAR(take_doc,
+"take(limit, /) -> list[tuple]\n\n"
+"At most limit records, oldest first, as the writer encodes them (the module comment).");
+
+static PyObject *
+Tap_take(TapObject *self, PyObject *arg)
+{
+    Py_ssize_t limit = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *got = PyList_New(0);
+    if (got == NULL || self->taking) {
+        return got;
+    }
+    self->taking = 1;
+    while (PyList_GET_SIZE(got) < limit) {
+        TapLog *out = &self->out;
+        if (out->head == out->len) {
+            /* `out` is drained: empty it and swap (the scheduler's calls append to the
+             * emptied arrays; their records are newer than any taken). */
+            log_empty(out);
+            if (self->log.len == 0) {
+                break;
+            }
+            TapLog drained = *out;
+            *out = self->log;
+            self->log = drained;
+            continue;
+        }
+        PyObject *item = tap_tuple(out, out->head);
+        if (item == NULL) { /* no memory: the record waits for the next take */
+            PyErr_Clear();
+            break;
+        }
+        out->head++; /* its references are the tuple's now */
+        if (PyList_Append(got, item) < 0) {
+            PyErr_Clear();
+            self->errors++; /* lost, counted */
+            Py_DECREF(item);
+            break;
+        }
+        Py_DECREF(item);
+    }
+    self->taking = 0;
+    return got;
 }
 
 static PyObject *
@@ -613,12 +854,11 @@ Tap_set_numbered(TapObject *self, PyObject *value, void *closure)
  * what the tree's insert attribute becomes in a server with a recorder.  A call
  * numbers the next request, sets it as the tap's request (the lookups inside the
  * insert carry it), calls insert with the arguments as given, then, returned or
- * raised, resets the request and notes its end (time, number) in the tap's C array,
- * as Recorder.end_request does (dropped and counted once `capacity` ends wait); the
- * writer takes them (take_requests) and writes them in time order among the queued
- * records.  One C call per insert, no Python object made: in the server the Python
- * frames doing the same (one closure) cost a few microseconds an insert, cold, and a
- * queued record tuple about a microsecond more.  Insert's own exception passes through.
+ * raised, resets the request and notes its end (a record in the tap's log, as
+ * Recorder.end_request does; dropped and counted at `capacity`).  One C call per
+ * insert, no Python object made: in the server the Python frames doing the same (one
+ * closure) cost a few microseconds an insert, cold, and a queued record tuple about a
+ * microsecond more.  Insert's own exception passes through.
  */
 typedef struct {
     PyObject_HEAD
@@ -729,6 +969,12 @@ Tap_get_dropped(TapObject *self, void *closure)
 }
 
 static PyObject *
+Tap_get_waiting(TapObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->log.len + self->out.len - self->out.head);
+}
+
+static PyObject *
 Tap_get_errors(TapObject *self, void *closure)
 {
     return PyLong_FromSsize_t(self->errors);
@@ -748,8 +994,7 @@ static PyMethodDef Tap_methods[] = {
      "prefetch(pool, chain, hit_pages): a prefetch hit query (Recorder.prefetch)."},
     {"ended", (PyCFunction)Tap_ended, METH_O,
      "ended(number): request number ended (what Bracket notes; Recorder.end_request)."},
-    {"take_requests", (PyCFunction)Tap_take_requests, METH_NOARGS,
-     "take_requests() -> [(time, number)]: the request ends noted since the last take."},
+    {"take", (PyCFunction)Tap_take, METH_O, take_doc},
     {"bracket", (PyCFunction)Tap_bracket, METH_O,
      "bracket(insert): insert with each call one request (Bracket)."},
     {NULL, NULL, 0, NULL},
@@ -760,7 +1005,8 @@ static PyGetSetDef Tap_getset[] = {
      "The request whose insert is running (0: none); lookups carry it.", NULL},
     {"numbered", (getter)Tap_get_numbered, (setter)Tap_set_numbered,
      "The last request number given.", NULL},
-    {"dropped", (getter)Tap_get_dropped, NULL, "Records dropped: the queue was full.", NULL},
+    {"dropped", (getter)Tap_get_dropped, NULL, "Records dropped: capacity records waited.", NULL},
+    {"waiting", (getter)Tap_get_waiting, NULL, "Records waiting for the writer (take).", NULL},
     {"errors", (getter)Tap_get_errors, NULL, "Records lost to a failure (swallowed).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -770,7 +1016,7 @@ static PyTypeObject TapType = {
     .tp_name = "hicache_existence.accounting._recorder.Tap",
     .tp_basicsize = sizeof(TapObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Tap(bound, queue, capacity, clock): the recorder's observer (module comment).",
+    .tp_doc = "Tap(bound, capacity, clock): the recorder's observer (module comment).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Tap_init,
     .tp_dealloc = (destructor)Tap_dealloc,
@@ -1133,9 +1379,13 @@ PyInit__recorder(void)
     K_CLEAR = PyUnicode_InternFromString("clear");
     K_WRITE = PyUnicode_InternFromString("write");
     K_PREFETCH = PyUnicode_InternFromString("prefetch");
+    K_REQUEST = PyUnicode_InternFromString("request");
     EMPTY = PyTuple_New(0);
+    EMPTY_STR = PyUnicode_InternFromString("");
+    ZERO = PyLong_FromLong(0);
     if (K_LOOKUP == NULL || K_ADD == NULL || K_INVALIDATE == NULL || K_CLEAR == NULL
-        || K_WRITE == NULL || K_PREFETCH == NULL || EMPTY == NULL) {
+        || K_WRITE == NULL || K_PREFETCH == NULL || K_REQUEST == NULL || EMPTY == NULL
+        || EMPTY_STR == NULL || ZERO == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&recorder_module);

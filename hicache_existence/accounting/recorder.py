@@ -21,13 +21,13 @@ for ``d / rate`` pages.
 **The scheduler thread pays little and never waits.**  The cache's ``Tee`` calls
 the recorder's ``tap`` (``_recorder.Tap``, compiled; ``PyTap`` without a
 compiler): per operation one C call that tests the pages (a few ns a page,
-nothing allocated) and, only when a page was recorded, appends one tuple to a
-``deque`` (atomic under the GIL: no lock); no hashing, encoding or I/O.  A
-request's end (each insert's) is a time and a number in the tap's C array, no
-Python object made.  With ``queue_records`` waiting (records, or request ends), the
-next is dropped and counted.  A writer thread drains both every
-``flush_interval_s``, merged in time order (``Recorder._take``), encodes JSON lines (compiled too:
-the writer holds the GIL the scheduler needs), writes each chunk as one complete
+nothing allocated) and, only when a page was recorded, logs one record in C
+arrays (pointers, no Python object made; the GIL orders it: no lock); no
+hashing, encoding or I/O.  A request's end (each insert's) is one more record.
+With ``queue_records`` waiting, the next is dropped and counted.  A writer
+thread takes them every ``flush_interval_s``, in the order they happened, as
+tuples (made on its thread), encodes JSON lines (compiled too: the writer
+holds the GIL the scheduler needs), writes each chunk as one complete
 gzip member (a file cut short by a killed server keeps every member before the
 cut readable), rotates at ``file_bytes`` and deletes this instance's oldest
 files while the total exceeds ``max_bytes``.  A failed open or write (an
@@ -42,7 +42,6 @@ import contextlib
 import gzip
 import json
 import logging
-import math
 import operator
 import os
 import re
@@ -72,6 +71,8 @@ SAMPLING = "hash-prefix-32"
 SUFFIX = ".jsonl.gz"
 #: Uncompressed bytes written between two flushes (and disk-bound checks).
 CHUNK_BYTES = 64 * 1024
+#: Records a take makes into tuples at most (one take holds the GIL throughout).
+TAKE_RECORDS = 4096
 #: Seconds between two attempts after a failed open or write.
 RETRY_S = 5.0
 
@@ -113,44 +114,39 @@ _native_encode: Callable[[tuple[Any, ...], float], str | None] | None = (
 
 class PyTap:
     """The compiled ``Tap``'s twin, the recorder's ``BeliefObserver`` in the cache's
-    ``Tee``: an operation with a recorded page appends ``(clock(), kind, pool,
-    recorded pages, their indices (None: all), extra (lookup: stop; invalidate:
-    keep_pages), request)`` to ``queue`` (dropped and counted at ``capacity``).
-    Never raises (failures count in ``errors``)."""
+    ``Tee``: an operation with a recorded page logs ``(time, kind, pool, recorded
+    pages, their indices (None: all), extra (lookup: stop; invalidate: keep_pages;
+    prefetch: hit), request)``, a request's end ``(time, "request", "", (), None,
+    number, 0)``, in the order they happen, until the writer ``take``s them (dropped
+    and counted at ``capacity`` waiting).  Never raises (failures count in ``errors``)."""
 
-    __slots__ = (
-        "bound",
-        "queue",
-        "capacity",
-        "clock",
-        "request",
-        "numbered",
-        "dropped",
-        "errors",
-        "ends",
-    )
+    __slots__ = ("bound", "capacity", "clock", "request", "numbered", "dropped", "errors", "log")
 
-    def __init__(
-        self, bound: str | None, queue: Any, capacity: int, clock: Callable[[], float]
-    ) -> None:
+    def __init__(self, bound: str | None, capacity: int, clock: Callable[[], float]) -> None:
         if bound is not None and not isinstance(bound, str):
             raise TypeError("bound must be a str or None")
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         if not callable(clock):
             raise TypeError("clock must be callable")
-        if not callable(getattr(queue, "append", None)):
-            raise TypeError("queue must have an append method")
         self.bound = bound
-        self.queue = queue
         self.capacity = capacity
         self.clock = clock
         self.request = 0
         self.numbered = 0
         self.dropped = 0
         self.errors = 0
-        #: Request ends (time, number) not yet taken by the writer (``take_requests``).
-        self.ends: list[tuple[float, int]] = []
+        self.log: collections.deque[tuple[Any, ...]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Records waiting for the writer (``take``)."""
+        return len(self.log)
+
+    def take(self, limit: int, /) -> list[tuple[Any, ...]]:
+        """At most ``limit`` records, oldest first."""
+        log = self.log
+        return [log.popleft() for _ in range(min(operator.index(limit), len(log)))]
 
     def _put(
         self,
@@ -162,12 +158,14 @@ class PyTap:
         request: int,
     ) -> None:
         try:
-            if len(self.queue) >= self.capacity:
-                self.dropped += 1
-                return
-            self.queue.append((self.clock(), kind, pool, pages, idx, extra, request))
+            t = float(self.clock())  # first: a clock may log other records
         except Exception:
             self.errors += 1
+            return
+        if len(self.log) >= self.capacity:
+            self.dropped += 1
+            return
+        self.log.append((t, kind, pool, pages, idx, extra, request))
 
     def _recorded(self, hashes: Sequence[str]) -> tuple[tuple[str, ...], list[int] | None] | None:
         """The recorded pages of ``hashes`` and their indices (``None``: every page);
@@ -225,23 +223,8 @@ class PyTap:
             self._put(PREFETCH, pool, pages, None, held, 0)
 
     def ended(self, number: int) -> None:
-        """Request ``number`` ended: noted for the writer (dropped and counted once
-        ``capacity`` ends wait)."""
-        number = operator.index(number)
-        try:
-            t = float(self.clock())  # first: a clock may note other ends
-        except Exception:
-            self.errors += 1
-            return
-        if len(self.ends) >= self.capacity:
-            self.dropped += 1
-            return
-        self.ends.append((t, number))
-
-    def take_requests(self) -> list[tuple[float, int]]:
-        """The request ends noted since the last take, oldest first."""
-        ends, self.ends = self.ends, []
-        return ends
+        """Request ``number`` ended: logged for the writer."""
+        self._put(REQUEST, "", (), None, operator.index(number), 0)
 
     def bracket(self, insert: Callable[..., Any]) -> Callable[..., Any]:
         """``insert`` with each call one request (the compiled ``Bracket``'s twin):
@@ -327,9 +310,9 @@ class Recorder:
         self.started_unix = wall()
         self._header_extra = dict(header or {})
         self.page_size = 0
-        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
-        #: What the cache's ``Tee`` calls (``Tap``): the hot path, in C.
-        self.tap = Tap(self._bound, self._queue, self.capacity, clock)
+        #: What the cache's ``Tee`` calls (``Tap``): the hot path, in C; it holds the
+        #: records until the writer takes them.
+        self.tap = Tap(self._bound, self.capacity, clock)
         #: ``written(pool, pages)``: the write path launched an L3 write of ``pages``;
         #: ``prefetch(pool, chain, hit_pages)``: a rank-agreed prefetch hit query on
         #: ``chain``, L3 holding its first ``hit_pages``.  The tap's own (compiled: one
@@ -343,7 +326,6 @@ class Recorder:
         self.files_deleted = 0
         # writer state (writer thread only, after start)
         self._files: list[tuple[Path, int]] = []  # closed files of this instance, oldest first
-        self._ends: list[tuple[float, int]] = []  # request ends taken, not yet due
         self._current: Path | None = None
         self._raw: Any = None
         self._part = 0
@@ -396,7 +378,7 @@ class Recorder:
             thread.join(timeout_s)
         if thread is None or not thread.is_alive():
             with self._lock:
-                self._drain(final=True)
+                self._drain()
                 self._close_file()
 
     def set_page_size(self, page_size: int) -> None:
@@ -477,7 +459,7 @@ class Recorder:
                     self._warn(f"recorder writer error: {exc!r}")
         with self._lock:
             with contextlib.suppress(Exception):
-                self._drain(final=True)
+                self._drain()
             self._close_file()
 
     def _scan(self) -> None:
@@ -489,55 +471,41 @@ class Recorder:
         found.sort()
         self._files = [(path, size) for _, _, path, size in found]
 
-    def _take(self, final: bool = False) -> list[tuple[Any, ...]]:
-        """The records due, in time order: the queued ones and the tap's request ends
-        up to now (``final``: all), merged; a later end waits for the next take, so
-        the file's times never decrease (a request's lookups come before its end)."""
-        horizon = math.inf if final else self._clock()
-        ends = self._ends + self.tap.take_requests()
-        queue = self._queue
-        popleft = queue.popleft
-        out: list[tuple[Any, ...]] = []
-        i, n = 0, len(ends)
-        while queue and queue[0][0] <= horizon:
-            record = popleft()
-            while i < n and ends[i][0] < record[0]:
-                out.append((ends[i][0], REQUEST, "", (), None, ends[i][1], 0))
-                i += 1
-            out.append(record)
-        while i < n and ends[i][0] <= horizon:
-            out.append((ends[i][0], REQUEST, "", (), None, ends[i][1], 0))
-            i += 1
-        self._ends = ends[i:]
-        return out
-
-    def _drain(self, final: bool = False) -> None:
+    def _drain(self) -> None:
+        """Write what the tap holds, in the order it happened (a request's lookups
+        before its end), taken ``TAKE_RECORDS`` at a time: each take holds the GIL
+        while it makes its tuples."""
         chunk: list[str] = []
         kinds: list[str] = []
         size = 0
         t0 = self._t0
         # (The compiled encoder takes float times only: a test's int clock skips it.)
         encode = _native_encode if type(t0) is float else None
-        for record in self._take(final):
-            try:
-                if encode is None:
-                    line = self._encode(record)
-                else:
-                    try:
-                        line = encode(record, t0)
-                    except TypeError:  # a record the compiled encoder does not take
+        take = self.tap.take
+        while True:
+            batch = take(TAKE_RECORDS)
+            for record in batch:
+                try:
+                    if encode is None:
                         line = self._encode(record)
-            except Exception:
-                self.write_errors += 1
-                continue
-            if line is None:
-                continue
-            chunk.append(line)
-            kinds.append(record[1])
-            size += len(line)
-            if size >= CHUNK_BYTES:
-                self._write(chunk, kinds)
-                chunk, kinds, size = [], [], 0
+                    else:
+                        try:
+                            line = encode(record, t0)
+                        except TypeError:  # a record the compiled encoder does not take
+                            line = self._encode(record)
+                except Exception:
+                    self.write_errors += 1
+                    continue
+                if line is None:
+                    continue
+                chunk.append(line)
+                kinds.append(record[1])
+                size += len(line)
+                if size >= CHUNK_BYTES:
+                    self._write(chunk, kinds)
+                    chunk, kinds, size = [], [], 0
+            if len(batch) < TAKE_RECORDS:
+                break
         if chunk:
             self._write(chunk, kinds)
 
@@ -691,5 +659,5 @@ class Recorder:
 
     def __repr__(self) -> str:
         return (
-            f"<Recorder rate={self.rate:g} path={str(self.directory)!r} queued={len(self._queue)}>"
+            f"<Recorder rate={self.rate:g} path={str(self.directory)!r} waiting={self.tap.waiting}>"
         )
