@@ -106,15 +106,16 @@ below_impl(PyObject *keys, PyObject *bound, Py_ssize_t start)
     return out;
 }
 
-/* The first key of a list or tuple of exact ASCII strs below an ASCII bound, without
- * allocating: its index, NONE_BELOW, or CANNOT_TELL (no error set: another sequence,
- * another kind of key) when the caller must run below_impl from 0. */
-#define NONE_BELOW (-1)
-#define CANNOT_TELL (-2)
+/* How many keys of an exact list or tuple of exact ASCII strs are below an ASCII bound,
+ * without allocating, and the first one's index in *first; CANNOT_TELL (no error set:
+ * another sequence, another kind of key anywhere in it) when the caller must test them
+ * as Python compares (below_impl).  Every key is looked at: a key the C test cannot take
+ * after the first one below must not be skipped. */
+#define CANNOT_TELL (-1)
 static Py_ssize_t
-first_below(PyObject *keys, PyObject *bound)
+count_below(PyObject *keys, PyObject *bound, Py_ssize_t *first)
 {
-    if ((!PyList_Check(keys) && !PyTuple_Check(keys)) || !PyUnicode_Check(bound)
+    if ((!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys)) || !PyUnicode_Check(bound)
         || !PyUnicode_IS_COMPACT_ASCII(bound)) {
         return CANNOT_TELL;
     }
@@ -122,15 +123,17 @@ first_below(PyObject *keys, PyObject *bound)
     Py_ssize_t blen = PyUnicode_GET_LENGTH(bound);
     Py_ssize_t size = PySequence_Fast_GET_SIZE(keys);
     PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t count = 0;
+    *first = size;
     for (Py_ssize_t i = 0; i < size; i++) {
         if (!is_fast_key(items[i])) {
             return CANNOT_TELL;
         }
-        if (ascii_lt(items[i], bd, blen)) {
-            return i;
+        if (ascii_lt(items[i], bd, blen) && count++ == 0) {
+            *first = i;
         }
     }
-    return NONE_BELOW;
+    return count;
 }
 
 static PyObject *
@@ -279,13 +282,28 @@ Tap_dealloc(TapObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* The logs hold page hashes, pools and ints (what the cache passes): not visited. */
+/* A log's references: page hashes, pools and ints from the cache, but a caller may pass
+ * anything (a cycle through a record must be collectable). */
+static int
+log_traverse(TapLog *log, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < log->len; i++) {
+        Py_VISIT(log->records[i].pool);
+        Py_VISIT(log->records[i].extra);
+    }
+    for (Py_ssize_t i = 0; i < log->npages; i++) {
+        Py_VISIT(log->pages[i].page);
+    }
+    return 0;
+}
+
 static int
 Tap_traverse(TapObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->bound);
     Py_VISIT(self->clock);
-    return 0;
+    int rc = log_traverse(&self->log, visit, arg);
+    return rc ? rc : log_traverse(&self->out, visit, arg);
 }
 
 static int
@@ -293,6 +311,8 @@ Tap_clear(TapObject *self)
 {
     Py_CLEAR(self->bound);
     Py_CLEAR(self->clock);
+    log_free(&self->log);
+    log_free(&self->out);
     return 0;
 }
 
@@ -405,43 +425,44 @@ tap_end(TapObject *self, Py_ssize_t number)
 }
 
 /* Which pages of an operation's hashes are recorded: the sequence (a list or tuple,
- * owned) and either the first recorded index (`idx` NULL: test from it, in C) or the
- * recorded indices (`idx`, an owned list: a sequence or keys the C test cannot take). */
+ * owned), how many (`count`), and either the first one's index (`idx` NULL: the C test
+ * from there) or their indices (`idx`, an owned list). */
 typedef struct {
     PyObject *seq;
     PyObject *idx;
-    Py_ssize_t first;
+    Py_ssize_t first, count;
 } Selection;
 
-/* 1: some page may be recorded (sel's references owned), 0: none (nothing allocated:
- * most operations), -1: a failure (cleared, counted).  May run Python code (another
- * sequence's iteration, a str subclass's comparison): no log is held across it. */
+/* 1: `count` pages are recorded (maybe 0 with bound None; sel's references owned), 0:
+ * none (nothing allocated: most operations), -1: a failure (cleared, counted).
+ * The C test runs on an exact list or tuple of exact ASCII strs, and only with the
+ * direct clock, so that no Python code runs between the test and the store; anything
+ * else is copied to a tuple and tested as Python compares, before the clock is read
+ * (what PyTap does): a clock or a comparison that is Python code cannot change it. */
 static int
 tap_select(TapObject *self, PyObject *hashes, Selection *sel)
 {
     sel->seq = sel->idx = NULL;
-    sel->first = 0;
+    sel->first = sel->count = 0;
     if (self->clock == NULL) {
         return 0;
     }
-    if (PyList_Check(hashes) || PyTuple_Check(hashes)) {
-        if (self->bound != Py_None) {
-            Py_ssize_t first = first_below(hashes, self->bound);
-            if (first == NONE_BELOW) {
-                return 0;
-            }
-            if (first != CANNOT_TELL) {
-                sel->seq = Py_NewRef(hashes);
-                sel->first = first;
-                return 1;
-            }
-        }
-        else {
+    if (self->monotonic && (PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes))) {
+        if (self->bound == Py_None) {
             sel->seq = Py_NewRef(hashes);
+            sel->count = PySequence_Fast_GET_SIZE(hashes);
+            return 1;
+        }
+        Py_ssize_t count = count_below(hashes, self->bound, &sel->first);
+        if (count == 0) {
+            return 0;
+        }
+        if (count != CANNOT_TELL) {
+            sel->seq = Py_NewRef(hashes);
+            sel->count = count;
             return 1;
         }
     }
-    /* The slow path: a tuple (nothing can change it), its indices tested as Python does. */
     sel->seq = PySequence_Tuple(hashes);
     if (sel->seq != NULL && self->bound != Py_None) {
         sel->idx = below_impl(sel->seq, self->bound, 0);
@@ -454,48 +475,49 @@ tap_select(TapObject *self, PyObject *hashes, Selection *sel)
         self->errors++;
         return -1;
     }
+    sel->count = sel->idx != NULL ? PyList_GET_SIZE(sel->idx) : PyTuple_GET_SIZE(sel->seq);
+    if (sel->count == 0 && self->bound != Py_None) {
+        Py_CLEAR(sel->idx);
+        Py_CLEAR(sel->seq);
+        return 0;
+    }
     return 1;
 }
 
-/* Append sel's recorded pages to record r (room reserved for all of seq's pages): their
- * count, or -1 when a key no longer takes the C test (a clock that is Python code
- * changed the list).  Counts in *below_hit the recorded pages at an index < hit.
- * Runs no Python code. */
+/* Append sel's recorded pages to record r (room reserved for sel->count): how many.
+ * Fewer than sel->count only if the sequence is not as tested (it cannot be: no Python
+ * code ran since; the checks keep a bug from reading past it).  Counts in *below_hit the
+ * recorded pages at an index < hit.  Runs no Python code. */
 static Py_ssize_t
 tap_append(TapObject *self, TapRecord *r, Selection *sel, Py_ssize_t hit, Py_ssize_t *below_hit)
 {
     TapLog *log = &self->log;
     TapPage *pages = log->pages + log->npages;
-    Py_ssize_t m = 0, below = 0;
+    Py_ssize_t m = 0, below = 0, size = PySequence_Fast_GET_SIZE(sel->seq);
+    PyObject **items = PySequence_Fast_ITEMS(sel->seq);
     if (sel->idx != NULL) {
-        Py_ssize_t k = PyList_GET_SIZE(sel->idx), size = PyTuple_GET_SIZE(sel->seq);
-        for (Py_ssize_t j = 0; j < k; j++) {
+        for (Py_ssize_t j = 0; j < sel->count; j++) {
             Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(sel->idx, j));
             if (i < 0 || i >= size) { /* below_impl's own indices: cannot happen */
                 PyErr_Clear();
                 break;
             }
-            pages[m].page = Py_NewRef(PyTuple_GET_ITEM(sel->seq, i));
+            pages[m].page = Py_NewRef(items[i]);
             pages[m].index = i;
             below += i < hit;
             m++;
         }
     }
     else {
-        Py_ssize_t size = PySequence_Fast_GET_SIZE(sel->seq);
-        PyObject **items = PySequence_Fast_ITEMS(sel->seq);
         PyObject *bound = self->bound;
         int every = bound == Py_None;
         const unsigned char *bd = every ? NULL : (const unsigned char *)PyUnicode_DATA(bound);
         Py_ssize_t blen = every ? 0 : PyUnicode_GET_LENGTH(bound);
-        for (Py_ssize_t i = sel->first; i < size; i++) {
+        for (Py_ssize_t i = sel->first; i < size && m < sel->count; i++) {
             PyObject *key = items[i];
             if (!every) {
                 if (!is_fast_key(key)) {
-                    for (Py_ssize_t j = 0; j < m; j++) {
-                        Py_DECREF(pages[j].page); /* the list still holds them */
-                    }
-                    return -1;
+                    break;
                 }
                 if (!ascii_lt(key, bd, blen)) {
                     continue;
@@ -513,17 +535,6 @@ tap_append(TapObject *self, TapRecord *r, Selection *sel, Py_ssize_t hit, Py_ssi
     return m;
 }
 
-/* The reserve for sel's pages: every page of seq from the first possible one. */
-static Py_ssize_t
-sel_most(Selection *sel)
-{
-    if (sel->idx != NULL) {
-        return PyList_GET_SIZE(sel->idx);
-    }
-    Py_ssize_t size = PySequence_Fast_GET_SIZE(sel->seq);
-    return size > sel->first ? size - sel->first : 0;
-}
-
 enum { KEEP_INDICES = 1, PAGES_ONLY = 2, HIT = 4 };
 
 /* Store sel's record at time t (see tap_offer).  Runs no Python code. */
@@ -531,21 +542,21 @@ static void
 tap_store(TapObject *self, Selection *sel, double t, PyObject *kind, PyObject *pool,
           PyObject *extra, Py_ssize_t request, int mode, Py_ssize_t hit)
 {
-    Py_ssize_t most = sel_most(sel);
-    if (most == 0 && (mode & PAGES_ONLY)) {
-        return;
-    }
-    TapRecord *r = tap_record(self, t, kind, pool, request, most);
+    TapRecord *r = tap_record(self, t, kind, pool, request, sel->count);
     if (r == NULL) {
         return;
     }
     Py_ssize_t below_hit;
     Py_ssize_t m = tap_append(self, r, sel, hit, &below_hit);
-    if (m < 0 || (m == 0 && ((mode & PAGES_ONLY) || self->bound != Py_None))) {
-        /* unmade (the last record): no page is recorded after all, or a key changed */
-        self->log.len--;
+    if (m != sel->count) { /* unmade (the last record): see tap_append */
+        TapLog *log = &self->log;
+        log->npages = r->first;
+        log->len--;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            Py_DECREF(log->pages[r->first + j].page); /* the sequence holds them too */
+        }
         Py_XDECREF(r->pool); /* the caller holds the pool: nothing is freed */
-        self->errors += m < 0;
+        self->errors++;
         return;
     }
     r->indexed = (mode & KEEP_INDICES) && self->bound != Py_None;
@@ -573,8 +584,9 @@ tap_offer(TapObject *self, PyObject *kind, PyObject *pool, PyObject *hashes, PyO
         return;
     }
     double t;
-    if (sel.idx != NULL && PyList_GET_SIZE(sel.idx) == 0) {
-        /* the slow path's test found none */
+    if ((sel.count == 0 && (mode & PAGES_ONLY)) || self->clock == NULL) {
+        /* nothing to record (PyTap reads no clock either), or the test's Python code
+         * cleared the tap */
     }
     else if (tap_now(self, &t) < 0) {
         self->errors++;
@@ -639,6 +651,7 @@ Tap_cleared(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     double t;
+    Py_ssize_t request = self->request; /* the request of the call, whatever the clock does */
     if (only || self->clock == NULL) {
         Py_RETURN_NONE;
     }
@@ -646,7 +659,7 @@ Tap_cleared(TapObject *self, PyObject *const *args, Py_ssize_t nargs)
         self->errors++;
     }
     else if (self->clock != NULL) {
-        tap_record(self, t, K_CLEAR, args[0], self->request, 0);
+        tap_record(self, t, K_CLEAR, args[0], request, 0);
     }
     Py_RETURN_NONE;
 }
@@ -761,24 +774,37 @@ PyDoc_STRVAR(take_doc,
 "take(limit, /) -> list[tuple]\n\n"
 "At most limit records, oldest first, as the writer encodes them (the module comment).");
 
+/* Arrays larger than this are freed, not kept, once drained: one burst (a huge chain
+ * at a high rate) does not hold its memory for good. */
+#define KEEP_RECORDS 16384
+#define KEEP_PAGES 262144
+
 static PyObject *
 Tap_take(TapObject *self, PyObject *arg)
 {
-    Py_ssize_t limit = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
+    Py_ssize_t limit = PyNumber_AsSsize_t(arg, NULL); /* clipped */
     if (limit == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *got = PyList_New(0);
-    if (got == NULL || self->taking) {
+    Py_ssize_t waiting = self->log.len + self->out.len - self->out.head;
+    Py_ssize_t want = self->taking || limit < 0 ? 0 : (limit < waiting ? limit : waiting);
+    /* Sized now: nothing can fail after a record's references move into its tuple.
+     * Records logged during the take (a collection's callbacks) wait for the next. */
+    PyObject *got = PyList_New(want);
+    if (got == NULL || want == 0) {
         return got;
     }
     self->taking = 1;
-    while (PyList_GET_SIZE(got) < limit) {
+    Py_ssize_t k = 0;
+    while (k < want) {
         TapLog *out = &self->out;
         if (out->head == out->len) {
             /* `out` is drained: empty it and swap (the scheduler's calls append to the
              * emptied arrays; their records are newer than any taken). */
             log_empty(out);
+            if (out->cap > KEEP_RECORDS || out->pages_cap > KEEP_PAGES) {
+                log_free(out);
+            }
             if (self->log.len == 0) {
                 break;
             }
@@ -793,15 +819,11 @@ Tap_take(TapObject *self, PyObject *arg)
             break;
         }
         out->head++; /* its references are the tuple's now */
-        if (PyList_Append(got, item) < 0) {
-            PyErr_Clear();
-            self->errors++; /* lost, counted */
-            Py_DECREF(item);
-            break;
-        }
-        Py_DECREF(item);
+        PyList_SET_ITEM(got, k, item);
+        k++;
     }
     self->taking = 0;
+    Py_SET_SIZE(got, k); /* our own list: its items past k are NULL */
     return got;
 }
 
@@ -872,32 +894,38 @@ Bracket_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
 {
     BracketObject *self = (BracketObject *)callable;
     TapObject *tap = self->tap;
+    if (tap == NULL || self->insert == NULL) { /* cleared by a collection */
+        PyErr_SetString(PyExc_TypeError, "a cleared bracket cannot be called");
+        return NULL;
+    }
+    Py_INCREF(tap); /* held across insert, whatever it does to the bracket */
     Py_ssize_t number = ++tap->numbered;
     tap->request = number;
     PyObject *res = PyObject_Vectorcall(self->insert, args, nargsf, kwnames);
     tap->request = 0;
     if (res != NULL) {
         tap_end(tap, number);
-        return res;
     }
-    /* insert raised: its exception passes through (the clock may be Python code) */
+    else { /* insert raised: its exception passes through (the clock may be Python code) */
 #if PY_VERSION_HEX >= 0x030C0000
-    PyObject *raised = PyErr_GetRaisedException();
-    tap_end(tap, number);
-    PyErr_SetRaisedException(raised);
+        PyObject *raised = PyErr_GetRaisedException();
+        tap_end(tap, number);
+        PyErr_SetRaisedException(raised);
 #else
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    tap_end(tap, number);
-    PyErr_Restore(type, value, traceback);
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        tap_end(tap, number);
+        PyErr_Restore(type, value, traceback);
 #endif
-    return NULL;
+    }
+    Py_DECREF(tap);
+    return res;
 }
 
 static PyObject *
 Bracket_get_insert(BracketObject *self, void *closure)
 {
-    return Py_NewRef(self->insert);
+    return Py_NewRef(self->insert != NULL ? self->insert : Py_None);
 }
 
 static void

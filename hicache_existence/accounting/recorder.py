@@ -120,7 +120,17 @@ class PyTap:
     number, 0)``, in the order they happen, until the writer ``take``s them (dropped
     and counted at ``capacity`` waiting).  Never raises (failures count in ``errors``)."""
 
-    __slots__ = ("bound", "capacity", "clock", "request", "numbered", "dropped", "errors", "log")
+    __slots__ = (
+        "bound",
+        "capacity",
+        "clock",
+        "request",
+        "numbered",
+        "dropped",
+        "errors",
+        "log",
+        "_taking",
+    )
 
     def __init__(self, bound: str | None, capacity: int, clock: Callable[[], float]) -> None:
         if bound is not None and not isinstance(bound, str):
@@ -137,6 +147,7 @@ class PyTap:
         self.dropped = 0
         self.errors = 0
         self.log: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._taking = False
 
     @property
     def waiting(self) -> int:
@@ -144,9 +155,16 @@ class PyTap:
         return len(self.log)
 
     def take(self, limit: int, /) -> list[tuple[Any, ...]]:
-        """At most ``limit`` records, oldest first."""
-        log = self.log
-        return [log.popleft() for _ in range(min(operator.index(limit), len(log)))]
+        """At most ``limit`` records, oldest first (a take inside a take: none)."""
+        limit = operator.index(limit)
+        if self._taking:
+            return []
+        self._taking = True
+        try:
+            log = self.log
+            return [log.popleft() for _ in range(max(0, min(limit, len(log))))]
+        finally:
+            self._taking = False
 
     def _put(
         self,
@@ -158,7 +176,10 @@ class PyTap:
         request: int,
     ) -> None:
         try:
-            t = float(self.clock())  # first: a clock may log other records
+            t = self.clock()  # first: a clock may log other records
+            if isinstance(t, (str, bytes, bytearray)):  # a number, as the C tap takes it
+                raise TypeError("the clock must return a number")
+            t = float(t)
         except Exception:
             self.errors += 1
             return
@@ -173,8 +194,8 @@ class PyTap:
         try:
             if self.bound is None:
                 return tuple(hashes), None
-            if not isinstance(hashes, (list, tuple)):
-                hashes = tuple(hashes)
+            if type(hashes) is not list and type(hashes) is not tuple:
+                hashes = tuple(hashes)  # (a subclass as its iteration gives it)
             idx = py_below(hashes, self.bound)
             return tuple([hashes[i] for i in idx]), idx
         except Exception:
