@@ -440,9 +440,53 @@ def test_the_nested_control_figures_are_the_recorded_ones() -> None:
         f"within its target" in README
     )
     assert float(middle.rstrip("%")) > 0.05
-    docs = " ".join((ROOT / "docs" / "replay.md").read_text(encoding="utf-8").split())
+
+
+def test_the_tap_log_figures_are_the_recorded_ones() -> None:
+    """The tap's records in C arrays (``log``): the README's section and docs/replay.md
+    state what the record holds, against the tree before and beside the variants, and
+    the verdict follows from it (target 0.05%)."""
+    x = RECORD["log"]
+    share = "recorder_share_of_busy_paired_median"
+
+    def net(runs: list[dict[str, Any]]) -> list[str]:
+        return [r["summary"][share + "_insitu_site"] for r in runs]
+
+    def gross(runs: list[dict[str, Any]]) -> list[str]:
+        return [r["summary"][share] for r in runs]
+
+    def insert(runs: list[dict[str, Any]]) -> str:
+        ms = [
+            r["ms_by_function_per_round_median"]["recorder_on"]["hook:insert"]["ms"] for r in runs
+        ]
+        return f"{min(ms):.3f}-{max(ms):.3f}"
+
+    new, old = x["recorder"], x["against"]["recorder"]
     assert (
-        f"spent a median {', '.join(on_ring[:-1])} and {on_ring[-1]} more of its busy scheduler "
-        f"time" in docs
+        f"`{x['commit']}` alternating with `{x['against']['commit']}`'s tree: "
+        f"{', '.join(net(new))} of busy time net of the controls (gross {', '.join(gross(new))}) "
+        f"against {', '.join(net(old))} (gross {', '.join(gross(old))})" in README
     )
-    assert f"{', '.join(gross_ring[:-1])} and {gross_ring[-1]} with them" in docs
+    v = x["variants"]
+    for name, label in (
+        ("noop", "a tap that returns at once"),
+        ("idle_writer", "a writer that never wakes"),
+        ("new", "the tree as built"),
+    ):
+        assert f"{label} {', '.join(net(v[name]))}" in README, name
+    assert (
+        f"`hook:insert` {insert(new + old + v['noop'] + v['idle_writer'] + v['new'])} ms" in README
+    )
+    middle = sorted(net(new), key=lambda s: float(s.rstrip("%")))[1]
+    under = sum(float(s.rstrip("%")) <= 0.05 for s in net(new))
+    assert f"within 0.05% in {under} of its 3 runs, its median {middle}: not within" in README
+    assert float(middle.rstrip("%")) > 0.05  # so "not within its target"
+    docs = " ".join((ROOT / "docs" / "replay.md").read_text(encoding="utf-8").split())
+    on = net(new)
+    assert (
+        f"spent a median {', '.join(on[:-1])} and {on[-1]} more of its busy scheduler time" in docs
+    )
+    assert f"{', '.join(gross(new)[:-1])} and {gross(new)[-1]} with them" in docs
+    noop, idle = net(v["noop"]), net(v["idle_writer"])
+    assert f"the same benchmark measured {' and '.join(noop)}" in docs
+    assert f"a writer that never wakes: {', '.join(idle)}" in docs
