@@ -644,6 +644,95 @@ def test_records_logged_or_taken_while_the_writer_takes_them_are_kept(tap_type: 
     assert tap.dropped == 0 and tap.errors == 0
 
 
+def test_comparisons_that_change_the_chain_or_the_request_change_no_record() -> None:
+    """Keys the C test cannot take are compared as Python does, on a copy and with the
+    request of the call: a comparison (Python code) that changes the chain or the
+    request changes neither tap's record."""
+
+    class Key(str):
+        def __lt__(self, other: object) -> bool:
+            chain.clear()
+            taps[0].request += 10
+            return str.__lt__(self, other)  # type: ignore[operator]
+
+    seen = []
+    for tap_type in TAPS:
+        taps = [tap_type("8", 64, time.monotonic)]
+        chain: list[Any] = [Key("00a"), "00b", "ffc"]
+        taps[0].request = 1
+        taps[0].touched("kv", chain, 1)
+        seen.append([(r[1], r[3], r[4], r[6]) for r in taps[0].take(10)])
+    assert seen[0] == [("lookup", ("00a", "00b"), [0, 1], 1)]
+    assert all(s == seen[0] for s in seen)
+
+
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_a_collection_listing_objects_during_a_take_sees_no_half_made_record(
+    tap_type: Any,
+) -> None:
+    """A take's list and tuples are filled before a collection's callbacks can list
+    them (on 3.10/3.11 the allocations inside a take may run one): every container a
+    callback finds is whole."""
+    import gc
+
+    tap = tap_type("8", 1000, time.monotonic)
+    for i in range(50):
+        tap.touched("kv", [f"0{i}", "f", f"1{i}"], 2)
+    found = [0]
+
+    def look(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            for o in gc.get_objects(0):
+                if type(o) in (list, tuple):
+                    found[0] += sum(1 for _ in o)
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.callbacks.append(look)
+    try:
+        gc.set_threshold(1)
+        got = tap.take(100)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(look)
+    assert len(got) == 50 and all(r[3] == (f"0{i}", f"1{i}") for i, r in enumerate(got))
+
+
+def test_a_burst_frees_its_memory_with_its_last_take() -> None:
+    """A burst of long records grows the compiled tap's arrays; the take that drains
+    them frees what is past the kept size, not the next record's take."""
+    import tracemalloc
+
+    if rec.Tap is rec.PyTap:
+        pytest.skip("compiled recorder not built")
+    tap = rec.Tap(None, 100_000, time.monotonic)
+    chain = [page(i) for i in range(20)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20_000):
+            tap.touched("kv", chain, 20)
+        grown = tracemalloc.get_traced_memory()[0]
+        while tap.take(4096):
+            pass
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert grown - before > 5_000_000 and after - before < 1_000_000
+
+
+@pytest.mark.parametrize("tap_type", TAPS)
+def test_a_patched_monotonic_clock_is_called(tap_type: Any) -> None:
+    """The compiled tap reads CLOCK_MONOTONIC itself only for the real
+    ``time.monotonic``: one patched since (a test's) is called, as PyTap calls it."""
+    from unittest import mock
+
+    with mock.patch("time.monotonic", lambda: 42.0):
+        tap = tap_type(None, 10, time.monotonic)
+        tap.ended(1)
+    assert [r[0] for r in tap.take(10)] == [42.0]
+
+
 def test_records_are_read_by_the_monotonic_clock_without_calling_it(tmp_path: Path) -> None:
     """The compiled tap reads CLOCK_MONOTONIC itself when its clock is
     ``time.monotonic``: the time base of the writer's own readings."""

@@ -207,7 +207,7 @@ typedef struct {
 } TapObject;
 
 static PyObject *K_LOOKUP, *K_ADD, *K_INVALIDATE, *K_CLEAR, *K_WRITE, *K_PREFETCH, *K_REQUEST;
-static PyObject *EMPTY, *EMPTY_STR, *ZERO;
+static PyObject *EMPTY, *EMPTY_STR, *ZERO, *MONOTONIC;
 
 /* Drop a log's references (those not taken) and empty it; its arrays are kept. */
 static void
@@ -344,14 +344,7 @@ Tap_init(TapObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Tap is already initialized");
         return -1;
     }
-    PyObject *time = PyImport_ImportModule("time");
-    PyObject *monotonic = time != NULL ? PyObject_GetAttrString(time, "monotonic") : NULL;
-    Py_XDECREF(time);
-    if (monotonic == NULL) {
-        return -1;
-    }
-    self->monotonic = clock == monotonic;
-    Py_DECREF(monotonic);
+    self->monotonic = clock == MONOTONIC; /* (not a time.monotonic patched since) */
     self->bound = Py_NewRef(bound);
     self->clock = Py_NewRef(clock);
     self->capacity = capacity;
@@ -726,8 +719,16 @@ tap_tuple(TapLog *out, Py_ssize_t i)
         Py_DECREF(t);
         return item;
     }
+    /* Containers holding NULLs are untracked until filled: on 3.10/3.11 the allocations
+     * after them may run a collection, whose callbacks may list every tracked object. */
     PyObject *pages = r->n ? PyTuple_New(r->n) : Py_NewRef(EMPTY);
+    if (pages != NULL && r->n) {
+        PyObject_GC_UnTrack(pages);
+    }
     PyObject *idx = r->indexed ? PyList_New(r->n) : Py_NewRef(Py_None);
+    if (idx != NULL && r->indexed) {
+        PyObject_GC_UnTrack(idx);
+    }
     PyObject *extra = r->has_hit ? PyLong_FromSsize_t(r->hit)
                                  : Py_NewRef(r->extra != NULL ? r->extra : Py_None);
     PyObject *request = PyLong_FromSsize_t(r->request);
@@ -743,7 +744,10 @@ tap_tuple(TapLog *out, Py_ssize_t i)
     if (pages != NULL && idx != NULL && extra != NULL && request != NULL) {
         item = PyTuple_New(7);
     }
-    if (item == NULL) {
+    if (item != NULL) {
+        PyObject_GC_UnTrack(item);
+    }
+    else {
         Py_DECREF(t);
         Py_XDECREF(pages);
         Py_XDECREF(idx);
@@ -767,6 +771,13 @@ tap_tuple(TapLog *out, Py_ssize_t i)
     PyTuple_SET_ITEM(item, 4, idx);
     PyTuple_SET_ITEM(item, 5, extra);
     PyTuple_SET_ITEM(item, 6, request);
+    if (r->n) {
+        PyObject_GC_Track(pages);
+    }
+    if (r->indexed) {
+        PyObject_GC_Track(idx);
+    }
+    PyObject_GC_Track(item);
     return item;
 }
 
@@ -779,6 +790,20 @@ PyDoc_STRVAR(take_doc,
 #define KEEP_RECORDS 16384
 #define KEEP_PAGES 262144
 
+/* Empty `out` once drained, freeing arrays past KEEP_*: so that a burst's memory goes
+ * with its last take, not with the next record's. */
+static void
+out_release(TapObject *self)
+{
+    TapLog *out = &self->out;
+    if (out->head == out->len) {
+        log_empty(out); /* only NULLs left: runs no code */
+        if (out->cap > KEEP_RECORDS || out->pages_cap > KEEP_PAGES) {
+            log_free(out);
+        }
+    }
+}
+
 static PyObject *
 Tap_take(TapObject *self, PyObject *arg)
 {
@@ -786,25 +811,28 @@ Tap_take(TapObject *self, PyObject *arg)
     if (limit == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    Py_ssize_t waiting = self->log.len + self->out.len - self->out.head;
-    Py_ssize_t want = self->taking || limit < 0 ? 0 : (limit < waiting ? limit : waiting);
-    /* Sized now: nothing can fail after a record's references move into its tuple.
-     * Records logged during the take (a collection's callbacks) wait for the next. */
-    PyObject *got = PyList_New(want);
-    if (got == NULL || want == 0) {
-        return got;
+    if (self->taking) {
+        return PyList_New(0);
     }
-    self->taking = 1;
+    Py_ssize_t waiting = self->log.len + self->out.len - self->out.head;
+    Py_ssize_t want = limit < 0 ? 0 : (limit < waiting ? limit : waiting);
+    self->taking = 1; /* before the list: its allocation may run a collection's callbacks */
+    /* Sized now: nothing can fail after a record's references move into its tuple.
+     * Records logged during the take (a collection's callbacks) wait for the next.
+     * Untracked while it holds NULLs (see tap_tuple). */
+    PyObject *got = PyList_New(want);
+    if (got == NULL) {
+        self->taking = 0;
+        return NULL;
+    }
+    PyObject_GC_UnTrack(got);
     Py_ssize_t k = 0;
     while (k < want) {
         TapLog *out = &self->out;
         if (out->head == out->len) {
-            /* `out` is drained: empty it and swap (the scheduler's calls append to the
-             * emptied arrays; their records are newer than any taken). */
-            log_empty(out);
-            if (out->cap > KEEP_RECORDS || out->pages_cap > KEEP_PAGES) {
-                log_free(out);
-            }
+            /* `out` is drained: swap (the scheduler's calls append to the emptied
+             * arrays; their records are newer than any taken). */
+            out_release(self);
             if (self->log.len == 0) {
                 break;
             }
@@ -822,8 +850,10 @@ Tap_take(TapObject *self, PyObject *arg)
         PyList_SET_ITEM(got, k, item);
         k++;
     }
+    out_release(self);
     self->taking = 0;
     Py_SET_SIZE(got, k); /* our own list: its items past k are NULL */
+    PyObject_GC_Track(got);
     return got;
 }
 
@@ -899,7 +929,7 @@ Bracket_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyO
         return NULL;
     }
     Py_INCREF(tap); /* held across insert, whatever it does to the bracket */
-    Py_ssize_t number = ++tap->numbered;
+    Py_ssize_t number = tap->numbered = tap->numbered < PY_SSIZE_T_MAX ? tap->numbered + 1 : 1;
     tap->request = number;
     PyObject *res = PyObject_Vectorcall(self->insert, args, nargsf, kwnames);
     tap->request = 0;
@@ -1411,9 +1441,12 @@ PyInit__recorder(void)
     EMPTY = PyTuple_New(0);
     EMPTY_STR = PyUnicode_InternFromString("");
     ZERO = PyLong_FromLong(0);
+    PyObject *time = PyImport_ImportModule("time");
+    MONOTONIC = time != NULL ? PyObject_GetAttrString(time, "monotonic") : NULL;
+    Py_XDECREF(time);
     if (K_LOOKUP == NULL || K_ADD == NULL || K_INVALIDATE == NULL || K_CLEAR == NULL
         || K_WRITE == NULL || K_PREFETCH == NULL || K_REQUEST == NULL || EMPTY == NULL
-        || EMPTY_STR == NULL || ZERO == NULL) {
+        || EMPTY_STR == NULL || ZERO == NULL || MONOTONIC == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&recorder_module);

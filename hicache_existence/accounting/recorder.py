@@ -46,6 +46,7 @@ import operator
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from bisect import bisect_left
@@ -177,7 +178,7 @@ class PyTap:
     ) -> None:
         try:
             t = self.clock()  # first: a clock may log other records
-            if isinstance(t, (str, bytes, bytearray)):  # a number, as the C tap takes it
+            if isinstance(t, (str, bytes, bytearray, memoryview)):  # a number, as in C
                 raise TypeError("the clock must return a number")
             t = float(t)
         except Exception:
@@ -194,8 +195,8 @@ class PyTap:
         try:
             if self.bound is None:
                 return tuple(hashes), None
-            if type(hashes) is not list and type(hashes) is not tuple:
-                hashes = tuple(hashes)  # (a subclass as its iteration gives it)
+            if type(hashes) is not tuple:  # a copy: a comparison cannot change it
+                hashes = tuple(hashes)
             idx = py_below(hashes, self.bound)
             return tuple([hashes[i] for i in idx]), idx
         except Exception:
@@ -203,9 +204,10 @@ class PyTap:
             return None
 
     def _offer(self, kind: str, pool: str, hashes: Sequence[str], extra: Any) -> None:
+        request = self.request  # the call's, whatever the test's Python code does
         got = self._recorded(hashes)
         if got is not None and (got[0] or self.bound is None):
-            self._put(kind, pool, got[0], got[1], extra, self.request)
+            self._put(kind, pool, got[0], got[1], extra, request)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
         self._offer(LOOKUP, pool, hashes, stop)
@@ -220,8 +222,14 @@ class PyTap:
         """In-flight refs are not part of the recorded stream."""
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
-        if not inflight_only:
-            self._put(CLEAR, pool, (), None, None, self.request)
+        request = self.request
+        try:
+            only = bool(inflight_only)
+        except Exception:
+            self.errors += 1
+            return
+        if not only:
+            self._put(CLEAR, pool, (), None, None, request)
 
     def written(self, pool: str, pages: Sequence[str]) -> None:
         """The write path launched an L3 write of ``pages`` (no request's)."""
@@ -245,7 +253,10 @@ class PyTap:
 
     def ended(self, number: int) -> None:
         """Request ``number`` ended: logged for the writer."""
-        self._put(REQUEST, "", (), None, operator.index(number), 0)
+        number = operator.index(number)
+        if not -sys.maxsize - 1 <= number <= sys.maxsize:
+            raise OverflowError("request number out of range")
+        self._put(REQUEST, "", (), None, number, 0)
 
     def bracket(self, insert: Callable[..., Any]) -> Callable[..., Any]:
         """``insert`` with each call one request (the compiled ``Bracket``'s twin):
@@ -253,7 +264,7 @@ class PyTap:
         ends."""
 
         def bracketed(*a: Any, **kw: Any) -> Any:
-            number = self.numbered = self.numbered + 1
+            number = self.numbered = self.numbered + 1 if self.numbered < sys.maxsize else 1
             self.request = number
             try:
                 return insert(*a, **kw)
