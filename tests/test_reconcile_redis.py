@@ -42,8 +42,14 @@ MAX_WAIT_S = 0.001
 #: That no call did a Redis round trip is checked exactly (``SCHEDULER_SENDS``), not
 #: inferred from its time.
 MAX_WAIT_WORST_S = 0.005
-#: Half the Redis socket timeout used here: no call may come near waiting on Redis.
+#: Half the Redis socket timeout used here: no call but the slowest may come near
+#: waiting on Redis (a path that waited on it would do so for each query the worker
+#: makes, in many calls).
 NEVER_BLOCKED_S = 0.025
+#: The slowest call's wall time: the OS running other processes stretches a lone call
+#: on a shared 2-core machine (87.6 ms once in CI, beside the real-server leg), while
+#: a call that waited out DEBUG SLEEP (400 ms) or a stopped Redis would pass it.
+NEVER_BLOCKED_WORST_S = 0.2
 
 #: Worst scheduler-side wait seen per scenario, and other figures for the notes;
 #: printed when the module finishes (visible with -s).
@@ -145,8 +151,9 @@ class Scheduler:
     redis-py's connections themselves (``SCHEDULER_SENDS``).  Wall time also counts the OS running
     other processes and process-wide garbage collections, which on a shared 2-core
     machine reach several ms; it is reported, and asserted below half the Redis
-    socket timeout: a call that waited on Redis (DEBUG SLEEP 400 ms, SIGSTOP
-    forever, socket timeouts 50 ms) would break that bound.
+    socket timeout for every call but the slowest, and below 200 ms for that one:
+    waiting on Redis (DEBUG SLEEP 400 ms, SIGSTOP forever, socket timeouts 50 ms) in
+    more than one call, or once through DEBUG SLEEP, would break those bounds.
     """
 
     def __init__(self, truth: Any, **kw: Any) -> None:
@@ -223,7 +230,8 @@ class Scheduler:
         spent = f"{scenario}: scheduler thread spent"
         assert own_p99 < MAX_WAIT_S, f"{spent} {own_p99 * 1e3:.3f} ms (p99)"
         assert own[-2] < MAX_WAIT_WORST_S, f"{spent} {own[-2] * 1e3:.3f} ms in two calls"
-        assert wall[-1] < NEVER_BLOCKED_S, f"{scenario}: a call took {wall[-1] * 1e3:.1f} ms"
+        assert wall[-2] < NEVER_BLOCKED_S, f"{scenario}: two calls took {wall[-2] * 1e3:.1f} ms"
+        assert wall[-1] < NEVER_BLOCKED_WORST_S, f"{scenario}: a call took {wall[-1] * 1e3:.1f} ms"
 
 
 def believed_and_stored(

@@ -231,6 +231,9 @@ class Point:
     stale_ours: int
     stale_belief: int
     recall_reachable: float = 1.0
+    #: (instance, block) claims ours removed that L3 holds at the sample: each must
+    #: be a removal since undone by a rewrite (``Truth.unexplained_removals``).
+    removed_held: int = 0
 
 
 class Truth:
@@ -242,6 +245,9 @@ class Truth:
         self.held = held
         self.t0 = time.monotonic()
         self.points: list[Point] = []
+        #: Per sample, per subscriber: the events it had, and the blocks its removals
+        #: took out of ours that L3 held then.
+        self.removed: list[list[tuple[int, set[int]]]] = []
 
     def sample(self, settled: bool = False) -> Point:
         for sub in self.subs:
@@ -264,6 +270,7 @@ class Truth:
 
         p_ours, s_ours = precision(ours)
         p_belief, s_belief = precision(belief)
+        removed = [(n, (b - o) & held) for n, b, o in zip(upto, belief, ours)]
         point = Point(
             time.monotonic() - self.t0,
             p_ours,
@@ -272,10 +279,52 @@ class Truth:
             s_ours,
             s_belief,
             recall(findable),
+            sum(len(r) for _, r in removed),
         )
+        self.removed.append(removed)
         if not settled:
             self.points.append(point)
         return point
+
+    def unexplained_removals(self) -> list[tuple[int, int]]:
+        """(subscriber, block) pairs whose removal no rewrite explains: at a sample
+        L3 held the block, the subscriber's removals had taken it out of ours, and no
+        stored event for it came after that removal on its own stream, nor after the
+        eviction on another (another instance wrote it).  Ours is belief-only less
+        its removals, so its precision is below belief-only's exactly when it removed
+        a block L3 holds: a removal of a block never gone (a wrong verdict), or one
+        right when made and since undone by a rewrite whose stored event was still on
+        its way (belief-only's old claim is then counted right).  Only the first is a
+        fault; call once the streams are quiet."""
+        for sub in self.subs:
+            sub.pump()
+
+        def stored(e: Any, h: int) -> bool:
+            return (
+                isinstance(e, kv.BlockStored) and e.medium in STORAGE_MEDIA and h in e.block_hashes
+            )
+
+        out: set[tuple[int, int]] = set()
+        for removed in self.removed:
+            for i, (upto, blocks) in enumerate(removed):
+                events = self.subs[i].events
+                for h in blocks:
+                    last = max(
+                        j
+                        for j in range(upto)
+                        if isinstance(events[j], kv.BlockRemoved) and h in events[j].block_hashes
+                    )
+                    if any(stored(e, h) for e in events[last + 1 :]):
+                        continue
+                    if any(
+                        stored(e, h) and at >= self.t0
+                        for k, other in enumerate(self.subs)
+                        if k != i
+                        for e, at in zip(other.events, other.arrived)
+                    ):
+                        continue
+                    out.add((i, h))
+        return sorted(out)
 
 
 def chains(subs: Sequence[Subscriber], prompts: dict[int, tuple[int, ...]]) -> dict[int, list[int]]:
