@@ -13,11 +13,12 @@ replicas stay identical); ``stats()`` is safe from any thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.counting import CountingPool
-from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource, Tee
+from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.core.registry import MissMemoryFactory, PoolRegistry
 from hicache_existence.core.stats import (
     CLEARED,
     EVICTED,
@@ -31,8 +32,6 @@ _SEQ = (list, tuple)
 
 #: Upstream's default cap per pool (~32M tokens at page size 64).
 HICACHE_EXISTENCE_CACHE_MAX_ENTRIES = 512 * 1024
-
-MissMemoryFactory = Callable[[str], "MissMemory | None"]
 
 
 class PoolBeliefs(CountingPool):
@@ -199,7 +198,7 @@ PoolExistenceBeliefs = PoolBeliefs
 _NO_ALIAS = object()
 
 
-class StorageExistenceCache:
+class StorageExistenceCache(PoolRegistry[PoolBeliefs]):
     """Every storage pool's beliefs, each pool created on first use.  All off by default (no
     arguments is upstream's call): ``miss_memory`` (``pool name -> MissMemory | None``, per
     new pool), ``observer`` (every pool's operations), ``advisor`` (new pools' samplers)."""
@@ -215,40 +214,11 @@ class StorageExistenceCache:
         observer: BeliefObserver | None = None,
         advisor: SamplerSource | None = None,
     ) -> None:
-        self._max_entries = _validate.count(max_entries, "max_entries", 1)
-        self._pools: dict[str, PoolBeliefs] = {}
-        self._miss_memory = miss_memory
-        self._observer = observer
-        self._advisor = advisor
-        self._tally = False
         #: The last non-``str`` name asked for and its pool (a pool is never replaced):
         #: sglang asks with ``PoolName`` members, whose ``__hash__`` is Python code.
         #: One tuple, so a reader on another thread never pairs a name with another's pool.
         self._alias: tuple[object, PoolBeliefs | None] = (_NO_ALIAS, None)
-        if isinstance(observer, Tee):
-            observer.listen(self._observe)
-
-    def tally_covered(self, on: bool) -> None:
-        """Turn every pool's ``covered()`` tally on or off (``CountingPool``), new pools too."""
-        self._tally = on = bool(on)
-        for beliefs in list(self._pools.values()):
-            beliefs.tally = on
-
-    def _observe(self, observer: BeliefObserver | None) -> None:
-        """What every pool notifies from now on (a ``Tee``'s listener:
-        ``None``, its one observer, or the ``Tee``)."""
-        self._observer = observer
-        for beliefs in list(self._pools.values()):
-            beliefs._observer = observer
-
-    @property
-    def max_entries(self) -> int:
-        """The cap given to pools created from now on (existing pools keep theirs)."""
-        return self._max_entries
-
-    @max_entries.setter
-    def max_entries(self, value: int) -> None:
-        self._max_entries = _validate.count(value, "max_entries", 1)
+        super().__init__(max_entries, miss_memory, observer, advisor)
 
     def pool(self, name: str) -> PoolBeliefs:
         """The beliefs of pool ``name``, created on first use."""
@@ -277,14 +247,6 @@ class StorageExistenceCache:
             self._alias = (name, beliefs)
         return beliefs
 
-    def pools(self) -> tuple[PoolBeliefs, ...]:
-        """Every pool created so far, in creation order."""
-        return tuple(self._pools.values())
-
-    def pool_names(self) -> tuple[str, ...]:
-        """Names of the pools created so far, in creation order."""
-        return tuple(self._pools)
-
     def lru_items(self) -> Iterator[tuple[str, str]]:
         """``(pool, page_hash)`` beliefs, pool by pool, each least recently used first."""
         for beliefs in list(self._pools.values()):
@@ -300,11 +262,6 @@ class StorageExistenceCache:
         """Drop every pool's in-flight refs."""
         for beliefs in list(self._pools.values()):
             beliefs.clear_inflight()
-
-    def settle(self) -> None:
-        """Classify every pool's pending misses (see ``PoolBeliefs.settle``)."""
-        for beliefs in list(self._pools.values()):
-            beliefs.settle()
 
     def __len__(self) -> int:
         """Entries over all pools."""

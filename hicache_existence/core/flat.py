@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Iterator, Sequence
 
 from hicache_existence.core import _validate, lru
-from hicache_existence.core.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES, MissMemoryFactory
+from hicache_existence.core.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES
 from hicache_existence.core.counting import CountingPool
-from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource, Tee
+from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
+from hicache_existence.core.registry import MissMemoryFactory, PoolRegistry
 from hicache_existence.core.stats import (
     CLEARED,
     EVICTED,
@@ -134,7 +135,7 @@ class _Both:
         return page in self.a or page in self.b
 
 
-class FlatStorageExistenceCache:
+class FlatStorageExistenceCache(PoolRegistry[FlatPoolBeliefs]):
     """One LRU of ``(pool, page_hash)`` beliefs shared by all pools (seed API)."""
 
     #: Every pool lives in one LRU under one cap (``core.protocol``).
@@ -149,40 +150,11 @@ class FlatStorageExistenceCache:
         observer: BeliefObserver | None = None,
         advisor: SamplerSource | None = None,
     ) -> None:
-        self._max_entries = _validate.count(max_entries, "max_entries", 1)
+        super().__init__(max_entries, miss_memory, observer, advisor)
         self._primary = _validate.pool_name(primary_pool, "primary_pool")
         self._entries: lru.LruIndexType = lru.LruIndex()
-        self._pools: dict[str, FlatPoolBeliefs] = {}
         self._by_tag: dict[int, FlatPoolBeliefs] = {}
-        self._miss_memory = miss_memory
         self._any_memory = False
-        self._observer = observer
-        self._advisor = advisor
-        self._tally = False
-        if isinstance(observer, Tee):
-            observer.listen(self._observe)
-
-    def tally_covered(self, on: bool) -> None:
-        """Turn every pool's ``covered()`` tally on or off (``CountingPool``), new pools too."""
-        self._tally = on = bool(on)
-        for rec in list(self._pools.values()):
-            rec.tally = on
-
-    def _observe(self, observer: BeliefObserver | None) -> None:
-        """What the cache and every pool notify from now on (a ``Tee``'s listener:
-        ``None``, its one observer, or the ``Tee``)."""
-        self._observer = observer
-        for rec in list(self._pools.values()):
-            rec._observer = observer
-
-    @property
-    def max_entries(self) -> int:
-        """The cap shared by every pool; lowering it takes effect at the next add."""
-        return self._max_entries
-
-    @max_entries.setter
-    def max_entries(self, value: int) -> None:
-        self._max_entries = _validate.count(value, "max_entries", 1)
 
     def _resolve(self, pool: str) -> FlatPoolBeliefs | str:
         """A known ``pool``'s record (the hot path: one dict lookup), else its checked name."""
@@ -311,11 +283,6 @@ class FlatStorageExistenceCache:
         rec._cover = extra_cover  # the pool's in-flight pages (``inflight_pages``)
         return rec._walk(seq, extra_cover)
 
-    def settle(self) -> None:
-        """Classify every pool's pending misses (miss reasons); scheduler thread."""
-        for rec in list(self._pools.values()):
-            rec.settle()
-
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -328,14 +295,6 @@ class FlatStorageExistenceCache:
     def pool(self, name: str) -> FlatPoolBeliefs:
         """Pool ``name`` as a ``PoolView``, created on first use (as the seed's calls do)."""
         return self._pool(self._resolve(name))
-
-    def pools(self) -> tuple[FlatPoolBeliefs, ...]:
-        """Every pool seen so far, in first-use order."""
-        return tuple(self._pools.values())
-
-    def pool_names(self) -> tuple[str, ...]:
-        """Pools seen so far, in first-use order."""
-        return tuple(self._pools)
 
     def lru_items(self) -> Iterator[tuple[str, str]]:
         """``(pool, page_hash)`` beliefs in the one shared LRU order, oldest first."""
