@@ -298,3 +298,30 @@ def test_the_around_control_benchmark_runs_both_arrangements() -> None:
         [sys.executable, str(script), "--calls", "1"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "--calls must be >= 2" in bad.stderr
+
+
+def test_the_bracket_parts_benchmark_times_every_way() -> None:
+    """``benchmarks/bracket_parts.py`` (where the insert bracket's time goes) times each
+    way of calling insert against the direct call; a run of three calls, for its shape
+    only (its figures are measured, not tested)."""
+    import json
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bracket_parts.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--calls", "3", "--evict-mb", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    out = json.loads(done.stdout)
+    from hicache_existence.accounting import recorder
+
+    bracket = "bracket (C)" if recorder.Tap is not recorder.PyTap else "bracket (PyTap)"
+    assert list(out["extra_ns"]) == ["C into Python", bracket, "Python wrapper", "Python bracket"]
+    assert out["calls"] == 3 and out["direct_ns"]["median"] > 0
+    bad = subprocess.run(
+        [sys.executable, str(script), "--calls", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--calls must be >= 1" in bad.stderr
