@@ -229,3 +229,25 @@ def test_an_empty_tee_is_not_called_and_observers_attached_later_see_every_pool(
     tee.observers = (log,)  # assigned, as a recorder toggle does
     _ops(cache, "kv")
     assert len(log.calls) > before
+
+
+@pytest.mark.parametrize(
+    "cls,bad",
+    [
+        (StorageExistenceCache, {"max_entries": 0}),
+        (FlatStorageExistenceCache, {"max_entries": 0}),
+        (FlatStorageExistenceCache, {"primary_pool": ""}),
+    ],
+)
+def test_a_cache_that_fails_a_check_is_not_listening_to_its_tee(cls: type, bad: dict) -> None:
+    """A constructor that raises leaves its ``Tee`` as it was: the half-built cache is
+    not among its listeners, called (and kept alive) at every observer change."""
+    from hicache_existence.core.observers import Tee
+
+    tee = Tee()
+    kwargs = {"max_entries": 16, **bad}
+    with pytest.raises(ValueError):
+        cls(kwargs.pop("max_entries"), observer=tee, **kwargs)
+    assert tee._listeners == []
+    cls(16, observer=tee)
+    assert len(tee._listeners) == 1

@@ -42,13 +42,12 @@ MAX_WAIT_S = 0.001
 #: That no call did a Redis round trip is checked exactly (``SCHEDULER_SENDS``), not
 #: inferred from its time.
 MAX_WAIT_WORST_S = 0.005
-#: Half the Redis socket timeout used here: no call but the slowest may come near
-#: waiting on Redis (a path that waited on it would do so for each query the worker
-#: makes, in many calls).
+#: Wall time, a backstop to the exact checks (no Redis command sent by a scheduler-side
+#: call, ``SCHEDULER_SENDS``; no lock it takes held across one, ``LOCKS_AT_SEND``):
+#: every call but the slowest stays under half the socket timeout used here (50 ms) ...
 NEVER_BLOCKED_S = 0.025
-#: The slowest call's wall time: the OS running other processes stretches a lone call
-#: on a shared 2-core machine (87.6 ms once in CI, beside the real-server leg), while
-#: a call that waited out DEBUG SLEEP (400 ms) or a stopped Redis would pass it.
+#: ... and the slowest under four of them: the OS running other processes stretches a
+#: lone call on a shared 2-core machine (87.6 ms once in CI, beside the real-server leg).
 NEVER_BLOCKED_WORST_S = 0.2
 
 #: Worst scheduler-side wait seen per scenario, and other figures for the notes;
@@ -95,12 +94,66 @@ def _report() -> Iterator[None]:
 #: reconciler's queries run on its worker, never on the scheduler thread).
 SCHEDULER_SENDS: list[str] = []
 _IN_CALL = threading.local()
+_REAL_LOCK = threading.Lock
+
+
+class TrackedLock:
+    """The reconciler modules' ``threading.Lock`` in these tests: a real lock that knows
+    where it was made and which thread holds it, so that a lock held across a Redis
+    command and also taken by a scheduler-side call (the scheduler would wait on the
+    I/O) is found exactly, not inferred from a call's time."""
+
+    def __init__(self) -> None:
+        self._lock = _REAL_LOCK()
+        self.owner: int | None = None
+        caller = sys._getframe(1)
+        self.where = f"{caller.f_globals.get('__name__')}:{caller.f_lineno}"
+        _TRACKED.append(self)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self.owner = threading.get_ident()
+            if getattr(_IN_CALL, "name", None) is not None:
+                SCHEDULER_LOCKS.add(self.where)
+        return got
+
+    def release(self) -> None:
+        self.owner = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Threading:
+    """``threading`` as the reconciler's modules see it here: ``Lock`` is tracked."""
+
+    Lock = TrackedLock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(threading, name)
+
+
+#: Every ``TrackedLock`` made in this test.
+_TRACKED: list[TrackedLock] = []
+#: Where the locks that a scheduler-side call took were made, and those held by a
+#: thread while it sent a Redis command: the two must not meet.
+SCHEDULER_LOCKS: set[str] = set()
+LOCKS_AT_SEND: set[str] = set()
 
 
 @pytest.fixture(autouse=True)
 def _scheduler_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every packet redis-py sends, from any connection: one sent while the scheduler
-    thread is inside a timed call is recorded with the call's name."""
+    thread is inside a timed call is recorded with the call's name, and the reconciler's
+    locks the sending thread holds are recorded too."""
     cls = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
     real = cls.send_packed_command
 
@@ -108,13 +161,56 @@ def _scheduler_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         name = getattr(_IN_CALL, "name", None)
         if name is not None:
             SCHEDULER_SENDS.append(name)
+        me = threading.get_ident()
+        LOCKS_AT_SEND.update(lock.where for lock in list(_TRACKED) if lock.owner == me)
         real(self, command, check_health)
 
     monkeypatch.setattr(cls, "send_packed_command", send)
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith(RECONCILE)]:
+        if getattr(module, "threading", None) is threading:
+            monkeypatch.setattr(module, "threading", _Threading())
     SCHEDULER_SENDS.clear()
+    SCHEDULER_LOCKS.clear()
+    LOCKS_AT_SEND.clear()
+    _TRACKED.clear()
     yield
     sent = SCHEDULER_SENDS
     assert not sent, f"the scheduler thread sent {len(sent)} Redis commands in {sorted(set(sent))}"
+    across = SCHEDULER_LOCKS & LOCKS_AT_SEND
+    assert not across, f"locks held across a Redis command are taken by the scheduler: {across}"
+
+
+RECONCILE = "hicache_existence.reconcile."
+
+
+def test_the_lock_check_sees_the_reconcilers_locks(server: RedisServer) -> None:
+    """The check above can fail: the reconciler's locks are tracked (the scheduler side
+    takes the breaker's at every step), and a worker holding one of those across its
+    query is seen."""
+    led = ledger(server.url)
+    chains = believed_and_stored(led, 4, pages=4)
+    sched = Scheduler(led)
+    sched.believe(chains)
+    sched.steps(10, chains)
+    sched.drain()
+    assert SCHEDULER_LOCKS, "no scheduler-side call took a tracked lock"
+    worker = sched.rec._worker
+    truth = worker._truth
+    asked = truth.leading_present
+
+    def under_lock(pool: str, chain: list[str]) -> int:
+        with worker._breaker._lock:
+            return asked(pool, chain)
+
+    truth.leading_present = under_lock
+    try:
+        sched.steps(10, chains)
+        sched.drain()
+        assert worker._breaker._lock.where in SCHEDULER_LOCKS & LOCKS_AT_SEND
+    finally:
+        del truth.leading_present
+        sched.rec.close()
+        LOCKS_AT_SEND.clear()
 
 
 @pytest.fixture
@@ -148,12 +244,13 @@ class Scheduler:
     99% of calls and < 5 ms for all calls but the slowest, garbage collections aside) plus
     waiting for the GIL while the worker runs Python (bounded by the worker's CPU
     per query, reported).  That no call sends a Redis command is checked on
-    redis-py's connections themselves (``SCHEDULER_SENDS``).  Wall time also counts the OS running
+    redis-py's connections themselves (``SCHEDULER_SENDS``), and that no lock of the
+    reconciler's that a scheduler-side call takes is held by any thread across a Redis
+    command (``TrackedLock``).  Wall time also counts the OS running
     other processes and process-wide garbage collections, which on a shared 2-core
-    machine reach several ms; it is reported, and asserted below half the Redis
-    socket timeout for every call but the slowest, and below 200 ms for that one:
-    waiting on Redis (DEBUG SLEEP 400 ms, SIGSTOP forever, socket timeouts 50 ms) in
-    more than one call, or once through DEBUG SLEEP, would break those bounds.
+    machine reach several ms (87.6 ms once); it is reported, and asserted below half
+    the Redis socket timeout for every call but the slowest, and below 200 ms for that
+    one: a backstop for a wait the exact checks do not see.
     """
 
     def __init__(self, truth: Any, **kw: Any) -> None:

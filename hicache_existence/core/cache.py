@@ -219,6 +219,7 @@ class StorageExistenceCache(PoolRegistry[PoolBeliefs]):
         #: One tuple, so a reader on another thread never pairs a name with another's pool.
         self._alias: tuple[object, PoolBeliefs | None] = (_NO_ALIAS, None)
         super().__init__(max_entries, miss_memory, observer, advisor)
+        self._listen()
 
     def pool(self, name: str) -> PoolBeliefs:
         """The beliefs of pool ``name``, created on first use."""

@@ -155,6 +155,7 @@ class FlatStorageExistenceCache(PoolRegistry[FlatPoolBeliefs]):
         self._entries: lru.LruIndexType = lru.LruIndex()
         self._by_tag: dict[int, FlatPoolBeliefs] = {}
         self._any_memory = False
+        self._listen()
 
     def _resolve(self, pool: str) -> FlatPoolBeliefs | str:
         """A known ``pool``'s record (the hot path: one dict lookup), else its checked name."""

@@ -34,8 +34,12 @@ class PoolRegistry(Generic[P]):
         self._observer = observer
         self._advisor = advisor
         self._tally = False
-        if isinstance(observer, Tee):
-            observer.listen(self._observe)
+
+    def _listen(self) -> None:
+        """Follow the observer if it is a ``Tee``: the last step of a cache's
+        ``__init__``, after every check (a cache that failed one is never listened to)."""
+        if isinstance(self._observer, Tee):
+            self._observer.listen(self._observe)
 
     def tally_covered(self, on: bool) -> None:
         """Turn every pool's ``covered()`` tally on or off (``CountingPool``), new pools too."""

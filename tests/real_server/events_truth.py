@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,6 +248,9 @@ class Truth:
         #: Per sample, per subscriber: the events it had, and the blocks its removals
         #: took out of ours that L3 held then.
         self.removed: list[list[tuple[int, set[int]]]] = []
+        #: Each claimed block no prefix lookup could reach at a sample (gone, or behind
+        #: a gone one): when that was first seen.
+        self.seen_unreachable: dict[int, float] = {}
 
     def sample(self, settled: bool = False) -> Point:
         for sub in self.subs:
@@ -258,7 +261,8 @@ class Truth:
         belief = [index_of(s, n, removals=False) for s, n in zip(self.subs, upto)]
         held = self.held()
         acked = set().union(*belief) & held  # held blocks whose write an instance acknowledged
-        findable = acked & reachable(held, parents(self.subs))
+        reach = reachable(held, parents(self.subs))
+        findable = acked & reach
 
         def precision(index: list[set[int]]) -> tuple[float, int]:
             claims = sum(len(i) for i in index)
@@ -271,6 +275,9 @@ class Truth:
         p_ours, s_ours = precision(ours)
         p_belief, s_belief = precision(belief)
         removed = [(n, (b - o) & held) for n, b, o in zip(upto, belief, ours)]
+        now = time.monotonic()
+        for h in set().union(*belief) - reach:
+            self.seen_unreachable.setdefault(h, now)
         point = Point(
             time.monotonic() - self.t0,
             p_ours,
@@ -286,16 +293,18 @@ class Truth:
             self.points.append(point)
         return point
 
-    def unexplained_removals(self) -> list[tuple[int, int]]:
-        """(subscriber, block) pairs whose removal no rewrite explains: at a sample
-        L3 held the block, the subscriber's removals had taken it out of ours, and no
-        stored event for it came after that removal on its own stream, nor after the
-        eviction on another (another instance wrote it).  Ours is belief-only less
-        its removals, so its precision is below belief-only's exactly when it removed
-        a block L3 holds: a removal of a block never gone (a wrong verdict), or one
-        right when made and since undone by a rewrite whose stored event was still on
-        its way (belief-only's old claim is then counted right).  Only the first is a
-        fault; call once the streams are quiet."""
+    def unexplained_removals(self, gone: Collection[int] = ()) -> list[tuple[int, int]]:
+        """(subscriber, block) pairs whose removal nothing explains.  Ours is
+        belief-only less its removals, so its precision is below belief-only's only when
+        it removed a block L3 holds at the sample: a removal of a block never gone (a
+        wrong verdict), or one right when made and since undone by a rewrite whose
+        stored event was still on its way (belief-only's old claim is then counted
+        right).  So each such removal must have both: evidence that no lookup could
+        reach the block (in ``gone``, the blocks the evictor removed, or, at a sample,
+        absent from L3 or behind an absent block: a verified absence removes the pages
+        after the missing one too), and a stored event for it after the removal on its
+        own stream, or after the eviction on another's (another instance wrote it).
+        Call once the streams are quiet."""
         for sub in self.subs:
             sub.pump()
 
@@ -309,6 +318,9 @@ class Truth:
             for i, (upto, blocks) in enumerate(removed):
                 events = self.subs[i].events
                 for h in blocks:
+                    if h not in gone and h not in self.seen_unreachable:
+                        out.add((i, h))
+                        continue
                     last = max(
                         j
                         for j in range(upto)

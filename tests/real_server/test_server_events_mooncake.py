@@ -272,7 +272,8 @@ def test_the_consumers_index_against_the_master_keys(stack: Stack) -> None:
     # Ours is belief-only less its removals: below it only where a removal took out a
     # block L3 holds, which must be one a rewrite undid (its stored event then on its
     # way), never a block that was not gone.
-    assert not m.truth.unexplained_removals(), (m.truth.unexplained_removals(), m.truth.points)
+    unexplained = m.truth.unexplained_removals(m.doomed)
+    assert not unexplained, (unexplained, m.truth.points)
     # The instance holding the evicted pages in its device cache only learns of
     # the eviction from the reconciler: its removals put ours ahead of belief-only.
     assert m.sources["reconciler"] > 0 and m.delays["blocks"] > 0, (m.sources, m.delays)
