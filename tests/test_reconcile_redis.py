@@ -6,9 +6,12 @@ test where L3 drops pages.  Under every fault the scheduler-side calls
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
 import logging
 import os
+import pkgutil
 import subprocess
 import sys
 import threading
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.redis
 
 redis = pytest.importorskip("redis")
 
+from hicache_existence import reconcile  # noqa: E402
 from hicache_existence.reconcile.breaker import CLOSED, CircuitBreaker  # noqa: E402
 from hicache_existence.reconcile.measure import measure_reads  # noqa: E402
 from hicache_existence.reconcile.redis_truth import LedgerSettings, RedisLedger  # noqa: E402
@@ -144,7 +148,8 @@ class _Threading:
 #: Every ``TrackedLock`` made in this test.
 _TRACKED: list[TrackedLock] = []
 #: Where the locks that a scheduler-side call took were made, and those held by a
-#: thread while it sent a Redis command: the two must not meet.
+#: thread while it connected to Redis, sent a command or read an answer: the two must
+#: not meet.
 SCHEDULER_LOCKS: set[str] = set()
 LOCKS_AT_SEND: set[str] = set()
 
@@ -152,20 +157,36 @@ LOCKS_AT_SEND: set[str] = set()
 @pytest.fixture(autouse=True)
 def _scheduler_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every packet redis-py sends, from any connection: one sent while the scheduler
-    thread is inside a timed call is recorded with the call's name, and the reconciler's
-    locks the sending thread holds are recorded too."""
+    thread is inside a timed call is recorded with the call's name; and the reconciler's
+    locks a thread holds while it connects, sends or reads an answer are recorded."""
     cls = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
-    real = cls.send_packed_command
+    real_send, real_connect, real_read = cls.send_packed_command, cls.connect, cls.read_response
+
+    def held() -> None:
+        me = threading.get_ident()
+        LOCKS_AT_SEND.update(lock.where for lock in list(_TRACKED) if lock.owner == me)
 
     def send(self: Any, command: Any, check_health: bool = True) -> None:
         name = getattr(_IN_CALL, "name", None)
         if name is not None:
             SCHEDULER_SENDS.append(name)
-        me = threading.get_ident()
-        LOCKS_AT_SEND.update(lock.where for lock in list(_TRACKED) if lock.owner == me)
-        real(self, command, check_health)
+        held()
+        real_send(self, command, check_health)
+
+    def connect(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held()
+        return real_connect(self, *args, **kwargs)
+
+    def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held()
+        return real_read(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "send_packed_command", send)
+    monkeypatch.setattr(cls, "connect", connect)
+    monkeypatch.setattr(cls, "read_response", read_response)
+    for info in pkgutil.iter_modules(reconcile.__path__, RECONCILE):
+        with contextlib.suppress(ImportError):  # an extra this Python lacks (sglang)
+            importlib.import_module(info.name)
     for module in [m for n, m in list(sys.modules.items()) if n.startswith(RECONCILE)]:
         if getattr(module, "threading", None) is threading:
             monkeypatch.setattr(module, "threading", _Threading())
@@ -177,7 +198,7 @@ def _scheduler_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     sent = SCHEDULER_SENDS
     assert not sent, f"the scheduler thread sent {len(sent)} Redis commands in {sorted(set(sent))}"
     across = SCHEDULER_LOCKS & LOCKS_AT_SEND
-    assert not across, f"locks held across a Redis command are taken by the scheduler: {across}"
+    assert not across, f"locks held across Redis I/O are taken by the scheduler: {across}"
 
 
 RECONCILE = "hicache_existence.reconcile."
@@ -194,6 +215,7 @@ def test_the_lock_check_sees_the_reconcilers_locks(server: RedisServer) -> None:
     sched.steps(10, chains)
     sched.drain()
     assert SCHEDULER_LOCKS, "no scheduler-side call took a tracked lock"
+    assert not SCHEDULER_LOCKS & LOCKS_AT_SEND  # before the mutant, as the fixture checks
     worker = sched.rec._worker
     truth = worker._truth
     asked = truth.leading_present

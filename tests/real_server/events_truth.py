@@ -14,6 +14,7 @@ the truth differ per backend; everything measured is computed here once.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import time
@@ -231,8 +232,9 @@ class Point:
     stale_ours: int
     stale_belief: int
     recall_reachable: float = 1.0
-    #: (instance, block) claims ours removed that L3 holds at the sample: each must
-    #: be a removal since undone by a rewrite (``Truth.unexplained_removals``).
+    #: (instance, block) claims ours removed that L3 holds at the sample: each must be
+    #: a removal of a block no lookup could reach then, since undone by a rewrite
+    #: (``Truth.unexplained_removals``).
     removed_held: int = 0
 
 
@@ -249,8 +251,8 @@ class Truth:
         #: took out of ours that L3 held then.
         self.removed: list[list[tuple[int, set[int]]]] = []
         #: Each claimed block no prefix lookup could reach at a sample (gone, or behind
-        #: a gone one): when that was first seen.
-        self.seen_unreachable: dict[int, float] = {}
+        #: a gone one): the times of those samples.
+        self.unreachable_at: dict[int, list[float]] = {}
 
     def sample(self, settled: bool = False) -> Point:
         for sub in self.subs:
@@ -277,7 +279,7 @@ class Truth:
         removed = [(n, (b - o) & held) for n, b, o in zip(upto, belief, ours)]
         now = time.monotonic()
         for h in set().union(*belief) - reach:
-            self.seen_unreachable.setdefault(h, now)
+            self.unreachable_at.setdefault(h, []).append(now)
         point = Point(
             time.monotonic() - self.t0,
             p_ours,
@@ -296,46 +298,75 @@ class Truth:
     def unexplained_removals(self, gone: Collection[int] = ()) -> list[tuple[int, int]]:
         """(subscriber, block) pairs whose removal nothing explains.  Ours is
         belief-only less its removals, so its precision is below belief-only's only when
-        it removed a block L3 holds at the sample: a removal of a block never gone (a
-        wrong verdict), or one right when made and since undone by a rewrite whose
-        stored event was still on its way (belief-only's old claim is then counted
-        right).  So each such removal must have both: evidence that no lookup could
-        reach the block (in ``gone``, the blocks the evictor removed, or, at a sample,
-        absent from L3 or behind an absent block: a verified absence removes the pages
-        after the missing one too), and a stored event for it after the removal on its
-        own stream, or after the eviction on another's (another instance wrote it).
-        Call once the streams are quiet."""
+        it removed a block L3 holds at the sample: a removal of a block never out of
+        reach (a wrong verdict), or one right when made and since undone by a rewrite
+        whose stored event was still on its way (belief-only's old claim is then counted
+        right).  So each such removal must have evidence that no lookup could reach the
+        block after its last store before the removal (the evictor removed it or a block
+        before it, ``gone``; or a sample since the eviction saw it absent or behind an
+        absent block: a verified absence removes the pages after the missing one too),
+        and a store of the block after that evidence (on the remover's stream, after the
+        removal too; or on another's: another instance wrote it).  Call once the
+        streams are quiet."""
         for sub in self.subs:
             sub.pump()
+        parent_of = parents(self.subs)
+        # Each block's storage-tier stores (subscriber, position, arrival), and each
+        # subscriber's storage-tier removals of it (positions, ascending).
+        stores: dict[int, list[tuple[int, int, float]]] = {}
+        removals: list[dict[int, list[int]]] = []
+        for k, sub in enumerate(self.subs):
+            mine: dict[int, list[int]] = {}
+            for j, (e, at) in enumerate(zip(sub.events, sub.arrived)):
+                if getattr(e, "medium", None) not in STORAGE_MEDIA:
+                    continue
+                if isinstance(e, kv.BlockStored):
+                    for h in e.block_hashes:
+                        stores.setdefault(h, []).append((k, j, at))
+                elif isinstance(e, kv.BlockRemoved):
+                    for h in e.block_hashes:
+                        mine.setdefault(h, []).append(j)
+            removals.append(mine)
 
-        def stored(e: Any, h: int) -> bool:
-            return (
-                isinstance(e, kv.BlockStored) and e.medium in STORAGE_MEDIA and h in e.block_hashes
+        def evicted(h: int) -> bool:
+            """h or a block before it in its chain was one the evictor removed."""
+            seen: set[int] = set()
+            node: int | None = h
+            while node is not None and node not in seen:
+                if node in gone:
+                    return True
+                seen.add(node)
+                node = parent_of.get(node)
+            return False
+
+        def explained(i: int, h: int, last: int) -> bool:
+            """Whether subscriber i's removal of h at position ``last`` is explained."""
+            at_removal = self.subs[i].arrived[last]
+            h_stores = stores.get(h, [])
+            before = max(
+                (at for k, j, at in h_stores if (j < last if k == i else at <= at_removal)),
+                default=self.t0,
             )
+            evidence = [u for u in self.unreachable_at.get(h, []) if u >= max(before, self.t0)]
+            if evicted(h) and before <= self.t0:
+                evidence.append(self.t0)
+            if not evidence:
+                return False
+            first = min(evidence)
+            return any(at >= first and (k != i or j > last) for k, j, at in h_stores)
 
         out: set[tuple[int, int]] = set()
+        judged: dict[tuple[int, int, int], bool] = {}
         for removed in self.removed:
             for i, (upto, blocks) in enumerate(removed):
-                events = self.subs[i].events
                 for h in blocks:
-                    if h not in gone and h not in self.seen_unreachable:
+                    positions = removals[i][h]
+                    last = positions[bisect.bisect_left(positions, upto) - 1]
+                    key = (i, h, last)
+                    if key not in judged:
+                        judged[key] = explained(i, h, last)
+                    if not judged[key]:
                         out.add((i, h))
-                        continue
-                    last = max(
-                        j
-                        for j in range(upto)
-                        if isinstance(events[j], kv.BlockRemoved) and h in events[j].block_hashes
-                    )
-                    if any(stored(e, h) for e in events[last + 1 :]):
-                        continue
-                    if any(
-                        stored(e, h) and at >= self.t0
-                        for k, other in enumerate(self.subs)
-                        if k != i
-                        for e, at in zip(other.events, other.arrived)
-                    ):
-                        continue
-                    out.add((i, h))
         return sorted(out)
 
 

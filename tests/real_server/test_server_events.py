@@ -228,7 +228,7 @@ def test_the_consumers_index_against_the_page_files(pair: Pair) -> None:
     SGLang's own events (no storage tier: recall 0), belief-only (our stores, no
     verified removals: what an emitter without verification publishes while its
     LRU forgets nothing) and ours.  Recall of acknowledged blocks stays 1.0, no
-    removal of ours took out a block that was not gone (our precision is below
+    removal of ours took out a block a lookup could still reach (our precision is below
     belief-only's only while a rewrite's stored event is on its way), and ours is
     back to >= 0.99 within the window the reconciler's configuration predicts;
     belief-only's is not."""
@@ -268,7 +268,7 @@ def test_the_consumers_index_against_the_page_files(pair: Pair) -> None:
 
     # Ours is belief-only less its removals: below it only where a removal took out a
     # block L3 holds, which must be one a rewrite undid (its stored event then on its
-    # way), never a block that was not gone.
+    # way), never a block a lookup could still reach.
     unexplained = m.truth.unexplained_removals(m.doomed)
     assert not unexplained, (unexplained, m.truth.points)
     assert end.recall == 1.0, end

@@ -218,7 +218,7 @@ def test_the_consumers_index_against_the_master_keys(stack: Stack) -> None:
     workload, then Mooncake evicts under another tenant's pressure.  Sampled over
     time against the master's keys, for SGLang's own events (no storage tier),
     belief-only and ours: recall of acknowledged blocks a lookup can reach is 1.0,
-    no removal of ours took out a block that was not gone (our precision is below
+    no removal of ours took out a block a lookup could still reach (our precision is below
     belief-only's only while a rewrite's stored event is on its way), and ours is
     back to >= 0.99 within the window the reconciler's configuration predicts."""
     a, b, keys = stack.a, stack.b, stack.keys
@@ -271,7 +271,7 @@ def test_the_consumers_index_against_the_master_keys(stack: Stack) -> None:
 
     # Ours is belief-only less its removals: below it only where a removal took out a
     # block L3 holds, which must be one a rewrite undid (its stored event then on its
-    # way), never a block that was not gone.
+    # way), never a block a lookup could still reach.
     unexplained = m.truth.unexplained_removals(m.doomed)
     assert not unexplained, (unexplained, m.truth.points)
     # The instance holding the evicted pages in its device cache only learns of
