@@ -488,6 +488,13 @@ def test_slow_truth_times_out_without_blocking_or_invalidating() -> None:
     kv.add(c)
     kv.contains_all(c)
     t0 = time.perf_counter()
+    # Submit the query and let the worker take it: a query that times out before the
+    # worker reaches it is never asked (so there is no late answer to count), which a
+    # loaded machine can make happen within timeout_s.
+    rec.apply(0)
+    while truth.calls == 0 and time.perf_counter() - t0 < 5:
+        time.sleep(0.001)
+    assert truth.calls == 1, rec.snapshot()
     step_until_idle(rec)
     assert time.perf_counter() - t0 < 5
     truth.release.set()
