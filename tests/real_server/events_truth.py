@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -253,6 +254,36 @@ class Truth:
         #: Each claimed block no prefix lookup could reach at a sample (gone, or behind
         #: a gone one): the times of those samples.
         self.unreachable_at: dict[int, list[float]] = {}
+        #: ``held()`` read between the samples by ``watch``: (time the read began,
+        #: the blocks L3 held).
+        self.watched: list[tuple[float, frozenset[int]]] = []
+        self.watch_errors: list[str] = []
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def watch(self, period_s: float) -> None:
+        """Read ``held()`` every ``period_s`` on a thread of its own until ``stop``.
+        A store that evicts on its own (Mooncake, once the servers' writes fill it)
+        can drop a page that a lookup then finds absent and the server rewrites, all
+        between two samples: these reads are the evidence that the page was gone."""
+
+        def run() -> None:
+            while not self._stop.wait(period_s):
+                began = time.monotonic()
+                try:
+                    held = frozenset(self.held())
+                except Exception as exc:  # the store busy or restarting: say so at the end
+                    self.watch_errors.append(repr(exc))
+                    continue
+                self.watched.append((began, held))
+
+        self._watcher = threading.Thread(target=run, name="events-truth-watch", daemon=True)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(10)
 
     def sample(self, settled: bool = False) -> Point:
         for sub in self.subs:
@@ -295,7 +326,43 @@ class Truth:
             self.points.append(point)
         return point
 
-    def unexplained_removals(self, gone: Collection[int] = ()) -> list[tuple[int, int]]:
+    def history(self, h: int) -> dict[str, Any]:
+        """Block ``h``'s storage-tier events and the samples that saw it out of reach,
+        in seconds since the eviction: what a failed check needs to be read."""
+
+        def events(sub: Subscriber) -> list[tuple[str, float]]:
+            return [
+                (type(e).__name__, round(at - self.t0, 3))
+                for e, at in zip(sub.events, sub.arrived)
+                if getattr(e, "medium", None) in STORAGE_MEDIA
+                and h in getattr(e, "block_hashes", ())
+            ]
+
+        parent_of = parents(self.subs)
+        return {
+            "block": h,
+            "events": [events(sub) for sub in self.subs],
+            "unreachable_at": [round(u - self.t0, 3) for u in self.unreachable_at.get(h, [])],
+            "watched_unreachable_at": [
+                round(u - self.t0, 3) for u in self._watched_unreachable(h, parent_of)
+            ],
+            "watched": len(self.watched),
+            "watch_errors": self.watch_errors[:3],
+            "samples": [round(p.t, 3) for p in self.points],
+        }
+
+    def _watched_unreachable(self, h: int, parent_of: dict[int, int | None]) -> list[float]:
+        """Times of the ``watch`` reads at which no prefix lookup could reach ``h``."""
+        chain: list[int] = []
+        node: int | None = h
+        while node is not None and node not in chain:
+            chain.append(node)
+            node = parent_of.get(node)
+        return [at for at, held in self.watched if not all(b in held for b in chain)]
+
+    def unexplained_removals(
+        self, gone: Collection[int] = (), watched: bool = True
+    ) -> list[tuple[int, int]]:
         """(subscriber, block) pairs whose removal nothing explains.  Ours is
         belief-only less its removals, so its precision is below belief-only's only when
         it removed a block L3 holds at the sample: a removal of a block never out of
@@ -303,10 +370,12 @@ class Truth:
         whose stored event was still on its way (belief-only's old claim is then counted
         right).  So each such removal must have evidence that no lookup could reach the
         block after its last store before the removal (the evictor removed it or a block
-        before it, ``gone``; or a sample since the eviction saw it absent or behind an
-        absent block: a verified absence removes the pages after the missing one too),
+        before it, ``gone``; or a sample or a ``watch`` read since the eviction saw it
+        absent or behind an absent block: a verified absence removes the pages after the
+        missing one too),
         and a store of the block after that evidence (on the remover's stream, after the
-        removal too; or on another's: another instance wrote it).  Call once the
+        removal too; or on another's: another instance wrote it).  ``watched=False``
+        leaves the ``watch`` reads out (to count what only they explain).  Call once the
         streams are quiet."""
         for sub in self.subs:
             sub.pump()
@@ -347,7 +416,10 @@ class Truth:
                 (at for k, j, at in h_stores if (j < last if k == i else at <= at_removal)),
                 default=self.t0,
             )
-            evidence = [u for u in self.unreachable_at.get(h, []) if u >= max(before, self.t0)]
+            seen = list(self.unreachable_at.get(h, []))
+            if watched:
+                seen += self._watched_unreachable(h, parent_of)
+            evidence = [u for u in seen if u >= max(before, self.t0)]
             if evicted(h) and before <= self.t0:
                 evidence.append(self.t0)
             if not evidence:
@@ -495,12 +567,14 @@ def measure(
     salt: str,
     check_built: Callable[[Point], None] = lambda p: None,
     route: Callable[[int, int], int] = alternate,
+    watch_s: float | None = None,
 ) -> Measured:
     """The workload's BUILD turns, then ``evict(chains)`` (it removes pages behind
     the servers' backs and returns the blocks it removed), then the other turns,
     sampling after every request, then a sample at the window the reconciler's
     configuration predicts and one once everything settled.  ``check_built`` sees
-    the sample before the eviction; ``route(conversation, turn)`` is the index of
+    the sample before the eviction; ``watch_s``, when given, has ``held()`` read that
+    often between the samples too (``Truth.watch``); ``route(conversation, turn)`` is the index of
     the server a turn goes to (each server must serve every conversation once
     after the eviction: the window counts on it)."""
     turns = conversation_requests(CONVERSATIONS, TURNS, salt=salt)
@@ -530,32 +604,37 @@ def measure(
         [sub.summary() for sub in subs],
     )
     truth.t0 = time.monotonic()
-    doomed = evict(known)
-    evicted = truth.sample()
+    if watch_s is not None:
+        truth.watch(watch_s)
+    try:
+        doomed = evict(known)
+        evicted = truth.sample()
 
-    # The workload goes on: every conversation served by each server once more.
-    # (Stale claims end either in a verified BlockRemoved or in the page's rewrite.)
-    before = {s: s.value(P + "reconciler_queries_total", absent_ok=True) for s in servers}
-    for k in range(BUILD, TURNS):
-        serve(k, after=truth)
-    looked_up = max(served_at.values()) - truth.t0
-    # The window the reconciler's configuration predicts: with sampling_rate 1
-    # every lookup is a candidate and, while verifications stay under
-    # verifications_per_s, every candidate is verified; the verdict is applied
-    # within one query (timeout_ms) and two agreements.  So a stale claim is
-    # gone by its instance's next lookup through it + timeout_ms (+ 1 s for the
-    # agreements, the publisher thread and this sampler); each instance looks up
-    # every conversation once by ``looked_up``.
-    window = looked_up + timeout_ms / 1000.0 + 1.0
-    time.sleep(max(0.0, truth.t0 + window - time.monotonic()))
-    at_window = truth.sample()
-    elapsed = time.monotonic() - truth.t0
-    rates = {
-        s.port: (s.value(P + "reconciler_queries_total", absent_ok=True) - before[s]) / elapsed
-        for s in servers
-    }
-    quiet(servers, subs)
-    end = truth.sample(settled=True)
+        # The workload goes on: every conversation served by each server once more.
+        # (Stale claims end either in a verified BlockRemoved or in the page's rewrite.)
+        before = {s: s.value(P + "reconciler_queries_total", absent_ok=True) for s in servers}
+        for k in range(BUILD, TURNS):
+            serve(k, after=truth)
+        looked_up = max(served_at.values()) - truth.t0
+        # The window the reconciler's configuration predicts: with sampling_rate 1
+        # every lookup is a candidate and, while verifications stay under
+        # verifications_per_s, every candidate is verified; the verdict is applied
+        # within one query (timeout_ms) and two agreements.  So a stale claim is
+        # gone by its instance's next lookup through it + timeout_ms (+ 1 s for the
+        # agreements, the publisher thread and this sampler); each instance looks up
+        # every conversation once by ``looked_up``.
+        window = looked_up + timeout_ms / 1000.0 + 1.0
+        time.sleep(max(0.0, truth.t0 + window - time.monotonic()))
+        at_window = truth.sample()
+        elapsed = time.monotonic() - truth.t0
+        rates = {
+            s.port: (s.value(P + "reconciler_queries_total", absent_ok=True) - before[s]) / elapsed
+            for s in servers
+        }
+        quiet(servers, subs)
+        end = truth.sample(settled=True)
+    finally:
+        truth.stop()
     storage_b = [
         h
         for e in subs[1].pump()

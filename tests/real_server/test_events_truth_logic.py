@@ -1,0 +1,151 @@
+"""The events truth check's verdicts (``events_truth.Truth.unexplained_removals``) on
+made-up streams, no server: a removal of a block L3 holds passes only with evidence
+that no lookup could reach the block after its last store, and a store after that
+evidence.  The real-server tests trust this check to tell a wrong verdict from an
+eviction undone by a rewrite; these cases are the ones it must get right."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from events_truth import STORAGE_MEDIA, Truth
+
+kv = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+
+MEDIUM = STORAGE_MEDIA[1]
+
+
+def stored(hashes: list[int], parent: int | None = None) -> Any:
+    return kv.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=MEDIUM,
+    )
+
+
+def removed(hashes: list[int]) -> Any:
+    return kv.BlockRemoved(block_hashes=hashes, medium=MEDIUM)
+
+
+class Stream:
+    """A subscriber's events as ``Truth`` reads them, each stamped as it is added."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.arrived: list[float] = []
+
+    def pump(self) -> list[Any]:
+        return self.events
+
+    def add(self, event: Any) -> None:
+        time.sleep(0.001)  # distinct arrival times
+        self.events.append(event)
+        self.arrived.append(time.monotonic())
+
+
+Steps = Callable[[Stream, Stream, set[int], Truth], None]
+
+
+def verdict(steps: Steps, gone: set[int] = frozenset(), watch: bool = False) -> list[Any]:
+    """Instance a holds chain 1-2-3, b holds 4; L3 holds all four; the eviction is at
+    ``t0``, then ``steps`` run; the pairs nothing explains."""
+    a, b = Stream(), Stream()
+    held = {1, 2, 3, 4}
+    truth = Truth((a, b), lambda: set(held))  # type: ignore[arg-type]
+    a.add(stored([1, 2, 3]))
+    b.add(stored([4]))
+    truth.sample(settled=True)
+    time.sleep(0.002)
+    truth.t0 = time.monotonic()
+    if watch:
+        truth.watch(0.001)
+    try:
+        steps(a, b, held, truth)
+    finally:
+        truth.stop()
+    return truth.unexplained_removals(gone)
+
+
+def settle_watch() -> None:
+    time.sleep(0.03)  # several watch reads
+
+
+def test_a_wrong_removal_is_flagged_though_its_own_rewrite_follows() -> None:
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        a.add(removed([1]))
+        t.sample()
+        a.add(stored([1]))
+        t.sample()
+
+    assert verdict(steps) == [(0, 1)]
+    assert verdict(steps, watch=True) == [(0, 1)]  # never absent: the watch adds nothing
+
+
+def test_another_instances_store_before_a_wrong_removal_does_not_explain_it() -> None:
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        b.add(stored([1]))
+        t.sample()
+        a.add(removed([1]))
+        t.sample()
+
+    assert verdict(steps) == [(0, 1)]
+
+
+def test_an_eviction_seen_absent_explains_the_block_and_those_behind_it() -> None:
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.discard(2)
+        t.sample()
+        a.add(removed([2, 3]))
+        t.sample()
+        held.add(2)
+        b.add(stored([2], 1))
+        b.add(stored([3], 2))
+        t.sample()
+
+    assert verdict(steps) == []
+
+
+def test_an_eviction_undone_between_samples_needs_the_doomed_set_or_the_watch() -> None:
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.discard(2)
+        settle_watch()
+        a.add(removed([2, 3]))
+        held.add(2)
+        b.add(stored([2], 1))
+        b.add(stored([3], 2))
+        t.sample()
+
+    assert verdict(steps) == [(0, 2), (0, 3)]
+    assert verdict(steps, gone={2}) == []
+    assert verdict(steps, watch=True) == []
+
+
+def test_an_absence_before_the_blocks_last_store_is_no_evidence() -> None:
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.discard(1)
+        settle_watch()
+        held.add(1)
+        a.add(stored([1, 2, 3]))
+        settle_watch()
+        a.add(removed([1]))
+        t.sample()
+        a.add(stored([1]))
+        t.sample()
+
+    assert verdict(steps, watch=True) == [(0, 1)]
+
+
+def test_a_removal_of_a_block_l3_no_longer_holds_is_not_judged() -> None:
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.difference_update({2, 3})
+        t.sample()
+        a.add(removed([2, 3]))
+        t.sample()
+
+    assert verdict(steps) == []
