@@ -40,6 +40,10 @@ from hicache_existence.reconcile.redis_truth import LedgerSettings, RedisLedger 
 #: the garbage collections that ran in the call): every call but the slowest 1%, the
 #: calls of a step right after one of the test's own pauses aside (``Scheduler.pause``).
 MAX_WAIT_S = 0.001
+#: Those calls' budget, every one but the slowest: the thread's first touches after a
+#: pause cost up to 1.4 ms of CPU here that is not the reconciler's work; a reconciler
+#: that did real work on resuming would show in two calls or more.
+MAX_WAIT_RESUMED_S = 0.0025
 #: The same for every call but the slowest: a shared 2-core CI machine (hypervisor
 #: steal, page faults, cache misses after a context switch) stretches a lone call past
 #: it (5.1 ms once in a CI run; 0.5 ms here in 3,000 calls beside a real-server leg),
@@ -84,7 +88,7 @@ def _report() -> Iterator[None]:
     for name, v in sorted(WORST.items()):
         print(
             f"\nreconciler scheduler-side [{name}]: cpu max {v['cpu'] * 1e3:.3f} ms "
-            f"(p99 without GC {v.get('cpu_ex_gc_p99', 0.0) * 1e3:.3f} ms), "
+            f"(steady p99 without GC {v.get('cpu_ex_gc_p99', 0.0) * 1e3:.3f} ms), "
             f"wall max {v['wall'] * 1e3:.3f} ms (without GC pauses "
             f"{v['wall_ex_gc'] * 1e3:.3f} ms), wall p99 {v['wall_p99'] * 1e3:.3f} ms; "
             f"worker cpu/query max {v['worker'] * 1e3:.3f} ms",
@@ -264,7 +268,9 @@ class Scheduler:
     Every call is timed twice: wall clock, and the scheduler thread's own CPU time.
     The reconciler never blocks the scheduler thread on I/O or on a lock held
     across I/O, so what it can cost a call is its own CPU work (asserted < 1 ms for
-    99% of calls and < 5 ms for all calls but the slowest, garbage collections aside) plus
+    99% of calls, < 2.5 ms for all but the slowest of those right after the test's own
+    pauses (``pause``), and < 5 ms for all calls but the slowest, garbage collections
+    aside) plus
     waiting for the GIL while the worker runs Python (bounded by the worker's CPU
     per query, reported).  That no call sends a Redis command is checked on
     redis-py's connections themselves (``SCHEDULER_SENDS``), and that no lock of the
@@ -286,18 +292,26 @@ class Scheduler:
         self.wall_ex_gc: list[float] = []
         self.cpu: list[float] = []
         self.cpu_ex_gc: list[float] = []
-        #: The same, for the calls of steps that did not follow one of the test's pauses.
+        #: The same, split: calls of steps that did not follow one of the test's
+        #: pauses, and calls of those that did (``pause``).
         self.steady_cpu_ex_gc: list[float] = []
+        self.resumed_cpu_ex_gc: list[float] = []
         self._resuming = True  # the first step follows the test's setup (Redis I/O)
 
     def pause(self, seconds: float) -> None:
         """Sleep between the test's phases.  On this class of VM the first memory a
         thread touches after sleeping costs it CPU time that is not its work: an
-        8-page ``contains_all`` (3 us after a 2 ms sleep) takes 0.2 to 1.4 ms of
-        thread CPU after a 0.25 s one, and a busy wait before it does not help.  So
-        the calls of the next step (and of the first step) are left out of the 1%
-        budget; they stay under the worst-call and wall bounds."""
+        8-page ``contains_all`` (3 us after a 2 ms sleep) took 0.2 to 1.4 ms of
+        thread CPU after a 0.25 s one, and a busy wait before it did not help (on
+        another day 0.07 ms median, 0.24 max: it varies with the host).  So the calls
+        of the next step are held to ``MAX_WAIT_RESUMED_S`` instead of the 1% budget;
+        so are the first step's (after the setup's Redis I/O; the first ``apply``
+        also starts the worker thread: 0.7-1.5 ms here)."""
         time.sleep(seconds)
+        self.resumed()
+
+    def resumed(self) -> None:
+        """The test's thread just waited (a sleep, or a Redis restart it waited out)."""
         self._resuming = True
 
     def believe(self, chains: list[list[str]]) -> None:
@@ -322,8 +336,9 @@ class Scheduler:
         gc_s = GC_PAUSE_S[0] - g0
         self.wall_ex_gc.append(wall - gc_s)
         self.cpu_ex_gc.append(max(0.0, cpu - gc_s))
-        if not self._resuming:
-            self.steady_cpu_ex_gc.append(max(0.0, cpu - gc_s))
+        (self.resumed_cpu_ex_gc if self._resuming else self.steady_cpu_ex_gc).append(
+            max(0.0, cpu - gc_s)
+        )
 
     def steps(self, n: int, chains: list[list[str]], per_step: int = 2) -> None:
         for _ in range(n):
@@ -339,6 +354,7 @@ class Scheduler:
         for _ in range(max_steps):
             self._timed(self.rec.apply, self.step_no)
             self.step_no += 1
+            self._resuming = False
             if self.rec.idle():
                 return
             time.sleep(0.002)
@@ -366,6 +382,10 @@ class Scheduler:
         rec["cpu_ex_gc_p99"] = max(rec.get("cpu_ex_gc_p99", 0.0), own_p99)
         spent = f"{scenario}: scheduler thread spent"
         assert own_p99 < MAX_WAIT_S, f"{spent} {own_p99 * 1e3:.3f} ms (p99)"
+        resumed = sorted(self.resumed_cpu_ex_gc)
+        assert len(resumed) < 2 or resumed[-2] < MAX_WAIT_RESUMED_S, (
+            f"{spent} {resumed[-2] * 1e3:.3f} ms in two calls after pauses"
+        )
         assert own[-2] < MAX_WAIT_WORST_S, f"{spent} {own[-2] * 1e3:.3f} ms in two calls"
         assert wall[-2] < NEVER_BLOCKED_S, f"{scenario}: two calls took {wall[-2] * 1e3:.1f} ms"
         assert wall[-1] < NEVER_BLOCKED_WORST_S, f"{scenario}: a call took {wall[-1] * 1e3:.1f} ms"
@@ -546,6 +566,7 @@ def test_redis_restarted_empty_is_not_evidence(server: RedisServer) -> None:
     sched.drain()
     assert sched.rec.snapshot().queries.get(("kv", "present"), 0) >= 1
     server.restart()  # no persistence: the ledger is empty now
+    sched.resumed()
     sched.steps(20, chains)
     sched.drain()
     snap = sched.rec.snapshot()

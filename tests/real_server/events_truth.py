@@ -263,9 +263,12 @@ class Truth:
 
     def watch(self, period_s: float) -> None:
         """Read ``held()`` every ``period_s`` on a thread of its own until ``stop``.
-        A store that evicts on its own (Mooncake, once the servers' writes fill it)
-        can drop a page that a lookup then finds absent and the server rewrites, all
-        between two samples: these reads are the evidence that the page was gone."""
+        A store that can evict on its own (Mooncake, should the servers' writes fill
+        it after the burst) could drop a page that a lookup then finds absent and
+        the server rewrites, all between two samples; a read between them is the
+        evidence the samples miss.  Only reads up to the removal count
+        (``unexplained_removals``): a later absence says nothing of the block when
+        it was removed."""
 
         def run() -> None:
             while not self._stop.wait(period_s):
@@ -275,15 +278,18 @@ class Truth:
                 except Exception as exc:  # the store busy or restarting: say so at the end
                     self.watch_errors.append(repr(exc))
                     continue
-                self.watched.append((began, held))
+                if not self._stop.is_set():  # a read that outlasted ``stop`` is dropped
+                    self.watched.append((began, held))
 
         self._watcher = threading.Thread(target=run, name="events-truth-watch", daemon=True)
         self._watcher.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
         if self._watcher is not None:
-            self._watcher.join(10)
+            self._watcher.join(timeout_s)
+            if self._watcher.is_alive():  # held() hung: its reads would race the verdicts
+                raise RuntimeError(f"the truth's watch did not stop within {timeout_s} s")
 
     def sample(self, settled: bool = False) -> Point:
         for sub in self.subs:
@@ -370,9 +376,9 @@ class Truth:
         whose stored event was still on its way (belief-only's old claim is then counted
         right).  So each such removal must have evidence that no lookup could reach the
         block after its last store before the removal (the evictor removed it or a block
-        before it, ``gone``; or a sample or a ``watch`` read since the eviction saw it
-        absent or behind an absent block: a verified absence removes the pages after the
-        missing one too),
+        before it, ``gone``; or a sample since the eviction, or a ``watch`` read up to
+        the removal, saw it absent or behind an absent block: a verified absence
+        removes the pages after the missing one too),
         and a store of the block after that evidence (on the remover's stream, after the
         removal too; or on another's: another instance wrote it).  ``watched=False``
         leaves the ``watch`` reads out (to count what only they explain).  Call once the
@@ -417,8 +423,8 @@ class Truth:
                 default=self.t0,
             )
             seen = list(self.unreachable_at.get(h, []))
-            if watched:
-                seen += self._watched_unreachable(h, parent_of)
+            if watched:  # reads up to the removal only (``watch``)
+                seen += [u for u in self._watched_unreachable(h, parent_of) if u <= at_removal]
             evidence = [u for u in seen if u >= max(before, self.t0)]
             if evicted(h) and before <= self.t0:
                 evidence.append(self.t0)

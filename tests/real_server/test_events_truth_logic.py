@@ -7,7 +7,7 @@ eviction undone by a rewrite; these cases are the ones it must get right."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pytest
@@ -52,14 +52,16 @@ class Stream:
 Steps = Callable[[Stream, Stream, set[int], Truth], None]
 
 
-def verdict(steps: Steps, gone: set[int] = frozenset(), watch: bool = False) -> list[Any]:
-    """Instance a holds chain 1-2-3, b holds 4; L3 holds all four; the eviction is at
-    ``t0``, then ``steps`` run; the pairs nothing explains."""
+def run(steps: Steps, watch: bool = False, before: Steps | None = None) -> tuple[Truth, set[int]]:
+    """Instance a holds chain 1-2-3, b holds 4; L3 holds all four; ``before`` runs
+    before the eviction (at ``t0``), then ``steps``."""
     a, b = Stream(), Stream()
     held = {1, 2, 3, 4}
     truth = Truth((a, b), lambda: set(held))  # type: ignore[arg-type]
     a.add(stored([1, 2, 3]))
     b.add(stored([4]))
+    if before is not None:
+        before(a, b, held, truth)
     truth.sample(settled=True)
     time.sleep(0.002)
     truth.t0 = time.monotonic()
@@ -69,6 +71,14 @@ def verdict(steps: Steps, gone: set[int] = frozenset(), watch: bool = False) -> 
         steps(a, b, held, truth)
     finally:
         truth.stop()
+    return truth, held
+
+
+def verdict(
+    steps: Steps, gone: Collection[int] = (), watch: bool = False, before: Steps | None = None
+) -> list[tuple[int, int]]:
+    """The (subscriber, block) pairs nothing explains."""
+    truth, _ = run(steps, watch, before)
     return truth.unexplained_removals(gone)
 
 
@@ -123,7 +133,49 @@ def test_an_eviction_undone_between_samples_needs_the_doomed_set_or_the_watch() 
 
     assert verdict(steps) == [(0, 2), (0, 3)]
     assert verdict(steps, gone={2}) == []
-    assert verdict(steps, watch=True) == []
+    truth, _ = run(steps, watch=True)
+    assert truth.unexplained_removals() == []
+    assert truth.unexplained_removals(watched=False) == [(0, 2), (0, 3)]
+    history = truth.history(3)
+    assert history["block"] == 3 and history["watched"] > 0 and not history["watch_errors"]
+    assert [kind for kind, _ in history["events"][0]] == ["BlockStored", "BlockRemoved"]
+    assert [kind for kind, _ in history["events"][1]] == ["BlockStored"]
+    assert history["watched_unreachable_at"] and not history["unreachable_at"]
+
+
+def test_an_absence_after_a_wrong_removal_does_not_explain_it() -> None:
+    """A removal of a block L3 held then, seen held at the next sample; L3 drops it
+    later (only the watch sees that) and b writes it again."""
+
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        a.add(removed([1]))
+        t.sample()
+        held.discard(1)
+        settle_watch()
+        held.add(1)
+        b.add(stored([1]))
+        t.sample()
+
+    assert verdict(steps) == [(0, 1)]
+    assert verdict(steps, watch=True) == [(0, 1)]
+
+
+def test_an_absence_seen_before_the_eviction_is_no_evidence() -> None:
+    """Block 1 missing at the last sample before ``t0`` (then written again with no
+    store event of its own on a's stream), removed after it."""
+
+    def gap(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.discard(1)
+        t.sample()
+        held.add(1)
+
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        a.add(removed([1]))
+        t.sample()
+        b.add(stored([1]))
+        t.sample()
+
+    assert verdict(steps, before=gap) == [(0, 1)]
 
 
 def test_an_absence_before_the_blocks_last_store_is_no_evidence() -> None:

@@ -22,7 +22,8 @@ third store client (another tenant, no segment of its own) puts 256 KiB objects
 into the servers' segments until the master evicts (it evicts the objects with
 the earliest lease deadline first, 5% of the objects a round, while above its
 90% high watermark), then removes its own objects, so that the rest of the
-workload runs with room and no further eviction.  Which pages go is the master's
+workload usually runs with room (the servers' own writes evicted 41 more objects
+in one of eight runs here, none in the others).  Which pages go is the master's
 choice; the test reads them from the key list.  After it, each conversation's
 first turn stays on the server of its turn before (``stay_once``): that server
 holds the evicted pages in its device cache and never asks L3 for them, so only
@@ -242,8 +243,8 @@ def test_the_consumers_index_against_the_master_keys(stack: Stack) -> None:
         salt="events-mooncake",
         check_built=built_ok,
         route=stay_once,
-        # Mooncake also evicts on its own once the servers' writes fill the store:
-        # the master's keys read between the samples see those pages gone.
+        # Should the servers' own writes make Mooncake evict after the burst, the
+        # master's keys read between the samples see those pages gone.
         watch_s=0.025,
     )
     evicted_after = stack.master.metrics()["master_evicted_key_count"]
