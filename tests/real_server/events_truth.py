@@ -219,6 +219,17 @@ def reachable(held: set[int], parent_of: dict[int, int | None]) -> set[int]:
     return {h for h in held if ok(h)}
 
 
+def chain_of(h: int, parent_of: dict[int, int | None]) -> list[int]:
+    """``h`` and the blocks before it in its chain, nearest first (as far as the
+    stored events tell; a cycle ends it)."""
+    chain: list[int] = []
+    node: int | None = h
+    while node is not None and node not in chain:
+        chain.append(node)
+        node = parent_of.get(node)
+    return chain
+
+
 @dataclass
 class Point:
     """One sample: seconds since the eviction; per publisher the precision of its
@@ -234,8 +245,8 @@ class Point:
     stale_belief: int
     recall_reachable: float = 1.0
     #: (instance, block) claims ours removed that L3 holds at the sample: each must be
-    #: a removal of a block no lookup could reach then, since undone by a rewrite
-    #: (``Truth.unexplained_removals``).
+    #: a removal of a block no lookup could reach then, since written again or held
+    #: all along behind a missing one (``Truth.unexplained_removals``).
     removed_held: int = 0
 
 
@@ -251,11 +262,9 @@ class Truth:
         #: Per sample, per subscriber: the events it had, and the blocks its removals
         #: took out of ours that L3 held then.
         self.removed: list[list[tuple[int, set[int]]]] = []
-        #: Each claimed block no prefix lookup could reach at a sample (gone, or behind
-        #: a gone one): the times of those samples.
-        self.unreachable_at: dict[int, list[float]] = {}
-        #: ``held()`` read between the samples by ``watch``: (time the read began,
-        #: the blocks L3 held).
+        #: What L3 held at each sample (time the read began, the blocks), and the same
+        #: read between the samples by ``watch``.
+        self.sampled: list[tuple[float, frozenset[int]]] = []
         self.watched: list[tuple[float, frozenset[int]]] = []
         self.watch_errors: list[str] = []
         self._stop = threading.Event()
@@ -298,7 +307,9 @@ class Truth:
         upto = [len(sub.events) for sub in self.subs]
         ours = [index_of(s, n, removals=True) for s, n in zip(self.subs, upto)]
         belief = [index_of(s, n, removals=False) for s, n in zip(self.subs, upto)]
+        read_at = time.monotonic()
         held = self.held()
+        self.sampled.append((read_at, frozenset(held)))
         acked = set().union(*belief) & held  # held blocks whose write an instance acknowledged
         reach = reachable(held, parents(self.subs))
         findable = acked & reach
@@ -314,9 +325,6 @@ class Truth:
         p_ours, s_ours = precision(ours)
         p_belief, s_belief = precision(belief)
         removed = [(n, (b - o) & held) for n, b, o in zip(upto, belief, ours)]
-        now = time.monotonic()
-        for h in set().union(*belief) - reach:
-            self.unreachable_at.setdefault(h, []).append(now)
         point = Point(
             time.monotonic() - self.t0,
             p_ours,
@@ -344,42 +352,42 @@ class Truth:
                 and h in getattr(e, "block_hashes", ())
             ]
 
-        parent_of = parents(self.subs)
+        chain = chain_of(h, parents(self.subs))
+
+        def out_of_reach(reads: list[tuple[float, frozenset[int]]]) -> list[tuple[float, str]]:
+            return [
+                (round(at - self.t0, 3), "absent" if h not in held else "behind")
+                for at, held in reads
+                if not all(b in held for b in chain)
+            ]
+
         return {
             "block": h,
+            "chain": len(chain),
             "events": [events(sub) for sub in self.subs],
-            "unreachable_at": [round(u - self.t0, 3) for u in self.unreachable_at.get(h, [])],
-            "watched_unreachable_at": [
-                round(u - self.t0, 3) for u in self._watched_unreachable(h, parent_of)
-            ],
+            "samples_out_of_reach": out_of_reach(self.sampled),
+            "watch_out_of_reach": out_of_reach(self.watched),
             "watched": len(self.watched),
             "watch_errors": self.watch_errors[:3],
             "samples": [round(p.t, 3) for p in self.points],
         }
-
-    def _watched_unreachable(self, h: int, parent_of: dict[int, int | None]) -> list[float]:
-        """Times of the ``watch`` reads at which no prefix lookup could reach ``h``."""
-        chain: list[int] = []
-        node: int | None = h
-        while node is not None and node not in chain:
-            chain.append(node)
-            node = parent_of.get(node)
-        return [at for at, held in self.watched if not all(b in held for b in chain)]
 
     def unexplained_removals(
         self, gone: Collection[int] = (), watched: bool = True
     ) -> list[tuple[int, int]]:
         """(subscriber, block) pairs whose removal nothing explains.  Ours is
         belief-only less its removals, so its precision is below belief-only's only when
-        it removed a block L3 holds at the sample: a removal of a block never out of
-        reach (a wrong verdict), or one right when made and since undone by a rewrite
-        whose stored event was still on its way (belief-only's old claim is then counted
-        right).  So each such removal must have evidence that no lookup could reach the
-        block after its last store before the removal (the evictor removed it or a block
-        before it, ``gone``; or a sample since the eviction, or a ``watch`` read up to
-        the removal, saw it absent or behind an absent block: a verified absence
-        removes the pages after the missing one too),
-        and a store of the block after that evidence (on the remover's stream, after the
+        it removed a block L3 holds at the sample: a wrong verdict (a block a lookup
+        could reach), or one right when made, of a block L3 holds again or held all
+        along behind a missing one.  So each such removal needs evidence that no lookup
+        could reach the block after its last store before the removal: the evictor
+        removed it or a block before it (``gone``), or a sample since the eviction, or
+        a ``watch`` read up to the removal, saw it absent or behind an absent block (a
+        verified absence removes the pages after the missing one too).  Behind a
+        missing block, the block needs no store of its own, but none of the missing
+        blocks may have been stored again between that evidence and the removal (the
+        block was back in reach then).  A block itself absent must have been stored
+        again after the evidence, since L3 holds it (on the remover's stream, after the
         removal too; or on another's: another instance wrote it).  ``watched=False``
         leaves the ``watch`` reads out (to count what only they explain).  Call once the
         streams are quiet."""
@@ -403,16 +411,14 @@ class Truth:
                         mine.setdefault(h, []).append(j)
             removals.append(mine)
 
-        def evicted(h: int) -> bool:
-            """h or a block before it in its chain was one the evictor removed."""
-            seen: set[int] = set()
-            node: int | None = h
-            while node is not None and node not in seen:
-                if node in gone:
-                    return True
-                seen.add(node)
-                node = parent_of.get(node)
-            return False
+        def stored_between(b: int, after: float, i: int, last: int) -> bool:
+            """A store of ``b`` that arrived after ``after`` and before subscriber i's
+            removal at position ``last`` (earlier on i's own stream)."""
+            at_removal = self.subs[i].arrived[last]
+            return any(
+                at > after and (j < last if k == i else at < at_removal)
+                for k, j, at in stores.get(b, [])
+            )
 
         def explained(i: int, h: int, last: int) -> bool:
             """Whether subscriber i's removal of h at position ``last`` is explained."""
@@ -422,15 +428,33 @@ class Truth:
                 (at for k, j, at in h_stores if (j < last if k == i else at <= at_removal)),
                 default=self.t0,
             )
-            seen = list(self.unreachable_at.get(h, []))
+            since = max(before, self.t0)
+            chain = chain_of(h, parent_of)
+            reads = [r for r in self.sampled if r[0] >= since]
             if watched:  # reads up to the removal only (``watch``)
-                seen += [u for u in self._watched_unreachable(h, parent_of) if u <= at_removal]
-            evidence = [u for u in seen if u >= max(before, self.t0)]
-            if evicted(h) and before <= self.t0:
-                evidence.append(self.t0)
-            if not evidence:
+                reads += [r for r in self.watched if since <= r[0] <= at_removal]
+            absent: list[float] = []  # h itself out of L3
+            behind: list[tuple[float, list[int]]] = []  # h held, blocks before it not
+            for at, held in reads:
+                if h not in held:
+                    absent.append(at)
+                elif missing := [b for b in chain[1:] if b not in held]:
+                    behind.append((at, missing))
+            if before <= self.t0:
+                if h in gone:
+                    absent.append(self.t0)
+                elif missing := [b for b in chain[1:] if b in gone]:
+                    behind.append((self.t0, missing))
+            # Behind a missing block, h needs no store of its own to be held again; but
+            # if a missing block was stored again before the removal, h was back in
+            # reach when it was removed.
+            if any(
+                not any(stored_between(b, at, i, last) for b in missing) for at, missing in behind
+            ):
+                return True
+            if not absent:
                 return False
-            first = min(evidence)
+            first = min(absent)
             return any(at >= first and (k != i or j > last) for k, j, at in h_stores)
 
         out: set[tuple[int, int]] = set()
