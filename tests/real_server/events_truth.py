@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import re
 import threading
 import time
@@ -372,6 +373,17 @@ class Truth:
             "samples": [round(p.t, 3) for p in self.points],
         }
 
+    def report(self, unexplained: Sequence[tuple[int, int]]) -> str:
+        """One JSON line for a failed check: each flagged removal's block history and
+        every sample.  Printed whole: pytest cuts an assertion message to a few
+        hundred characters, middle out, at CI's verbosity."""
+        return json.dumps(
+            {
+                "unexplained": [{"subscriber": i, **self.history(h)} for i, h in unexplained],
+                "points": [vars(p) for p in self.points],
+            }
+        )
+
     def unexplained_removals(
         self, gone: Collection[int] = (), watched: bool = True
     ) -> list[tuple[int, int]]:
@@ -381,16 +393,20 @@ class Truth:
         could reach), or one right when made, of a block L3 holds again or held all
         along behind a missing one.  So each such removal needs evidence that no lookup
         could reach the block after its last store before the removal: the evictor
-        removed it or a block before it (``gone``), or a sample since the eviction, or
-        a ``watch`` read up to the removal, saw it absent or behind an absent block (a
-        verified absence removes the pages after the missing one too).  Behind a
-        missing block, the block needs no store of its own, but none of the missing
-        blocks may have been stored again between that evidence and the removal (the
-        block was back in reach then).  A block itself absent must have been stored
-        again after the evidence, since L3 holds it (on the remover's stream, after the
-        removal too; or on another's: another instance wrote it).  ``watched=False``
-        leaves the ``watch`` reads out (to count what only they explain).  Call once the
-        streams are quiet."""
+        removed it or a block before it (``gone``, for a removal after the eviction), or
+        a sample since the eviction up to the one that brought the removal in, or a
+        ``watch`` read up to the removal, saw it absent or behind an absent block (a
+        verified absence removes the pages after the missing one too).  Behind missing
+        blocks, the block needs no store of its own, unless every one of them was
+        stored again between that evidence and the removal (the block was back in reach
+        then).  A block itself absent must have been stored again after the evidence,
+        since L3 holds it (on the remover's stream, after the removal too; or on
+        another's: another instance wrote it).  Events are ordered by their position on
+        one stream, across streams by arrival (the time of the pump that received
+        them), so a store and a removal on different streams received in one pump are
+        not ordered by when they happened.  ``watched=False`` leaves the ``watch``
+        reads out (to count what only they explain).  Call once the streams are
+        quiet."""
         for sub in self.subs:
             sub.pump()
         parent_of = parents(self.subs)
@@ -430,7 +446,10 @@ class Truth:
             )
             since = max(before, self.t0)
             chain = chain_of(h, parent_of)
-            reads = [r for r in self.sampled if r[0] >= since]
+            # Samples up to the first read after the removal arrived (its pump's sample):
+            # a later absence says nothing of the block when it was removed.
+            upto = min((at for at, _ in self.sampled if at >= at_removal), default=math.inf)
+            reads = [r for r in self.sampled if since <= r[0] <= upto]
             if watched:  # reads up to the removal only (``watch``)
                 reads += [r for r in self.watched if since <= r[0] <= at_removal]
             absent: list[float] = []  # h itself out of L3
@@ -440,16 +459,16 @@ class Truth:
                     absent.append(at)
                 elif missing := [b for b in chain[1:] if b not in held]:
                     behind.append((at, missing))
-            if before <= self.t0:
+            if before <= self.t0 <= at_removal:
                 if h in gone:
                     absent.append(self.t0)
                 elif missing := [b for b in chain[1:] if b in gone]:
                     behind.append((self.t0, missing))
             # Behind a missing block, h needs no store of its own to be held again; but
-            # if a missing block was stored again before the removal, h was back in
+            # if every missing block was stored again before the removal, h was back in
             # reach when it was removed.
             if any(
-                not any(stored_between(b, at, i, last) for b in missing) for at, missing in behind
+                not all(stored_between(b, at, i, last) for b in missing) for at, missing in behind
             ):
                 return True
             if not absent:

@@ -6,6 +6,7 @@ eviction undone by a rewrite; these cases are the ones it must get right."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -141,6 +142,9 @@ def test_an_eviction_undone_between_samples_needs_the_doomed_set_or_the_watch() 
     assert [kind for kind, _ in history["events"][0]] == ["BlockStored", "BlockRemoved"]
     assert [kind for kind, _ in history["events"][1]] == ["BlockStored"]
     assert history["chain"] == 3 and not history["samples_out_of_reach"]
+    report = json.loads(truth.report([(0, 3)]))
+    assert report["unexplained"][0]["subscriber"] == 0
+    assert report["unexplained"][0]["block"] == 3 and len(report["points"]) == 1
     assert {why for _, why in history["watch_out_of_reach"]} == {"behind"}
 
 
@@ -205,9 +209,9 @@ def test_a_removal_of_a_block_l3_no_longer_holds_is_not_judged() -> None:
 
 
 def test_a_block_removed_behind_an_evicted_one_needs_no_store_of_its_own() -> None:
-    """The failed full run's shape: a verdict during the eviction burst removes the
-    missing block 2 and block 3 behind it; b writes 2 again; 3, held all along, is
-    never stored again (an instance holding it in its device cache does not write it)."""
+    """What the failed full run's figures fit: a verdict removes the evicted block 2
+    and block 3 behind it; b writes 2 again; 3, held all along, is never stored
+    again (no instance writes it)."""
 
     def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
         held.discard(2)
@@ -236,3 +240,57 @@ def test_a_removal_behind_a_block_stored_again_before_it_is_flagged() -> None:
 
     assert verdict(steps) == [(0, 3)]
     assert verdict(steps, gone={2}) == [(0, 3)]
+
+
+def test_a_later_eviction_before_a_wrongly_removed_block_does_not_explain_it() -> None:
+    """a removes 3 while 1-2-3 are all held; only after that does L3 drop 2."""
+
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        a.add(removed([3]))
+        t.sample()
+        held.discard(2)
+        t.sample()
+
+    assert verdict(steps) == [(0, 3)]
+
+
+def test_a_removal_before_the_eviction_is_not_explained_by_it() -> None:
+    def wrong(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        a.add(removed([3]))
+
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.discard(2)
+        t.sample()
+
+    assert verdict(steps, gone={2}, before=wrong) == [(0, 3)]
+
+
+def test_behind_two_missing_blocks_one_stored_again_is_still_out_of_reach() -> None:
+    """1 and 2 evicted; b writes 1 again; a removes 3 (2 still missing); b writes 2."""
+
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.difference_update({1, 2})
+        t.sample()
+        held.add(1)
+        b.add(stored([1]))
+        a.add(removed([3]))
+        held.add(2)
+        b.add(stored([2], 1))
+        t.sample()
+
+    assert verdict(steps, gone={1, 2}) == []
+
+
+def test_on_one_stream_a_store_then_a_removal_in_one_pump_keep_their_order() -> None:
+    """a writes 2 again, then removes 3 behind it, both received by one pump."""
+
+    def steps(a: Stream, b: Stream, held: set[int], t: Truth) -> None:
+        held.discard(2)
+        t.sample()
+        held.add(2)
+        a.add(stored([2], 1))
+        a.add(removed([3]))
+        a.arrived[-2] = a.arrived[-1]  # one pump: one arrival time
+        t.sample()
+
+    assert verdict(steps) == [(0, 3)]

@@ -270,11 +270,9 @@ def test_the_consumers_index_against_the_page_files(pair: Pair) -> None:
     # block L3 holds, which must be one a rewrite undid (its stored event then on its
     # way), never a block a lookup could still reach.
     unexplained = m.truth.unexplained_removals(m.doomed)
-    assert not unexplained, (
-        unexplained,
-        [m.truth.history(h) for _, h in unexplained],
-        m.truth.points,
-    )
+    if unexplained:
+        print("events-truth-unexplained", m.truth.report(unexplained))
+    assert not unexplained, f"{len(unexplained)} removals unexplained (printed above)"
     assert end.recall == 1.0, end
     assert at_window.ours >= 0.99, (m.window, m.truth.points)
     assert end.ours == 1.0 and end.stale_ours == 0, end

@@ -282,12 +282,9 @@ def test_the_consumers_index_against_the_master_keys(stack: Stack) -> None:
     # Ours is belief-only less its removals: below it only where a removal took out a
     # block L3 holds, which must be one a rewrite undid (its stored event then on its
     # way), never a block a lookup could still reach.
-    assert not unexplained, (
-        unexplained,
-        [m.truth.history(h) for _, h in unexplained],
-        sorted(m.doomed)[:8],
-        m.truth.points,
-    )
+    if unexplained:
+        print("events-truth-unexplained", m.truth.report(unexplained))
+    assert not unexplained, f"{len(unexplained)} removals unexplained (printed above)"
     # The instance holding the evicted pages in its device cache only learns of
     # the eviction from the reconciler: its removals put ours ahead of belief-only.
     assert m.sources["reconciler"] > 0 and m.delays["blocks"] > 0, (m.sources, m.delays)
