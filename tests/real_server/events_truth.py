@@ -220,6 +220,12 @@ def reachable(held: set[int], parent_of: dict[int, int | None]) -> set[int]:
     return {h for h in held if ok(h)}
 
 
+def missing(chain: list[int], held: Collection[int]) -> list[int]:
+    """The blocks of ``chain`` (``chain_of``) L3 does not hold: the block itself first
+    when it is absent; any at all and no prefix lookup reaches it."""
+    return [b for b in chain if b not in held]
+
+
 def chain_of(h: int, parent_of: dict[int, int | None]) -> list[int]:
     """``h`` and the blocks before it in its chain, nearest first (as far as the
     stored events tell; a cycle ends it)."""
@@ -356,10 +362,11 @@ class Truth:
         chain = chain_of(h, parents(self.subs))
 
         def out_of_reach(reads: list[tuple[float, frozenset[int]]]) -> list[tuple[float, str]]:
+            gaps = ((at, missing(chain, held)) for at, held in reads)
             return [
-                (round(at - self.t0, 3), "absent" if h not in held else "behind")
-                for at, held in reads
-                if not all(b in held for b in chain)
+                (round(at - self.t0, 3), "absent" if gap[0] == h else "behind")
+                for at, gap in gaps
+                if gap
             ]
 
         return {
@@ -427,10 +434,10 @@ class Truth:
                         mine.setdefault(h, []).append(j)
             removals.append(mine)
 
-        def stored_between(b: int, after: float, i: int, last: int) -> bool:
+        def stored_between(b: int, after: float, i: int, last: int, at_removal: float) -> bool:
             """A store of ``b`` that arrived after ``after`` and before subscriber i's
-            removal at position ``last`` (earlier on i's own stream)."""
-            at_removal = self.subs[i].arrived[last]
+            removal at position ``last``, arrived at ``at_removal`` (earlier on i's own
+            stream)."""
             return any(
                 at > after and (j < last if k == i else at < at_removal)
                 for k, j, at in stores.get(b, [])
@@ -455,20 +462,22 @@ class Truth:
             absent: list[float] = []  # h itself out of L3
             behind: list[tuple[float, list[int]]] = []  # h held, blocks before it not
             for at, held in reads:
-                if h not in held:
-                    absent.append(at)
-                elif missing := [b for b in chain[1:] if b not in held]:
-                    behind.append((at, missing))
+                if gap := missing(chain, held):
+                    if gap[0] == h:
+                        absent.append(at)
+                    else:
+                        behind.append((at, gap))
             if before <= self.t0 <= at_removal:
                 if h in gone:
                     absent.append(self.t0)
-                elif missing := [b for b in chain[1:] if b in gone]:
-                    behind.append((self.t0, missing))
+                elif evicted := [b for b in chain[1:] if b in gone]:
+                    behind.append((self.t0, evicted))
             # Behind a missing block, h needs no store of its own to be held again; but
             # if every missing block was stored again before the removal, h was back in
             # reach when it was removed.
             if any(
-                not all(stored_between(b, at, i, last) for b in missing) for at, missing in behind
+                not all(stored_between(b, at, i, last, at_removal) for b in gap)
+                for at, gap in behind
             ):
                 return True
             if not absent:
@@ -622,10 +631,10 @@ def measure(
     the servers' backs and returns the blocks it removed), then the other turns,
     sampling after every request, then a sample at the window the reconciler's
     configuration predicts and one once everything settled.  ``check_built`` sees
-    the sample before the eviction; ``watch_s``, when given, has ``held()`` read that
-    often between the samples too (``Truth.watch``); ``route(conversation, turn)`` is the index of
-    the server a turn goes to (each server must serve every conversation once
-    after the eviction: the window counts on it)."""
+    the sample before the eviction; ``watch_s``, when given, has ``held()`` read
+    that often between the samples too (``Truth.watch``); ``route(conversation,
+    turn)`` is the index of the server a turn goes to (each server must serve every
+    conversation once after the eviction: the window counts on it)."""
     turns = conversation_requests(CONVERSATIONS, TURNS, salt=salt)
     served_at: dict[tuple[int, int], float] = {}  # (server, conversation) -> last done
 
