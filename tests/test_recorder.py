@@ -1105,6 +1105,92 @@ def test_a_bad_recorded_trace_is_a_clear_error(tmp_path: Path, make: Any, proble
         read_trace(bad)
 
 
+def _two_flushes(tmp_path: Path, instance: str = "cut") -> tuple[Path, int]:
+    """A recorder file of two flushes (two gzip members after the header's), the
+    second with 300 adds: ``(file, bytes of the file after the first flush)``."""
+    r = rec.Recorder(section(tmp_path, sample_rate=1.0), instance=instance)
+    r.added("kv", [page(i, instance) for i in range(4)])
+    r._drain()
+    (path,) = (tmp_path / "trace").glob(f"*{instance}*")
+    first = path.stat().st_size
+    for i in range(300):
+        r.added("kv", [page(1000 + i, instance)])
+    r._drain()
+    r.close()
+    assert path.stat().st_size > first + 100
+    return path, first
+
+
+def test_a_file_cut_in_its_last_flush_reads_up_to_the_flush_before(tmp_path: Path) -> None:
+    """docs/replay.md: a file cut short by a killed server (or read while the recorder
+    writes it) stays readable up to its last complete flush; replay says what it left
+    out.  Every cut inside the last member gives exactly the first flush's events."""
+    path, first = _two_flushes(tmp_path)
+    whole = path.read_bytes()
+    assert [len(e.pages) for e in read_trace(path).events] == [4] + [1] * 300
+    for cut in (first + 1, first + 20, (first + len(whole)) // 2, len(whole) - 1):
+        path.write_bytes(whole[:cut])
+        for trace in (read_trace(path), read_trace(tmp_path / "trace")):
+            assert [e.pages for e in trace.events] == [tuple(page(i, "cut") for i in range(4))]
+            (note,) = trace.notes
+            assert "ends early" in note and str(path) in note
+    code, out, err = run_cli(
+        "replay", str(tmp_path / "trace"), "--caps", "4", "--quiet", "--no-plot",
+        "--jobs", "1", "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "recorded stream" in out
+    assert err.startswith(f"warning: {path}: the compressed file ends early"), err
+
+
+def test_a_cut_member_larger_than_the_hold_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member is held until its end only up to HOLD_BYTES; one that streamed lines
+    before the cut cannot be left out whole, so the read fails, naming the line."""
+    from hicache_existence.replay import trace as trace_mod
+
+    path, _ = _two_flushes(tmp_path)
+    path.write_bytes(path.read_bytes()[:-30])
+    assert read_trace(path).notes
+    monkeypatch.setattr(trace_mod, "HOLD_BYTES", 1024)
+    with pytest.raises(TraceError, match="ends early after line"):
+        read_trace(path)
+
+
+def test_a_directory_skips_a_file_with_no_complete_flush(tmp_path: Path) -> None:
+    """A file whose first flush was cut (a rotation's first write, killed) has
+    nothing whole: a directory read skips it with a note; alone it is an error."""
+    _two_flushes(tmp_path, "keep")
+    broken = tmp_path / "trace" / f"zz-broken-00001{rec.SUFFIX}"
+    line = '{"timestamp": 1, "kind": "add", "pool": "kv", "pages": ["a"]}'
+    broken.write_bytes(_gz([HEADER, line])[:-5])
+    trace = read_trace(tmp_path / "trace")
+    assert len(trace.events) == 301 and trace.instances == ("keep",)
+    (note,) = trace.notes
+    assert str(broken) in note and note.endswith("skipped")
+    with pytest.raises(TraceError, match="ends early after line 0"):
+        read_trace(broken)
+    for f in (tmp_path / "trace").iterdir():
+        if f != broken:
+            f.unlink()
+    with pytest.raises(TraceError, match="no recorder file has a complete flush"):
+        read_trace(tmp_path / "trace")
+
+
+def test_gzip_members_padding_and_garbage(tmp_path: Path) -> None:
+    """Zero padding between members reads as gzip allows it; garbage after a whole
+    member is an error naming the line after the member's last one."""
+    one = _gz([HEADER, '{"timestamp": 1, "kind": "add", "pool": "kv", "pages": ["a"]}'])
+    two = _gz(['{"timestamp": 2, "kind": "add", "pool": "kv", "pages": ["b"]}'])
+    f = tmp_path / "t.jsonl.gz"
+    f.write_bytes(one + b"\0" * 700 + two + b"\0" * 9)
+    assert [e.pages for e in read_trace(f).events] == [("a",), ("b",)]
+    f.write_bytes(one + b"not gzip at all")
+    with pytest.raises(TraceError, match=r":3: not a readable gzip stream after line 2"):
+        read_trace(f)
+
+
 def test_version_one_traces_still_read_compressed_or_not(tmp_path: Path) -> None:
     """A version-1 page trace reads as before, plain or gzip-compressed."""
     lines = [

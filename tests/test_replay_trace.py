@@ -284,3 +284,34 @@ def test_json_error_reports_the_column_on_its_own_line(tmp_path: Path, ending: s
             read_trace(path)
         assert info.value.line == 2
         assert f"(column {column})" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_line_past_the_limit_is_refused_before_it_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compressed: bool
+) -> None:
+    """A few kB of gzip can inflate to one line of gigabytes: the reader refuses a
+    line longer than MAX_LINE_BYTES, naming it, without holding more than about
+    that much of it (plain files likewise)."""
+    import gzip
+    import tracemalloc
+
+    from hicache_existence.replay import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "MAX_LINE_BYTES", 1 << 20)
+    long_line = b'{"timestamp": 1, "x": "' + b"a" * (40 << 20)
+    path = tmp_path / ("t.jsonl.gz" if compressed else "t.jsonl")
+    path.write_bytes(
+        gzip.compress(GOOD.encode() + b"\n" + long_line, 9)
+        if compressed
+        else GOOD.encode() + b"\n" + long_line
+    )
+    del long_line
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError, match=r":2: line longer than 1048576 bytes"):
+            read_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, f"{peak / 2**20:.0f} MiB held"

@@ -247,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         progress(f"reading {args.trace}")
         trace = read_trace(args.trace, args.format, block_tokens=args.block_tokens)
+        for note in trace.notes:  # what was left out, said even with --quiet
+            print(f"warning: {note}", file=sys.stderr)
         if trace.version >= 2:
             return _run_recorded(args, trace, caps, json_path, progress)
         page_size = args.page_size or trace.page_size or DEFAULT_PAGE_SIZE

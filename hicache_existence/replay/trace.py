@@ -48,6 +48,14 @@ MAX_TIMESTAMP_MS = float(2**53)
 MAX_PAGES_PER_REQUEST = 2**24
 MAX_HASH_CHARS = 256
 MAX_POOL_CHARS = 64
+#: Longest line read (bytes): a compressed line is never inflated past it (a gzip
+#: bomb of one long line would otherwise take ~3x its inflated size in memory).
+MAX_LINE_BYTES = 1 << 27
+#: A gzip member's lines are held until its end is read, up to this many bytes (the
+#: recorder's members hold about ``recorder.CHUNK_BYTES``); a larger one streams.
+HOLD_BYTES = 8 << 20
+#: Bytes a compressed file is inflated by at a time.
+INFLATE_BYTES = 1 << 20
 
 
 class TraceError(ValueError):
@@ -124,15 +132,19 @@ class Trace:
     events: tuple[Event, ...] = ()
     #: Version 2: the instances recorded (``Event.instance`` indexes it).
     instances: tuple[str, ...] = field(default=())
+    #: What was read around, for the reader to see: a recorder file's last flush
+    #: cut short and left out, or a file with no complete flush skipped.
+    notes: tuple[str, ...] = ()
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def _raw_lines(path: Path, source: str) -> Iterator[bytes]:
+def _raw_lines(path: Path, source: str, notes: list[str]) -> Iterator[bytes]:
     """The file's lines as bytes, decompressed when it is gzip (``TraceError`` for a
-    truncated or corrupt compressed file, naming the last complete line)."""
+    truncated or corrupt compressed file, naming the last complete line; ``notes``
+    gets what was read around)."""
     try:
         handle = path.open("rb")
     except OSError as exc:
@@ -140,52 +152,103 @@ def _raw_lines(path: Path, source: str) -> Iterator[bytes]:
     with handle:
         if handle.read(2) != b"\x1f\x8b":
             handle.seek(0)
-            yield from handle
+            number = 0
+            while line := handle.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                if len(line) > MAX_LINE_BYTES:
+                    raise TraceError(source, number, _too_long())
+                yield line
             return
         handle.seek(0)
-        yield from _gzip_lines(handle, source)
+        yield from _gzip_lines(handle, source, notes)
 
 
-def _gzip_lines(handle: Any, source: str) -> Iterator[bytes]:
+def _too_long() -> str:
+    return f"line longer than {MAX_LINE_BYTES} bytes (a corrupt or hostile trace)"
+
+
+class _CutShort(TraceError):
+    """A compressed file whose first member is cut short: nothing in it is whole."""
+
+
+def _gzip_lines(handle: Any, source: str, notes: list[str]) -> Iterator[bytes]:
     """The lines of a gzip stream of one or more members (the recorder writes one
-    per flush), or ``TraceError`` naming the first line it could not read."""
-    lines = 0
-    tail = b""
-    inflate = zlib.decompressobj(wbits=31)
+    per flush), or ``TraceError`` naming the first line it could not read.
+
+    A member's lines are held until its end (and CRC) is read, so a last member
+    cut short (a recorder still writing it, a server killed mid-flush) is left out
+    whole, with a note, and the file reads up to its last complete flush.  Only a
+    member larger than ``HOLD_BYTES`` streams; cut short, it fails the read."""
+    lines = members = held_bytes = 0
+    held: list[bytes] = []  # the current member's lines, not yet given
+    streamed = False  # the current member has given lines before its end
+    tail: list[bytes] = []  # the pieces of a line not yet ended
+    tail_bytes = 0
+    start_tail: list[bytes] = []  # the same where the member began
+    inflate: Any = None  # the current member's decompressor
+    pending = b""
     while True:
-        try:
-            block = handle.read(1 << 16)
-            data = inflate.decompress(block) if block else b""
-            while inflate.eof and inflate.unused_data.strip(b"\0"):  # the next member
-                rest = inflate.unused_data
-                inflate = zlib.decompressobj(wbits=31)
-                data += inflate.decompress(rest)
-        except (zlib.error, OSError) as exc:
+        if not pending:
+            try:
+                pending = handle.read(1 << 16)
+            except OSError as exc:
+                raise TraceError(source, lines + 1, f"cannot read the trace: {exc}") from None
+            if not pending:
+                break
+        if inflate is None:
+            pending = pending.lstrip(b"\0")  # padding between members, as gzip allows
+            if not pending:
+                continue
+            inflate, start_tail, streamed = zlib.decompressobj(wbits=31), list(tail), False
+        try:  # at most INFLATE_BYTES at a time: deflate inflates up to ~1000x
+            data = inflate.decompress(pending, INFLATE_BYTES)
+        except zlib.error as exc:
             raise TraceError(
                 source, lines + 1, f"not a readable gzip stream after line {lines} ({exc})"
             ) from None
-        if data:
-            parts = (tail + data).split(b"\n")
-            tail = parts.pop()
-            for part in parts:
-                lines += 1
-                yield part + b"\n"
-        if not block:
-            if inflate.eof:
-                break
-            raise TraceError(
+        pending = inflate.unconsumed_tail
+        parts = data.split(b"\n")
+        if len(parts) > 1:
+            parts[0] = b"".join((*tail, parts[0]))
+            tail, tail_bytes = [], 0
+        for part in parts[:-1]:
+            if len(part) >= MAX_LINE_BYTES:
+                raise TraceError(source, lines + len(held) + 1, _too_long())
+            held.append(part + b"\n")
+            held_bytes += len(part) + 1
+        if parts[-1]:
+            tail.append(parts[-1])
+            tail_bytes += len(parts[-1])
+            if tail_bytes > MAX_LINE_BYTES:
+                raise TraceError(source, lines + len(held) + 1, _too_long())
+        if inflate.eof or held_bytes > HOLD_BYTES:
+            lines += len(held)
+            yield from held
+            held, held_bytes, streamed = [], 0, not inflate.eof
+        if inflate.eof:
+            members += 1
+            pending, inflate = inflate.unused_data, None
+    if inflate is not None:
+        ends = f"the compressed file ends early after line {lines}: truncated (a recorder "
+        if streamed or not members:
+            err = _CutShort if not members and not streamed else TraceError
+            raise err(
                 source,
                 lines + 1,
-                f"the compressed file ends early after line {lines}: truncated (a recorder "
-                "still writing it, or a server stopped without closing it)",
+                ends + "still writing it, or a server stopped without closing it)",
             )
+        notes.append(
+            f"{source}: {ends}still writing it, or a server killed mid-flush); read up to its "
+            "last complete flush"
+        )
+        tail = start_tail
     if tail:
-        yield tail
+        yield b"".join(tail)
 
 
-def _lines(path: Path, source: str) -> Iterator[tuple[int, dict[str, Any]]]:
+def _lines(path: Path, source: str, notes: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for every non-blank line, or ``TraceError``."""
-    for number, raw in enumerate(_raw_lines(path, source), 1):
+    for number, raw in enumerate(_raw_lines(path, source, notes), 1):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -392,9 +455,10 @@ def read_trace(
 
 def _read_file(path: Path, fmt: str, block_tokens: int) -> Trace:
     source = str(path)
-    header, detected, requests, events = _parse(path, fmt, block_tokens)
+    notes: list[str] = []
+    header, detected, requests, events = _parse(path, fmt, block_tokens, notes)
     if header is not None and header.version >= 2:
-        return _recorded(source, [(header, events)])
+        return _recorded(source, [(header, events)], notes)
     if not requests:
         raise TraceError(source, 0, "the trace has no requests")
     assert detected is not None
@@ -404,11 +468,12 @@ def _read_file(path: Path, fmt: str, block_tokens: int) -> Trace:
         tuple(requests),
         block_tokens if detected == "mooncake" else 0,
         header.page_size if header is not None else None,
+        notes=tuple(notes),
     )
 
 
 def _parse(
-    path: Path, fmt: str, block_tokens: int
+    path: Path, fmt: str, block_tokens: int, notes: list[str]
 ) -> tuple[_Header | None, TraceFormat | None, list[Request], list[Event]]:
     """One file's header, format and requests (or version-2 events), validated."""
     source = str(path)
@@ -417,7 +482,7 @@ def _parse(
     detected: TraceFormat | None = None
     header: _Header | None = None
     last_time = 0.0
-    for number, obj in _lines(path, source):
+    for number, obj in _lines(path, source, notes):
         f = _Fields(source, number, obj)
         if detected is None:
             is_header = "format" in obj
@@ -454,15 +519,22 @@ def _read_recorded_dir(path: Path) -> Trace:
     if not files:
         raise TraceError(str(path), 0, f"no recorder files (*{_recorder.SUFFIX}) in the directory")
     parts: list[tuple[_Header, list[Event]]] = []
+    notes: list[str] = []
     for file in files:
-        header, _, _, events = _parse(file, "pages", MOONCAKE_BLOCK_TOKENS)
+        try:
+            header, _, _, events = _parse(file, "pages", MOONCAKE_BLOCK_TOKENS, notes)
+        except _CutShort as exc:  # a file's first flush cut short: nothing to read
+            notes.append(f"{exc}; skipped")
+            continue
         if header is None or header.version < 2:
             raise TraceError(str(file), 1, "a directory holds recorder files (version 2) only")
         parts.append((header, events))
-    return _recorded(str(path), parts)
+    if not parts:
+        raise TraceError(str(path), 0, "no recorder file has a complete flush: " + "; ".join(notes))
+    return _recorded(str(path), parts, notes)
 
 
-def _recorded(source: str, parts: list[tuple[_Header, list[Event]]]) -> Trace:
+def _recorded(source: str, parts: list[tuple[_Header, list[Event]]], notes: list[str]) -> Trace:
     """One trace from recorded parts: timestamps made absolute per instance (ms
     after the earliest start), instances numbered, requests rebuilt."""
     rates = {header.sample_rate for header, _ in parts}
@@ -498,7 +570,8 @@ def _recorded(source: str, parts: list[tuple[_Header, list[Event]]]) -> Trace:
                 known[e.pool] = None
             events.append(replace(e, timestamp_ms=e.timestamp_ms + offset, instance=index, run=run))
     if not events:
-        raise TraceError(source, 0, "the trace has no recorded events")
+        left_out = f" ({'; '.join(notes)})" if notes else ""
+        raise TraceError(source, 0, f"the trace has no recorded events{left_out}")
     return Trace(
         source,
         "pages",
@@ -509,6 +582,7 @@ def _recorded(source: str, parts: list[tuple[_Header, list[Event]]]) -> Trace:
         sample_rate=rates.pop(),
         events=tuple(events),
         instances=tuple(instances),
+        notes=tuple(notes),
     )
 
 
