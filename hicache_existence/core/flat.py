@@ -78,10 +78,16 @@ class FlatPoolBeliefs(CountingPool):
         return False
 
     def track_inflight(self, hashes: Iterable[str]) -> None:
-        lru.inflight_add(self._inflight, lru.page_hashes(hashes))
+        """Our own refs (cache mode), counted as the current generation counts them;
+        upstream's pipeline set (buffer mode) is upstream's and is not counted."""
+        seq = lru.page_hashes(hashes)
+        lru.inflight_add(self._inflight, seq)
+        self._counters.inflight_tracked += len(seq)
 
     def untrack_inflight(self, hashes: Iterable[str]) -> None:
-        lru.inflight_release(self._inflight, lru.page_hashes(hashes))
+        released, unmatched = lru.inflight_release(self._inflight, lru.page_hashes(hashes))
+        self._counters.inflight_released += released
+        self._counters.inflight_unmatched += unmatched
 
     def clear(self) -> None:
         """Forget this pool's beliefs and in-flight refs (the others' stay)."""
@@ -117,7 +123,9 @@ class FlatPoolBeliefs(CountingPool):
         return dict(self._inflight)
 
     def stats(self) -> PoolStats:
-        return self._counters.snapshot(self.name, self.size, self._cache.max_entries, 0)
+        return self._counters.snapshot(
+            self.name, self.size, self._cache.max_entries, len(self._inflight)
+        )
 
     def __len__(self) -> int:
         return self.size
