@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -427,13 +428,15 @@ def _env_updates(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _load_json(text: str) -> Mapping[str, Any]:
     text = text.strip()
-    if text.startswith("@"):
-        text = Path(text[1:]).read_text(encoding="utf-8")
-    elif not text.startswith(("{", "[")):
-        path = Path(text)
-        if not path.is_file():
-            raise ConfigError(f"configuration is neither JSON nor a readable file: {text[:80]!r}")
-        text = path.read_text(encoding="utf-8")
+    if text.startswith("@") or not text.startswith(("{", "[")):
+        path = Path(text[1:] if text.startswith("@") else text)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError(
+                f"configuration is neither JSON nor a readable file: {str(path)[:80]!r} ({why})"
+            ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -496,12 +499,16 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     word, accepts = _TYPES[hint]
     if isinstance(value, _EnvText) and hint is not str:  # text parsed by the target type
         try:
-            return _ENV_BOOLS[value.strip().lower()] if hint is bool else hint(value)
+            out = _ENV_BOOLS[value.strip().lower()] if hint is bool else hint(value)
         except (KeyError, ValueError):
             raise ConfigError(f"{key} must be {word}, got {value!r}") from None
-    if not accepts(value):
+    elif not accepts(value):
         raise ConfigError(f"{key} must be {word}, got {type(value).__name__}")
-    return hint(value)
+    else:
+        out = hint(value)
+    if hint is float and not math.isfinite(out):  # durations, rates: inf breaks their users
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    return out
 
 
 def _check_ranges(obj: Any, prefix: str) -> None:

@@ -80,6 +80,53 @@ def test_bad_environment_values_name_the_variable_key():
     assert (env.metrics.flush_interval_s, env.metrics.host) == (2.0, "0")
 
 
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HICACHE_EXISTENCE_RECORDER__FLUSH_INTERVAL_S": "inf"},
+        {"HICACHE_EXISTENCE_DIVERGENCE__TIMEOUT_S": "nan"},
+        {"HICACHE_EXISTENCE_RECONCILER__TIMEOUT_MS": "1e999"},
+        {"HICACHE_EXISTENCE_CONFIG": '{"divergence": {"timeout_s": Infinity}}'},
+        {"HICACHE_EXISTENCE_CONFIG": '{"reconciler": {"verifications_per_s": 1e400}}'},
+    ],
+)
+def test_an_infinite_or_nan_number_is_refused(env):
+    """Infinity passes every ``> 0`` rule, and then breaks what uses it (the
+    recorder's writer thread dies in ``Event.wait(inf)``, the divergence handshake
+    overflows): every number setting must be finite."""
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        Config.from_env(env)
+
+
+@pytest.mark.parametrize("name", ["missing.json", "a-directory", "not-utf8.json"])
+def test_an_unreadable_configuration_file_is_a_config_error(tmp_path, name):
+    """Every caller handles ConfigError only (the CLI, the launcher, the server
+    flag): a file that cannot be read must be one, naming the file."""
+    (tmp_path / "a-directory").mkdir()
+    (tmp_path / "not-utf8.json").write_bytes(b'{"enabled": "\xff"}')
+    path = tmp_path / name
+    for text in (str(path), f"@{path}"):
+        with pytest.raises(ConfigError, match="neither JSON nor a readable file") as info:
+            Config.from_env({"HICACHE_EXISTENCE_CONFIG": text})
+        assert name in str(info.value)
+
+
+def test_the_cli_says_an_unreadable_configuration_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HICACHE_EXISTENCE_CONFIG": f"@{tmp_path / 'missing.json'}"}
+    p = subprocess.run(
+        [sys.executable, "-m", "hicache_existence", "doctor", "http://127.0.0.1:1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr[-500:]
+    assert "Traceback" not in p.stderr and "missing.json" in p.stderr
+
+
 def test_tooling_variables_are_not_settings():
     """Test-runner and env-builder switches never reach Config."""
     env = {

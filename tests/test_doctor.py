@@ -1096,3 +1096,54 @@ def test_figure_names_escape_label_values_as_the_format_does() -> None:
     key = (P + "entries", (("pool", 'a"b\\c\nd'),))
     assert fg.key_text(key) == P + 'entries{pool="a\\"b\\\\c\\nd"}'
     assert parse(fg.key_text(key) + " 1\n").samples[0].labels == key[1]
+
+
+def test_timeout_bounds_the_whole_answer_not_each_read() -> None:
+    """docs/doctor.md: ``--timeout`` bounds each HTTP answer. The socket's timeout
+    bounds one read; an endpoint that sends a byte at a time, each within it,
+    would hold the doctor (and the health check running it) for as long as it
+    likes."""
+    import socket
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def drip() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 16\r\n\r\n"
+            )
+            with contextlib.suppress(OSError):
+                for _ in range(16):  # 6.4 s in all, each gap well under the timeout
+                    conn.sendall(b"#")
+                    time.sleep(0.4)
+        srv.close()
+
+    threading.Thread(target=drip, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(scrape.ReadError, match="within"):
+        scrape.fetch(f"http://127.0.0.1:{srv.getsockname()[1]}/metrics", 1.0, scrape.HTTPOptions())
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_many_pools_cost_linear_time() -> None:
+    """A body with thousands of ``pool`` values (hostile, or a mislabelled exporter):
+    the per-pool rules look figures up by name and pool, not by scanning every
+    figure per lookup (2,000 pools took 35-49 s that way)."""
+    import time
+
+    lines = []
+    for i in range(2000):
+        p = f'pool="p{i}"'
+        lines += [
+            f"hicache_existence_queries_total{{{p}}} 10",
+            f"hicache_existence_written_pages_total{{{p}}} 10",
+            f"hicache_existence_redundant_written_pages_total{{{p}}} 5",
+        ]
+    t0 = time.monotonic()
+    diagnosis.diagnose([fg.Reading("x", parse("\n".join(lines) + "\n"))])
+    assert time.monotonic() - t0 < 10.0

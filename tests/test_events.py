@@ -239,6 +239,51 @@ def test_send_error_is_counted() -> None:
     assert snap.published["stored"] == 0
 
 
+class Flaky(Capture):
+    """A sink that refuses the batches it is told to (a transient socket error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = False
+
+    def send(self, ts: float, events: Sequence[Event]) -> None:
+        if self.refuse:
+            raise OSError("refused")
+        super().send(ts, events)
+
+
+def test_a_refused_batch_is_sent_again_by_the_next_ack_or_verdict() -> None:
+    """Subscribers saw nothing of a refused batch: its stores are not published (the
+    next ack of those pages sends them) and its removals are not done (the next
+    verdict sends them), so the subscribers' index and ours stay the same."""
+    sink = Flaky()
+    events = emitter(sink)
+    cache = StorageExistenceCache(64, observer=Tee(events))
+    kv = cache.pool("kv")
+    hashes = pages(4)
+    sink.refuse = True
+    events.stored(chain(hashes[:2]))
+    drain(events)
+    sink.refuse = False
+    events.stored(chain(hashes))
+    drain(events)
+    assert sink.stored() == [block_hash(p) for p in hashes]
+    kv.add(hashes)
+    sink.refuse = True
+    kv.invalidate_beyond(hashes, 1)
+    drain(events)
+    sink.refuse = False
+    events.stored(chain(hashes[:1]))  # a refresh of what stays: no event
+    kv.add(hashes)
+    kv.invalidate_beyond(hashes, 1)
+    events.close()
+    assert sink.stored() == [block_hash(p) for p in hashes]
+    assert sink.removed() == [block_hash(p) for p in hashes[1:]]
+    snap = events.snapshot()
+    assert snap.dropped["send_error"] == 2 + 3
+    assert snap.published == {"stored": 4, "removed": 3}
+
+
 def test_no_sink_means_no_events_and_no_cost() -> None:
     """A sink that cannot be opened: start reports it, every later call is a no-op."""
     events = em.KvEvents(lambda: None, medium="DISK")

@@ -244,19 +244,29 @@ class View:
         self.instance = instance
         self.figures = figures
         self.seconds = seconds
+        # Figures by name and by (name, pool): the rules look figures up per pool, so a
+        # scan of every figure per lookup would be quadratic in the pools a body has.
+        self._by_name: dict[str, list[tuple[Key, Figure]]] = {}
+        self._by_pool: dict[tuple[str, str | None], list[tuple[Key, Figure]]] = {}
+        for k, f in figures.items():
+            self._by_name.setdefault(k[0], []).append((k, f))
+            self._by_pool.setdefault((k[0], dict(k[1]).get("pool")), []).append((k, f))
 
     def _matching(self, name: str, labels: Mapping[str, Match]) -> list[tuple[Key, Figure]]:
         full = series(name)
         want = {k: (v,) if isinstance(v, str) else v for k, v in labels.items()}
+        pool = labels.get("pool")
+        candidates = (
+            self._by_pool.get((full, pool), [])
+            if isinstance(pool, str)
+            else self._by_name.get(full, [])
+        )
         return [
-            (k, f)
-            for k, f in self.figures.items()
-            if k[0] == full and all(dict(k[1]).get(a) in b for a, b in want.items())
+            (k, f) for k, f in candidates if all(dict(k[1]).get(a) in b for a, b in want.items())
         ]
 
     def has(self, name: str) -> bool:
-        full = series(name)
-        return any(k[0] == full for k in self.figures)
+        return series(name) in self._by_name
 
     def value(self, name: str, **labels: Match) -> float:
         """Sum of the matching figures (0 when none)."""

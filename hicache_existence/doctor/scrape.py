@@ -247,9 +247,10 @@ def fetch(
         urllib.request.HTTPSHandler(context=options.ssl_context), _Redirects()
     )
     hint = "" if options.client_certificate else "; does it want a client certificate?"
+    deadline = time.monotonic() + timeout_s
     try:
         with opener.open(request, timeout=timeout_s) as response:
-            body = response.read(MAX_BODY_BYTES + 1)
+            body = _read_by(response, deadline)
             ctype = response.headers.get("Content-Type", "") or ""
     except urllib.error.HTTPError as exc:
         refused = _refused(basic is not None, options) if exc.code in (401, 403) else ""
@@ -279,6 +280,26 @@ def fetch(
     if len(body) > MAX_BODY_BYTES:
         raise ReadError(f"{shown}: answer larger than {MAX_BODY_BYTES} bytes")
     return body, ctype
+
+
+def _read_by(response: Any, deadline: float) -> bytes:
+    """At most ``MAX_BODY_BYTES + 1`` bytes of the body, all by ``deadline``: the
+    socket's timeout bounds one read only, and a slow answer is many reads."""
+    sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_BODY_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = response.read1(min(1 << 16, MAX_BODY_BYTES + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _detail(exc: urllib.error.HTTPError) -> str:

@@ -137,6 +137,12 @@ class KvEvents:
         #: Publisher thread only: page hash -> when it was last confirmed present
         #: (clock), oldest first.
         self._published: OrderedDict[str, float] = OrderedDict()
+        #: Publisher thread only: what the batch being built changed in
+        #: ``_published`` (pages first published; pages removed, with their time), so
+        #: a batch the sink refuses is undone: subscribers saw none of it, and the next
+        #: ack or verdict sends it again.
+        self._new: list[str] = []
+        self._gone: list[tuple[str, float]] = []
         #: When the least recently confirmed published block was confirmed (None:
         #: none); written by the publisher thread after each batch.
         self._first: float | None = None
@@ -299,6 +305,8 @@ class KvEvents:
                     break
             if batch:
                 self._send(batch)
+            self._new.clear()
+            self._gone.clear()
             self._first = next(iter(self._published.values()), None)
             for event in waiting:
                 event.set()
@@ -333,6 +341,7 @@ class KvEvents:
                 published.move_to_end(page)
                 continue
             published[page] = now
+            self._new.append(page)
             h = block_hash(page)
             if run and parent_page == last and len(page_tokens) == size:
                 run.append(h)
@@ -358,7 +367,12 @@ class KvEvents:
                 published.move_to_end(page)
         if not source:  # a refresh only (``verified``)
             return
-        gone = [block_hash(p) for p in hashes[keep:] if published.pop(p, None) is not None]
+        gone = []
+        for page in hashes[keep:]:
+            when = published.pop(page, None)
+            if when is not None:
+                self._gone.append((page, when))
+                gone.append(block_hash(page))
         if gone:
             self.removals[source] = self.removals.get(source, 0) + len(gone)
             out.append(Removed(tuple(gone), self.medium))
@@ -369,6 +383,12 @@ class KvEvents:
             assert sink is not None
             sink.send(self._wall(), batch)
         except Exception as exc:
+            published = self._published  # subscribers saw none of it: undo it
+            for page in self._new:
+                published.pop(page, None)
+            for page, when in self._gone:
+                if page not in published:
+                    published[page] = when
             self.dropped["send_error"] += _blocks(batch)
             if self.dropped["send_error"] == _blocks(batch):
                 logger.warning("hicache-existence: a KV event batch was not sent (%r)", exc)
