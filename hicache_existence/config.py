@@ -212,6 +212,9 @@ class ReconcilerSection:
     #: failover (the new primary may lack the last records).
     failover_distrust_s: _NonNegative = 30.0
 
+    def __repr__(self) -> str:
+        return masked_repr(self, "redis_url")
+
 
 @dataclass(frozen=True)
 class AdvisorSection:
@@ -382,6 +385,17 @@ class Config:
 #: Query parameters that carry a secret (redis-py reads ``?password=`` on every
 #: scheme, and it is the only way to give a unix socket's password).
 _SECRET_PARAMS = frozenset({"password", "passwd", "pass", "token", "auth"})
+
+
+def masked_repr(obj: Any, url_field: str) -> str:
+    """A dataclass's repr with its URL field redacted: the generated one would show
+    the password wherever the object is logged or raised with."""
+    parts = []
+    for f in dataclasses.fields(obj):
+        if f.repr:
+            value = getattr(obj, f.name)
+            parts.append(f"{f.name}={redact_url(value) if f.name == url_field else value!r}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
 
 
 def redact_url(url: str) -> str:

@@ -92,6 +92,9 @@ def test_cluster_urls_parse_validate_and_redact() -> None:
     assert config.reconciler.redis_url == url
     assert "s3cret" not in str(config.redacted())
     assert "s3cret" not in repr(open_ledger(LedgerSettings(url)))
+    # docs/reconciler.md: masked in every repr (the settings every ledger keeps too).
+    assert "s3cret" not in repr(LedgerSettings(url)) and "app:***@" in repr(LedgerSettings(url))
+    assert "s3cret" not in repr(config) and "app:***@" in repr(config.reconciler)
     for bad, words in (
         ("redis+cluster://h:1/3", "database 0"),
         ("redis+cluster://h:1?db=2", "database 0"),
@@ -104,6 +107,26 @@ def test_cluster_urls_parse_validate_and_redact() -> None:
         assert "pw" not in str(info.value)
     with pytest.raises(ConfigError, match="redis\\+cluster"):
         Config.from_mapping({"reconciler": {"redis_url": "memcached://h:1"}})
+
+
+def test_a_query_without_a_path_reaches_redis_py_whole() -> None:
+    """The node list ends at the path or, without one, at the query: a query value
+    holding a '/' (``ssl_ca_certs=/etc/...``) was cut at it."""
+    from unittest import mock
+
+    import redis.cluster
+
+    from hicache_existence.reconcile.redis_cluster import build_cluster_client
+
+    for url, tail in (
+        ("rediss+cluster://u:pw@10.0.0.11:7000,10.0.0.12:7000?ssl_ca_certs=/etc/ca.pem", "/?ssl"),
+        ("redis+cluster://10.0.0.11:7000/0?ssl_ca_certs=/etc/ca.pem", "/0?ssl"),
+        ("redis+cluster://10.0.0.11:7000,10.0.0.12", ""),
+    ):
+        with mock.patch.object(redis.cluster.RedisCluster, "from_url") as from_url:
+            build_cluster_client(LedgerSettings(url))
+        first = from_url.call_args.args[0]
+        assert first.split("10.0.0.11:7000", 1)[1] in (tail + "_ca_certs=/etc/ca.pem", "/"), first
 
 
 def test_cluster_url_opens_the_cluster_ledger_and_standalone_stays() -> None:

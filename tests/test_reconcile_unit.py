@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -35,6 +36,7 @@ from hicache_existence.reconcile.counters import Histogram
 from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruth,
+    GroundTruthError,
     InMemoryGroundTruth,
     LedgerBehind,
     LedgerEmpty,
@@ -982,6 +984,44 @@ def test_wrapper_delegates_and_records_successful_writes() -> None:
     ]
 
 
+def test_an_absence_learnt_while_a_write_landed_is_not_recorded() -> None:
+    """A prefetch hit query reads page X absent; before its call returns, the backup
+    thread stores X and records it. Recording the absence after that would leave
+    the ledger without a page L3 holds: trusted absence for every reconciler on it."""
+    page = "ab" * 32
+
+    class Racing(FakeBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.answered, self.go_on = threading.Event(), threading.Event()
+
+        def batch_exists(self, keys: Any, extra_info: Any = None) -> int:
+            n = super().batch_exists(keys, extra_info)
+            self.answered.set()  # the store answered; the call returns a moment later
+            self.go_on.wait(5)
+            return n
+
+    backend = Racing()
+    ledger = InMemoryGroundTruth()
+    ledger.clear_shard = ledger.clear  # type: ignore[attr-defined]
+    w = storage_adapters.LedgerRecordingStorage(StorageConfig(), {}, inner=backend, ledger=ledger)
+    hit_query = threading.Thread(target=lambda: w.batch_exists([page]))
+    hit_query.start()
+    assert backend.answered.wait(5)
+    assert w.batch_set_v1([page], None) == [True]  # the backup thread, meanwhile
+    backend.go_on.set()
+    hit_query.join(5)
+    assert w.flush_ledger(5)
+    assert ledger.leading_present("kv", [page]) == 1
+    other = "cd" * 32
+    assert w.batch_set_v1([other], None) == [True]
+    del backend.data[other]  # L3 lost it
+    assert w.batch_exists([other]) == 0  # no write meanwhile: the absence is learnt
+    assert w.flush_ledger(5)
+    assert ledger.leading_present("kv", [other]) == 0
+    w.close()
+
+
 def test_wrapper_needs_a_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a URL (env or extra config) the wrapper refuses to start, saying how."""
     monkeypatch.delenv("HICACHE_EXISTENCE_RECONCILER__REDIS_URL", raising=False)
@@ -1018,3 +1058,129 @@ def test_the_objects_a_truth_leased_are_exported_and_never_go_back() -> None:
     tree_truth._truth = Leasing(5)  # type: ignore[assignment]
     tree_truth._leased_before = 3
     assert tree_truth.leased_objects() == 8
+
+
+# -- the breaker and the budget under races (a reviewer's reproducers) --------------------
+
+
+def test_a_probe_voided_before_the_worker_takes_it_lets_another_go() -> None:
+    """A probe whose pool is cleared before the worker takes it is skipped unasked:
+    the breaker must hear of it, or it waits for that probe for good and no rank
+    admits a query again (admission is MIN-agreed), Redis healthy or not."""
+    mem = InMemoryGroundTruth()
+    truth = FaultyTruth(mem, "raise")
+    breaker = CircuitBreaker(failures=1, backoff_s=0.02, backoff_max_s=0.04)
+    cache, rec = wired(truth, breaker=breaker)
+    kv = cache.pool("kv")
+    chains = [chain(("p", i), 3) for i in range(150)]
+    for c in chains:
+        kv.add(c)
+        mem.record_stored("kv", c)
+    kv.contains_all(chains[0])
+    deadline = time.monotonic() + 5
+    while rec.snapshot().circuit_opened == 0 and time.monotonic() < deadline:
+        rec.apply(0)
+        time.sleep(0.002)
+    assert rec.snapshot().circuit_opened == 1
+    step_until_idle(rec)
+    time.sleep(0.05)  # the backoff passed: a probe is due
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # the worker cannot take the probe before the clear
+    try:
+        kv.contains_all(chains[1])
+        rec.apply(0)
+        assert rec.outstanding() == 1
+        cache.clear()
+    finally:
+        sys.setswitchinterval(old)
+    truth.mode = "ok"
+    calls = truth.calls
+    for i, c in enumerate(chains[2:]):
+        kv.add(c)
+        kv.contains_all(c)
+        rec.apply(i)
+        time.sleep(0.003)
+    snap = rec.snapshot()
+    rec.close()
+    assert truth.calls > calls, "no query was asked again: the breaker waits for a voided probe"
+    assert snap.circuit_state == CLOSED
+
+
+def test_a_circuit_opening_during_the_agreement_sends_one_probe_not_a_burst() -> None:
+    """``permits`` is read before the collective; the worker can open the circuit
+    while the scheduler waits in it. Of the queries admitted then, only a due probe
+    may do I/O: the rest fail fast, and the backoff is not doubled once per query."""
+
+    class FailuresDuringCollective(SingleRank):
+        def __init__(self, breaker: CircuitBreaker) -> None:
+            self.breaker = breaker
+            self.fire = False
+
+        def min_reduce(self, values: Any) -> Any:
+            if self.fire:
+                self.fire = False
+                for _ in range(5):
+                    self.breaker.failure(False)  # five queries failed meanwhile
+            return list(values)
+
+    now = [0.0]
+    breaker = CircuitBreaker(failures=5, backoff_s=1.0, backoff_max_s=60.0, clock=lambda: now[0])
+    agreement = FailuresDuringCollective(breaker)
+    truth = FaultyTruth(InMemoryGroundTruth(), "raise")
+    cache, rec = wired(truth, breaker=breaker, agreement=agreement, timeout_s=5.0)
+    kv = cache.pool("kv")
+    for i in range(8):
+        c = chain(("b", i), 3)
+        kv.add(c)
+        kv.contains_all(c)
+    agreement.fire = True
+    rec.apply(0)  # admits 8 (closed when read); the circuit opens in the collective
+    deadline = time.monotonic() + 5
+    while rec.snapshot().queries.get(("kv", "rejected"), 0) < 8 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    rec.close()
+    assert truth.calls == 0
+    assert breaker.state == OPEN and breaker._backoff == 1.0
+    now[0] = 1.0  # the backoff passed: exactly one probe is due
+    assert breaker.permits() == 1 and breaker.admitted() and not breaker.admitted()
+
+
+@pytest.mark.parametrize(("per_s", "step_ms"), [(0.5, 1), (1.5, 1), (0.9, 1), (2.5, 3), (7.0, 1)])
+def test_the_budget_refills_at_fractional_rates_and_short_intervals(
+    per_s: float, step_ms: int
+) -> None:
+    """Each refill rounded down to whole thousandths and moved its origin anyway:
+    at 0.5/s with an agreement every millisecond nothing ever refilled."""
+    from hicache_existence.reconcile.bucket import TokenBucket
+
+    b = TokenBucket(per_s)
+    b.milli = 0  # the burst was spent
+    b.refill(0)
+    admitted = 0
+    for ms in range(step_ms, 20_000 + 1, step_ms):
+        b.refill(ms)
+        while b.tokens() >= 1:
+            b.spend()
+            admitted += 1
+    assert abs(admitted - per_s * 20) <= 1
+
+
+@pytest.mark.parametrize("bad", [None, -900, True, 2, "1"])
+def test_a_mooncake_code_outside_0_and_1_is_an_error_not_an_absence(bad: Any) -> None:
+    """A garbage code read as absence would be trusted evidence and drop beliefs
+    L3 holds; ``None`` slipped past the check as its own sentinel."""
+    from hicache_existence.reconcile.mooncake_truth import MooncakeGroundTruth
+
+    class Store:
+        def batch_is_exist(self, keys: Sequence[str]) -> list[Any]:
+            return [1, bad, 1][: len(keys)]
+
+    class Backend:
+        is_mla_backend, mla_suffix, mha_suffix, should_split_heads = True, "", "0", False
+        store = Store()
+
+        def _tag_keys(self, keys: Sequence[str]) -> Sequence[str]:
+            return keys
+
+    with pytest.raises(GroundTruthError):
+        MooncakeGroundTruth(Backend()).leading_present("kv", ["a" * 64, "b" * 64, "c" * 64])

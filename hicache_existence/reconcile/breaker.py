@@ -63,14 +63,22 @@ class CircuitBreaker:
             return 0
 
     def admitted(self) -> bool:
-        """Record that a query was admitted; True when it is the probe."""
+        """Record that a query was admitted; True when it is the probe (one per
+        backoff: a query admitted while none is due is rejected by the worker)."""
         with self._lock:
-            if self._state == CLOSED:
+            if self._state == CLOSED or self._probe_out:
                 return False
-            if self._state == OPEN and self._clock() >= self._reopen_at:
+            if self._state == OPEN:
+                if self._clock() < self._reopen_at:
+                    return False
                 self._state = HALF_OPEN
             self._probe_out = True
             return True
+
+    def abandoned(self) -> None:
+        """The probe was dropped without being asked (voided): another may go."""
+        with self._lock:
+            self._probe_out = False
 
     def rejects(self, probe: bool) -> bool:
         """Whether the worker should fail a query fast instead of doing I/O."""

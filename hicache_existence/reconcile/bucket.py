@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 class TokenBucket:
-    __slots__ = ("_burst", "_last_ms", "_rate", "milli")
+    __slots__ = ("_burst", "_last_ms", "_rate", "_rem", "milli")
 
     def __init__(self, per_s: float) -> None:
         self._rate = round(float(per_s) * 1000)
@@ -17,6 +17,7 @@ class TokenBucket:
         #: Thousandths of a token available.
         self.milli = self._burst
         self._last_ms: int | None = None
+        self._rem = 0  # millionths of a token credited but not yet a thousandth
 
     def refill(self, elapsed_ms: int) -> None:
         """Credit the time since the last refill (the first call only sets the origin)."""
@@ -24,7 +25,7 @@ class TokenBucket:
             self._last_ms = elapsed_ms
             return
         if elapsed_ms > self._last_ms:
-            gained = (elapsed_ms - self._last_ms) * self._rate // 1000
+            gained, self._rem = divmod((elapsed_ms - self._last_ms) * self._rate + self._rem, 1000)
             self.milli = min(self._burst, self.milli + gained)
             self._last_ms = elapsed_ms
 

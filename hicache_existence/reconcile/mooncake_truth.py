@@ -91,9 +91,9 @@ class MooncakeGroundTruth:
             raise GarbageAnswer(
                 f"batch_is_exist answered {type(codes).__name__} for {len(keys)} keys"
             )
-        bad = next((c for c in codes if c not in (0, 1) or isinstance(c, bool)), None)
-        if bad is not None:
-            raise TruthUnavailable(f"Mooncake store client error code {bad!r}")
+        bad = [c for c in codes if c not in (0, 1) or isinstance(c, bool)]
+        if bad:
+            raise TruthUnavailable(f"Mooncake store client error code {bad[0]!r}")
         found = sum(1 for c in codes if c == 1)
         if found:
             with self._lock:

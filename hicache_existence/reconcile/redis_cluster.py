@@ -94,15 +94,16 @@ def build_cluster_client(settings: LedgerSettings) -> Any:
     seeds = cluster_seeds(settings.url, "url")
     scheme, rest = settings.url.split("://", 1)
     base = "rediss" if scheme.startswith("rediss") else "redis"
-    netloc, sep, tail = rest.partition("/")
-    if "?" in netloc:  # a query without a path: host:port?ssl_...
-        netloc, _, query = netloc.partition("?")
-        tail = "?" + query
-        sep = "/"
+    # The node list ends at the path or, without one, at the query (whose values,
+    # e.g. ssl_ca_certs=/etc/..., may hold a '/').
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    if not tail.startswith("/"):
+        tail = "/" + tail
     userinfo = netloc.rpartition("@")[0]
     host, port = seeds[0]
     shown = f"[{host}]" if ":" in host else host
-    first = f"{base}://{userinfo + '@' if userinfo else ''}{shown}:{port}{sep}{tail}"
+    first = f"{base}://{userinfo + '@' if userinfo else ''}{shown}:{port}{tail}"
     return redis.cluster.RedisCluster.from_url(
         first,
         startup_nodes=[

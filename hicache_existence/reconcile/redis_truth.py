@@ -38,7 +38,7 @@ from itertools import islice
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from hicache_existence.config import ConfigError, ReconcilerSection, redact_url
+from hicache_existence.config import ConfigError, ReconcilerSection, masked_repr, redact_url
 from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruthError,
@@ -234,6 +234,9 @@ class LedgerSettings:
 
     def redacted_url(self) -> str:
         return redact_url(self.url)
+
+    def __repr__(self) -> str:
+        return masked_repr(self, "url")
 
 
 def build_client(settings: LedgerSettings) -> Any:

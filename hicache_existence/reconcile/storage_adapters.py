@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -130,6 +131,10 @@ class _LedgerRecordingMixin:
     ) -> None:
         self._inner: Any = inner
         self._pending_inner: tuple[str, Any] | None = None
+        #: Successful writes recorded so far (under ``_record_lock``): an absence
+        #: learnt from a ``batch_exists`` that overlapped one of them is not recorded.
+        self._record_lock = threading.Lock()
+        self._writes_recorded = 0
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         section = _reconciler_section_from_env()
@@ -218,10 +223,21 @@ class _LedgerRecordingMixin:
         return self._writer.flush(timeout_s)
 
     # -- recording helpers (never raise into the storage path) -----------------------
-    def _stored(self, pool: Any, keys: Iterable[str], removed: bool = False) -> None:
+    def _stored(
+        self, pool: Any, keys: Iterable[str], removed: bool = False, since: int | None = None
+    ) -> None:
+        """Record ``keys``; a removal with ``since`` (the write count before the
+        backend was asked) is dropped when a write was recorded meanwhile."""
         try:
-            record = self._writer.removed if removed else self._writer.stored
-            record(_validate.pool_name(pool), keys)  # the pool name comes from upstream
+            name = _validate.pool_name(pool)  # the pool name comes from upstream
+            with self._record_lock:  # a removal and a write of a page keep their order
+                if removed:
+                    if since is not None and since != self._writes_recorded:
+                        return
+                    self._writer.removed(name, keys)
+                else:
+                    self._writes_recorded += 1
+                    self._writer.stored(name, keys)
         except Exception:
             logger.debug("ledger record failed", exc_info=True)
 
@@ -293,10 +309,12 @@ class _LedgerRecordingMixin:
 
     def batch_exists(self, keys: Any, extra_info: Any = None) -> Any:
         inner = self._backend()
+        since = self._writes_recorded
         count = inner.batch_exists(keys, extra_info)
         if self._learns_absence(inner) and _validate.is_int(count) and 0 <= count < len(keys):
-            # The real backend just said this page is absent: teach the ledger.
-            self._stored(KV, [keys[count]], removed=True)
+            # The real backend just said this page is absent: teach the ledger
+            # (unless a write landed meanwhile: it may be this very page).
+            self._stored(KV, [keys[count]], removed=True, since=since)
         return count
 
     def _learns_absence(self, inner: Any) -> bool:

@@ -97,6 +97,8 @@ class QueryWorker:
             if q is None:
                 return
             if q.state != PENDING or q.void:
+                if q.probe and q.state == VOIDED:
+                    self._breaker.abandoned()  # else no probe would ever go again
                 continue  # timed out or voided before we got to it
             if self._breaker.rejects(q.probe):
                 self._finish(q, -1, 0, REJECTED)
