@@ -185,10 +185,11 @@ class ReconcilerSection:
     pages_per_query: _Count = 1024
     #: Budget: fraction of cache lookups whose chain is a verification candidate.
     sampling_rate: _Fraction = 0.01
-    #: Per-query timeout (scheduler side) and Redis socket timeout.
-    timeout_ms: _NonNegative = 50.0
+    #: Per-query timeout (scheduler side) and Redis socket timeout (0 would be none:
+    #: a hung Redis would hold the worker and the ledger writer for good).
+    timeout_ms: _Positive = 50.0
     #: Timeout of opening a Redis connection (the client's socket connect timeout).
-    connect_timeout_ms: _NonNegative = 50.0
+    connect_timeout_ms: _Positive = 50.0
     #: Redis client retries (exponential backoff from retry_backoff_ms).
     retries: _NonNegativeInt = 1
     retry_backoff_ms: _NonNegative = 5.0

@@ -488,6 +488,7 @@ def _stats(chk: Any) -> dict[str, Any]:  # pragma: no cover - worker side
     stats = chk.stats()
     data = {f.name: getattr(stats, f.name) for f in fields(stats)}
     data["divergences_by_pool"] = dict(data["divergences_by_pool"])
+    data["failures"] = stats.failures
     return data
 
 

@@ -322,7 +322,7 @@ def test_rank_that_stops_checking_times_out_the_others_without_hanging() -> None
         assert failed[0].event["event"] == EVENT_CHECK_FAILED
         assert "timed out" in failed[0].event["error"]
         s = out.checker.stats()  # type: ignore[union-attr]
-        assert (s.active, s.timeouts, s.failures, s.checks) == (False, 1, 1, 1)
+        assert (s.active, s.timeouts, s.errors, s.failures, s.checks) == (False, 1, 0, 1, 1)
     assert outcomes[2].checker.stats().checks == 1  # type: ignore[union-attr]
 
 

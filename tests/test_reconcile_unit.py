@@ -715,18 +715,25 @@ def test_unsupported_pool_does_not_open_the_circuit() -> None:
 
 def test_reconciler_settings_rejected_at_the_config_edge() -> None:
     """The reconciler's settings are validated and named where they enter: the
-    config (``from_section`` keeps a zero timeout above 0)."""
+    config. A zero timeout is refused: it is also the Redis socket timeout, where 0
+    means none (a hung Redis would hold the worker and the ledger writer for good);
+    ``from_section`` keeps a tiny one above 0."""
     for key, bad, words in (
         ("sampling_rate", 1.5, "within"),
         ("queue_size", 2.5, "integer"),
         ("queue_size", 0, ">= 1"),
-        ("timeout_ms", -1, ">= 0"),
+        ("timeout_ms", -1, "> 0"),
+        ("timeout_ms", 0, "> 0"),
+        ("connect_timeout_ms", 0, "> 0"),
     ):
         with pytest.raises(ConfigError, match=f"reconciler.{key} must be.*{words}"):
             Config.from_mapping({"reconciler": {key: bad}})
     cache, _ = wired(None)
-    section = Config.from_mapping({"reconciler": {"timeout_ms": 0}}).reconciler
+    section = Config.from_mapping(
+        {"reconciler": {"timeout_ms": 1e-9, "redis_url": "redis://h:1/0"}}
+    ).reconciler
     assert Reconciler.from_section(section, cache, None)._timeout > 0
+    assert LedgerSettings.from_section(section).socket_timeout_s > 0
 
 
 def test_from_section_disabled_is_inert() -> None:

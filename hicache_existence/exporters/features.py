@@ -85,15 +85,13 @@ def _scalar(value: float) -> dict[tuple[str, ...], float]:
 
 
 def _divergence(stats: Any) -> _Values:
-    failures = int(stats.failures)
-    timeouts = int(stats.timeouts)
     return {
         "checks": _scalar(stats.checks),
         "divergences": _scalar(stats.divergences),
         "heals": _scalar(stats.heals),
         "failures": {
-            ("timeout",): float(timeouts),
-            ("error",): float(max(0, failures - timeouts)),
+            ("timeout",): float(stats.timeouts),
+            ("error",): float(stats.errors),
         },
         "config_mismatches": _scalar(stats.config_mismatches),
         "check_seconds": _scalar(stats.check_seconds),
