@@ -540,6 +540,12 @@ def _check_ranges(obj: Any, prefix: str) -> None:
                 "redis+cluster:// or rediss+cluster:// URL, "
                 f"got {redact_url(obj.redis_url)!r}"
             )
+        if not obj.namespace or ":" in obj.namespace or any(c.isspace() for c in obj.namespace):
+            # ':' separates a ledger key's parts (docs/reconciler.md, "Layout").
+            raise ConfigError(
+                f"reconciler.namespace must be non-empty without whitespace or ':', "
+                f"got {obj.namespace!r}"
+            )
         if obj.breaker_backoff_max_s < obj.breaker_backoff_s:
             raise ConfigError(
                 "reconciler.breaker_backoff_max_s must be >= reconciler.breaker_backoff_s, "

@@ -725,6 +725,8 @@ def test_reconciler_settings_rejected_at_the_config_edge() -> None:
         ("timeout_ms", -1, "> 0"),
         ("timeout_ms", 0, "> 0"),
         ("connect_timeout_ms", 0, "> 0"),
+        ("namespace", "a:b", "without whitespace or ':'"),
+        ("namespace", "", "non-empty"),
     ):
         with pytest.raises(ConfigError, match=f"reconciler.{key} must be.*{words}"):
             Config.from_mapping({"reconciler": {key: bad}})
@@ -734,6 +736,9 @@ def test_reconciler_settings_rejected_at_the_config_edge() -> None:
     ).reconciler
     assert Reconciler.from_section(section, cache, None)._timeout > 0
     assert LedgerSettings.from_section(section).socket_timeout_s > 0
+    for arg in ("namespace", "shard"):  # the storage wrapper's extra config comes here
+        with pytest.raises(ValueError, match=f"{arg} must be .*':'"):
+            LedgerSettings("redis://h:1/0", **{arg: "a:b"})
 
 
 def test_from_section_disabled_is_inert() -> None:

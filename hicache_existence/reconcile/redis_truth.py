@@ -143,8 +143,10 @@ def cluster_seeds(url: str, arg: str = "redis_url") -> list[tuple[str, int]]:
 def _label(text: str, arg: str) -> str:
     if not isinstance(text, str):
         raise TypeError(f"{arg} must be a str, got {type(text).__name__}")
-    if not text or any(c.isspace() for c in text):
-        raise ValueError(f"{arg} must be non-empty without whitespace, got {text!r}")
+    # ':' separates the key's parts: namespace "a:b" would read as namespace "a",
+    # shard "b", whose clear_shard would delete the other deployment's pages.
+    if not text or ":" in text or any(c.isspace() for c in text):
+        raise ValueError(f"{arg} must be non-empty without whitespace or ':', got {text!r}")
     return text
 
 
