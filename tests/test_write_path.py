@@ -179,6 +179,7 @@ def test_launch_retirement_is_avoided_once(feed_of) -> None:
     feed = feed_of(cache, "current")
     p = pipeline(cache)
     p.pending_write_queue = [NS(pool="kv", keys=pages("c", 3)), NS(pool="kv", keys=pages("d", 2))]
+    cache.pool("kv").add(pages("c", 3))  # covered since admission: why it retires
 
     def drop(pipe: NS, tokens: int, *, dropped: bool) -> None:
         pipe.pending_write_queue.pop(0)

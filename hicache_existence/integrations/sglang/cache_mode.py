@@ -69,7 +69,9 @@ def account_ack(
     modes), and the causes of the redundant ones, classified before the ack adds
     them to the beliefs (``noted``: believed at launch; ``held``: decided the write)."""
     stored = outcome.stored[pool]
-    existed = outcome.existed.get(pool, set()).intersection(keys)
+    # KV's stored pages are the leading ones (upstream stops at the first failed
+    # batch): a page of a failed batch that L3 held is failed, not redundant.
+    existed = outcome.existed.get(pool, set()).intersection(keys[:stored] if pool == KV else keys)
     already = min(len(existed), stored)
     believed = min(len(existed.intersection(noted)), already)
     writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)

@@ -167,7 +167,15 @@ def around_from_cli_args(original: Callable[..., Any], *args: Any, **kwargs: Any
             ) from None
     if values.enabled or values.config is not None:
         attach(server_args, values)
-    if values.enabled:
+    enabled = values.enabled
+    if not enabled and values.config is not None:
+        # The flag's configuration wins over the environment (docs/enable.md):
+        # its "enabled": true switches the schedulers' plugin on too.
+        try:
+            enabled = Config.load(values.config, dict(os.environ)).enabled
+        except Exception:  # validated at parse time already; never break the launch
+            enabled = False
+    if enabled:
         os.environ[ENV_ENABLED] = "1"
     return server_args
 

@@ -327,6 +327,11 @@ def build_entry(
         config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, max_entries=max_entries)
         )
+    if config.events.enabled and overlap is not None and overlap.external_events:
+        # SGLang publishes the storage tier itself (docs/enable.md §8): none of ours.
+        config = dataclasses.replace(
+            config, events=dataclasses.replace(config.events, enabled=False)
+        )
     logs.configure_package_logging(config.logging.level, json_output=config.logging.json)
     labels = facts.labels(config.metrics.model_name, config.metrics.storage_backend)
     # Even with divergence checks off: the rank joins the start-up handshake.

@@ -77,7 +77,11 @@ def code_names(fn: object) -> frozenset[str]:
     """Every name the bytecode of ``fn`` (and its nested functions, lambdas and
     comprehensions) reads as a global or an attribute; empty for a non-function."""
     fn = getattr(fn, "__func__", fn)
-    fn = getattr(fn, "__wrapped__", fn)
+    for _ in range(32):  # every wrapper (HookRegistry's, functools.wraps decorators)
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = getattr(inner, "__func__", inner)
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):
         return frozenset()

@@ -259,8 +259,16 @@ class WritePath:
                 self.writes.avoided(pool, len(pages))
 
     def retired(self, pool: Any, keys: list[str]) -> None:
-        """A queued intent retired at launch because its pool became covered."""
-        self.writes.avoided(pool_name(pool), len(keys))
+        """A queued intent retired at launch because its pool became covered
+        (upstream also retires a head with nothing left to write, e.g. an SWA
+        window gone from the device: not covered, so not avoided).  Read without
+        touching the LRU or counting a lookup."""
+        name = pool_name(pool)
+        view = self.cache.pool(name)
+        believed = set(view.believed(keys))
+        inflight = view.inflight_pages()
+        if all(k in believed or k in inflight for k in keys):
+            self.writes.avoided(name, len(keys))
 
     # -- admission (flat generation) ----------------------------------------------------
     def begin_walk(self) -> set[Any] | None:

@@ -140,7 +140,10 @@ def _prefetch_result(p: Params) -> Hooked:
                 a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
             )
             requested = list(operation.hash_value or ())
-            loaded = int(operation.completed_tokens) // int(tree.page_size)
+            page = int(tree.page_size)
+            loaded = int(operation.completed_tokens) // page
+            if loaded and _discarded(operation, len(requested) * page):
+                loaded = 0  # upstream's all-or-nothing check drops the whole prefetch
         except Exception as exc:  # accounting never raises into the scheduler
             feed.error(exc)
             return original(tree, *a, **kw)
@@ -152,3 +155,21 @@ def _prefetch_result(p: Params) -> Hooked:
         return result
 
     return around_prefetch_result
+
+
+def _discarded(operation: Any, expected_tokens: int) -> bool:
+    """Whether upstream's ``_check_hybrid_prefetch_result`` discards this prefetch
+    (an extra pool, not KV-derived, short of its keys, or KV short of the span):
+    nothing of it is delivered, whatever ``completed_tokens`` says."""
+    pools = [
+        t
+        for t in getattr(operation, "pool_transfers", None) or ()
+        if getattr(t, "indices_from_pool", None) != "kv"
+    ]
+    if not pools:
+        return False
+    result = getattr(operation, "pool_storage_result", None)
+    hits = getattr(result, "extra_pool_hit_pages", None) or {}
+    return int(operation.completed_tokens) != expected_tokens or not all(
+        t.keys is not None and hits.get(t.name, 0) == len(t.keys) for t in pools
+    )
