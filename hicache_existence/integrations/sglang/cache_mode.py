@@ -331,10 +331,6 @@ class CacheModeWrites:
                 beliefs.untrack_inflight(keys)
         self.causes.stored(node, pages)
 
-    def clear(self) -> None:
-        """The tree was reset: its operations will never be acknowledged."""
-        self._pending.clear()
-
     # -- prefetch hit queries ----------------------------------------------------------------
     def heal(self, operation: Any, chain: list[str], page_size: int) -> None:
         """A rank-agreed prefetch hit query's verdict heals the beliefs (upstream
