@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,16 +199,24 @@ def test_replay_runs_the_model_and_the_fleet_on_the_recorded_requests(
     assert fleet
 
 
-def test_a_truncated_recorded_file_is_a_clear_error(recorded: dict[str, Any]) -> None:
-    """A recorder file cut in the middle of a compressed member: exit 2, the file and
-    line named, no traceback."""
+def test_a_recorded_file_cut_in_a_flush_reads_up_to_the_flush_before(
+    recorded: dict[str, Any],
+) -> None:
+    """A recorder file the server wrote, cut in the middle of its last compressed
+    member (a kill mid-flush, or a file still being written): replay reads every
+    complete flush before the cut (docs/replay.md), says what it left out in one
+    warning line naming the file, and exits 0."""
+    from hicache_existence.replay.trace import read_trace
+
     root: Path = recorded["root"]
     (first,) = sorted(recorded["trace"].glob("*.jsonl.gz"))[:1]
     cut = root / "cut.jsonl.gz"
     data = first.read_bytes()
     cut.write_bytes(data[: len(data) - 7])
-    time.sleep(0)
+    whole, kept = read_trace(first).events, read_trace(cut).events
+    assert 0 < len(kept) < len(whole)
+    assert [(e.kind, e.pages) for e in kept] == [(e.kind, e.pages) for e in whole[: len(kept)]]
     done = _replay(cut, root, "--model", "belief-only")
-    assert done.returncode == 2
+    assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
-    assert f"{cut}:" in done.stderr and "truncated" in done.stderr
+    assert f"warning: {cut}: the compressed file ends early" in done.stderr
