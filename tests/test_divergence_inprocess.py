@@ -591,3 +591,36 @@ def test_ranks_that_disagree_on_which_pools_exist_are_told_apart() -> None:
     assert events[0]["diverged_pools"] == []
     assert events[0]["unnamed_slots"] == [slot_of("swa", DivergenceSection().pool_slots)]
     assert events[0]["diverged_ranks"] == events[1]["diverged_ranks"] == [1]
+
+
+def test_a_failure_that_is_not_a_timeout_counts_as_an_error() -> None:
+    """A collective that fails otherwise (a peer's connection reset) counts in
+    ``errors``, not ``timeouts``; ``failures`` is their sum, and the exported
+    family's two labels are read from the two counters (neither can be seen to
+    fall between two increments)."""
+    from hicache_existence.exporters.features import _divergence
+
+    class Echo:
+        """Two members that always agree, until the peer goes."""
+
+        rank, size, ranks, timeout_s = 0, 2, (0, 1), 1.0
+        broken = False
+
+        def all_reduce_max(self, values: Any) -> list[int]:
+            if self.broken:
+                raise GroupError("all_reduce failed: Connection reset by peer")
+            return list(values)
+
+        def all_gather(self, values: Any) -> list[list[int]]:
+            return [list(values), list(values)]
+
+    group = Echo()
+    checker = DivergenceChecker(ReplicaDigest(), group, DivergenceSection(interval_steps=2))
+    results = [checker.on_step() for _ in range(4)]
+    assert [r.status for r in results if r is not None] == ["ok", "ok"]
+    group.broken = True
+    failed = [r for r in (checker.on_step() for _ in range(2)) if r is not None]
+    assert [r.status for r in failed] == ["failed"]
+    s = checker.stats()
+    assert (s.active, s.timeouts, s.errors, s.failures) == (False, 0, 1, 1)
+    assert _divergence(s)["failures"] == {("timeout",): 0.0, ("error",): 1.0}

@@ -440,3 +440,39 @@ def test_counters_stay_consistent_while_read_from_another_thread() -> None:
     assert len(sink.removed()) == snap.published["removed"] == sum(snap.removals.values())
     assert seen and all(s.errors == 0 for s in seen)
     events.close()
+
+
+def test_a_refused_batch_holding_a_store_and_its_removal_leaves_the_page_unpublished() -> None:
+    """A refused batch is undone to the state before it: a page first stored then
+    removed in that batch was not published before, so the next ack publishes it."""
+
+    class Gated(Capture):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release, self.held, self.calls = threading.Event(), threading.Event(), 0
+
+        def send(self, ts: float, events: Sequence[Event]) -> None:
+            self.calls += 1
+            if self.calls == 1:  # hold the publisher: what follows is one batch
+                self.held.set()
+                self.release.wait(10)
+            elif self.calls == 2:
+                raise OSError("refused")
+            super().send(ts, events)
+
+    sink = Gated()
+    events = emitter(sink)
+    cache = StorageExistenceCache(64, observer=Tee(events))
+    kv = cache.pool("kv")
+    hashes = pages(2)
+    events.stored(chain(pages(1, "other")))
+    assert sink.held.wait(5)
+    events.stored(chain(hashes))  # acknowledged ...
+    kv.add(hashes)
+    kv.invalidate_beyond(hashes, 0)  # ... and found gone, in the same (refused) batch
+    sink.release.set()
+    drain(events)
+    assert sink.calls == 2
+    events.stored(chain(hashes))
+    events.close()
+    assert sink.stored()[-2:] == [block_hash(p) for p in hashes]

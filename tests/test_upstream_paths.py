@@ -139,7 +139,12 @@ class Tree(UnifiedRadixCache):
         self.ongoing_prefetch.pop(request, None)
 
 
-def test_discarded_prefetch_is_a_shortfall():
+@pytest.mark.parametrize(
+    ("swa_hits", "completed_pages"),
+    [({}, 8), ({PoolName.SWA: 2}, 6)],
+    ids=["an extra pool short", "kv short of the span"],
+)
+def test_discarded_prefetch_is_a_shortfall(swa_hits, completed_pages):
     cache = StorageExistenceCache(64)
     feed = wp.WritePath(WriteAccounting(), cache, cache_mode=True)
     wp.attach(feed)
@@ -155,9 +160,9 @@ def test_discarded_prefetch_is_a_shortfall():
         op = NS(
             handle=req,
             hash_value=a,
-            completed_tokens=8 * PAGE,
+            completed_tokens=completed_pages * PAGE,
             pool_transfers=[swa],
-            pool_storage_result=NS(extra_pool_hit_pages={}),  # SWA pool fell short
+            pool_storage_result=NS(extra_pool_hit_pages=swa_hits),
             sidecar_hash_values=None,
             deadline_expired=False,
             pool_transfers_done=False,

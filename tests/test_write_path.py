@@ -173,20 +173,25 @@ def test_current_shape_counts_avoided_written_acked_and_redundant(feed_of) -> No
 
 
 def test_launch_retirement_is_avoided_once(feed_of) -> None:
-    """_drop_queue_head(dropped=False) retires a head whose pool became covered:
-    its pages are avoided; a real drop (dropped=True) is not."""
+    """_drop_queue_head(dropped=False) retires a head whose pool became covered
+    (believed, or in flight): its pages are avoided; a real drop (dropped=True)
+    is not, nor a head retired with nothing left to write (not covered)."""
     cache = StorageExistenceCache(64)
     feed = feed_of(cache, "current")
     p = pipeline(cache)
-    p.pending_write_queue = [NS(pool="kv", keys=pages("c", 3)), NS(pool="kv", keys=pages("d", 2))]
+    heads = [pages("c", 3), pages("d", 2), pages("f", 2), pages("g", 4)]
+    p.pending_write_queue = [NS(pool="kv", keys=k) for k in heads]
     cache.pool("kv").add(pages("c", 3))  # covered since admission: why it retires
+    cache.pool("kv").track_inflight(pages("f", 2))  # in flight: covered too
 
     def drop(pipe: NS, tokens: int, *, dropped: bool) -> None:
         pipe.pending_write_queue.pop(0)
 
     around_drop_queue_head(drop, p, 12, dropped=False)
     around_drop_queue_head(drop, p, 8, dropped=True)
-    assert feed.writes.stats()["kv"].avoided == 3
+    around_drop_queue_head(drop, p, 8, dropped=False)
+    around_drop_queue_head(drop, p, 16, dropped=False)  # nothing left to write
+    assert feed.writes.stats()["kv"].avoided == 3 + 2
 
 
 def test_failed_pages_and_untouched_lru(feed_of) -> None:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import http.client
 import json
 import os
 import re
+import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -202,6 +205,67 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
         return new
 
 
+class _Deadline:
+    """Shuts the fetch's connections when its time is up: a socket timeout bounds
+    one read, and a server can answer (status line, headers, body) a byte at a time."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.expired = False
+        self._socks: list[Any] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+
+    def watch(self, sock: Any) -> None:
+        with self._lock:
+            self._socks.append(sock)
+            if not self.expired:
+                return
+        self._expire()  # connected after the deadline
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            socks = list(self._socks)
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+def _watched(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:
+    class Watched(base):  # type: ignore[valid-type, misc]
+        def connect(self) -> None:
+            super().connect()
+            deadline.watch(self.sock)
+
+    return Watched
+
+
+class _HTTP(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._connection = _watched(http.client.HTTPConnection, deadline)
+
+    def http_open(self, req: Request) -> Any:
+        return self.do_open(self._connection, req)
+
+
+class _HTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline, context: ssl.SSLContext | None) -> None:
+        super().__init__(context=context)
+        self._connection = _watched(http.client.HTTPSConnection, deadline)
+
+    def https_open(self, req: Request) -> Any:
+        return self.do_open(self._connection, req, context=self._context)  # type: ignore[attr-defined]
+
+
 def _split_credentials(url: str) -> tuple[str, str | None]:
     """The URL without its user info, and the ``Authorization`` header it gave
     (basic auth; user and password percent-decoded, as RFC 3986 writes them)."""
@@ -243,15 +307,22 @@ def fetch(
         request.add_unredirected_header("Authorization", basic)
     elif options.bearer_token is not None:
         request.add_unredirected_header("Authorization", f"Bearer {options.bearer_token}")
+    deadline = _Deadline(timeout_s)
     opener = urllib.request.build_opener(
-        urllib.request.HTTPSHandler(context=options.ssl_context), _Redirects()
+        _HTTP(deadline), _HTTPS(deadline, options.ssl_context), _Redirects()
     )
     hint = "" if options.client_certificate else "; does it want a client certificate?"
-    deadline = time.monotonic() + timeout_s
     try:
-        with opener.open(request, timeout=timeout_s) as response:
-            body = _read_by(response, deadline)
-            ctype = response.headers.get("Content-Type", "") or ""
+        try:
+            with deadline, opener.open(request, timeout=timeout_s) as response:
+                body = response.read(MAX_BODY_BYTES + 1)
+                ctype = response.headers.get("Content-Type", "") or ""
+        except Exception:
+            if deadline.expired:  # whatever the cut connection raised
+                raise TimeoutError from None
+            raise
+        if deadline.expired:  # cut by the deadline: what was read may be a part
+            raise TimeoutError
     except urllib.error.HTTPError as exc:
         refused = _refused(basic is not None, options) if exc.code in (401, 403) else ""
         raise ReadError(
@@ -280,26 +351,6 @@ def fetch(
     if len(body) > MAX_BODY_BYTES:
         raise ReadError(f"{shown}: answer larger than {MAX_BODY_BYTES} bytes")
     return body, ctype
-
-
-def _read_by(response: Any, deadline: float) -> bytes:
-    """At most ``MAX_BODY_BYTES + 1`` bytes of the body, all by ``deadline``: the
-    socket's timeout bounds one read only, and a slow answer is many reads."""
-    sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
-    chunks: list[bytes] = []
-    size = 0
-    while size <= MAX_BODY_BYTES:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        if sock is not None:
-            sock.settimeout(left)
-        chunk = response.read1(min(1 << 16, MAX_BODY_BYTES + 1 - size))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def _detail(exc: urllib.error.HTTPError) -> str:

@@ -137,12 +137,13 @@ class KvEvents:
         #: Publisher thread only: page hash -> when it was last confirmed present
         #: (clock), oldest first.
         self._published: OrderedDict[str, float] = OrderedDict()
-        #: Publisher thread only: what the batch being built changed in
-        #: ``_published`` (pages first published; pages removed, with their time), so
-        #: a batch the sink refuses is undone: subscribers saw none of it, and the next
-        #: ack or verdict sends it again.
-        self._new: list[str] = []
-        self._gone: list[tuple[str, float]] = []
+        #: Publisher thread only: each page the batch being built published or
+        #: removed, with its state before the batch (None: not published; else when
+        #: it was confirmed), so a batch the sink refuses is undone: subscribers saw
+        #: none of it, and the next ack or verdict sends it again.  The first change
+        #: of a page in the batch names its state before (a store then a removal of
+        #: one page leaves it unpublished, as it was).
+        self._before: dict[str, float | None] = {}
         #: When the least recently confirmed published block was confirmed (None:
         #: none); written by the publisher thread after each batch.
         self._first: float | None = None
@@ -305,8 +306,7 @@ class KvEvents:
                     break
             if batch:
                 self._send(batch)
-            self._new.clear()
-            self._gone.clear()
+            self._before.clear()
             self._first = next(iter(self._published.values()), None)
             for event in waiting:
                 event.set()
@@ -341,7 +341,7 @@ class KvEvents:
                 published.move_to_end(page)
                 continue
             published[page] = now
-            self._new.append(page)
+            self._before.setdefault(page, None)
             h = block_hash(page)
             if run and parent_page == last and len(page_tokens) == size:
                 run.append(h)
@@ -371,7 +371,7 @@ class KvEvents:
         for page in hashes[keep:]:
             when = published.pop(page, None)
             if when is not None:
-                self._gone.append((page, when))
+                self._before.setdefault(page, when)
                 gone.append(block_hash(page))
         if gone:
             self.removals[source] = self.removals.get(source, 0) + len(gone)
@@ -384,10 +384,10 @@ class KvEvents:
             sink.send(self._wall(), batch)
         except Exception as exc:
             published = self._published  # subscribers saw none of it: undo it
-            for page in self._new:
-                published.pop(page, None)
-            for page, when in self._gone:
-                if page not in published:
+            for page, when in self._before.items():
+                if when is None:
+                    published.pop(page, None)
+                else:
                     published[page] = when
             self.dropped["send_error"] += _blocks(batch)
             if self.dropped["send_error"] == _blocks(batch):
