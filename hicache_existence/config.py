@@ -92,6 +92,17 @@ def _at_most(high: int) -> _Rule:
 _within_0_1 = _rule(lambda v: 0.0 <= v <= 1.0, "be within [0, 1], got {}")
 _above_0 = _rule(lambda v: v > 0, "be > 0, got {}")
 _not_empty = _rule(bool, "not be empty")
+#: What one part of a ledger key must be (``reconcile/redis_truth.py`` checks its own).
+KEY_PART_RULE = "be non-empty without whitespace or ':'"
+
+
+def key_part_ok(text: str) -> bool:
+    """Whether ``text`` can be one part of a ledger key: ':' separates the parts, so
+    namespace ``a:b`` would share keys with namespace ``a``, shard ``b``."""
+    return bool(text) and ":" not in text and not any(c.isspace() for c in text)
+
+
+_key_part = _rule(key_part_ok, KEY_PART_RULE + ", got {!r}")
 _Count = Annotated[int, _at_least(1)]
 _NonNegativeInt = Annotated[int, _at_least(0)]
 _NonNegative = Annotated[float, _at_least(0)]
@@ -176,7 +187,7 @@ class ReconcilerSection:
     #: (rediss+cluster:// for TLS); secret.
     redis_url: str = ""
     #: First component of every ledger key (deployments sharing one Redis).
-    namespace: str = "hicache"
+    namespace: Annotated[str, _key_part] = "hicache"
     #: Ledger entry lifetime mirroring L3 retention (0: no expiry).
     ttl_s: _NonNegative = 0.0
     #: Budget: verifications admitted per second (agreed clock), burst of 1 s.
@@ -539,12 +550,6 @@ def _check_ranges(obj: Any, prefix: str) -> None:
                 "reconciler.redis_url must be a redis://, rediss://, unix://, "
                 "redis+cluster:// or rediss+cluster:// URL, "
                 f"got {redact_url(obj.redis_url)!r}"
-            )
-        if not obj.namespace or ":" in obj.namespace or any(c.isspace() for c in obj.namespace):
-            # ':' separates a ledger key's parts (docs/reconciler.md, "Layout").
-            raise ConfigError(
-                f"reconciler.namespace must be non-empty without whitespace or ':', "
-                f"got {obj.namespace!r}"
             )
         if obj.breaker_backoff_max_s < obj.breaker_backoff_s:
             raise ConfigError(

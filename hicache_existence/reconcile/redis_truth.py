@@ -38,7 +38,14 @@ from itertools import islice
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from hicache_existence.config import ConfigError, ReconcilerSection, masked_repr, redact_url
+from hicache_existence.config import (
+    KEY_PART_RULE,
+    ConfigError,
+    ReconcilerSection,
+    key_part_ok,
+    masked_repr,
+    redact_url,
+)
 from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruthError,
@@ -143,10 +150,8 @@ def cluster_seeds(url: str, arg: str = "redis_url") -> list[tuple[str, int]]:
 def _label(text: str, arg: str) -> str:
     if not isinstance(text, str):
         raise TypeError(f"{arg} must be a str, got {type(text).__name__}")
-    # ':' separates the key's parts: namespace "a:b" would read as namespace "a",
-    # shard "b", whose clear_shard would delete the other deployment's pages.
-    if not text or ":" in text or any(c.isspace() for c in text):
-        raise ValueError(f"{arg} must be non-empty without whitespace or ':', got {text!r}")
+    if not key_part_ok(text):  # a clear_shard could delete another deployment's pages
+        raise ValueError(f"{arg} must {KEY_PART_RULE}, got {text!r}")
     return text
 
 
