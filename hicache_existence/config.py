@@ -418,6 +418,11 @@ def redact_url(url: str) -> str:
     except ValueError:
         return "<unparseable url>"
     out = url
+    rest = url.partition("://")[2]
+    if "@" not in parts.netloc and ":" in parts.netloc and "@" in rest:
+        # A password with an unencoded "/", "?" or "#" ends the netloc early
+        # (``redis://:pa/ss@host``): mask up to the last "@", whatever it hides.
+        return f"{parts.scheme}://***@{rest.rpartition('@')[2]}"
     if "@" in parts.netloc:
         userinfo, _, hostport = parts.netloc.rpartition("@")
         user = userinfo.split(":", 1)[0]

@@ -215,3 +215,25 @@ def test_a_relative_recorder_path_is_made_absolute_when_loaded(tmp_path, monkeyp
     assert Config.from_json(config.to_json()).recorder.path == str(start / "traces")
     with pytest.raises(ConfigError, match=r"recorder\.path must not be empty"):
         Config.load('{"recorder": {"path": ""}}', env={})
+
+
+@pytest.mark.parametrize("secret", ["s3cr/et", "s3cr?et", "s3cr#et", "12/et"])
+def test_a_password_not_percent_encoded_is_masked_too(monkeypatch, secret):
+    """Operators paste raw passwords: one holding / ? or # ends the URL's host part
+    early, so the password is masked up to the last @, in the start-up event and in
+    the URL check's error (whose parser's text would quote part of it)."""
+    from hicache_existence.reconcile.redis_truth import validate_redis_url
+
+    url = f"redis://:{secret}@redis.example:6379/0"
+    assert secret[:4] not in redact_url(url)
+    assert redact_url(url).endswith("@redis.example:6379/0")
+    monkeypatch.setenv("HICACHE_EXISTENCE_RECONCILER__REDIS_URL", url)
+    try:
+        shown = json.dumps(Config.from_env().redacted())
+    except ConfigError as exc:
+        shown = str(exc)
+    assert secret[:4] not in shown
+    try:
+        validate_redis_url(url, "reconciler.redis_url")
+    except ConfigError as exc:
+        assert secret[:4] not in str(exc)

@@ -1148,3 +1148,90 @@ def test_many_pools_cost_linear_time() -> None:
     t0 = time.monotonic()
     diagnosis.diagnose([fg.Reading("x", parse("\n".join(lines) + "\n"))])
     assert time.monotonic() - t0 < 10.0
+
+
+def test_fleet_at_the_cap_is_info_as_its_alert_is_quiet() -> None:
+    """HicacheExistenceFleetRedundantWrites fires only below the cap (promtool case
+    "fleet of two instances at the cap stays quiet"); the doctor agrees: at the cap
+    the instances' own evictions rewrite pages (cap_too_small's finding)."""
+
+    def rows(entries: int) -> list[Row]:
+        r = replace(healthy_rows(200, 60), P + "capacity_entries", 1000, pool="kv")
+        return replace(r, P + "entries", entries, pool="kv")
+
+    (f,) = found(report(expo(rows(1000)), expo(rows(1000))), "fleet_redundant_writes")
+    assert f.severity == "info"
+    (f,) = found(report(expo(rows(495)), expo(rows(495))), "fleet_redundant_writes")
+    assert f.severity == "warning"
+
+
+_CRAFTED = {
+    "cap_multiplier not a number": [
+        ("advisor_estimated_lookup_hit_ratio", "2", 0.5),
+        ("advisor_estimated_lookup_hit_ratio", "x", 0.5),
+    ],
+    "huge cap_multiplier": [
+        ("advisor_estimated_lookup_hit_ratio", "1e308", 0.9),
+        ("advisor_estimated_lookup_hit_ratio", "1", 0.1),
+    ],
+    "inf capacity": [("capacity_entries", None, math.inf)],
+    "huge capacity": [("capacity_entries", None, 1e308)],
+    "inf written": [
+        ("written_pages_total", None, math.inf),
+        ("advisor_estimated_lookup_hit_ratio", "1", 0.5),
+        ("advisor_estimated_lookup_hit_ratio", "2", 0.5),
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CRAFTED))
+def test_crafted_figures_give_a_report_not_an_internal_error(case: str) -> None:
+    """Values the exposition parser accepts (any endpoint can answer them) never
+    break the diagnosis: no cap advice where its arithmetic is not finite."""
+    rows = churn_rows(None)
+    for name, mult, value in _CRAFTED[case]:
+        if mult is None:
+            rows = replace(rows, P + name, value, pool="kv")
+        else:
+            rows.append((P + name, {"pool": "kv", "cap_multiplier": mult}, value))
+    rep = report(expo(rows).replace(" inf\n", " +Inf\n"))
+    report_module.render_text(rep)
+    json.dumps(rep.as_dict(), allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--window", "9" * 400 + "y"], "--window"),
+        (["--timeout", "1e10"], "--timeout"),
+        (["--interval", "1e10"], "--interval"),
+    ],
+)
+def test_huge_durations_are_a_clear_error(flags: list[str], name: str, capsys) -> None:
+    """A window past Prometheus' int64 milliseconds or a timeout or interval past
+    a week would overflow a float or a timer: a usage error naming the flag."""
+    try:
+        code = main(["doctor", "--prometheus", "http://127.0.0.1:1", *flags])
+    except SystemExit as exc:  # argparse's usage error
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert name in err and "internal error" not in err and "Traceback" not in err
+
+
+def test_a_doctor_url_with_a_raw_password_is_masked(capsys) -> None:
+    """The URL parser's error would quote a piece of an unencoded password."""
+    assert (
+        main(
+            [
+                "doctor",
+                "--interval",
+                "0",
+                "--timeout",
+                "1",
+                "http://user:s3cr/et@127.0.0.1:1/metrics",
+            ]
+        )
+        == 2
+    )
+    assert "s3cr" not in capsys.readouterr().err

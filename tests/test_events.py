@@ -476,3 +476,46 @@ def test_a_refused_batch_holding_a_store_and_its_removal_leaves_the_page_unpubli
     events.stored(chain(hashes))
     events.close()
     assert sink.stored()[-2:] == [block_hash(p) for p in hashes]
+
+
+def test_an_undone_removal_keeps_its_place_among_the_oldest() -> None:
+    """A removal a refused batch undoes goes back where its confirmation time puts
+    it: the oldest-verification gauge and the max_blocks eviction still see the
+    least recently confirmed block first."""
+    now = [100.0]
+    sink = Flaky()
+    events = emitter(sink, clock=lambda: now[0])
+    a, b, c = pages(3)
+    for page, t in ((a, 100.0), (b, 200.0), (c, 300.0)):
+        now[0] = t
+        events.stored(chain([page]))
+        drain(events)
+    now[0] = 400.0
+    assert events.snapshot().oldest_unverified_s == pytest.approx(300.0)
+    sink.refuse = True
+    events.invalidated("kv", [a], 0)  # a verdict finds a gone; its batch is refused
+    drain(events)
+    snap = events.snapshot()
+    assert snap.blocks == 3 and snap.oldest_unverified_s == pytest.approx(300.0)
+    assert list(events._published) == [a, b, c]
+    events.close()
+
+
+def test_a_refused_removal_is_counted_once_when_sent() -> None:
+    """removals{source} counts removals subscribers received: a refused one counts
+    when the next verdict sends it, not twice."""
+    sink = Flaky()
+    events = emitter(sink)
+    (a,) = pages(1)
+    events.stored(chain([a]))
+    drain(events)
+    sink.refuse = True
+    events.invalidated("kv", [a], 0)
+    drain(events)
+    assert events.snapshot().removals.get("hit_query", 0) == 0
+    sink.refuse = False
+    events.invalidated("kv", [a], 0)
+    drain(events)
+    snap = events.snapshot()
+    assert snap.published["removed"] == 1 and snap.removals["hit_query"] == 1
+    events.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 NAME = "doctor"
@@ -22,6 +21,8 @@ HELP = "diagnose live servers from their metrics: findings, evidence, fixes"
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_WINDOW = "15m"
 DEFAULT_TIMEOUT_S = 10.0
+#: The longest --interval or --timeout (a week).
+MAX_SECONDS = 7 * 86400.0
 
 
 def _seconds(minimum_inclusive: bool) -> object:
@@ -31,9 +32,11 @@ def _seconds(minimum_inclusive: bool) -> object:
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
         ok = value >= 0 if minimum_inclusive else value > 0
-        if not ok or not math.isfinite(value):
+        if not ok or not value <= MAX_SECONDS:  # NaN too; beyond it timers overflow
             bound = ">= 0" if minimum_inclusive else "> 0"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"must be a number {bound} and at most {MAX_SECONDS:g} (a week), got {text}"
+            )
         return value
 
     return parse

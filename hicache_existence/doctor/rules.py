@@ -79,6 +79,14 @@ def cause_fix(cause: str, mode: str | None) -> str:
     return CAUSE_FIXES.get(cause, "a cause this doctor does not know")
 
 
+def _number(text: str) -> bool:
+    """Whether a label value is a finite number (``cap_multiplier``)."""
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
@@ -278,6 +286,8 @@ def _cap_fix(
     """The cap's advice from the advisor's curve: (the fix, the curve is flat, the
     curve's range is below what the pool stored)."""
     multiple = recommended_multiple(curve)
+    if not math.isfinite(cap * max([2.0, *curve])):
+        return None, False, False  # figures no server exports (a crafted body): no advice
     # The advisor's curve ends at its largest multiple: below what the pool stored it
     # cannot tell a flat curve from a working set beyond its range.
     stored = stored_pages(view, pool)
@@ -290,7 +300,12 @@ def _cap_fix(
                 f"`cache.max_entries={int(cap * 2)}` (twice the cap), then read the advisor's "
                 "curve (`advisor.enabled=true`) to size it"
             )
-    elif cap > 0 and stored > top and (multiple <= 1 or multiple == max(curve)):
+    elif (
+        cap > 0
+        and stored > top
+        and math.isfinite(stored)
+        and (multiple <= 1 or multiple == max(curve))
+    ):
         beyond = True
         covering = cap_covering(stored)
         what = "distinct pages stored (written - redundant - failed)"
@@ -345,7 +360,10 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     curve = advisor_curve(view, pool)
     if curve:
         lookup = "advisor_estimated_lookup_hit_ratio"
-        multipliers = sorted(view.values_by(lookup, "cap_multiplier", pool=pool), key=float)
+        multipliers = sorted(
+            (m for m in view.values_by(lookup, "cap_multiplier", pool=pool) if _number(m)),
+            key=float,
+        )
         ev += _each(view, lookup, "cap_multiplier", multipliers, pool=pool)
     fix, flat, beyond = _cap_fix(view, pool, curve, capacity, ev)
     fixes = [] if fix is None else [fix]
@@ -380,6 +398,11 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     if wasted is not None:
         summary += f"; at most {human_bytes(wasted)} rewritten for it"
     return found(J.EVICTION_CHURN, view, summary, ev, fixes, pool, wasted, severity=severity)
+
+
+def _at_cap(view: View, pool: str) -> bool:
+    capacity = view.value("capacity_entries", pool=pool)
+    return capacity > 0 and view.value("entries", pool=pool) >= J.SETTINGS.at_cap_fill * capacity
 
 
 def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
@@ -643,7 +666,12 @@ def fleet(views: Sequence[View]) -> list[Finding]:
         cost_rate = None if cost_rate is None or rate is None else cost_rate + rate * per_page
         ev.append(Evidence(v.instance, "share of the fleet's redundant pages", _ratio(r, total_r)))
     j = J.FLEET_REDUNDANT
-    high = j.exceeds(total_r, total_w) and sum(1 for w in written.values() if w > 0) > 1
+    # As HicacheExistenceFleetRedundantWrites: below the cap only (at its cap an
+    # instance's own evictions rewrite pages too: cap_too_small's finding).
+    full = [v.instance for v in views for p in v.pools() if _at_cap(v, p)]
+    high = (
+        j.exceeds(total_r, total_w) and sum(1 for w in written.values() if w > 0) > 1 and not full
+    )
     shares = ", ".join(
         f"{name} {_pct(_ratio(redundant[name], total_r))}" for name in sorted(redundant)
     )

@@ -69,8 +69,12 @@ def endpoint_url(url: str) -> str:
     ``ReadError`` for anything that is not an http(s) URL with a host."""
     try:
         parts = urllib.parse.urlsplit(url)
-    except ValueError as exc:
-        raise ReadError(f"{redact_url(url)}: not a URL ({_one_line(exc)})") from None
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:  # its text may quote a piece of the password
+        raise ReadError(
+            f"{redact_url(url)}: not a URL (a bad port, or a password with / ? # or @ "
+            "not percent-encoded)"
+        ) from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ReadError(f"{redact_url(url)}: not an http(s) URL")
     if parts.path in ("", "/"):
@@ -402,6 +406,8 @@ def read_direct(
 
 _DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+_MILLIS = {u: round(s * 1000) for u, s in _UNITS.items()}
+_MAX_MILLIS = (1 << 63) - 1
 
 
 def parse_duration(text: str) -> float:
@@ -410,10 +416,12 @@ def parse_duration(text: str) -> float:
     parts = _DURATION.findall(text)
     if "".join(n + u for n, u in parts) != text:
         raise ValueError(f"not a duration like 15m or 1h30m: {text!r}")
-    total = sum((int(n) * _UNITS[u] for n, u in parts), 0.0)
-    if total <= 0:
+    millis = sum(int(n) * _MILLIS[u] for n, u in parts)
+    if millis <= 0:
         raise ValueError(f"a duration must be > 0, got {text!r}")
-    return total
+    if millis > _MAX_MILLIS:  # as Prometheus: a duration is an int64 of milliseconds
+        raise ValueError(f"a duration must be at most 292y, got {text!r}")
+    return millis / 1000
 
 
 def series_selector(selector: str) -> str:

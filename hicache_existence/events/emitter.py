@@ -144,6 +144,9 @@ class KvEvents:
         #: of a page in the batch names its state before (a store then a removal of
         #: one page leaves it unpublished, as it was).
         self._before: dict[str, float | None] = {}
+        #: Publisher thread only: blocks the batch being built removed, by source
+        #: (counted in ``removals`` once the batch is sent).
+        self._removing: dict[str, int] = {}
         #: When the least recently confirmed published block was confirmed (None:
         #: none); written by the publisher thread after each batch.
         self._first: float | None = None
@@ -307,6 +310,7 @@ class KvEvents:
             if batch:
                 self._send(batch)
             self._before.clear()
+            self._removing.clear()
             self._first = next(iter(self._published.values()), None)
             for event in waiting:
                 event.set()
@@ -374,7 +378,7 @@ class KvEvents:
                 self._before.setdefault(page, when)
                 gone.append(block_hash(page))
         if gone:
-            self.removals[source] = self.removals.get(source, 0) + len(gone)
+            self._removing[source] = self._removing.get(source, 0) + len(gone)
             out.append(Removed(tuple(gone), self.medium))
 
     def _send(self, batch: list[Event]) -> None:
@@ -384,11 +388,15 @@ class KvEvents:
             sink.send(self._wall(), batch)
         except Exception as exc:
             published = self._published  # subscribers saw none of it: undo it
+            restored = False
             for page, when in self._before.items():
                 if when is None:
                     published.pop(page, None)
                 else:
                     published[page] = when
+                    restored = True
+            if restored:  # back in confirmation order (oldest first): one sorted run
+                self._published = OrderedDict(sorted(published.items(), key=lambda kv: kv[1]))
             self.dropped["send_error"] += _blocks(batch)
             if self.dropped["send_error"] == _blocks(batch):
                 logger.warning("hicache-existence: a KV event batch was not sent (%r)", exc)
@@ -396,6 +404,8 @@ class KvEvents:
         for event in batch:
             kind = "stored" if isinstance(event, Stored) else "removed"
             self.published[kind] += len(event.block_hashes)
+        for source, n in self._removing.items():
+            self.removals[source] = self.removals.get(source, 0) + n
 
     def _hot_error(self, exc: BaseException) -> None:
         self._hot_errors += 1

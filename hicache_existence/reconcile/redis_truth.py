@@ -94,8 +94,11 @@ def validate_redis_url(url: str, arg: str = "redis_url") -> str:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        raise ConfigError(f"{arg} is not a valid URL ({redact_url(url)}): {exc}") from None
+    except ValueError:  # its text may quote a piece of the password
+        raise ConfigError(
+            f"{arg} is not a valid URL ({redact_url(url)}): a bad port, or a password "
+            "with / ? # or @ not percent-encoded"
+        ) from None
     if parts.scheme not in SCHEMES:
         raise ConfigError(
             f"{arg} must use one of {list(SCHEMES + CLUSTER_SCHEMES)}, got {parts.scheme!r} "
