@@ -69,14 +69,16 @@ def account_ack(
     modes), and the causes of the redundant ones, classified before the ack adds
     them to the beliefs (``noted``: believed at launch; ``held``: decided the write)."""
     stored = outcome.stored[pool]
-    # KV's stored pages are the leading ones (upstream stops at the first failed
-    # batch): a page of a failed batch that L3 held is failed, not redundant.
-    existed = outcome.existed.get(pool, set()).intersection(keys[:stored] if pool == KV else keys)
+    # Every pool's stored pages are the leading ones (KV: upstream stops at the
+    # first failed batch; extra pools: ``count_pool_hits`` counts the leading run of
+    # successes): a page past the first failure that L3 held is failed, not redundant.
+    acked = keys[:stored]
+    existed = outcome.existed.get(pool, set()).intersection(acked)
     already = min(len(existed), stored)
     believed = min(len(existed.intersection(noted)), already)
     writes.acked(pool, stored, outcome.failed.get(pool, 0), already, believed)
     if already:
-        redundant = [k for k in keys if k in existed][:already]
+        redundant = [k for k in acked if k in existed][:already]
         for cause, n in causes.classify(node, redundant, noted, held, pool).items():
             writes.redundant_cause(pool, cause, n)
 

@@ -258,17 +258,30 @@ class WritePath:
             if driver in keys and driver not in kept:
                 self.writes.avoided(pool, len(pages))
 
-    def retired(self, pool: Any, keys: list[str]) -> None:
+    def retired(self, pool: Any, keys: list[str], tree: Any = None) -> None:
         """A queued intent retired at launch because its pool became covered
         (upstream also retires a head with nothing left to write, e.g. an SWA
-        window gone from the device: not covered, so not avoided).  Read without
+        window gone from the device: not covered, so not avoided).  Its riding
+        sidecar pools (``tree.sidecar_pool_specs`` sourced from ``pool``: upstream's
+        launch writes them under the same keys and retires only when they are
+        covered too) are avoided with it, as at admission.  Read without
         touching the LRU or counting a lookup."""
         name = pool_name(pool)
+        if not self._covered_now(name, keys):
+            return
+        self.writes.avoided(name, len(keys))
+        for spec in getattr(tree, "sidecar_pool_specs", None) or ():
+            if pool_name(spec.indices_from_pool) != name:
+                continue
+            rider = pool_name(spec.pool_name)
+            if self._covered_now(rider, keys):
+                self.writes.avoided(rider, len(keys))
+
+    def _covered_now(self, name: str, keys: list[str]) -> bool:
         view = self.cache.pool(name)
         believed = set(view.believed(keys))
         inflight = view.inflight_pages()
-        if all(k in believed or k in inflight for k in keys):
-            self.writes.avoided(name, len(keys))
+        return all(k in believed or k in inflight for k in keys)
 
     # -- admission (flat generation) ----------------------------------------------------
     def begin_walk(self) -> set[Any] | None:

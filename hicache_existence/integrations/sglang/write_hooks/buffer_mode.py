@@ -74,7 +74,9 @@ def _drop_queue_head(p: Params) -> Hooked:
             head = queue[0] if queue else None
         result = original(pipeline, *a, **kw)
         if feed is not None and head is not None:
-            guard(feed, lambda: feed.retired(head.pool, head.keys))
+            guard(
+                feed, lambda: feed.retired(head.pool, head.keys, getattr(pipeline, "_cache", None))
+            )
         return result
 
     return around_drop_queue_head

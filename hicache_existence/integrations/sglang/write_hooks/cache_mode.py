@@ -149,6 +149,13 @@ def _prefetch_result(p: Params) -> Hooked:
             return original(tree, *a, **kw)
         result = original(tree, *a, **kw)
         try:
+            if loaded:
+                # Upstream's own verdict, which it sets on every path: a host insert
+                # it dropped (cache mode: a refill under a node not backed up) or a
+                # fetch it could not stage (buffer mode) delivered nothing.
+                got = getattr(tree, "prefetch_loaded_tokens_by_reqid", None) or {}
+                if got.get(getattr(operation, "handle", None)) == 0:
+                    loaded = 0
             feed.causes.prefetched(requested, loaded)
         except Exception as exc:
             feed.error(exc)
