@@ -95,9 +95,12 @@ class CircuitBreaker:
     def failure(self, probe: bool) -> None:
         with self._lock:
             self._consecutive += 1
-            if probe or self._state == HALF_OPEN:
+            if probe:
                 self._backoff = min(self._backoff * 2.0, self._max)
                 self._open()
+            # Half-open, a query admitted before the probe failing late says
+            # nothing new: the probe's outcome decides (re-opening here would
+            # free a second probe while the first is out).
             elif self._state == CLOSED and self._consecutive >= self._threshold:
                 self._open()
 

@@ -21,6 +21,7 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Protocol
 
 from hicache_existence.reconcile.ground_truth import (
@@ -67,6 +68,10 @@ class LedgerWriter:
         #: (op, result) -> pages; op in stored/removed/cleared, result ok/error/dropped.
         self.pages: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[str] = Counter()
+        #: Pages stored in L3 whose record failed or was dropped (under ``_lock``,
+        #: at most ``LOST_CAP``; beyond it the ledger is told it missed writes):
+        #: the ledger's absence of them is not evidence.
+        self._lost: dict[tuple[str, str], None] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -92,6 +97,8 @@ class LedgerWriter:
                 self._queue.put_nowait(item)
             except queue.Full:
                 self.pages[(item[0], "dropped")] += len(item[2])
+                if item[0] == "stored":
+                    self._note_lost(item[1], item[2])
             else:
                 self._offered += 1
 
@@ -148,6 +155,37 @@ class LedgerWriter:
                 logger.exception("ledger %s failed", op)
             with self._lock:
                 self.pages[(op, result)] += len(hashes) if op != "cleared" else 1
+                if op == "stored":
+                    if result == "error":
+                        self._note_lost(pool, hashes)
+                    elif self._lost:
+                        for h in hashes:
+                            self._lost.pop((pool, h), None)
+                elif op == "cleared":
+                    self._lost.clear()
+
+    #: Lost pages remembered at most.
+    LOST_CAP = 1 << 16
+
+    def _note_lost(self, pool: str, hashes: Iterable[str]) -> None:
+        """Under ``_lock``: remember pages whose record is lost (oldest forgotten
+        past ``LOST_CAP``, and the ledger then told it missed writes)."""
+        lost = self._lost
+        lost.update(dict.fromkeys((pool, h) for h in hashes))
+        if len(lost) > self.LOST_CAP:
+            for key in list(islice(lost, len(lost) - self.LOST_CAP)):
+                del lost[key]
+            missed = getattr(self._ledger, "missed_writes", None)
+            if missed is not None:
+                try:
+                    missed()
+                except Exception:
+                    logger.debug("ledger missed_writes failed", exc_info=True)
+
+    def lost(self, pool: str, page: str) -> bool:
+        """Whether ``page``'s last record of ``pool`` failed or was dropped."""
+        with self._lock:
+            return (pool, page) in self._lost
 
     # -- readers of the ledger (never the storage or scheduler thread) --------------
     def wait_written(self, timeout_s: float) -> bool:
@@ -196,20 +234,31 @@ class WrittenLedgerTruth:
         self.ledger = ledger
         self._writer = writer
         self._wait_s = float(wait_s)
+        #: Per asking thread: the last ``leading_present`` stopped at a page whose
+        #: record was lost (its absence is then not evidence).
+        self._local = threading.local()
 
     def _barrier(self) -> None:
         if not self._writer.wait_written(self._wait_s):
             raise LedgerBehind(f"ledger records not written within {self._wait_s:g} s")
 
     def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
+        self._local.lost = False
         self._barrier()
-        return self.ledger.leading_present(pool, hashes)
+        count = self.ledger.leading_present(pool, hashes)
+        if 0 <= count < len(hashes):
+            self._local.lost = self._writer.lost(pool, hashes[count])
+        return count
 
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         self._barrier()
         return self.ledger.present(pool, hashes)
 
     def absence_is_evidence(self) -> bool:
+        """The ledger's, and not right after an answer that stopped at a page
+        whose record was lost (asked on the same thread, as the worker does)."""
+        if getattr(self._local, "lost", False):
+            return False
         return absence_is_evidence(self.ledger)
 
     def __repr__(self) -> str:

@@ -289,7 +289,13 @@ class Reconciler:
                 leading, trusted = agreed.leading[applied], agreed.trusted[applied]
                 applied += 1
                 if leading >= 0 and not q.void:
-                    self._apply_verdict(q, min(leading, len(q.chain)), trusted > 0)
+                    try:
+                        self._apply_verdict(q, min(leading, len(q.chain)), trusted > 0)
+                    except Exception:
+                        # Rank-local: the rest of the agreed verdicts, the refill
+                        # and the admission must still run, or the ranks' queues
+                        # stop matching slot for slot.
+                        self._internal_error("verdict")
         finally:
             self._applying = False
         self._bucket.refill(agreed.elapsed_ms)
@@ -307,7 +313,10 @@ class Reconciler:
         c = self.counters
         observer = self.verdict_observer
         if observer is not None:
-            observer(pool, q.chain, leading)
+            try:
+                observer(pool, q.chain, leading)
+            except Exception:  # rank-local: must not change what this rank applies
+                self._internal_error("verdict observer")
         outcome = apply_verdict(
             self._cache,
             pool,

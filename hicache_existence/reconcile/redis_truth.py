@@ -168,6 +168,8 @@ def shard_id(
     is_mla: bool = False,
     attn_cp_rank: int = 0,
     attn_cp_size: int = 1,
+    dcp_rank: int = 0,
+    dcp_size: int = 1,
 ) -> str:
     """The ledger shard of one rank: the L3 key space it writes, named like
     SGLang's file backend suffixes (``<model>_<tp_rank>_<tp_size>``, or
@@ -178,6 +180,8 @@ def shard_id(
         shard += f"_{pp_size}_{pp_rank}"
     if attn_cp_size > 1:
         shard += f"_cp{attn_cp_rank}_{attn_cp_size}"
+    if dcp_size > 1:  # MLA decode context parallel: one key space per DCP rank
+        shard += f"_dcp{dcp_rank}_{dcp_size}"
     return shard
 
 
@@ -192,6 +196,8 @@ def shard_from_storage_config(storage_config: Any) -> str:
         is_mla=bool(getattr(storage_config, "is_mla_model", False)),
         attn_cp_rank=int(getattr(storage_config, "attn_cp_rank", 0)),
         attn_cp_size=int(getattr(storage_config, "attn_cp_size", 1)),
+        dcp_rank=int(getattr(storage_config, "dcp_rank", 0)),
+        dcp_size=int(getattr(storage_config, "dcp_size", 1)),
     )
 
 
@@ -420,6 +426,13 @@ class RedisLedger:
             self._reset_distrust,
         )
 
+    def missed_writes(self) -> None:
+        """A record of pages stored in L3 could not be written: like a reset, the
+        ledger now lacks pages L3 holds, so absence is not evidence for the
+        reset's distrust period."""
+        with self._lock:
+            self._distrust_until = max(self._distrust_until, self._clock() + self._reset_distrust)
+
     def absence_is_evidence(self) -> bool:
         """False while the ledger is recovering from an observed reset."""
         with self._lock:
@@ -440,13 +453,22 @@ class RedisLedger:
                 chunk = seq[start : start + batch]
                 pipe = self._client.pipeline(transaction=False)
                 pipe.set(self.epoch_key(name), _new_epoch(), nx=True)
+                pipe.get(self.epoch_key(name))
                 if ttl > 0:
                     px = max(1, int(ttl * 1000))
                     for h in chunk:
                         pipe.set(prefix + h, b"1", px=px)
                 else:
                     pipe.mset({prefix + h: b"1" for h in chunk})
-                pipe.execute()
+                replies = pipe.execute()
+                # The epoch the records went under: a reset between two writes is
+                # seen even by a reader that has not read yet.
+                if (
+                    isinstance(replies, list)
+                    and len(replies) > 1
+                    and isinstance(replies[1], bytes | str)
+                ):
+                    self._see_epoch(replies[1], name)
         return len(seq)
 
     def record_removed(self, pool: str, hashes: Iterable[str]) -> int:

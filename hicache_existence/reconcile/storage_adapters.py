@@ -320,6 +320,11 @@ class _LedgerRecordingMixin:
     def _learns_absence(self, inner: Any) -> bool:
         """Whether a ``batch_exists`` shortfall removes a page from the ledger: as
         configured, else not for a Mooncake store (0 while its master is down)."""
+        if not _is_storage_writer(self.storage_config):
+            # MLA: another rank writes this shard; the write-count guard of
+            # batch_exists cannot see its writes, so a shortfall read before one
+            # of them landed would erase its record.
+            return False
         if self._learn_absence is not None:
             return self._learn_absence
         from hicache_existence.reconcile.mooncake_truth import is_mooncake_backend
@@ -350,6 +355,20 @@ class _LedgerRecordingMixin:
         if inner is None or name.startswith("_"):
             raise AttributeError(name)
         return getattr(inner, name)
+
+
+def _is_storage_writer(storage_config: Any) -> bool:
+    """Whether this rank writes L3 (sglang's ``is_storage_writer``: MLA replicas
+    share one writer; older configs: MLA rank 0)."""
+    try:
+        writer = getattr(storage_config, "is_storage_writer", None)
+        if isinstance(writer, bool):
+            return writer
+        return not getattr(storage_config, "is_mla_model", False) or (
+            int(getattr(storage_config, "tp_rank", 0)) == 0
+        )
+    except Exception:
+        return True
 
 
 def _reconciler_section_from_env() -> ReconcilerSection:

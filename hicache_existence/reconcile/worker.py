@@ -132,22 +132,27 @@ class QueryWorker:
             c.max_query_cpu_s = cpu
         if kind:
             c.errors[kind] += 1
-            if kind != "unsupported":  # a pool the truth cannot answer is not ill health
-                self._breaker.failure(q.probe)
-            elif q.probe:
-                self._breaker.success()
-            self._finish(q, -1, 0, ERROR)
+            # An answer the scheduler already timed out was counted as a failure
+            # there: counting it again would double the probe's backoff twice (a
+            # voided one was not: a probe's outcome must still reach the breaker).
+            if self._finish(q, -1, 0, ERROR) or q.state != TIMED_OUT:
+                if kind != "unsupported":  # a pool the truth cannot answer is not ill health
+                    self._breaker.failure(q.probe)
+                elif q.probe:
+                    self._breaker.success()
             return
         self._breaker.success()
         result = PRESENT if leading == len(q.chain) else ABSENT if trusted else UNTRUSTED
         self._finish(q, leading, trusted, result)
 
-    def _finish(self, q: Query, leading: int, trusted: int, result: str) -> None:
+    def _finish(self, q: Query, leading: int, trusted: int, result: str) -> bool:
+        """Record the answer; False when it came late (timed out or voided)."""
         with self._lock:
             if q.state != PENDING:
                 self._counters.late_answers += 1
-                return
+                return False
             q.leading = leading
             q.trusted = trusted
             q.state = DONE
             self._counters.worker_results[(q.pool, result)] += 1
+            return True
