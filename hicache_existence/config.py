@@ -388,6 +388,8 @@ class Config:
         """``to_dict()`` with credentials masked, for logs and start-up events."""
         data = self.to_dict()
         data["reconciler"]["redis_url"] = redact_url(self.reconciler.redis_url)
+        # Masked as in the storage_backend label (it may be an address with credentials).
+        data["metrics"]["storage_backend"] = redact_url(self.metrics.storage_backend)
         return data
 
     def to_json(self) -> str:

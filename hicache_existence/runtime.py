@@ -275,16 +275,23 @@ class ExistenceRuntime:
     def _check(self) -> None:
         checker = self.checker
         due = self.config.divergence.enabled and (checker.step + 1) % self._check_interval == 0
+        stepped = False
         try:
             if due:
                 with span(SPAN_DIVERGENCE_CHECK, step=checker.step + 1):
+                    stepped = True
                     checker.on_step()
             else:
+                stepped = True
                 checker.on_step()
         except DivergenceError:
             raise  # policy "abort": raising is the point
         except Exception as exc:
             self._report("divergence", exc)
+            if not stepped:
+                # The span failed to start (an application span processor): the step
+                # still counts, or this rank's checks run a step behind every other's.
+                checker.on_step()  # never raises, except DivergenceError (abort)
 
     def _report(self, what: str, exc: Exception) -> None:
         if self._errors.allow():

@@ -211,3 +211,74 @@ def test_telemetry_standalone_serves_configured_address():
             assert b"hicache_existence_entries" in response.read()
     finally:
         t.close()
+
+
+def test_idle_connections_do_not_hold_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standalone server runs a thread per connection in the scheduler process:
+    a client that sends nothing is dropped after CONNECTION_TIMEOUT_S."""
+    import socket
+    import threading
+    import time
+
+    from hicache_existence.exporters import prometheus
+
+    monkeypatch.setattr(prometheus, "CONNECTION_TIMEOUT_S", 0.5)
+    server = serve(SeriesReader(he.StorageExistenceCache(16)), port=0)
+    socks = []
+    try:
+        before = threading.active_count()
+        socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(16)]
+        deadline = time.monotonic() + 10
+        while threading.active_count() - before > 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() - before <= 2
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+            assert r.status == 200  # a real scrape still answers
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
+
+
+def test_the_startup_line_masks_storage_backend_credentials(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """storage_backend is masked in its label; the start-up line masks it too."""
+    import logging
+
+    cfg = Config.from_json(
+        '{"metrics": {"mode": "off", "storage_backend": "redis://svc:hunter2@l3:6379/0"}}'
+    )
+    telemetry = Telemetry(he.StorageExistenceCache(16), cfg)
+    assert "hunter2" not in str(telemetry.labels.values())
+    with caplog.at_level(logging.INFO, logger="hicache_existence"):
+        telemetry.start()
+    try:
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "hicache_existence.startup" in text and "hunter2" not in text
+        assert (
+            Config.from_json('{"metrics": {"storage_backend": "file"}}').redacted()["metrics"][
+                "storage_backend"
+            ]
+            == "file"
+        )
+    finally:
+        telemetry.close()
+
+
+def test_a_shared_cap_reached_by_the_pools_together_is_at_capacity(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The seed generation's pools share one cap, which no single pool reaches:
+    cache_at_capacity is logged when their sum does (docs/runbooks.md)."""
+    import logging
+
+    from hicache_existence.core.flat import FlatStorageExistenceCache
+    from hicache_existence.exporters.monitor import Monitor
+
+    cache = FlatStorageExistenceCache(100)
+    cache.add("kv", [f"{i:064x}" for i in range(60)])
+    cache.add("swa", [f"{i + 1000:064x}" for i in range(60)])
+    with caplog.at_level(logging.INFO, logger="hicache_existence"):
+        Monitor().observe(cache.stats())
+    assert any("cache_at_capacity" in r.getMessage() for r in caplog.records)

@@ -449,3 +449,52 @@ def test_the_demo_scheduler_is_the_replay_model_on_the_runtime() -> None:
     assert kv.causes.get("recompute", 0) == kv.redundant
     assert swa.redundant > 0 and swa.causes["recompute"] == swa.redundant
     assert shard.evictions > 0 and len(shard) <= 2 * 1500  # kv and swa, each bounded
+
+
+def test_a_span_that_fails_to_start_still_counts_the_step(monkeypatch) -> None:
+    """An application's span processor may raise in on_start (the OpenTelemetry SDK
+    lets it): the due divergence step still runs on that rank, or its checks run
+    one step behind every other rank's for good (a false "step" divergence, or a
+    stall in the collective)."""
+    import contextlib
+    import threading
+
+    from hicache_existence import runtime as rt_module
+    from hicache_existence.replicas.divergence import InProcessWorld
+
+    real_span = rt_module.span
+    left = {"rank0": 1}
+
+    def flaky_span(*a, **kw):
+        name = threading.current_thread().name
+        if left.get(name):
+            left[name] -= 1
+            raise RuntimeError("span processor bug")
+        return real_span(*a, **kw)
+
+    monkeypatch.setattr(rt_module, "span", flaky_span)
+    cfg = Config.from_json(
+        '{"metrics": {"mode": "off"}, "divergence": {"interval_steps": 5, "timeout_s": 5}}'
+    )
+    world = InProcessWorld(2, timeout_s=5)
+    runtimes = [ExistenceRuntime(cfg, group=world.group(r)) for r in range(2)]
+
+    def run(runtime: ExistenceRuntime) -> None:
+        for _ in range(30):
+            runtime.cache.pool("kv").add(["a" * 64])
+            runtime.step()
+
+    threads = [
+        threading.Thread(target=run, args=(r,), name=f"rank{i}") for i, r in enumerate(runtimes)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stats = [r.checker.stats() for r in runtimes]
+    assert left["rank0"] == 0
+    assert [s.steps for s in stats] == [30, 30]
+    assert [s.divergences for s in stats] == [0, 0]
+    for r in runtimes:
+        with contextlib.suppress(Exception):
+            r.close()

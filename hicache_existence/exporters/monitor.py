@@ -38,8 +38,11 @@ class Monitor:
         previous, elapsed = self._previous, now - self._previous_at
         self._previous, self._previous_at = stats, now
         log = self._logger
+        # Seed generation: one cap shared by every pool, reached by their sum.
+        shared = sum(p.entries for p in stats.pools.values()) if stats.shared_capacity else 0
         for pool, current in stats.items():
-            at_cap = current.capacity and current.entries >= current.capacity
+            entries = shared if stats.shared_capacity else current.entries
+            at_cap = current.capacity and entries >= current.capacity
             if at_cap and pool not in self._at_cap:
                 self._at_cap.add(pool)
                 log.info(

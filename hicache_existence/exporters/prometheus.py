@@ -29,6 +29,8 @@ from hicache_existence.exporters.series import SeriesReader
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464
+#: Seconds a /metrics connection may stay silent (request not sent, response not read).
+CONNECTION_TIMEOUT_S = 10.0
 
 
 def _family(spec: MetricSpec | FeatureSpec) -> Any:
@@ -81,6 +83,12 @@ class MetricsServer:
         self.registry = registry
         self._httpd: Any
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        # One thread per connection: without a socket timeout a client that sends
+        # nothing (or never reads) holds its thread in this scheduler process forever.
+        handler = self._httpd.RequestHandlerClass
+        self._httpd.RequestHandlerClass = type(
+            handler.__name__, (handler,), {"timeout": CONNECTION_TIMEOUT_S}
+        )
         address = self._httpd.server_address
         self.host = str(address[0])
         self.port = int(address[1])

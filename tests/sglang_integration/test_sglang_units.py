@@ -359,3 +359,17 @@ def test_plugin_without_hook_registry_warns_once(
         plugin.register()  # idempotent
     assert len(caplog.records) == 1 and "no plugin hook registry" in caplog.records[0].getMessage()
     assert plugin.status()["flags"] is False and plugin.status()["cache"] is False
+
+
+def test_a_rank_past_port_65535_binds_a_free_port_not_rank_0s() -> None:
+    """metrics.port + index past 65535: that process binds an ephemeral port (port
+    0, named in its start-up line), never the base port rank 0 holds."""
+    import dataclasses
+
+    from hicache_existence.config import Config
+    from hicache_existence.integrations.sglang.hooks import _per_rank_port
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, port=65535))
+    assert _per_rank_port(cfg, SchedulerFacts(tp_rank=0, tp_size=2)).metrics.port == 65535
+    assert _per_rank_port(cfg, SchedulerFacts(tp_rank=1, tp_size=2)).metrics.port == 0

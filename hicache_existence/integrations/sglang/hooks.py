@@ -308,7 +308,14 @@ def _per_rank_port(config: Config, facts: _facts.SchedulerFacts) -> Config:
         return config
     port = section.port + facts.process_index
     if port > 65535:
-        return config
+        # Never the base port (rank 0's): an ephemeral one, named in the start-up line.
+        logger.warning(
+            "hicache-existence: metrics.port %d + scheduler index %d passes 65535; "
+            "this process binds a free port instead",
+            section.port,
+            facts.process_index,
+        )
+        port = 0
     return dataclasses.replace(config, metrics=dataclasses.replace(section, port=port))
 
 
