@@ -4,6 +4,8 @@ measured false-classification rates, the sampled debug event, bad input."""
 from __future__ import annotations
 
 import logging
+import math
+import random
 import tracemalloc
 
 import pytest
@@ -77,7 +79,7 @@ def test_compiled_path_equals_the_python_batch_path(slots, monkeypatch):
     # A batch with one odd key writes nothing in C and takes the per-key path.
     odd = FingerprintGhosts(slots)
     native = ghosts._native
-    assert native.remember(odd._table, [*keys[:5], "x"], EVICTED, odd._top, odd._levels) is False
+    assert native.remember(odd._table, [*keys[:5], "x"], EVICTED) is False
     assert odd.occupancy() == 0
 
 
@@ -290,3 +292,44 @@ def test_remember_rejects_cold_and_unknown_reasons_without_change():
     assert g.occupancy() == 0
     g.remember([], EVICTED)
     assert g.occupancy() == 0
+
+
+def _random_keys(n: int, seed: int) -> list[str]:
+    r = random.Random(seed)
+    return [f"{r.getrandbits(256):064x}" for _ in range(n)]
+
+
+@pytest.mark.parametrize("cap", [10981, 100_000])
+def test_departures_spread_evenly_over_the_slots(cap: int) -> None:
+    """As many departures as slots fill 1 - 1/e of them, as uniform hashing does:
+    every slot gets an even share (a top byte scaled to an odd number of values gave
+    some slots twice the traffic, so traces faded faster than documented)."""
+    g = GhostFactory(cap, debug_events_per_s=0)("kv")
+    keys = _random_keys(g.slots, 1)
+    for i in range(0, len(keys), 65536):
+        g.remember(keys[i : i + 65536], EVICTED)
+    expected = 1 - math.exp(-1)
+    sd = math.sqrt(math.exp(-1) * (1 - math.exp(-1)) / g.slots)
+    assert abs(g.occupancy() - expected) < 6 * sd + 1e-3, (g.slots, g.occupancy())
+
+
+def test_traces_survive_slots_departures_with_probability_1_over_e() -> None:
+    """docs/metrics.md's exp(-n / slots), at n = slots, on a table of the docs' size."""
+    g = GhostFactory(10981, debug_events_per_s=0)("kv")
+    hits = total = 0
+    for rep in range(40):
+        g.clear()
+        targets = _random_keys(g.slots // 64, 100 + rep)
+        g.remember(targets, EVICTED)
+        g.remember(_random_keys(g.slots, 1000 + rep), INVALIDATED)
+        hits += sum(r == EVICTED for r in g.classify(targets))
+        total += len(targets)
+    assert hits / total == pytest.approx(math.exp(-1), rel=0.025)
+
+
+def test_any_table_size_is_used_whole() -> None:
+    """The table is the budget, not rounded down to a multiple of 2**16."""
+    for cap in (32_768, 49_152, 65_536, 524_288):
+        factory = GhostFactory(cap, debug_events_per_s=0)
+        assert factory("kv").slots == factory.slots
+        assert factory.slots > 0.95 * 0.10 * ghosts.CACHE_BYTES_PER_ENTRY * cap

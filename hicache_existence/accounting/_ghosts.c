@@ -8,9 +8,8 @@
  * a page, a third of a compiled-index add; this loop costs a few ns.
  *
  * The layout is FingerprintGhosts's, bit for bit: a key's 32-bit word is its
- * first 8 hex digits; slot index = top[word >> 24] << hi_shift
- * | (word >> lo_shift) & lo_mask, with hi_shift = 8 * (levels - 1) and
- * lo_shift = 32 - 8 * levels; the slot byte is (word & 0xFC) | reason.  Only
+ * first 8 hex digits; with p = word * len(table), slot index = p >> 32 (always
+ * below len) and the slot byte is (word & 0xFC) | reason.  Only
  * batches whose every key is 64 characters starting with 8 hex digits are
  * handled (as the Python batch path); otherwise nothing is written (remember
  * returns False, classify None) and the caller takes its per-key path.
@@ -74,33 +73,25 @@ key_word(PyObject *key)
     return (int64_t)word;
 }
 
+/* At most 2**24 slots: each slot then spans at least 256 words, so the
+ * fingerprint (the word's low byte) stays independent of the index. */
+#define MAX_TABLE ((Py_ssize_t)1 << 24)
+
 typedef struct {
     Py_buffer table;
-    Py_buffer top;
-    int levels;
 } Layout;
 
 static int
-parse_layout(PyObject *table, PyObject *top, int levels, int writable, Layout *out)
+parse_layout(PyObject *table, int writable, Layout *out)
 {
-    if (levels < 1 || levels > 3) {
-        PyErr_SetString(PyExc_ValueError, "levels must be 1, 2 or 3");
-        return -1;
-    }
     if (PyObject_GetBuffer(table, &out->table, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
         return -1;
     }
-    if (PyObject_GetBuffer(top, &out->top, PyBUF_SIMPLE) < 0) {
+    if (out->table.len < 1 || out->table.len > MAX_TABLE) {
         PyBuffer_Release(&out->table);
+        PyErr_SetString(PyExc_ValueError, "the table must hold 1 to 2**24 slots");
         return -1;
     }
-    if (out->top.len != 256) {
-        PyBuffer_Release(&out->table);
-        PyBuffer_Release(&out->top);
-        PyErr_SetString(PyExc_ValueError, "top must be 256 bytes");
-        return -1;
-    }
-    out->levels = levels;
     return 0;
 }
 
@@ -108,17 +99,23 @@ static void
 release_layout(Layout *l)
 {
     PyBuffer_Release(&l->table);
-    PyBuffer_Release(&l->top);
 }
 
+/* The word scaled to the table (multiply-shift over all 32 bits): the index is the
+ * product's high 32 bits, so every slot gets floor or ceil of 2**32 / len words and
+ * departures spread evenly (a trace survives n of them with probability about
+ * exp(-n / len)); the fingerprint is the word's low byte (its top 6 bits).  (A top byte scaled to `top` values, or 24 bits scaled
+ * to a table near 2**24 slots, gave some slots twice the traffic of others.) */
 static inline Py_ssize_t
 slot_index(const Layout *l, uint32_t word)
 {
-    int hi_shift = 8 * (l->levels - 1);
-    int lo_shift = 32 - 8 * l->levels;
-    uint32_t lo_mask = (hi_shift ? ((uint32_t)1 << hi_shift) : 1u) - 1u;
-    const unsigned char *top = l->top.buf;
-    return ((Py_ssize_t)top[word >> 24] << hi_shift) | (Py_ssize_t)((word >> lo_shift) & lo_mask);
+    return (Py_ssize_t)(((uint64_t)word * (uint64_t)l->table.len) >> 32);
+}
+
+static inline uint32_t
+slot_fp(uint32_t word)
+{
+    return word & FP_MASK;
 }
 
 /* Words of every key into `words`; 0 if some key is not batchable. */
@@ -148,21 +145,13 @@ batch_words(PyObject *seq, uint32_t **words, Py_ssize_t *n)
  * Returns -1 on error, 0 when the batch is not batchable (nothing held), 1 with
  * `l` and `*words` held (release with finish()). */
 static int
-prepare(PyObject *table, PyObject *keys, PyObject *top, PyObject *levels_obj, int writable,
-        Layout *l, uint32_t **words, Py_ssize_t *n)
+prepare(PyObject *table, PyObject *keys, int writable, Layout *l, uint32_t **words,
+        Py_ssize_t *n)
 {
     if (!PyList_Check(keys) && !PyTuple_Check(keys)) {
         return 0;
     }
-    long levels = PyLong_AsLong(levels_obj);
-    if (levels == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (levels < 1 || levels > 3) {
-        PyErr_SetString(PyExc_ValueError, "levels must be 1, 2 or 3");
-        return -1;
-    }
-    if (parse_layout(table, top, (int)levels, writable, l) < 0) {
+    if (parse_layout(table, writable, l) < 0) {
         return -1;
     }
     int ok = batch_words(keys, words, n);
@@ -180,16 +169,16 @@ finish(Layout *l, uint32_t *words)
 }
 
 PyDoc_STRVAR(remember_doc,
-"remember(table, keys, reason, top, levels, /) -> bool\n\n"
-"Write (word & 0xFC) | reason into every key's slot, in order (later wins).\n"
+"remember(table, keys, reason, /) -> bool\n\n"
+"Write fingerprint | reason into every key's slot, in order (later wins).\n"
 "Returns False, writing nothing, when some key is not 64 characters starting\n"
 "with 8 hex digits.");
 
 static PyObject *
 ghosts_remember(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "remember() takes 5 positional arguments");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "remember() takes 3 positional arguments");
         return NULL;
     }
     long reason = PyLong_AsLong(args[2]);
@@ -203,46 +192,39 @@ ghosts_remember(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Layout l;
     uint32_t *words;
     Py_ssize_t n;
-    int ok = prepare(args[0], args[1], args[3], args[4], 1, &l, &words, &n);
+    int ok = prepare(args[0], args[1], 1, &l, &words, &n);
     if (ok <= 0) {
         return ok < 0 ? NULL : Py_NewRef(Py_False);
     }
     unsigned char *table = l.table.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slot_index(&l, words[i]) >= l.table.len) {
-            finish(&l, words);
-            PyErr_SetString(PyExc_ValueError, "top/levels do not fit the table");
-            return NULL;
-        }
-    }
     /* The slots are random lines of a table larger than the CPU caches:
      * prefetch for writing a few iterations ahead so the misses overlap. */
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) {
             PREFETCH_W(table + slot_index(&l, words[i + PREFETCH_AHEAD]));
         }
-        table[slot_index(&l, words[i])] = (unsigned char)((words[i] & FP_MASK) | (uint32_t)reason);
+        table[slot_index(&l, words[i])] = (unsigned char)(slot_fp(words[i]) | (uint32_t)reason);
     }
     finish(&l, words);
     Py_RETURN_TRUE;
 }
 
 PyDoc_STRVAR(classify_doc,
-"classify(table, keys, top, levels, /) -> bytes | None\n\n"
+"classify(table, keys, /) -> bytes | None\n\n"
 "One byte per key: the reason (1..3) its slot holds when the fingerprint\n"
 "matches, else 0 (cold).  None when some key is not batchable.");
 
 static PyObject *
 ghosts_classify(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "classify() takes 4 positional arguments");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "classify() takes 2 positional arguments");
         return NULL;
     }
     Layout l;
     uint32_t *words;
     Py_ssize_t n;
-    int ok = prepare(args[0], args[1], args[2], args[3], 0, &l, &words, &n);
+    int ok = prepare(args[0], args[1], 0, &l, &words, &n);
     if (ok <= 0) {
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
@@ -252,14 +234,10 @@ ghosts_classify(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         const unsigned char *table = l.table.buf;
         for (Py_ssize_t i = 0; i < n; i++) {
             if (i + PREFETCH_AHEAD < n) {
-                Py_ssize_t ahead = slot_index(&l, words[i + PREFETCH_AHEAD]);
-                if (ahead < l.table.len) {
-                    PREFETCH_R(table + ahead);
-                }
+                PREFETCH_R(table + slot_index(&l, words[i + PREFETCH_AHEAD]));
             }
-            Py_ssize_t idx = slot_index(&l, words[i]);
-            unsigned char s = idx < l.table.len ? table[idx] : 0;
-            dst[i] = (s && ((s ^ words[i]) & FP_MASK) == 0) ? (unsigned char)(s & 3) : 0;
+            unsigned char s = table[slot_index(&l, words[i])];
+            dst[i] = (s && ((s ^ slot_fp(words[i])) & FP_MASK) == 0) ? (unsigned char)(s & 3) : 0;
         }
     }
     finish(&l, words);

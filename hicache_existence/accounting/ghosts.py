@@ -6,9 +6,11 @@ beliefs (evicted by the cap, dropped by ``invalidate_beyond``, a heal or a clear
 leaves a one-byte trace, which a later miss on the page finds (``evicted`` /
 ``invalidated`` / ``cleared``) or not (``cold``).
 
-Layout: a direct-mapped table of one-byte slots.  The slot index comes from the
-first 24 bits of the page hash, a 6-bit fingerprint from the next byte, and the
-slot's low 2 bits hold the reason (1..3; 0 is empty).  A newer page landing on
+Layout: a direct-mapped table of one-byte slots.  The first 32 bits of the page
+hash times the table size give the slot index (the product's high 32 bits: every
+slot gets an even share of hashes, whatever the size), their last byte a 6-bit
+fingerprint, and the slot's low 2 bits hold the reason (1..3; 0 is empty).  A newer
+page landing on
 the slot overwrites it, so traces fade gradually rather than at a window edge:
 after ``n`` later departures one survives with probability ``exp(-n / slots)``.
 A cold page is misreported only when its slot holds a trace with the same
@@ -16,7 +18,7 @@ fingerprint: at most 1/64 of the time with a full table (docs/metrics.md).
 
 Cost: ``remember`` runs on the eviction path, so per-page work is C loops over
 bytes (``_ghosts.c``, else: one ``bytes.fromhex`` of a batch of 64-hex keys,
-extended slices and ``bytes.translate``, one C-level ``map(setitem, ...)``): no
+extended slices, ``bytes.translate``, ``array.byteswap``, C-level ``map``): no
 Python bytecode per page, no ``hash()``.  Keys of another shape take a per-key
 path (correct, slower).  ``classify`` runs in batches over the misses recorded
 since the table last changed (a miss only appends its key).
@@ -26,10 +28,11 @@ from __future__ import annotations
 
 import struct
 import sys
+from array import array
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import repeat
-from operator import setitem
+from operator import mul, rshift, setitem
 from types import MappingProxyType
 from typing import Any
 
@@ -47,8 +50,9 @@ _native = lru.compiled("accounting._ghosts")
 
 #: Smallest table: below this, collisions make the classification meaningless.
 MIN_SLOTS = 64
-#: Upper bound of a memory's bytes besides its table (the object, the top map).
-_FIXED_BYTES = 1024
+#: Upper bound of a memory's bytes besides its table (the object, its logger and
+#: rate limiter: about 1.5 KiB measured with tracemalloc).
+_FIXED_BYTES = 2048
 
 _exhaust = deque[object](maxlen=0).extend
 _HEX_KEY_LEN = 64
@@ -62,19 +66,16 @@ if struct.calcsize("I") != 4:  # pragma: no cover - every CPython platform in us
     raise ImportError("hicache_existence.accounting.ghosts needs a 4-byte C unsigned int")
 
 
-def _layout(slots: int) -> tuple[int, int, int]:
-    """``(levels, top, size)`` for a table of at most ``slots`` one-byte slots: the
-    index is ``levels`` bytes of hash, the top one scaled to ``top`` values, so the
-    size ``top * 256 ** (levels - 1)`` tracks the budget, not powers of two."""
-    slots = max(MIN_SLOTS, slots)
-    if slots >= 1 << 16:
-        levels, unit = 3, 1 << 16
-    elif slots >= 1 << 8:
-        levels, unit = 2, 1 << 8
-    else:
-        levels, unit = 1, 1
-    top = min(256, slots // unit)
-    return levels, top, top * unit
+#: The largest table (16 MiB): the index is the high half of the hash's 32-bit
+#: word times the size, the fingerprint the word's low byte, independent of the
+#: index while every slot spans at least 256 words.
+MAX_SLOTS = 1 << 24
+
+
+def _size(slots: int) -> int:
+    """The table's size for a budget of ``slots`` one-byte slots: the budget itself
+    (any size spreads evenly: the index scales the word, it does not cut it)."""
+    return min(max(MIN_SLOTS, slots), MAX_SLOTS)
 
 
 class FingerprintGhosts:
@@ -83,15 +84,10 @@ class FingerprintGhosts:
 
     __slots__ = (
         "_countdown",
-        "_levels",
-        "_lo_mask",
-        "_lo_shift",
         "_limiter",
         "_logger",
         "_sample_every",
         "_table",
-        "_top",
-        "_top_index",
         "pool",
         "slots",
     )
@@ -110,13 +106,7 @@ class FingerprintGhosts:
         if not _validate.number(debug_events_per_s, "debug_events_per_s") >= 0:
             raise ValueError(f"debug_events_per_s must be >= 0, got {debug_events_per_s}")
         self._sample_every = _validate.count(sample_every, "sample_every", 1)
-        self._levels, top, self.slots = _layout(slots)
-        # index = top byte scaled, then the next (levels - 1) bytes of the word.
-        hi_shift = 8 * (self._levels - 1)
-        self._lo_shift = 32 - 8 * self._levels
-        self._lo_mask = (1 << hi_shift) - 1
-        self._top = bytes((b * top) >> 8 for b in range(256))
-        self._top_index = tuple(t << hi_shift for t in self._top)
+        self.slots = _size(slots)
         self._table = bytearray(self.slots)
         self._logger = logs.get_logger("hicache_existence.accounting.ghosts")
         self._limiter = (
@@ -137,15 +127,16 @@ class FingerprintGhosts:
         if not n:
             return
         if _native is not None:
-            if not _native.remember(self._table, keys, reason, self._top, self._levels):
+            if not _native.remember(self._table, keys, reason):
                 self._remember_slow(keys, reason)
             return
         digests = self._digests(keys, n)
         if digests is None:
             self._remember_slow(keys, reason)
             return
-        values = digests[3::4].translate(_SLOT_BYTES[reason])
-        _exhaust(map(setitem, repeat(self._table), self._indices(digests, n), values))
+        indices, fingerprints = self._scaled(digests)
+        values = fingerprints.translate(_SLOT_BYTES[reason])
+        _exhaust(map(setitem, repeat(self._table), indices, values))
 
     def classify(self, keys: Sequence[str]) -> list[int]:
         """``reason`` for a batch of misses (C loops for 64-hex keys), called from
@@ -154,37 +145,29 @@ class FingerprintGhosts:
         if not n:
             return []
         native = _native
-        codes = native and native.classify(self._table, keys, self._top, self._levels)
+        codes = native and native.classify(self._table, keys)
         if codes is not None:
             reasons = list(codes)  # 0 is COLD, 1..3 the recorded reasons
         elif (digests := self._digests(keys, n)) is None:
             reasons = [self._lookup(key) for key in keys]
         else:
-            slots = bytes(map(self._table.__getitem__, self._indices(digests, n)))
-            reasons = [
-                s & 3 if s and not (s ^ f) & _FP_MASK else COLD
-                for s, f in zip(slots, digests[3::4])
-            ]
+            indices, fps = self._scaled(digests)
+            slots = bytes(map(self._table.__getitem__, indices))
+            reasons = [s & 3 if s and not (s ^ f) & _FP_MASK else COLD for s, f in zip(slots, fps)]
         self._countdown -= n
         if self._countdown <= 0:
             self._trace(keys[-1], reasons[-1])
         return reasons
 
-    def _indices(self, digests: bytes, n: int) -> memoryview:
-        """Slot indices of ``n`` raw 32-byte digests, as a native ``'I'`` view."""
-        idx = bytearray(4 * n)
-        hi, mid, lo = digests[0::4].translate(self._top), digests[1::4], digests[2::4]
-        # Index bytes, least significant first, laid out for a native 'I' view.
-        lanes: tuple[bytes, ...]
-        if self._levels == 3:
-            lanes = (lo, mid, hi)
-        elif self._levels == 2:
-            lanes = (mid, hi)
-        else:
-            lanes = (hi,)
-        for pos, lane in enumerate(lanes):
-            idx[(pos if _LITTLE else 3 - pos) :: 4] = lane
-        return memoryview(idx).cast("I")
+    def _scaled(self, digests: bytes) -> tuple[Iterator[int], bytes]:
+        """Slot indices and fingerprint bytes of raw 4-byte digests (big-endian
+        words): ``word * slots``'s high 32 bits and the word's low byte (``_slot``).
+        C-level maps, no bytecode per page."""
+        words = array("I", digests)  # machine order: swapped back to big-endian
+        if _LITTLE:
+            words.byteswap()
+        scaled = map(mul, words, repeat(self.slots))
+        return map(rshift, scaled, repeat(32)), digests[3::4]
 
     def reason(self, key: str) -> int:
         """The ``MISS_REASONS`` index for a miss on ``key``: the trace its slot
@@ -201,15 +184,15 @@ class FingerprintGhosts:
         return self._lookup(key)
 
     def _lookup(self, key: str) -> int:
-        word = self._word(key)
-        slot = self._table[self._top_index[word >> 24] | ((word >> self._lo_shift) & self._lo_mask)]
-        return slot & 3 if slot and (slot ^ word) & _FP_MASK == 0 else COLD
+        index, fingerprint = self._slot(key)
+        slot = self._table[index]
+        return slot & 3 if slot and (slot ^ fingerprint) & _FP_MASK == 0 else COLD
 
     # -- introspection ---------------------------------------------------------
     @property
     def nbytes(self) -> int:
         """Real memory held: the table plus this object (translate tables shared)."""
-        return sys.getsizeof(self._table) + sys.getsizeof(self) + sys.getsizeof(self._top)
+        return sys.getsizeof(self._table) + sys.getsizeof(self)
 
     def occupancy(self) -> float:
         """Fraction of slots holding a trace (O(slots); for tests and reports)."""
@@ -263,8 +246,7 @@ class FingerprintGhosts:
         """``(index, fingerprint)`` of one key, equal to what the batch path
         computes for 64-hex keys."""
         word = self._word(key)
-        index = self._top_index[word >> 24] | ((word >> self._lo_shift) & self._lo_mask)
-        return index, word & _FP_MASK
+        return (word * self.slots) >> 32, word & _FP_MASK
 
     def _remember_slow(self, keys: Sequence[str], reason: int) -> None:
         table = self._table
@@ -318,9 +300,10 @@ class GhostFactory:
         if memory_fraction > 1:
             raise ValueError(f"memory_fraction must be <= 1, got {memory_fraction}")
         self.memory_fraction = float(memory_fraction)
-        # The budget covers the table and the memory object's fixed part.
-        budget = int(memory_fraction * bytes_per_entry * self.max_entries) - _FIXED_BYTES
-        self.slots = _layout(budget)[2]
+        # The budget covers the table and the memory object's fixed part (a tiny
+        # cap keeps half its budget for the table rather than a useless one).
+        budget = int(memory_fraction * bytes_per_entry * self.max_entries)
+        self.slots = _size(max(budget - _FIXED_BYTES, budget // 2))
         self._debug_events_per_s = debug_events_per_s
         self._sample_every = _validate.count(sample_every, "sample_every", 1)
         self._clock = clock
