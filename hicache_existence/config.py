@@ -91,6 +91,10 @@ def _at_most(high: int) -> _Rule:
 
 _within_0_1 = _rule(lambda v: 0.0 <= v <= 1.0, "be within [0, 1], got {}")
 _above_0 = _rule(lambda v: v > 0, "be > 0, got {}")
+#: The smallest recorder.sample_rate: the bound is resolved to 2^-32, so a rate
+#: below about 1e-6 would be recorded off by more than 0.01% (and replay scales by it).
+RECORDER_MIN_RATE = 1e-6
+_recordable = _rule(lambda v: v >= RECORDER_MIN_RATE, f"be >= {RECORDER_MIN_RATE:g}, got {{}}")
 _not_empty = _rule(bool, "not be empty")
 #: What one part of a ledger key must be (``reconcile/redis_truth.py`` checks its own).
 KEY_PART_RULE = "be non-empty without whitespace or ':'"
@@ -274,8 +278,8 @@ class RecorderSection:
     path: Annotated[str, _not_empty] = RECORDER_DEFAULT_PATH
     #: Share of pages recorded, chosen by page hash (the first 32 bits of SGLang's
     #: hex hash below rate x 2^32): a page is recorded at every reference or never,
-    #: on every rank and across restarts.  1: every page.
-    sample_rate: Annotated[float, _within_0_1, _above_0] = 0.02
+    #: on every rank and across restarts.  1: every page; at least 1e-6.
+    sample_rate: Annotated[float, _within_0_1, _recordable] = 0.02
     #: Bytes on disk at most, over this instance's rotated files (oldest dropped first).
     max_bytes: Annotated[int, _at_least(RECORDER_MIN_BYTES)] = 256 * 1024 * 1024
     #: A file is closed and the next one started past this size (at most max_bytes / 2).

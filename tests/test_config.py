@@ -237,3 +237,11 @@ def test_a_password_not_percent_encoded_is_masked_too(monkeypatch, secret):
         validate_redis_url(url, "reconciler.redis_url")
     except ConfigError as exc:
         assert secret[:4] not in str(exc)
+
+
+def test_a_recorder_rate_below_its_resolution_is_refused():
+    """The recorder's bound is resolved to 2^-32 and replay scales by the configured
+    rate: below 1e-6 the two would part by more than 0.01%."""
+    assert Config.from_json('{"recorder": {"sample_rate": 1e-6}}').recorder.sample_rate == 1e-6
+    with pytest.raises(ConfigError, match=r"recorder\.sample_rate must be >= 1e-06"):
+        Config.from_json('{"recorder": {"sample_rate": 1e-9}}')
