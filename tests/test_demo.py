@@ -347,3 +347,34 @@ def test_demo_ranks_log_at_the_configured_level(env, flags, shown) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert ("hicache_existence.startup" in out.stderr) is shown, out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, missing, extra",
+    [
+        (["demo", "--port", "0"], "prometheus_client", "demo"),
+        (["reconcile-bench", "--spawn"], "redis", "redis"),
+    ],
+)
+def test_a_missing_extra_is_a_one_line_hint(argv, missing, extra, monkeypatch, capsys) -> None:
+    """A wheel installed without its extras (docs/enable.md section 1 allows it):
+    the command says which extra to install, before starting anything (the
+    reconcile bench's redis-server included), instead of a traceback."""
+    import importlib.util
+
+    from hicache_existence import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a)
+    )
+    spawned = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: spawned.append(a) or 1 / 0)
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    text = err + (code if isinstance(code, str) else "")
+    assert code not in (0, None) and not spawned
+    assert f"hicache-existence[{extra}]" in text and "Traceback" not in text

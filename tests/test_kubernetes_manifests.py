@@ -498,3 +498,58 @@ def test_kubectl_kustomize_renders_what_the_python_renderer_renders() -> None:
     by_key = {key(m): m for m in ours}
     for m in theirs:
         assert m == by_key[key(m)], key(m)
+
+
+def _relabelled_job(name: str, namespace: str) -> str:
+    """The job label a monitor's relabeling gives a prefill target of ``namespace``."""
+    doc = yaml.safe_load((KUBE / name).read_text())
+    endpoints = doc["spec"].get("podMetricsEndpoints") or doc["spec"]["endpoints"]
+    (rule,) = [r for r in endpoints[0]["relabelings"] if r.get("targetLabel") == "job"]
+    kind = "pod" if name.startswith("pod") else "service"
+    meta = {
+        "__meta_kubernetes_namespace": namespace,
+        f"__meta_kubernetes_{kind}_label_app_kubernetes_io_component": "prefill",
+    }
+    value = rule.get("separator", ";").join(meta[s] for s in rule["sourceLabels"])
+    match = re.fullmatch(rule.get("regex", "(.*)"), value)
+    assert match is not None, (name, value)
+    return match.expand(re.sub(r"\$(\d)", r"\\\1", rule["replacement"]))
+
+
+@pytest.mark.parametrize("name", ["podmonitor.yaml", "servicemonitor.yaml"])
+def test_the_same_manifests_in_two_namespaces_are_two_deployments(name: str, tmp_path) -> None:
+    """The rules and alerts take a job for one deployment: the monitors' job keeps
+    the namespace, so prod and staging (each with its own L3 claim) are not summed
+    into one fleet, and the fleet alert stays quiet for two single instances."""
+    import subprocess
+
+    from test_prometheus_rules import promtool
+
+    jobs = {ns: _relabelled_job(name, ns) for ns in ("prod", "staging")}
+    assert jobs == {"prod": "prod/sglang-prefill", "staging": "staging/sglang-prefill"}
+    series = []
+    for ns, job in jobs.items():
+        sel = (
+            f'job="{job}",namespace="{ns}",instance="10.0.{len(ns)}.1:30000",'
+            'model_name="m",engine_type="prefill",storage_backend="file",'
+            'tp_rank="0",dp_rank="0",pp_rank="0",pool="kv"'
+        )
+        for metric, values in (
+            ("entries", "1000+0x120"),
+            ("capacity_entries", "524288+0x120"),
+            ("written_pages_total", "0+600x120"),
+            ("redundant_written_pages_total", "0+120x120"),
+        ):
+            series.append(f"      - series: 'hicache_existence_{metric}{{{sel}}}'")
+            series.append(f"        values: '{values}'")
+    (tmp_path / "rules.yml").write_bytes((REPO / "integrations/prometheus/rules.yml").read_bytes())
+    (tmp_path / "t.yml").write_text(
+        "rule_files: [rules.yml]\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n"
+        "    input_series:\n" + "\n".join(series) + "\n    alert_rule_test:\n"
+        "      - eval_time: 100m\n        alertname: HicacheExistenceFleetRedundantWrites\n"
+        "        exp_alerts: []\n"
+    )
+    out = subprocess.run(
+        [promtool(), "test", "rules", "t.yml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

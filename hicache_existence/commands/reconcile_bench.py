@@ -69,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if not sizes or min(sizes) < 1 or args.reps < 1:
         raise SystemExit("--pages and --reps must be >= 1")
+    import importlib.util
+
+    if importlib.util.find_spec("redis") is None:  # before a redis-server is spawned
+        raise SystemExit(
+            "reconcile-bench needs the Redis client: pip install 'hicache-existence[redis]'"
+        )
     proc = None
     tmp = None
     try:

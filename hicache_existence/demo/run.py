@@ -117,6 +117,11 @@ def preflight(opts: DemoOptions) -> str | None:
             expand(read_trace(opts.trace))
         except (TraceError, ValueError) as exc:
             return f"error: {exc}"
+    if importlib.util.find_spec("prometheus_client") is None:
+        return (
+            "error: the demo serves /metrics with prometheus-client: "
+            "pip install 'hicache-existence[demo]'"
+        )
     if not opts.redis_url:
         return None
     from hicache_existence.config import redact_url
