@@ -12,6 +12,7 @@ no output files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -348,7 +349,8 @@ def _run_recorded(
         ""
         if rate >= 1
         else f"(sizes scaled by the sample rate {rate:g}: caps, device and L3 pages, the prefetch "
-        "threshold and node size run as value x rate; the cap column shows the scaled cap)"
+        "threshold, node size and affinity prefix run as value x rate; the cap column shows "
+        "the scaled cap; page counts and pages/s are of the sample: divide them by the rate)"
     )
     pages = expand(trace, page_size, node_pages=scaled(args.node_pages, rate) or 1)
     if not pages.requests:
@@ -357,23 +359,46 @@ def _run_recorded(
         if note:
             print(note)
         args.instance_cap = scaled(args.instance_cap or DEFAULT_CURRENT_CAP, rate)
+        # The router's key is a recorded page too: the prefix it stands for scales alike.
+        args.affinity_pages = scaled(args.affinity_pages, rate)
         return _run_fleet(args, pages, config, json_path, progress)
     elif args.model == "buffer":
         current = scaled(args.current_cap or DEFAULT_CURRENT_CAP, rate)
-        result = sweep(
-            pages,
-            [*(scaled(c, rate) for c in caps), current],
-            model="buffer",
-            config=config,
-            current_cap=current,
-            jobs=args.jobs,
-            progress=progress,
-        )
-        print()
-        if note:
-            print(note)
-        print(report.format_table(result))
-        out["sweep"] = report.to_json(result)
+        names = trace.instances or ("",)
+        sweeps: dict[str, Any] = {}
+        for index, name in enumerate(names):
+            # Each instance has its own cache: its requests alone (TP replicas recorded
+            # with ranks "all" would otherwise replay every request once per rank).
+            own = pages
+            if len(names) > 1:
+                mine = tuple(r for r in trace.requests if r.instance == index)
+                own = expand(
+                    dataclasses.replace(trace, requests=mine),
+                    page_size,
+                    node_pages=scaled(args.node_pages, rate) or 1,
+                )
+                if not own.requests:
+                    continue
+            result = sweep(
+                own,
+                [*(scaled(c, rate) for c in caps), current],
+                model="buffer",
+                config=config,
+                current_cap=current,
+                jobs=args.jobs,
+                progress=progress,
+            )
+            print()
+            if note:
+                print(note)
+            if len(names) > 1:
+                print(f"instance {name}:")
+            print(report.format_table(result))
+            sweeps[name] = report.to_json(result)
+        if len(names) > 1:
+            out["sweeps"] = sweeps
+        else:
+            out["sweep"] = sweeps[names[0]]
     return _written(json_path, lambda: report.write_document(out, json_path))
 
 

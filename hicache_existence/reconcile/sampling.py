@@ -29,7 +29,10 @@ class Sampler:
     __slots__ = ("_rng", "_span", "countdown", "pages")
 
     def __init__(self, rate: float, pages_per_query: int) -> None:
-        self._span = max(1, round(2.0 / rate) - 1) if rate > 0 else 0
+        mean = 2.0 / rate if rate > 0 else 0.0  # inf for a subnormal rate
+        self._span = (
+            max(1, round(mean) - 1) if 0 < mean < sys.maxsize else (sys.maxsize if mean else 0)
+        )
         self._rng = random.Random(SAMPLING_SEED)
         self.pages = pages_per_query
         self.countdown = self.gap()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from hicache_existence.replay.trace import Request, Trace
+from hicache_existence.replay.trace import MAX_PAGES_PER_REQUEST, Request, Trace, TraceError
 
 PartialPages = Literal["ceil", "floor"]
 
@@ -110,12 +110,27 @@ def expand(
                 f"page_size {page_size} must divide the trace's block size "
                 f"{trace.block_tokens} tokens"
             )
+        if trace.block_tokens // page_size > MAX_PAGES_PER_REQUEST:
+            raise ValueError(
+                f"a block of {trace.block_tokens} tokens is more than {MAX_PAGES_PER_REQUEST} "
+                f"pages of {page_size} tokens"
+            )
         memo: dict[tuple[bytes, int], tuple[tuple[str, ...], bytes]] = {}
         root = hashlib.sha256(_ROOT + salt).digest() if salt else _ROOT
-        out = [
-            _expand_mooncake(r, trace.block_tokens, page_size, partial_pages, memo, root)
-            for r in requests
-        ]
+        out = []
+        for r in requests:
+            # The page traces' bound, before anything is hashed: a few bytes of ids
+            # must not expand to tens of millions of pages.
+            if -(-r.input_length // page_size) > MAX_PAGES_PER_REQUEST:
+                raise TraceError(
+                    trace.source,
+                    r.line,
+                    f"input_length {r.input_length} is more than {MAX_PAGES_PER_REQUEST} "
+                    f"pages of {page_size} tokens",
+                )
+            out.append(
+                _expand_mooncake(r, trace.block_tokens, page_size, partial_pages, memo, root)
+            )
     else:
         canon: dict[str, str] = {}
         out = []
