@@ -91,8 +91,8 @@ def _at_most(high: int) -> _Rule:
 
 _within_0_1 = _rule(lambda v: 0.0 <= v <= 1.0, "be within [0, 1], got {}")
 _above_0 = _rule(lambda v: v > 0, "be > 0, got {}")
-#: The smallest recorder.sample_rate: the bound is resolved to 2^-32, so a rate
-#: below about 1e-6 would be recorded off by more than 0.01% (and replay scales by it).
+#: The smallest recorder.sample_rate: the bound is resolved to 2^-32, so below
+#: 1e-6 the rate recorded parts from the rate replay scales by by more than 0.03%.
 RECORDER_MIN_RATE = 1e-6
 _recordable = _rule(lambda v: v >= RECORDER_MIN_RATE, f"be >= {RECORDER_MIN_RATE:g}, got {{}}")
 _not_empty = _rule(bool, "not be empty")
@@ -425,9 +425,10 @@ def redact_url(url: str) -> str:
         return "<unparseable url>"
     out = url
     rest = url.partition("://")[2]
-    if "@" not in parts.netloc and ":" in parts.netloc and "@" in rest:
+    if ":" in parts.netloc and "@" in rest[len(parts.netloc) :]:
         # A password with an unencoded "/", "?" or "#" ends the netloc early
-        # (``redis://:pa/ss@host``): mask up to the last "@", whatever it hides.
+        # (``redis://:pa/ss@host``, ``redis://:p@ss/word@host``): mask up to the
+        # last "@", whatever it hides.
         return f"{parts.scheme}://***@{rest.rpartition('@')[2]}"
     if "@" in parts.netloc:
         userinfo, _, hostport = parts.netloc.rpartition("@")

@@ -241,7 +241,18 @@ def test_a_password_not_percent_encoded_is_masked_too(monkeypatch, secret):
 
 def test_a_recorder_rate_below_its_resolution_is_refused():
     """The recorder's bound is resolved to 2^-32 and replay scales by the configured
-    rate: below 1e-6 the two would part by more than 0.01%."""
+    rate: below 1e-6 the two would part by more than 0.03%."""
     assert Config.from_json('{"recorder": {"sample_rate": 1e-6}}').recorder.sample_rate == 1e-6
     with pytest.raises(ConfigError, match=r"recorder\.sample_rate must be >= 1e-06"):
         Config.from_json('{"recorder": {"sample_rate": 1e-9}}')
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:p@ss/word@redis-host:6379/0", "redis://admin:p@ss/word@redis-host:6379/0"]
+)
+def test_a_raw_password_holding_at_and_slash_is_masked(url):
+    """The URL check accepts it (host "ss"), so it reaches logs: nothing of it shows."""
+    from hicache_existence.reconcile.redis_truth import validate_redis_url
+
+    validate_redis_url(url)
+    assert "ss/word" not in redact_url(url) and redact_url(url).endswith("@redis-host:6379/0")

@@ -1235,3 +1235,17 @@ def test_a_doctor_url_with_a_raw_password_is_masked(capsys) -> None:
         == 2
     )
     assert "s3cr" not in capsys.readouterr().err
+
+
+def test_another_pool_at_its_cap_does_not_quiet_the_fleet_finding() -> None:
+    """Per pool, as HicacheExistenceFleetRedundantWrites: kv 40% full with 30% of
+    the fleet's kv writes redundant warns, whatever a full swa window pool does."""
+
+    def rows() -> list[Row]:
+        r = replace(healthy_rows(200, 60), P + "capacity_entries", 1000, pool="kv")
+        r = replace(r, P + "entries", 400, pool="kv")
+        r = replace(r, P + "capacity_entries", 100, pool="swa")
+        return replace(r, P + "entries", 100, pool="swa")
+
+    (f,) = found(report(expo(rows()), expo(rows())), "fleet_redundant_writes")
+    assert f.severity == "warning"

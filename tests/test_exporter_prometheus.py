@@ -282,3 +282,19 @@ def test_a_shared_cap_reached_by_the_pools_together_is_at_capacity(
     with caplog.at_level(logging.INFO, logger="hicache_existence"):
         Monitor().observe(cache.stats())
     assert any("cache_at_capacity" in r.getMessage() for r in caplog.records)
+
+
+def test_an_idle_connection_times_out_silently(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The timeout drops the connection without a traceback on the scheduler's stderr."""
+    import socket
+    import time
+
+    from hicache_existence.exporters import prometheus
+
+    monkeypatch.setattr(prometheus, "CONNECTION_TIMEOUT_S", 0.3)
+    server = prometheus.MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)
+    with server, socket.create_connection((server.host, server.port)):
+        time.sleep(1.0)
+    assert "Traceback" not in capfd.readouterr().err

@@ -11,19 +11,24 @@ from types import SimpleNamespace
 
 import pytest
 from reconcile_helpers import chain, step_until_idle, wired
-from reconcile_redis_server import RedisServer
+from reconcile_redis_server import RedisServer, need_binary
+from redis_cluster_server import RedisCluster
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+from hicache_existence.reconcile import reconciler as reconciler_module
 from hicache_existence.reconcile import storage_adapters
 from hicache_existence.reconcile.agreement import InProcessGroup
 from hicache_existence.reconcile.breaker import CircuitBreaker
-from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth
+from hicache_existence.reconcile.ground_truth import InMemoryGroundTruth, ServerError
 from hicache_existence.reconcile.ledger_writer import LedgerWriter
+from hicache_existence.reconcile.redis_cluster import RedisClusterLedger
 from hicache_existence.reconcile.redis_truth import (
     LedgerSettings,
     RedisLedger,
     shard_from_storage_config,
     shard_id,
 )
+from hicache_existence.reconcile.storage_adapters import _is_storage_writer
 
 
 @pytest.fixture
@@ -402,3 +407,217 @@ def test_a_probe_voided_while_asked_that_then_fails_lets_another_go() -> None:
     worker.close(5)
     now[0] = 100.0
     assert breaker.permits() == 1 and breaker.admitted(), "the breaker waits for a voided probe"
+
+
+# Test gap: the try/except around _apply_verdict (reconciler.py) is not exercised by
+# tests/test_reconcile_faults.py (its fault is in the verdict observer, which has its own
+# guard now).  This test raises in apply_verdict itself on one rank: it passes on the
+# current code and fails when the outer guard is removed (mutant reconciler_no_isolation).
+
+
+def _rank_apply(rank: int, group: InProcessGroup, out: dict) -> None:
+    truth = InMemoryGroundTruth()
+    chains = [chain(f"c{i}", 8) for i in range(N_CHAINS)]
+    for i, c in enumerate(chains):
+        truth.record_stored("kv", c[: i % 8])
+    cache, rec = wired(
+        truth, agreement=group.member(rank), max_verdicts_per_step=2, timeout_s=5.0, queue_size=2
+    )
+    kv = cache.pool("kv")
+    for c in chains:
+        kv.add(c)
+    for c in chains:
+        kv.contains_all(c)
+    for s in range(STEPS):
+        rec.apply(s)
+        time.sleep(0.002)
+    out[rank] = {tuple(c): len(kv.believed(c)) for c in chains}
+    rec.close()
+
+
+def test_replicas_identical_after_apply_verdict_raises_on_one_rank(monkeypatch) -> None:
+    real = reconciler_module.apply_verdict
+    fired = []
+
+    def flaky(*a, **kw):
+        if threading.current_thread().name == "rank1" and not fired:
+            fired.append(tuple(a[2]))  # apply_verdict(cache, pool, chain, ...)
+            raise RuntimeError("rank-local failure inside apply_verdict")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(reconciler_module, "apply_verdict", flaky)
+    group = InProcessGroup(2, timeout_s=20)
+    out: dict = {}
+    threads = [
+        threading.Thread(target=_rank_apply, args=(r, group, out), name=f"rank{r}") for r in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert fired
+    # The failed verdict itself is lost on rank 1; every other must match.
+    rest = [c for c in out[0] if c != fired[0]]
+    assert [out[0][c] for c in rest] == [out[1][c] for c in rest], "replicas diverged"
+
+
+# Test gaps of the lost-records set (ledger_writer.py): tests/test_reconcile_faults.py
+# covers a failed record only.  Each test passes on the current code and fails on the
+# named mutant: dropped_not_lost (queue full), overflow_no_missed (past LOST_CAP),
+# lost_not_popped_on_store (a page rewritten and recorded stays untrusted forever).
+class Held(InMemoryGroundTruth):
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.fail = False
+        self.missed = 0
+
+    def record_stored(self, pool, hashes):
+        self.go.wait(5)
+        if self.fail:
+            raise ServerError("down")
+        return super().record_stored(pool, hashes)
+
+    def missed_writes(self) -> None:
+        self.missed += 1
+
+
+def test_a_record_dropped_by_a_full_queue_makes_absence_untrusted() -> None:
+    ledger = Held()
+    w = LedgerWriter(ledger, max_pending=1)
+    a, b, c = chain("q", 3)
+    w.stored("kv", [a])  # taken by the writer thread, held
+    time.sleep(0.2)
+    w.stored("kv", [b])  # queued
+    w.stored("kv", [c])  # dropped: queue full
+    assert w.pages[("stored", "dropped")] == 1
+    ledger.go.set()
+    assert w.flush(5)
+    truth = w.truth(1.0)
+    assert truth.leading_present("kv", [a, b, c]) == 2
+    assert truth.absence_is_evidence() is False
+    w.close()
+
+
+def test_past_the_cap_the_ledger_is_told_it_missed_writes(monkeypatch) -> None:
+    monkeypatch.setattr(LedgerWriter, "LOST_CAP", 4)
+    ledger = Held()
+    ledger.fail = True
+    ledger.go.set()
+    w = LedgerWriter(ledger)
+    w.stored("kv", chain("x", 5))
+    assert w.flush(5)
+    assert ledger.missed == 1
+    w.close()
+
+
+def test_a_lost_page_recorded_later_is_evidence_again() -> None:
+    ledger = Held()
+    ledger.go.set()
+    ledger.fail = True
+    w = LedgerWriter(ledger)
+    (a,) = chain("y", 1)
+    w.stored("kv", [a])
+    assert w.flush(5) and w.lost("kv", a)
+    ledger.fail = False
+    w.stored("kv", [a])  # rewritten, recorded
+    assert w.flush(5)
+    ledger.record_removed("kv", [a])  # then its record expired (ttl_s): absence is right
+    truth = w.truth(1.0)
+    assert truth.leading_present("kv", [a]) == 0
+    assert truth.absence_is_evidence() is True
+    w.close()
+
+
+# A page whose record failed stays in the writer's lost set after the backend proved it
+# absent (batch_exists shortfall -> removed record written OK): every later answer that
+# stops at it is untrusted, so the stale belief is never invalidated (until the page is
+# rewritten, which the write path skips because the cache believes it stored).
+class FailingRecords(InMemoryGroundTruth):
+    fail = True
+
+    def record_stored(self, pool, hashes):
+        if self.fail:
+            raise ServerError("redis down")
+        return super().record_stored(pool, hashes)
+
+
+def test_removed_record_clears_the_lost_mark() -> None:
+    ledger = FailingRecords()
+    w = LedgerWriter(ledger)
+    (a,) = chain("p", 1)
+    w.stored("kv", [a])  # Redis down: record lost
+    assert w.flush(5) and w.lost("kv", a)
+    ledger.fail = False
+    w.removed("kv", [a])  # later the backend proves the page gone (learnt absence)
+    assert w.flush(5)
+    truth = w.truth(1.0)
+    assert truth.leading_present("kv", [a]) == 0
+    assert truth.absence_is_evidence() is True, "proven absence still untrusted"
+    w.close()
+
+
+# Test gap: nothing checks that upstream's own is_storage_writer property is used
+# (mutant is_writer_prop_ignored survives tests/test_reconcile_faults.py).  Under MLA with
+# DCP, tp_rank 1 / dcp_rank 1 writes its DCP shard (sglang: tp_rank == dcp_rank), so it
+# must learn absence; the 'older configs' fallback (MLA rank 0 only) says it does not.
+def _dcp_cfg(tp_rank: int, dcp_rank: int) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=4,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=True,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="m",
+        dcp_size=2,
+        dcp_rank=dcp_rank,
+        logical_page_size=64,
+    )
+
+
+def test_dcp_writers_are_upstreams() -> None:
+    assert [_is_storage_writer(_dcp_cfg(r, r % 2)) for r in range(4)] == [True, True, False, False]
+
+
+# The 'reset seen by the writer' fix (redis_truth.RedisLedger.record_stored reads the
+# epoch it wrote under) does not reach RedisClusterLedger.record_stored (LUA_RECORD returns
+# only a count): the same scenario as tests/test_reconcile_faults.py::
+# test_reset_seen_although_the_reader_never_read_before, on a real Redis Cluster.
+@pytest.fixture
+def cluster(tmp_path):
+    need_binary("redis-server")
+    c = RedisCluster(tmp_path)
+    c.start()
+    yield c
+    c.close()
+
+
+def test_cluster_reset_seen_although_the_reader_never_read_before(cluster) -> None:
+    ledger = RedisClusterLedger(
+        LedgerSettings(
+            cluster.url, namespace="t", shard="s0", socket_timeout_s=0.5, connect_timeout_s=0.5
+        )
+    )
+    writer = LedgerWriter(ledger)
+    old, new = chain("old", 4), chain("new", 4)
+    writer.stored("kv", old)
+    assert writer.flush(5)
+    client = cluster.client()
+    client.flushall(target_nodes=client.PRIMARIES)  # the ledger lost every record
+    writer.stored("kv", new)  # re-creates the epoch
+    assert writer.flush(5)
+    cache, rec = wired(writer.truth(1.0), timeout_s=2.0)
+    kv = cache.pool("kv")
+    kv.add(old)
+    kv.add(new)
+    kv.contains_all(old)
+    step_until_idle(rec)
+    believed = len(kv.believed(old))
+    rec.close()
+    writer.close()
+    print("resets seen:", ledger.resets, "believed old:", believed)
+    assert believed == 4, f"old pages L3 holds invalidated ({ledger.resets} resets seen)"

@@ -286,7 +286,7 @@ def _cap_fix(
     """The cap's advice from the advisor's curve: (the fix, the curve is flat, the
     curve's range is below what the pool stored)."""
     multiple = recommended_multiple(curve)
-    if not math.isfinite(cap * max([2.0, *curve])):
+    if not math.isfinite(cap * max([2, *curve])):
         return None, False, False  # figures no server exports (a crafted body): no advice
     # The advisor's curve ends at its largest multiple: below what the pool stored it
     # cannot tell a flat curve from a working set beyond its range.
@@ -666,12 +666,20 @@ def fleet(views: Sequence[View]) -> list[Finding]:
         cost_rate = None if cost_rate is None or rate is None else cost_rate + rate * per_page
         ev.append(Evidence(v.instance, "share of the fleet's redundant pages", _ratio(r, total_r)))
     j = J.FLEET_REDUNDANT
+
     # As HicacheExistenceFleetRedundantWrites: below the cap only (at its cap an
     # instance's own evictions rewrite pages too: cap_too_small's finding).
-    full = [v.instance for v in views for p in v.pools() if _at_cap(v, p)]
-    high = (
-        j.exceeds(total_r, total_w) and sum(1 for w in written.values() if w > 0) > 1 and not full
-    )
+    # Per pool, as the alert: a pool at its cap on some instance quiets that pool only.
+    def pool_high(pool: str) -> bool:
+        w = [v.value("written_pages", pool=pool) for v in views]
+        r = sum(v.value("redundant_written_pages", pool=pool) for v in views)
+        return (
+            j.exceeds(r, sum(w))
+            and sum(1 for x in w if x > 0) > 1
+            and not any(_at_cap(v, pool) for v in views)
+        )
+
+    high = any(pool_high(p) for p in sorted({p for v in views for p in v.pools()}))
     shares = ", ".join(
         f"{name} {_pct(_ratio(redundant[name], total_r))}" for name in sorted(redundant)
     )

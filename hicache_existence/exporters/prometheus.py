@@ -86,8 +86,15 @@ class MetricsServer:
         # One thread per connection: without a socket timeout a client that sends
         # nothing (or never reads) holds its thread in this scheduler process forever.
         handler = self._httpd.RequestHandlerClass
+
+        def handle(request_handler: Any) -> None:
+            try:
+                handler.handle(request_handler)
+            except OSError:  # timed out or gone: no traceback on the scheduler's stderr
+                request_handler.close_connection = True
+
         self._httpd.RequestHandlerClass = type(
-            handler.__name__, (handler,), {"timeout": CONNECTION_TIMEOUT_S}
+            handler.__name__, (handler,), {"timeout": CONNECTION_TIMEOUT_S, "handle": handle}
         )
         address = self._httpd.server_address
         self.host = str(address[0])

@@ -93,6 +93,11 @@ class LedgerWriter:
         # records of the queue are exactly the ones counted (storage threads may
         # offer concurrently).  Never blocks: put_nowait.
         with self._lock:
+            if item[0] == "removed" and self._lost:
+                # The backend proved these pages gone after any lost record of them
+                # (a later lost store marks them again): their absence is evidence.
+                for h in item[2]:
+                    self._lost.pop((item[1], h), None)
             try:
                 self._queue.put_nowait(item)
             except queue.Full:

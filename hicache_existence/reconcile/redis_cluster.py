@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: Records ``ARGV[4]`` (page hashes joined by newlines) under prefix ``ARGV[2]``
 #: with a TTL of ``ARGV[3]`` ms (0: none) and creates the epoch ``KEYS[1]`` if
-#: missing; every key shares the epoch's hash tag, so one node runs it.
+#: missing; every key shares the epoch's hash tag, so one node runs it.  Returns
+#: {pages recorded, the epoch they went under}.
 LUA_RECORD = """
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 local prefix = ARGV[2]
@@ -68,7 +69,7 @@ for h in string.gmatch(ARGV[4], '[^\\n]+') do
   end
   n = n + 1
 end
-return n
+return {n, redis.call('GET', KEYS[1])}
 """
 
 #: Presence of every page of ``ARGV[2]`` under prefix ``ARGV[1]``: {epoch or
@@ -259,7 +260,15 @@ class RedisClusterLedger(RedisLedger):
         with redis_errors():
             for start in range(0, len(seq), batch):
                 blob = _joined(seq[start : start + batch])
-                self._record(keys=keys, args=[_new_epoch(), prefix, px, blob])
+                reply = self._record(keys=keys, args=[_new_epoch(), prefix, px, blob])
+                # The epoch the records went under: a reset between two writes is
+                # seen even by a reader that has not read yet (as RedisLedger's).
+                if (
+                    isinstance(reply, list)
+                    and len(reply) == 2
+                    and isinstance(reply[1], bytes | str)
+                ):
+                    self._see_epoch(reply[1], name)
         return len(seq)
 
     def _shard_pattern(self) -> str:
