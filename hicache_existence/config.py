@@ -298,8 +298,8 @@ class RecorderSection:
 class EventsSection:
     """Storage-tier KV events for routers and KV indexers (docs/kv-events.md):
     ``BlockStored`` when L3 acknowledges a write, ``BlockRemoved`` only when a
-    verdict proves a page absent, in SGLang's ``KVEventBatch`` format.  Published
-    by TP and PP rank 0 of each DP replica."""
+    verdict proves a page absent (or L3 is emptied), in SGLang's ``KVEventBatch``
+    format.  Published by TP and PP rank 0 of each DP replica."""
 
     #: Publish the events (opt-in).
     enabled: bool = False

@@ -4,6 +4,7 @@ what upstream counts as stored, retired and loaded is what the package counts.""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections import deque
 from types import SimpleNamespace as NS
 
@@ -14,10 +15,15 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
     HybridCacheController,
     StorageOperation,
 )
+from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from hicache_existence.accounting.writes import WriteAccounting
 from hicache_existence.core.cache import StorageExistenceCache
+from hicache_existence.core.observers import Tee
+from hicache_existence.events import emitter as em
+from hicache_existence.events.wire import Removed
+from hicache_existence.integrations.sglang import kv_events
 from hicache_existence.integrations.sglang import write_hooks as wh
 from hicache_existence.integrations.sglang import write_path as wp
 
@@ -275,3 +281,137 @@ def test_dropped_host_insert_is_a_shortfall():
         assert causes == {"prefetch_shortfall": 8}, causes
     finally:
         wp.detach()
+
+
+# (c) Hybrid models on Mooncake: extra pools (mamba, swa, ...) are written by
+# MooncakeStore.batch_set_v2, which asks _batch_exist and puts only the missing
+# objects (upstream's own _batch_io_v2 below), but the package records existence
+# answers only inside batch_set_v1: redundant_written_pages{pool="mamba"} stays 0
+# although the store held every page (docs/metrics.md: Mooncake's redundant writes
+# come from its existence query; written - redundant = objects stored).
+MOONCAKE_HELD = set()
+AROUND_EXIST = wh.hook("MooncakeStore._batch_exist").bound(MooncakeStore._batch_exist)
+
+
+def _exist(self, key_strs):  # the master's answer: 1 = stored
+    return [1 if k in MOONCAKE_HELD else 0 for k in key_strs]
+
+
+class V2Store(MooncakeStore):
+    def __init__(self):  # only what _batch_io_v2 reads
+        self.registered_pools = {PoolName.MAMBA: NS(page_size=1)}
+        self.config_prefix = None
+
+    def _get_hybrid_page_component_keys(self, keys, transfer):
+        return [f"{k}_mamba" for k in keys], 1
+
+    def _can_use_group_semantics(self):
+        return False
+
+    def batch_set_v2(self, *a, **kw):  # what HookRegistry installs, when a hook exists
+        around = wh.hook("MooncakeStore.batch_set_v2").bound(MooncakeStore.batch_set_v2)
+        return around(MooncakeStore.batch_set_v2, self, *a, **kw)
+
+    def _batch_exist(self, key_strs):
+        return AROUND_EXIST(_exist, self, key_strs)
+
+    def _put_batch_zero_copy_impl(self, keys, ptrs, sizes, *a, **kw):
+        MOONCAKE_HELD.update(keys)
+        return [0] * len(keys)
+
+
+def test_mamba_pages_mooncake_held_are_redundant():
+    import torch
+
+    cache = StorageExistenceCache(64)
+    feed = wp.WritePath(WriteAccounting(), cache)
+    wp.attach(feed)
+    try:
+        keys = [f"{i:064x}" for i in range(3)]
+        MOONCAKE_HELD.update(f"{k}_mamba" for k in keys)  # Mooncake holds all three already
+        controller = NS(page_size=4, backup_skip=True, should_backup=lambda t: True)
+        feed.controller = controller
+        answers = feed.begin_backup(controller)
+        assert answers is not None
+        transfer = PoolTransfer(
+            name=PoolName.MAMBA,
+            keys=keys,
+            host_indices=torch.arange(3),
+            hit_policy=PoolHitPolicy.ALL_PAGES,
+        )
+        results = V2Store().batch_set_v2([transfer])  # upstream's own v2 write
+        assert results[PoolName.MAMBA] == [True, True, True]
+        op = NS(
+            id=9,
+            hash_value=[],
+            completed_tokens=0,
+            pool_transfers=[transfer],
+            pool_storage_result=NS(extra_pool_hit_pages={PoolName.MAMBA: 3}),
+        )
+        feed.end_backup(controller, op, answers)
+        intent = NS(snapshot=NS(node_id=1, hash_values=[]))
+        feed.acked(NS(intent=intent, keys_by_pool={PoolName.MAMBA: keys}), feed.take_outcome(9))
+        mamba = feed.writes.stats()["mamba"]
+        assert mamba.acknowledged == 3
+        assert mamba.redundant == 3, f"redundant_written_pages{{pool=mamba}} = {mamba.redundant}"
+    finally:
+        wp.detach()
+
+
+# (e) /clear_hicache_storage_backend: upstream's UnifiedRadixCache.clear_storage_backend
+# empties L3 and then clears the existence cache ("L3 is empty now", its only call of
+# clear()).  The package's storage-tier KV events treat clear() as "says nothing
+# about L3": the blocks it published as stored in L3 stay published, no BlockRemoved
+# (nor anything else) reaches subscribers (e.g. a KV-aware router), which keep
+# routing to an L3 copy that no longer exists.
+
+
+class Captured:
+    def __init__(self):
+        self.batches = []
+
+    def send(self, ts, events):
+        self.batches.append(list(events))
+
+    def close(self):
+        pass
+
+
+class ClearingTree(UnifiedRadixCache):
+    def __init__(self, cache):  # only what clear_storage_backend reads
+        self.storage_existence_cache = cache
+        self._storage_attachment = NS(clear=lambda: True)  # the backend emptied L3
+
+    def clear_storage_backend(self):  # what HookRegistry installs (an AFTER, if any)
+        result = UnifiedRadixCache.clear_storage_backend(self)  # upstream's own
+        after = getattr(kv_events, "after_clear_storage_backend", None)
+        if after is not None:
+            after(result, self)
+        return result
+
+
+def test_clearing_l3_unpublishes_its_blocks():
+    sink = Captured()
+    events = em.KvEvents(lambda: sink, medium="DISK")
+    assert events.start()
+    cache = StorageExistenceCache(64, observer=Tee(events))
+    hashes = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(3)]
+    blocks, parent = [], None
+    for i, p in enumerate(hashes):
+        blocks.append((p, parent, list(range(i * 4, (i + 1) * 4))))
+        parent = p
+    events.stored(blocks)  # an acknowledged write, published as stored in L3
+    cache.pool("kv").add(hashes)
+    tree = ClearingTree(cache)
+    feed = wp.WritePath(WriteAccounting(), cache)
+    feed.events = events  # as ProcessEntry wires it
+    wp.attach(feed)
+    try:
+        assert tree.clear_storage_backend() is True
+    finally:
+        wp.detach()
+    assert events.flush()
+    events.close()
+    removed = [h for b in sink.batches for e in b if isinstance(e, Removed) for h in e.block_hashes]
+    print("published blocks after the clear:", events.snapshot().blocks, "removed:", removed)
+    assert events.snapshot().blocks == 0 and len(removed) == 3

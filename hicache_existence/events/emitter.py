@@ -67,7 +67,7 @@ Block = tuple[str, "str | None", Sequence[int]]
 Resolve = Callable[..., "tuple[Sequence[Block], int]"]
 
 # Queue item tags: (tag, clock, ...).
-_STORE, _VERDICT, _REFRESH = 0, 1, 2
+_STORE, _VERDICT, _REFRESH, _CLEARED = 0, 1, 2, 3
 
 
 def _given(blocks: Sequence[Block]) -> tuple[Sequence[Block], int]:
@@ -236,6 +236,12 @@ class KvEvents:
         if self.running and self._put(lambda: (_STORE, self._clock(), resolve, args), pages):
             self._any_store = True
 
+    def storage_cleared(self) -> None:
+        """L3 itself was emptied (SGLang's ``clear_storage_backend`` succeeded): every
+        published block is removed (one queue item; the publisher thread builds it)."""
+        if self.running and self._any_store:
+            self._put(lambda: (_CLEARED, self._clock()), 0)
+
     def _put(self, item: Callable[[], tuple[Any, ...]], pages: int) -> bool:
         """Queue ``item()`` without waiting; a full queue drops it and counts
         ``pages``; a failure (building the item included) is counted, never raised."""
@@ -324,6 +330,14 @@ class KvEvents:
                 blocks, unknown = resolve(*args)
                 self.unknown += unknown
                 self._build_stored(now, blocks, batch)
+            elif item[0] == _CLEARED:
+                gone = []
+                for page, when in self._published.items():
+                    self._before.setdefault(page, when)
+                    gone.append(block_hash(page))
+                self._published.clear()
+                if gone:
+                    batch.append(Removed(tuple(gone), self.medium))
             else:  # a verdict (_VERDICT) or a refresh only (_REFRESH: no source)
                 _, now, hashes, keep, source = item
                 self._build_removed(now, hashes, keep, source, batch)

@@ -117,6 +117,33 @@ def single(timeout_s: float) -> ReplicaGroups:
     return ReplicaGroups((0,), InProcessWorld(1, timeout_s=timeout_s).group(0), None)
 
 
+#: Base of the names our groups take in torch's group counter (``_private_names``).
+_PRIVATE_BASE = 1 << 48
+_private_next = 0
+
+
+@contextlib.contextmanager
+def _private_names() -> Any:
+    """Name our groups outside torch's group counter and restore it after: a rank
+    without the package (or one that declined) never calls ``build``, and every
+    later default-synchronised ``new_group`` of sglang's (e.g. the storage sync
+    groups of a runtime attach) must still find the same name on every rank."""
+    global _private_next
+    from torch.distributed import distributed_c10d as c10d
+
+    world: Any = getattr(c10d, "_world", None)
+    saved = getattr(world, "group_count", None)
+    if not isinstance(saved, int):  # a torch without the counter: names as they come
+        yield
+        return
+    world.group_count = _PRIVATE_BASE + _private_next
+    try:
+        yield
+    finally:
+        _private_next = world.group_count - _PRIVATE_BASE
+        world.group_count = saved
+
+
 def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroups:
     """Create the groups (collective over the whole default group: every rank
     must call it at the same point, once, whatever its settings); ``agreement``:
@@ -124,6 +151,11 @@ def build(tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroup
     dist = _dist()
     if dist is None or int(dist.get_world_size()) <= 1:
         return single(timeout_s)
+    with _private_names():
+        return _build(dist, tree_cache, timeout_s, agreement=agreement)
+
+
+def _build(dist: Any, tree_cache: Any, timeout_s: float, *, agreement: bool) -> ReplicaGroups:
     import torch
 
     world = int(dist.get_world_size())

@@ -74,7 +74,7 @@ class BackendAnswers:
     """What the backup thread learns inside one ``_page_backup`` call: the pages
     the backend said it already held, and the probe in progress."""
 
-    __slots__ = ("existed", "probe", "answer", "batch_pages")
+    __slots__ = ("existed", "probe", "answer", "batch_pages", "batch_spans")
 
     def __init__(self) -> None:
         self.existed: dict[str, set[str]] = {}
@@ -83,6 +83,9 @@ class BackendAnswers:
         self.answer: bool | None = None
         #: Mooncake: the pages of the ``batch_set_v1`` whose existence query is next.
         self.batch_pages: list[str] | None = None
+        #: Mooncake: (pool, pages, objects per page) of the ``batch_set_v2`` whose
+        #: existence query is next.
+        self.batch_spans: list[tuple[str, list[str], int]] | None = None
 
     def saw(self, storage_key: str) -> None:
         """The backend held ``storage_key`` (``<page>`` or ``<page>.<pool>``)."""

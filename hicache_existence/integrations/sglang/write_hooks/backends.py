@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hicache_existence.integrations.sglang.cache_mode import pool_name
 from hicache_existence.integrations.sglang.process import PROCESS
 from hicache_existence.integrations.sglang.write_hooks.binding import (
     Hooked,
@@ -98,6 +99,37 @@ def _mooncake_batch_set_v1(p: Params) -> Hooked:
     return around_mooncake_batch_set_v1
 
 
+def _mooncake_batch_set_v2(p: Params) -> Hooked:
+    def transfers_of(a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        return a[0] if a else kw.get("transfers")
+
+    def around_mooncake_batch_set_v2(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
+        """AROUND ``MooncakeStore.batch_set_v2`` (hybrid pools): its transfers' pages,
+        pool by pool, are the next existence query's (``_batch_io_v2`` asks
+        ``_batch_exist`` over every pool's objects, in transfer order, and puts only
+        the missing ones)."""
+        feed = FEEDS.get(PROCESS.pid)
+        answers = feed.collecting() if feed is not None else None
+        if feed is None or answers is None:
+            return original(backend, *a, **kw)
+        try:
+            spans = []
+            for transfer in transfers_of(a, kw) or ():
+                keys = list(transfer.keys or ())
+                if keys:
+                    _, per = backend._get_hybrid_page_component_keys(keys, transfer)
+                    spans.append((pool_name(transfer.name), keys, int(per)))
+            answers.batch_spans = spans
+        except Exception as exc:
+            feed.error(exc)
+        try:
+            return original(backend, *a, **kw)
+        finally:
+            answers.batch_spans = None
+
+    return around_mooncake_batch_set_v2
+
+
 def _mooncake_batch_exist(p: Params) -> Hooked:
     def around_mooncake_batch_exist(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``MooncakeStore._batch_exist``: a page existed when all of its
@@ -105,6 +137,26 @@ def _mooncake_batch_exist(p: Params) -> Hooked:
         answer = original(backend, *a, **kw)
         feed = FEEDS.get(PROCESS.pid)
         answers = feed.collecting() if feed is not None else None
+        spans = answers.batch_spans if answers is not None else None
+        if feed is not None and answers is not None and spans:
+            # 0.5.23 asks once for every pool, 0.5.21 once per pool: this answer
+            # covers the leading spans whose objects it has.
+            rest = list(spans)
+            answers.batch_spans = None
+
+            def existed_v2() -> None:
+                at = 0
+                while rest and at + len(rest[0][1]) * rest[0][2] <= len(answer):
+                    pool, keys, per = rest.pop(0)
+                    for page in keys:
+                        part = answer[at : at + per]
+                        at += per
+                        if per and all(int(s) == 1 for s in part):
+                            answers.saw_page(pool, page)
+                answers.batch_spans = rest or None
+
+            guard(feed, existed_v2)
+            return answer
         pages = answers.batch_pages if answers is not None else None
         if feed is not None and answers is not None and pages:
             answers.batch_pages = None  # only the write's own query

@@ -13,6 +13,7 @@ from hicache_existence.integrations.sglang.write_hooks.backends import (
     _file_set,
     _mooncake_batch_exist,
     _mooncake_batch_set_v1,
+    _mooncake_batch_set_v2,
     _page_backup,
 )
 from hicache_existence.integrations.sglang.write_hooks.binding import (
@@ -92,6 +93,8 @@ HOOKS: tuple[Hook, ...] = (
          loses="file backend: redundant pages (the backend's own answer)"),
     Hook(f"{MOONCAKE_BACKEND}.batch_set_v1", "AROUND", _mooncake_batch_set_v1, _BOTH, ("keys",),
          loses="Mooncake backend: redundant pages (the backend's own answer)"),
+    Hook(f"{MOONCAKE_BACKEND}.batch_set_v2", "AROUND", _mooncake_batch_set_v2, _BOTH,
+         loses="Mooncake backend: extra pools' redundant pages"),
     Hook(f"{MOONCAKE_BACKEND}._batch_exist", "AROUND", _mooncake_batch_exist, _BOTH,
          loses="Mooncake backend: redundant pages (the backend's own answer)"),
     # cache mode, and the prefetch dispositions behind the causes (both modes)
