@@ -23,7 +23,7 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.core.observers import Tee
 from hicache_existence.events import emitter as em
 from hicache_existence.events.wire import Removed
-from hicache_existence.integrations.sglang import kv_events
+from hicache_existence.integrations.sglang import hooks
 from hicache_existence.integrations.sglang import write_hooks as wh
 from hicache_existence.integrations.sglang import write_path as wp
 
@@ -384,7 +384,7 @@ class ClearingTree(UnifiedRadixCache):
 
     def clear_storage_backend(self):  # what HookRegistry installs (an AFTER, if any)
         result = UnifiedRadixCache.clear_storage_backend(self)  # upstream's own
-        after = getattr(kv_events, "after_clear_storage_backend", None)
+        after = getattr(hooks, "after_clear_storage_backend", None)
         if after is not None:
             after(result, self)
         return result

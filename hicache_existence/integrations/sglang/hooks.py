@@ -547,3 +547,22 @@ def reset_for_tests() -> None:
     _write_path.detach()
     if entry is not None:
         entry.close()
+
+
+#: Where SGLang empties L3 at run time (``/clear_hicache_storage_backend``).
+CLEAR_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.clear_storage_backend"
+
+
+def after_clear_storage_backend(result: Any, tree: Any, *a: Any, **kw: Any) -> None:
+    """AFTER ``UnifiedRadixCache.clear_storage_backend``: L3 was emptied (True), so
+    the storage-tier blocks this process published are removed."""
+    if result is not True:
+        return None
+    try:
+        feed = _write_path.FEEDS.get(PROCESS.pid)
+        events = feed.events if feed is not None else None
+        if events is not None and feed is not None and feed.owns_tree(tree):
+            events.storage_cleared()
+    except Exception as exc:  # never into the scheduler
+        logger.warning("hicache-existence: storage clear not published (%r)", exc)
+    return None

@@ -141,28 +141,6 @@ def placement(backend: str, fallback: tuple[int, int, int]) -> Placement:
     return Placement(publishes, dp, backend, sink)
 
 
-#: Where SGLang empties L3 at run time (``/clear_hicache_storage_backend``).
-CLEAR_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.clear_storage_backend"
-
-
-def after_clear_storage_backend(result: Any, tree: Any, *a: Any, **kw: Any) -> None:
-    """AFTER ``UnifiedRadixCache.clear_storage_backend``: L3 was emptied (True), so
-    the storage-tier blocks this process published are removed."""
-    if result is not True:
-        return None
-    try:
-        from hicache_existence.integrations.sglang.process import PROCESS
-        from hicache_existence.integrations.sglang.write_path import FEEDS
-
-        feed = FEEDS.get(PROCESS.pid)
-        events = feed.events if feed is not None else None
-        if events is not None and feed is not None and feed.owns_tree(tree):
-            events.storage_cleared()
-    except Exception as exc:  # never into the scheduler
-        logger.warning("hicache-existence: storage clear not published (%r)", exc)
-    return None
-
-
 def after_init_kv_events(result: Any, publisher: Any, *a: Any, **kw: Any) -> None:
     """AFTER ``SchedulerKvEventsPublisher.init_kv_events``: keep the scheduler's
     publisher (when this rank has one) for the storage-tier events."""
@@ -176,4 +154,4 @@ def after_init_kv_events(result: Any, publisher: Any, *a: Any, **kw: Any) -> Non
     return None
 
 
-__all__ = ["SglangSink", "acked_blocks", "after_clear_storage_backend", "feed", "placement"]
+__all__ = ["SglangSink", "acked_blocks", "feed", "placement"]

@@ -184,7 +184,7 @@ def register_cache_hooks(
         ("recorder_hooks", _recorder_hooks.TARGET, None, "traces have no request boundaries"),
         ("events_hooks", _kv_events.TARGET, _kv_events.after_init_kv_events,
          "storage-tier events stay off SGLang's stream"),
-        ("events_clear_hooks", _kv_events.CLEAR_TARGET, _kv_events.after_clear_storage_backend,
+        ("events_clear_hooks", _hooks.CLEAR_TARGET, _hooks.after_clear_storage_backend,
          "storage-tier events keep L3's blocks after /clear_hicache_storage_backend"),
     ):  # fmt: skip
         try:
