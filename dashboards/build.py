@@ -127,6 +127,7 @@ PAGE_MISSES = family("page_misses")
 EVICTIONS = family("evictions")
 ENTRIES = family("entries")
 CAPACITY = family("capacity_entries")
+MODE = family("mode_info")
 WRITTEN_PAGES = family("written_pages")
 AVOIDED_PAGES = family("write_avoided_pages")
 REDUNDANT_PAGES = family("redundant_written_pages")
@@ -195,6 +196,27 @@ def selector(metric: Metric, sample: str | None = None, **matchers: str) -> str:
 
 def by(labels: Sequence[str]) -> str:
     return f"by ({', '.join(labels)}) " if labels else ""
+
+
+#: The labels that name one scheduler process's series (its ``mode_info`` among them).
+PROCESS_LABELS = ("job", "instance", "tp_rank", "dp_rank", "pp_rank")
+
+
+def fill(entries: str, capacity: str, mode: str) -> str:
+    """Each pool's fill, series by series: its entries over its cap, or, where every
+    pool shares one cap (``mode_info{capacity_scope="shared"}``: sglang
+    0.5.19-0.5.21), all pools' entries over it, which they fill together."""
+    shared = (
+        f'{mode[:-1]}, capacity_scope="shared"}}'
+        if mode.endswith("}")
+        else (f'{mode}{{capacity_scope="shared"}}')
+    )
+    on = f"on ({', '.join(PROCESS_LABELS)})"
+    return (
+        f"({entries} / {capacity} unless {on} {shared})\n"
+        f"or\n({capacity} * 0 + ignoring (pool) group_left ()\n"
+        f" (sum without (pool) ({entries}) / max without (pool) ({capacity})))"
+    )
 
 
 def rate(metric: Metric, group: Sequence[str] = ("pool",), **matchers: str) -> str:
@@ -358,10 +380,17 @@ def rows() -> tuple[Row, ...]:
             ),
             Panel(
                 "Fill",
-                "Entries over cap per pool, on the fullest selected replica. At 100% every "
-                "insert evicts the least recently used entry.",
+                "Entries over cap per pool, on the fullest selected replica (where the pools "
+                "share one cap, sglang 0.5.19-0.5.21: all pools' entries over it). At 100% "
+                "every insert evicts the least recently used entry.",
                 "percentunit",
-                (_t(f"max by (pool) ({selector(ENTRIES)} / {selector(CAPACITY)})", "{{pool}}"),),
+                (
+                    _t(
+                        "max by (pool) "
+                        f"({fill(selector(ENTRIES), selector(CAPACITY), selector(MODE))})",
+                        "{{pool}}",
+                    ),
+                ),
                 type="stat",
                 ratio=True,
                 steps=((None, "green"), (s.at_cap_fill, "orange")),
@@ -1135,7 +1164,8 @@ def recordings() -> tuple[Recording, ...]:
         Recording(STALE_RATIO, f"{_rec(REC_STALE)}\n/\n{ANSWERED_RATE}"),
         Recording(
             FILL_RATIO,
-            f"max by ({', '.join(keep)}) ({ENTRIES.sample} / {CAPACITY.sample})",
+            f"max by ({', '.join(keep)}) "
+            f"(\n{fill(ENTRIES.sample, CAPACITY.sample, MODE.sample)}\n)",
         ),
     ]
     return tuple(out)

@@ -504,9 +504,27 @@ def _fleet(rule: Mapping[str, Any]) -> Iterator[Case]:
     case.quiet(name, wait // 2 + 5)  # not yet for its for
     case.fires(rule, wait + 15, by(case.labels), r * MARGIN)
     yield case
+    # sglang 0.5.19-0.5.21: kv and swa fill one shared cap together (0.6 + 0.4 of it).
+    shared = fleet(
+        "of two instances whose pools fill their shared cap stays quiet", r * MARGIN, 0.6
+    )
+    for instance in (1, 2):
+        shared.add("entries", gauge(400, n), instance=instance, pool="swa")
+        shared.add("capacity_entries", gauge(1000, n), instance=instance, pool="swa")
+        shared.add(
+            "mode_info",
+            gauge(1, n),
+            instance=instance,
+            pool=None,
+            host_memory_mode="cache",
+            write_policy="write_through",
+            cache_mode_dedup="false",
+            capacity_scope="shared",
+        )
     for case in (
         fleet("of one instance stays quiet (not a fleet)", r * MARGIN, below, 1),
         fleet("of two instances at the cap stays quiet (the at-cap alert's case)", r * MARGIN, 1),
+        shared,
         fleet("of two instances rewriting half the threshold stays quiet", r / MARGIN, below),
         fleet(
             "of two instances below the writes guard stays quiet",

@@ -183,6 +183,7 @@ class ExistenceRuntime:
                 reconciler=self.reconciler.snapshot if self.reconciler is not None else None,
                 advisor=self._advice if self.advisor is not None else None,
                 mode=lambda: host_mode,
+                shared_capacity=flat,
                 recorder=self.recorder.snapshot if self.recorder is not None else None,
                 events=self.events.snapshot if self.events is not None else None,
             ),

@@ -1249,3 +1249,25 @@ def test_another_pool_at_its_cap_does_not_quiet_the_fleet_finding() -> None:
 
     (f,) = found(report(expo(rows()), expo(rows())), "fleet_redundant_writes")
     assert f.severity == "warning"
+
+
+def test_pools_filling_their_shared_cap_together_are_at_the_cap() -> None:
+    """sglang 0.5.19-0.5.21: kv and swa share one cap (mode_info's capacity_scope
+    "shared") and fill it together (600 + 400 of 1000): at the cap, as the fill
+    recording rule reads it, so the fleet finding is info as its alert is quiet."""
+
+    def rows(scope: str) -> list[Row]:
+        r = replace(healthy_rows(200, 60), P + "capacity_entries", 1000, pool="kv")
+        r = replace(r, P + "entries", 600, pool="kv")
+        r = replace(r, P + "capacity_entries", 1000, pool="swa")
+        r = replace(r, P + "entries", 400, pool="swa")
+        mode = {"host_memory_mode": "cache", "write_policy": "write_through"}
+        return [
+            *r,
+            (P + "mode_info", {**mode, "cache_mode_dedup": "false", "capacity_scope": scope}, 1),
+        ]
+
+    (f,) = found(report(expo(rows("shared")), expo(rows("shared"))), "fleet_redundant_writes")
+    assert f.severity == "info"
+    (f,) = found(report(expo(rows("pool")), expo(rows("pool"))), "fleet_redundant_writes")
+    assert f.severity == "warning"

@@ -298,3 +298,20 @@ def test_an_idle_connection_times_out_silently(
     with server, socket.create_connection((server.host, server.port)):
         time.sleep(1.0)
     assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("generation, scope", [("current", "pool"), ("flat", "shared")])
+def test_mode_info_says_whether_the_pools_share_their_cap(generation: str, scope: str) -> None:
+    """The seed generation's pools fill one cap together: mode_info's capacity_scope
+    lets the fill recording rule and the doctor read it right."""
+    from hicache_existence.runtime import ExistenceRuntime
+
+    runtime = ExistenceRuntime(
+        Config.from_json('{"metrics": {"mode": "off"}}'), generation=generation
+    )
+    try:
+        out = runtime.telemetry.series_reader.sample()
+        (labels,) = out["hicache_existence_mode_info"]
+        assert labels[-1] == scope
+    finally:
+        runtime.close()

@@ -279,7 +279,9 @@ def test_dedup_yields_to_sglang_s_own_and_the_label_says_so(caplog) -> None:
 def test_mode_info_exports_who_deduplicates(dedup, label) -> None:
     sources = FeatureSources(mode=lambda: ("cache", "write_through", dedup))
     scalars, _ = sample_features(sources, str, ())
-    assert scalars["hicache_existence_mode_info"] == {("cache", "write_through", label): 1.0}
+    assert scalars["hicache_existence_mode_info"] == {
+        ("cache", "write_through", label, "pool"): 1.0
+    }
 
 
 def test_the_doctor_reads_upstream_dedup_as_dedup_on() -> None:

@@ -64,7 +64,7 @@ SGLANG_SERIES = frozenset(SGLANG_STORAGE_SERIES + SGLANG_HICACHE_SERIES)
 #: summed over.
 KEPT_LABELS = frozenset(
     {"pool", "reason", "result", "kind", "cause", "cap_multiplier"}
-    | {"host_memory_mode", "write_policy", "cache_mode_dedup"}  # mode_info's
+    | {"host_memory_mode", "write_policy", "cache_mode_dedup", "capacity_scope"}  # mode_info's
 )
 #: Gauges aggregated with min instead of max: one stopped rank matters.
 MIN_GAUGES = frozenset({SERIES["divergence_active"]})

@@ -341,7 +341,7 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     evictions = view.value("evictions", pool=pool)
     q = view.value("queries", pool=pool)
     capacity = view.value("capacity_entries", pool=pool)
-    entries = view.value("entries", pool=pool)
+    entries = _filling(view, pool)
     r = view.value("redundant_written_pages", pool=pool)
     w = view.value("written_pages", pool=pool)
     at_cap = capacity > 0 and entries >= s.at_cap_fill * capacity
@@ -400,9 +400,18 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     return found(J.EVICTION_CHURN, view, summary, ev, fixes, pool, wasted, severity=severity)
 
 
+def _filling(view: View, pool: str) -> float:
+    """The entries that fill ``pool``'s cap: its own, or every pool's where they
+    share one cap (``mode_info{capacity_scope="shared"}``, the seed generation), as
+    the fill recording rule reads them."""
+    if dict(view.mode_labels()).get("capacity_scope") == "shared":
+        return sum(view.value("entries", pool=p) for p in view.pools())
+    return view.value("entries", pool=pool)
+
+
 def _at_cap(view: View, pool: str) -> bool:
     capacity = view.value("capacity_entries", pool=pool)
-    return capacity > 0 and view.value("entries", pool=pool) >= J.SETTINGS.at_cap_fill * capacity
+    return capacity > 0 and _filling(view, pool) >= J.SETTINGS.at_cap_fill * capacity
 
 
 def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:

@@ -217,9 +217,11 @@ def _f(
 FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
     _f("mode_info", "gauge", "mode", "1",
         "1, labelled with the HiCache host memory mode this process serves (buffer_only or "
-        "cache), SGLang's write policy and whether cache_mode.dedup is on (true, false, or "
-        "upstream: SGLang deduplicates cache-mode writes itself and the package only counts).",
-        labels=("host_memory_mode", "write_policy", "cache_mode_dedup")),
+        "cache), SGLang's write policy, whether cache_mode.dedup is on (true, false, or "
+        "upstream: SGLang deduplicates cache-mode writes itself and the package only counts) "
+        "and whether each pool has its own cap (capacity_scope: pool) or all share one "
+        "(shared: sglang 0.5.19-0.5.21, whose pools fill it together).",
+        labels=("host_memory_mode", "write_policy", "cache_mode_dedup", "capacity_scope")),
     _f("divergence_checks", "counter", "checks", "{check}",
         "Cross-rank replica checks completed."),
     _f("divergences", "counter", "divergences", "{check}",

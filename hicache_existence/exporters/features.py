@@ -33,6 +33,9 @@ class FeatureSources:
     advisor: Callable[[], Any] | None = None
     #: The host memory mode served: ``(host_memory_mode, write_policy, dedup)``.
     mode: Callable[[], tuple[str, str, bool | str]] | None = None
+    #: Whether every pool shares one cap (the seed generation): ``mode_info``'s
+    #: ``capacity_scope`` (``shared``, else ``pool``), so that a fill can be read right.
+    shared_capacity: bool = False
     #: The trace recorder's counters (``Recorder.snapshot``).
     recorder: Callable[[], Any] | None = None
     #: The storage-tier KV events' counters (``KvEvents.snapshot``).
@@ -59,7 +62,8 @@ def sample_features(
     if sources.mode is not None:
         host_mode, policy, dedup = sources.mode()
         dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
-        by_source["mode"] = {"mode": {(host_mode, policy, dedup_text): 1.0}}
+        scope = "shared" if sources.shared_capacity else "pool"
+        by_source["mode"] = {"mode": {(host_mode, policy, dedup_text, scope): 1.0}}
     if sources.divergence is not None:
         by_source["divergence"] = _divergence(sources.divergence())
     if sources.reconciler is not None:
