@@ -504,12 +504,12 @@ def _fleet(rule: Mapping[str, Any]) -> Iterator[Case]:
     case.quiet(name, wait // 2 + 5)  # not yet for its for
     case.fires(rule, wait + 15, by(case.labels), r * MARGIN)
     yield case
-    # sglang 0.5.19-0.5.21: kv and swa fill one shared cap together (0.6 + 0.4 of it).
+    # sglang 0.5.19-0.5.21: kv (below the cap alone) and swa fill one shared cap together.
     shared = fleet(
-        "of two instances whose pools fill their shared cap stays quiet", r * MARGIN, 0.6
+        "of two instances whose pools fill their shared cap stays quiet", r * MARGIN, below
     )
     for instance in (1, 2):
-        shared.add("entries", gauge(400, n), instance=instance, pool="swa")
+        shared.add("entries", gauge(1000 * (1 - below), n), instance=instance, pool="swa")
         shared.add("capacity_entries", gauge(1000, n), instance=instance, pool="swa")
         shared.add(
             "mode_info",

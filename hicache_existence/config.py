@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 from hicache_existence.core import _validate
 
@@ -414,6 +414,22 @@ def masked_repr(obj: Any, url_field: str) -> str:
             value = getattr(obj, f.name)
             parts.append(f"{f.name}={redact_url(value) if f.name == url_field else value!r}")
     return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+#: Why a URL did not parse, said without the parser's words (they may quote a
+#: piece of the password).
+URL_PARSE_ERROR = "a bad port, or a password with / ? # or @ not percent-encoded"
+
+
+def split_url(url: str) -> SplitResult | None:
+    """``urlsplit`` with its port read; None when either fails (say
+    ``URL_PARSE_ERROR``, not the exception's text)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        return None
+    return parts
 
 
 def redact_url(url: str) -> str:

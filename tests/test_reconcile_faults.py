@@ -272,9 +272,7 @@ def test_non_writer_rank_prefetch_does_not_erase_writer_rank_record(server) -> N
 # absence erases the others' records.
 
 
-def _cfg(tp_rank: int, dcp_rank: int):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
+def _cfg(tp_rank: int, dcp_rank: int) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=4,
@@ -561,26 +559,8 @@ def test_removed_record_clears_the_lost_mark() -> None:
 # (mutant is_writer_prop_ignored survives tests/test_reconcile_faults.py).  Under MLA with
 # DCP, tp_rank 1 / dcp_rank 1 writes its DCP shard (sglang: tp_rank == dcp_rank), so it
 # must learn absence; the 'older configs' fallback (MLA rank 0 only) says it does not.
-def _dcp_cfg(tp_rank: int, dcp_rank: int) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=4,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=True,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="m",
-        dcp_size=2,
-        dcp_rank=dcp_rank,
-        logical_page_size=64,
-    )
-
-
 def test_dcp_writers_are_upstreams() -> None:
-    assert [_is_storage_writer(_dcp_cfg(r, r % 2)) for r in range(4)] == [True, True, False, False]
+    assert [_is_storage_writer(_cfg(r, r % 2)) for r in range(4)] == [True, True, False, False]
 
 
 # The 'reset seen by the writer' fix (redis_truth.RedisLedger.record_stored reads the

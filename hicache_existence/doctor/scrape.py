@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.request import Request
 
-from hicache_existence.config import redact_url
+from hicache_existence.config import URL_PARSE_ERROR, redact_url, split_url
 from hicache_existence.doctor.exposition import (
     MAX_BODY_BYTES,
     Exposition,
@@ -67,14 +67,9 @@ def _one_line(text: object) -> str:
 def endpoint_url(url: str) -> str:
     """``http://host:port`` -> ``http://host:port/metrics``; other paths are kept.
     ``ReadError`` for anything that is not an http(s) URL with a host."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:  # its text may quote a piece of the password
-        raise ReadError(
-            f"{redact_url(url)}: not a URL (a bad port, or a password with / ? # or @ "
-            "not percent-encoded)"
-        ) from None
+    parts = split_url(url)
+    if parts is None:
+        raise ReadError(f"{redact_url(url)}: not a URL ({URL_PARSE_ERROR})")
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ReadError(f"{redact_url(url)}: not an http(s) URL")
     if parts.path in ("", "/"):

@@ -40,11 +40,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from hicache_existence.config import (
     KEY_PART_RULE,
+    URL_PARSE_ERROR,
     ConfigError,
     ReconcilerSection,
     key_part_ok,
     masked_repr,
     redact_url,
+    split_url,
 )
 from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
@@ -91,14 +93,9 @@ def validate_redis_url(url: str, arg: str = "redis_url") -> str:
     if is_cluster_url(url):
         cluster_seeds(url, arg)
         return url
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:  # its text may quote a piece of the password
-        raise ConfigError(
-            f"{arg} is not a valid URL ({redact_url(url)}): a bad port, or a password "
-            "with / ? # or @ not percent-encoded"
-        ) from None
+    parts = split_url(url)
+    if parts is None:
+        raise ConfigError(f"{arg} is not a valid URL ({redact_url(url)}): {URL_PARSE_ERROR}")
     if parts.scheme not in SCHEMES:
         raise ConfigError(
             f"{arg} must use one of {list(SCHEMES + CLUSTER_SCHEMES)}, got {parts.scheme!r} "
