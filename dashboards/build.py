@@ -212,10 +212,13 @@ def fill(entries: str, capacity: str, mode: str) -> str:
         else (f'{mode}{{capacity_scope="shared"}}')
     )
     on = f"on ({', '.join(PROCESS_LABELS)})"
+    # A shared cap is filled by every pool: a pool filter narrows the series shown
+    # (the carrier), never the entries summed into the shared fill.
+    every_entries, every_capacity = (s.replace(', pool=~"$pool"', "") for s in (entries, capacity))
     return (
         f"({entries} / {capacity} unless {on} {shared})\n"
         f"or\n({capacity} * 0 + ignoring (pool) group_left ()\n"
-        f" (sum without (pool) ({entries}) / max without (pool) ({capacity})))"
+        f" (sum without (pool) ({every_entries}) / max without (pool) ({every_capacity})))"
     )
 
 

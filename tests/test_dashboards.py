@@ -630,3 +630,16 @@ def test_runbooks_name_only_metrics_that_exist():
     named = build.names_in(RUNBOOKS.read_text(encoding="utf-8"))
     assert named, "the runbooks name no metric"
     assert named <= known, sorted(named - known)
+
+
+def test_the_fill_panel_sums_every_pool_into_a_shared_caps_fill() -> None:
+    """The pool variable narrows the pools shown, never the entries summed into a
+    shared cap's fill (kv 600 + swa 400 of 1000 is full with only kv selected)."""
+    import json
+
+    dashboard = json.loads(build.DASHBOARD_PATH.read_text(encoding="utf-8"))
+    (panel,) = [p for p in dashboard["panels"] if p.get("title") == "Fill"]
+    (target,) = panel["targets"]
+    per_pool, shared = target["expr"].split("\nor\n")
+    assert "$pool" in per_pool
+    assert "$pool" not in shared.split("group_left ()", 1)[1]

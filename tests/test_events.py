@@ -519,3 +519,28 @@ def test_a_refused_removal_is_counted_once_when_sent() -> None:
     snap = events.snapshot()
     assert snap.published["removed"] == 1 and snap.removals["hit_query"] == 1
     events.close()
+
+
+def test_a_storage_clear_lost_to_a_full_queue_is_counted() -> None:
+    """Emptying L3 removes every published block in one queue item: when the queue
+    is full, its loss shows in dropped{queue_full} (the blocks stay published)."""
+    go = threading.Event()
+
+    class Held(Capture):
+        def send(self, ts: float, events: Sequence[Event]) -> None:
+            go.wait(5)
+            super().send(ts, events)
+
+    sink = Held()
+    events = emitter(sink, queue_size=2)
+    hashes = pages(3)
+    events.stored(chain(hashes[:1]))  # the publisher takes it and waits in send
+    time.sleep(0.3)
+    events.stored(chain(hashes[1:2], first_parent=hashes[0]))
+    events.stored(chain(hashes[2:], first_parent=hashes[1]))  # the queue is full
+    events.storage_cleared()
+    go.set()
+    drain(events)
+    snap = events.snapshot()
+    events.close()
+    assert not sink.removed() and snap.dropped["queue_full"] >= 1

@@ -240,7 +240,9 @@ class KvEvents:
         """L3 itself was emptied (SGLang's ``clear_storage_backend`` succeeded): every
         published block is removed (one queue item; the publisher thread builds it)."""
         if self.running and self._any_store:
-            self._put(lambda: (_CLEARED, self._clock()), 0)
+            # A full queue loses the removal of every published block: count them
+            # (len() of the publisher's dict: one atomic read).
+            self._put(lambda: (_CLEARED, self._clock()), max(1, len(self._published)))
 
     def _put(self, item: Callable[[], tuple[Any, ...]], pages: int) -> bool:
         """Queue ``item()`` without waiting; a full queue drops it and counts
