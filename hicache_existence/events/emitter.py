@@ -332,14 +332,8 @@ class KvEvents:
                 blocks, unknown = resolve(*args)
                 self.unknown += unknown
                 self._build_stored(now, blocks, batch)
-            elif item[0] == _CLEARED:
-                gone = []
-                for page, when in self._published.items():
-                    self._before.setdefault(page, when)
-                    gone.append(block_hash(page))
-                self._published.clear()
-                if gone:
-                    batch.append(Removed(tuple(gone), self.medium))
+            elif item[0] == _CLEARED:  # every published block
+                self._unpublish(list(self._published), batch)
             else:  # a verdict (_VERDICT) or a refresh only (_REFRESH: no source)
                 _, now, hashes, keep, source = item
                 self._build_removed(now, hashes, keep, source, batch)
@@ -387,15 +381,23 @@ class KvEvents:
                 published.move_to_end(page)
         if not source:  # a refresh only (``verified``)
             return
+        gone = self._unpublish(hashes[keep:], out)
+        if gone:
+            self._removing[source] = self._removing.get(source, 0) + gone
+
+    def _unpublish(self, pages: Sequence[str], out: list[Event]) -> int:
+        """Remove the published ``pages`` (their state before kept for an undo) in
+        one ``Removed`` event; how many were published."""
+        published, before = self._published, self._before
         gone = []
-        for page in hashes[keep:]:
+        for page in pages:
             when = published.pop(page, None)
             if when is not None:
-                self._before.setdefault(page, when)
+                before.setdefault(page, when)
                 gone.append(block_hash(page))
         if gone:
-            self._removing[source] = self._removing.get(source, 0) + len(gone)
             out.append(Removed(tuple(gone), self.medium))
+        return len(gone)
 
     def _send(self, batch: list[Event]) -> None:
         sink = self._sink
