@@ -30,10 +30,23 @@ def need_binary(name: str) -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: Ports ``free_port`` handed out in this test process (and the real-server
+#: harness's consecutive blocks).
+HANDED_OUT: set[int] = set()
+
+
+def free_port(attempts: int = 100) -> int:
+    """A port nothing listens on now that this process has not handed out before:
+    the kernel may give two binds in a row the same ephemeral port, and a router
+    once got one port for both its listeners (``--port`` and ``--prometheus-port``)."""
+    for _ in range(attempts):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in HANDED_OUT:
+            HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no port not handed out before in {attempts} attempts")
 
 
 class RedisServer:

@@ -70,6 +70,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+# tests/: the one port picker, for the benchmarks that import this harness too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reconcile_redis_server import HANDED_OUT, free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 STANDINS = HERE / "standins"
@@ -106,18 +110,12 @@ REQUEST_TIMEOUT_S = 120.0
 LOAD_WHOLE = "wait_complete"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def free_ports(n: int, attempts: int = 50) -> int:
     """The first of ``n`` consecutive free ports (a standalone exporter per
     scheduler binds ``metrics.port + index``)."""
     for _ in range(attempts):
         first = free_port()
-        if first + n - 1 > 65535:
+        if first + n - 1 > 65535 or HANDED_OUT.intersection(range(first + 1, first + n)):
             continue
         with contextlib.ExitStack() as held:
             try:
@@ -126,6 +124,7 @@ def free_ports(n: int, attempts: int = 50) -> int:
                     s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        HANDED_OUT.update(range(first, first + n))
         return first
     raise RuntimeError(f"no {n} consecutive free ports in {attempts} attempts")
 
