@@ -47,8 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     from hicache_existence.config import Config, ConfigError
     from hicache_existence.logs import configure_logging
 
@@ -68,7 +67,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,15 +1,9 @@
-"""One typed configuration object, loadable from JSON, files, flags and environment.
-
-Everything the package can be told lives in ``Config`` (frozen dataclasses, one
-section per feature).  Sources merge in a fixed order, later wins: 1. defaults
-(below); 2. ``HICACHE_EXISTENCE_CONFIG`` (JSON text, or ``@path``/path to a JSON
-file); 3. ``HICACHE_EXISTENCE_<SECTION>__<FIELD>`` variables (e.g.
-``HICACHE_EXISTENCE_DIVERGENCE__INTERVAL_STEPS=500``) and ``HICACHE_EXISTENCE_ENABLED``;
-4. explicit values (``--hicache-existence-config`` on the server, CLI flags).
-
-Unknown keys and wrongly typed values raise ``ConfigError`` naming the key, so a
-typo never silently falls back to a default.  Secrets (a Redis password in a URL)
-are kept as given but ``redacted()`` masks them for logs and metrics.
+"""Everything the package can be told, in one ``Config`` (frozen dataclasses, one
+section per feature), loaded from defaults, ``HICACHE_EXISTENCE_CONFIG``, the
+``HICACHE_EXISTENCE_<SECTION>__<FIELD>`` variables and explicit values, later wins
+(docs/enable.md).  Unknown keys and wrongly typed values raise ``ConfigError`` naming
+the key, so a typo never silently falls back to a default.  Secrets (a Redis password
+in a URL) are kept as given but ``redacted()`` masks them for logs and metrics.
 """
 
 from __future__ import annotations
@@ -49,8 +43,7 @@ ENV_NOT_SETTINGS_PREFIXES = (
 
 
 def is_setting_variable(key: str) -> bool:
-    """Whether environment variable ``key`` is a ``Config`` setting (per-key
-    variable or ``HICACHE_EXISTENCE_ENABLED``), not the JSON blob or tooling."""
+    """Whether ``key`` is a setting's variable, not the JSON blob or tooling."""
     return (
         key.startswith(ENV_PREFIX)
         and key != ENV_CONFIG
@@ -90,7 +83,6 @@ def _at_most(high: int) -> _Rule:
 
 
 _within_0_1 = _rule(lambda v: 0.0 <= v <= 1.0, "be within [0, 1], got {}")
-_above_0 = _rule(lambda v: v > 0, "be > 0, got {}")
 #: The smallest recorder.sample_rate: the bound is resolved to 2^-32, so below
 #: 1e-6 the rate recorded parts from the rate replay scales by by more than 0.03%.
 RECORDER_MIN_RATE = 1e-6
@@ -110,7 +102,7 @@ _key_part = _rule(key_part_ok, KEY_PART_RULE + ", got {!r}")
 _Count = Annotated[int, _at_least(1)]
 _NonNegativeInt = Annotated[int, _at_least(0)]
 _NonNegative = Annotated[float, _at_least(0)]
-_Positive = Annotated[float, _above_0]
+_Positive = Annotated[float, _rule(lambda v: v > 0, "be > 0, got {}")]
 _Fraction = Annotated[float, _within_0_1]
 
 
@@ -364,8 +356,7 @@ class Config:
         env = os.environ if env is None else env
         blob = env.get(ENV_CONFIG)
         config = cls.from_json(blob, base) if blob else base or cls()
-        updates = _env_updates(env)
-        return _merge(config, updates, "") if updates else config
+        return cls.from_mapping(_env_updates(env), config)
 
     @classmethod
     def load(cls, text: str | None = None, env: Mapping[str, str] | None = None) -> Config:

@@ -1,17 +1,15 @@
-"""The generated reference tables of docs/, each from the one place its facts live:
-the catalog (docs/metrics.md), ``Config`` and the ``#:`` comments of config.py
-(docs/enable.md), ``PoolStats`` and its help texts (docs/design.md), and
-``doctor.judgements`` (the thresholds of docs/doctor.md; the alert index and the
-settings of docs/runbooks.md).  ``dashboards/build.py`` writes them between the docs'
-``<!-- NAME:begin -->`` / ``<!-- NAME:end -->`` markers, and ``--check`` fails when a
-committed file differs.  No runtime code imports this.
+"""The generated reference tables of docs/, each from the one place its facts live
+(CONTRIBUTING.md, "Generated files"): ``dashboards/build.py`` writes them between the
+docs' ``<!-- NAME:begin -->`` / ``<!-- NAME:end -->`` markers.  No runtime code imports this.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import typing
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,6 @@ from hicache_existence.exporters.catalog import CATALOG, FEATURE_CATALOG, MISS_R
 
 
 def _header(*columns: str) -> list[str]:
-    """A markdown table's header lines."""
     return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
@@ -43,32 +40,28 @@ def metrics_table() -> str:
 
 
 def _field_comments(module: Any = config_module) -> dict[tuple[str, str], str]:
-    """(class name, field) -> the ``#:`` comment lines right above the field."""
+    """(class name, field) -> the ``#:`` comment lines right above the field.  A field
+    right below a commented one may share its comment, marked ``~`` (used when
+    FALLBACK has nothing better)."""
     source = Path(module.__file__).read_text(encoding="utf-8")
-    lines = source.splitlines()
+    lines = [line.strip() for line in source.splitlines()]
     out: dict[tuple[str, str], str] = {}
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef):
             continue
-        previous: ast.AnnAssign | None = None
+        shared, end = "", None  # the field right above: its comment, its last line
         for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                comment: list[str] = []
-                i = stmt.lineno - 2
-                while i >= 0 and lines[i].strip().startswith("#:"):
-                    comment.insert(0, lines[i].strip()[2:].strip())
-                    i -= 1
-                text = " ".join(comment)
-                # A field right below a commented one may share its comment
-                # (used when FALLBACK has nothing better).
-                if not text and previous is not None and previous.end_lineno == stmt.lineno - 1:
-                    assert isinstance(previous.target, ast.Name)
-                    shared = out.get((node.name, previous.target.id), "")
-                    text = "~" + shared.lstrip("~") if shared else ""
-                out[(node.name, stmt.target.id)] = text
-                previous = stmt
-            else:
-                previous = None
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                end = None
+                continue
+            above = takewhile(
+                lambda line: line.startswith("#:"), reversed(lines[: stmt.lineno - 1])
+            )
+            text = " ".join(reversed([line[2:].strip() for line in above]))
+            if not text and shared and end == stmt.lineno - 1:
+                text = "~" + shared.lstrip("~")
+            out[(node.name, stmt.target.id)] = shared = text
+            end = stmt.end_lineno
     return out
 
 
@@ -93,45 +86,37 @@ def _type_name(hint: Any) -> str:
 
 
 def _default(value: Any) -> str:
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, str):
-        return f'`"{value}"`'
-    return f"`{value}`"
+    return f"`{json.dumps(value)}`"
 
 
 def config_table() -> str:
     """The markdown table of every key of ``Config``."""
     comments = _field_comments()
-    defaults = Config()
     rows = _header("key", "type", "default", "environment variable", "meaning")
-    hints = typing.get_type_hints(Config)
-    for top in dataclasses.fields(Config):
-        value = getattr(defaults, top.name)
+
+    def add(key: str, hint: Any, default: Any, meaning: str) -> None:
+        env = ENV_PREFIX + key.upper().replace(".", "__")
+        rows.append(f"| `{key}` | {_type_name(hint)} | {_default(default)} | `{env}` | {meaning} |")
+
+    defaults = Config()
+    for top, hint in typing.get_type_hints(Config).items():
+        value = getattr(defaults, top)
         if not dataclasses.is_dataclass(value):
-            rows.append(
-                f"| `{top.name}` | {_type_name(hints[top.name])} | {_default(value)} | "
-                f"`{ENV_PREFIX}{top.name.upper()}` | switch the package on |"
-            )
+            add(top, hint, value, "switch the package on")
             continue
         section = type(value)
-        section_hints = typing.get_type_hints(section)
         doc = _md((section.__doc__ or "").strip().split("\n\n")[0])
-        rows.append(f"| **`{top.name}`** | | | | {doc} |")
-        for f in dataclasses.fields(value):
-            env = f"{ENV_PREFIX}{top.name.upper()}__{f.name.upper()}"
-            own = comments.get((section.__name__, f.name), "")
+        rows.append(f"| **`{top}`** | | | | {doc} |")
+        for name, field_hint in typing.get_type_hints(section).items():
+            own = comments.get((section.__name__, name), "")
             meaning = _md(
                 (own if not own.startswith("~") else "")
-                or FALLBACK.get(f"{top.name}.{f.name}", "")
-                or FALLBACK.get(f.name, "")
+                or FALLBACK.get(f"{top}.{name}", "")
+                or FALLBACK.get(name, "")
                 or own.lstrip("~")
             )
-            assert meaning, f"{top.name}.{f.name} has no #: comment in config.py"
-            rows.append(
-                f"| `{top.name}.{f.name}` | {_type_name(section_hints[f.name])} | "
-                f"{_default(getattr(value, f.name))} | `{env}` | {meaning} |"
-            )
+            assert meaning, f"{top}.{name} has no #: comment in config.py"
+            add(f"{top}.{name}", field_hint, getattr(value, name), meaning)
     return "\n".join(rows)
 
 
@@ -178,8 +163,7 @@ def _past(j: judgements.Judgement) -> str:
     """``> `name` = value``: the judgement's threshold ("-" without one)."""
     if j.threshold is None:
         return "-"
-    value = judgements.SETTINGS.value(j.threshold)
-    return f"{'>' if j.direction == 'above' else '<'} `{j.threshold}` = {value:g}"
+    return f"{'>' if j.direction == 'above' else '<'} {_guard(j.threshold)}"
 
 
 def _guard(name: str | None, unit: str = "") -> str:
@@ -187,8 +171,7 @@ def _guard(name: str | None, unit: str = "") -> str:
 
 
 def thresholds_table() -> str:
-    """docs/doctor.md's thresholds: every finding judged by a ratio, from the
-    judgements' table and ``judgements.SETTINGS``."""
+    """docs/doctor.md's thresholds: every finding judged by a ratio."""
     rows = _header("finding", "severity", "ratio", "past", "on at least", "alert")
     for j in judgements.JUDGEMENTS:
         if j.finding is None or j.ratio is None:
@@ -204,8 +187,7 @@ def thresholds_table() -> str:
 
 
 def alerts_table() -> str:
-    """docs/runbooks.md's index: every alert with its severity, thresholds and the
-    doctor's finding, from the judgements' table and ``judgements.SETTINGS``."""
+    """docs/runbooks.md's index: every alert, its thresholds and the doctor's finding."""
     rows = _header("alert", "severity", "threshold", "traffic at least", "for", "doctor's finding")
     for j, a in judgements.alerting():
         for_ = getattr(judgements.SETTINGS, a.for_) if a.for_ else "0m"

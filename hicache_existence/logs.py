@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from functools import partialmethod
@@ -59,15 +58,15 @@ EVENTS: tuple[str, ...] = (
 def _logfmt(fields: Mapping[str, Any]) -> str:
     parts = []
     for key, value in fields.items():
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
-        if isinstance(value, str) and (not text or any(c in text for c in ' "=\n')):
-            text = json.dumps(text)
-        parts.append(f"{key}={text}")
+        if not isinstance(value, str) or not value or any(c in value for c in ' "=\n'):
+            value = json.dumps(value, default=str)  # strings: only when empty or not one word
+        parts.append(f"{key}={value}")
     return " ".join(parts)
 
 
 class EventLogger:
-    """Logs ``event`` with keyword fields; see the module docstring for routing."""
+    """Logs ``event`` with keyword fields; see the module docstring for routing.
+    ``name``: a stdlib logger name under ``hicache_existence``."""
 
     __slots__ = ("_stdlib", "name")
 
@@ -103,9 +102,7 @@ class EventLogger:
         return self._stdlib.isEnabledFor(logging.DEBUG)
 
 
-def get_logger(name: str = "hicache_existence") -> EventLogger:
-    """The event logger ``name`` (a stdlib logger name under ``hicache_existence``)."""
-    return EventLogger(name)
+get_logger = EventLogger
 
 
 class RateLimiter:
@@ -160,10 +157,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "event": getattr(record, "hicache_event", None) or record.getMessage(),
         }
-        fields = getattr(record, "hicache_fields", None)
-        if isinstance(fields, dict):
-            for key, value in fields.items():
-                out.setdefault(key, value)
+        for key, value in getattr(record, "hicache_fields", {}).items():
+            out.setdefault(key, value)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -184,8 +179,7 @@ def configure_logging(
     """
     if not isinstance(level, str) or level.lower() not in _LEVELS:
         raise ValueError(f"level must be one of {sorted(_LEVELS)}, got {level!r}")
-    numeric = _LEVELS[level.lower()]
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream)  # None: stderr
     if _structlog is not None:
         shared: list[Any] = [
             _structlog.stdlib.add_log_level,
@@ -226,7 +220,7 @@ def configure_logging(
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(numeric)
+    root.setLevel(_LEVELS[level.lower()])
     return handler
 
 
@@ -257,7 +251,7 @@ def configure_package_logging(
     for old in [h for h in logger.handlers if isinstance(h, _PackageHandler)]:
         logger.removeHandler(old)
     if json_output:
-        handler = _PackageHandler(stream if stream is not None else sys.stderr)
+        handler = _PackageHandler(stream)  # None: stderr
         handler.setFormatter(JsonFormatter())
         logger.addHandler(handler)
         logger.propagate = False
@@ -273,8 +267,6 @@ def _hoist_stdlib_fields(
     name = getattr(record, "hicache_event", None)
     if name:
         event_dict["event"] = name
-        fields = getattr(record, "hicache_fields", None)
-        if isinstance(fields, dict):
-            for key, value in fields.items():
-                event_dict.setdefault(key, value)
+        for key, value in getattr(record, "hicache_fields", {}).items():
+            event_dict.setdefault(key, value)
     return event_dict

@@ -1,14 +1,7 @@
-"""One scheduler process's hicache-existence, wired from one ``Config``.
-
-``ExistenceRuntime`` builds the cache (either API generation) with its miss-reason
-memory, observers (TP-replica digest, reconciler, recorder, events), the capacity
-advisor (fed by the cache's index, no step), the write accounting and the exporters.
-``step()`` runs, once per scheduler step: the reconciler's rank-agreed verdicts (a
-lockstep point), the divergence checker (compares replicas when due), then telemetry
-(pending miss reasons, rate-limited metrics flush).
-
-The SGLang plugin calls ``step()`` right after ``check_hicache_events``, the demo
-after each simulated step: the same code path.  ``step()`` never raises into the
+"""One scheduler process's hicache-existence, wired from one ``Config``: the cache
+(either API generation) with its observers, accounting and exporters, and ``step()``,
+which the SGLang plugin calls right after ``check_hicache_events`` (the demo after
+each simulated step: the same code path).  ``step()`` never raises into the
 scheduler, except under the divergence policy ``abort``, whose purpose is to raise.
 """
 
@@ -49,7 +42,7 @@ from hicache_existence.replicas.divergence import (
 Generation = Literal["current", "flat"]
 
 #: A scheduler iteration longer than this ran a batch (an idle polling iteration
-#: takes about 0.1 ms of CPU): a flush due right after one waits (``ExistenceRuntime.step``).
+#: takes about 0.1 ms of CPU): a flush due right after one waits (``core.gate``).
 BUSY_STEP_S = 0.002
 
 
@@ -94,11 +87,10 @@ class ExistenceRuntime:
         )
         self._logger = logs.get_logger("hicache_existence.runtime")
         self._errors = logs.RateLimiter(1 / 60, clock=clock)
-        #: The per-step test (``core.gate``: step count, ``wake``: the first step with
-        #: step-counted work, ``flush_at``: the next flush's clock).  ``tick`` is the gate
-        #: itself, which the SGLang hook calls: no Python frame of ours on an idle step.
-        self._defer_s = config.metrics.flush_interval_s / 2
-        self._gate = gate.step_gate(self._step_due, clock, BUSY_STEP_S, self._defer_s)
+        #: The per-step test (``core.gate``).  ``tick`` is the gate itself, which the
+        #: SGLang hook calls: no Python frame of ours on an idle step.
+        defer_s = config.metrics.flush_interval_s / 2
+        self._gate = gate.step_gate(self._step_due, clock, BUSY_STEP_S, defer_s)
         self.tick: Callable[[], Any] = self._gate
         #: The steps already handed to the checker and the reconciler.
         self._credited = 0
@@ -115,26 +107,20 @@ class ExistenceRuntime:
         self.advisor = CapacityAdvisor.from_config(config.advisor, shared=flat)
         # A given group may be bound later (SGLang's, at the first step), so the digest
         # observes until ``group_bound`` finds a world of one.
-        single = group is None
+        observers: list[BeliefObserver] = [self.digest] if checking and group is not None else []
         if group is None:
             group = InProcessWorld(1, timeout_s=config.divergence.timeout_s).group(0)
         self._group = group
-        observers: list[BeliefObserver] = [self.digest] if checking and not single else []
         self.recorder = Recorder.from_config(
             config.recorder, self.labels, instance=instance, host_mode=host_mode[0]
         )
         if self.recorder is not None:
             observers.append(self.recorder.tap)
         self.tee = Tee(*observers)
-        self.cache: ExistenceCache
-        if flat:
-            self.cache = FlatStorageExistenceCache(
-                max_entries, miss_memory=self.ghosts, observer=self.tee, advisor=self.advisor
-            )
-        else:
-            self.cache = StorageExistenceCache(
-                max_entries, miss_memory=self.ghosts, observer=self.tee, advisor=self.advisor
-            )
+        cache_class = FlatStorageExistenceCache if flat else StorageExistenceCache
+        self.cache: ExistenceCache = cache_class(
+            max_entries, miss_memory=self.ghosts, observer=self.tee, advisor=self.advisor
+        )
 
         self.reconciler: Reconciler | None = None
         if config.reconciler.enabled and truth is not None:
@@ -192,22 +178,16 @@ class ExistenceRuntime:
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> ExistenceRuntime:
         """Start the recorder, the events publisher and telemetry (metrics port, start-up log)."""
-        if self.recorder is not None:
-            self.recorder.start()
-        if self.events is not None:
-            self.events.start()
-        self.telemetry.start()
+        for part in (self.recorder, self.events, self.telemetry):
+            if part is not None:
+                part.start()
         return self
 
     def close(self) -> None:
         """Stop the reconciler, recorder and events publisher; release the metrics port."""
-        if self.reconciler is not None:
-            self.reconciler.close()
-        if self.recorder is not None:
-            self.recorder.close()
-        if self.events is not None:
-            self.events.close()
-        self.telemetry.close()
+        for part in (self.reconciler, self.recorder, self.events, self.telemetry):
+            if part is not None:
+                part.close()
 
     def __enter__(self) -> ExistenceRuntime:
         return self.start()
@@ -230,15 +210,10 @@ class ExistenceRuntime:
 
     def step(self) -> None:
         """Everything due once per scheduler step; call it on every rank at the
-        same lockstep point (after ``check_hicache_events``).
-
-        A step with nothing due (check, agreement by step count, flush by time)
-        costs one integer and one clock compare (``core.gate``, ``tick``); skipped
-        steps are credited to the checker and the reconciler at the next step with
-        work.  "Due" by step count is the same on every rank, so lockstep points do
-        not move.  A metrics flush (rank-local) due right after an iteration longer
-        than ``BUSY_STEP_S`` waits for the first short (idle) iteration, at most half
-        a flush interval, so it costs idle time, not a batch's."""
+        same lockstep point (after ``check_hicache_events``).  A step with nothing
+        due costs the gate's test (``core.gate``, which explains when a step is
+        due); skipped steps are credited to the checker and the reconciler at the
+        next step with work."""
         self._gate()
 
     def _step_due(self, n: int, now: float, flush: bool) -> None:
@@ -250,10 +225,7 @@ class ExistenceRuntime:
         if skipped:
             self.checker.advance(skipped)
             if reconciler is not None:
-                try:
-                    reconciler.advance(skipped)
-                except Exception as exc:
-                    self._report("reconciler", exc)
+                reconciler.advance(skipped)  # a count: cannot raise
         if reconciler is not None:
             try:
                 reconciler.apply(self.steps)
@@ -276,14 +248,13 @@ class ExistenceRuntime:
     def _check(self) -> None:
         checker = self.checker
         due = self.config.divergence.enabled and (checker.step + 1) % self._check_interval == 0
-        stepped = False
+        stepped = not due
         try:
             if due:
                 with span(SPAN_DIVERGENCE_CHECK, step=checker.step + 1):
                     stepped = True
                     checker.on_step()
             else:
-                stepped = True
                 checker.on_step()
         except DivergenceError:
             raise  # policy "abort": raising is the point
