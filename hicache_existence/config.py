@@ -355,7 +355,7 @@ class Config:
         """Apply ``HICACHE_EXISTENCE_CONFIG`` then ``HICACHE_EXISTENCE_*`` variables."""
         env = os.environ if env is None else env
         blob = env.get(ENV_CONFIG)
-        config = cls.from_json(blob, base) if blob else base or cls()
+        config = cls.from_json(blob, base) if blob else base
         return cls.from_mapping(_env_updates(env), config)
 
     @classmethod
