@@ -42,75 +42,63 @@ def _seconds(minimum_inclusive: bool) -> object:
     return parse
 
 
+#: The options of secured endpoints (``--help``'s group), each with its help; the
+#: ``-file`` ones take a PATH, ``--bearer-token-env`` a VAR, ``--insecure`` none.
+_AUTH = {
+    "--bearer-token-file": "send 'Authorization: Bearer <the file's content>' "
+    "(surrounding whitespace dropped)",
+    "--bearer-token-env": "send the bearer token held by the environment variable VAR",
+    "--ca-file": "verify https servers against this CA bundle (PEM) instead of the system's",
+    "--insecure": "do not verify https servers' certificates (testing only)",
+    "--cert-file": "client certificate (PEM) for https servers that ask for one",
+    "--key-file": "the client certificate's unencrypted private key (PEM), if not in --cert-file",
+}
+#: The ``_AUTH`` options that configure TLS: for https URLs only.
+_TLS = ("--ca-file", "--insecure", "--cert-file", "--key-file")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "urls",
         nargs="*",
         metavar="URL",
         help="metrics endpoints, one per server (http://host:port reads /metrics)",
     )
-    parser.add_argument(
+    add(
         "--prometheus",
         metavar="URL",
         help="read the series from this Prometheus server's HTTP API instead",
     )
-    parser.add_argument(
-        "--selector",
-        help="with --prometheus: narrow the series, e.g. '{job=\"sglang\"}'",
-    )
-    parser.add_argument(
+    add("--selector", help="with --prometheus: narrow the series, e.g. '{job=\"sglang\"}'")
+    add(
         "--window",
         help=f"with --prometheus: read the series this long apart (default {DEFAULT_WINDOW})",
     )
-    parser.add_argument(
+    add(
         "--interval",
         type=_seconds(True),  # type: ignore[arg-type]
-        default=None,
         help=f"seconds between the two reads of each URL (default {DEFAULT_INTERVAL_S:g}; "
         "0: one read, no rates)",
     )
-    parser.add_argument(
+    add(
         "--timeout",
         type=_seconds(False),  # type: ignore[arg-type]
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds to wait for each answer (default {DEFAULT_TIMEOUT_S:g})",
     )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add("--json", action="store_true", help="print the report as JSON")
     auth = parser.add_argument_group(
         "secured endpoints",
         "for every URL read (metrics endpoints or --prometheus); basic auth is the URL's "
         "user info (https://user:password@host/metrics), masked in every output",
     )
-    auth.add_argument(
-        "--bearer-token-file",
-        metavar="PATH",
-        help="send 'Authorization: Bearer <the file's content>' (surrounding whitespace dropped)",
-    )
-    auth.add_argument(
-        "--bearer-token-env",
-        metavar="VAR",
-        help="send the bearer token held by the environment variable VAR",
-    )
-    auth.add_argument(
-        "--ca-file",
-        metavar="PATH",
-        help="verify https servers against this CA bundle (PEM) instead of the system's",
-    )
-    auth.add_argument(
-        "--insecure",
-        action="store_true",
-        help="do not verify https servers' certificates (testing only)",
-    )
-    auth.add_argument(
-        "--cert-file",
-        metavar="PATH",
-        help="client certificate (PEM) for https servers that ask for one",
-    )
-    auth.add_argument(
-        "--key-file",
-        metavar="PATH",
-        help="the client certificate's unencrypted private key (PEM), if not in --cert-file",
-    )
+    for flag, text in _AUTH.items():
+        if flag == "--insecure":
+            auth.add_argument(flag, action="store_true", help=text)
+        else:
+            metavar = "VAR" if flag.endswith("-env") else "PATH"
+            auth.add_argument(flag, metavar=metavar, help=text)
 
 
 def _fail(text: str) -> int:
@@ -133,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prometheus and args.interval is not None:
         return _fail("--interval is for metrics URLs; with --prometheus use --window")
     urls = [args.prometheus] if args.prometheus else args.urls
-    tls_options = ("--ca-file", "--insecure", "--cert-file", "--key-file")
-    tls = [n for n in tls_options if getattr(args, n[2:].replace("-", "_"))]
+    tls = [n for n in _TLS if getattr(args, n[2:].replace("-", "_"))]
     if tls and not any(u.strip().lower().startswith("https://") for u in urls):
         return _fail(f"{', '.join(tls)}: for https URLs, and no URL is https")
     try:

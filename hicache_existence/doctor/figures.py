@@ -1,10 +1,8 @@
 """The doctor's figures: the series it reads, aggregated over ranks, per instance.
 
-Input: one ``Reading`` per instance (a server's metrics endpoint, or one
-``instance`` of a Prometheus server): the samples read last, and optionally the
-samples read ``seconds`` earlier.  The series are the package's (every family of
-``hicache_existence.exporters.catalog``, looked up there by name: ``SERIES``) and
-SGLang's HiCache/L3 storage series (declared below: they are upstream's).
+The series are the package's (every family of ``hicache_existence.exporters.catalog``,
+looked up there by name: ``SERIES``) and SGLang's HiCache/L3 storage series
+(declared below: they are upstream's).
 
 A series' samples are summed over the labels that tell ranks and processes apart
 (counters: the sum, as ``sum by (pool, reason, ...)`` in PromQL; gauges: the
@@ -16,10 +14,10 @@ value went down was reset (a restart) and counts from 0, as ``increase()`` does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hicache_existence.doctor.exposition import Exposition, Labels, Sample
+from hicache_existence.doctor.exposition import Exposition, Labels
 from hicache_existence.exporters.catalog import CATALOG, FEATURE_CATALOG, PREFIX
 
 #: Every exported family's sample name by its name without the prefix
@@ -134,6 +132,8 @@ def readable(exposition: Exposition) -> str | None:
 
 
 Key = tuple[str, Labels]
+#: A label value's escapes, as the exposition format writes them.
+_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})
 
 
 def key_text(key: Key) -> str:
@@ -141,21 +141,8 @@ def key_text(key: Key) -> str:
     name, labels = key
     if not labels:
         return name
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    inner = ",".join(f'{k}="{v.translate(_ESCAPES)}"' for k, v in labels)
     return f"{name}{{{inner}}}"
-
-
-def _escape(value: str) -> str:
-    """A label value as the exposition format writes it."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _kept(labels: Labels) -> Labels:
-    return tuple((k, v) for k, v in labels if k in KEPT_LABELS)
-
-
-def _is_counter(name: str) -> bool:
-    return name.endswith("_total")
 
 
 @dataclass(frozen=True)
@@ -171,19 +158,25 @@ class Figure:
 
 def figures_of(reading: Reading) -> dict[Key, Figure]:
     """Every series the doctor reads, aggregated over ranks (module docstring)."""
-    last = _aggregate(reading.last.samples)
-    if reading.first is None:
-        return {k: Figure(v) for k, v in sorted(last.items())}
-    before = {
-        (canonical(s.name), s.labels): s.value for s in reading.first.samples if is_read(s.name)
-    }
+    first = () if reading.first is None else reading.first.samples
+    before = {(canonical(s.name), s.labels): s.value for s in first if is_read(s.name)}
+    values: dict[Key, float] = {}
     deltas: dict[Key, float] = {}
     resets: set[Key] = set()
     for s in reading.last.samples:
-        if not is_read(s.name) or not _is_counter(s.name):
+        if not is_read(s.name):
             continue
         name = canonical(s.name)
-        key = (name, _kept(s.labels))
+        key = (name, tuple((k, v) for k, v in s.labels if k in KEPT_LABELS))
+        counter = name.endswith("_total")
+        if key not in values:
+            values[key] = s.value
+        elif counter:
+            values[key] += s.value
+        else:
+            values[key] = (min if name in MIN_GAUGES else max)(values[key], s.value)
+        if reading.first is None or not counter:
+            continue
         prior = before.get((name, s.labels))
         if prior is not None and s.value < prior:
             resets.add(key)  # a restart
@@ -194,36 +187,14 @@ def figures_of(reading: Reading) -> dict[Key, Figure]:
         k: Figure(v, deltas[k], deltas[k] / reading.seconds, k in resets)
         if k in deltas
         else Figure(v)
-        for k, v in sorted(last.items())
+        for k, v in sorted(values.items())
     }
-
-
-def _aggregate(samples: Iterable[Sample]) -> dict[Key, float]:
-    sums: dict[Key, float] = {}
-    for s in samples:
-        if not is_read(s.name):
-            continue
-        name = canonical(s.name)
-        key = (name, _kept(s.labels))
-        if key not in sums:
-            sums[key] = s.value
-        elif _is_counter(name):
-            sums[key] += s.value
-        elif name in MIN_GAUGES:
-            sums[key] = min(sums[key], s.value)
-        else:
-            sums[key] = max(sums[key], s.value)
-    return sums
 
 
 def ranks_of(exposition: Exposition) -> int:
     """Distinct (tp, dp, pp) rank label sets among the package's series."""
-    seen = {
-        tuple(dict(s.labels).get(r) for r in RANK_LABELS)
-        for s in exposition.samples
-        if is_package(s.name)
-    }
-    return len(seen)
+    ranks = (dict(s.labels) for s in exposition.samples if is_package(s.name))
+    return len({tuple(labels.get(r) for r in RANK_LABELS) for labels in ranks})
 
 
 def _sum_or_none(values: list[float | None]) -> float | None:
@@ -294,17 +265,12 @@ class View:
 
     def mode_labels(self) -> Labels:
         """The labels of ``mode_info`` (empty when not exported)."""
-        full = series("mode_info")
-        for k, f in self.figures.items():
-            if k[0] == full and f.value >= 1:
-                return k[1]
-        return ()
+        figures = self._by_name.get(series("mode_info"), [])
+        return next((k[1] for k, f in figures if f.value >= 1), ())
 
     def mode(self) -> tuple[str | None, str | None, bool | None]:
         """(host_memory_mode, write_policy, cache_mode_dedup) from ``mode_info``."""
         labels = dict(self.mode_labels())
-        if not labels:
-            return None, None, None
         dedup = labels.get("cache_mode_dedup")
         return (
             labels.get("host_memory_mode"),

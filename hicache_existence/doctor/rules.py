@@ -243,16 +243,8 @@ def dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
 
 def advisor_curve(view: View, pool: str) -> dict[float, float]:
     """{cap multiplier: estimated lookup hit ratio} (the largest over ranks)."""
-    out: dict[float, float] = {}
     by = view.values_by("advisor_estimated_lookup_hit_ratio", "cap_multiplier", pool=pool)
-    for m, v in by.items():
-        try:
-            multiplier = float(m)
-        except ValueError:
-            continue
-        if math.isfinite(multiplier) and multiplier > 0 and math.isfinite(v):
-            out[multiplier] = v
-    return out
+    return {float(m): v for m, v in by.items() if _number(m) and float(m) > 0 and math.isfinite(v)}
 
 
 def miss_memory_fraction(view: View, pool: str) -> float | None:
@@ -344,7 +336,7 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
     entries = _filling(view, pool)
     r = view.value("redundant_written_pages", pool=pool)
     w = view.value("written_pages", pool=pool)
-    at_cap = capacity > 0 and entries >= s.at_cap_fill * capacity
+    at_cap = _at_cap(view, pool)
     # Redundant pages not believed at their launch: the cap's share of them is at
     # most this (the rest: another instance, heals, clears).
     not_believed = max(0.0, r - view.value("redundant_believed_pages", pool=pool))
@@ -636,9 +628,9 @@ def write_failures(view: View, pool: str) -> list[Finding]:
 def fleet(views: Sequence[View]) -> list[Finding]:
     if len(views) < 2:
         return []
-    written = {v.instance: v.value("written_pages") for v in views}
     redundant = {v.instance: v.value("redundant_written_pages") for v in views}
-    total_w, total_r = sum(written.values()), sum(redundant.values())
+    total_w = sum(v.value("written_pages") for v in views)
+    total_r = sum(redundant.values())
     # What the routing costs, per instance.  Below its cap (no eviction) a cache
     # forgets nothing it stored, so its redundant pages that were not believed when
     # written came from elsewhere: another instance (or a previous process).  At

@@ -124,20 +124,24 @@ def _no_passphrase() -> str:
     raise ReadError("--key-file: the key is encrypted; give an unencrypted key file")
 
 
-def _tls_context(
-    ca_file: str | None, insecure: bool, cert_file: str | None, key_file: str | None
-) -> ssl.SSLContext | None:
+def http_options(args: argparse.Namespace) -> HTTPOptions:
+    """The options of the command line (``--bearer-token-file`` ... ``--key-file``),
+    checked and loaded: ``ReadError`` (one line naming the option, never the secret)
+    for a missing, empty or malformed token, an unloadable CA bundle or client
+    certificate, contradictory options."""
+    token = _read_token(args.bearer_token_file, args.bearer_token_env)
+    ca_file, cert_file, key_file = args.ca_file, args.cert_file, args.key_file
     if key_file is not None and cert_file is None:
         raise ReadError("--key-file needs --cert-file (the client certificate)")
-    if insecure and ca_file is not None:
+    if args.insecure and ca_file is not None:
         raise ReadError("--insecure does not verify the server: drop --ca-file, or --insecure")
-    if ca_file is None and not insecure and cert_file is None:
-        return None
+    if ca_file is None and not args.insecure and cert_file is None:
+        return HTTPOptions(token)
     try:
         context = ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
         raise ReadError(f"--ca-file: cannot load {ca_file} ({_ssl_reason(exc)})") from None
-    if insecure:
+    if args.insecure:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     if cert_file is not None:
@@ -148,17 +152,7 @@ def _tls_context(
             raise ReadError(
                 f"{what}: cannot load the client certificate ({_ssl_reason(exc)})"
             ) from None
-    return context
-
-
-def http_options(args: argparse.Namespace) -> HTTPOptions:
-    """The options of the command line (``--bearer-token-file`` ... ``--key-file``),
-    checked and loaded: ``ReadError`` (one line naming the option, never the secret)
-    for a missing, empty or malformed token, an unloadable CA bundle or client
-    certificate, contradictory options."""
-    token = _read_token(args.bearer_token_file, args.bearer_token_env)
-    context = _tls_context(args.ca_file, args.insecure, args.cert_file, args.key_file)
-    return HTTPOptions(token, context, args.cert_file is not None)
+    return HTTPOptions(token, context, cert_file is not None)
 
 
 def _ssl_reason(exc: BaseException) -> str:
@@ -247,22 +241,20 @@ def _watched(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any
     return Watched
 
 
-class _HTTP(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline) -> None:
-        super().__init__()
-        self._connection = _watched(http.client.HTTPConnection, deadline)
+class _Handler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """http and https over connections the deadline watches (and replaces both
+    default handlers in ``build_opener``)."""
 
-    def http_open(self, req: Request) -> Any:
-        return self.do_open(self._connection, req)
-
-
-class _HTTPS(urllib.request.HTTPSHandler):
     def __init__(self, deadline: _Deadline, context: ssl.SSLContext | None) -> None:
         super().__init__(context=context)
-        self._connection = _watched(http.client.HTTPSConnection, deadline)
+        self._http = _watched(http.client.HTTPConnection, deadline)
+        self._https = _watched(http.client.HTTPSConnection, deadline)
+
+    def http_open(self, req: Request) -> Any:
+        return self.do_open(self._http, req)
 
     def https_open(self, req: Request) -> Any:
-        return self.do_open(self._connection, req, context=self._context)  # type: ignore[attr-defined]
+        return self.do_open(self._https, req, context=self._context)  # type: ignore[attr-defined]
 
 
 def _split_credentials(url: str) -> tuple[str, str | None]:
@@ -307,9 +299,7 @@ def fetch(
     elif options.bearer_token is not None:
         request.add_unredirected_header("Authorization", f"Bearer {options.bearer_token}")
     deadline = _Deadline(timeout_s)
-    opener = urllib.request.build_opener(
-        _HTTP(deadline), _HTTPS(deadline, options.ssl_context), _Redirects()
-    )
+    opener = urllib.request.build_opener(_Handler(deadline, options.ssl_context), _Redirects())
     hint = "" if options.client_certificate else "; does it want a client certificate?"
     try:
         try:
@@ -454,8 +444,7 @@ def _api_query(
             f"{shown}: the query failed: {_one_line(error or 'not a Prometheus answer')}"
         )
     data = answer.get("data")
-    if not isinstance(data, dict) or data.get("resultType") != "vector":
-        raise ReadError(f"{shown}: not a Prometheus instant-vector answer")
+    data = data if isinstance(data, dict) and data.get("resultType") == "vector" else {}
     result = data.get("result")
     if not isinstance(result, list):
         raise ReadError(f"{shown}: not a Prometheus instant-vector answer")
