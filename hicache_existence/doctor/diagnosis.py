@@ -33,7 +33,7 @@ def diagnose(readings: Sequence[Reading], source: Mapping[str, Any] | None = Non
         findings += rules.liveness(view, mode, dedup)
         findings += rules.divergence(view)
         findings += rules.reconciler_health(view)
-        findings += rules.l3_read_back(view, rules.bytes_per_token(view))
+        findings += rules.l3_read_back(view)
         for pool in pools:
             findings += rules.redundant(view, pool, mode, dedup)
             findings += rules.dedup_off(view, pool, mode, dedup)

@@ -31,6 +31,10 @@ _TYPES = frozenset(
     {"counter", "gauge", "histogram", "summary", "untyped", "unknown", "info", "stateset"}
 )
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+#: A label value up to its closing quote: characters and valid escapes only (it stops
+#: at the quote, a bad escape or the line's end: the three cases told apart).
+_QUOTED = re.compile(r'(?:[^"\\]|\\[\\"n])*')
+_ESCAPED = re.compile(r"\\(.)")
 
 #: A sample's labels: sorted (name, value) pairs.
 Labels = tuple[tuple[str, str], ...]
@@ -76,26 +80,17 @@ def _labels(text: str, start: int, number: int, line: str) -> tuple[Labels, int]
         i = n - len(text[i:].lstrip(" \t"))
         if i + 1 >= n or text[i] != "=" or text[i + 1] != '"':
             raise ExpositionError(f'line {number}: expected ="value" after {name} in {_show(line)}')
-        i += 2
-        chars: list[str] = []
-        while True:
-            if i >= n:
-                raise ExpositionError(f"line {number}: unterminated label value in {_show(line)}")
-            c = text[i]
-            if c == "\\":
-                if i + 1 >= n or text[i + 1] not in _ESCAPES:
-                    raise ExpositionError(f"line {number}: bad escape in {_show(line)}")
-                chars.append(_ESCAPES[text[i + 1]])
-                i += 2
-            elif c == '"':
-                i += 1
-                break
-            else:
-                chars.append(c)
-                i += 1
+        value = _QUOTED.match(text, i + 2)
+        assert value is not None  # it matches the empty string too
+        i = value.end()
+        if i >= n:
+            raise ExpositionError(f"line {number}: unterminated label value in {_show(line)}")
+        if text[i] == "\\":
+            raise ExpositionError(f"line {number}: bad escape in {_show(line)}")
+        i += 1
         if name in out:
             raise ExpositionError(f"line {number}: label {name} given twice in {_show(line)}")
-        out[name] = "".join(chars)
+        out[name] = _ESCAPED.sub(lambda m: _ESCAPES[m.group(1)], value.group(0))
         if len(out) > MAX_LABELS:
             raise ExpositionError(f"line {number}: more than {MAX_LABELS} labels")
         i = n - len(text[i:].lstrip(" \t"))

@@ -1,24 +1,16 @@
 """Every judgement once: the doctor's findings and the Prometheus alerts, one table.
 
-A ``Judgement`` declares one question about a deployment: its finding (the doctor's),
-its alert (PromQL and annotations of ``integrations/prometheus/rules.yml``), its
-severity, the ratio it judges over catalog families, its threshold and minimum-traffic
-guard (names of ``Settings`` fields: every figure lives in ``SETTINGS`` alone), and the
-fix.  The doctor evaluates it over scraped figures (``Judgement.exceeds``);
-``dashboards/build.py`` renders the alerts and ``hicache_existence.docs_tables`` the
-docs' threshold and alert tables from the same declaration, so a finding and its alert
-cannot disagree (kubernetes-mixin's shape: one config object, alerts and docs derived).
-
-The doctor judges totals since the server started, the alerts 5m rates: hence two
-guards, ``guard`` (a total the ratio's denominator must reach) and ``rate_guard``
-(its per-second rate).  Findings whose evidence or fix needs code are hooks in
-``hicache_existence.doctor.rules`` that ask their judgement's ``exceeds``.
+A ``Judgement`` declares its finding, its alert, its severity, the ratio it judges,
+its threshold and guards (``Settings`` fields: every figure lives in ``SETTINGS``
+alone) and its fix.  The doctor's rules ask ``exceeds``; ``dashboards/build.py`` and
+``docs_tables`` render the alerts and the docs' tables from the same declaration, so
+a finding and its alert cannot disagree (kubernetes-mixin's shape).  The doctor
+judges totals since the server started, the alerts 5m rates: hence ``guard`` (a
+total the denominator must reach) and ``rate_guard`` (its per-second rate).
 
 Alert texts use ``%(name)s`` placeholders (as kubernetes-mixin's ``% $._config``):
-every ``Settings`` field, ``<field>_pct`` for fractions (``5%``), ``threshold``
-(this judgement's), the catalog's exported sample names by family (``queries``
--> ``hicache_existence_queries_total``) and the recording rules and label sets
-dashboards/build.py supplies; an unknown name fails the build.
+every ``Settings`` field, ``<field>_pct`` for fractions, ``threshold``, the catalog's
+sample names by family and what dashboards/build.py supplies; an unknown name fails.
 """
 
 from __future__ import annotations
@@ -122,7 +114,6 @@ class Settings:
     doubling_gain: float = 0.02
 
     def value(self, name: str) -> float:
-        """The numeric setting ``name`` (a ``Judgement``'s threshold or guard)."""
         return float(getattr(self, name))
 
     def placeholders(self) -> dict[str, str]:
@@ -199,12 +190,11 @@ class Judgement:
         return share > limit if self.direction == "above" else share < limit
 
     def exceeds(self, num: float, den: float) -> bool:
-        """``past``, on at least the guard's traffic (``den`` at least the guard)."""
+        """``past``, with ``den`` at least the guard."""
         guarded = self.guard is None or den >= SETTINGS.value(self.guard)
         return guarded and self.past(num, den)
 
     def severity_if(self, condition: bool) -> Severity:
-        """This judgement's severity when ``condition`` holds, info otherwise."""
         return self.severity if condition else "info"
 
     @property
@@ -536,7 +526,6 @@ def runbook_anchor(alert_name: str) -> str:
 
 
 def alerting() -> tuple[tuple[Judgement, Alert], ...]:
-    """The judgements that have an alert, with it, in rendering order."""
     return tuple((j, j.alert) for j in JUDGEMENTS if j.alert is not None)
 
 

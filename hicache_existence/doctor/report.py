@@ -126,10 +126,6 @@ def render_text(report: Report) -> str:
         lines.append("findings (by severity, then L3 bytes explained):")
         for i, f in enumerate(report.findings, 1):
             lines += _finding(i, f)
-    counts = {s: sum(1 for f in report.findings if f.severity == s) for s in SEVERITIES}
-    lines.append("")
-    lines.append(
-        f"{counts['critical']} critical, {counts['warning']} warning, {counts['info']} info: "
-        f"exit {report.exit_code}"
-    )
+    counts = (f"{sum(f.severity == s for f in report.findings)} {s}" for s in SEVERITIES[::-1])
+    lines += ["", f"{', '.join(counts)}: exit {report.exit_code}"]
     return "\n".join(lines)

@@ -204,17 +204,13 @@ def redundant(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
         fixes.append(
             "cache mode without dedup: `cache_mode.dedup=true` (see cache_mode_without_dedup)"
         )
-    return found(
-        J.REDUNDANT_WRITES,
-        view,
+    summary = (
         f"{pool}: {_n(r)} of {_n(w)} written pages ({_pct(_ratio(r, w))}) were already in "
-        f"L3, {human_bytes(rb)} written twice{cause_text}",
-        ev,
-        fixes or None,
-        pool,
-        rb,
-        view.rate("redundant_written_bytes", pool=pool),
-        over=(counted, w),
+        f"L3, {human_bytes(rb)} written twice{cause_text}"
+    )
+    rate = view.rate("redundant_written_bytes", pool=pool)
+    return found(
+        J.REDUNDANT_WRITES, view, summary, ev, fixes or None, pool, rb, rate, over=(counted, w)
     )
 
 
@@ -229,16 +225,13 @@ def dedup_off(view: View, pool: str, mode: str | None, dedup: bool | None) -> li
     rate = view.rate("redundant_believed_pages", pool=pool)
     mode_info = key_text((series("mode_info"), view.mode_labels()))
     names = "redundant_written_pages written_pages redundant_believed_pages"
-    return found(
-        j,
-        view,
+    ev = [Evidence(view.instance, mode_info, 1.0), *evidences(view, names, pool=pool)]
+    summary = (
         f"{pool}: cache mode writes {_pct(_ratio(r, w))} of its L3 pages twice and dedup "
-        f"is off; dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})",
-        [Evidence(view.instance, mode_info, 1.0), *evidences(view, names, pool=pool)],
-        pool=pool,
-        wasted=saved * per_page,
-        wasted_rate=None if rate is None else rate * per_page,
+        f"is off; dedup would have saved {_n(saved)} pages ({human_bytes(saved * per_page)})"
     )
+    wasted_rate = None if rate is None else rate * per_page
+    return found(j, view, summary, ev, None, pool, saved * per_page, wasted_rate)
 
 
 def advisor_curve(view: View, pool: str) -> dict[float, float]:
@@ -406,7 +399,7 @@ def _at_cap(view: View, pool: str) -> bool:
     return capacity > 0 and _filling(view, pool) >= J.SETTINGS.at_cap_fill * capacity
 
 
-def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
+def l3_read_back(view: View) -> list[Finding]:
     j = J.L3_NOT_READ_BACK
     written = view.value(SGLANG_BACKUPED)
     read = view.value(SGLANG_PREFETCHED)
@@ -433,24 +426,17 @@ def l3_read_back(view: View, bytes_per_token: float | None) -> list[Finding]:
         )
     wasted = wasted_rate = None
     rate, rate_read = view.rate(SGLANG_BACKUPED), view.rate(SGLANG_PREFETCHED)
-    if bytes_per_token is not None:
-        wasted = (written - read) * bytes_per_token
+    per_token = bytes_per_token(view)
+    if per_token is not None:
+        wasted = (written - read) * per_token
         if rate is not None and rate_read is not None:
-            wasted_rate = max(0.0, rate - rate_read) * bytes_per_token
+            wasted_rate = max(0.0, rate - rate_read) * per_token
+    hits = f"{_pct(_ratio(read, written))}; {_n(hit)} tokens hit in L3 queries"
+    back = "none (no prefetch hit either)" if never else f"{_n(read)} ({hits})"
+    summary = f"L3 was written {_n(written)} tokens and read back {back}"
+    severity = j.severity_if(never and j.exceeds(read, written))
     return found(
-        j,
-        view,
-        f"L3 was written {_n(written)} tokens and read back "
-        + (
-            "none (no prefetch hit either)"
-            if never
-            else f"{_n(read)} ({_pct(_ratio(read, written))}; {_n(hit)} tokens hit in L3 queries)"
-        ),
-        ev,
-        [*fixes, *j.fix],
-        wasted=wasted,
-        wasted_rate=wasted_rate,
-        severity=j.severity_if(never and j.exceeds(read, written)),
+        j, view, summary, ev, [*fixes, *j.fix], None, wasted, wasted_rate, severity=severity
     )
 
 
@@ -459,40 +445,34 @@ def stale(view: View, pool: str) -> list[Finding]:
     if positives > 0:
         answered = view.value("reconciler_queries", pool=pool, result=ANSWERED)
         invalidated = view.value("reconciler_pages_invalidated", pool=pool)
-        return found(
-            J.STALE_POSITIVES,
-            view,
+        summary = (
             f"{pool}: {_n(positives)} of {_n(answered)} answered verifications "
             f"({_pct(_ratio(positives, answered))}) found believed pages missing from L3; "
-            f"{_n(invalidated)} beliefs removed",
-            [
-                evidence(view, "reconciler_stale_positives", pool=pool),
-                *_each(view, "reconciler_queries", "result", ANSWERED, pool=pool),
-                evidence(view, "reconciler_pages_invalidated", pool=pool),
-                evidence(view, "page_misses", pool=pool, reason="invalidated"),
-            ],
-            pool=pool,
-            over=(positives, answered),
+            f"{_n(invalidated)} beliefs removed"
         )
+        ev = [
+            evidence(view, "reconciler_stale_positives", pool=pool),
+            *_each(view, "reconciler_queries", "result", ANSWERED, pool=pool),
+            evidence(view, "reconciler_pages_invalidated", pool=pool),
+            evidence(view, "page_misses", pool=pool, reason="invalidated"),
+        ]
+        return found(J.STALE_POSITIVES, view, summary, ev, pool=pool, over=(positives, answered))
     healed = view.value("invalidations", pool=pool)
     if view.has("reconciler_queries") or healed <= 0:
         return []
-    return found(
-        J.STALE_POSITIVES,
-        view,
+    summary = (
         f"{pool}: {_n(healed)} beliefs were dropped by heals after prefetch shortfalls "
-        "(L3 lacked pages believed stored); no reconciler looks for the others",
-        [
-            evidence(view, "invalidations", pool=pool),
-            evidence(view, "page_misses", pool=pool, reason="invalidated"),
-        ],
-        [
-            "turn the reconciler on to find stale beliefs before a prefetch trips on them: "
-            "`reconciler.enabled=true` with `reconciler.redis_url` (docs/reconciler.md)"
-        ],
-        pool,
-        severity="info",
+        "(L3 lacked pages believed stored); no reconciler looks for the others"
     )
+    ev = [
+        evidence(view, "invalidations", pool=pool),
+        evidence(view, "page_misses", pool=pool, reason="invalidated"),
+    ]
+    fix = (
+        "turn the reconciler on to find stale beliefs before a prefetch trips on them: "
+        "`reconciler.enabled=true` with `reconciler.redis_url` (docs/reconciler.md)"
+    )
+    return found(J.STALE_POSITIVES, view, summary, ev, [fix], pool, severity="info")
 
 
 def reconciler_health(view: View) -> list[Finding]:
@@ -513,18 +493,16 @@ def reconciler_health(view: View) -> list[Finding]:
     severity = worst(J.CIRCUIT_OPEN.severity_if(open_), J.RECONCILER_DOWN.severity_if(down))
     kinds = ", ".join(f"{k} {_n(errors[k])}" for k in _positive(errors)) or "none"
     state = "circuit breaker open" if open_ else ("no answers" if down else "answering")
-    return found(
-        J.RECONCILER_DOWN,
-        view,
+    summary = (
         f"reconciler: {state}; {_n(failed)} verifications failed and {_n(answered)} were "
-        f"answered; errors by kind: {kinds}",
-        [
-            evidence(view, "reconciler_circuit_open"),
-            *_each(view, "reconciler_queries", "result", (*FAILED_RESULTS, *ANSWERED)),
-            *_each(view, "reconciler_errors", "kind", _positive(errors)),
-        ],
-        severity=severity,
+        f"answered; errors by kind: {kinds}"
     )
+    ev = [
+        evidence(view, "reconciler_circuit_open"),
+        *_each(view, "reconciler_queries", "result", (*FAILED_RESULTS, *ANSWERED)),
+        *_each(view, "reconciler_errors", "kind", _positive(errors)),
+    ]
+    return found(J.RECONCILER_DOWN, view, summary, ev, severity=severity)
 
 
 def divergence(view: View) -> list[Finding]:
@@ -612,17 +590,12 @@ def write_failures(view: View, pool: str) -> list[Finding]:
     if failed <= 0:
         return []
     w = view.value("written_pages", pool=pool)
-    return found(
-        J.WRITE_FAILURES,
-        view,
-        f"{pool}: L3 did not store {_n(failed)} of {_n(w)} written pages "
-        f"({_pct(_ratio(failed, w))})",
-        evidences(view, "write_failed_pages write_failed_bytes written_pages", pool=pool),
-        pool=pool,
-        wasted=view.value("write_failed_bytes", pool=pool),
-        wasted_rate=view.rate("write_failed_bytes", pool=pool),
-        over=(failed, w),
-    )
+    share = _pct(_ratio(failed, w))
+    summary = f"{pool}: L3 did not store {_n(failed)} of {_n(w)} written pages ({share})"
+    ev = evidences(view, "write_failed_pages write_failed_bytes written_pages", pool=pool)
+    wasted = view.value("write_failed_bytes", pool=pool)
+    rate = view.rate("write_failed_bytes", pool=pool)
+    return found(J.WRITE_FAILURES, view, summary, ev, None, pool, wasted, rate, over=(failed, w))
 
 
 def fleet(views: Sequence[View]) -> list[Finding]:
@@ -693,19 +666,14 @@ def fleet(views: Sequence[View]) -> list[Finding]:
             f"{', '.join(sorted(lopsided))} writes far more than 1/{n} of the redundant pages: "
             "its beliefs were emptied (a restart, /flush_cache) or its cap is smaller"
         )
-    return found(
-        j,
-        None,
+    summary = (
         f"fleet of {n}: {_n(total_r)} of {_n(total_w)} written pages "
         f"({_pct(_ratio(total_r, total_w))}) were already in L3; share of the redundant "
         f"pages: {shares}; the routing costs {human_bytes(cost_bytes)} "
-        f"({'; '.join(sorted(methods))})",
-        ev,
-        fixes,
-        wasted=cost_bytes,
-        wasted_rate=cost_rate,
-        severity=j.severity_if(high),
+        f"({'; '.join(sorted(methods))})"
     )
+    severity = j.severity_if(high)
+    return found(j, None, summary, ev, fixes, None, cost_bytes, cost_rate, severity=severity)
 
 
 def bytes_per_token(view: View) -> float | None:
