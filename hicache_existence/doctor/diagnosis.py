@@ -1,10 +1,4 @@
-"""The doctor's judgement, without I/O: readings in, a ranked ``Report`` out.
-
-Per instance, ``figures`` aggregates every series the doctor reads over ranks; the
-findings of ``rules`` judge them by their declarations in ``judgements`` (the table
-the Prometheus alerts are rendered from too), and ``model`` ranks them into the
-report: by severity, then by the L3 bytes they explain.
-"""
+"""The doctor's judgement, without I/O: readings in, a ranked ``Report`` out."""
 
 from __future__ import annotations
 
@@ -17,8 +11,8 @@ from hicache_existence.doctor.model import Finding, InstanceReport, Report, rank
 
 
 def diagnose(readings: Sequence[Reading], source: Mapping[str, Any] | None = None) -> Report:
-    """Figures and ranked findings for these instances (distinct, as both readers
-    name them)."""
+    """Figures and ranked findings for these instances (named distinctly by both
+    readers)."""
     instances: list[InstanceReport] = []
     views: list[View] = []
     findings: list[Finding] = []

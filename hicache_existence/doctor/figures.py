@@ -114,8 +114,7 @@ def is_package(name: str) -> bool:
 
 
 def is_read(name: str) -> bool:
-    """A series the doctor reads (the package's counters and gauges, SGLang's HiCache
-    storage and host series, under either spelling)."""
+    """A series the doctor reads (SGLang's under either spelling)."""
     return is_package(name) or canonical(name) in SGLANG_SERIES
 
 

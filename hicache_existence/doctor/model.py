@@ -1,10 +1,7 @@
 """The doctor's report: findings with their evidence, per-instance figures, ranked.
 
-A finding has an id, a severity (info / warning / critical), a summary, the
-evidence (figures and the series they came from), the fix, and the L3 bytes it
-explains (``wasted_bytes``; ``None`` where it costs no bytes or they cannot be
-told).  ``Report.as_dict()`` is the ``--json`` document (docs/doctor.md, "JSON"):
-the dataclasses' fields in declaration order, numbers through ``number()``.
+``Report.as_dict()`` is the ``--json`` document (docs/doctor.md, "JSON"): the
+dataclasses' fields in declaration order, numbers through ``number()``.
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ def number(value: float | None) -> int | float | str | None:
 
 
 def _json(value: Any) -> Any:
-    """Dataclasses as their fields, in order; floats through ``number()``."""
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: _json(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, tuple | list):
@@ -69,7 +65,8 @@ class Finding:
     instance: str | None = None
     pool: str | None = None
     summary: str
-    #: L3 bytes this finding explains (written for nothing) and their rate.
+    #: L3 bytes this finding explains (written for nothing) and their rate; None where
+    #: it costs no bytes or they cannot be told.
     wasted_bytes: float | None = None
     wasted_bytes_per_s: float | None = None
     evidence: tuple[Evidence, ...]

@@ -1,8 +1,6 @@
 """The findings (docs/doctor.md, "Findings"): each judges one instance's figures (or
-the fleet's) by its declaration in ``hicache_existence.doctor.judgements`` (threshold,
-guard, severity, fix); what needs code is here: each finding's evidence, the causes,
-the cap's advice, the fleet's routing cost.  Series are named by catalog family
-(``figures.series``).
+the fleet's) by its declaration in ``judgements``; what needs code is here: each
+finding's evidence, the causes, the cap's advice, the fleet's routing cost.
 """
 
 from __future__ import annotations
@@ -105,7 +103,6 @@ def _ranked(by: Mapping[str, float]) -> list[tuple[float, str]]:
 
 
 def _positive(by: Mapping[str, float]) -> list[str]:
-    """The label values whose figure is positive, in order."""
     return [k for k in sorted(by) if by[k] > 0]
 
 
@@ -118,14 +115,12 @@ def evidence(view: View, name: str, **labels: str) -> Evidence:
 
 
 def evidences(view: View, names: str, **labels: str) -> list[Evidence]:
-    """``evidence`` of each of the space-separated ``names``."""
     return [evidence(view, name, **labels) for name in names.split()]
 
 
 def _each(
     view: View, name: str, label: str, values: Sequence[str], **labels: str
 ) -> list[Evidence]:
-    """``evidence`` of ``name`` at each of ``label``'s ``values``."""
     return [evidence(view, name, **labels, **{label: v}) for v in values]
 
 
@@ -240,24 +235,6 @@ def advisor_curve(view: View, pool: str) -> dict[float, float]:
     return {float(m): v for m, v in by.items() if _number(m) and float(m) > 0 and math.isfinite(v)}
 
 
-def miss_memory_fraction(view: View, pool: str) -> float | None:
-    """The miss-reason memory's size over the beliefs' (``miss_reasons.memory_fraction``
-    as configured, measured), None without the memory gauges."""
-    miss = view.value("miss_memory_bytes", pool=pool)
-    beliefs = view.value("memory_bytes", pool=pool) - miss
-    if not view.has("miss_memory_bytes") or beliefs <= 0:
-        return None
-    return miss / beliefs
-
-
-def stored_pages(view: View, pool: str) -> float:
-    """Distinct pages this instance stored in L3: its written pages that L3 did not
-    hold yet and that it acknowledged (each new page counts once)."""
-    written = view.value("written_pages", pool=pool)
-    redundant = view.value("redundant_written_pages", pool=pool)
-    return max(0.0, written - redundant - view.value("write_failed_pages", pool=pool))
-
-
 def cap_covering(pages: float) -> int:
     """The smallest power of two of at least ``pages`` entries."""
     if not (math.isfinite(pages) and pages >= 0):
@@ -266,16 +243,15 @@ def cap_covering(pages: float) -> int:
 
 
 def _cap_fix(
-    view: View, pool: str, curve: Mapping[float, float], cap: float, ev: list[Evidence]
+    view: View, curve: Mapping[float, float], cap: float, stored: float, ev: list[Evidence]
 ) -> tuple[str | None, bool, bool]:
     """The cap's advice from the advisor's curve: (the fix, the curve is flat, the
-    curve's range is below what the pool stored)."""
+    curve's range is below the distinct pages the pool ``stored``)."""
     multiple = recommended_multiple(curve)
     if not math.isfinite(cap * max([2, *curve])):
         return None, False, False  # figures no server exports (a crafted body): no advice
     # The advisor's curve ends at its largest multiple: below what the pool stored it
     # cannot tell a flat curve from a working set beyond its range.
-    stored = stored_pages(view, pool)
     top = max(curve) * cap if curve else 0.0
     fix: str | None = None
     flat = beyond = False
@@ -350,10 +326,15 @@ def cap(view: View, pool: str, mode: str | None, dedup: bool | None) -> list[Fin
             key=float,
         )
         ev += _each(view, lookup, "cap_multiplier", multipliers, pool=pool)
-    fix, flat, beyond = _cap_fix(view, pool, curve, capacity, ev)
+    # Distinct pages stored in L3: written pages L3 did not hold yet, acknowledged.
+    stored = max(0.0, w - r - view.value("write_failed_pages", pool=pool))
+    fix, flat, beyond = _cap_fix(view, curve, capacity, stored, ev)
     fixes = [] if fix is None else [fix]
     cold = view.value("page_misses", pool=pool, reason="cold")
-    fraction = miss_memory_fraction(view, pool)
+    # The miss-reason memory over the beliefs' (``miss_reasons.memory_fraction``, measured).
+    miss = view.value("miss_memory_bytes", pool=pool)
+    beliefs = view.value("memory_bytes", pool=pool) - miss
+    fraction = miss / beliefs if view.has("miss_memory_bytes") and beliefs > 0 else None
     if at_cap and cold > evicted and fraction is not None and fraction < s.miss_memory_small:
         proposed = min(1.0, max(s.miss_memory_floor, 2 * fraction))
         fixes.append(

@@ -1,15 +1,10 @@
 """The doctor's I/O: metrics endpoints read twice, or a Prometheus server's HTTP API.
 
-Everything that can go wrong on the way (no connection, a timeout, an HTTP error,
-a body that is not the format, an answer that is not Prometheus' JSON, a body
-larger than ``MAX_BODY_BYTES``) is a ``ReadError`` whose message is one line naming
-the URL (credentials masked).  Nothing here is unpickled or evaluated: bodies are
-parsed by ``exposition.parse`` and ``json.loads`` only.
-
-Every read goes through ``fetch`` with one ``HTTPOptions``: basic auth from the URL's
-user info (taken out of the URL, sent as a header), a bearer token, the TLS context
-(CA bundle, client certificate, or no verification).  Credentials are never in a
-message or a ``repr``, and never follow a redirect to another origin.
+Everything that can go wrong on the way is a ``ReadError`` whose message is one line
+naming the URL (credentials masked).  Nothing here is unpickled or evaluated: bodies
+are parsed by ``exposition.parse`` and ``json.loads`` only.  Every read goes through
+``fetch``; credentials (the URL's user info, sent as a header, or a bearer token) are
+never in a message or a ``repr``, and never follow a redirect to another origin.
 """
 
 from __future__ import annotations
@@ -79,9 +74,7 @@ def endpoint_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class HTTPOptions:
-    """How every URL is read: a bearer token (never in the ``repr``), the TLS
-    context for https URLs (``None``: the system's CAs, verified) and whether it
-    holds a client certificate."""
+    """How every URL is read (``ssl_context`` None: the system's CAs, verified)."""
 
     bearer_token: str | None = field(default=None, repr=False)
     ssl_context: ssl.SSLContext | None = None
@@ -125,10 +118,8 @@ def _no_passphrase() -> str:
 
 
 def http_options(args: argparse.Namespace) -> HTTPOptions:
-    """The options of the command line (``--bearer-token-file`` ... ``--key-file``),
-    checked and loaded: ``ReadError`` (one line naming the option, never the secret)
-    for a missing, empty or malformed token, an unloadable CA bundle or client
-    certificate, contradictory options."""
+    """The command line's options checked and loaded: ``ReadError`` (one line naming
+    the option, never the secret) for anything that does not load or contradicts."""
     token = _read_token(args.bearer_token_file, args.bearer_token_env)
     ca_file, cert_file, key_file = args.ca_file, args.cert_file, args.key_file
     if key_file is not None and cert_file is None:
@@ -156,8 +147,7 @@ def http_options(args: argparse.Namespace) -> HTTPOptions:
 
 
 def _ssl_reason(exc: BaseException) -> str:
-    """An OpenSSL error in a few words: its reason (``CERTIFICATE_VERIFY_FAILED``'s
-    verify message), not the C file and line."""
+    """An OpenSSL error in a few words, not the C file and line."""
     if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message:
         return _one_line(exc.verify_message)
     if isinstance(exc, ssl.SSLError) and exc.reason:
@@ -294,10 +284,9 @@ def fetch(
     if basic is not None and options.bearer_token is not None:
         raise ReadError(f"{shown}: give user:password@ in the URL or a bearer token, not both")
     request = Request(target, headers={"Accept": accept, "User-Agent": USER_AGENT})
-    if basic is not None:
-        request.add_unredirected_header("Authorization", basic)
-    elif options.bearer_token is not None:
-        request.add_unredirected_header("Authorization", f"Bearer {options.bearer_token}")
+    auth = basic if options.bearer_token is None else f"Bearer {options.bearer_token}"
+    if auth is not None:
+        request.add_unredirected_header("Authorization", auth)
     deadline = _Deadline(timeout_s)
     opener = urllib.request.build_opener(_Handler(deadline, options.ssl_context), _Redirects())
     hint = "" if options.client_certificate else "; does it want a client certificate?"
