@@ -1,6 +1,5 @@
 """``hicache-existence doctor``: a live deployment's series, diagnosed (docs/doctor.md).
 
-The diagnosis (``diagnosis``: readings in, a ranked report out) does no I/O, so it
-is tested without a network; ``scrape`` is the HTTP side.  CONTRIBUTING.md's layout
-names every module's part; the command line is ``hicache_existence.commands.doctor``.
+``diagnosis`` does no I/O (readings in, a ranked report out), so it is tested without
+a network; ``scrape`` is the HTTP side; the command line is ``commands.doctor``.
 """

@@ -600,7 +600,6 @@ def fleet(views: Sequence[View]) -> list[Finding]:
     for v in views:
         r, b = v.value("redundant_written_pages"), v.value("redundant_believed_pages")
         per_page = _ratio(v.value("redundant_written_bytes"), r)
-        rate: float | None = 0.0
         ev += evidences(
             v, "written_pages redundant_written_pages redundant_believed_pages evictions"
         )
@@ -616,7 +615,7 @@ def fleet(views: Sequence[View]) -> list[Finding]:
             ev.append(evidence(v, "redundant_cause_pages", cause="other_instance"))
         else:
             methods.add("none counted at the cap without the cause series")
-            pages = 0.0
+            pages = rate = 0.0
         cost_bytes += pages * per_page
         cost_rate = None if cost_rate is None or rate is None else cost_rate + rate * per_page
         ev.append(Evidence(v.instance, "share of the fleet's redundant pages", _ratio(r, total_r)))

@@ -497,8 +497,7 @@ def read_prometheus(
             f"{redact_url(base)}: targets of different jobs or instances share the name "
             f"{clash[0]!r}; narrow --selector to one of them"
         )
-    readings = []
-    for where, samples in sorted(last.items()):
-        before = Exposition(tuple(first.get(where, ())))
-        readings.append(Reading(names[where], Exposition(tuple(samples)), before, window_s))
-    return readings
+    return [
+        Reading(names[w], Exposition(tuple(s)), Exposition(tuple(first.get(w, ()))), window_s)
+        for w, s in sorted(last.items())
+    ]
