@@ -1,38 +1,23 @@
 """Capacity advice from inside the live cache: its hit-ratio curve, estimated online.
 
-"What cap do I need?" asks for the hit ratio an LRU of each size would have had
-on the same reference stream.  The advisor estimates it with SHARDS (Waldspurger
-et al., FAST '15): a fixed subset of pages is *sampled* by hash (a sampled page
-is sampled at every reference), the sampled pages go through an exact LRU stack,
-and a sampled stack distance ``d`` stands for ``d / rate`` pages.  SHARDS-adj
-(``adjust=True``) was less accurate on chained page streams (docs/capacity.md).
+The hit ratio an LRU of each size would have had on the same reference stream, by
+SHARDS (docs/capacity.md, "How it works"): pages sampled by hash go through one
+exact LRU stack, a sampled stack distance ``d`` standing for ``d / rate`` pages.
+Two curves share the stack: the *reference stream* (every page added or walked by
+a lookup) and the *lookup* curve (what lookups asked, the page each missed at
+included: what decides L3 writes in buffer mode).  Exact on ``add``/lookup
+streams; approximated, as one stack cannot hold every cap's state: a page removed
+by ``invalidate_beyond`` or ``clear`` leaves the stack, so deeper pages move up (a
+real cache keeps the slot empty until the next insert); a lookup walking an
+in-flight page beyond a cap moves it up (the real cache holds it only once its
+storage ack adds it, soon after in buffer mode).
 
-Two curves share one stack: the *reference stream* (every page passed to ``add``
-and every page a lookup walked) and the *lookup* curve (what lookups asked,
-including the page each missed at).  In buffer mode a lookup miss triggers an L3
-write, while a bigger cap also turns prefetch-healing adds into refreshes that
-save nothing, so the lookup curve tracks write savings.
-
-A reference is a hit at cap ``C`` when the page would be believed at the start of
-its call in an LRU of ``C`` entries fed the same stream.  That is exact on
-``add``/lookup streams: at ``rate = 1`` and 1x cap the stream curve is the cache's
-``(page_hits + refreshes) / (pages walked + pages added)``, the lookup curve its
-``page_hits / pages_checked``, and on a belief-only replay the stream curve is
-that of ``replay --model belief-only``.  Approximated, as one stack cannot hold
-every cap's state: a page removed by ``invalidate_beyond`` or ``clear`` leaves
-the stack, so deeper pages move up (a real cache keeps the slot empty until the
-next insert); a lookup walking an in-flight page beyond a cap moves it up (the
-real cache holds it only once its storage ack adds it, soon after in buffer mode).
-
-The scheduler's hot path pays almost nothing: a cache built with ``advisor=``
-attaches one ``Sampler`` per pool (one for all with ``shared=True``) to its LRU
-index, which feeds it from inside its own batch calls (``core.sampler``): an
-unsampled page costs one integer comparison on a hash the index holds anyway, a
-sampled one a few hundred ns of C; no buffer, no drain, nothing dropped.  The
-advisor is also a ``BeliefObserver`` to feed by hand (tests, benchmarks, other
-caches); never both for one cache, or every reference counts twice.
-``snapshot()`` (any thread) gives hit ratios at 0.25x .. 8x each pool's cap.
-Nothing here raises into the cache.
+A cache built with ``advisor=`` attaches one ``Sampler`` per pool (one for all with
+``shared=True``) to its LRU index, which feeds it from inside its own batch calls
+(``core.sampler``): an unsampled page costs one integer comparison.  The advisor is
+also a ``BeliefObserver`` to feed by hand (tests, benchmarks, other caches); never
+both for one cache, or every reference counts twice.  Nothing here raises into the
+cache.
 """
 
 from __future__ import annotations
@@ -54,9 +39,6 @@ if TYPE_CHECKING:
 MULTIPLIERS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 #: Pool name under which a shared-cap (flat generation) cache is reported.
 SHARED_POOL = "all"
-
-DEFAULT_SAMPLING_RATE = 0.02
-DEFAULT_MAX_SAMPLED_PAGES = 131072
 
 
 def multiplier_label(multiplier: float) -> str:
@@ -145,15 +127,16 @@ class AdvisorSnapshot:
     errors: int
     multipliers: tuple[float, ...] = field(default=MULTIPLIERS)
 
-    def hit_ratio(self, pool: str, multiplier: float) -> float | None:
-        """The estimate for ``pool`` at ``multiplier`` x its cap (None if unknown)."""
+    def hit_ratio(self, pool: str, multiplier: float, lookups: bool = False) -> float | None:
+        """The estimate for ``pool`` at ``multiplier`` x its cap, of lookups alone with
+        ``lookups=True`` (None if unknown)."""
         advice = self.pools.get(pool)
-        return None if advice is None else advice.estimates.get(multiplier)
+        if advice is None:
+            return None
+        return (advice.lookup_estimates if lookups else advice.estimates).get(multiplier)
 
     def lookup_hit_ratio(self, pool: str, multiplier: float) -> float | None:
-        """The lookup-only estimate for ``pool`` at ``multiplier`` x its cap."""
-        advice = self.pools.get(pool)
-        return None if advice is None else advice.lookup_estimates.get(multiplier)
+        return self.hit_ratio(pool, multiplier, lookups=True)
 
     def gauge_samples(self, lookups: bool = False) -> list[tuple[dict[str, str], float]]:
         """``({pool, cap_multiplier}, estimate)`` pairs for the catalog's advisor
@@ -178,24 +161,11 @@ class CapacityAdvisor:
     ``sampler_factory`` overrides the sampler type (default: the cache index's).
     """
 
-    __slots__ = (
-        "sampling_rate",
-        "adjust",
-        "shared",
-        "_threshold",
-        "_max_keys",
-        "_half_life",
-        "_factory",
-        "_samplers",
-        "_tags",
-        "errors",
-    )
-
     def __init__(
         self,
-        sampling_rate: float = DEFAULT_SAMPLING_RATE,
+        sampling_rate: float = 0.02,
         *,
-        max_sampled_pages: int = DEFAULT_MAX_SAMPLED_PAGES,
+        max_sampled_pages: int = 131072,
         half_life_references: int = 0,
         adjust: bool = False,
         shared: bool = False,
@@ -247,12 +217,7 @@ class CapacityAdvisor:
         return sampler
 
     def _tag(self, pool: str) -> int:
-        if not self.shared:
-            return 0
-        tag = self._tags.get(pool)
-        if tag is None:
-            tag = self._tags[pool] = len(self._tags)
-        return tag
+        return self._tags.setdefault(pool, len(self._tags)) if self.shared else 0
 
     # -- BeliefObserver: feeding by hand (never raises into the cache) -----------
     def _feed(self, pool: str, call: Callable[[SamplerType, int], object]) -> None:

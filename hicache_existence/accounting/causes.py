@@ -2,42 +2,18 @@
 
 A redundant write is a written page the backend said it already held (the file
 backend's ``exists``, Mooncake's ``batch_is_exist``).  ``CauseTracker`` keeps the
-little it takes to say why SGLang wrote it anyway, from events the write path
-reports in scheduler-thread order (every TP rank sees the same ones):
+little it takes to say why SGLang wrote it anyway, from the events the write path
+reports in scheduler-thread order (every TP rank sees the same ones): a hit query
+(``queried``), a prefetch's outcome (``prefetched``), a write's launch (``launched``,
+which consumes its pages' pending prefetch dispositions) and its ack (``stored``).
 
-* ``queried(chain, found, below_threshold)``: a rank-agreed prefetch hit query
-  found the chain's first ``found`` pages in L3.  Below the prefetch threshold
-  they are not loaded, so a rewrite is ``below_prefetch_threshold``; at or above
-  it, until the due prefetch reports, a rewrite is a ``prefetch_shortfall`` (a
-  prefetch revoked for lack of host memory never reports);
-* ``prefetched(requested, loaded)``: requested pages a prefetch did not deliver
-  (beyond its first ``loaded``: a deadline, a failed transfer, no host memory)
-  stay a ``prefetch_shortfall``;
-* ``launched(node, pages)``: a write by tree node ``node`` left; a page's next
-  write consumes its pending disposition;
-* ``stored(node, pages)``: the write was acknowledged.
-
-``classify(node, pages, believed, held)`` names each redundant page's cause,
-first match wins:
-
-1. ``believed_node``: the existence cache believed the page stored (``held``),
-   yet its node also spanned uncovered pages and was written whole (buffer mode;
-   cache mode's node rules);
-2. ``below_prefetch_threshold`` / ``prefetch_shortfall``: the page's last prefetch
-   disposition, as above;
-3. ``host_copy_reclaimed``: the same tree node wrote before.  A node writes its
-   pages once while its host copy lives; under ``write_back``, host pressure
-   reclaims the host copy of a node also on the device (a "duplicate"), and the
-   node's next device eviction backs it up to host, and L3, again (SGLang's
-   ``SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM`` turns that off);
-4. ``recompute``: this process has a record of the page (believed stored when the
-   write left, or ``remembers`` says believed now or once: the miss-reason
-   memory's evicted / invalidated / cleared): stored or learnt before, evicted
-   from device and host, computed again without a prefetch;
-5. ``other_instance``: no local record: another instance (or this server before a
-   restart) stored it;
-6. ``unclassified``: ``remembers`` cannot tell (no miss-reason memory), so 4 and 5
-   cannot be told apart.
+``classify(node, pages, believed, held)`` names each redundant page's cause, the
+first of ``CAUSES`` that matches (docs/metrics.md, "Causes of redundant writes",
+says what each means): ``believed_node`` (in ``held``), the page's last prefetch
+disposition, ``host_copy_reclaimed`` (the same tree node wrote before: a node
+writes its pages once while its host copy lives), ``recompute`` (in ``believed``,
+or ``remembers`` says believed now or once), ``other_instance`` (``remembers``
+says never), ``unclassified`` (``remembers`` cannot tell: no miss-reason memory).
 
 Memory is bounded and the work per event is C-level batch dict and set operations
 (a Python step only per page that had a disposition): dispositions and the nodes
@@ -101,12 +77,6 @@ class _Generations:
         self.new: dict[Hashable, Any] = {}
         self.old: dict[Hashable, Any] = {}
 
-    def put(self, key: Hashable, value: Any) -> None:
-        new = self.new
-        new[key] = value
-        if len(new) >= self.size:
-            self.old, self.new = new, {}
-
     def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
         """``put`` of every key (one C-level update; the generation may overshoot
         ``size`` by the batch before it turns over)."""
@@ -149,7 +119,11 @@ class CauseTracker:
 
     # -- events --------------------------------------------------------------------
     def queried(self, chain: Sequence[str], found: int, *, below_threshold: bool) -> None:
-        """A rank-agreed hit query found ``chain``'s first ``found`` pages in L3."""
+        """A rank-agreed hit query found ``chain``'s first ``found`` pages in L3.
+        Below the prefetch threshold they are not loaded, so a rewrite is
+        ``below_prefetch_threshold``; at or above it, until the due prefetch reports,
+        a ``prefetch_shortfall`` (a prefetch revoked for lack of host memory never
+        reports)."""
         if found <= 0:
             return
         if below_threshold:
@@ -167,7 +141,7 @@ class CauseTracker:
 
     def prefetched(self, requested: Sequence[str], loaded: int) -> None:
         """A prefetch of ``requested`` delivered its first ``loaded`` pages: those
-        are no shortfall; the rest of ``requested`` is."""
+        are no shortfall; the rest (a deadline, a failed transfer, no host memory) is."""
         n = len(requested)
         cut = min(max(loaded, 0), n)
         opened, self._open = self._open, None
@@ -209,7 +183,7 @@ class CauseTracker:
     def stored(self, node: Any, pages: Iterable[str]) -> None:
         """The write of ``pages`` by ``node`` was acknowledged."""
         if node is not None:
-            self._nodes.put(node, True)
+            self._nodes.put_many((node,), True)
         taken = self._taken
         if taken:
             for page in pages:
@@ -256,11 +230,10 @@ class CauseTracker:
             elif page in believed_set:
                 cause = "recompute"
             else:
-                known = remembers(pool, page) if remembers is not None else None
-                if known is None:
-                    cause = "unclassified"
-                else:
-                    cause = "recompute" if known else "other_instance"
+                known = None if remembers is None else remembers(pool, page)
+                cause = (
+                    "unclassified" if known is None else "recompute" if known else "other_instance"
+                )
             out[cause] = out.get(cause, 0) + 1
         return out
 

@@ -6,19 +6,16 @@ beliefs (evicted by the cap, dropped by ``invalidate_beyond``, a heal or a clear
 leaves a one-byte trace, which a later miss on the page finds (``evicted`` /
 ``invalidated`` / ``cleared``) or not (``cold``).
 
-Layout: a direct-mapped table of one-byte slots.  The first 32 bits of the page
-hash times the table size give the slot index (the product's high 32 bits: every
-slot gets an even share of hashes, whatever the size), their last byte a 6-bit
-fingerprint, and the slot's low 2 bits hold the reason (1..3; 0 is empty).  A newer
-page landing on
-the slot overwrites it, so traces fade gradually rather than at a window edge:
-after ``n`` later departures one survives with probability ``exp(-n / slots)``.
-A cold page is misreported only when its slot holds a trace with the same
-fingerprint: at most 1/64 of the time with a full table (docs/metrics.md).
+Layout (docs/metrics.md, "Miss reasons"): a direct-mapped table of one-byte slots;
+the first 32 bits of the page hash times the table size give the slot index (the
+product's high 32 bits: an even share of hashes per slot, whatever the size), their
+last byte a 6-bit fingerprint, the slot's low 2 bits the reason (1..3; 0 is empty).
+A newer page on the slot overwrites it, so traces fade gradually rather than at a
+window edge.  A cold page is misreported only when its slot holds a trace with the
+same fingerprint: at most 1/64 of the time with a full table.
 
 Cost: ``remember`` runs on the eviction path, so per-page work is C loops over
-bytes (``_ghosts.c``, else: one ``bytes.fromhex`` of a batch of 64-hex keys,
-extended slices, ``bytes.translate``, ``array.byteswap``, C-level ``map``): no
+bytes (``_ghosts.c``, else C-level byte operations on a batch of 64-hex keys): no
 Python bytecode per page, no ``hash()``.  Keys of another shape take a per-key
 path (correct, slower).  ``classify`` runs in batches over the misses recorded
 since the table last changed (a miss only appends its key).
@@ -123,20 +120,16 @@ class FingerprintGhosts:
             raise ValueError(
                 f"reason must be one of EVICTED, INVALIDATED, CLEARED (1..3), got {reason!r}"
             )
-        n = len(keys)
-        if not n:
-            return
-        if _native is not None:
-            if not _native.remember(self._table, keys, reason):
-                self._remember_slow(keys, reason)
-            return
-        digests = self._digests(keys, n)
-        if digests is None:
+        table = self._table
+        if not len(keys) or (_native is not None and _native.remember(table, keys, reason)):
+            return  # none, or taken by the compiled loop (64-hex keys)
+        batch = None if _native is not None else self._batch(keys)
+        if batch is None:
             self._remember_slow(keys, reason)
-            return
-        indices, fingerprints = self._scaled(digests)
-        values = fingerprints.translate(_SLOT_BYTES[reason])
-        _exhaust(map(setitem, repeat(self._table), indices, values))
+        else:
+            indices, fingerprints = batch
+            values = fingerprints.translate(_SLOT_BYTES[reason])
+            _exhaust(map(setitem, repeat(table), indices, values))
 
     def classify(self, keys: Sequence[str]) -> list[int]:
         """``reason`` for a batch of misses (C loops for 64-hex keys), called from
@@ -148,10 +141,10 @@ class FingerprintGhosts:
         codes = native and native.classify(self._table, keys)
         if codes is not None:
             reasons = list(codes)  # 0 is COLD, 1..3 the recorded reasons
-        elif (digests := self._digests(keys, n)) is None:
-            reasons = [self._lookup(key) for key in keys]
+        elif (batch := self._batch(keys)) is None:
+            reasons = [self.remembered(key) for key in keys]
         else:
-            indices, fps = self._scaled(digests)
+            indices, fps = batch
             slots = bytes(map(self._table.__getitem__, indices))
             reasons = [s & 3 if s and not (s ^ f) & _FP_MASK else COLD for s, f in zip(slots, fps)]
         self._countdown -= n
@@ -159,31 +152,14 @@ class FingerprintGhosts:
             self._trace(keys[-1], reasons[-1])
         return reasons
 
-    def _scaled(self, digests: bytes) -> tuple[Iterator[int], bytes]:
-        """Slot indices and fingerprint bytes of raw 4-byte digests (big-endian
-        words): ``word * slots``'s high 32 bits and the word's low byte (``_slot``).
-        C-level maps, no bytecode per page."""
-        words = array("I", digests)  # machine order: swapped back to big-endian
-        if _LITTLE:
-            words.byteswap()
-        scaled = map(mul, words, repeat(self.slots))
-        return map(rshift, scaled, repeat(32)), digests[3::4]
-
     def reason(self, key: str) -> int:
         """The ``MISS_REASONS`` index for a miss on ``key``: the trace its slot
         holds, or ``COLD`` when the slot is empty or holds another page's trace."""
-        found = self._lookup(key)
-        self._countdown -= 1
-        if self._countdown <= 0:
-            self._trace(key, found)
-        return found
+        return self.classify([key])[0]
 
     def remembered(self, key: str) -> int:
         """``reason(key)`` without the sampled debug event: a pure lookup, for a
         reader that is not classifying a miss (the causes of redundant writes)."""
-        return self._lookup(key)
-
-    def _lookup(self, key: str) -> int:
         index, fingerprint = self._slot(key)
         slot = self._table[index]
         return slot & 3 if slot and (slot ^ fingerprint) & _FP_MASK == 0 else COLD
@@ -206,13 +182,14 @@ class FingerprintGhosts:
         return f"FingerprintGhosts(pool={self.pool!r}, slots={self.slots}, nbytes={self.nbytes})"
 
     # -- internals -------------------------------------------------------------
-    @staticmethod
-    def _digests(keys: Sequence[str], n: int) -> bytes | None:
-        """The first 4 bytes of every key's hash (its first 8 hex digits), as one
-        ``bytes`` of ``4 * n``, when every key is 64 characters starting with 8 hex
-        digits; else None (the per-key path).  All in C: in the keys joined with a
-        separator, character ``i`` of every key is ``joined[i::65]``; the 8 leading
-        lanes are interleaved and parsed by one ``bytes.fromhex``."""
+    def _batch(self, keys: Sequence[str]) -> tuple[Iterator[int], bytes] | None:
+        """Slot indices and fingerprint bytes of every key (as ``_slot``: ``word *
+        slots``'s high 32 bits and the word's low byte), when every key is 64
+        characters starting with 8 hex digits; else None (the per-key path).  All in
+        C: in the keys joined with a separator, character ``i`` of every key is
+        ``joined[i::65]``; the 8 leading lanes are interleaved and parsed by one
+        ``bytes.fromhex`` into big-endian 4-byte words, then C-level maps."""
+        n = len(keys)
         joined = _SEP.join(keys)
         stride = _HEX_KEY_LEN + 1
         if len(joined) != stride * n - 1:
@@ -228,24 +205,22 @@ class FingerprintGhosts:
             digests = bytes.fromhex(head.decode("ascii"))
         except ValueError:  # not ASCII, or not hex
             return None
-        return digests if len(digests) == 4 * n else None
-
-    @staticmethod
-    def _word(key: str) -> int:
-        """32 bits of ``key``'s hash: its first 8 hex digits for a 64-character key
-        (as the batch path reads), else ``hash()``.  Odd 64-character keys (a sign,
-        ``0x``) parse too: only consistency with ``reason`` matters for them."""
-        if len(key) == _HEX_KEY_LEN:
-            try:
-                return int(key[:8], 16)
-            except ValueError:
-                pass
-        return hash(key) & 0xFFFFFFFF
+        if len(digests) != 4 * n:
+            return None
+        words = array("I", digests)  # machine order: swapped back to big-endian
+        if _LITTLE:
+            words.byteswap()
+        return map(rshift, map(mul, words, repeat(self.slots)), repeat(32)), digests[3::4]
 
     def _slot(self, key: str) -> tuple[int, int]:
-        """``(index, fingerprint)`` of one key, equal to what the batch path
-        computes for 64-hex keys."""
-        word = self._word(key)
+        """``(index, fingerprint)`` of one key from 32 bits of its hash: its first 8
+        hex digits for a 64-character key (as the batch path reads), else ``hash()``.
+        Odd 64-character keys (a sign, ``0x``) parse too: only consistency with
+        ``reason`` matters for them."""
+        try:
+            word = int(key[:8], 16) if len(key) == _HEX_KEY_LEN else hash(key) & 0xFFFFFFFF
+        except ValueError:
+            word = hash(key) & 0xFFFFFFFF
         return (word * self.slots) >> 32, word & _FP_MASK
 
     def _remember_slow(self, keys: Sequence[str], reason: int) -> None:

@@ -1,38 +1,24 @@
 """A spatially sampled trace of the existence cache's traffic, recorded in the live server.
 
-``hicache-existence replay`` plans caps and fleets from traces; this writes one
-from the server's own traffic (docs/replay.md, "Recording a trace").  Recorded,
-each with a timestamp: lookups (the pages asked about, how many were walked,
-whether it missed at a recorded page), adds, invalidations and clears (the
-cache's ``BeliefObserver`` stream, once per operation), L3 writes at launch and
-prefetch hit queries (from the write path), and request boundaries (the lookups
-of a prompt's insert walk into the radix tree carry its number).  Each file
-starts with a header naming the instance (host, port, ranks, deployment labels)
-and the sampling rate.
+What is recorded, the sampling rule, the costs and the format: docs/replay.md,
+"Recording a trace from a live server".  Each file starts with a header naming the
+instance and the sampling rate.  A page is recorded iff its hash compares below
+``bound(rate)`` (the rate as 8 lowercase hex digits): a pure function of hash and
+rate (unlike the advisor's salted ``str`` hash), so a page is recorded at all its
+references or never, on every TP rank and across restarts: a SHARDS sample.
 
-**Sampling is spatial and the same everywhere.**  A page is recorded iff its hash
-compares below ``bound(rate)``, the rate as 8 lowercase hex digits: for SGLang's
-64-hex SHA-256 page hashes, iff its first 32 bits are below ``rate x 2^32``.  A
-pure function of hash and rate (unlike the advisor's salted ``str`` hash), so a
-page is recorded at all its references or never, on every TP rank and across
-restarts, and a trace is a SHARDS sample: a stack distance ``d`` in it stands
-for ``d / rate`` pages.
-
-**The scheduler thread pays little and never waits.**  The cache's ``Tee`` calls
-the recorder's ``tap`` (``_recorder.Tap``, compiled; ``PyTap`` without a
-compiler): per operation one C call that tests the pages (a few ns a page,
-nothing allocated) and, only when a page was recorded, logs one record in C
-arrays (pointers, no Python object made; the GIL orders it: no lock); no
-hashing, encoding or I/O.  A request's end (each insert's) is one more record.
-With ``queue_records`` waiting, the next is dropped and counted.  A writer
-thread takes them every ``flush_interval_s``, in the order they happened, as
-tuples (made on its thread), encodes JSON lines (compiled too: the writer
-holds the GIL the scheduler needs), writes each chunk as one complete
-gzip member (a file cut short by a killed server keeps every member before the
-cut readable), rotates at ``file_bytes`` and deletes this instance's oldest
-files while the total exceeds ``max_bytes``.  A failed open or write (an
-unwritable path, a full disk) drops and counts that chunk's records and is
-retried later; nothing here raises into the cache.
+The scheduler thread pays little and never waits: the cache's ``Tee`` calls ``tap``
+(``_recorder.Tap``, compiled; ``PyTap`` without a compiler), one C call per
+operation that tests the pages (nothing allocated) and, only when one is recorded,
+logs one record in C arrays (no Python object made; the GIL orders it: no lock); no
+hashing, encoding or I/O.  With ``queue_records`` waiting, the next is dropped and
+counted.  A writer thread takes them every ``flush_interval_s``, in the order they
+happened, encodes JSON lines (compiled too: the writer holds the GIL the scheduler
+needs), writes each chunk as one complete gzip member (a file cut short by a killed
+server keeps every member before the cut readable), rotates at ``file_bytes`` and
+deletes this instance's oldest files beyond ``max_bytes``.  A failed open or write
+drops and counts that chunk's records and is retried later; nothing here raises
+into the cache.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Write accounting: what the beliefs saved and what they failed to save.
 
-The write path (SGLang's backup, fed by ``integrations.sglang.write_path``) calls
-one method per decision with page *counts*, never once per page: ``written`` (an
-L3 write launched; ``already_stored`` of it redundant by ground truth: writes the
-beliefs failed to prevent), ``avoided`` (pages skipped as believed stored or in
-flight: the cache's whole purpose), ``acked`` (this rank's storage write
-finished), ``redundant`` (ground truth learned later) and ``redundant_cause``
-(why, ``accounting/causes.py``; the causes add up to ``redundant`` wherever the
-write path classifies, as SGLang's does in both modes).
-
-Recording bumps plain ints on the scheduler thread; ``stats()`` returns immutable
-snapshots (pages and bytes) that subtract to deltas, like ``stats.py``.  Avoided
-pages may also be counted where the decision is made (``avoided_from``: buffer
-mode's admissions, tallied by the existence cache itself), and added at each
-snapshot.
+The write path (``integrations.sglang.write_path``, ``cache_mode``) calls one method
+per decision with page *counts*, never once per page (what each counter means, and
+where upstream it is taken: docs/metrics.md, "Write accounting").  Recording bumps
+plain ints on the scheduler thread; ``stats()`` returns immutable snapshots (pages
+and bytes) that subtract to deltas, like ``stats.py``.  Avoided pages may also be
+counted where the decision is made (``avoided_from``: buffer mode's admissions,
+tallied by the existence cache itself), and added at each snapshot.
 """
 
 from __future__ import annotations
@@ -179,19 +172,15 @@ class WriteAccounting:
         self._avoided_from = source
 
     def _pool(self, pool: str) -> _PoolWrites:
+        """Pool ``pool``'s live counters (one int slot per counter, never replaced),
+        made on first use; ``live`` for a hot path that bumps ``written`` / ``avoided``
+        itself with counts it made (cache mode's node write): no call per event."""
         rec = self._pools.get(pool) if type(pool) is str else None
         if rec is None:
-            name = _validate.pool_name(pool)
-            rec = self._pools.get(name)
-            if rec is None:
-                rec = self._pools[name] = _PoolWrites()
+            rec = self._pools.setdefault(_validate.pool_name(pool), _PoolWrites())
         return rec
 
-    def live(self, pool: str) -> _PoolWrites:
-        """Pool ``pool``'s live counters (one int slot per counter, never replaced),
-        for a hot path that bumps ``written`` / ``avoided`` itself with counts it made
-        (cache mode's node write): no call per event."""
-        return self._pool(pool)
+    live = _pool
 
     def written(self, pool: str, pages: int, already_stored: int = 0) -> None:
         """``pages`` pages of ``pool`` were written; ``already_stored`` of them
@@ -200,14 +189,12 @@ class WriteAccounting:
         if type(pages) is not int or pages < 0:
             pages = _validate.count(pages, "pages")
         already = already_stored
-        if already:
+        if type(already) is not int or already < 0:
             already = _validate.count(already_stored, "already_stored")
-            if already > pages:
-                raise ValueError(
-                    f"already_stored must be <= pages, got already_stored={already}, pages={pages}"
-                )
-        elif type(already) is not int:
-            already = _validate.count(already_stored, "already_stored")
+        if already > pages:
+            raise ValueError(
+                f"already_stored must be <= pages, got already_stored={already}, pages={pages}"
+            )
         rec = self._pools.get(pool) if type(pool) is str else None
         if rec is None:
             rec = self._pool(pool)
@@ -236,16 +223,11 @@ class WriteAccounting:
         L3 (the backend said so), ``believed`` of those were believed stored
         when the write launched (a node is written whole when any page is not)."""
         already = already_stored
-        # The common case checked inline (the scheduler thread, every storage ack).
+        # The common case checked inline (the scheduler thread, every storage ack): an
+        # OR of ints is negative iff one of them is.
         if not (
-            type(stored) is int
-            and type(failed) is int
-            and type(already) is int
-            and type(believed) is int
-            and stored >= 0
-            and failed >= 0
-            and already >= 0
-            and believed >= 0
+            type(stored) is type(failed) is type(already) is type(believed) is int
+            and stored | failed | already | believed >= 0
         ):
             stored = _validate.count(stored, "stored")
             failed = _validate.count(failed, "failed")
@@ -320,8 +302,7 @@ class WriteAccounting:
             for pool, pages in self._avoided_from():
                 if pages:
                     extra[pool] = extra.get(pool, 0) + pages
-                    if pool not in pools:
-                        pools[pool] = _PoolWrites()
+                    pools.setdefault(pool, _PoolWrites())
         out: dict[str, PoolWriteStats] = {}
         for name, rec in pools.items():
             counts = {field: getattr(rec, field) for field in WRITE_FIELDS}
