@@ -78,8 +78,8 @@ class _Generations:
         self.old: dict[Hashable, Any] = {}
 
     def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
-        """``put`` of every key (one C-level update; the generation may overshoot
-        ``size`` by the batch before it turns over)."""
+        """Map every key to ``value`` (one C-level update; the generation may
+        overshoot ``size`` by the batch before it turns over)."""
         new = self.new
         new.update(dict.fromkeys(keys, value))
         if len(new) >= self.size:

@@ -504,13 +504,10 @@ class Recorder:
             batch = take(TAKE_RECORDS)
             for record in batch:
                 try:
-                    if encode is None:
+                    try:
+                        line = self._encode(record) if encode is None else encode(record, t0)
+                    except TypeError:  # a record the compiled encoder does not take
                         line = self._encode(record)
-                    else:
-                        try:
-                            line = encode(record, t0)
-                        except TypeError:  # a record the compiled encoder does not take
-                            line = self._encode(record)
                 except Exception:
                     self.write_errors += 1
                     continue

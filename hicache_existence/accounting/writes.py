@@ -290,9 +290,6 @@ class WriteAccounting:
         """Bytes of one page of ``pool``."""
         return self._sizes.get(pool, self.page_size_bytes)
 
-    def pool_names(self) -> tuple[str, ...]:
-        return tuple(self._pools)
-
     def stats(self) -> WriteStats:
         """An immutable snapshot, O(pools); safe from another thread (each dict is
         copied in one C call before it is walked)."""
