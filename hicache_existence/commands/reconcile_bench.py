@@ -8,6 +8,7 @@ directory and stopped afterwards.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import socket
@@ -34,10 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
-def _spawn(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+def _spawn(stack: contextlib.ExitStack) -> str:
+    """A private redis-server's URL; ``stack`` stops it and removes its directory."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
+    workdir = stack.enter_context(
+        tempfile.TemporaryDirectory(prefix="hicache-existence-redis-", ignore_cleanup_errors=True)
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -46,13 +51,14 @@ def _spawn(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    stack.callback(proc.wait, 10)
+    stack.callback(proc.kill)
     from hicache_existence.reconcile.measure import wait_ready
 
     url = f"redis://127.0.0.1:{port}/0"
     if not wait_ready(url, 10.0):
-        proc.kill()
         raise SystemExit("the spawned redis-server did not answer PING")
-    return proc, url
+    return url
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,12 +81,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "reconcile-bench needs the Redis client: pip install 'hicache-existence[redis]'"
         )
-    proc = None
-    tmp = None
-    try:
+    with contextlib.ExitStack() as stack:
         if args.spawn:
-            tmp = tempfile.mkdtemp(prefix="hicache-existence-redis-")
-            proc, url = _spawn(tmp)
+            url = _spawn(stack)
         else:
             try:
                 url = validate_redis_url(args.redis_url, "--redis-url")
@@ -106,9 +109,3 @@ def run(args: argparse.Namespace) -> int:
             for k, v in writes.items():
                 print(f"{k}: {v:,.0f}")
         return 0
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait(10)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,17 +1,14 @@
 """Cross-rank agreement of reconciler verdicts: an element-wise MIN of a fixed-size
 integer vector over every TP rank, as upstream does for prefetch hit counts.
-
-Replicas stay identical only if every rank applies the same verdicts at the same
-lockstep point, so each acts on the MIN of what every rank knows (``vector``).
 ``GlooAgreement`` runs it on a dedicated CPU (gloo) group, never the NCCL data
-group, importing torch only when constructed; ``InProcessGroup`` gives threads
-of one process the same semantics, for tests.
+group, importing torch only when constructed; ``InProcessGroup``: threads (tests).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -97,24 +94,22 @@ class InProcessGroup:
     def member(self, rank: int) -> InProcessAgreement:
         return InProcessAgreement(self, rank)
 
-    def _min_reduce(self, rank: int, values: Sequence[int]) -> list[int]:
-        self._slots[rank] = list(values)
-        self._gather.wait(self._timeout)
-        result = list(self._result)
-        self._leave.wait(self._timeout)
-        return result
 
-
+@dataclass(frozen=True)
 class InProcessAgreement:
     """One thread's handle on an ``InProcessGroup``."""
 
-    def __init__(self, group: InProcessGroup, rank: int) -> None:
-        self._group = group
-        self.rank = rank
+    group: InProcessGroup
+    rank: int
 
     @property
     def world_size(self) -> int:
-        return self._group.world_size
+        return self.group.world_size
 
     def min_reduce(self, values: Sequence[int]) -> list[int]:
-        return self._group._min_reduce(self.rank, values)
+        g = self.group
+        g._slots[self.rank] = list(values)
+        g._gather.wait(g._timeout)
+        result = list(g._result)
+        g._leave.wait(g._timeout)
+        return result

@@ -58,9 +58,7 @@ class CircuitBreaker:
                 return -1
             if self._probe_out:
                 return 0
-            if self._state == HALF_OPEN or self._clock() >= self._reopen_at:
-                return 1
-            return 0
+            return int(self._state == HALF_OPEN or self._clock() >= self._reopen_at)
 
     def admitted(self) -> bool:
         """Record that a query was admitted; True when it is the probe (one per

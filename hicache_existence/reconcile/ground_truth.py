@@ -1,11 +1,9 @@
 """The ground-truth interface, its errors, and an in-memory implementation.
 
-Ground truth answers "is this page in L3?" per pool.  ``leading_present`` has
-the semantics of SGLang's ``HiCacheStorage.batch_exists`` (the count of leading
-pages present, all a prefix cache can use).  An answer that could not be
-obtained raises a ``GroundTruthError``, never read as evidence of absence;
-``absence_is_evidence()`` lets a truth say that right now a short answer proves
-nothing (a ledger that lost its history), while presence still counts.
+``leading_present`` has the semantics of SGLang's ``HiCacheStorage.batch_exists``.
+An answer that could not be obtained raises a ``GroundTruthError``, never read as
+evidence of absence; ``absence_is_evidence()`` lets a truth say that right now a
+short answer proves nothing (a ledger that lost its history).
 """
 
 from __future__ import annotations
@@ -109,10 +107,8 @@ class InMemoryGroundTruth:
         self._pages: dict[str, set[str]] = {}
 
     def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
-        name, seq = check_chain(pool, hashes)
-        with self._lock:
-            stored = self._pages.get(name, set())
-            return next((i for i, h in enumerate(seq) if h not in stored), len(seq))
+        flags = self.present(pool, hashes)
+        return next((i for i, ok in enumerate(flags) if not ok), len(flags))
 
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         name, seq = check_chain(pool, hashes)

@@ -2,16 +2,10 @@
 
 The storage thread must not wait on Redis: ``stored`` / ``removed`` only enqueue
 (bounded; when full the record is dropped and counted, which at worst costs a
-redundant write later).  One thread drains the queue, coalescing records of the
-same pool into pipelined batches.
-
-A record thus reaches the ledger after the storage ack that made its page
-believed; a verification asked in between would read the page as absent and
-drop a true belief.  ``WrittenLedgerTruth`` answers only once every record
-offered before the question is written (``LedgerWriter.wait_written``), waiting
-on the reconciler's worker thread (never the scheduler or storage threads) and
-for a bounded time, past which the question fails (``LedgerBehind``, never read
-as absence).
+redundant write later).  A record thus reaches the ledger after the storage ack
+that made its page believed, so ``WrittenLedgerTruth`` answers only once every
+record offered before the question is written, waiting on the reconciler's
+worker thread for a bounded time, past which the question fails (``LedgerBehind``).
 """
 
 from __future__ import annotations
@@ -93,11 +87,10 @@ class LedgerWriter:
         # records of the queue are exactly the ones counted (storage threads may
         # offer concurrently).  Never blocks: put_nowait.
         with self._lock:
-            if item[0] == "removed" and self._lost:
+            if item[0] == "removed":
                 # The backend proved these pages gone after any lost record of them
                 # (a later lost store marks them again): their absence is evidence.
-                for h in item[2]:
-                    self._lost.pop((item[1], h), None)
+                self._forget_lost(item[1], item[2])
             try:
                 self._queue.put_nowait(item)
             except queue.Full:
@@ -140,6 +133,7 @@ class LedgerWriter:
             else:
                 groups.append((op, pool, list(pages)))
         for op, pool, hashes in groups:
+            kind = ""
             try:
                 if op == "stored":
                     self._ledger.record_stored(pool, hashes)
@@ -147,25 +141,21 @@ class LedgerWriter:
                     self._ledger.record_removed(pool, hashes)
                 else:
                     self._ledger.clear_shard()
-                result = "ok"
             except GroundTruthError as exc:
-                result = "error"
-                with self._lock:
-                    self.errors[exc.kind] += 1
-                logger.debug("ledger %s failed: %s", op, exc.kind)
+                kind = exc.kind
+                logger.debug("ledger %s failed: %s", op, kind)
             except Exception:  # never let the writer thread die
-                result = "error"
-                with self._lock:
-                    self.errors["internal"] += 1
+                kind = "internal"
                 logger.exception("ledger %s failed", op)
             with self._lock:
-                self.pages[(op, result)] += len(hashes) if op != "cleared" else 1
+                if kind:
+                    self.errors[kind] += 1
+                self.pages[(op, "error" if kind else "ok")] += len(hashes) if op != "cleared" else 1
                 if op == "stored":
-                    if result == "error":
+                    if kind:
                         self._note_lost(pool, hashes)
-                    elif self._lost:
-                        for h in hashes:
-                            self._lost.pop((pool, h), None)
+                    else:
+                        self._forget_lost(pool, hashes)
                 elif op == "cleared":
                     self._lost.clear()
 
@@ -187,28 +177,31 @@ class LedgerWriter:
                 except Exception:
                     logger.debug("ledger missed_writes failed", exc_info=True)
 
+    def _forget_lost(self, pool: str, hashes: Iterable[str]) -> None:
+        if self._lost:  # under ``_lock``
+            for h in hashes:
+                self._lost.pop((pool, h), None)
+
     def lost(self, pool: str, page: str) -> bool:
         """Whether ``page``'s last record of ``pool`` failed or was dropped."""
         with self._lock:
             return (pool, page) in self._lost
 
     # -- readers of the ledger (never the storage or scheduler thread) --------------
-    def wait_written(self, timeout_s: float) -> bool:
+    def wait_written(self, timeout_s: float = 5.0) -> bool:
         """Wait until every record offered before this call was written (or failed
         and was counted), not those offered meanwhile; False after ``timeout_s``."""
         with self._lock:
             target = self._offered
             return self._written_changed.wait_for(lambda: self._written >= target, timeout_s)
 
+    flush = wait_written
+
     def truth(self, wait_s: float) -> WrittenLedgerTruth:
         """The ledger as ground truth behind this writer (``WrittenLedgerTruth``)."""
         return WrittenLedgerTruth(self._ledger, self, wait_s)
 
     # -- lifecycle -----------------------------------------------------------------
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every record offered so far was attempted; False on timeout."""
-        return self.wait_written(timeout_s)
-
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending (bounded by ``timeout_s``) and stop the thread."""
         if self._closed:

@@ -1,8 +1,6 @@
-"""Opening the Redis ledger a URL names: standalone / Sentinel or Cluster.
-
-Apart from both ledger modules so that neither imports the other's opener
-(``redis_cluster`` builds on ``redis_truth``; ``tests/test_layering.py`` fails
-on an import cycle).  redis-py is still imported only when a ledger is built.
+"""Opening the Redis ledger a URL names: standalone / Sentinel or Cluster (apart
+from both ledger modules: ``redis_cluster`` builds on ``redis_truth``, and
+``tests/test_layering.py`` fails on an import cycle).
 """
 
 from __future__ import annotations

@@ -8,14 +8,10 @@ cannot reach the master (0.3.13.post1: -900 for every key while
 an outage reads as "no page is stored".  This adapter asks the store client
 itself and raises ``TruthUnavailable`` on any code but 0 (absent) or 1 (present).
 
-Keys derive from the backend's own attributes (tenant/model prefix, per-rank
-suffix, MLA or MHA layout, split heads) as SGLang names a KV page's objects:
-``<prefix>_<page hash>_<suffix>_k`` (and ``_v`` for MHA).  Only the KV pool is
-answered.
-
-The master leases every object ``batch_is_exist`` finds (no existence call
-does not), so probes keep the pages they sample alive longer (docs/reconciler.md,
-"Probes lease what they find"); ``lease_counts()`` counts those leases.
+Keys derive from the backend's own attributes as SGLang names a KV page's
+objects: ``<prefix>_<page hash>_<suffix>_k`` (and ``_v`` for MHA).  The master
+leases every object ``batch_is_exist`` finds (docs/reconciler.md, "Probes lease
+what they find"); ``lease_counts()`` counts those leases.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The reconciler: verifies sampled beliefs against ground truth and heals them.
 
-Beliefs drift from L3 (it evicts, other instances write into it) and only ground
-truth can tell, but asking costs I/O the scheduler thread must never wait for:
-there a lookup costs a decrement (``sampling``) and ``apply(step)`` acts every
-``agree_interval_steps`` calls, while one worker thread behind a bounded queue
-asks (``worker``; its ``breaker`` makes a store that is down cost one probe per
-backoff, not a timeout per query).
-
-TP replicas must stay identical, so every input of a decision is the same on
-every rank: the chains picked (a fixed-seed gap sequence over the lookups every
-rank sees), the answers acted on (the element-wise MIN of every rank's
-``vector``: one rank's error means nobody acts) and the budget (a ``bucket``
-refilled from the agreed clock).  Every rank joins every agreement whatever its
-state, so a diverged replica cannot hang the others.
+The scheduler thread never waits for I/O: a lookup costs a decrement
+(``sampling``), ``apply(step)`` acts every ``agree_interval_steps`` calls, and one
+worker thread asks (``worker``, behind a ``breaker``).  TP replicas stay identical
+because every input of a decision is the same on every rank: the chains picked,
+the answers acted on (the MIN of every rank's ``vector``) and the budget (a
+``bucket`` refilled from the agreed clock).  Every rank joins every agreement
+whatever its state, so a diverged replica cannot hang the others.
 """
 
 from __future__ import annotations
@@ -83,8 +77,7 @@ class Reconciler:
         self._slots = max_verdicts_per_step
         self._interval = agree_interval_steps
         self._breaker = breaker if breaker is not None else CircuitBreaker()
-        self._learn = learn
-        self._learns = learns
+        self._learns = learns if learn else lambda pool: False
         self._page_budget = apply_page_budget
         self._clock = clock
         self._t0 = clock()
@@ -126,8 +119,8 @@ class Reconciler:
                 section.breaker_failures, section.breaker_backoff_s, section.breaker_backoff_max_s
             ),
             "learn": section.learn,
+            **overrides,
         }
-        kwargs.update(overrides)
         return cls(cache, truth if section.enabled else None, **kwargs)
 
     @property
@@ -148,21 +141,16 @@ class Reconciler:
         try:
             n = sampler.picked(len(hashes))
             if n:
-                self._pick(pool, hashes, n)
+                t0 = time.perf_counter()
+                c = self.counters
+                added = self._candidates.offer(pool, hashes, n)
+                if added is not None:
+                    c.candidates_sampled += 1
+                    if not added:
+                        c.candidates_dropped += 1
+                c.max_observe_s = max(c.max_observe_s, time.perf_counter() - t0)
         except Exception:
             self._internal_error("touched")
-
-    def _pick(self, pool: str, hashes: Sequence[str], n: int) -> None:
-        t0 = time.perf_counter()
-        c = self.counters
-        added = self._candidates.offer(pool, hashes, n)
-        if added is not None:
-            c.candidates_sampled += 1
-            if not added:
-                c.candidates_dropped += 1
-        dt = time.perf_counter() - t0
-        if dt > c.max_observe_s:
-            c.max_observe_s = dt
 
     def added(self, pool: str, hashes: Sequence[str]) -> None:
         """Pages added while a query of the pool is out must not be invalidated by
@@ -217,11 +205,9 @@ class Reconciler:
         try:
             self._agree_and_apply()
         finally:
-            dt = time.perf_counter() - t0
             c = self.counters
             c.apply_calls += 1
-            if dt > c.max_apply_s:
-                c.max_apply_s = dt
+            c.max_apply_s = max(c.max_apply_s, time.perf_counter() - t0)
 
     def _agree_and_apply(self) -> None:
         try:
@@ -240,9 +226,7 @@ class Reconciler:
             return
         c = self.counters
         c.agreements += 1
-        dt = time.perf_counter() - t0
-        if dt > c.max_agreement_s:
-            c.max_agreement_s = dt
+        c.max_agreement_s = max(c.max_agreement_s, time.perf_counter() - t0)
         try:
             self._apply_agreed(Vector.from_words(words, self._slots))
         except Exception:
@@ -324,7 +308,7 @@ class Reconciler:
             leading,
             trusted,
             lambda: self._doomed(q, leading),
-            self._learn and self._learns(pool),
+            self._learns(pool),
         )
         if outcome.withheld:
             c.invalidations_withheld[pool] += 1

@@ -5,19 +5,14 @@ Key schema (``redis+cluster://`` URLs; docs/reconciler.md, "Redis Cluster")::
     {<namespace>:<shard>:<pool>}                "<token> <unix seconds>"  the epoch
     {<namespace>:<shard>:<pool>}:<page hash>    "1", optional TTL
 
-The shared hash tag keeps a chain query at one round trip to one node (the
-standalone Lua script, stopping at the first absent page) and puts the epoch
-beside the pages it vouches for: a primary that comes back empty, or a replica
-promoted without them, loses both, so its answers become ``ledger_empty`` errors
-instead of false absences.  Keys spread over every slot were measured slower on
-every chain length (``benchmarks/ledger_cluster.py``) and cannot stop at the
-first absent page.  The cost: one (shard, pool) lives on one primary.
-
+The shared hash tag keeps a chain query at one round trip to one node and puts
+the epoch beside the pages it vouches for: a primary that comes back empty loses
+both, so its answers become ``ledger_empty`` errors instead of false absences.
 Replication is asynchronous, so a failover can lose the last acknowledged
 writes: after the primary serving a tag changes under a reader, and after any
-error reading it, absence is not evidence for ``failover_distrust_s`` seconds
-(presence still teaches).  The client is built on first use: a cluster down at
-start is an error to count, not a crash of the backend that records into it.
+error reading it, absence is not evidence for ``failover_distrust_s`` seconds.
+The client is built on first use: a cluster down at start is an error to count,
+not a crash of the backend that records into it.
 """
 
 from __future__ import annotations
@@ -27,14 +22,13 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hicache_existence.reconcile.ground_truth import (
     GarbageAnswer,
     GroundTruthError,
     TruthUnavailable,
-    check_chain,
 )
 from hicache_existence.reconcile.redis_truth import (
     LedgerSettings,
@@ -45,7 +39,6 @@ from hicache_existence.reconcile.redis_truth import (
     _pair,
     client_options,
     cluster_seeds,
-    is_cluster_url,
     map_error,
     redis_errors,
 )
@@ -118,12 +111,11 @@ def build_cluster_client(settings: LedgerSettings) -> Any:
 class _LazyCluster:
     """Builds the cluster client on first use (and again after a failed build)."""
 
-    def __init__(self, settings: LedgerSettings, factory: Callable[[], Any] | None) -> None:
+    def __init__(self, settings: LedgerSettings, client: Any) -> None:
         self._settings = settings
-        self._factory = factory or (lambda: build_cluster_client(settings))
         self._lock = threading.Lock()
         #: The client once built (None before).
-        self.built: Any = None
+        self.built: Any = client
 
     def get(self) -> Any:
         client = self.built
@@ -132,7 +124,7 @@ class _LazyCluster:
         with self._lock:
             if self.built is None:
                 try:
-                    self.built = self._factory()
+                    self.built = build_cluster_client(self._settings)
                 except Exception as exc:
                     raise TruthUnavailable(
                         f"cluster at {self._settings.redacted_url()} unreachable: {map_error(exc)}"
@@ -163,16 +155,12 @@ class RedisClusterLedger(RedisLedger):
         client: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not is_cluster_url(settings.url):
-            raise ValueError(
-                f"RedisClusterLedger needs a redis+cluster:// URL, got {settings.redacted_url()}"
-            )
         for arg in ("namespace", "shard"):
             if any(c in getattr(settings, arg) for c in "{}"):
                 raise ValueError(f"{arg} must not contain '{{' or '}}' on Redis Cluster")
-        self._lazy = _LazyCluster(settings, (lambda: client) if client is not None else None)
+        self._lazy = _LazyCluster(settings, client)
         super().__init__(settings, client=self._lazy, clock=clock)
-        self._record = self._lazy.register_script(LUA_RECORD)
+        self._record_script = self._lazy.register_script(LUA_RECORD)
         self._presence = self._lazy.register_script(LUA_PRESENT)
         self.failover_distrust_s = float(settings.failover_distrust_s)
         #: Primary (host:port) last seen serving each tag.
@@ -246,30 +234,13 @@ class RedisClusterLedger(RedisLedger):
             self._distrust_until = max(self._distrust_until, until)
         return True
 
-    # -- writes ----------------------------------------------------------------------
-    def record_stored(self, pool: str, hashes: Iterable[str]) -> int:
-        """One script call per ``write_batch`` pages (redis-py refuses MSET in a
-        cluster pipeline; the script sets the TTL server-side)."""
-        name, seq = check_chain(pool, hashes)
-        if not seq:
-            return 0
-        px = max(1, int(self.settings.ttl_s * 1000)) if self.settings.ttl_s > 0 else 0
-        batch = self.settings.write_batch
-        keys = [self.epoch_key(name)]
-        prefix = self.prefix(name)
-        with redis_errors():
-            for start in range(0, len(seq), batch):
-                blob = _joined(seq[start : start + batch])
-                reply = self._record(keys=keys, args=[_new_epoch(), prefix, px, blob])
-                # The epoch the records went under: a reset between two writes is
-                # seen even by a reader that has not read yet (as RedisLedger's).
-                if (
-                    isinstance(reply, list)
-                    and len(reply) == 2
-                    and isinstance(reply[1], bytes | str)
-                ):
-                    self._see_epoch(reply[1], name)
-        return len(seq)
+    def _record(self, pool: str, chunk: Sequence[str]) -> Any:
+        """One script call (redis-py refuses MSET in a cluster pipeline; the
+        script sets the TTL server-side)."""
+        ttl = self.settings.ttl_s
+        px = max(1, int(ttl * 1000)) if ttl > 0 else 0
+        args = [_new_epoch(), self.prefix(pool), px, _joined(chunk)]
+        return self._record_script(keys=[self.epoch_key(pool)], args=args)
 
     def _shard_pattern(self) -> str:
         """``{<shard prefix>*}:*``: every page key of the shard, never an epoch key."""

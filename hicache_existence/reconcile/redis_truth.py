@@ -1,26 +1,15 @@
-"""The Redis ledger: ground truth mirrored from successful L3 writes.
-
-Prefill instances sharing one L3 record every page they store
-(``storage_adapters.LedgerRecordingStorage``); the reconciler asks the ledger
-which pages are present.  redis-py is imported only when a ledger is built.
-
-Key schema (standalone or Sentinel; Redis Cluster: ``redis_cluster``; details in
-docs/reconciler.md, "Key schema")::
+"""The Redis ledger: ground truth mirrored from successful L3 writes
+(``storage_adapters.LedgerRecordingStorage`` records them; redis-py is imported
+only when a ledger is built).  Key schema: docs/reconciler.md, "Key schema"::
 
     <namespace>:epoch                          "<token> <unix seconds>", no TTL
     <namespace>:<shard>:<pool>:<page hash>     "1", optional TTL (ttl_s)
 
-``shard`` is the L3 key space one rank writes and reads (``shard_id``); ranks
-query their own shard and the reconciler MIN-reduces the answers, as upstream
-does for hits.  ``ttl_s`` > 0 mirrors L3 retention; successful reads refresh it.
-Every batch of records writes the epoch (SET NX).  No epoch: the ledger never saw
-a write or lost its data, so no answer is evidence.  An epoch that changes under
-a reader means Redis restarted empty while L3 kept its pages: absence is not
-evidence for ``trust_after_reset_s`` (default ``ttl_s``, forever without one).
-
-``leading_present`` costs one round trip: a Lua script walks the chain and stops
-at the first absent page (faster than a pipelined MGET: docs/reconciler.md);
-``method="pipeline"`` serves servers that forbid scripting.
+No epoch: the ledger never saw a write or lost its data, so no answer is
+evidence.  An epoch that changes under a reader means Redis restarted empty while
+L3 kept its pages: absence is not evidence for ``trust_after_reset_s``.
+``leading_present`` costs one round trip (a Lua script stopping at the first
+absent page; ``method="pipeline"`` for servers that forbid scripting).
 """
 
 from __future__ import annotations
@@ -183,19 +172,15 @@ def shard_id(
 
 
 def shard_from_storage_config(storage_config: Any) -> str:
-    """``shard_id`` of an SGLang ``HiCacheStorageConfig`` (read by attribute)."""
-    return shard_id(
-        getattr(storage_config, "model_name", None),
-        int(getattr(storage_config, "tp_rank", 0)),
-        int(getattr(storage_config, "tp_size", 1)),
-        pp_rank=int(getattr(storage_config, "pp_rank", 0)),
-        pp_size=int(getattr(storage_config, "pp_size", 1)),
-        is_mla=bool(getattr(storage_config, "is_mla_model", False)),
-        attn_cp_rank=int(getattr(storage_config, "attn_cp_rank", 0)),
-        attn_cp_size=int(getattr(storage_config, "attn_cp_size", 1)),
-        dcp_rank=int(getattr(storage_config, "dcp_rank", 0)),
-        dcp_size=int(getattr(storage_config, "dcp_size", 1)),
-    )
+    """``shard_id`` of an SGLang ``HiCacheStorageConfig`` (read by attribute;
+    a missing ``*_rank`` reads 0, a missing ``*_size`` 1)."""
+    ranks = {
+        f"{group}_{part}": int(getattr(storage_config, f"{group}_{part}", part == "size"))
+        for group in ("tp", "pp", "attn_cp", "dcp")
+        for part in ("rank", "size")
+    }
+    model = getattr(storage_config, "model_name", None)
+    return shard_id(model, is_mla=bool(getattr(storage_config, "is_mla_model", False)), **ranks)
 
 
 @dataclass(frozen=True)
@@ -437,36 +422,32 @@ class RedisLedger:
 
     # -- writes --------------------------------------------------------------
     def record_stored(self, pool: str, hashes: Iterable[str]) -> int:
-        """Record pages written to L3 (pipelined, ``write_batch`` commands per
-        round trip); returns the pages recorded.  Raises ``GroundTruthError``."""
+        """Record pages written to L3, ``write_batch`` pages per round trip;
+        returns the pages recorded.  Raises ``GroundTruthError``."""
         name, seq = check_chain(pool, hashes)
-        if not seq:
-            return 0
-        prefix = self.prefix(name)
-        ttl = self.settings.ttl_s
         batch = self.settings.write_batch
         with redis_errors():
             for start in range(0, len(seq), batch):
-                chunk = seq[start : start + batch]
-                pipe = self._client.pipeline(transaction=False)
-                pipe.set(self.epoch_key(name), _new_epoch(), nx=True)
-                pipe.get(self.epoch_key(name))
-                if ttl > 0:
-                    px = max(1, int(ttl * 1000))
-                    for h in chunk:
-                        pipe.set(prefix + h, b"1", px=px)
-                else:
-                    pipe.mset({prefix + h: b"1" for h in chunk})
-                replies = pipe.execute()
-                # The epoch the records went under: a reset between two writes is
-                # seen even by a reader that has not read yet.
-                if (
-                    isinstance(replies, list)
-                    and len(replies) > 1
-                    and isinstance(replies[1], bytes | str)
-                ):
-                    self._see_epoch(replies[1], name)
+                reply = self._record(name, seq[start : start + batch])
+                # The epoch the records went under (``reply[1]``): a reset between
+                # two writes is seen even by a reader that has not read yet.
+                if isinstance(reply, list) and len(reply) > 1 and isinstance(reply[1], bytes | str):
+                    self._see_epoch(reply[1], name)
         return len(seq)
+
+    def _record(self, pool: str, chunk: Sequence[str]) -> Any:
+        """One pipeline: the epoch (SET NX, then GET), then the pages."""
+        prefix, ttl = self.prefix(pool), self.settings.ttl_s
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self.epoch_key(pool), _new_epoch(), nx=True)
+        pipe.get(self.epoch_key(pool))
+        if ttl > 0:
+            px = max(1, int(ttl * 1000))
+            for h in chunk:
+                pipe.set(prefix + h, b"1", px=px)
+        else:
+            pipe.mset({prefix + h: b"1" for h in chunk})
+        return pipe.execute()
 
     def record_removed(self, pool: str, hashes: Iterable[str]) -> int:
         """Record pages that left L3; returns the ledger entries removed."""

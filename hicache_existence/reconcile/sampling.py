@@ -1,12 +1,10 @@
 """Which looked-up chains the reconciler verifies: the same ones on every rank.
 
-A lookup's chain is picked when the lookup's ordinal reaches the next of a
-sequence of random gaps, uniform in [1, 2 / rate - 1] (mean 1 / rate), drawn
-from a PRNG with a fixed seed in integer arithmetic only.  Every replica sees
-the same lookups and draws the same gaps, on any platform, so every replica
-picks the same chains; random gaps, unlike every k-th lookup, cannot alias
-with a periodic workload.  Fleet replay (``replay.fleet``) picks with this
-very code, so its verification counts are the reconciler's.
+A chain is picked after a random gap of lookups, uniform in [1, 2 / rate - 1],
+drawn from a fixed-seed PRNG in integer arithmetic only: every replica sees the
+same lookups and draws the same gaps on any platform, and random gaps, unlike
+every k-th lookup, cannot alias with a periodic workload.  Fleet replay
+(``replay.fleet``) picks with this very code.
 """
 
 from __future__ import annotations
@@ -91,7 +89,6 @@ class Candidates:
 
     def drop_pool(self, pool: str) -> None:
         """Forget ``pool``'s waiting chains (the pool was cleared)."""
-        for p, chain in self.chains:
-            if p == pool:
-                self.pending.discard((p, chain[-1]))
+        for chain in [c for p, c in self.chains if p == pool]:
+            self.release(pool, chain)
         self.chains = [(p, chain) for p, chain in self.chains if p != pool]

@@ -29,11 +29,10 @@ from hicache_existence.reconcile.ground_truth import (
 )
 from hicache_existence.reconcile.ledger_writer import LedgerWriter
 from hicache_existence.reconcile.ledgers import open_ledger
+from hicache_existence.reconcile.mooncake_truth import KV, is_mooncake_backend
 from hicache_existence.reconcile.redis_truth import LedgerSettings, shard_from_storage_config
 
 logger = logging.getLogger(__name__)
-
-KV = "kv"
 
 
 class BackendGroundTruth:
@@ -129,7 +128,8 @@ class _LedgerRecordingMixin:
         inner: Any = None,
         ledger: Any = None,
     ) -> None:
-        self._inner: Any = inner
+        #: The real backend this one delegates to (None until it is created).
+        self.inner_backend: Any = inner
         self._pending_inner: tuple[str, Any] | None = None
         #: Successful writes recorded so far (under ``_record_lock``): an absence
         #: learnt from a ``batch_exists`` that overlapped one of them is not recorded.
@@ -188,26 +188,21 @@ class _LedgerRecordingMixin:
         if name in NEEDS_HOST_POOL:
             self._pending_inner = (str(name), inner_config)
             return
-        self._inner = _create_backend(str(name), inner_config, None)
+        self.inner_backend = _create_backend(str(name), inner_config, None)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
         if self._pending_inner is not None:
             name, config = self._pending_inner
-            self._inner = _create_backend(name, config, mem_pool_host)
+            self.inner_backend = _create_backend(name, config, mem_pool_host)
             self._pending_inner = None
         self._backend().register_mem_pool_host(mem_pool_host)
 
     def _backend(self) -> Any:
-        inner = self._inner
+        inner = self.inner_backend
         if inner is None:
             raise RuntimeError("the real storage backend is not created yet (no host pool)")
         return inner
-
-    @property
-    def inner_backend(self) -> Any:
-        """The real backend this one delegates to."""
-        return self._inner
 
     def ledger_ground_truth(self) -> Any:
         """The ledger this backend records into, as a reconciler's ground truth that
@@ -223,21 +218,17 @@ class _LedgerRecordingMixin:
         return self._writer.flush(timeout_s)
 
     # -- recording helpers (never raise into the storage path) -----------------------
-    def _stored(
-        self, pool: Any, keys: Iterable[str], removed: bool = False, since: int | None = None
-    ) -> None:
-        """Record ``keys``; a removal with ``since`` (the write count before the
-        backend was asked) is dropped when a write was recorded meanwhile."""
+    def _stored(self, pool: Any, keys: Iterable[str], since: int | None = None) -> None:
+        """Record ``keys`` stored or, given ``since`` (the write count before the
+        backend was asked), removed unless a write was recorded meanwhile."""
         try:
             name = _validate.pool_name(pool)  # the pool name comes from upstream
             with self._record_lock:  # a removal and a write of a page keep their order
-                if removed:
-                    if since is not None and since != self._writes_recorded:
-                        return
-                    self._writer.removed(name, keys)
-                else:
+                if since is None:
                     self._writes_recorded += 1
                     self._writer.stored(name, keys)
+                elif since == self._writes_recorded:
+                    self._writer.removed(name, keys)
         except Exception:
             logger.debug("ledger record failed", exc_info=True)
 
@@ -314,7 +305,7 @@ class _LedgerRecordingMixin:
         if self._learns_absence(inner) and _validate.is_int(count) and 0 <= count < len(keys):
             # The real backend just said this page is absent: teach the ledger
             # (unless a write landed meanwhile: it may be this very page).
-            self._stored(KV, [keys[count]], removed=True, since=since)
+            self._stored(KV, [keys[count]], since=since)
         return count
 
     def _learns_absence(self, inner: Any) -> bool:
@@ -327,8 +318,6 @@ class _LedgerRecordingMixin:
             return False
         if self._learn_absence is not None:
             return self._learn_absence
-        from hicache_existence.reconcile.mooncake_truth import is_mooncake_backend
-
         return not is_mooncake_backend(inner)
 
     def clear(self) -> Any:
@@ -342,8 +331,8 @@ class _LedgerRecordingMixin:
 
     def close(self) -> None:
         try:
-            if hasattr(self._inner, "close"):
-                self._inner.close()
+            if hasattr(self.inner_backend, "close"):
+                self.inner_backend.close()
         finally:
             self._writer.close()
             if hasattr(self._ledger, "close"):
@@ -351,7 +340,7 @@ class _LedgerRecordingMixin:
 
     def __getattr__(self, name: str) -> Any:
         # Backend-specific attributes (not part of HiCacheStorage) reach the real one.
-        inner = self.__dict__.get("_inner")
+        inner = self.__dict__.get("inner_backend")
         if inner is None or name.startswith("_"):
             raise AttributeError(name)
         return getattr(inner, name)

@@ -1,8 +1,5 @@
-"""The vector the ranks MIN-reduce at every agreement, with named slots.
-
-Every rank contributes a vector of the same length (``3 + 2 * slots``: the
-collective needs a fixed size) and acts on the element-wise MIN, so every rank
-acts alike:
+"""The vector the ranks MIN-reduce at every agreement (``3 + 2 * slots`` words:
+the collective needs a fixed size); every rank acts on the element-wise MIN:
 
 * ``done``: queries this rank finished contiguously from the oldest one;
 * ``admit``: candidates this rank could admit (queue space, circuit state);

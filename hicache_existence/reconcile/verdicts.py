@@ -1,20 +1,12 @@
 """What an agreed answer does to the beliefs, and the writes it must not undo.
 
 An answer taken at time T proves nothing about a page whose write overlaps T
-(docs/reconciler.md, "Writes racing a query").  Such a page is *written since
-the query*: in flight when the verdict applies (the pool's ``inflight_pages()``;
-for the seed generation also the set its pipeline passes to ``covers_all``), or
-added (the storage ack's ``add``, which precedes its release from flight) since
-the query was admitted, which precedes T.  Either check alone misses some of
-those writes.  A release without an add is a failed launch (the page really is
-absent); a reset of the write pipeline (``clear_inflight``), whose writes may
-land with no ack, voids the answers out.
-
-If the first missing page was written since the query, the invalidation is
-withheld (a later pick verifies the chain again); otherwise the pages beyond it
-are dropped except those written since.  Every rank sees the same writes at the
-same lockstep points, so every rank withholds the same verdicts.  Fleet replay
-(``replay.fleet``) applies its verdicts with ``apply_verdict`` too.
+(docs/reconciler.md, "Writes racing a query"): one in flight when the verdict
+applies, or added (the storage ack) since the query was admitted; either check
+alone misses some of those writes.  If the first missing page was written since
+the query, the invalidation is withheld; otherwise the pages beyond it are
+dropped except those written since.  Every rank sees the same writes at the same
+lockstep points, so every rank withholds the same verdicts.
 """
 
 from __future__ import annotations

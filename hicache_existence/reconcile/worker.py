@@ -127,9 +127,7 @@ class QueryWorker:
             kind = "internal"
             logger.debug("reconciler query failed", exc_info=True)
         c.latency.observe(time.perf_counter() - t0)
-        cpu = time.thread_time() - cpu0
-        if cpu > c.max_query_cpu_s:
-            c.max_query_cpu_s = cpu
+        c.max_query_cpu_s = max(c.max_query_cpu_s, time.thread_time() - cpu0)
         if kind:
             c.errors[kind] += 1
             # An answer the scheduler already timed out was counted as a failure
