@@ -64,9 +64,7 @@ def measure_reads(
         for n in sizes:
             full = page_chain(f"n{n}", n)
             writer.record_stored("kv", full)
-            chains = query_chains(full)
-            for case in CASES:
-                c = chains[case]
+            for case, c in query_chains(full).items():
                 answers = {m: led.leading_present("kv", c) for m, led in ledgers.items()}
                 if len(set(answers.values())) != 1:
                     raise AssertionError(f"methods disagree on {case}/{n}: {answers}")

@@ -312,7 +312,7 @@ class Reconciler:
         )
         if outcome.withheld:
             c.invalidations_withheld[pool] += 1
-        if outcome.stale:
+        if outcome.invalidated:
             c.stale_positives[pool] += 1
             c.pages_invalidated[pool] += outcome.invalidated
         if outcome.learnt:

@@ -124,16 +124,12 @@ class WritesSince:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one verdict did: beliefs removed (``stale``: at least one),
+    """What one verdict did: beliefs removed (a stale positive: at least one),
     whether its invalidation was withheld, pages learnt."""
 
     invalidated: int = 0
     withheld: bool = False
     learnt: int = 0
-
-    @property
-    def stale(self) -> bool:
-        return self.invalidated > 0
 
 
 def apply_verdict(
