@@ -1,33 +1,19 @@
 """Verified L3 residency as KV events: stores at the ack, removals only when verified.
 
-Routers and KV indexers score instances by the blocks each tier holds, from the
-events engines publish; SGLang publishes the device and host tiers only.  This
-emitter publishes the storage tier from what the package already knows:
+SGLang publishes the device and host tiers only; this emitter publishes the storage
+tier (docs/kv-events.md says what a consumer may rely on):
 
-* **``BlockStored`` at the ack.**  The write path calls ``stored(blocks)`` when the
-  storage drain acknowledges a write, with the pages this rank's backend stored
-  (never at launch, never for a page only believed).  A block is published once
-  until removed; a repeated acknowledgement refreshes its verification time only.
-  A page whose block hash, parent or tokens the write path cannot give as
-  SGLang's own events would (a namespaced or bigram key) is counted
-  (``unknown``), not published.
-* **``BlockRemoved`` only when absence is verified.**  As a ``BeliefObserver`` the
-  emitter sees ``invalidate_beyond(chain, keep)``, only ever called on a verdict (a
-  reconciler query or a prefetch hit query found ``chain[keep]`` missing); every
-  page past it is unreachable by a prefix lookup (a page hash chains its whole
-  prefix), so published blocks among ``chain[keep:]`` are removed, by source.  An
-  LRU eviction inside ``add`` and ``clear`` say nothing about L3: no event.
-* **Off the scheduler thread.**  The scheduler thread puts one item per call on a
-  bounded queue whatever the number of pages (an acknowledgement: references to
-  the write's own snapshot and the function that reads its blocks; a verdict: its
-  chain as a tuple and its source); a full queue drops the item and counts its
-  pages, never blocks.  The publisher thread does everything per page (blocks,
-  the published set, events, encoding, sending through a ``Sink``: the package's
-  own ZeroMQ publisher or SGLang's, ``integrations/sglang/kv_events.py``), in the
-  scheduler's call order, as one queue carries stores and verdicts.
-* **Verification age.**  Each published block carries when it was last confirmed
-  present (its ack, a hit query or a reconciler verdict reaching past it);
-  ``oldest_unverified_s`` is the age of the least recently confirmed.
+* ``BlockStored`` when the storage drain acknowledges a write (``stored``), for
+  the pages this rank's backend stored; never at launch, never for a page only
+  believed.  A page whose block hash, parent or tokens are not SGLang's own (a
+  namespaced or bigram key) is counted ``unknown``, not published.
+* ``BlockRemoved`` only when absence is verified: ``invalidate_beyond(chain, keep)``
+  is only ever called on a verdict, and every page past ``chain[keep]`` is
+  unreachable by a prefix lookup (a page hash chains its prefix).  An LRU eviction
+  and a ``clear`` of the beliefs say nothing about L3: no event.
+* The scheduler thread puts one item per call on a bounded queue, whatever the
+  number of pages, and never blocks (a full queue drops and counts); the
+  publisher thread does everything per page, in the scheduler's call order.
 
 Nothing here raises into the cache: a failure is counted (``errors``).
 """
@@ -42,9 +28,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hicache_existence.events.wire import Event, Removed, Stored, block_hash
+from hicache_existence.events.zmq_sink import ZmqSink
 
 if TYPE_CHECKING:
     from hicache_existence.config import EventsSection
@@ -66,8 +54,8 @@ Block = tuple[str, "str | None", Sequence[int]]
 #: hash (called on the publisher thread).
 Resolve = Callable[..., "tuple[Sequence[Block], int]"]
 
-# Queue item tags: (tag, clock, ...).
-_STORE, _VERDICT, _REFRESH, _CLEARED = 0, 1, 2, 3
+# Queue item tags: (tag, clock, ...); a refresh only is a verdict without a source.
+_STORE, _VERDICT, _CLEARED = 0, 1, 2
 
 
 def _given(blocks: Sequence[Block]) -> tuple[Sequence[Block], int]:
@@ -253,7 +241,8 @@ class KvEvents:
         except queue.Full:
             self.dropped["queue_full"] += pages
         except Exception as exc:
-            self._hot_error(exc)
+            self._hot_errors += 1
+            _skipped(self._hot_errors, exc)
         return False
 
     # -- BeliefObserver (the cache's operation stream, scheduler thread) ----------
@@ -285,7 +274,7 @@ class KvEvents:
         through ``invalidated``).  A full queue loses this refresh only: the blocks
         look older than they are, never fresher."""
         if self.running and pool == KV and self._any_store and leading > 0:
-            self._put(lambda: (_REFRESH, self._clock(), tuple(chain[:leading]), leading, ""), 0)
+            self._put(lambda: (_VERDICT, self._clock(), tuple(chain[:leading]), leading, ""), 0)
 
     # -- the publisher thread --------------------------------------------------------
     def _run(self) -> None:
@@ -299,17 +288,14 @@ class KvEvents:
                 continue
             batch: list[Event] = []
             waiting: list[threading.Event] = []
-            done = False
             n = 0
-            while True:
-                if item is None:
-                    done = True
-                elif isinstance(item, threading.Event):
+            while item is not None:  # None: ``close``
+                if isinstance(item, threading.Event):
                     waiting.append(item)
                 else:
                     self._apply(item, batch)
                 n += 1
-                if done or n >= 256 or len(batch) >= 1024:
+                if n >= 256 or len(batch) >= 1024:
                     break
                 try:
                     item = self._queue.get_nowait()
@@ -322,7 +308,7 @@ class KvEvents:
             self._first = next(iter(self._published.values()), None)
             for event in waiting:
                 event.set()
-            if done:
+            if item is None:
                 return
 
     def _apply(self, item: tuple[Any, ...], batch: list[Event]) -> None:
@@ -334,13 +320,12 @@ class KvEvents:
                 self._build_stored(now, blocks, batch)
             elif item[0] == _CLEARED:  # every published block
                 self._unpublish(list(self._published), batch)
-            else:  # a verdict (_VERDICT) or a refresh only (_REFRESH: no source)
+            else:  # a verdict, or a refresh only (no source)
                 _, now, hashes, keep, source = item
                 self._build_removed(now, hashes, keep, source, batch)
         except Exception as exc:
             self._pub_errors += 1
-            if self._pub_errors <= 3:
-                logger.warning("hicache-existence: KV events skipped an update: %r", exc)
+            _skipped(self._pub_errors, exc)
 
     def _build_stored(self, now: float, blocks: Sequence[Block], out: list[Event]) -> None:
         published = self._published
@@ -425,11 +410,6 @@ class KvEvents:
         for source, n in self._removing.items():
             self.removals[source] = self.removals.get(source, 0) + n
 
-    def _hot_error(self, exc: BaseException) -> None:
-        self._hot_errors += 1
-        if self._hot_errors <= 3:
-            logger.warning("hicache-existence: KV events skipped an update: %r", exc)
-
     def snapshot(self) -> EventsSnapshot:
         """Counters now (any thread; what the publisher thread has processed)."""
         first = self._first
@@ -472,18 +452,9 @@ def from_config(section: EventsSection, placement: Placement) -> KvEvents | None
     replica's events another rank publishes)."""
     if not section.enabled or not placement.publishes:
         return None
-    sink = placement.sink
-    if sink is None:
-        endpoint, dp_rank = section.endpoint, placement.dp_rank
-
-        def own() -> Sink | None:
-            from hicache_existence.events.zmq_sink import ZmqSink
-
-            return ZmqSink.open(endpoint, dp_rank=dp_rank)
-
-        sink = own
+    own = partial(ZmqSink.open, section.endpoint, dp_rank=placement.dp_rank)
     return KvEvents(
-        sink,
+        placement.sink or own,
         medium=medium_for(section.medium, placement.backend),
         queue_size=section.queue_size,
         max_blocks=section.max_blocks,
@@ -494,16 +465,7 @@ def _blocks(events: Sequence[Event]) -> int:
     return sum(len(e.block_hashes) for e in events)
 
 
-__all__ = [
-    "DROP_REASONS",
-    "KINDS",
-    "REMOVAL_SOURCES",
-    "Block",
-    "EventsSnapshot",
-    "KvEvents",
-    "Placement",
-    "Resolve",
-    "Sink",
-    "from_config",
-    "medium_for",
-]
+def _skipped(errors: int, exc: BaseException) -> None:
+    """Warn of the first three failures of either thread."""
+    if errors <= 3:
+        logger.warning("hicache-existence: KV events skipped an update: %r", exc)

@@ -150,6 +150,3 @@ def _header(n: int, fix: int, fix_below: int, forms: _Forms, out: bytearray) -> 
         out.append(fix | n)
     else:
         _sized(n, n, forms, out)
-
-
-__all__ = ["Event", "Removed", "Stored", "block_hash", "encode_batch", "event_map"]

@@ -3,14 +3,8 @@
 Used when the server runs without ``--kv-events-config`` (with it, the events go on
 SGLang's own publisher: ``integrations/sglang/kv_events.py``).  Each batch is one
 multipart message ``(topic, seq, payload)`` as SGLang's publisher sends it
-(``wire``), so a subscriber written for SGLang's stream (Dynamo's indexer
-``--workers id=tcp://host:port``) reads this one unchanged.  There is no replay
-socket: a subscriber that missed batches sees a gap in ``seq``.
-
-Each DP replica publishes on the endpoint's port offset by its DP rank, as SGLang
-offsets its own (port 0 or ``*``: each binds a free one, which the start-up line
-names).  An endpoint that cannot be bound gets one warning naming it, and the
-server runs without events.
+(``wire``), so a subscriber written for SGLang's stream reads this one unchanged.
+There is no replay socket: a subscriber that missed batches sees a gap in ``seq``.
 """
 
 from __future__ import annotations
@@ -80,6 +74,3 @@ class ZmqSink:
 
     def close(self) -> None:
         self._socket.close(linger=0)
-
-
-__all__ = ["ZmqSink", "offset_endpoint"]

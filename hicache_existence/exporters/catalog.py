@@ -45,8 +45,10 @@ DEPLOYMENT_LABELS: tuple[str, ...] = (
 #: fresh value replace its dead predecessor's.  See docs/metrics.md.
 GAUGE_MULTIPROCESS_MODE: Literal["mostrecent"] = "mostrecent"
 
-Kind = Literal["counter", "gauge"]
-Source = Literal["cache", "writes", "memory"]
+Kind = Literal["counter", "gauge", "histogram"]
+#: The optional features, each the first word of its families' names.
+FeatureSource = Literal["mode", "divergence", "reconciler", "advisor", "recorder", "events"]
+Source = Literal["cache", "writes", "memory"] | FeatureSource
 
 _MAX_LABEL_VALUE = 128
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -59,7 +61,7 @@ def _unit(name: str) -> str:
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One exported metric family."""
+    """One exported metric family, of the cache or of an optional feature."""
 
     #: Family name without the ``_total`` suffix of counters.
     name: str
@@ -68,13 +70,18 @@ class MetricSpec:
     #: Prometheus unit (a name suffix; only base units) or "".
     unit: str
     #: What it is read from: a ``PoolStats`` field (``cache``), a
-    #: ``PoolWriteStats`` attribute (``writes``) or the memory estimate.
+    #: ``PoolWriteStats`` attribute (``writes``), the memory estimate, or a
+    #: feature's snapshot.
     source: Source
+    #: The field or attribute read (for a feature, or the value
+    #: ``exporters/features.py`` derives under that key), so the family's name
+    #: is written here only.
     field: str
     #: OpenTelemetry unit (UCUM; curly braces for counted things).
     otel_unit: str
-    #: Labels after the deployment labels and ``pool``.
-    extra_labels: tuple[str, ...] = ()
+    #: Labels after the deployment labels: ``pool`` first where present (every
+    #: cache family; bounded by ``metrics.max_pools``), then the others.
+    labels: tuple[str, ...] = ()
 
     @property
     def exposed_name(self) -> str:
@@ -82,8 +89,17 @@ class MetricSpec:
         return f"{self.name}_total" if self.kind == "counter" else self.name
 
     @property
+    def extra_labels(self) -> tuple[str, ...]:
+        """The labels besides the deployment labels and ``pool``."""
+        return tuple(label for label in self.labels if label != "pool")
+
+    @property
     def label_names(self) -> tuple[str, ...]:
-        return (*DEPLOYMENT_LABELS, "pool", *self.extra_labels)
+        return (*DEPLOYMENT_LABELS, *self.labels)
+
+
+#: The features' families are specs like the cache's.
+FeatureSpec = MetricSpec
 
 
 def _spec(
@@ -95,7 +111,9 @@ def _spec(
     help: str,
     labels: tuple[str, ...] = (),
 ) -> MetricSpec:
-    return MetricSpec(PREFIX + name, kind, help, _unit(name), source, field, otel_unit, labels)
+    return MetricSpec(
+        PREFIX + name, kind, help, _unit(name), source, field, otel_unit, ("pool", *labels)
+    )
 
 
 _memory = partial(_spec, "gauge", "memory")
@@ -168,53 +186,23 @@ BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 # ---------------------------------------------------------------------------
 # feature metrics: TP-divergence checks, the reconciler, the capacity advisor, the recorder
 
-FeatureKind = Literal["counter", "gauge", "histogram"]
-FeatureSource = Literal["mode", "divergence", "reconciler", "advisor", "recorder", "events"]
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """One metric family of an optional feature.  Its labels follow the
-    deployment labels; a ``pool`` label, where present, is bounded like the cache
-    metrics' (``metrics.max_pools``)."""
-
-    name: str
-    kind: FeatureKind
-    help: str
-    unit: str
-    source: FeatureSource
-    labels: tuple[str, ...]
-    otel_unit: str
-    #: What it is read from: the source snapshot's attribute (or the value
-    #: ``exporters/features.py`` derives under that key), so the family's name is
-    #: written here only.
-    field: str
-
-    @property
-    def exposed_name(self) -> str:
-        return f"{self.name}_total" if self.kind == "counter" else self.name
-
-    @property
-    def label_names(self) -> tuple[str, ...]:
-        return (*DEPLOYMENT_LABELS, *self.labels)
-
 
 def _f(
     name: str,
-    kind: FeatureKind,
+    kind: Kind,
     field: str,
     otel_unit: str,
     help: str,
     labels: tuple[str, ...] = (),
-) -> FeatureSpec:
+) -> MetricSpec:
     """A feature family; its source is the feature its name starts with."""
     source = next(s for s in get_args(FeatureSource) if name.startswith(s))
-    return FeatureSpec(PREFIX + name, kind, help, _unit(name), source, labels, otel_unit, field)
+    return MetricSpec(PREFIX + name, kind, help, _unit(name), source, field, otel_unit, labels)
 
 
 # name, kind, field read, OpenTelemetry unit, then the help text.
 # fmt: off
-FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
+FEATURE_CATALOG: tuple[MetricSpec, ...] = (
     _f("mode_info", "gauge", "mode", "1",
         "1, labelled with the HiCache host memory mode this process serves (buffer_only or "
         "cache), SGLang's write policy, whether cache_mode.dedup is on (true, false, or "
@@ -314,7 +302,7 @@ FEATURE_CATALOG: tuple[FeatureSpec, ...] = (
 )
 # fmt: on
 
-FEATURE_BY_NAME: dict[str, FeatureSpec] = {spec.name: spec for spec in FEATURE_CATALOG}
+FEATURE_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in FEATURE_CATALOG}
 
 
 @dataclass(frozen=True)

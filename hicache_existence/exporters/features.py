@@ -9,11 +9,11 @@ without a source exports nothing.  Series that can be enumerated up front
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_existence.exporters.catalog import FEATURE_CATALOG, OTHER_POOL, FeatureSpec
+from hicache_existence.exporters.catalog import FEATURE_CATALOG, OTHER_POOL, MetricSpec
 from hicache_existence.reconcile.counters import ERROR_KINDS, RESULTS
 
 #: metric name -> series (label values after the deployment labels) -> value.
@@ -41,7 +41,7 @@ class FeatureSources:
     #: The storage-tier KV events' counters (``KvEvents.snapshot``).
     events: Callable[[], Any] | None = None
 
-    def specs(self) -> tuple[FeatureSpec, ...]:
+    def specs(self) -> tuple[MetricSpec, ...]:
         """The feature metric families these sources export."""
         return tuple(spec for spec in FEATURE_CATALOG if getattr(self, spec.source) is not None)
 
@@ -64,16 +64,10 @@ def sample_features(
         dedup_text = dedup if isinstance(dedup, str) else "true" if dedup else "false"
         scope = "shared" if sources.shared_capacity else "pool"
         by_source["mode"] = {"mode": {(host_mode, policy, dedup_text, scope): 1.0}}
-    if sources.divergence is not None:
-        by_source["divergence"] = _divergence(sources.divergence())
-    if sources.reconciler is not None:
-        by_source["reconciler"] = _reconciler(sources.reconciler(), label, pool_labels)
-    if sources.advisor is not None:
-        by_source["advisor"] = _advisor(sources.advisor(), label)
-    if sources.recorder is not None:
-        by_source["recorder"] = _recorder(sources.recorder())
-    if sources.events is not None:
-        by_source["events"] = _events(sources.events())
+    for source, read in _READERS.items():
+        take = getattr(sources, source)
+        if take is not None:
+            by_source[source] = read(take(), label, pool_labels)
     scalars: FeatureSamples = {}
     histograms: HistogramSamples = {}
     for spec in FEATURE_CATALOG:
@@ -88,57 +82,61 @@ def _scalar(value: float) -> dict[tuple[str, ...], float]:
     return {(): float(value)}
 
 
-def _divergence(stats: Any) -> _Values:
-    return {
-        "checks": _scalar(stats.checks),
-        "divergences": _scalar(stats.divergences),
-        "heals": _scalar(stats.heals),
-        "failures": {
-            ("timeout",): float(stats.timeouts),
-            ("error",): float(stats.errors),
-        },
-        "config_mismatches": _scalar(stats.config_mismatches),
-        "check_seconds": _scalar(stats.check_seconds),
-        "last_check_step": _scalar(stats.last_check_step),
-        "last_divergence_step": _scalar(stats.last_divergence_step),
-        "active": _scalar(1.0 if stats.active else 0.0),
-    }
+def _read(snap: Any, source: str, **derived: Any) -> _Values:
+    """``source``'s fields read off ``snap`` by name (a mapping: one series per
+    key; a number: one series), except those ``derived`` gives."""
+    out: _Values = dict(derived)
+    for spec in FEATURE_CATALOG:
+        if spec.source == source and spec.field not in derived:
+            value = getattr(snap, spec.field)
+            if isinstance(value, Mapping):
+                out[spec.field] = {(str(k),): float(n) for k, n in value.items()}
+            else:
+                out[spec.field] = _scalar(value)
+    return out
 
 
-def _per_pool(
-    values: Mapping[str, int], label: Callable[[str], str], pool_labels: tuple[str, ...]
+def _divergence(stats: Any, *_: Any) -> _Values:
+    failures = {("timeout",): float(stats.timeouts), ("error",): float(stats.errors)}
+    return _read(stats, "divergence", failures=failures)
+
+
+def _folded(
+    values: Mapping[Any, int], key: Callable[[Any], tuple[str, ...]], zeros: Iterable[Any]
 ) -> dict[tuple[str, ...], float]:
-    series: dict[tuple[str, ...], float] = {(p,): 0.0 for p in pool_labels}
-    for pool, n in values.items():
-        key = (label(pool),)
-        series[key] = series.get(key, 0.0) + float(n)
+    """``values`` summed by series ``key`` (pools folded into one label add up),
+    after every series of ``zeros`` at 0."""
+    series: dict[tuple[str, ...], float] = dict.fromkeys(zeros, 0.0)
+    for name, n in values.items():
+        k = key(name)
+        series[k] = series.get(k, 0.0) + float(n)
     return series
 
 
 def _reconciler(snap: Any, label: Callable[[str], str], pool_labels: tuple[str, ...]) -> _Values:
-    queries: dict[tuple[str, ...], float] = {(p, r): 0.0 for p in pool_labels for r in RESULTS}
-    for (pool, result), n in snap.queries.items():
-        key = (label(pool), str(result))
-        queries[key] = queries.get(key, 0.0) + float(n)
-    errors: dict[tuple[str, ...], float] = {(k,): 0.0 for k in ERROR_KINDS}
-    for kind, n in snap.errors.items():
-        errors[(str(kind),)] = errors.get((str(kind),), 0.0) + float(n)
+    def by_pool(values: Mapping[str, int]) -> dict[tuple[str, ...], float]:
+        return _folded(values, lambda pool: (label(pool),), [(p,) for p in pool_labels])
+
     q = snap.query_seconds
-    return {
-        "queries": queries,
-        "stale_positives": _per_pool(snap.stale_positives, label, pool_labels),
-        "pages_invalidated": _per_pool(snap.pages_invalidated, label, pool_labels),
-        "pages_learnt": _per_pool(snap.pages_learnt, label, pool_labels),
-        "invalidations_withheld": _per_pool(snap.invalidations_withheld, label, pool_labels),
-        "errors": errors,
-        "circuit_state": _scalar(0.0 if snap.circuit_state == 0 else 1.0),
-        "outstanding": _scalar(snap.outstanding),
-        "objects_leased": _scalar(snap.objects_leased),
-        "query_seconds": {(): (tuple(q.bounds), tuple(q.cumulative), float(q.sum))},
-    }
+    return _read(
+        snap,
+        "reconciler",
+        queries=_folded(
+            snap.queries,
+            lambda key: (label(key[0]), str(key[1])),
+            [(p, r) for p in pool_labels for r in RESULTS],
+        ),
+        stale_positives=by_pool(snap.stale_positives),
+        pages_invalidated=by_pool(snap.pages_invalidated),
+        pages_learnt=by_pool(snap.pages_learnt),
+        invalidations_withheld=by_pool(snap.invalidations_withheld),
+        errors=_folded(snap.errors, lambda kind: (str(kind),), [(k,) for k in ERROR_KINDS]),
+        circuit_state=_scalar(0.0 if snap.circuit_state == 0 else 1.0),
+        query_seconds={(): (tuple(q.bounds), tuple(q.cumulative), float(q.sum))},
+    )
 
 
-def _advisor(snap: Any, label: Callable[[str], str]) -> _Values:
+def _advisor(snap: Any, label: Callable[[str], str], *_: Any) -> _Values:
     out: _Values = {"dropped_references": _scalar(snap.dropped_references)}
     for field, lookups in (("estimated_hit_ratio", False), ("estimated_lookup_hit_ratio", True)):
         series: dict[tuple[str, ...], float] = {}
@@ -151,20 +149,11 @@ def _advisor(snap: Any, label: Callable[[str], str]) -> _Values:
     return out
 
 
-def _recorder(snap: Any) -> _Values:
-    return {
-        "records": {(str(k),): float(n) for k, n in snap.records.items()},
-        "dropped": {(str(k),): float(n) for k, n in snap.dropped.items()},
-        "written_bytes": _scalar(snap.written_bytes),
-        "disk_bytes": _scalar(snap.disk_bytes),
-    }
-
-
-def _events(snap: Any) -> _Values:
-    return {
-        "published": {(k,): float(n) for k, n in snap.published.items()},
-        "dropped": {(k,): float(n) for k, n in snap.dropped.items()},
-        "removals": {(k,): float(n) for k, n in snap.removals.items()},
-        "unknown": _scalar(snap.unknown),
-        "oldest_unverified_s": _scalar(snap.oldest_unverified_s),
-    }
+#: How each feature's snapshot becomes its values: (snapshot, label, pool labels).
+_READERS: dict[str, Callable[[Any, Callable[[str], str], tuple[str, ...]], _Values]] = {
+    "divergence": _divergence,
+    "reconciler": _reconciler,
+    "advisor": _advisor,
+    "recorder": lambda snap, *_: _read(snap, "recorder"),
+    "events": lambda snap, *_: _read(snap, "events"),
+}

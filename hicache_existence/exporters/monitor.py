@@ -2,9 +2,8 @@
 clears.
 
 Instead of hooks in the cache's hot path, ``Monitor.observe(stats)`` compares the
-current ``stats()`` snapshot with the previous one, O(pools), at flush time
-(once per scheduler step at most, rate-limited by the caller).  Events use the
-stable names in ``hicache_existence.logs``.
+current ``stats()`` snapshot with the previous one, O(pools), at flush time.
+Events use the stable names in ``hicache_existence.logs``.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from hicache_existence import logs
-from hicache_existence.core.stats import CacheStats
+from hicache_existence.core.stats import CacheStats, PoolStats
 
 
 class Monitor:
@@ -42,8 +41,7 @@ class Monitor:
         shared = sum(p.entries for p in stats.pools.values()) if stats.shared_capacity else 0
         for pool, current in stats.items():
             entries = shared if stats.shared_capacity else current.entries
-            at_cap = current.capacity and entries >= current.capacity
-            if at_cap and pool not in self._at_cap:
+            if current.capacity and entries >= current.capacity and pool not in self._at_cap:
                 self._at_cap.add(pool)
                 log.info(
                     logs.CACHE_AT_CAPACITY,
@@ -54,19 +52,19 @@ class Monitor:
                 )
             if previous is None:
                 continue
-            before = previous.pools.get(pool)
-            clears = current.clears - (before.clears if before else 0)
-            cleared = current.cleared_pages - (before.cleared_pages if before else 0)
+            before = previous.pools.get(pool) or PoolStats(pool)
+            clears = current.clears - before.clears
             if clears > 0:
+                cleared = current.cleared_pages - before.cleared_pages
                 log.info(logs.CACHE_CLEARED, pool=pool, clears=clears, cleared_pages=cleared)
-            evicted = current.evictions - (before.evictions if before else 0)
+            evicted = current.evictions - before.evictions
             if evicted <= 0 or elapsed <= 0 or not current.capacity:
                 continue
             rate = evicted / elapsed
             if rate >= self.burst_fraction * current.capacity:
-                if pool not in self._limiters:
-                    self._limiters[pool] = logs.RateLimiter(1 / 60, clock=self._clock)
-                limiter = self._limiters[pool]
+                limiter = self._limiters.get(pool)
+                if limiter is None:
+                    limiter = self._limiters[pool] = logs.RateLimiter(1 / 60, clock=self._clock)
                 if limiter.allow():
                     log.warning(
                         logs.EVICTION_BURST,

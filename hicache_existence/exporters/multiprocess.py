@@ -1,14 +1,12 @@
 """Prometheus export inside SGLang ``--enable-metrics`` (prometheus_client
 multiprocess mode).
 
-Each scheduler process writes its values to mmap files in
-``PROMETHEUS_MULTIPROC_DIR``, which SGLang's HTTP server aggregates with
-``MultiProcessCollector``; custom collectors are not aggregated, so this feeds
-ordinary metric objects, never per page: ``flush()`` (at most once per scheduler
-step, a no-op until ``flush_interval_s`` has passed) applies one O(pools x metrics)
-batch: counters ``inc`` by the delta since the previous flush, gauges ``set``
-(``mostrecent``: ``catalog.GAUGE_MULTIPROCESS_MODE``).  One feeder per process: two
-with the same label set in one process would share mmap entries.
+SGLang's HTTP server aggregates each scheduler process's mmap files in
+``PROMETHEUS_MULTIPROC_DIR`` with ``MultiProcessCollector``, which ignores custom
+collectors; so this feeds ordinary metric objects, never per page: a ``flush()``
+applies one O(pools x metrics) batch of counter increments and gauge sets.  One
+feeder per process: two with the same label set in one process would share mmap
+entries.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from hicache_existence import logs
 from hicache_existence.exporters.catalog import (
     GAUGE_MULTIPROCESS_MODE,
     DeploymentLabels,
-    FeatureSpec,
     MetricSpec,
 )
 from hicache_existence.exporters.features import HistogramSamples, HistogramValue
@@ -40,11 +37,9 @@ def multiprocess_active() -> bool:
 
 
 class MultiprocessFeeder:
-    """Feeds prometheus_client metrics from a ``SeriesReader`` in rate-limited batches.
-
-    ``registry=None`` (the default) registers nothing in-process: in multiprocess
-    mode the values live in the mmap files, which SGLang's ``/metrics`` reads.
-    """
+    """Feeds prometheus_client metrics from a ``SeriesReader`` in rate-limited
+    batches; ``registry=None`` registers nothing in-process (the values live in
+    the mmap files)."""
 
     def __init__(
         self,
@@ -60,13 +55,11 @@ class MultiprocessFeeder:
         self._clock = clock or time.monotonic
         self._deployment = (labels or DeploymentLabels()).values()
         self._registry = registry
-        self._features = series_reader.feature_specs()
-        specs: tuple[MetricSpec | FeatureSpec, ...] = (*series_reader.specs, *self._features)
+        specs = (*series_reader.specs, *series_reader.feature_specs())
+        # Histograms are created at their first sample, which carries their buckets.
+        self._histograms = tuple(s for s in specs if s.kind == "histogram")
         self._metrics: dict[str, Any] = {
-            spec.name: self._make(spec)
-            for spec in specs
-            # histograms are created at the first sample, which carries their buckets
-            if spec.kind != "histogram"
+            s.name: self._make(s) for s in specs if s.kind != "histogram"
         }
         self._children: dict[tuple[str, SeriesKey], Any] = {}
         #: The value last applied per series: a counter's total, a gauge's value.
@@ -80,7 +73,7 @@ class MultiprocessFeeder:
         # Every series of the pools known now exists at 0 from the start.
         self._apply(*series_reader.sample_all(), counters=False)
 
-    def _make(self, spec: MetricSpec | FeatureSpec, **options: Any) -> Any:
+    def _make(self, spec: MetricSpec, **options: Any) -> Any:
         """The prometheus_client metric of one family (gauges: ``mostrecent``)."""
         if spec.kind == "gauge":
             options["multiprocess_mode"] = GAUGE_MULTIPROCESS_MODE
@@ -146,12 +139,11 @@ class MultiprocessFeeder:
                     if delta > 0:
                         self._child(name, key).inc(delta)
                         previous[slot] = value
-        for fspec in self._features:
-            if fspec.kind == "histogram":
-                self._apply_histogram(fspec, histograms.get(fspec.name, {}), counters)
+        for spec in self._histograms:
+            self._apply_histogram(spec, histograms.get(spec.name, {}), counters)
 
     def _apply_histogram(
-        self, spec: FeatureSpec, series: dict[SeriesKey, HistogramValue], counters: bool
+        self, spec: MetricSpec, series: dict[SeriesKey, HistogramValue], counters: bool
     ) -> None:
         """Feed a histogram by bucket deltas.  prometheus_client's Histogram only
         offers observe(); its per-bucket values are incremented directly so the

@@ -13,14 +13,14 @@ check), never a lookup; a no-op without opentelemetry or a recording tracer prov
 
 from __future__ import annotations
 
-import importlib.metadata
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from hicache_existence.exporters.catalog import DeploymentLabels, FeatureSpec, MetricSpec
+from hicache_existence._version import __version__ as _version
+from hicache_existence.exporters.catalog import DeploymentLabels, MetricSpec
 from hicache_existence.exporters.series import Samples, SeriesReader
 
 try:  # optional extra
@@ -36,11 +36,6 @@ _SILENT: tuple[type, ...] = (
     (_trace.ProxyTracerProvider, _trace.NoOpTracerProvider) if _trace is not None else ()
 )
 
-
-try:
-    _version = importlib.metadata.version("hicache-existence")
-except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
-    _version = "0"
 #: Span names (stable).
 SPAN_RECONCILE = "hicache_existence.reconcile"
 SPAN_DIVERGENCE_CHECK = "hicache_existence.divergence_check"
@@ -71,25 +66,18 @@ class OTelExporter:
         self._consumed: set[str] = set()
         self.snapshots = 0
         self.instruments: list[Any] = []
-        specs: list[MetricSpec | FeatureSpec] = [
+        specs: list[MetricSpec] = [
             *series_reader.specs,
             # Histograms are left to Prometheus: an observable instrument cannot
             # carry pre-bucketed counts.
             *(f for f in series_reader.feature_specs() if f.kind != "histogram"),
         ]
         for spec in specs:
-            create = (
-                meter.create_observable_counter
-                if spec.kind == "counter"
-                else meter.create_observable_gauge
-            )
+            counter = spec.kind == "counter"
+            create = meter.create_observable_counter if counter else meter.create_observable_gauge
+            callbacks = [partial(self._observe, spec)]
             self.instruments.append(
-                create(
-                    spec.name,
-                    callbacks=[partial(self._observe, spec)],
-                    unit=spec.otel_unit,
-                    description=spec.help,
-                )
+                create(spec.name, callbacks=callbacks, unit=spec.otel_unit, description=spec.help)
             )
 
     def _current(self, name: str) -> Samples:
@@ -101,13 +89,12 @@ class OTelExporter:
             self._consumed.add(name)
             return self._samples
 
-    def _observe(self, spec: MetricSpec | FeatureSpec, options: Any) -> list[Any]:
+    def _observe(self, spec: MetricSpec, options: Any) -> list[Any]:
         """The instrument's callback: its observations from the shared snapshot."""
         assert _metrics is not None
         samples = self._current(spec.name)
-        extra = spec.labels if isinstance(spec, FeatureSpec) else ("pool", *spec.extra_labels)
         return [
-            _metrics.Observation(value, {**self._deployment, **dict(zip(extra, key))})
+            _metrics.Observation(value, {**self._deployment, **dict(zip(spec.labels, key))})
             for key, value in samples.get(spec.name, {}).items()
         ]
 

@@ -1,12 +1,8 @@
 """Standalone Prometheus export: a collector that reads the accounting at scrape
-time, and a ``/metrics`` HTTP server on a configurable address.
-
-The collector costs nothing between scrapes: a scrape takes one O(pools)
-``stats()`` snapshot on the scrape thread while the scheduler thread keeps
-mutating the cache (the snapshot reads plain ints; it never locks the cache).
-Use it when SGLang runs *without* ``--enable-metrics``; with it, prometheus_client
-is in multiprocess mode where custom collectors are not aggregated: use
-``exporters.multiprocess`` instead.
+time (one O(pools) ``stats()`` snapshot on the scrape thread, which never locks
+the cache), and a ``/metrics`` HTTP server.  For SGLang *without*
+``--enable-metrics``; with it, prometheus_client's multiprocess mode does not
+aggregate custom collectors: ``exporters.multiprocess`` feeds it instead.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from hicache_existence import logs
-from hicache_existence.exporters.catalog import DeploymentLabels, FeatureSpec, MetricSpec
+from hicache_existence.exporters.catalog import DeploymentLabels, MetricSpec
 from hicache_existence.exporters.series import SeriesReader
 
 DEFAULT_HOST = "127.0.0.1"
@@ -33,11 +29,15 @@ DEFAULT_PORT = 9464
 CONNECTION_TIMEOUT_S = 10.0
 
 
-def _family(spec: MetricSpec | FeatureSpec) -> Any:
-    if spec.kind == "histogram":
-        return HistogramMetricFamily(spec.name, spec.help, labels=spec.label_names, unit=spec.unit)
-    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-    return cls(spec.name, spec.help, labels=spec.label_names, unit=spec.unit)
+_FAMILIES = {
+    "counter": CounterMetricFamily,
+    "gauge": GaugeMetricFamily,
+    "histogram": HistogramMetricFamily,
+}
+
+
+def _family(spec: MetricSpec) -> Any:
+    return _FAMILIES[spec.kind](spec.name, spec.help, labels=spec.label_names, unit=spec.unit)
 
 
 class PrometheusCollector(Collector):
@@ -47,7 +47,7 @@ class PrometheusCollector(Collector):
         self.series_reader = series_reader
         self._deployment = (labels or DeploymentLabels()).values()
 
-    def _specs(self) -> tuple[MetricSpec | FeatureSpec, ...]:
+    def _specs(self) -> tuple[MetricSpec, ...]:
         return (*self.series_reader.specs, *self.series_reader.feature_specs())
 
     def describe(self) -> Iterable[Metric]:
@@ -74,10 +74,7 @@ class MetricsServer:
     """A ``/metrics`` endpoint serving one registry from a daemon thread."""
 
     def __init__(
-        self,
-        registry: CollectorRegistry,
-        host: str = DEFAULT_HOST,
-        port: int = DEFAULT_PORT,
+        self, registry: CollectorRegistry, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     ) -> None:
         # host and port are metrics.host / metrics.port, checked by Config.
         self.registry = registry

@@ -21,7 +21,6 @@ from hicache_existence.exporters.catalog import (
     CATALOG,
     MISS_REASON_LABELS,
     OTHER_POOL,
-    FeatureSpec,
     MetricSpec,
 )
 from hicache_existence.exporters.features import (
@@ -122,7 +121,7 @@ class SeriesReader:
             self._zeros_for = labels
         return self._zeros_of
 
-    def feature_specs(self) -> tuple[FeatureSpec, ...]:
+    def feature_specs(self) -> tuple[MetricSpec, ...]:
         """Feature metric families exported (those whose source is set)."""
         return self.features.specs()
 

@@ -1,27 +1,10 @@
 """Deterministic digests of one cache replica, for cross-rank divergence checks.
 
-Every TP / attention-TP / PP rank holds its own replica, equal only if every
-rank applies the same operations in the same order from the same start
-(docs/tp-divergence.md).  ``ReplicaDigest``, a ``BeliefObserver``, folds each
-pool's operation stream into a running digest, so a check compares a few 63-bit
-words per pool instead of the caches.
-
-Per pool, incrementally (once per operation, never once per page in Python):
-
-* ``crc``: CRC-32 chained over the operations, one self-delimiting record each.
-  ``add`` / ``invalidate_beyond`` / in-flight batches contribute every page (one
-  ``"\\0".join`` + ``zlib.crc32`` in C); a lookup only ``(stop, hashes[0],
-  hashes[stop-1])``, O(1): SGLang page hashes are chained SHA-256, so the last
-  page names the walked prefix.  (``SharedLruDigest``, for the seed generation's
-  shared LRU, also folds each operation's global index: interleaving counts.)
-* ``ops`` / ``pages``: exact counts of operations and batch pages, so a missing
-  or extra operation is caught with certainty, not with 1 - 2**-32.
-
-At check time only (O(pools)): the state sizes (entries, distinct in-flight
-pages, capacity) from ``stats()``; when asked, an exact *audit* of the membership
-(believed pages and in-flight refcounts, O(entries) in C) closes what the
-operation digest cannot see (lookups over non-chained hashes whose middle pages
-differ, once that changes an eviction; state changed behind the API's back).
+``ReplicaDigest``, a ``BeliefObserver``, folds each pool's operation stream into a
+running CRC-32 plus exact operation and page counts, once per operation (never
+once per page in Python; a lookup in O(1)); a check adds the state sizes and,
+when asked, an exact O(entries) audit of the membership.  docs/tp-divergence.md
+gives the records, their costs and what each part catches.
 
 Only deterministic functions (CRC-32, BLAKE2b, decimal formatting): never
 ``hash()`` of a ``str``, which Python randomises per process.
@@ -31,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from hicache_existence.core.protocol import ExistenceCache, PoolView
 
@@ -205,53 +189,39 @@ class ReplicaDigest:
         rule on every rank, so equal replicas stay equal).
         """
         stats = cache.stats() if cache is not None else {}
-        names = list(self._streams)
-        names.extend(name for name in stats if name not in self._streams)
         shared_audit = 0
         if cache is not None and cache.shared_lru:
-            shared_audit = self._shared_audit(cache, audit)
+            # One LRU is shared by every pool: any pool's operations can evict from
+            # another, so the audit is global and keyed on every pool's stream.
+            streams = tuple(sorted((name, self.stream(name)) for name in self._streams))
+            shared_audit = self._audit("", streams, audit, partial(audit_shared, cache))
         out: dict[str, PoolDigest] = {}
-        for name in sorted(names):
+        for name in sorted({*self._streams, *stats}):
             crc, ops, pages = self.stream(name)
             st = stats.get(name)
-            entries = st.entries if st is not None else 0
-            inflight = st.inflight if st is not None else 0
-            capacity = st.capacity if st is not None else 0
+            entries, inflight, capacity = (
+                (st.entries, st.inflight, st.capacity) if st is not None else (0, 0, 0)
+            )
             if not ops and not entries and not inflight:
                 continue
+            audit_value = shared_audit
             if cache is not None and not cache.shared_lru:
-                audit_value = self._pool_audit(cache, name, audit)
-            else:
-                audit_value = shared_audit
+                in_cache = audit and name in cache.pool_names()
+                pool_audit = partial(_audit_of_pool, cache, name)
+                audit_value = self._audit(name, (crc, ops, pages), in_cache, pool_audit)
             word = mix(
                 DIGEST_VERSION, name, crc, ops, pages, entries, inflight, capacity, audit_value
             )
             out[name] = PoolDigest(name, word, entries, inflight, capacity, ops)
         return out
 
-    def _pool_audit(self, cache: ExistenceCache, name: str, audit: bool) -> int:
-        cached = self._audits.get(name)
-        key = self.stream(name)
-        if not audit or name not in cache.pool_names():
-            return cached[1] if cached is not None else 0
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        value = audit_pool(cache.pool(name))
-        self._audits[name] = (key, value)
-        return value
-
-    def _shared_audit(self, cache: ExistenceCache, audit: bool) -> int:
-        # One LRU is shared by every pool: any pool's operations can evict from
-        # another, so the audit is global and keyed on every pool's stream.
-        cached = self._audits.get("")
-        if not audit:
-            return cached[1] if cached else 0
-        key = tuple(sorted((name, self.stream(name)) for name in self._streams))
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        value = audit_shared(cache)
-        self._audits[""] = (key, value)
-        return value
+    def _audit(self, slot: str, key: object, audit: bool, compute: Callable[[], int]) -> int:
+        """The audit kept under ``slot`` ("": the shared LRU's), recomputed when
+        ``audit`` and the streams (``key``) changed since; 0 before the first."""
+        cached = self._audits.get(slot)
+        if audit and (cached is None or cached[0] != key):
+            cached = self._audits[slot] = (key, compute())
+        return cached[1] if cached is not None else 0
 
 
 class SharedLruDigest(ReplicaDigest):
@@ -269,12 +239,13 @@ class SharedLruDigest(ReplicaDigest):
 
     def _order(self, pool: str) -> None:
         self._seq += 1
-        s = self._streams.get(pool) or self._stream(pool)
+        s = self._stream(pool)
         s.crc = _crc32(b"\0#%d" % self._seq, s.crc)
 
-    def added(self, pool: str, hashes: Sequence[str]) -> None:
+    def _fold(self, pool: str, tag: bytes, pages: Sequence[str]) -> None:
+        # added, invalidated, inflight: the global index, then the batch.
         self._order(pool)
-        super().added(pool, hashes)
+        super()._fold(pool, tag, pages)
 
     def touched(self, pool: str, hashes: Sequence[str], stop: int) -> None:
         # Inlined (the hot path): the global index joins the lookup's record.
@@ -286,14 +257,6 @@ class SharedLruDigest(ReplicaDigest):
             s.ops += 1
         except Exception:  # first touch of the pool, or pages not valid UTF-8
             self._touched_slow(pool, hashes, stop, f"\0#{seq}")
-
-    def invalidated(self, pool: str, hashes: Sequence[str], keep_pages: int) -> None:
-        self._order(pool)
-        super().invalidated(pool, hashes, keep_pages)
-
-    def inflight(self, pool: str, hashes: Sequence[str], delta: int) -> None:
-        self._order(pool)
-        super().inflight(pool, hashes, delta)
 
     def cleared(self, pool: str, inflight_only: bool) -> None:
         self._order(pool)
@@ -311,6 +274,10 @@ def _crc_strings(items: Sequence[str], crc: int) -> int:
         crc = _crc32("\0".join(chunk).encode(_ENC, _ERR), crc)
         crc = _crc32(b"\0", crc)
     return crc
+
+
+def _audit_of_pool(cache: ExistenceCache, name: str) -> int:
+    return audit_pool(cache.pool(name))
 
 
 def audit_pool(pool: PoolView) -> int:

@@ -1,21 +1,14 @@
 """Cross-rank divergence checks of cache replicas (TP / attention-TP / PP).
 
 Every rank calls ``DivergenceChecker.on_step()`` once per scheduler step at a
-lockstep point (in SGLang: right after ``check_hicache_events``).  Every
-``interval_steps`` steps the checker folds its step and the replica's digest
-(``digest.ReplicaDigest``: one 63-bit word over every pool) into one word ``w``
-and all-reduces ``[w, -w]`` with MAX over a dedicated CPU group, which yields
-maximum and minimum: equal replicas cost one collective of two int64.  Only
-when the words differ does it all-gather a fixed-size vector (per-slot pool
-words and sizes) to name the ranks and pools that differ, then applies the
-policy: ``log`` (an error event and counters), ``heal`` (every rank clears the
-affected pools at the same step), or ``abort`` (raise, for canaries and CI).
-
-A healthy job is never hung by it: collectives run only at the lockstep point,
-the group has a timeout, a rank that times out stops checking, and a start-up
-handshake compares the settings that decide when collectives happen, so ranks
-that would disagree never start.  ``torch`` is imported only by
-``TorchGlooGroup``; ``InProcessWorld`` runs the checker over threads for tests.
+lockstep point (in SGLang: right after ``check_hicache_events``); every
+``interval_steps`` steps it all-reduces one word of its step and replica digest
+as ``[w, -w]`` (MAX gives maximum and minimum) and, only when those differ,
+all-gathers per-slot words to name the ranks and pools, then applies the policy
+(``log``, ``heal`` or ``abort``).  docs/tp-divergence.md gives the protocol and
+why a healthy job is never hung by it (lockstep collectives, a group timeout,
+a start-up handshake).  ``torch`` is imported only by ``TorchGlooGroup``;
+``InProcessWorld`` runs the checker over threads for tests.
 """
 
 from __future__ import annotations
@@ -432,14 +425,12 @@ class DivergenceChecker:
                 for i, name in enumerate(settings)
                 if hi[i] != lo[i]
             }
-            event = {
-                "event": EVENT_CONFIG_MISMATCH,
-                "rank": self._group.ranks[self._group.rank],
-                "ranks": list(self._group.ranks),
-                "policy": self._config.policy,
-                "differing": differing,
-                "action": "checks disabled on every rank",
-            }
+            event = self._event(
+                EVENT_CONFIG_MISMATCH,
+                policy=self._config.policy,
+                differing=differing,
+                action="checks disabled on every rank",
+            )
             self._emit(logging.ERROR, event)
             if self._config.policy == "abort":
                 raise DivergenceConfigError(
@@ -450,17 +441,16 @@ class DivergenceChecker:
             return False
         self._active = self._config.enabled
         if self._active:
+            c = self._config
             self._emit(
                 logging.INFO,
-                {
-                    "event": EVENT_STARTED,
-                    "rank": self._group.ranks[self._group.rank],
-                    "ranks": list(self._group.ranks),
-                    "interval_steps": self._interval,
-                    "policy": self._config.policy,
-                    "audit_every_checks": self._config.audit_every_checks,
-                    "timeout_s": self._config.timeout_s,
-                },
+                self._event(
+                    EVENT_STARTED,
+                    interval_steps=self._interval,
+                    policy=c.policy,
+                    audit_every_checks=c.audit_every_checks,
+                    timeout_s=c.timeout_s,
+                ),
             )
         return self._active
 
@@ -586,21 +576,19 @@ class DivergenceChecker:
             self._heal(pools)
             self._counts.heals += 1
             action = "healed: cleared " + (", ".join(pools) if pools else "no local pool")
-        return {
-            "event": EVENT_DETECTED,
-            "step": step,
-            "policy": self._config.policy,
-            "action": action,
-            "kinds": kinds,
-            "rank": group.ranks[group.rank],
-            "ranks": list(group.ranks),
-            "reference_ranks": [group.ranks[i] for i in reference],
-            "diverged_ranks": [group.ranks[i] for i in diverged],
-            "diverged_slots": slots,
-            "diverged_pools": pools,
-            "unnamed_slots": unnamed,
-            "replicas": replicas,
-            "local": {
+        return self._event(
+            EVENT_DETECTED,
+            step=step,
+            policy=self._config.policy,
+            action=action,
+            kinds=kinds,
+            reference_ranks=[group.ranks[i] for i in reference],
+            diverged_ranks=[group.ranks[i] for i in diverged],
+            diverged_slots=slots,
+            diverged_pools=pools,
+            unnamed_slots=unnamed,
+            replicas=replicas,
+            local={
                 name: {
                     "slot": slot_of(name, k),
                     "digest": f"{d.digest:016x}",
@@ -612,8 +600,8 @@ class DivergenceChecker:
                 for name, d in digests.items()
                 if slot_of(name, k) in slot_set
             },
-            "digest_errors": self._digest.errors,
-        }
+            digest_errors=self._digest.errors,
+        )
 
     def _heal(self, pools: list[str]) -> None:
         """Clear the local ``pools`` of the diverged slots and restart their digests.
@@ -644,21 +632,29 @@ class DivergenceChecker:
             self._counts.timeouts += 1
         else:
             self._counts.errors += 1
-        event = {
-            "event": EVENT_CHECK_FAILED,
-            "step": step,
-            "stage": what,
-            "rank": self._group.ranks[self._group.rank],
-            "ranks": list(self._group.ranks),
-            "timeout": timed_out,
-            "timeout_s": self._group.timeout_s,
-            "error": str(exc),
-            "action": "checks stopped on this rank",
-        }
+        event = self._event(
+            EVENT_CHECK_FAILED,
+            step=step,
+            stage=what,
+            timeout=timed_out,
+            timeout_s=self._group.timeout_s,
+            error=str(exc),
+            action="checks stopped on this rank",
+        )
         self._failure_event = event
         self._emit(logging.ERROR, event)
         if self._config.policy == "abort":
             raise DivergenceTimeoutError(str(exc), event) from exc
+
+    def _event(self, name: str, **fields: Any) -> dict[str, Any]:
+        """A structured event naming this rank and the group's ranks."""
+        group = self._group
+        return {
+            "event": name,
+            "rank": group.ranks[group.rank],
+            "ranks": list(group.ranks),
+            **fields,
+        }
 
     def _emit(self, level: int, event: dict[str, Any]) -> None:
         """One structured event: to the package's event logger, then ``on_event``."""
