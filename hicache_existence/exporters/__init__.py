@@ -135,9 +135,8 @@ class Telemetry:
         self._due = now + self._interval
         try:
             self.series_reader.settle()
-            stats = None
-            if self.feeder is not None and self.feeder.flush(force=True):
-                stats = self.series_reader.last_cache_stats  # the snapshot it exported
+            flushed = self.feeder is not None and self.feeder.flush(force=True)
+            stats = self.series_reader.last_cache_stats if flushed else None  # what it exported
             self.monitor.observe(stats if stats is not None else self._cache.stats())
             return True
         except Exception as exc:  # never raise into the scheduler

@@ -155,63 +155,50 @@ class SeriesReader:
         memory: Mapping[str, int],
     ) -> Samples:
         label = self.labeler.label
-        for pool in cache_stats:
-            label(pool)
-        if write_stats is not None:
-            for pool in write_stats:
-                label(pool)
+        # Every pool labelled first, so that the zeros cover them all.
+        pools = [(label(pool), pool, stats) for pool, stats in cache_stats.items()]
+        writes = [(label(p), s) for p, s in (write_stats.items() if write_stats else ())]
         out: Samples = {name: dict(zeros) for name, zeros in self._zeros().items()}
-        shared = cache_stats.shared_capacity
-        for pool, stats in cache_stats.items():
-            self._add_pool(out, label(pool), stats, memory.get(pool), shared)
-        if write_stats is not None:
-            for pool, wstats in write_stats.items():
-                self._add_writes(out, label(pool), wstats)
+        for pool_label, pool, stats in pools:
+            _add_pool(out, pool_label, stats, memory.get(pool), cache_stats.shared_capacity)
+        for pool_label, wstats in writes:
+            _add_writes(out, pool_label, wstats)
         return out
 
-    def _add_pool(
-        self,
-        out: Samples,
-        pool_label: str,
-        stats: PoolStats,
-        miss_memory: int | None,
-        shared_capacity: bool,
-    ) -> None:
-        key = (pool_label,)
-        for spec in self.specs:
-            if spec.source != "cache":
-                continue
-            series = out[spec.name]
-            if spec.field == "misses_by_reason":
-                if miss_memory is None:
-                    # No classification for this pool: every miss is unclassified
-                    # (the reason counters are all zero, so this stays monotonic).
-                    series[(pool_label, "unclassified")] += stats.page_misses
-                else:
-                    for reason in MISS_REASONS:
-                        series[(pool_label, reason)] += getattr(stats, f"misses_{reason}")
-            elif spec.field == "capacity" and shared_capacity:
-                series[key] = max(series[key], float(stats.capacity))
+
+def _add_pool(
+    out: Samples, pool_label: str, stats: PoolStats, miss_memory: int | None, shared: bool
+) -> None:
+    key = (pool_label,)
+    mem = float(miss_memory or 0)
+    memory = {"memory_bytes": stats.entries * CACHE_BYTES_PER_ENTRY + mem, "miss_memory_bytes": mem}
+    for spec in _POOL_SPECS:
+        series = out[spec.name]
+        if spec.source == "memory":
+            series[key] += memory[spec.field]
+        elif spec.field == "misses_by_reason":
+            if miss_memory is None:
+                # No classification for this pool: every miss is unclassified
+                # (the reason counters are all zero, so this stays monotonic).
+                series[(pool_label, "unclassified")] += stats.page_misses
             else:
-                series[key] += getattr(stats, spec.field)
-        mem = float(miss_memory or 0)
-        out[_MEMORY][key] += stats.entries * CACHE_BYTES_PER_ENTRY + mem
-        out[_MISS_MEMORY][key] += mem
-
-    @staticmethod
-    def _add_writes(out: Samples, pool_label: str, stats: PoolWriteStats) -> None:
-        key = (pool_label,)
-        for spec in _WRITE_SPECS:
-            if spec.field == "causes":
-                series = out[spec.name]
-                for cause, n in stats.causes.items():
-                    series[(pool_label, cause)] += n
-            else:
-                out[spec.name][key] += getattr(stats, spec.field)
+                for reason in MISS_REASONS:
+                    series[(pool_label, reason)] += getattr(stats, f"misses_{reason}")
+        elif spec.field == "capacity" and shared:
+            series[key] = max(series[key], float(stats.capacity))
+        else:
+            series[key] += getattr(stats, spec.field)
 
 
-#: The memory families, by the field they read (their names live in the catalog).
-_MEMORY_FAMILY = {spec.field: spec.name for spec in CATALOG if spec.source == "memory"}
-_MEMORY = _MEMORY_FAMILY["memory_bytes"]
-_MISS_MEMORY = _MEMORY_FAMILY["miss_memory_bytes"]
+def _add_writes(out: Samples, pool_label: str, stats: PoolWriteStats) -> None:
+    for spec in _WRITE_SPECS:
+        if spec.field == "causes":
+            for cause, n in stats.causes.items():
+                out[spec.name][(pool_label, cause)] += n
+        else:
+            out[spec.name][(pool_label,)] += getattr(stats, spec.field)
+
+
+#: A pool's families (the cache's and the memory estimate's) and its write families.
+_POOL_SPECS = tuple(spec for spec in CATALOG if spec.source in ("cache", "memory"))
 _WRITE_SPECS = tuple(spec for spec in CATALOG if spec.source == "writes")

@@ -525,13 +525,12 @@ class DivergenceChecker:
         # Every rank holds the same gathered vectors, so every rank derives the
         # same diverged slots (what ``heal`` clears) and the same groups of ranks.
         slots = [s for s in range(k) if differs(_HEADER + s)]
-        kinds = []
-        if differs(_STATUS):
-            kinds.append("digest_error")
-        if slots or differs(_REPLICA):
-            kinds.append("state")
-        if differs(_STEP):
-            kinds.append("step")
+        found = {
+            "digest_error": differs(_STATUS),
+            "state": bool(slots) or differs(_REPLICA),
+            "step": differs(_STEP),
+        }
+        kinds = [kind for kind, seen in found.items() if seen]
         # Ranks grouped by identical vectors; steps aside, unless only they differ.
         only_steps = kinds == ["step"]
         buckets: dict[tuple[int, ...], list[int]] = {}
