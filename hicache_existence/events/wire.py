@@ -4,17 +4,13 @@ SGLang's ``--kv-events-config`` publisher (and vLLM's, which Dynamo decodes with
 same code path) sends each batch as a ZeroMQ multipart message ``(topic, seq,
 payload)``: ``seq`` an 8-byte big-endian counter, ``payload`` a msgpack array
 ``[ts, events, dp_rank]``.  Every event is a msgpack map tagged by its class name
-under ``"type"`` whose other keys are its field names; a field with a default is
-left out while it holds that default, the others are always present.  The events
-are ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
-``block_size``, ``lora_id`` and here ``medium``), ``BlockRemoved``
-(``block_hashes``, ``medium``) and ``AllBlocksCleared``.
+under ``"type"`` whose other keys are its field names (``event_map``); a field with
+a default is left out while it holds that default, the others are always present.
 
-This module writes that format from plain values: the package's runtime path has no
-msgpack dependency, and the encoding is checked against SGLang's own classes, which
-decode it (``tests/test_events_sglang.py``).  Only the msgpack types the events
-use are written: nil, booleans, 64-bit integers, float64, UTF-8 strings, arrays
-and string-keyed maps.
+The package's runtime path has no msgpack dependency; the encoding is checked
+against SGLang's own classes, which decode it (``tests/test_events_sglang.py``).
+Only the msgpack types the events use are written: nil, booleans, 64-bit
+integers, float64, UTF-8 strings, arrays and string-keyed maps.
 """
 
 from __future__ import annotations

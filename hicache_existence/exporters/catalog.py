@@ -120,11 +120,6 @@ _memory = partial(_spec, "gauge", "memory")
 _writes = partial(_spec, "counter", "writes")
 
 
-#: The ``PoolStats`` field exported as one family split by a label, and how:
-#: ``page_misses`` by classified reason (read from ``misses_by_reason``).
-_BY_REASON = {"page_misses": ("misses_by_reason", ("reason",))}
-
-
 def _pool_stats_families() -> tuple[MetricSpec, ...]:
     """The cache families, from ``PoolStats``'s declaration: each counter and
     gauge field carries its help text, family name and unit
@@ -133,7 +128,9 @@ def _pool_stats_families() -> tuple[MetricSpec, ...]:
     for f in fields(PoolStats):
         kind, meta = f.metadata.get("kind"), f.metadata
         if kind in ("counter", "gauge"):
-            field, labels = _BY_REASON.get(f.name, (f.name, ()))
+            # ``page_misses`` is split by classified reason (read from ``misses_by_reason``).
+            by_reason = f.name == "page_misses"
+            field, labels = ("misses_by_reason", ("reason",)) if by_reason else (f.name, ())
             name = meta["family"] or f.name
             out.append(_spec(kind, "cache", name, field, meta["otel_unit"], meta["help"], labels))
     return tuple(out)
