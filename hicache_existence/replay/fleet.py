@@ -23,10 +23,8 @@ one's errors, budgets and latency are not modelled.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -35,8 +33,8 @@ from hicache_existence.core.cache import StorageExistenceCache
 from hicache_existence.reconcile.sampling import Candidates, Sampler
 from hicache_existence.reconcile.verdicts import apply_verdict, default_learns, invalidation_span
 from hicache_existence.replay.l3 import L3
-from hicache_existence.replay.model import Ack, ModelConfig, ModelResult, PoolRun, finish, land_due
-from hicache_existence.replay.pages import PageRequest, PageTrace, counted
+from hicache_existence.replay.model import Instance, ModelConfig, ModelResult, simulate, total
+from hicache_existence.replay.pages import PageRequest, PageTrace
 
 Router = Literal["round-robin", "prefix-affinity"]
 ROUTERS: tuple[Router, ...] = ("round-robin", "prefix-affinity")
@@ -157,7 +155,7 @@ class _Learner:
     added = invalidated = inflight = cleared = _ignored
 
 
-class _Instance:
+class _Instance(Instance):
     def __init__(
         self,
         cap: int,
@@ -170,29 +168,13 @@ class _Instance:
         self.learner = (
             _Learner(fleet.learn_rate, fleet.pages_per_query) if fleet.learn_rate else None
         )
-        self.cache = StorageExistenceCache(cap, observer=self.learner)
-        self.config = config
-        self.page_size = page_size
-        self.l3 = l3
-        self.writing = writing
-        self.runs: dict[str, PoolRun] = {}
-        self.result = ModelResult(cap=cap)
+        cache = StorageExistenceCache(cap, observer=self.learner)
+        super().__init__(cache, cap, config, page_size, l3, writing)
         self.share = InstanceResult()
         self.batch = fleet.write_batch
 
-    def run(self, pool: str) -> PoolRun:
-        run = self.runs.get(pool)
-        if run is None:
-            run = self.runs[pool] = PoolRun(
-                self.cache.pool(pool),
-                self.config,
-                self.page_size,
-                self.l3,
-                pool,
-                self.result,
-                self.writing.setdefault(pool, {}),
-            )
-        return run
+    def landed(self, keys: Sequence[str]) -> None:
+        self.share.ledger_record_calls += -(-len(keys) // self.batch)
 
     def verify(self) -> None:
         """Apply the verdicts of the chains picked since the last step, with the
@@ -249,46 +231,32 @@ def run_fleet(
     """Replay ``trace`` through ``fleet.instances`` instances at ``cap`` each."""
     config = config or ModelConfig()
     fleet = fleet or FleetConfig()
+    started = time.perf_counter()
     l3 = L3(config.l3_pages)
     writing: dict[str, dict[str, int]] = {}
     instances = [
         _Instance(cap, config, fleet, trace.page_size, l3, writing) for _ in range(fleet.instances)
     ]
-    owner: dict[int, _Instance] = {}
-    acks: deque[Ack] = deque()
-    started = time.perf_counter()
-    peak = 0
 
-    def land(until: float = math.inf) -> int:
-        """Land the acks due by ``until``; returns the largest entry count of an
-        instance that landed something."""
-        landed = set()
-        for _, run, keys in land_due(acks, until):
-            inst = owner[id(run)]
-            inst.share.ledger_record_calls += -(-len(keys) // inst.batch)
-            landed.add(inst)
-        return max((len(i.cache) for i in landed), default=0)
+    def verify() -> None:
+        # Verdicts of earlier picks arrive before this request, on every
+        # instance (the reconciler applies them within a few steps).
+        for inst in instances:
+            inst.verify()
 
-    learning = fleet.learn_rate > 0
-    for number, req in enumerate(counted(trace.requests, progress)):
-        # Acks only add; the request's heal may then remove: look before it.
-        peak = max(peak, land(req.timestamp_ms))
-        if learning:
-            # Verdicts of earlier picks arrive before this request, on every
-            # instance (the reconciler applies them within a few steps).
-            for other in instances:
-                other.verify()
-        inst = instances[route(req, number, fleet)]
-        run = inst.run(req.pool)
-        owner.setdefault(id(run), inst)
-        run.request(req, acks)
-        peak = max(peak, len(inst.cache))
-    peak = max(peak, land())
+    peak = simulate(
+        trace,
+        instances,
+        progress,
+        pick=lambda req, number: route(req, number, fleet),
+        before=verify if fleet.learn_rate > 0 else None,
+    )
+    verify()
     for inst in instances:
-        inst.verify()
         for name in _SHARES:
             setattr(inst.share, name, getattr(inst.result, name))
-    fleet_result = _sum(cap, instances, l3, peak)
+    verdicts = sum(i.share.pages_invalidated for i in instances)
+    fleet_result = total(instances, l3, peak, verdicts)
     fleet_result.elapsed_s = time.perf_counter() - started
     times = [r.timestamp_ms for r in trace.requests]
     span = (max(times) - min(times)) / 1000.0 if times else 0.0
@@ -304,29 +272,6 @@ def run_fleet(
 
 #: The counters of an instance's share that are its ``ModelResult``'s.
 _SHARES = ("requests", "writes_issued", "redundant_writes", "writes_avoided")
-_SUMMED = (
-    "requests",
-    "page_references",
-    "writes_issued",
-    "redundant_writes",
-    "writes_avoided",
-    "stale_skips",
-    "dropped_writes",
-    "device_hit_pages",
-    "l3_hit_pages",
-)
-
-
-def _sum(cap: int, instances: list[_Instance], l3: L3, peak: int) -> ModelResult:
-    """Fleet totals in a ``ModelResult``: counters summed over instances; the
-    cache's counters summed too; ``peak_entries`` is the largest instance's."""
-    total = ModelResult(cap=cap)
-    for name in _SUMMED:
-        setattr(total, name, sum(getattr(i.result, name) for i in instances))
-    peak = max(peak, *(len(i.cache) for i in instances))
-    verdicts = sum(i.share.pages_invalidated for i in instances)
-    finish(total, [i.cache for i in instances], l3, peak, verdicts)
-    return total
 
 
 __all__ = ["ROUTERS", "FleetConfig", "FleetResult", "InstanceResult", "route", "run_fleet"]

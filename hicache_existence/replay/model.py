@@ -161,6 +161,7 @@ class PoolRun:
         *,
         policy: PoolBeliefPolicy = _HEAL,
         writes: WriteAccounting | None = None,
+        owner: Any = None,
     ) -> None:
         self.beliefs = beliefs
         self.config = config
@@ -178,6 +179,8 @@ class PoolRun:
         self.pending_nodes: dict[str, int] = {}
         self.policy = policy
         self.writes = writes
+        #: The ``Instance`` it serves (None: the demo drives it directly).
+        self.owner = owner
 
     def land(self, keys: Sequence[str]) -> None:
         """The storage ack: L3 holds the pages, the beliefs learn them."""
@@ -258,6 +261,48 @@ class PoolRun:
             parent_last = keys[-1]
 
 
+class Instance:
+    """One prefill instance: its cache, each pool's ``PoolRun`` (made at its first
+    request) and its figures.  A fleet's instances share L3 and ``writing``."""
+
+    def __init__(
+        self,
+        cache: StorageExistenceCache,
+        cap: int,
+        config: ModelConfig,
+        page_size: int,
+        l3: L3,
+        writing: dict[str, dict[str, int]] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.config = config
+        self.page_size = page_size
+        self.l3 = l3
+        #: Per pool, the pages being written (see ``PoolRun.writing``).
+        self.writing = {} if writing is None else writing
+        self.runs: dict[str, PoolRun] = {}
+        self.result = ModelResult(cap=cap)
+
+    def request(self, req: PageRequest, acks: deque[Ack]) -> None:
+        pool = req.pool
+        run = self.runs.get(pool)
+        if run is None:
+            run = self.runs[pool] = PoolRun(
+                self.cache.pool(pool),
+                self.config,
+                self.page_size,
+                self.l3,
+                pool,
+                self.result,
+                self.writing.setdefault(pool, {}),
+                owner=self,
+            )
+        run.request(req, acks)
+
+    def landed(self, keys: Sequence[str]) -> None:
+        """One of this instance's writes landed (fleet mode counts its ledger records)."""
+
+
 def land_due(acks: deque[Ack], until: float = math.inf) -> list[Ack]:
     """Land the acks due by ``until`` (all by default), in order; returns them."""
     landed = []
@@ -266,6 +311,44 @@ def land_due(acks: deque[Ack], until: float = math.inf) -> list[Ack]:
         ack[1].land(ack[2])
         landed.append(ack)
     return landed
+
+
+def simulate(
+    trace: PageTrace,
+    instances: Sequence[Instance],
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    pick: Callable[[PageRequest, int], int] = lambda _req, _number: 0,
+    before: Callable[[], object] | None = None,
+    after: Callable[[], object] | None = None,
+) -> int:
+    """Replay ``trace`` through ``instances``: ``pick(request, its 0-based number)``
+    is the one serving it; ``before`` runs before each request, after the acks due
+    by then landed, ``after`` after it.  Every write lands by the end.  Returns the
+    most entries an instance was seen holding."""
+    acks: deque[Ack] = deque()
+
+    def land(until: float = math.inf) -> int:
+        """Land the acks due by ``until``; the largest entry count of an instance
+        that landed something (0: none did)."""
+        landed = set()
+        for _, run, keys in land_due(acks, until):
+            run.owner.landed(keys)
+            landed.add(run.owner)
+        return max((len(i.cache) for i in landed), default=0)
+
+    peak = 0
+    for number, req in enumerate(counted(trace.requests, progress)):
+        # Acks only add; the request's heal may then remove: look before it.
+        peak = max(peak, land(req.timestamp_ms))
+        if before is not None:
+            before()
+        inst = instances[pick(req, number)]
+        inst.request(req, acks)
+        peak = max(peak, len(inst.cache))
+        if after is not None:
+            after()
+    return max(peak, land())
 
 
 #: The cache counters a replay reports (``ModelResult.cache_stats``).
@@ -282,6 +365,18 @@ CACHE_STATS: tuple[str, ...] = (
     "invalidations",
     "inflight_tracked",
     "inflight_released",
+)
+#: The model's own counters, summed over a fleet's instances.
+_SUMMED = (
+    "requests",
+    "page_references",
+    "writes_issued",
+    "redundant_writes",
+    "writes_avoided",
+    "stale_skips",
+    "dropped_writes",
+    "device_hit_pages",
+    "l3_hit_pages",
 )
 
 
@@ -300,44 +395,27 @@ def run_model(
     observer); ``step_hook`` runs after every request, where sglang's per-step
     hook would (e.g. an advisor's ``drain``)."""
     config = config or ModelConfig()
-    result = ModelResult(cap=cap)
-    if cache is None:
-        cache = StorageExistenceCache(cap)
-    runs: dict[str, PoolRun] = {}
-    l3 = L3(config.l3_pages)
-    acks: deque[Ack] = deque()
     started = time.perf_counter()
-    peak = 0
-    for req in counted(trace.requests, progress):
-        # Acks only add; the request's heal may then remove: look before it.
-        if land_due(acks, req.timestamp_ms):
-            peak = max(peak, len(cache))
-        run = runs.get(req.pool)
-        if run is None:
-            run = runs[req.pool] = PoolRun(
-                cache.pool(req.pool), config, trace.page_size, l3, req.pool, result
-            )
-        run.request(req, acks)
-        peak = max(peak, len(cache))
-        if step_hook is not None:
-            step_hook()
-    land_due(acks)
-    finish(result, [cache], l3, max(peak, len(cache)))
+    l3 = L3(config.l3_pages)
+    cache = StorageExistenceCache(cap) if cache is None else cache
+    inst = Instance(cache, cap, config, trace.page_size, l3)
+    result = total([inst], l3, simulate(trace, [inst], progress, after=step_hook))
     result.elapsed_s = time.perf_counter() - started
     return result
 
 
-def finish(
-    result: ModelResult,
-    caches: Sequence[StorageExistenceCache],
-    l3: L3,
-    peak: int,
-    verdict_invalidations: int = 0,
-) -> None:
-    """The end-of-run figures of ``result``: the caches' counters (summed over a
-    fleet's instances), L3's evictions and the peak memory.  Invalidations by
-    ledger verdicts are not prefetch healing (fleet mode counts them apart)."""
-    totals = [cache.stats().total for cache in caches]
+def total(
+    instances: Sequence[Instance], l3: L3, peak: int, verdict_invalidations: int = 0
+) -> ModelResult:
+    """The run's figures: the model's and the caches' counters summed over
+    ``instances``, L3's evictions and the peak memory (``peak_entries``: the
+    largest instance's, now or at ``peak``).  Invalidations by ledger verdicts
+    are not prefetch healing (fleet mode counts them apart)."""
+    peak = max(peak, *(len(i.cache) for i in instances))
+    result = ModelResult(cap=instances[0].result.cap)
+    for name in _SUMMED:
+        setattr(result, name, sum(getattr(i.result, name) for i in instances))
+    totals = [i.cache.stats().total for i in instances]
     stats = result.cache_stats = {n: sum(getattr(t, n) for t in totals) for n in CACHE_STATS}
     checked = stats["pages_checked"]
     result.belief_hit_ratio = stats["page_hits"] / checked if checked else 1.0
@@ -346,3 +424,4 @@ def finish(
     result.l3_evictions = l3.evictions
     result.peak_entries = peak
     result.memory_bytes = int(peak * bytes_per_entry())
+    return result

@@ -2,7 +2,7 @@
 
 The belief-only figures for every cap come from one Mattson pass.  The model
 needs one run per cap; runs are independent, so they are spread over processes
-(``fork`` where available, so workers share the expanded trace instead of
+(``fork`` where available, so workers inherit the expanded trace instead of
 receiving a copy; otherwise the trace is sent to each worker once).
 """
 
@@ -117,23 +117,20 @@ class SweepResult:
         return rows
 
 
-# Set in the parent before forking; workers read it instead of unpickling the trace.
-_SHARED: tuple[PageTrace, ModelConfig] | None = None
-# In a worker: where to send progress lines (the parent prints them).
-_PROGRESS: Any = None
+# In a worker: the trace, the model and where to send progress lines (the parent
+# prints them).  A forked worker inherits them unpickled.
+_WORKER: tuple[PageTrace, ModelConfig, Any] | None = None
 
 
-def _init_worker(trace: PageTrace | None, config: ModelConfig | None, queue: Any) -> None:
-    global _SHARED, _PROGRESS
-    if trace is not None and config is not None:
-        _SHARED = (trace, config)
-    _PROGRESS = queue
+def _init_worker(trace: PageTrace, config: ModelConfig, queue: Any) -> None:
+    global _WORKER
+    _WORKER = (trace, config, queue)
 
 
 def _run_cap(cap: int) -> ModelResult:
-    assert _SHARED is not None, "worker started without a trace"
-    trace, config = _SHARED
-    tick = throttled(_PROGRESS.put, 2.0)
+    assert _WORKER is not None, "worker started without a trace"
+    trace, config, queue = _WORKER
+    tick = throttled(queue.put, 2.0)
 
     def report(done: int, total: int) -> None:
         tick(f"model: cap {format_cap(cap)}: {done}/{total} requests")
@@ -215,7 +212,6 @@ def sweep(
 def _run_model_caps(
     trace: PageTrace, caps: tuple[int, ...], config: ModelConfig, jobs: int, say: Progress
 ) -> list[ModelResult]:
-    global _SHARED
     total = len(caps)
     if jobs == 1 or total == 1:
         rows = []
@@ -235,10 +231,8 @@ def _run_model_caps(
     say(f"model: {total} caps on {min(jobs, total)} processes")
     by_cap: dict[int, ModelResult] = {}
     queue = ctx.Queue()
-    _SHARED = (trace, config)
     try:
-        initargs = (None, None, queue) if forked else (trace, config, queue)
-        with ctx.Pool(min(jobs, total), _init_worker, initargs) as pool:
+        with ctx.Pool(min(jobs, total), _init_worker, (trace, config, queue)) as pool:
             running = {cap: pool.apply_async(_run_cap, (cap,)) for cap in order}
             while running:
                 with contextlib.suppress(Empty):
@@ -250,6 +244,5 @@ def _run_model_caps(
                         by_cap[row.cap] = row
                         say(f"model: cap {format_cap(cap)} done ({len(by_cap)}/{total})")
     finally:
-        _SHARED = None
         queue.close()
     return [by_cap[cap] for cap in caps]
