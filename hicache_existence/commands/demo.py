@@ -58,18 +58,10 @@ def run(args: argparse.Namespace) -> int:
         return _error("error: --steps and --steps-per-s must be >= 0, --port within 0..65535")
     if args.trace is not None and not args.trace.is_file():
         return _error(f"error: --trace {args.trace}: no such file")
+    flags: tuple[str, ...] = ("trace", "ranks", "steps", "requests_per_step", "steps_per_s")
+    flags += ("host", "port", "cap", "l3_pages", "redis_url", "keep_running")
     opts = DemoOptions(
-        trace=args.trace,
-        ranks=args.ranks,
-        steps=args.steps,
-        requests_per_step=args.requests_per_step,
-        steps_per_s=args.steps_per_s,
-        host=args.host,
-        port=args.port,
-        cap=args.cap,
-        l3_pages=args.l3_pages,
-        redis_url=args.redis_url,
-        keep_running=args.keep_running,
+        **{name: getattr(args, name) for name in flags},
         progress=not args.no_progress,
         log_level=getattr(args, "log_level", None) or "",
         log_json=bool(getattr(args, "log_json", False)),

@@ -1,12 +1,9 @@
 """``hicache-existence replay``: what would each existence-cache cap give on a trace?
 
-Reads a Mooncake JSONL trace (or a page trace in this project's format, see
-docs/replay.md), expands it to SGLang page hashes, computes the exact
-belief-only hit-ratio curve in one pass, and (by default) replays HiCache buffer
-mode's write path through the real cache at every cap of the sweep, in parallel.
-Prints a table and writes JSON and a PNG plot.  The trace is fully validated
-before anything is written: a bad trace gives an error with its line number and
-no output files.
+The exact belief-only curve and (by default) the buffer-mode write-path model at
+every cap, or fleet mode; a table, JSON and a PNG plot (docs/replay.md).  The trace
+is fully validated first: a bad trace gives an error with its line number and no
+output files.
 """
 
 from __future__ import annotations
@@ -25,17 +22,18 @@ NAME = "replay"
 HELP = "replay a request trace and report hit ratio and writes for a sweep of caps"
 
 
-def _caps(text: str) -> Any:
-    return _cap(text, many=True)
+def _checked(parse: str) -> Callable[[str], Any]:
+    """``replay.sweep``'s ``parse`` (imported when a flag is read) as an argparse type."""
 
+    def convert(text: str) -> Any:
+        from hicache_existence.replay import sweep
 
-def _cap(text: str, many: bool = False) -> Any:
-    from hicache_existence.replay.sweep import parse_cap, parse_caps
+        try:
+            return getattr(sweep, parse)(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-    try:
-        return parse_caps(text) if many else parse_cap(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
 def _count(minimum: int) -> Callable[[str], int]:
@@ -92,6 +90,17 @@ def _millis(text: str) -> float:
     return value
 
 
+#: The sizes of the trace and the model: (flag, smallest value, default, help).
+_SIZES = (
+    ("--page-size", 1, None, "tokens per page (default: a page trace's declared size, else 64)"),
+    ("--block-tokens", 1, 512, "tokens per Mooncake hash id (default 512)"),
+    ("--node-pages", 1, 8, "model node size for page traces (default 8)"),
+    ("--device-pages", 0, 16384, "device prefix-cache capacity in pages (default 16384; 0: none)"),
+    ("--l3-pages", 0, 0, "L3 capacity in pages (default 0: unbounded)"),
+    ("--prefetch-threshold", 0, 256, "shortest device miss (tokens) that queries L3 (default 256)"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
@@ -115,25 +124,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--caps",
-        type=_caps,
+        type=_checked("parse_caps"),
         help="caps to report, e.g. 16K..2M (doubling, the default) or 64K,512K,1M",
     )
     parser.add_argument(
         "--current-cap",
-        type=_cap,
+        type=_checked("parse_cap"),
         help="the cap marked as current (default 512K, upstream's)",
     )
-    parser.add_argument(
-        "--page-size",
-        type=_count(1),
-        help="tokens per page (default: a page trace's declared size, else 64)",
-    )
-    parser.add_argument(
-        "--block-tokens",
-        type=_count(1),
-        default=512,
-        help="tokens per Mooncake hash id (default 512)",
-    )
+    for flag, minimum, default, text in _SIZES:
+        parser.add_argument(flag, type=_count(minimum), default=default, help=text)
     parser.add_argument(
         "--partial-pages",
         choices=("ceil", "floor"),
@@ -142,31 +142,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "floor (only full pages, as SGLang stores)",
     )
     parser.add_argument(
-        "--node-pages",
-        type=_count(1),
-        default=8,
-        help="model node size for page traces (default 8)",
-    )
-    parser.add_argument(
-        "--device-pages",
-        type=_count(0),
-        default=16384,
-        help="device prefix-cache capacity in pages (default 16384; 0: none)",
-    )
-    parser.add_argument(
-        "--l3-pages", type=_count(0), default=0, help="L3 capacity in pages (default 0: unbounded)"
-    )
-    parser.add_argument(
         "--ack-latency-ms",
         type=_millis,
         default=0.0,
         help="write launch to storage ack (default 0: before the next request)",
-    )
-    parser.add_argument(
-        "--prefetch-threshold",
-        type=_count(0),
-        default=256,
-        help="shortest device miss (tokens) that queries L3 (default 256)",
     )
     parser.add_argument(
         "--no-heal", action="store_true", help="do not heal beliefs from prefetch hit queries"
@@ -181,9 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="PNG path (default OUT/replay.png)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     parser.add_argument(
-        "--jobs",
-        type=_count(1),
-        help="processes for the model runs (default: the usable CPUs)",
+        "--jobs", type=_count(1), help="processes for the model runs (default: the usable CPUs)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     fleet = parser.add_argument_group(
@@ -212,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     fleet.add_argument(
         "--instance-cap",
-        type=_cap,
+        type=_checked("parse_cap"),
         help="existence-cache cap of every instance (default 512K)",
     )
     fleet.add_argument(
@@ -368,19 +345,13 @@ def _run_recorded(
         sweeps: dict[str, Any] = {}
         for index, name in enumerate(names):
             # Each instance has its own cache: its requests alone (TP replicas recorded
-            # with ranks "all" would otherwise replay every request once per rank).
-            own = pages
-            if len(names) > 1:
-                mine = tuple(r for r in trace.requests if r.instance == index)
-                own = expand(
-                    dataclasses.replace(trace, requests=mine),
-                    page_size,
-                    node_pages=scaled(args.node_pages, rate) or 1,
-                )
-                if not own.requests:
-                    continue
+            # with ranks "all" would otherwise replay every request once per rank).  A
+            # page trace expands request by request, in order.
+            mine = tuple(p for p, r in zip(pages.requests, trace.requests) if r.instance == index)
+            if not mine:
+                continue
             result = sweep(
-                own,
+                dataclasses.replace(pages, requests=mine),
                 [*(scaled(c, rate) for c in caps), current],
                 model="buffer",
                 config=config,

@@ -23,7 +23,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,15 +33,6 @@ from hicache_existence.config import Config
 from hicache_existence.exporters.catalog import DeploymentLabels
 
 BUNDLED_TRACE = "mooncake_sample.jsonl"
-
-
-def torch_available() -> bool:
-    """Whether torch.distributed can be imported (multi-rank demo)."""
-    try:
-        import torch.distributed  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -269,7 +260,7 @@ def _rank_loop(
     runtime.telemetry.step()  # a last flush
     if writer is not None:
         writer.writer.close(timeout_s=2.0)
-    summary = _summary(runtime, scheduler, step, writer) if rank == 0 else None
+    summary = _summary(runtime, scheduler, step, world, writer) if rank == 0 else None
     runtime.close()
     reports.put({"rank": rank, "done": True, "summary": summary})
     if world > 1:
@@ -335,42 +326,56 @@ def _progress(scheduler: Any, step: int, steps: int, opts: DemoOptions) -> str:
 _BREAKER_STATES = ("closed", "open", "half-open")
 
 
-def _summary(runtime: Any, scheduler: Any, steps: int, writer: Any = None) -> dict[str, Any]:
+def _summary(runtime: Any, scheduler: Any, steps: int, ranks: int, writer: Any) -> str:
+    """The closing report (rank 0 writes it, the parent prints it), capacity advice included."""
     runtime.cache.settle()  # classify the last step's misses before reporting them
-    stats = runtime.cache.stats()
-    advice = runtime._advice().pools if runtime.advisor is not None else {}
+    t, kv = scheduler.totals, runtime.cache.stats()["kv"]
     checker, rec = _checks(runtime)
-    return {
-        "steps": steps,
-        "totals": scheduler.totals.as_dict(),
-        "pools": {name: s.as_dict() for name, s in stats.items()},
-        "cap": runtime.config.cache.max_entries,
-        # Buffer mode sizes the cap by the lookup curve (prefetch healing re-teaches
-        # beliefs; docs/capacity.md).
-        "advice": {
-            pool: {str(m): v for m, v in a.lookup_estimates.items()} for pool, a in advice.items()
-        },
-        "divergence": {
-            "checks": checker.checks,
-            "divergences": checker.divergences,
-            "failures": checker.failures,
-        }
-        if checker
-        else None,
-        "reconciler": {
-            "queries": sum(rec.queries.values()),
-            "stale_positives": sum(rec.stale_positives.values()),
-            "pages_invalidated": sum(rec.pages_invalidated.values()),
-            "pages_learnt": sum(rec.pages_learnt.values()),
-            "errors": sum(rec.errors.values()),
-            "breaker": _BREAKER_STATES[rec.circuit_state],
-            "breaker_opened": rec.circuit_opened,
-        }
-        if rec
-        else None,
-        "ledger": writer.writer.counts() if writer is not None else None,
-        "l3": {"evicted": scheduler.shard.evictions, "dropped": scheduler.shard.dropped},
-    }
+    lines = [
+        "",
+        f"demo finished: {steps} steps, {t.requests} requests, "
+        f"{t.page_references} page references on {ranks} TP rank(s)",
+        f"  kv pool: page hit ratio {kv.page_hit_ratio:.3f}, entries "
+        f"{kv.entries}/{kv.capacity}, evictions {kv.evictions}, "
+        f"misses cold/evicted/invalidated/cleared "
+        f"{kv.misses_cold}/{kv.misses_evicted}/{kv.misses_invalidated}/{kv.misses_cleared}",
+        f"  writes: {t.writes_issued} pages written, {t.writes_avoided} avoided, "
+        f"{t.redundant_writes} redundant (already in L3)",
+    ]
+    if checker:
+        lines.append(
+            f"  TP replicas: {checker.checks} checks, {checker.divergences} divergences, "
+            f"{checker.failures} failed checks"
+        )
+    if rec:
+        shard = scheduler.shard
+        lines.append(
+            f"  reconciler: {sum(rec.queries.values())} verifications, "
+            f"{sum(rec.stale_positives.values())} stale positives found, "
+            f"{sum(rec.pages_invalidated.values())} beliefs invalidated, "
+            f"{sum(rec.pages_learnt.values())} learnt, {sum(rec.errors.values())} errors "
+            f"(L3 evicted {shard.evictions}, lost {shard.dropped} pages)"
+        )
+        if rec.circuit_opened or rec.circuit_state:
+            lines.append(
+                f"  ground truth unavailable at times: circuit breaker opened "
+                f"{rec.circuit_opened} time(s), {_BREAKER_STATES[rec.circuit_state]} at the end "
+                "(verifications paused while open; the cache kept serving)"
+            )
+    if writer is not None:
+        pages = writer.writer.counts()["pages"]
+        failed = sum(n for key, n in pages.items() if not key.endswith("/ok"))
+        if failed:
+            lines.append(
+                f"  Redis ledger: {failed} page records not written (errors or a full queue; "
+                "at worst a redundant L3 write later)"
+            )
+    # Buffer mode sizes the cap by the lookup curve (prefetch healing re-teaches
+    # beliefs; docs/capacity.md).
+    advice = runtime._advice().pools if runtime.advisor is not None else {}
+    estimates = {pool: a.lookup_estimates for pool, a in advice.items()}
+    lines.append(format_advice(estimates, runtime.config.cache.max_entries))
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
@@ -395,55 +400,7 @@ class MetricsEndpoint:
         self._httpd.server_close()
 
 
-def format_summary(summary: dict[str, Any], ranks: int) -> str:
-    """The closing report, capacity advice included."""
-    t = summary["totals"]
-    kv = summary["pools"].get("kv", {})
-    lines = [
-        "",
-        f"demo finished: {summary['steps']} steps, {t['requests']} requests, "
-        f"{t['page_references']} page references on {ranks} TP rank(s)",
-        f"  kv pool: page hit ratio {kv.get('page_hit_ratio', 0):.3f}, entries "
-        f"{kv.get('entries', 0)}/{kv.get('capacity', 0)}, evictions {kv.get('evictions', 0)}, "
-        f"misses cold/evicted/invalidated/cleared "
-        f"{kv.get('misses_cold', 0)}/{kv.get('misses_evicted', 0)}/"
-        f"{kv.get('misses_invalidated', 0)}/{kv.get('misses_cleared', 0)}",
-        f"  writes: {t['writes_issued']} pages written, {t['writes_avoided']} avoided, "
-        f"{t['redundant_writes']} redundant (already in L3)",
-    ]
-    d = summary.get("divergence")
-    if d:
-        lines.append(
-            f"  TP replicas: {d['checks']} checks, {d['divergences']} divergences, "
-            f"{d['failures']} failed checks"
-        )
-    r = summary.get("reconciler")
-    if r:
-        lines.append(
-            f"  reconciler: {r['queries']} verifications, {r['stale_positives']} stale positives "
-            f"found, {r['pages_invalidated']} beliefs invalidated, {r['pages_learnt']} learnt, "
-            f"{r['errors']} errors (L3 evicted {summary['l3']['evicted']}, lost "
-            f"{summary['l3']['dropped']} pages)"
-        )
-        if r.get("breaker_opened") or r.get("breaker", "closed") != "closed":
-            lines.append(
-                f"  ground truth unavailable at times: circuit breaker opened "
-                f"{r['breaker_opened']} time(s), {r['breaker']} at the end (verifications "
-                "paused while open; the cache kept serving)"
-            )
-    ledger = summary.get("ledger")
-    if ledger:
-        failed = sum(n for key, n in ledger["pages"].items() if not key.endswith("/ok"))
-        if failed:
-            lines.append(
-                f"  Redis ledger: {failed} page records not written (errors or a full queue; "
-                "at worst a redundant L3 write later)"
-            )
-    lines.append(format_advice(summary.get("advice", {}), summary["cap"]))
-    return "\n".join(lines)
-
-
-def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
+def format_advice(advice: dict[str, Mapping[float, float | None]], cap: int) -> str:
     """Estimated hit ratio per pool at multiples of the cap, and a recommendation."""
     if not advice:
         return "  capacity advice: not enough references sampled yet"
@@ -452,7 +409,7 @@ def format_advice(advice: dict[str, dict[str, float | None]], cap: int) -> str:
         "lookups, the buffer-mode curve):"
     ]
     for pool, estimates in sorted(advice.items()):
-        known = {float(m): v for m, v in estimates.items() if v is not None}
+        known = {m: v for m, v in estimates.items() if v is not None}
         if not known:
             continue
         cells = "  ".join(f"{m:g}x={v:.3f}" for m, v in sorted(known.items()))
@@ -505,9 +462,12 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
     """Run the demo; returns the exit status (``128 + signal`` if a signal cut a
     one-pass run short; 0 when it ends a ``keep_running`` one)."""
     ranks = opts.ranks
-    if ranks > 1 and not torch_available():
-        out("torch is not installed: running one TP rank (pip install torch for two)")
-        ranks = 1
+    if ranks > 1:
+        try:
+            import torch.distributed  # noqa: F401
+        except Exception:
+            out("torch is not installed: running one TP rank (pip install torch for two)")
+            ranks = 1
     mp_dir = tempfile.mkdtemp(prefix="hicache-existence-demo-")
     previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = mp_dir  # inherited by the ranks
@@ -541,7 +501,7 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
         for p in procs:
             p.join(timeout=STOP_GRACE_S if received else 30)
         if summary is not None and not any(p.exitcode for p in procs):
-            out(format_summary(summary, ranks))
+            out(summary)
             status = 0
         else:
             status = 1
@@ -578,11 +538,11 @@ def _follow(
     opts: DemoOptions,
     received: list[int],
     out: Callable[[str], None],
-) -> dict[str, Any] | None:
+) -> str | None:
     """The ranks' reports until each is done (``None``: a rank failed, or did not
     stop within ``STOP_GRACE_S`` of a signal)."""
     done = 0
-    summary: dict[str, Any] | None = None
+    summary: str | None = None
     tty = sys.stderr.isatty()
     last_print = 0.0
     stop_by = math.inf

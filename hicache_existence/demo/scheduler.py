@@ -2,16 +2,13 @@
 
 It drives an ``ExistenceRuntime`` through the replay's write-path model
 (``replay.model`` over ``replay.l3``), so the cache sees the calls SGLang's
-buffer-mode write path makes: healing prefetch hit queries, admission through
-``covered``, ``track_inflight`` at the launch and ``add`` + ``untrack_inflight``
-at the ack (the next step), beside a trailing-window pool (``swa``: each node's
-last page) cleared every ``clear_swa_every`` steps.  The runtime's
-``WriteAccounting`` hears every write; ``runtime.step()`` runs once per step,
-where the SGLang plugin's hook runs.
-
-L3 is a per-rank LRU shard, so beliefs go stale as in production and the
-reconciler (reading the shard as its ground truth) has something to find.  Every
-rank runs the same deterministic stream, which keeps replicas identical.
+buffer-mode write path makes, beside a trailing-window pool (``swa``: each node's
+last page) cleared every ``clear_swa_every`` steps; the runtime's
+``WriteAccounting`` hears every write and ``runtime.step()`` runs once per step,
+where the SGLang plugin's hook runs.  L3 is a per-rank lossy LRU shard, so beliefs
+go stale as in production and the reconciler (reading the shard as its ground
+truth) has something to find.  Every rank runs the same deterministic stream,
+which keeps replicas identical.
 """
 
 from __future__ import annotations

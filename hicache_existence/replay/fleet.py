@@ -1,24 +1,11 @@
 """Fleet replay: N prefill instances behind a router, sharing one L3 and a ledger.
 
-Each instance is the write-path model (``replay.model``) with its own cache at
-the cap, device prefix cache and pending writes; L3 (and the pages being written)
-is one for the fleet, so a page one instance wrote is redundant when another
-writes it again.  A router sends each request to one instance:
-
-* ``round-robin``: request ``i`` goes to instance ``i mod N``;
-* ``prefix-affinity``: the first ``affinity_pages`` pages (a Mooncake block at 64
-  tokens per page) pick it, so requests sharing that prefix meet, as a
-  cache-aware router aims for.
-
-Optional **ledger learning** models the reconciler (docs/reconciler.md): each
-instance records its writes in the shared ledger, and a fraction ``learn_rate``
-of its lookups (picked with the reconciler's gap sequence, through the cache's
-real observer interface) is verified at its next step; the verdict invalidates
-believed pages the ledger lacks and adds leading ones it holds (``pages_learnt``:
-mostly other instances' writes).  As in the reconciler, an invalidation is
-withheld (``verdicts_withheld``) when the first page the ledger lacks is in
-flight on the instance.  The ledger is exact (it holds what L3 holds); the real
-one's errors, budgets and latency are not modelled.
+Each instance is the write-path model (``replay.model``) with its own cache,
+device prefix cache and pending writes; L3 and the pages being written are the
+fleet's, so a page one instance wrote is redundant when another writes it again.
+Ledger learning verifies a fraction of lookups with the reconciler's own sampling
+and verdict code, the ledger being exact (its errors, budgets and latency are not
+modelled).  docs/replay.md ("Fleet mode") describes the routers and the columns.
 """
 
 from __future__ import annotations
@@ -185,8 +172,7 @@ class _Instance(Instance):
         picked = self.learner.picked
         for pool, chain in picked.take():
             picked.release(pool, chain)
-            held = self.l3.held(pool)
-            leading = next((i for i, h in enumerate(chain) if h not in held), len(chain))
+            leading = self.l3.leading(pool, chain, read=False)
             share.verifications += 1
             refs = self.cache.pool(pool).inflight_refs()
             outcome = apply_verdict(

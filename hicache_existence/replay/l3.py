@@ -15,7 +15,7 @@ Thread-safe: the demo's reconciler worker reads while its scheduler writes.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import Any
@@ -42,7 +42,7 @@ class L3:
         self.capacity = capacity
         self.drop_every = drop_every
         self.ledger = ledger
-        self.pools: dict[str, OrderedDict[str, None]] = {}
+        self.pools: defaultdict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)
         #: Pages the capacity pushed out, and pages ``drop_every`` lost.
         self.evictions = 0
         self.dropped = 0
@@ -52,10 +52,7 @@ class L3:
 
     def held(self, pool: str) -> OrderedDict[str, None]:
         """``pool``'s pages, oldest first (read it on the writing thread only)."""
-        pages = self.pools.get(pool)
-        if pages is None:
-            pages = self.pools[pool] = OrderedDict()
-        return pages
+        return self.pools[pool]
 
     def __len__(self) -> int:
         return sum(map(len, self.pools.values()))
@@ -112,10 +109,7 @@ class L3:
             held = self.held(pool)
             if read:
                 return leading(held, pages)
-            for index, page in enumerate(pages):
-                if page not in held:
-                    return index
-            return len(pages)
+            return next((i for i, page in enumerate(pages) if page not in held), len(pages))
 
     def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
         """The ground truth's ``batch_exists``: a probe, which refreshes nothing."""

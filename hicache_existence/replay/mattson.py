@@ -1,21 +1,13 @@
 """The exact belief-only hit-ratio curve of a trace, for every cap, in one pass.
 
-Belief-only mode feeds each request's chain to ``PoolBeliefs.add`` and nothing
-else.  A reference *hits* when the page is believed as the request arrives (or
-repeats a page of the same request): exactly the cache's ``refreshes``; misses
-are its ``inserts``.  The LRU holds the ``cap`` most recent distinct pages
-(``add`` touches in chain order and evicts at the end of the batch), so a
-reference hits at cap ``C`` iff its *stack distance* -- distinct pages referenced
-after its previous reference and before its request began -- is below ``C``
-(Mattson et al., 1970).  One pass gives every distance, so the curve at all caps.
-
-Distances come from a Fenwick tree over positions counting superseded ("dead")
-ones: a reference last seen at ``a`` has distance
-``distinct_so_far - (a + 1 - dead[0..a])``.  Pages of a request last referenced
-at consecutive positions (a reused prefix) form a *run* with distances
-``d, d-1, ...``: one tree query and one range update per run, two C-level dict
-passes per page.  A request's distances are all taken before its updates: the
-batch's "as the request arrives".
+A reference hits at cap ``C`` iff its *stack distance* (distinct pages referenced
+after its previous reference and before its request began) is below ``C``
+(Mattson et al., 1970; docs/replay.md, "Belief-only mode").  Distances come from a
+Fenwick tree over positions counting superseded ("dead") ones: a reference last
+seen at ``a`` has distance ``distinct_so_far - (a + 1 - dead[0..a])``.  A run of
+pages last referenced at consecutive positions (a reused prefix) has distances
+``d, d-1, ...``: one tree query and one range update per run.  A request's
+distances are all taken before its updates: the batch's "as the request arrives".
 """
 
 from __future__ import annotations
@@ -123,32 +115,29 @@ class _Pool:
         prevs: list[int | None] = list(map(last.get, pages))
         repeat_kills: list[int] = []
         if len(set(pages)) != n:
-            prevs, repeat_kills = self._mark_repeats(pages, prevs, start)
-        # Split into runs of consecutive previous positions.
+            # A repeat within the request is a hit at every cap (-1); the earlier
+            # occurrence it supersedes dies.
+            seen: dict[str, int] = {}
+            for index, page in enumerate(pages):
+                earlier = seen.get(page)
+                if earlier is not None:
+                    prevs[index] = -1
+                    repeat_kills.append(start + earlier)
+                seen[page] = index
+        # Split into runs of consecutive previous positions: (first, length).
         runs: list[tuple[int, int]] = []
-        run_start = run_next = -1
-        cold = repeats = 0
+        first = end = -2  # the run being built, positions first..end-1 (-2: none)
         for prev in prevs:
-            if prev is not None and prev >= 0:
-                if prev == run_next:
-                    run_next += 1
-                    continue
-                if run_start >= 0:
-                    runs.append((run_start, run_next - run_start))
-                run_start = prev
-                run_next = prev + 1
+            if prev == end:
+                end += 1
                 continue
-            if prev is None:
-                cold += 1
-            else:
-                repeats += 1
-            if run_start >= 0:
-                runs.append((run_start, run_next - run_start))
-                run_start = run_next = -1
-        if run_start >= 0:
-            runs.append((run_start, run_next - run_start))
-        self.cold += cold
-        self.repeats += repeats
+            if first >= 0:
+                runs.append((first, end - first))
+            first, end = (-2, -2) if prev is None or prev < 0 else (prev, prev + 1)
+        if first >= 0:
+            runs.append((first, end - first))
+        self.cold += prevs.count(None)
+        self.repeats += prevs.count(-1)
         distinct = len(last)
         diff = self.diff
         for first, count in runs:
@@ -161,23 +150,6 @@ class _Pool:
             self._kill(pos, 1)
         last.update(zip(pages, range(start, start + n)))
         self.pos = start + n
-
-    @staticmethod
-    def _mark_repeats(
-        pages: Sequence[str], prevs: list[int | None], start: int
-    ) -> tuple[list[int | None], list[int]]:
-        """Replace repeats within the request by ``-1`` (a hit at every cap) and list the
-        positions they supersede (an earlier occurrence in this request)."""
-        seen: dict[str, int] = {}
-        kills: list[int] = []
-        out = list(prevs)
-        for index, page in enumerate(pages):
-            earlier = seen.get(page)
-            if earlier is not None:
-                out[index] = -1
-                kills.append(start + earlier)
-            seen[page] = index
-        return out, kills
 
     def curve(self) -> BeliefCurve:
         distinct = len(self.last)

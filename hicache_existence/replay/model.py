@@ -1,27 +1,13 @@
 """A model of HiCache buffer mode's write path, driving the real cache classes.
 
-What it models (sglang 0.5.23, ``--hicache-host-memory-mode buffer_only``;
-docs/replay.md has the sources and every assumption):
-
-* **device prefix cache**: a page LRU of ``device_pages`` with prefix matching,
-  ancestors touched after descendants, so leaves go first as in the radix tree;
-* **prefetch hit query**: a device miss of at least ``prefetch_threshold_tokens``
-  is looked up in L3 (leading pages present, ``batch_exists``); the count heals
-  the beliefs through the real ``ChainPagesPolicy`` (``invalidate_beyond`` past
-  it, ``add`` up to it) and the hits load to the device;
-* **write-through admission**: the insert walk presents every node of the path
-  (buffer mode never marks one backed up), oldest first; a node all ``covered()``
-  (believed or in flight) is not written, else, with a covered parent (root, a
-  pending write of it, or ``contains(its last page)``), all of it is:
-  ``track_inflight`` at the launch, ``add`` + ``untrack_inflight`` at the ack
-  ``ack_latency_ms`` later (landed before the next request at or after it);
-* **L3 store** (``replay.l3``): every page written, or the ``l3_pages`` most
-  recently written or read (LRU) when bounded, which makes beliefs stale.
-
+Per request: due storage acks land, the device prefix cache matches, a long enough
+miss queries L3 and heals the beliefs (``ChainPagesPolicy``), the insert walk admits
+nodes write-through, and the device cache takes the pages.  docs/replay.md ("The
+buffer-mode write-path model") has the sglang 0.5.23 sources and every assumption.
 The cache is ``StorageExistenceCache`` itself (cap per pool), so LRU, eviction,
-in-flight refcounts, healing and counters are the shipped code's.  Mooncake nodes
-are trace blocks (a radix node is a run of them, so redundant writes from
-partially covered nodes are a lower bound here).
+in-flight refcounts, healing and counters are the shipped code's; L3 is
+``replay.l3``.  ``simulate`` drives instances of it (one for ``run_model``, N for
+``replay.fleet``); the demo's scheduler drives ``PoolRun`` directly.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""Expand a trace into SGLang-shaped page-hash chains.
+"""Expand a trace into SGLang-shaped page-hash chains (docs/replay.md, "From
+blocks to pages").
 
-SGLang keys an L3 page by a 64-hex SHA-256 chained from its parent page, so two
-requests share exactly the pages of their common prefix.  A Mooncake block (same
-prefix semantics) is split into ``block_tokens / page_size`` pages chained alike::
-
-    digest(page) = sha256(digest(parent) || block id (8 bytes LE) || index in block (4 bytes LE))
-
-from a fixed root digest; the page hash is the digest in lowercase hex.  Equal
-ids under the same parent give equal pages; under another parent (which a
-consistent trace never has), different ones, as a real chain would.
-
-A request's partial last block gives ``ceil(remaining tokens / page_size)`` pages
-by default (a partial page keyed like the full page there, consistent under the
-trace's "equal id = equal content" rule), or ``floor(...)`` with
-``partial_pages="floor"``, as SGLang stores only full pages.
-
-Page traces carry their hashes; they are only interned (one object per string, as
-the radix tree shares them) and cut into model nodes of ``node_pages`` pages.
+A Mooncake block is ``block_tokens / page_size`` pages, each hash the SHA-256 hex
+of (parent digest, block id as 8 bytes LE, index in the block as 4 bytes LE) from
+a fixed root, so two requests share exactly the pages of their common prefix.
+Equal ids under another parent (which a consistent trace never has) give other
+pages, as a real chain would.  Page traces carry their hashes; they are only
+interned (one object per string, as the radix tree shares them) and cut into
+model nodes of ``node_pages`` pages.
 """
 
 from __future__ import annotations

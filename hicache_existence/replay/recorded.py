@@ -1,16 +1,11 @@
 """Replay of a recorded trace (version 2): the cache's own reference stream, again.
 
-A recorder trace (``accounting.recorder``) holds, for a SHARDS sample of pages
-chosen by hash, every lookup, add, invalidation and clear the live cache saw.
-``recorded_curves`` runs them, per instance and pool, through the advisor's exact
-LRU stack (``core.sampler``, fed every recorded page) and reads its two curves at
-any caps: the reference stream (pages added and walked) and lookups alone (walked
-pages plus the page each lookup missed at).  A recorded stack distance ``d``
-stands for ``d / rate`` entries (``accounting.advisor.hit_ratios``).
-
-At sample rate 1 the curves are exactly the advisor's at sampling rate 1; below
-it, a SHARDS estimate like the advisor's, from another sample (the recorder's
-hash-prefix pages, not the advisor's salted hash).
+``recorded_curves`` runs the recorded events, per instance and pool, through the
+advisor's exact LRU stack (``core.sampler``) and reads its two curves (the
+reference stream, and lookups alone) at any caps; a recorded stack distance ``d``
+stands for ``d / rate`` entries (``accounting.advisor.hit_ratios``).  At sample
+rate 1 they are the advisor's curves; below it a SHARDS estimate from another
+sample (the recorder's hash-prefix pages, not the advisor's salted hash).
 """
 
 from __future__ import annotations

@@ -180,17 +180,17 @@ def write_plot(result: SweepResult, path: Path) -> str | None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     ax.set_xscale("log", base=2)
+    # Every row of the sweep (belief-only and model) is at ``result.caps``.
+    caps, model = result.caps, result.model_rows
     rows = {pool: result.belief_rows(pool) for pool in result.curves}
-    caps = {pool: [r["cap"] for r in pool_rows] for pool, pool_rows in rows.items()}
-    model, model_caps = result.model_rows, [r.cap for r in result.model_rows]
     for pool in result.curves:
         xs, ys = _curve_points(result, pool)
         ax.plot(xs, ys, "-", lw=1.8, label=f"belief-only hit ratio ({pool}, exact)")
         hits = [r["belief_hit_ratio"] for r in rows[pool]]
-        ax.plot(caps[pool], hits, "o", ms=4, color=ax.lines[-1].get_color())
+        ax.plot(caps, hits, "o", ms=4, color=ax.lines[-1].get_color())
     if model:
         hits = [r.belief_hit_ratio for r in model]
-        ax.plot(model_caps, hits, "s--", ms=5, label="buffer model: admission hit ratio")
+        ax.plot(caps, hits, "s--", ms=5, label="buffer model: admission hit ratio")
     ax.set_xlabel("existence-cache cap (entries per pool)")
     ax.set_ylabel("hit ratio")
     ax.set_ylim(0, 1.02)
@@ -199,11 +199,11 @@ def write_plot(result: SweepResult, path: Path) -> str | None:
     for pool, pool_rows in rows.items():
         redundant = [r["redundant_writes"] for r in pool_rows]
         label = f"belief-only: redundant writes ({pool})"
-        ax2.plot(caps[pool], redundant, "^:", color="tab:red", ms=5, label=label)
+        ax2.plot(caps, redundant, "^:", color="tab:red", ms=5, label=label)
     if model:
         redundant = [r.redundant_writes for r in model]
         label = "buffer model: redundant writes"
-        ax2.plot(model_caps, redundant, "v-.", color="tab:purple", ms=5, label=label)
+        ax2.plot(caps, redundant, "v-.", color="tab:purple", ms=5, label=label)
     ax2.set_ylabel("redundant writes (pages, symlog)", color="tab:red")
     ax2.set_yscale("symlog", linthresh=10)
     ax2.set_ylim(bottom=0)

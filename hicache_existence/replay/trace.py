@@ -1,24 +1,12 @@
 """Read and validate request traces, failing with the offending line number.
 
-JSON Lines (blank lines ignored), in three shapes:
-
-* **Mooncake** (the FAST'25 release): ``timestamp`` (ms), ``input_length`` and
-  ``output_length`` (tokens) and ``hash_ids``, one id per ``block_tokens``-token
-  block (512 in Mooncake), equal ids meaning an equal prefix through that block.
-  The last block may be partial:
-  ``(len(hash_ids) - 1) * block_tokens < input_length <= len(hash_ids) * block_tokens``.
-* **pages** (this project's): a header ``{"format": "hicache-existence-trace",
-  "version": 1}`` (optional ``page_size``), then per line ``timestamp`` (ms),
-  ``pages`` (page hashes in chain order, as SGLang computes them) and an optional
-  ``pool`` (default ``kv``).
-* **pages, version 2** (``accounting.recorder``, from a live server): the header
-  adds ``sample_rate``, ``instance`` and ``started_unix``; each line is an event
-  with a ``kind``.  Requests are the chains their insert walks looked up.  Files
-  may be gzip compressed; a directory reads every recorder file in it.
-
-Every value is checked (types, signs, ranges, non-decreasing timestamps) and the
-whole file is read before anything is returned, so a caller never writes partial
-output for a bad trace.  Unknown extra fields are ignored.
+JSON Lines in three shapes (docs/replay.md, "Traces" and "The recorded format"):
+Mooncake (``timestamp``, ``input_length``, ``output_length``, ``hash_ids``),
+this project's pages (a header, then ``timestamp``, ``pages``, ``pool``) and its
+version 2, the recorder's events (``accounting.recorder``; gzip compressed, or a
+directory of recorder files read as one trace).  Every value is checked (types,
+signs, ranges, non-decreasing timestamps) and the whole file is read before
+anything is returned, so a caller never writes partial output for a bad trace.
 """
 
 from __future__ import annotations
@@ -163,7 +151,7 @@ def _raw_lines(path: Path, source: str, notes: list[str]) -> Iterator[bytes]:
         yield from _gzip_lines(handle, source, notes)
 
 
-def _too_long() -> str:
+def _too_long() -> str:  # read at the call: a test lowers MAX_LINE_BYTES
     return f"line longer than {MAX_LINE_BYTES} bytes (a corrupt or hostile trace)"
 
 
@@ -271,13 +259,13 @@ def _lines(path: Path, source: str, notes: list[str]) -> Iterator[tuple[int, dic
         yield number, obj
 
 
+@dataclass(frozen=True, slots=True)
 class _Fields:
     """Typed field accessors that word errors with the source and line."""
 
-    def __init__(self, source: str, line: int, obj: dict[str, Any]) -> None:
-        self.source = source
-        self.line = line
-        self.obj = obj
+    source: str
+    line: int
+    obj: dict[str, Any]
 
     def fail(self, problem: str) -> TraceError:
         return TraceError(self.source, self.line, problem)
@@ -450,10 +438,6 @@ def read_trace(
     path = Path(path)
     if path.is_dir():
         return _read_recorded_dir(path)
-    return _read_file(path, fmt, block_tokens)
-
-
-def _read_file(path: Path, fmt: str, block_tokens: int) -> Trace:
     source = str(path)
     notes: list[str] = []
     header, detected, requests, events = _parse(path, fmt, block_tokens, notes)
