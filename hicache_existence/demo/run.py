@@ -502,7 +502,6 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print) -> int:
             p.join(timeout=STOP_GRACE_S if received else 30)
         if summary is not None and not any(p.exitcode for p in procs):
             out(summary)
-            status = 0
         else:
             status = 1
         if received and (status or not opts.keep_running):
@@ -573,8 +572,7 @@ def _follow(
                 last_print = now
         if msg.get("done"):
             done += 1
-            if msg.get("summary") is not None:
-                summary = msg["summary"]
+            summary = msg["summary"] or summary  # rank 0's
     if tty:
         sys.stderr.write("\n")
     return summary
