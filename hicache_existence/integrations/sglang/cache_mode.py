@@ -1,35 +1,18 @@
-"""HiCache cache mode's L3 writes: counted, and deduplicated on request (docs/enable.md §3a).
+"""HiCache cache mode's L3 writes: counted, and deduplicated on request (docs/enable.md §3a,
+where the dedup rules and why a skipped write is safe are explained).
 
-In ``--hicache-host-memory-mode cache`` (HiCache's default)
 ``UnifiedRadixCache.write_backup_storage(node_id)`` hands a backed-up node's host
-pages to ``cache_controller.write_storage``; the backup thread writes them and the
-rank-synchronised storage drain pops the operation from ``tree.ongoing_backup``.
-Upstream consults no existence cache there: every node is written, stored or not.
+pages to ``cache_controller.write_storage``; upstream consults no existence cache
+there.  ``CacheModeWrites`` sits on that path (``write_hooks``):
 
-``CacheModeWrites`` sits on that path (``write_hooks``):
-
-* **launch**: inside ``write_backup_storage`` (TP-lockstep: it runs at the
-  rank-agreed write-through ack) the pages are looked up (one ``covered`` query
-  per pool) and those passed to the backend counted ``written``;
-* **dedup** (``cache_mode.dedup``): believed pages are left out (``avoided``) by
-  the ``WritePlan`` rule: any of them when the backend keys pages by their own
-  hash and there are no extra pools; only a believed prefix with prefix keys
-  (the prefix context is advanced past it, as upstream does); all or nothing
-  when extra pools (hybrid models) ride along.  A fully believed node still gets
-  an empty operation, so upstream's bookkeeping (host lock until the ack,
-  ``ongoing_backup``) is unchanged;
-* **upstream dedup** (``upstream_overlap``): ours is off and the launch only
-  counts, with no second lookup (sglang's went through this cache);
-* **ack**: the per-step ``reap`` sees operations leave ``tree.ongoing_backup``
-  in launch order (one backup thread, FIFO queues) and counts this rank's
-  outcome (acknowledged, failed, redundant by the backend's answer, with its
-  cause).  The written pages become beliefs unconditionally, as in upstream's
-  buffer mode, so every rank adds the same pages whatever its backend answered.
-
-With ``dedup`` off, lookups, beliefs and counters are the same; only the write is
-upstream's.  A page L3 lost but still believed is healed by the next prefetch hit
-query (``heal_from_query``), then recomputed and rewritten: L3 is keyed by the
-content-chained page hash, so a skipped write costs a recompute, never a wrong output.
+* **launch**: inside ``write_backup_storage`` (TP-lockstep: the rank-agreed
+  write-through ack) the pages are looked up (one ``covered`` query per pool),
+  and with ``cache_mode.dedup`` the believed ones left out by the ``WritePlan``
+  rule; with upstream's own dedup (``upstream_overlap``) the launch only counts;
+* **ack**: the per-step ``reap`` sees operations leave ``tree.ongoing_backup`` in
+  launch order (one backup thread, FIFO queues) and counts this rank's outcome.
+  The written pages become beliefs unconditionally, as in upstream's buffer mode,
+  so every rank adds the same pages whatever its backend answered.
 """
 
 from __future__ import annotations
@@ -243,9 +226,12 @@ class CacheModeWrites:
         extra = plan.extra
         if extra:
             for name, keys in extra.items():
-                self._count(
-                    name, keys if plan.extra_written else [], 0 if plan.extra_written else len(keys)
-                )
+                if name not in self._sized:
+                    self._sized.add(name)
+                    self._size_pool(name)
+                self.writes.written(name, len(keys) if plan.extra_written else 0)
+                if keys and not plan.extra_written:
+                    self.writes.avoided(name, len(keys))
             if not plan.extra_written:
                 extra = _NO_EXTRA
         if written:
@@ -270,14 +256,6 @@ class CacheModeWrites:
             {p: plan.extra_believed.get(p, set()).intersection(k) for p, k in extra.items()},
         )
 
-    def _count(self, pool: str, written: Sequence[str], skipped: int) -> None:
-        if pool not in self._sized:
-            self._sized.add(pool)
-            self._size_pool(pool)
-        self.writes.written(pool, len(written))
-        if skipped:
-            self.writes.avoided(pool, skipped)
-
     # -- the ack ---------------------------------------------------------------------------
     @property
     def pending(self) -> int:
@@ -290,20 +268,16 @@ class CacheModeWrites:
         hook tests it for emptiness without a call)."""
         return self._pending
 
-    def reap(self, ongoing: Any, outcomes: MutableMapping[int, Any]) -> int:
+    def reap(self, ongoing: Any, outcomes: MutableMapping[int, Any]) -> None:
         """Per step: account the operations the storage drain acknowledged (gone
         from ``ongoing``, upstream's ``ongoing_backup``), oldest first, each with
         this rank's outcome popped from ``outcomes`` (the write path's, by operation id)."""
-        done = 0
         pending = self._pending
         while pending:
             op_id = next(iter(pending))
             if op_id in ongoing:
                 break
-            launch = pending.pop(op_id)
-            self._acked(launch, outcomes.pop(op_id, None))
-            done += 1
-        return done
+            self._acked(pending.pop(op_id), outcomes.pop(op_id, None))
 
     def _acked(self, launch: _Launch, outcome: Any) -> None:
         node, pages, believed, extra, extra_believed = launch

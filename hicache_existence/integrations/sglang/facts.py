@@ -1,15 +1,11 @@
 """What the running scheduler says about itself: ranks, model, role, storage.
 
-Read when the existence cache is built (inside ``UnifiedRadixCache.__init__``,
-inside ``Scheduler.__init__``), never at plugin registration: a scheduler
-process loads plugins before its configuration is published.
-
-Two sources, each read guarded (an API change degrades to a default, never an
-exception in the scheduler): sglang's runtime context
-(``sglang.srt.runtime_context``: ``get_parallel``, ``get_serving``,
-``get_disagg``, ``get_memory``, ``get_server_args``), the accessors sglang's own
-metric labels use; then the ``ServerArgs`` record and the ``Scheduler`` found on
-the calling stack (older releases keep ranks and settings there).
+Read when the existence cache is built (inside ``Scheduler.__init__``), never at
+plugin registration: a scheduler process loads plugins before its configuration
+is published.  Two sources, each read guarded (an API change degrades to a
+default, never an exception in the scheduler): sglang's runtime context, whose
+accessors sglang's own metric labels use; then the ``ServerArgs`` record and the
+``Scheduler`` found on the calling stack (older releases keep them there).
 """
 
 from __future__ import annotations
@@ -149,17 +145,18 @@ def gather(frame_depth: int = 40) -> SchedulerFacts:
             values.setdefault(key, value)
         sources.append("server_args")
 
+    # ``_settings`` typed the strings; ranks may come from the scheduler, unchecked.
     return SchedulerFacts(
         tp_rank=_int(values.get("tp_rank")),
         tp_size=max(1, _int(values.get("tp_size"), 1)),
         pp_rank=_int(values.get("pp_rank")),
         pp_size=max(1, _int(values.get("pp_size"), 1)),
         dp_rank=_int(values.get("dp_rank")),
-        model_name=_str(values.get("model_name")),
+        model_name=values.get("model_name", ""),
         engine_type=values.get("engine_type") or "unified",
-        storage_backend=_str(values.get("storage_backend")),
+        storage_backend=values.get("storage_backend", ""),
         host_memory_mode=values.get("host_memory_mode"),
-        write_policy=_str(values.get("write_policy")),
+        write_policy=values.get("write_policy", ""),
         hierarchical_cache=values.get("hierarchical_cache"),
         flags=stored_values(server_args),
         sources=tuple(sources),

@@ -1,16 +1,12 @@
 """The server flags ``--enable-hicache-existence`` and ``--hicache-existence-config``.
 
-sglang builds its parser with ``ServerArgs.add_cli_args(parser)``, parses
-strictly, then keeps only real fields in ``ServerArgs.from_cli_args``.  Two
-AROUND hooks make the flags real: one adds them to the parser (unless a flag of
-that name exists: argparse would fail every launch), the other carries the
-parsed values as a non-field attribute of the ``ServerArgs`` record, which its
-``__reduce__`` keeps when the record is pickled into every scheduler process.
-
-Scheduler processes load plugins before they receive that record, so the
-switch also travels as ``HICACHE_EXISTENCE_ENABLED=1`` in the environment the
-children inherit; the configuration text is read from the record when the
-cache is built (``facts.gather``).
+sglang parses strictly with ``ServerArgs.add_cli_args(parser)``, then keeps only
+real fields in ``ServerArgs.from_cli_args``.  Two AROUND hooks make the flags
+real: one adds them (unless a flag of that name exists: argparse would fail every
+launch), the other carries the parsed values as a non-field attribute of the
+``ServerArgs`` record, which survives its pickling into every scheduler process.
+Those load plugins before they receive the record, so the switch also travels as
+``HICACHE_EXISTENCE_ENABLED=1`` in the environment they inherit.
 """
 
 from __future__ import annotations
@@ -156,25 +152,21 @@ def around_from_cli_args(original: Callable[..., Any], *args: Any, **kwargs: Any
     if namespace is None:
         return server_args
     values = values_of_namespace(namespace)
-    if values.enabled:
-        # Explicitly enabled with a configuration that does not load: stop the
-        # launch with a usage error rather than start without the feature.
-        try:
-            Config.load(values.config, dict(os.environ))
-        except ConfigError as exc:
-            raise SystemExit(
-                f"{ENABLE_FLAG}: invalid hicache-existence configuration: {exc}"
-            ) from None
-    if values.enabled or values.config is not None:
-        attach(server_args, values)
     enabled = values.enabled
-    if not enabled and values.config is not None:
-        # The flag's configuration wins over the environment (docs/enable.md):
-        # its "enabled": true switches the schedulers' plugin on too.
+    if enabled or values.config is not None:
+        attach(server_args, values)
+        # The flag's configuration wins over the environment (docs/enable.md): its
+        # "enabled": true switches the schedulers' plugin on too.
         try:
-            enabled = Config.load(values.config, dict(os.environ)).enabled
+            enabled = Config.load(values.config, dict(os.environ)).enabled or enabled
+        except ConfigError as exc:
+            if enabled:  # explicitly enabled: a usage error, not a start without it
+                raise SystemExit(
+                    f"{ENABLE_FLAG}: invalid hicache-existence configuration: {exc}"
+                ) from None
         except Exception:  # validated at parse time already; never break the launch
-            enabled = False
+            if enabled:
+                raise
     if enabled:
         os.environ[ENV_ENABLED] = "1"
     return server_args

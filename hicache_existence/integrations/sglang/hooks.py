@@ -1,22 +1,20 @@
-"""The hooks themselves: our cache in place of upstream's, and the per-step call.
+"""The hooks themselves: our cache in place of upstream's, and the per-step call
+(docs/enable.md §3).
 
 ``replacement_class(generation, upstream)`` is what ``HookType.REPLACE`` puts in
-place of upstream's ``StorageExistenceCache``: a subclass of our cache of that
-generation whose metaclass turns construction (in ``UnifiedRadixCache.__init__``)
-into "build this process's ``ExistenceRuntime`` and return its wired cache".  The
-runtime lives in a registry keyed by process id, so a forked child never steps
-its parent's runtime and tests can look it up.  When the process should not be
-observed (disabled, HiCache off, a PD decode server, a second cache in the
-process, or any failure), construction returns upstream's own class: that
-scheduler runs exactly the code it would without us.  Both host memory modes
-are observed (``buffer_only``, and ``cache``: ``cache_mode.py``).
+place of upstream's ``StorageExistenceCache``: a subclass of our cache whose
+metaclass turns construction into "build this process's ``ExistenceRuntime`` and
+return its wired cache".  Runtimes are keyed by process id, so a forked child never
+steps its parent's.  When the process should not be observed (disabled, HiCache
+off, a PD decode server, a second cache in the process, or any failure),
+construction returns upstream's own class: that scheduler runs exactly the code it
+would without us.
 
 ``after_check_hicache_events`` runs AFTER ``UnifiedRadixCache.check_hicache_events``
 (scheduler thread, every rank, same order).  Its first call builds the replica
-groups (a collective over the whole world, reached once by every rank); every
-call steps the ``ExistenceRuntime``.  It is a ``core.gate`` step hook: once bound
-to the tree, a step is one C call with no Python frame of ours while nothing is
-due (in cache mode too: the reap runs only while writes are pending).
+groups (a collective over the whole world, reached once by every rank).  It is a
+``core.gate`` step hook: once bound to the tree, a step is one C call with no
+Python frame of ours while nothing is due.
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ class ProcessEntry:
             runtime.cache,
             cache_mode=facts.cache_mode,
             dedup=dedup_effective(runtime.config, facts, overlap),
-            upstream_dedup=upstream_dedups(facts, overlap),
+            upstream_dedup=dedup_label(runtime.config, facts, overlap) == "upstream",
             remembers=remembers_of(runtime),
         )
         self.write_path.attach_recorder(runtime.recorder)
@@ -103,16 +101,12 @@ class ProcessEntry:
     def cache(self) -> ExistenceCache:
         return self.runtime.cache
 
-    def owns(self, tree_cache: Any) -> bool:
-        """Whether ``tree_cache`` holds this runtime's cache."""
-        return getattr(tree_cache, "storage_existence_cache", None) is self.runtime.cache
-
     def first_step(self, tree_cache: Any) -> None:
         """Bind the tree cache and build the replica groups (once, every rank)."""
         try:
             self._count_admissions(tree_cache)
             self._bracket_inserts(tree_cache)
-            self._first_step(tree_cache)
+            self._build_groups(tree_cache)
         finally:  # bound or not, the group's size is final now (unbound: one rank)
             if self.group is not None:
                 self.runtime.group_bound()
@@ -127,7 +121,7 @@ class ProcessEntry:
         if "buffer" in _UNCOUNTED.get(os.getpid(), frozenset()):
             return
         pipeline = getattr(tree_cache, "buffer_pipeline", None)
-        if pipeline is None or not self.owns(tree_cache):
+        if pipeline is None or not self.write_path.owns_tree(tree_cache):
             return
         try:
             if not self.write_path.tally_admissions(tree_cache):
@@ -140,7 +134,7 @@ class ProcessEntry:
         boundary (``recorder_hooks``: installed here, before the first insert, so
         that a server without a recorder never runs it)."""
         recorder = self.runtime.recorder
-        if recorder is None or not self.owns(tree_cache):
+        if recorder is None or not self.write_path.owns_tree(tree_cache):
             return
         try:
             if not _recorder_hooks.install_on(tree_cache, recorder):
@@ -152,7 +146,7 @@ class ProcessEntry:
         except Exception as exc:  # the trace is still recorded, without boundaries
             logger.warning("hicache-existence: traces have no request boundaries: %r", exc)
 
-    def _first_step(self, tree_cache: Any) -> None:
+    def _build_groups(self, tree_cache: Any) -> None:
         if self.truth is not None:
             self.truth.bind(tree_cache)
         if self.group is None and self.agreement is None:
@@ -249,11 +243,6 @@ def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]
     return remembers
 
 
-def upstream_dedups(facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None) -> bool:
-    """A cache-mode server whose sglang deduplicates its L3 writes itself."""
-    return facts.cache_mode and overlap is not None and overlap.dedups_cache_mode is not None
-
-
 def dedup_effective(
     config: Config, facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None = None
 ) -> bool:
@@ -267,7 +256,7 @@ def dedup_label(
 ) -> bool | str:
     """``mode_info``'s ``cache_mode_dedup``: ours on or off, or ``"upstream"``
     (a cache-mode server whose sglang deduplicates its L3 writes itself)."""
-    if upstream_dedups(facts, overlap):
+    if facts.cache_mode and overlap is not None and overlap.dedups_cache_mode is not None:
         return "upstream"
     return config.cache_mode.dedup and facts.cache_mode and bool(facts.storage_backend)
 
@@ -276,10 +265,10 @@ def _warn_dedup_misplaced(
     config: Config, facts: _facts.SchedulerFacts, overlap: _overlap.Overlap | None = None
 ) -> None:
     """``cache_mode.dedup`` where it cannot act: one warning naming the key."""
-    if not config.cache_mode.dedup or dedup_effective(config, facts, overlap):
+    label = dedup_label(config, facts, overlap)
+    if not config.cache_mode.dedup or label is True:
         return
-    if upstream_dedups(facts, overlap):
-        assert overlap is not None
+    if label == "upstream" and overlap is not None:
         logger.warning(
             "hicache-existence: cache_mode.dedup is set but the installed sglang "
             "deduplicates cache-mode L3 writes itself (%s); the package only counts them",
@@ -501,7 +490,7 @@ def _first_or_foreign_step(result: Any = None, *args: Any, **kwargs: Any) -> Non
     if entry is None or not args:
         return None
     tree_cache = args[0]
-    if not entry.owns(tree_cache):
+    if not entry.write_path.owns_tree(tree_cache):
         return None
     if not entry.first_done:
         entry.first_done = True
@@ -560,9 +549,8 @@ def after_clear_storage_backend(result: Any, tree: Any, *a: Any, **kw: Any) -> N
         return None
     try:
         feed = _write_path.FEEDS.get(PROCESS.pid)
-        events = feed.events if feed is not None else None
-        if events is not None and feed is not None and feed.owns_tree(tree):
-            events.storage_cleared()
+        if feed is not None and feed.events is not None and feed.owns_tree(tree):
+            feed.events.storage_cleared()
     except Exception as exc:  # never into the scheduler
         logger.warning("hicache-existence: storage clear not published (%r)", exc)
     return None

@@ -1,20 +1,9 @@
-"""Storage-tier KV events in a SGLang scheduler: the blocks of an acknowledged write,
-the publishing rank, and SGLang's own publisher (docs/kv-events.md).
-
-* **Blocks.**  Each stored page of a buffer-mode write (from its intent's
-  ``BufferBackupSnapshot``: page hashes, tokens, the parent's last page hash) is
-  published as SGLang's device and host events publish that node: the first 64
-  bits of its hash, the previous page's as parent (none under the root), its
-  tokens.  A node keyed in a namespace (``extra_key``, ``cache_salt``: event and
-  storage hashes differ) or by bigrams gives no event, counted.
-* **Rank.**  One publisher per KV cache, gated as SGLang's (``is_kv_publisher_rank``),
-  tagged with the DP rank ``select_kv_publisher_dp_rank`` gives.
-* **Publisher.**  With ``--kv-events-config`` the events go on SGLang's own
-  publisher (``SchedulerKvEventsPublisher.kv_event_publisher``, captured by an
-  AFTER hook on ``init_kv_events``): one stream with the device and host events,
-  SGLang's sequence numbers and replay buffer; ``publish`` is called from the
-  emitter's thread, never the scheduler's.  Without it, the package's own ZeroMQ
-  publisher binds ``events.endpoint``.
+"""Storage-tier KV events in a SGLang scheduler (docs/kv-events.md): the blocks of an
+acknowledged buffer-mode write (from its intent's ``BufferBackupSnapshot``), the
+publishing rank (gated as SGLang's ``is_kv_publisher_rank``), and SGLang's own
+publisher (with ``--kv-events-config``, captured by an AFTER hook on
+``init_kv_events``; ``publish`` is called from the emitter's thread, never the
+scheduler's).  Without it, the package's own ZeroMQ publisher binds ``events.endpoint``.
 """
 
 from __future__ import annotations
@@ -73,12 +62,10 @@ def acked_blocks(intent: Any, keys: Sequence[str], stored: int) -> tuple[list[Bl
 
 
 def feed(events: KvEvents, intent: Any, keys: Sequence[str], stored: int) -> None:
-    """The storage ack of a buffer-mode write: publish the stored blocks.
-
-    Scheduler thread: one queue item, whatever the page count; ``acked_blocks``
-    runs on the emitter's thread.  The references stay valid: the intent's
-    ``BufferBackupSnapshot`` is a frozen struct with SGLang's own copies for this
-    write, and ``keys`` (its pages or per-pool keys) never change after the ack."""
+    """The storage ack of a buffer-mode write: publish the stored blocks (one queue
+    item on the scheduler thread; ``acked_blocks`` runs on the emitter's thread,
+    and the references stay valid: the snapshot is a frozen struct with SGLang's
+    own copies for this write, and ``keys`` never change after the ack)."""
     if stored > 0:
         events.stored_from(acked_blocks, (intent, keys, stored), stored)
 

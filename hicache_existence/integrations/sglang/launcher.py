@@ -1,19 +1,14 @@
 """``hicache-existence launch``: start sglang with the package enabled, without
 sglang's parser knowing our flags (docs/enable.md §2).
 
-For an sglang whose parser cannot take ``--enable-hicache-existence``, for
-wrappers that build sglang's command line themselves, and as the tested form of
-the environment route: take our two flags out of the command line (wherever
-they are), turn them into the environment the plugin reads in every sglang
-process, and ``exec`` sglang with every other argument unchanged, in order (one
-process: signals and exit status are sglang's own, PID 1 in a container).
-
-Launching is enabling: the child always gets ``HICACHE_EXISTENCE_ENABLED=1``
-(winning over ``enabled: false``, as the server flag does).  A configuration
-given here is merged over ``HICACHE_EXISTENCE_CONFIG`` and the per-key
-``HICACHE_EXISTENCE_<SECTION>__<KEY>`` variables into the child's
-``HICACHE_EXISTENCE_CONFIG``; the per-key variables are removed (they would
-override it).
+Our two flags are taken out of the command line (wherever they are) and turned
+into the environment the plugin reads in every sglang process; sglang is
+``exec``-ed with every other argument unchanged, in order (one process: signals
+and exit status are sglang's own, PID 1 in a container).  Launching is enabling:
+the child always gets ``HICACHE_EXISTENCE_ENABLED=1``.  A configuration given here
+is merged over ``HICACHE_EXISTENCE_CONFIG`` and the per-key variables into the
+child's ``HICACHE_EXISTENCE_CONFIG``; the per-key variables are removed (they
+would override it).
 """
 
 from __future__ import annotations

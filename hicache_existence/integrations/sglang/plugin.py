@@ -1,16 +1,11 @@
 """The sglang plugin: entry point ``hicache_existence`` of group ``sglang.srt.plugins``
-(the name ``SGLANG_PLUGINS`` must list to allow it).
+(the name ``SGLANG_PLUGINS`` must list to allow it); docs/enable.md §2-3.
 
 sglang calls ``register()`` through ``sglang.srt.plugins.load_plugins()`` in every
-process it starts (launcher, scheduler, detokenizer, DP controller), before the
-scheduler exists.  It always registers the two AROUND hooks (``flags``) that add
-``--enable-hicache-existence`` and ``--hicache-existence-config`` (a command line
-without them parses as before).  Once enabled (``HICACHE_EXISTENCE_ENABLED=1``,
-``"enabled": true`` in ``HICACHE_EXISTENCE_CONFIG``, or the flag, which sets the
-variable for the scheduler processes) it also registers the REPLACE of upstream's
-``StorageExistenceCache`` by ours of the generation the installed class's shape
-shows, the AFTER on ``UnifiedRadixCache.check_hicache_events``, and the
-write-accounting hooks of both host memory modes (``write_hooks``).
+process it starts, before the scheduler exists.  It always registers the two
+AROUND hooks (``flags``) that add the server flags (a command line without them
+parses as before); once enabled it also registers the REPLACE of upstream's
+``StorageExistenceCache``, the per-step AFTER hook and the write-path hooks.
 
 A missing target, an unknown API shape, an upstream existence cache with a
 public name ours does not serve (``conformance.py``), or an invalid

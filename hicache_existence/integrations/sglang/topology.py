@@ -175,12 +175,9 @@ def _build(dist: Any, tree_cache: Any, timeout_s: float, *, agreement: bool) -> 
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group(scratch)
-    parts = components([r[:world] for r in gathered])
-    own: tuple[int, ...] = (me,)
-    divergence: CheckGroup | None = None
-    agree: Agreement | None = None
+    own: ReplicaGroups | None = None
     # Every rank creates every multi-rank set's groups, in the same order.
-    for part in parts:
+    for part in components([r[:world] for r in gathered]):
         if len(part) < 2:
             continue
         group = TorchGlooGroup.create(part, timeout_s=timeout_s)
@@ -189,14 +186,12 @@ def _build(dist: Any, tree_cache: Any, timeout_s: float, *, agreement: bool) -> 
             if any(gathered[rank][world] for rank in part)
             else None
         )
-        if me in part:
-            own = part
-            divergence = group
-            if agreement and agreement_group is not None:
-                agree = GlooAgreement(agreement_group)
-    if divergence is None:
-        return single(timeout_s)
-    return ReplicaGroups(own, divergence, agree)
+        if me in part and group is not None:
+            with_agreement = agreement and agreement_group is not None
+            own = ReplicaGroups(
+                part, group, GlooAgreement(agreement_group) if with_agreement else None
+            )
+    return own if own is not None else single(timeout_s)
 
 
 def unbuilt(timeout_s: float, reason: str) -> ReplicaGroups:

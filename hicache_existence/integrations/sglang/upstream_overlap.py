@@ -1,22 +1,15 @@
-"""Where the installed sglang already does part of this package's job.
+"""Where the installed sglang already does part of this package's job (docs/enable.md §8).
 
-Three upstream pull requests (open when this was written) overlap the package:
-cache-mode L3 writes deduplicated through sglang's existence cache (#39845), a
-cap read from ``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES`` (#39747), and
-``BlockStored`` events with medium ``EXTERNAL`` at the storage ack (#29923).  If
-one lands, the package must not deduplicate a second time, count a lookup twice,
-fight sglang over the cap, or go quiet without saying why.  So (``docs/enable.md``
-§8): ``cache_mode.dedup`` stays off (one warning when configured) and the write
-hooks only count, reading the beliefs without a counted lookup (sglang's went
-through this cache); ``mode_info``'s ``cache_mode_dedup`` says ``upstream``; the
-cap comes from ``resolve_cap`` alone; the package emits no storage-tier event of
-its own; the start-up line names each overlap and the cap's source.
+Three upstream pull requests overlap the package: cache-mode L3 writes
+deduplicated through sglang's existence cache (#39845), a cap read from
+``SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES`` (#39747), and ``BlockStored``
+events with medium ``EXTERNAL`` at the storage ack (#29923).  If one lands, the
+package must not deduplicate a second time, count a lookup twice, fight sglang
+over the cap, or go quiet without saying why.
 
 Each is recognised from the installed code, never a version string (a release
 can backport or rename): the names a function's bytecode reads (``co_names``,
-nested code included) tell whether the cache-mode write path consults the
-existence cache, or whether a function on the HiCache paths emits
-``StorageMedium.EXTERNAL`` events.  sglang 0.5.21 and 0.5.23 do neither
+nested code included).  sglang 0.5.21 and 0.5.23 show none
 (``tests/test_upstream_overlap.py`` checks the installed wheel).
 """
 

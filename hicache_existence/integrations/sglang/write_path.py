@@ -2,31 +2,8 @@
 
 ``WritePath`` turns what the hooks (``write_hooks``) learn between a write's
 decision, launch and storage ack into ``WriteAccounting`` calls; the hooks only
-read upstream's arguments and call its methods.  Where each buffer-mode counter
-is taken (the full table is in docs/metrics.md):
-
-* **avoided**: the pools ``BufferModePipeline._write_intents`` (0.5.22+) drops as
-  ``covered()``, once per admission decision (not its calls from
-  ``_refresh_pending_backup_intents``), plus queued intents retired as covered
-  (``_drop_queue_head(dropped=False)``).  Without sidecar pools each ``covered()``
-  True outside ``flush_pending_writes`` is one admission's avoided pool, so the
-  cache tallies them itself (``tally_admissions``; off from the flush's queue
-  refresh to the step hook that follows it): no hook runs per admission.  With
-  sidecar pools (upstream's ``all()`` stops at the first pool not covered), the
-  hooks on ``_backup_pool_keys`` and ``_write_intents`` decide, installed on that
-  pipeline only.  Flat (0.5.19-0.5.21): ``covers_all`` answering True inside
-  ``enqueue_backup_intent``, at most once per node per insert walk.
-* **written**: ``_stage_backup_intent`` returning True (the D2H launch, where
-  upstream starts tracking the pages in flight), per pool of ``keys_by_pool``
-  (flat: the node's KV pages).
-* **acknowledged / failed**: ``finish_storage_write_ack`` (scheduler thread,
-  rank-synchronised drain) with this rank's outcome, recorded by the backup
-  thread when ``_page_backup`` returned (``completed_tokens`` for KV, per-pool
-  hit counts for the others).
-* **redundant**: the backend's own answer inside the write (the file backend's
-  ``set`` asks ``exists``; Mooncake's ``batch_set_v1`` asks ``batch_is_exist``;
-  others give none); **redundant_believed**: those believed stored at launch
-  (read without touching the LRU).
+read upstream's arguments and call its methods.  Where each counter is taken, per
+host memory mode and API generation: docs/metrics.md, "Write accounting".
 
 The scheduler thread does no I/O here: the backup thread hands its outcome over
 through a dict keyed by operation id, written before upstream queues the ack.
@@ -74,18 +51,16 @@ class BackendAnswers:
     """What the backup thread learns inside one ``_page_backup`` call: the pages
     the backend said it already held, and the probe in progress."""
 
-    __slots__ = ("existed", "probe", "answer", "batch_pages", "batch_spans")
+    __slots__ = ("existed", "probe", "answer", "batch_spans")
 
     def __init__(self) -> None:
         self.existed: dict[str, set[str]] = {}
         #: The file backend's key whose ``set`` is asking ``exists`` right now.
         self.probe: str | None = None
         self.answer: bool | None = None
-        #: Mooncake: the pages of the ``batch_set_v1`` whose existence query is next.
-        self.batch_pages: list[str] | None = None
-        #: Mooncake: (pool, pages, objects per page) of the ``batch_set_v2`` whose
-        #: existence query is next.
-        self.batch_spans: list[tuple[str, list[str], int]] | None = None
+        #: Mooncake: (pool, pages, objects per page; ``None``: as the answer has) of
+        #: the ``batch_set`` whose existence query is next.
+        self.batch_spans: list[tuple[str, list[str], int | None]] | None = None
 
     def saw(self, storage_key: str) -> None:
         """The backend held ``storage_key`` (``<page>`` or ``<page>.<pool>``)."""
@@ -138,8 +113,8 @@ class WritePath:
         self._admitting = 0
         #: Queue refreshes running (their ``_write_intents`` calls are repairs).
         self.refreshing = 0
-        #: The cache whose ``covered()`` tally counts admissions (``tally_admissions``).
-        self._tallied: ExistenceCache | None = None
+        #: Whether the cache's ``covered()`` tally counts admissions (``tally_admissions``).
+        self.tallies = False
         #: Not empty from a flush's queue refresh to the step hook after it, which
         #: then calls ``flushed_reap`` (the step hook's ``pending`` in buffer mode).
         self.flushed: list[None] = []
@@ -166,11 +141,8 @@ class WritePath:
             self.cache_mode.recorder = recorder
 
     # -- ownership -------------------------------------------------------------------
-    def owns_pipeline(self, pipeline: Any) -> bool:
-        """Whether ``pipeline`` belongs to the tree holding this process's cache."""
-        return self.owns_tree(getattr(pipeline, "_cache", None))
-
     def owns_tree(self, tree: Any) -> bool:
+        """Whether ``tree`` holds this process's cache."""
         return getattr(tree, "storage_existence_cache", None) is self.cache
 
     # -- admission (current generation) -------------------------------------------------
@@ -185,36 +157,29 @@ class WritePath:
         asks once per pool with keys, and True leaves that pool out: so the tally,
         off from the refresh to the step hook after it, is exactly the admissions'
         avoided pages."""
-        cache = self.cache
         if getattr(tree, "sidecar_pool_specs", None):
             return False
-        self._tallied = cache
+        self.tallies = True
         self.writes.avoided_from(self._tally)
-        cache.tally_covered(True)
+        self.cache.tally_covered(True)
         return True
-
-    @property
-    def tallies(self) -> bool:
-        """Whether admissions are counted by the cache's tally (``tally_admissions``)."""
-        return self._tallied is not None
 
     def _tally(self) -> list[tuple[str, int]]:
         """Each pool's tallied pages (any thread: a tuple of pools, then ints)."""
-        cache = self._tallied
-        return [(p.name, p.covered_pages) for p in cache.pools()] if cache is not None else []
+        return [(p.name, p.covered_pages) for p in self.cache.pools()]
 
     def flushed_reap(self, tree: Any) -> None:
-        """The step hook after a flush (``flushed`` not empty): admissions come next."""
+        """The step hook after a flush (``flushed`` is filled only while tallying):
+        admissions come next."""
         self.flushed.clear()
-        if self._tallied is not None:
-            self._tallied.tally_covered(True)
+        self.cache.tally_covered(True)
 
     def begin_refresh(self) -> None:
         """A queue refresh starts: its ``_write_intents`` calls are split repairs,
         and the flush it opens asks ``covered()`` at launch (not admissions)."""
         self.refreshing += 1
-        if self._tallied is not None and not self.flushed:
-            self._tallied.tally_covered(False)
+        if self.tallies and not self.flushed:
+            self.cache.tally_covered(False)
             self.flushed.append(None)
 
     def end_refresh(self) -> None:
@@ -264,11 +229,9 @@ class WritePath:
     def retired(self, pool: Any, keys: list[str], tree: Any = None) -> None:
         """A queued intent retired at launch because its pool became covered
         (upstream also retires a head with nothing left to write, e.g. an SWA
-        window gone from the device: not covered, so not avoided).  Its riding
-        sidecar pools (``tree.sidecar_pool_specs`` sourced from ``pool``: upstream's
-        launch writes them under the same keys and retires only when they are
-        covered too) are avoided with it, as at admission.  Read without
-        touching the LRU or counting a lookup."""
+        window gone from the device: not covered, so not avoided), with its riding
+        sidecar pools covered too (upstream writes them under the same keys).
+        Read without touching the LRU or counting a lookup."""
         name = pool_name(pool)
         if not self._covered_now(name, keys):
             return
@@ -399,10 +362,6 @@ class WritePath:
             outcomes.pop(next(iter(outcomes)), None)
         outcomes[int(operation.id)] = out
 
-    def abandon_backup(self) -> None:
-        """The backup ended without an outcome (a hook failure): stop collecting."""
-        self._backup.answers = None
-
     # -- storage ack -----------------------------------------------------------------------
     def take_outcome(self, operation_id: Any) -> Outcome | None:
         """This rank's outcome of ``operation_id`` (once), if its backup recorded one."""
@@ -497,13 +456,9 @@ class WritePath:
 
     def reaper(self) -> Callable[[Any], None] | None:
         """Cache mode's reap of a tree's acknowledged operations (``None`` in buffer
-        mode), which the step hook calls before the runtime's step while writes are
-        pending.  Acks come in launch order, so while the oldest pending operation is
-        in ``ongoing_backup`` none was acknowledged and nothing is reaped; otherwise
-        ``CacheModeWrites.reap`` accounts them, each with this rank's outcome popped
-        from ``_outcomes`` (never replaced: the reaper holds it).  One frame of ours
-        per step.  Never raises: failures go to ``error`` (counted and logged; the
-        hook's guard only counts)."""
+        mode), which the step hook calls while writes are pending: one frame of ours
+        per step.  Acks come in launch order, so while the oldest pending operation is
+        in ``ongoing_backup`` nothing is reaped.  Never raises (``error``)."""
         cache_mode = self.cache_mode
         if cache_mode is None:
             return None
@@ -544,8 +499,7 @@ class WritePath:
 
 def _node_of(intent: Any) -> Any:
     """The tree node a buffer-mode intent writes (``None`` when it does not say)."""
-    snapshot = getattr(intent, "snapshot", None)
-    return getattr(snapshot, "node_id", None)
+    return getattr(getattr(intent, "snapshot", None), "node_id", None)
 
 
 #: pid -> that process's write path.  The hooks read it inline, as

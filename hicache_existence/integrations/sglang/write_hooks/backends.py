@@ -6,6 +6,7 @@ Mooncake backend said it already held, then hands the outcome to the scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hicache_existence.integrations.sglang.cache_mode import pool_name
@@ -18,7 +19,7 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
 from hicache_existence.integrations.sglang.write_path import FEEDS
 
 
-def _page_backup(p: Params) -> Hooked:
+def page_backup(p: Params) -> Hooked:
     operation_of = p["operation"]
 
     def around_page_backup(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
@@ -31,16 +32,15 @@ def _page_backup(p: Params) -> Hooked:
         try:
             return original(controller, *a, **kw)
         finally:
-            try:
+            try:  # end_backup stops collecting first, whatever fails after
                 feed.end_backup(controller, operation_of(a, kw), answers)
             except Exception as exc:
-                feed.abandon_backup()
                 feed.error(exc)
 
     return around_page_backup
 
 
-def _file_set(p: Params) -> Hooked:
+def file_set(p: Params) -> Hooked:
     key_of = p["key"]
 
     def around_file_set(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
@@ -62,7 +62,7 @@ def _file_set(p: Params) -> Hooked:
     return around_file_set
 
 
-def _file_exists(p: Params) -> Hooked:
+def file_exists(p: Params) -> Hooked:
     key_of = p["key"]
 
     def around_file_exists(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
@@ -77,49 +77,18 @@ def _file_exists(p: Params) -> Hooked:
     return around_file_exists
 
 
-def _mooncake_batch_set_v1(p: Params) -> Hooked:
-    keys_of = p["keys"]
+def _batch_set(spans_of: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], doc: str) -> Hooked:
+    """An AROUND hook on a Mooncake ``batch_set``: ``spans_of`` gives its pages,
+    (pool, pages, objects per page or ``None``: as many as the answer has per page),
+    which are the next existence query's (it puts only the objects missing)."""
 
-    def around_mooncake_batch_set_v1(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``MooncakeStore.batch_set_v1``: its pages are the next existence
-        query's (it puts only the objects ``batch_is_exist`` misses)."""
+    def around_mooncake_batch_set(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
         feed = FEEDS.get(PROCESS.pid)
         answers = feed.collecting() if feed is not None else None
         if feed is None or answers is None:
             return original(backend, *a, **kw)
         try:
-            answers.batch_pages = list(keys_of(a, kw))
-        except Exception as exc:
-            feed.error(exc)
-        try:
-            return original(backend, *a, **kw)
-        finally:
-            answers.batch_pages = None
-
-    return around_mooncake_batch_set_v1
-
-
-def _mooncake_batch_set_v2(p: Params) -> Hooked:
-    def transfers_of(a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        return a[0] if a else kw.get("transfers")
-
-    def around_mooncake_batch_set_v2(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``MooncakeStore.batch_set_v2`` (hybrid pools): its transfers' pages,
-        pool by pool, are the next existence query's (``_batch_io_v2`` asks
-        ``_batch_exist`` over every pool's objects, in transfer order, and puts only
-        the missing ones)."""
-        feed = FEEDS.get(PROCESS.pid)
-        answers = feed.collecting() if feed is not None else None
-        if feed is None or answers is None:
-            return original(backend, *a, **kw)
-        try:
-            spans = []
-            for transfer in transfers_of(a, kw) or ():
-                keys = list(transfer.keys or ())
-                if keys:
-                    _, per = backend._get_hybrid_page_component_keys(keys, transfer)
-                    spans.append((pool_name(transfer.name), keys, int(per)))
-            answers.batch_spans = spans
+            answers.batch_spans = spans_of(backend, a, kw) or None
         except Exception as exc:
             feed.error(exc)
         try:
@@ -127,10 +96,45 @@ def _mooncake_batch_set_v2(p: Params) -> Hooked:
         finally:
             answers.batch_spans = None
 
-    return around_mooncake_batch_set_v2
+    around_mooncake_batch_set.__doc__ = doc
+    return around_mooncake_batch_set
 
 
-def _mooncake_batch_exist(p: Params) -> Hooked:
+def mooncake_batch_set_v1(p: Params) -> Hooked:
+    keys_at = p["keys"].index  # read inline: no frame per write
+
+    def spans(backend: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        given: Any = a[keys_at] if 0 <= keys_at < len(a) else kw.get("keys")
+        keys = list(given)
+        return [("kv", keys, None)] if keys else None
+
+    return _batch_set(
+        spans,
+        """AROUND ``MooncakeStore.batch_set_v1``: its pages are the next existence
+        query's (it puts only the objects ``batch_is_exist`` misses).""",
+    )
+
+
+def mooncake_batch_set_v2(p: Params) -> Hooked:
+    def spans(backend: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        out = []
+        for transfer in (a[0] if a else kw.get("transfers")) or ():
+            keys = list(transfer.keys or ())
+            if keys:
+                _, per = backend._get_hybrid_page_component_keys(keys, transfer)
+                out.append((pool_name(transfer.name), keys, int(per)))
+        return out
+
+    return _batch_set(
+        spans,
+        """AROUND ``MooncakeStore.batch_set_v2`` (hybrid pools): its transfers' pages,
+        pool by pool, are the next existence query's (``_batch_io_v2`` asks
+        ``_batch_exist`` over every pool's objects, in transfer order, and puts only
+        the missing ones).""",
+    )
+
+
+def mooncake_batch_exist(p: Params) -> Hooked:
     def around_mooncake_batch_exist(original: Hooked, backend: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``MooncakeStore._batch_exist``: a page existed when all of its
         objects did (objects are laid out page by page)."""
@@ -138,36 +142,30 @@ def _mooncake_batch_exist(p: Params) -> Hooked:
         feed = FEEDS.get(PROCESS.pid)
         answers = feed.collecting() if feed is not None else None
         spans = answers.batch_spans if answers is not None else None
-        if feed is not None and answers is not None and spans:
-            # 0.5.23 asks once for every pool, 0.5.21 once per pool: this answer
-            # covers the leading spans whose objects it has.
-            rest = list(spans)
-            answers.batch_spans = None
-
-            def existed_v2() -> None:
-                at = 0
-                while rest and at + len(rest[0][1]) * rest[0][2] <= len(answer):
-                    pool, keys, per = rest.pop(0)
-                    for page in keys:
-                        part = answer[at : at + per]
-                        at += per
-                        if per and all(int(s) == 1 for s in part):
-                            answers.saw_page(pool, page)
-                answers.batch_spans = rest or None
-
-            guard(feed, existed_v2)
+        if feed is None or answers is None or not spans:
             return answer
-        pages = answers.batch_pages if answers is not None else None
-        if feed is not None and answers is not None and pages:
-            answers.batch_pages = None  # only the write's own query
+        # 0.5.23 asks once for every pool, 0.5.21 once per pool: this answer covers
+        # the leading spans whose objects it has (batch_set_v1's: the whole answer).
+        rest = list(spans)
+        answers.batch_spans = None
 
-            def existed() -> None:
-                per = len(answer) // len(pages)
-                for i, page in enumerate(pages):
-                    if per and all(int(s) == 1 for s in answer[i * per : (i + 1) * per]):
-                        answers.saw_page("kv", page)
+        def existed() -> None:
+            at = 0
+            while rest:
+                pool, keys, per = rest[0]
+                if per is None:
+                    per = len(answer) // len(keys)
+                if at + len(keys) * per > len(answer):
+                    break
+                rest.pop(0)
+                for page in keys:
+                    part = answer[at : at + per]
+                    at += per
+                    if per and all(int(s) == 1 for s in part):
+                        answers.saw_page(pool, page)
+            answers.batch_spans = rest or None
 
-            guard(feed, existed)
+        guard(feed, existed)
         return answer
 
     return around_mooncake_batch_exist

@@ -34,11 +34,6 @@ class Param:
     #: Position among the positional arguments after ``self``; -1: keyword-only.
     index: int
 
-    @property
-    def present(self) -> bool:
-        """Whether the target has this parameter (optional ones may be absent)."""
-        return self.index != Param.ABSENT
-
     def __call__(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], default: Any = None
     ) -> Any:
@@ -118,7 +113,7 @@ class Hook:
     #: A class (dotted) the hook needs: without it, skipped with a debug line only.
     only_with: str = ""
     #: Checked at registration like any other, but installed on one object only,
-    #: where that object's tree needs it (``registry.install_on``), not on the class.
+    #: where that object's tree needs it (``write_hooks.install_on``), not on the class.
     per_instance: bool = False
 
     def bound(self, target: object) -> Hooked:

@@ -23,7 +23,7 @@ from hicache_existence.integrations.sglang.write_path import FEEDS, WritePath
 
 
 # -- admission (current generation) ---------------------------------------------------------
-def _refresh_pending(p: Params) -> Hooked:
+def refresh_pending(p: Params) -> Hooked:
     return bracketed(
         lambda feed, pipeline, a, kw: feed.begin_refresh(),
         lambda feed, _: feed.end_refresh(),
@@ -33,7 +33,7 @@ def _refresh_pending(p: Params) -> Hooked:
     )
 
 
-def _backup_pool_keys(p: Params) -> Hooked:
+def backup_pool_keys(p: Params) -> Hooked:
     def after_backup_pool_keys(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
         """AFTER ``_backup_pool_keys`` (only ``_write_intents`` calls it): the keys
         the next decision is about, outside a queue refresh (its repairs are not)."""
@@ -45,7 +45,7 @@ def _backup_pool_keys(p: Params) -> Hooked:
     return after_backup_pool_keys
 
 
-def _write_intents(p: Params) -> Hooked:
+def write_intents(p: Params) -> Hooked:
     def after_write_intents(intents: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
         """AFTER ``_write_intents``: outside a queue refresh, an admission (once per
         node per insert walk, after upstream's dedupe); pools left out are avoided.
@@ -61,33 +61,30 @@ def _write_intents(p: Params) -> Hooked:
     return after_write_intents
 
 
-def _drop_queue_head(p: Params) -> Hooked:
+def drop_queue_head(p: Params) -> Hooked:
     dropped_of = p["dropped"]
 
-    def around_drop_queue_head(original: Hooked, pipeline: Any, *a: Any, **kw: Any) -> Any:
-        """AROUND ``_drop_queue_head``: ``dropped=False`` retires a queued intent
-        whose pool became covered before its launch (avoided at that decision)."""
-        feed = FEEDS.get(PROCESS.pid)
-        head = None
-        if feed is not None and feed.owns_pipeline(pipeline) and dropped_of(a, kw, True) is False:
-            queue = getattr(pipeline, "pending_write_queue", None)
-            head = queue[0] if queue else None
-        result = original(pipeline, *a, **kw)
-        if feed is not None and head is not None:
-            guard(
-                feed, lambda: feed.retired(head.pool, head.keys, getattr(pipeline, "_cache", None))
-            )
-        return result
+    def read(feed: WritePath, pipeline: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        drops = dropped_of(a, kw, True) is False
+        queue = getattr(pipeline, "pending_write_queue", None) if drops else None
+        return (queue[0].pool, queue[0].keys, pipeline._cache) if queue else None
 
-    return around_drop_queue_head
+    return read_then_account(
+        "_cache",
+        read,
+        WritePath.retired,
+        "around_drop_queue_head",
+        """AROUND ``_drop_queue_head``: ``dropped=False`` retires a queued intent
+        whose pool became covered before its launch (avoided at that decision).""",
+    )
 
 
 # -- admission (flat generation) --------------------------------------------------------------
-def _enqueue_backup_intent(p: Params) -> Hooked:
+def enqueue_backup_intent(p: Params) -> Hooked:
     node_of = p["node_id"]
 
     def enter(feed: WritePath, pipeline: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        if not feed.owns_pipeline(pipeline):
+        if not feed.owns_tree(getattr(pipeline, "_cache", None)):
             return SKIP
         return feed.begin_admission(node_of(a, kw))
 
@@ -100,7 +97,7 @@ def _enqueue_backup_intent(p: Params) -> Hooked:
     )
 
 
-def _flat_covers_all(p: Params) -> Hooked:
+def flat_covers_all(p: Params) -> Hooked:
     pool_of, hashes_of = p["pool"], p["hashes"]
 
     def around_flat_covers_all(original: Hooked, cache: Any, *a: Any, **kw: Any) -> Any:
@@ -115,7 +112,7 @@ def _flat_covers_all(p: Params) -> Hooked:
     return around_flat_covers_all
 
 
-def _tree_insert(p: Params) -> Hooked:
+def tree_insert(p: Params) -> Hooked:
     return bracketed(
         lambda feed, tree, a, kw: feed.begin_walk() if feed.owns_tree(tree) else SKIP,
         lambda feed, outer: feed.end_walk(outer),
@@ -126,7 +123,7 @@ def _tree_insert(p: Params) -> Hooked:
 
 
 # -- launch and ack ---------------------------------------------------------------------------
-def _stage_backup_intent(p: Params) -> Hooked:
+def stage_backup_intent(p: Params) -> Hooked:
     intent_of, keys_of = p["intent"], p["keys_by_pool"]
 
     def after_stage_backup_intent(result: Any, pipeline: Any, *a: Any, **kw: Any) -> None:
@@ -150,7 +147,7 @@ def _stage_backup_intent(p: Params) -> Hooked:
     return after_stage_backup_intent
 
 
-def _storage_write_ack(p: Params) -> Hooked:
+def storage_write_ack(p: Params) -> Hooked:
     op_of = p["operation_id"]
 
     def read(feed: WritePath, pipeline: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:

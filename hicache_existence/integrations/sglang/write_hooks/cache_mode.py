@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from hicache_existence.integrations.sglang.process import PROCESS
-from hicache_existence.integrations.sglang.write_hooks.binding import Hooked, Params
+from hicache_existence.integrations.sglang.write_hooks.binding import Hooked, Param, Params
 from hicache_existence.integrations.sglang.write_path import FEEDS
 
 
-def _write_backup_storage(p: Params) -> Hooked:
-    node_at, node_key = p["node_id"].index, p["node_id"].name
+def write_backup_storage(p: Params) -> Hooked:
+    node_at = p["node_id"].index
 
     def around_write_backup_storage(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``UnifiedRadixCache.write_backup_storage(node_id)`` (cache mode): the
@@ -32,7 +32,7 @@ def _write_backup_storage(p: Params) -> Hooked:
             or getattr(tree, "storage_existence_cache", None) is not feed.cache
         ):
             return original(tree, *a, **kw)
-        cache_mode.node = a[node_at] if 0 <= node_at < len(a) else kw.get(node_key)
+        cache_mode.node = a[node_at] if 0 <= node_at < len(a) else kw.get("node_id")
         cache_mode.in_node = True
         try:
             return original(tree, *a, **kw)
@@ -42,18 +42,15 @@ def _write_backup_storage(p: Params) -> Hooked:
     return around_write_backup_storage
 
 
-def _write_storage(p: Params) -> Hooked:
-    host_of, tokens_of = p["host_indices"], p["token_ids"]
-    hashes_of, prefix_of, extra_of = p["hash_value"], p["prefix_keys"], p["extra_pools"]
+def write_storage(p: Params) -> Hooked:
     # Where a deduplicated write's changed arguments go (the parameters the target has).
-    places = tuple(
-        (q.name, q.index) for q in (host_of, tokens_of, hashes_of, prefix_of, extra_of) if q.present
+    places = tuple((q.name, q.index) for q in p.values() if q.index != Param.ABSENT)
+    # Read inline below (by position, else by their name): a parameter read through
+    # its ``Param`` is a frame per node write.
+    host_at, tokens_at = p["host_indices"].index, p["token_ids"].index
+    hashes_at, prefix_at, extra_at = (
+        p[n].index for n in ("hash_value", "prefix_keys", "extra_pools")
     )
-    # Read inline below: a parameter read through its ``Param`` is a frame per node write.
-    hashes_at, prefix_at, extra_at = hashes_of.index, prefix_of.index, extra_of.index
-    hashes_key, prefix_key, extra_key = hashes_of.name, prefix_of.name, extra_of.name
-    host_at, tokens_at = host_of.index, tokens_of.index
-    host_key, tokens_key = host_of.name, tokens_of.name
 
     def around_write_storage(original: Hooked, controller: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``write_storage`` (both controllers) inside a cache-mode node write:
@@ -67,20 +64,20 @@ def _write_storage(p: Params) -> Hooked:
         plan = None
         try:
             n = len(a)
-            prefix_keys = a[prefix_at] if 0 <= prefix_at < n else kw.get(prefix_key)
+            prefix_keys = a[prefix_at] if 0 <= prefix_at < n else kw.get("prefix_keys")
             if feed.controller is None:
                 feed.controller = controller
             plan = cache_mode.plan(
-                a[hashes_at] if 0 <= hashes_at < n else kw.get(hashes_key),
-                a[extra_at] if 0 <= extra_at < n else kw.get(extra_key),
+                a[hashes_at] if 0 <= hashes_at < n else kw.get("hash_value"),
+                a[extra_at] if 0 <= extra_at < n else kw.get("extra_pools"),
                 prefix_keyed=prefix_keys is not None,
             )
             if plan.keep is not None or not plan.extra_written:  # ``not plan.whole``
                 plan, changes = feed.cache_write_changes(
                     plan,
                     controller,
-                    a[host_at] if 0 <= host_at < n else kw.get(host_key),
-                    a[tokens_at] if 0 <= tokens_at < n else kw.get(tokens_key),
+                    a[host_at] if 0 <= host_at < n else kw.get("host_indices"),
+                    a[tokens_at] if 0 <= tokens_at < n else kw.get("token_ids"),
                     prefix_keys,
                 )
                 if changes:  # replaced where they sit (inline: no frame per node write)
@@ -107,7 +104,7 @@ def _write_storage(p: Params) -> Hooked:
     return around_write_storage
 
 
-def _hit_query(p: Params) -> Hooked:
+def hit_query(p: Params) -> Hooked:
     operation_of = p["operation"]
 
     def after_hit_query(result: Any, tree: Any, *a: Any, **kw: Any) -> None:
@@ -125,8 +122,8 @@ def _hit_query(p: Params) -> Hooked:
     return after_hit_query
 
 
-def _prefetch_result(p: Params) -> Hooked:
-    operation_at, operation_key = p["operation"].index, p["operation"].name  # read inline
+def prefetch_result(p: Params) -> Hooked:
+    operation_at = p["operation"].index  # read inline
 
     def around_prefetch_result(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``_handle_prefetch_result(operation)`` (rank-synchronised): the
@@ -136,9 +133,7 @@ def _prefetch_result(p: Params) -> Hooked:
         if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
             return original(tree, *a, **kw)
         try:
-            operation: Any = (
-                a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
-            )
+            operation: Any = a[operation_at] if 0 <= operation_at < len(a) else kw.get("operation")
             requested = list(operation.hash_value or ())
             page = int(tree.page_size)
             loaded = int(operation.completed_tokens) // page
