@@ -331,6 +331,3 @@ class CacheModeWrites:
             hit, evidence = (own[name], True) if name in own else (folded, False)
             keys = list(transfer.keys or ())
             policy.heal_from_query(self.cache.pool(name), chain, keys, hit, evidence=evidence)
-
-
-__all__ = ["CacheModeWrites", "WritePlan"]

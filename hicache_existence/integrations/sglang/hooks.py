@@ -121,7 +121,7 @@ class ProcessEntry:
         if "buffer" in _UNCOUNTED.get(os.getpid(), frozenset()):
             return
         pipeline = getattr(tree_cache, "buffer_pipeline", None)
-        if pipeline is None or not self.write_path.owns_tree(tree_cache):
+        if pipeline is None:  # (the tree is ours: ``_first_or_foreign_step`` checked)
             return
         try:
             if not self.write_path.tally_admissions(tree_cache):
@@ -134,7 +134,7 @@ class ProcessEntry:
         boundary (``recorder_hooks``: installed here, before the first insert, so
         that a server without a recorder never runs it)."""
         recorder = self.runtime.recorder
-        if recorder is None or not self.write_path.owns_tree(tree_cache):
+        if recorder is None:
             return
         try:
             if not _recorder_hooks.install_on(tree_cache, recorder):
@@ -215,15 +215,14 @@ def _decline(reason: str, level: int = logging.INFO) -> None:
         logger.log(level, "hicache-existence: not observing this process's cache: %s", reason)
 
 
-def load_config(facts: _facts.SchedulerFacts, env: dict[str, str] | None = None) -> Config:
-    """Defaults, ``HICACHE_EXISTENCE_*`` variables, then ``--hicache-existence-config``;
-    ``--enable-hicache-existence`` switches it on."""
-    environ = dict(os.environ) if env is None else env
-    flags = facts.flags
-    config = Config.load(flags.config if flags is not None else None, environ)
-    if flags is not None and flags.enabled and not config.enabled:
+def load_config(facts: _facts.SchedulerFacts) -> tuple[Config, frozenset[str]]:
+    """Defaults, ``HICACHE_EXISTENCE_*`` variables, then ``--hicache-existence-config``
+    (``--enable-hicache-existence`` switches it on); and the keys these sources set."""
+    text = facts.flags.config if facts.flags is not None else None
+    config = Config.load(text, dict(os.environ))
+    if facts.flags is not None and facts.flags.enabled and not config.enabled:
         config = dataclasses.replace(config, enabled=True)
-    return config
+    return config, Config.given_keys(text, os.environ)
 
 
 def remembers_of(runtime: ExistenceRuntime) -> Callable[[str, str], bool | None]:
@@ -393,15 +392,13 @@ def _construct(
         try:
             passed = kw.get("max_entries", args[0] if args else None)
             facts = _facts.gather()
-            config = load_config(facts)
+            config, given = load_config(facts)
             reason = _not_observed(config, facts)
             if reason is not None:
                 _decline(reason)
                 return upstream(*args, **kw)
             overlap = _overlap.detect(_targets.resolve)
             _warn_dedup_misplaced(config, facts, overlap)
-            flags = facts.flags
-            given = Config.given_keys(flags.config if flags is not None else None, os.environ)
             cap = _overlap.resolve_cap(
                 config.cache.max_entries, "cache.max_entries" in given, os.environ, passed
             )

@@ -139,6 +139,3 @@ def after_init_kv_events(result: Any, publisher: Any, *a: Any, **kw: Any) -> Non
     except Exception as exc:  # never into the scheduler
         logger.warning("hicache-existence: SGLang's KV event publisher not found (%r)", exc)
     return None
-
-
-__all__ = ["SglangSink", "acked_blocks", "feed", "placement"]

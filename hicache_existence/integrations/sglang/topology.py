@@ -3,19 +3,18 @@
 ``UnifiedRadixCache.check_hicache_events`` MIN-reduces its queue sizes over the
 attention-CP and attention-TP groups (or the TP group when neither spans more
 than one rank) and, unless buffer mode runs with pipeline parallelism, hands the
-result down the PP group, so every rank applies the same mutations: the ranks
-connected that way are the replicas whose caches must be equal.
+result down the PP group: the ranks connected that way are the replicas whose
+caches must be equal.
 
 Every rank must call ``new_group`` for every set in the same order, yet knows
 only its own groups.  So the first step all-gathers each rank's neighbours once
-(a W-long 0/1 vector over a temporary gloo group of the world); every rank
-computes the same connected components and creates, for each, a gloo group for
-the divergence checks and one for the reconciler's agreements (never the NCCL
-data group nor sglang's CPU groups, whose collective order must stay untouched).
-The groups do not depend on a rank's own settings (an agreement group exists
-where any member reconciles: that flag rides the same all-gather), so
-differently configured ranks still meet in the divergence checker's start-up
-handshake, which reports the difference, instead of waiting in ``new_group``.
+(over a temporary gloo group of the world); every rank computes the same
+connected components and creates, for each, a gloo group for the divergence
+checks and one for the reconciler's agreements (never the NCCL data group nor
+sglang's CPU groups, whose collective order must stay untouched).  The groups do
+not depend on a rank's own settings (whether any member reconciles rides the same
+all-gather), so differently configured ranks still meet in the divergence
+checker's start-up handshake, which reports the difference.
 """
 
 from __future__ import annotations

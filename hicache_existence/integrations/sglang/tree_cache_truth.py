@@ -1,14 +1,12 @@
 """The reconciler's ground truth, found on the running tree cache at first use.
 
-The existence cache (and its reconciler) is built in ``UnifiedRadixCache.__init__``,
-before ``init_hicache`` attaches the storage backend (which may also come and go
-at run time), so the truth is resolved lazily, on the reconciler's thread, from
-the tree the step hook saw: a ledger-recording backend (``LedgerRecordingStorage``)
-hands over the ledger it records into; else, with ``reconciler.redis_url``, the
-Redis ledger of this rank's shard (named from the backend's storage config, as
-the file backend does); else the backend's own ``batch_exists``.  Until a backend
-exists every query fails with ``TruthUnavailable``: an error, never evidence of
-absence.
+The existence cache (and its reconciler) is built before ``init_hicache`` attaches
+the storage backend (which may also come and go at run time), so the truth is
+resolved lazily, on the reconciler's thread, from the tree the step hook saw: a
+ledger-recording backend's ledger; else, with ``reconciler.redis_url``, the Redis
+ledger of this rank's shard; else the backend's own ``batch_exists``.  Until a
+backend exists every query fails with ``TruthUnavailable``: an error, never
+evidence of absence.
 """
 
 from __future__ import annotations

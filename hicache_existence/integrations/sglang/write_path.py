@@ -186,10 +186,10 @@ class WritePath:
         self.refreshing -= 1
 
     def admission(self, pipeline: Any, intents: list[Any]) -> None:
-        """``_write_intents`` returned ``intents``: outside a queue refresh, for this
-        cache's pipeline, the pools of the noted keys it left out were covered
-        (avoided).  Per admission on the scheduler thread: without sidecar pools the
-        common cases (every keyed pool kept; none kept) take no helper call."""
+        """``_write_intents`` returned ``intents`` on a tree with sidecar pools (the
+        only trees whose pipeline has this hook): outside a queue refresh, for this
+        cache's pipeline, a pool with noted keys left out because its driver pool was
+        covered is avoided."""
         pool_keys = self.pool_keys
         if pool_keys is None:
             return
@@ -197,7 +197,7 @@ class WritePath:
         if self.refreshing:
             return
         tree = getattr(pipeline, "_cache", None)
-        if getattr(tree, "storage_existence_cache", None) is not self.cache:  # owns_tree
+        if not self.owns_tree(tree):
             return
         if tree is not self._sidecar_tree:
             self._sidecar_tree = tree
@@ -205,24 +205,10 @@ class WritePath:
                 pool_name(spec.pool_name): pool_name(spec.indices_from_pool)
                 for spec in getattr(tree, "sidecar_pool_specs", None) or ()
             }
-        sidecars = self._sidecars
-        if not sidecars:
-            if not intents:  # every pool with keys was covered
-                avoided = self.writes.avoided
-                for pool, k in pool_keys.items():
-                    if k:
-                        avoided(str.__str__(pool) if isinstance(pool, str) else str(pool), len(k))
-                return
-            keyed = 0
-            for k in pool_keys.values():
-                if k:
-                    keyed += 1
-            if len(intents) == keyed:
-                return  # every pool with keys was kept (intents name distinct pools)
         kept = {pool_name(pool) for pool, _ in intents}
         keys = {pool_name(p): k for p, k in pool_keys.items() if k}
         for pool, pages in keys.items():
-            driver = sidecars.get(pool, pool)
+            driver = self._sidecars.get(pool, pool)
             if driver in keys and driver not in kept:
                 self.writes.avoided(pool, len(pages))
 
@@ -402,39 +388,29 @@ class WritePath:
         keep = plan.keep
         if keep is None or page <= 0 or size != len(pages) * page:  # written whole
             return plan._replace(keep=None, extra_written=True), {}
-        changes: dict[str, Any]
+        more: dict[str, Any] = {}  # extra pools dropped, prefix keys advanced
         if not keep:  # every page believed: an empty write, no gather
             empty = self._empty_host
             if empty is None or empty[0] is not controller:
                 empty = self._empty_host = (controller, host_indices[:0])
-            changes = {
-                "host_indices": empty[1],
-                "token_ids": token_ids[:0],
-                "hash_value": [],
-            }
+            host, tokens, hashes = empty[1], token_ids[:0], []
             if not plan.extra_written:
-                changes["extra_pools"] = None
+                more["extra_pools"] = None
         elif keep == list(range(keep[0], len(pages))):  # a believed prefix left out
             first = keep[0]
-            changes = {
-                "host_indices": host_indices[first * page :],
-                "token_ids": token_ids[first * page :],
-                "hash_value": pages[first:],
-            }
+            host, tokens = host_indices[first * page :], token_ids[first * page :]
+            hashes = pages[first:]
             if prefix_keys is not None:
                 extend = getattr(controller, "extend_storage_prefix", None)
                 skipped = pages[:first]
-                changes["prefix_keys"] = (
+                more["prefix_keys"] = (
                     extend(prefix_keys, skipped) if callable(extend) else [*prefix_keys, *skipped]
                 )
         else:
             positions = [i * page + j for i in keep for j in range(page)]
-            changes = {
-                "host_indices": host_indices[positions],
-                "token_ids": [token_ids[t] for t in positions],
-                "hash_value": [pages[i] for i in keep],
-            }
-        return plan, changes
+            host, tokens = host_indices[positions], [token_ids[t] for t in positions]
+            hashes = [pages[i] for i in keep]
+        return plan, {"host_indices": host, "token_ids": tokens, "hash_value": hashes, **more}
 
     def hit_query(self, tree: Any, operation: Any) -> None:
         """A rank-agreed prefetch hit query: heal (cache mode) and remember which

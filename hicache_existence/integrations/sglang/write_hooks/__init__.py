@@ -20,12 +20,12 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
     BUFFER,
     CACHE,
     MODE_COUNTERS,
-    MODES,
     Hook,
     Hooked,
     Mode,
-    Params,
 )
+from hicache_existence.integrations.sglang.write_hooks.binding import MODES as MODES
+from hicache_existence.integrations.sglang.write_hooks.binding import Params as Params
 
 logger = logging.getLogger("hicache_existence.integrations.sglang")
 
@@ -115,14 +115,11 @@ def register(
     off: set[str] | None = None,
 ) -> list[str]:
     """Register the write-path hooks the installed sglang has, for ``generation``;
-    returns the targets registered.
-
-    Each host memory mode stands alone: a required hook missing or with another
-    signature turns off its mode's hooks (``off`` receives the modes, whose write
-    families the runtime then leaves out), not the other mode's.  Every missing or
-    changed target gets one ``warn`` (default: a log warning) naming what stops
-    being counted; a backend whose module does not import (Mooncake without its
-    client), or a hook whose ``only_with`` class is absent, gets a debug line."""
+    returns the targets registered.  A required hook missing or with another
+    signature turns off its host memory mode's hooks only (``off`` receives the
+    modes); every missing or changed target gets one ``warn`` naming what stops
+    being counted, except a backend whose module does not import (Mooncake without
+    its client) or a hook whose ``only_with`` class is absent: a debug line."""
     say = warn if warn is not None else _log_warning
     found: list[tuple[Hook, Hooked]] = []
     modes_off: set[Mode] = set()
@@ -197,21 +194,3 @@ def _resolves(resolve: Callable[[str], object], target: str) -> bool:
 
 def _log_warning(message: str) -> None:
     logger.warning("hicache-existence: %s", message)
-
-
-__all__ = [
-    "CONTROLLER",
-    "FILE_BACKEND",
-    "FLAT_COVERS_ALL",
-    "HOOKS",
-    "HYBRID_CONTROLLER",
-    "MODES",
-    "MOONCAKE_BACKEND",
-    "PIPELINE",
-    "TREE",
-    "Params",
-    "hook",
-    "install_on",
-    "register",
-    "targets",
-]

@@ -1,10 +1,10 @@
-"""How a write-path hook is declared and bound, and what every hook shares.
+"""How a write-path hook is declared and bound, and what the hooks share.
 
-A ``Hook`` names its upstream target, kind, API generations, host memory modes
-and the upstream parameters it reads; ``Params.bind`` finds each parameter in
-the target's own signature, so no hook guesses upstream's argument positions.
-``guard`` and ``bracketed`` are the error guard and the begin/end bracket every
-hook module shares.
+``Params.bind`` finds each parameter a ``Hook`` reads in the target's own
+signature, so no hook guesses upstream's argument positions.  ``guard``,
+``bracketed`` and ``read_then_account`` are the error guard and the two AROUND
+shapes (a begin/end bracket; a read before upstream's call, accounted after it)
+with the prelude (this process's ``WritePath``, ownership) written once.
 """
 
 from __future__ import annotations
