@@ -67,9 +67,8 @@ def account_ack(
 
 
 class WritePlan(NamedTuple):
-    """What one cache-mode node write sends to L3, and what it leaves out.  A named
-    tuple: ``CacheModeWrites.plan`` builds one per node write without an ``__init__``
-    frame (``_plan``)."""
+    """What one cache-mode node write sends to L3, and what it leaves out (a named
+    tuple: built per node write without an ``__init__`` frame, ``_plan``)."""
 
     #: Indices (into the node's KV pages) written, in order; ``None``: every page (the
     #: common case, tested without a length or a list built per node write).
@@ -123,7 +122,6 @@ class CacheModeWrites:
         upstream_dedup: bool = False,
     ) -> None:
         self.writes = writes
-        #: The existence cache (either generation, through its per-pool views).
         self.cache = cache
         #: sglang deduplicates these writes itself (``upstream_overlap``): ours never
         #: does, and the launch reads the beliefs without a counted lookup.
@@ -143,17 +141,13 @@ class CacheModeWrites:
         self._pending: dict[int, _Launch] = {}
         #: The KV pool's beliefs, once looked up (a pool object is never replaced).
         self._kv: PoolView | None = None
-        #: The trace recorder (set by ``WritePath.attach_recorder``).
         self.recorder: Recorder | None = None
 
     # -- the node write --------------------------------------------------------------
     def plan(self, hash_value: Any, extra_pools: Any, *, prefix_keyed: bool) -> WritePlan:
-        """Look a node write's pages up and decide what is written (module
-        docstring), from ``write_storage``'s own arguments: its KV page hashes, its
-        extra pools' transfers (hybrid models; ``None``: none), whether it passes
-        prefix keys.  Called by the hook itself: no argument-conversion frame; a
-        plain model's node write (no extra pool, our own dedup) takes the first
-        branches only."""
+        """Look a node write's pages up and decide what is written, from
+        ``write_storage``'s own arguments (no argument-conversion frame); a plain
+        model's node write (no extra pool, our own dedup) takes the first branches only."""
         # str page hashes (the cache checks them), as a list the plan may keep
         pages: list[str] = list(hash_value or ())
         kv = self._kv

@@ -97,8 +97,6 @@ def _int(value: Any, default: int = 0) -> int:
 
 
 def _str(value: Any) -> str:
-    if value is None:
-        return ""
     name = getattr(value, "value", value)  # a str enum
     return name if isinstance(name, str) else str(name)
 

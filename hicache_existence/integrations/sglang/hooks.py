@@ -536,7 +536,7 @@ def reset_for_tests() -> None:
 
 
 #: Where SGLang empties L3 at run time (``/clear_hicache_storage_backend``).
-CLEAR_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.clear_storage_backend"
+CLEAR_TARGET = f"{_targets.TREE}.clear_storage_backend"
 
 
 def after_clear_storage_backend(result: Any, tree: Any, *a: Any, **kw: Any) -> None:

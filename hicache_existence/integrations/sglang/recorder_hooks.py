@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hicache_existence.integrations.sglang.targets import TREE
+
 if TYPE_CHECKING:
     from hicache_existence.accounting.recorder import Recorder
 
-TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert"
+TARGET = f"{TREE}.insert"
 _CLASS = TARGET.rsplit(".", 2)[1]
 
 

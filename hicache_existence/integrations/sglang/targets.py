@@ -19,8 +19,10 @@ Generation = Literal["current", "flat"]
 
 #: Upstream's existence cache class (REPLACEd by ours).
 CACHE_CLASS = "sglang.srt.mem_cache.buffer_mode.storage_existence_cache.StorageExistenceCache"
+#: Upstream's radix tree, which most targets are methods of.
+TREE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 #: The per-step lockstep point (our hook runs AFTER it).
-STEP_METHOD = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.check_hicache_events"
+STEP_METHOD = f"{TREE}.check_hicache_events"
 #: sglang's argparse machinery (AROUND hooks add and carry the server flags).
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache_existence.core._validate import is_int
+from hicache_existence.integrations.sglang.targets import TREE
 
 #: sglang's variable for the existence cache's capacity (#39747).
 CAP_ENV = "SGLANG_HICACHE_EXISTENCE_CACHE_MAX_ENTRIES"
 
-_TREE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 #: The cache-mode write path: the node write and the controllers' launches.
 DEDUP_PATH: tuple[str, ...] = (
-    f"{_TREE}.write_backup_storage",
+    f"{TREE}.write_backup_storage",
     "sglang.srt.managers.cache_controller.HiCacheController.write_storage",
     "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.write_storage",
 )

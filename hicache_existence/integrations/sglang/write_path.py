@@ -86,7 +86,6 @@ class WritePath:
     ) -> None:
         self.writes = writes
         self.cache = cache
-        #: Why redundant pages were written again (both host memory modes).
         self.causes = CauseTracker(remembers)
         #: The cache-mode write path (``None``: buffer mode).
         self.cache_mode: CacheModeWrites | None = (
@@ -107,7 +106,7 @@ class WritePath:
         self.events: KvEvents | None = None
         #: The controller whose backup thread writes this cache's pages (first launch).
         self.controller: Any = None
-        #: Hook failures (each counted once, whatever the hook).
+        #: Hook failures.
         self.errors = 0
         self._errors_lock = threading.Lock()
         self._admitting = 0
@@ -147,16 +146,12 @@ class WritePath:
 
     # -- admission (current generation) -------------------------------------------------
     def tally_admissions(self, tree: Any) -> bool:
-        """Count the admissions of ``tree`` (current generation, holding this cache)
-        from the cache's ``covered()`` tally; False (nothing changed) for a tree
-        with sidecar pools.
-
-        Upstream asks ``covered()`` in an admission's ``_write_intents`` and inside
-        ``flush_pending_writes`` (the repairs of its queue refresh, which it calls
-        first, and each head's launch check).  Without sidecar pools an admission
-        asks once per pool with keys, and True leaves that pool out: so the tally,
-        off from the refresh to the step hook after it, is exactly the admissions'
-        avoided pages."""
+        """Count the admissions of ``tree`` from the cache's ``covered()`` tally;
+        False (nothing changed) for a tree with sidecar pools.  Upstream asks
+        ``covered()`` in an admission's ``_write_intents`` (once per pool with keys,
+        True leaving that pool out) and inside ``flush_pending_writes``: so the tally,
+        off from the flush's queue refresh to the step hook after it, is exactly the
+        admissions' avoided pages."""
         if getattr(tree, "sidecar_pool_specs", None):
             return False
         self.tallies = True

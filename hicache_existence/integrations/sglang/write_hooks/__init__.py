@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache_existence.integrations.sglang import targets
+from hicache_existence.integrations.sglang.targets import TREE as TREE
 from hicache_existence.integrations.sglang.write_hooks import backends, buffer_mode, cache_mode
 from hicache_existence.integrations.sglang.write_hooks.binding import (
     BUFFER,
@@ -31,7 +32,6 @@ logger = logging.getLogger("hicache_existence.integrations.sglang")
 
 _MM = "sglang.srt.mem_cache"
 PIPELINE = f"{_MM}.buffer_mode.pipeline.BufferModePipeline"
-TREE = f"{_MM}.unified_radix_cache.UnifiedRadixCache"
 CONTROLLER = "sglang.srt.managers.cache_controller.HiCacheController"
 HYBRID_CONTROLLER = f"{_MM}.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 FILE_BACKEND = f"{_MM}.hicache_storage.HiCacheFile"

@@ -167,12 +167,10 @@ def read_then_account(
     name: str,
     doc: str,
 ) -> Hooked:
-    """An AROUND hook for a call that consumes what it is about, when the owner
-    (``tree_attr``: the attribute holding the tree; ``None``: the owner is the tree)
-    holds this process's cache: ``read(feed, owner, a, kw)`` before upstream's call
-    (``None``: nothing to account), then ``account(feed, *read)`` after it; failures
-    are counted, never raised.  Per event on the scheduler thread: no helper frames
-    around the two calls."""
+    """An AROUND hook for a call that consumes what it is about, when the owner (or
+    its ``tree_attr``) holds this process's cache: ``read(feed, owner, a, kw)``
+    before upstream's call (``None``: nothing to account), ``account(feed, *read)``
+    after it; failures counted, never raised; no helper frames around the two."""
 
     def around(original: Hooked, owner: Any, *a: Any, **kw: Any) -> Any:
         feed = FEEDS.get(PROCESS.pid)

@@ -25,10 +25,9 @@ def write_backup_storage(p: Params) -> Hooked:
 
     def around_write_backup_storage(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``UnifiedRadixCache.write_backup_storage(node_id)`` (cache mode): the
-        L3 write of one backed-up node; its ``write_storage`` call is the one the
-        cache-mode path counts (and, with ``cache_mode.dedup``, reduces).  Written
-        without helper calls (its parameter read inline): it runs at every node
-        write, on the scheduler thread."""
+        L3 write of one node, whose ``write_storage`` call the cache-mode path counts
+        (and reduces with ``cache_mode.dedup``).  No helper calls: it runs at every
+        node write, on the scheduler thread."""
         feed = FEEDS.get(PROCESS.pid)
         cache_mode = feed.cache_mode if feed is not None else None
         if (
