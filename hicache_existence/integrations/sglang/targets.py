@@ -83,12 +83,9 @@ def first_missing(targets: Iterable[str]) -> TargetMissing | None:
 
 
 def detect_generation(cls: object) -> Generation | None:
-    """The API generation of an upstream existence cache class, by its shape.
-
-    ``current``: ``pool(name)`` hands out per-pool objects carrying the
-    operations.  ``flat`` (the seed's): ``add(pool, hashes)``, ``contains_all``,
-    ``covers_all`` ... on the cache itself.  ``None``: an API we do not know.
-    """
+    """The API generation of an upstream existence cache class, by its shape:
+    ``current`` (per-pool objects from ``pool(name)``), ``flat`` (the seed's
+    ``add(pool, hashes)`` ... on the cache itself) or ``None`` (unknown)."""
     if not isinstance(cls, type):
         return None
     if callable(getattr(cls, "pool", None)) and callable(getattr(cls, "clear_inflight", None)):

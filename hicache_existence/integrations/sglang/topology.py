@@ -194,10 +194,9 @@ def _build(dist: Any, tree_cache: Any, timeout_s: float, *, agreement: bool) -> 
 
 
 def unbuilt(timeout_s: float, reason: str) -> ReplicaGroups:
-    """The groups of a rank whose replica groups could not be built (a peer never
-    came to ``new_group``: typically a rank without the package): the divergence
-    checker's first collective fails, so it records one failed handshake and
-    stops, visibly, instead of comparing the rank with itself; reconciler
+    """The groups of a rank whose replica groups could not be built (typically a
+    peer without the package): the divergence checker records one failed handshake
+    and stops, visibly, instead of comparing the rank with itself; reconciler
     verdicts stay local."""
     dist = _dist()
     me = int(dist.get_rank()) if dist is not None else 0
