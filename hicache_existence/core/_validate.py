@@ -15,26 +15,13 @@ _SEQ_TYPES = (list, tuple)
 
 
 def page_hashes(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
-    """``hashes`` as a list or tuple (others materialised once: callers may walk it twice)
-    of ``str``, else ``TypeError``; a bare ``str``/``bytes`` (characters) is refused."""
-    if type(hashes) in _SEQ_TYPES:
-        seq: Sequence[str] = hashes  # type: ignore[assignment]
-    elif isinstance(hashes, (str, bytes, bytearray)):
-        raise TypeError(
-            f"{arg} must be an iterable of str page hashes, not a single {type(hashes).__name__}"
-        )
-    else:
-        try:
-            seq = tuple(hashes)
-        except TypeError:
-            raise TypeError(
-                f"{arg} must be an iterable of str page hashes, got {type(hashes).__name__}"
-            ) from None
+    """``hashes`` as a list or tuple (``page_sequence``) of ``str``, else ``TypeError``."""
+    seq = hashes if type(hashes) in _SEQ_TYPES else page_sequence(hashes, arg)
     try:  # str_items's C pass, inline: this runs on every mutation of the cache
         "".join(seq)
     except TypeError:
-        str_items(seq, arg)
-    return seq
+        str_items(seq, arg)  # type: ignore[arg-type]
+    return seq  # type: ignore[return-value]
 
 
 def str_items(seq: Sequence[str], arg: str = "hashes") -> None:
@@ -69,7 +56,8 @@ def index_batch(seq: Sequence[str], tag: object) -> int:
 
 
 def page_sequence(hashes: Iterable[str], arg: str = "hashes") -> Sequence[str]:
-    """``hashes`` as a list or tuple, items unchecked (an ``LruIndex`` checks them, in C)."""
+    """``hashes`` as a list or tuple (others materialised once: callers may walk it twice),
+    items unchecked (an ``LruIndex`` checks them, in C); a bare ``str``/``bytes`` is refused."""
     if type(hashes) in _SEQ_TYPES:
         return hashes  # type: ignore[return-value]
     if isinstance(hashes, (str, bytes, bytearray)):

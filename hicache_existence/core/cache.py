@@ -1,14 +1,9 @@
 """The current API generation (sglang 0.5.23): one LRU of believed page hashes per pool.
 
 A drop-in for ``sglang.srt.mem_cache.buffer_mode.storage_existence_cache`` (same
-classes, methods, results and LRU order) with accounting, faster and smaller: beliefs
-live in an ``LruIndex`` (``core.lru``, half an ``OrderedDict``'s size), so a chain is
-walked, inserted or evicted in one C call, not a Python loop over ``OrderedDict`` methods.
-
-Beliefs are advisory: a hit skips a redundant D2H copy and L3 write, a stale positive
-at worst skips write-backs until a prefetch shortfall heals it, a miss costs one
-idempotent write.  Mutate only on the scheduler thread at lockstep points (TP
-replicas stay identical); ``stats()`` is safe from any thread.
+classes, methods, results and LRU order) with accounting, its beliefs in an
+``LruIndex`` (docs/design.md).  Mutate only on the scheduler thread at lockstep points
+(TP replicas stay identical); ``stats()`` is safe from any thread.
 """
 
 from __future__ import annotations
@@ -19,14 +14,7 @@ from hicache_existence.core import _validate, lru
 from hicache_existence.core.counting import CountingPool
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
 from hicache_existence.core.registry import MissMemoryFactory, PoolRegistry
-from hicache_existence.core.stats import (
-    CLEARED,
-    EVICTED,
-    INVALIDATED,
-    CacheStats,
-    PoolStats,
-    make_cache_stats,
-)
+from hicache_existence.core.stats import CLEARED, EVICTED, INVALIDATED, PoolStats
 
 _SEQ = (list, tuple)
 
@@ -39,7 +27,7 @@ class PoolBeliefs(CountingPool):
     (D2H launch to storage ack); ``CountingPool`` counts lookups (and tallies covered
     pages), as for the seed."""
 
-    __slots__ = ("_max_entries", "_inflight")
+    __slots__ = ("_max_entries",)
 
     def __init__(
         self,
@@ -54,7 +42,6 @@ class PoolBeliefs(CountingPool):
         self._max_entries = _validate.count(max_entries, "max_entries", 1)
         # Upstream's attribute names (_entries, _inflight) for code that peeks; own index: tag 0.
         super().__init__(name, lru.LruIndex(), 0, miss_memory, observer, advisor)
-        self._inflight: dict[str, int] = {}
 
     @property
     def max_entries(self) -> int:
@@ -175,10 +162,6 @@ class PoolBeliefs(CountingPool):
         """Believed page hashes, least recently used first (O(entries); for tests)."""
         return tuple(self._entries.keys())
 
-    def inflight_refs(self) -> dict[str, int]:
-        """A copy of the in-flight refcounts."""
-        return dict(self._inflight)
-
     def inflight_pages(self) -> Container[str]:
         """The pages with an in-flight ref, live (the refcounts themselves)."""
         return self._inflight
@@ -203,7 +186,6 @@ class StorageExistenceCache(PoolRegistry[PoolBeliefs]):
     arguments is upstream's call): ``miss_memory`` (``pool name -> MissMemory | None``, per
     new pool), ``observer`` (every pool's operations), ``advisor`` (new pools' samplers)."""
 
-    #: Each pool has its own LRU and cap (``core.protocol``).
     shared_lru = False
 
     def __init__(
@@ -270,10 +252,3 @@ class StorageExistenceCache(PoolRegistry[PoolBeliefs]):
 
     def __repr__(self) -> str:
         return f"StorageExistenceCache(max_entries={self._max_entries}, pools={list(self._pools)})"
-
-    def stats(self) -> CacheStats:
-        """Immutable snapshot of every pool, O(pools), safe from any thread: the dict is
-        copied in one C call (walking it could let GC, then the scheduler, in between)."""
-        return make_cache_stats(
-            {name: beliefs.stats() for name, beliefs in self._pools.copy().items()}
-        )

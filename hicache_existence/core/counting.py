@@ -1,9 +1,7 @@
 """The counting walk: one pool's lookups and their accounting, for both generations.
 
 Both keep a pool's beliefs in an ``LruIndex`` under a tag (current: own index, tag 0;
-seed: one shared index, a tag per pool) and count a lookup alike: queries, answers,
-pages checked, hits, rescues, the one miss that stops a walk and, with miss-reason
-memory, its reason (batched, ``settle``).  ``CountingPool``, subclassed by both, bumps
+seed: one shared index, a tag per pool).  ``CountingPool``, subclassed by both, bumps
 each lookup counter in one place; subclasses do mutations and check chain arguments
 before ``_walk`` (``contains`` checks its own).
 """
@@ -16,7 +14,7 @@ from collections.abc import Container, Sequence
 from hicache_existence.core import _validate, lru
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
 from hicache_existence.core.sampler import SamplerType
-from hicache_existence.core.stats import PoolCounters
+from hicache_existence.core.stats import PoolCounters, PoolStats
 
 
 class CountingPool:
@@ -31,6 +29,7 @@ class CountingPool:
         "_missed",
         "_observer",
         "_sampler",
+        "_inflight",
         "tally",
         "covered_pages",
     )
@@ -52,6 +51,8 @@ class CountingPool:
         self._memory = memory
         self._missed: list[str] = []
         self._observer = observer
+        #: This pool's own in-flight refcounts (D2H launch to storage ack).
+        self._inflight: dict[str, int] = {}
         #: ``covered_pages``: the pages of every ``covered()`` answered True while
         #: ``tally`` is on (the cache's ``tally_covered``).  Buffer mode's write path
         #: turns it on where upstream's only other questions are its flush's (then
@@ -104,26 +105,22 @@ class CountingPool:
         """Finish a walk from ``seq[pos]`` (first page not believed) on a miss or covered
         content: the index's ``cover_rest`` walks it (C when compiled, not a Python loop)."""
         c = self._counters
-        hits = pos
-        rescues = 0
+        stop, rescues = pos, 0
         if cover is not None:
             stop, rescues = self._entries.cover_rest(seq, pos, self.tag, cover)
-            hits = stop - rescues
             if stop == len(seq):
-                n = len(seq)
                 c.query_hits += 1
-                c.pages_checked += n
-                c.page_hits += hits
+                c.pages_checked += stop
+                c.page_hits += stop - rescues
                 c.rescues += rescues
                 if self._sampler is not None:
-                    self._sampler.walked(seq, n, self.tag)
+                    self._sampler.walked(seq, stop, self.tag)
                 if self._observer is not None:
-                    self._observer.touched(self.name, seq, n)
+                    self._observer.touched(self.name, seq, stop)
                 return True
-        stop = hits + rescues
         c.query_misses += 1
         c.pages_checked += stop + 1
-        c.page_hits += hits
+        c.page_hits += stop - rescues
         c.rescues += rescues
         self._count_miss(seq[stop])
         if self._sampler is not None:
@@ -157,3 +154,11 @@ class CountingPool:
             if self._missed:
                 self.settle()
             memory.remember(keys, reason)
+
+    def inflight_refs(self) -> dict[str, int]:
+        """A copy of the in-flight refcounts."""
+        return dict(self._inflight)
+
+    def stats(self) -> PoolStats:
+        """An immutable snapshot of this pool's accounting, O(1)."""
+        raise NotImplementedError

@@ -1,13 +1,11 @@
 """The seed API generation: one LRU over ``(pool, page_hash)`` with a shared cap.
 
 Behaves exactly like the seed's ``StorageExistenceCache`` (global LRU order, one cap
-for all pools) with accounting, at a fraction of its per-page cost: one ``LruIndex``
-holds the global order, and a page's pool is a small int *tag* beside its hash, never
-a ``(pool, hash)`` tuple built and hashed per page (half the seed's lookup cost, 67
-bytes an entry).  The primary pool (``kv`` by default, almost all traffic) has tag 0.
-``pool(name)`` offers each pool as a ``core.protocol.PoolView``, whose mutations and
-chain lookups are the cache's own public calls, so they behave (and are observed by
-the write hooks) exactly as upstream's callers' are.
+for all pools) with accounting: one ``LruIndex`` holds the global order, a page's pool
+a small int *tag* beside its hash (docs/design.md); the primary pool (``kv`` by
+default, almost all traffic) has tag 0.  ``pool(name)`` offers each pool as a
+``core.protocol.PoolView`` whose mutations and chain lookups are the cache's own
+public calls, so they behave (and are observed by the write hooks) as upstream's are.
 """
 
 from __future__ import annotations
@@ -19,14 +17,7 @@ from hicache_existence.core.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES
 from hicache_existence.core.counting import CountingPool
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
 from hicache_existence.core.registry import MissMemoryFactory, PoolRegistry
-from hicache_existence.core.stats import (
-    CLEARED,
-    EVICTED,
-    INVALIDATED,
-    CacheStats,
-    PoolStats,
-    make_cache_stats,
-)
+from hicache_existence.core.stats import CLEARED, EVICTED, INVALIDATED, PoolStats
 
 _EMPTY: frozenset[str] = frozenset()
 
@@ -35,7 +26,7 @@ class FlatPoolBeliefs(CountingPool):
     """One pool of the flat cache as a ``PoolView``: lookups over the shared index under its
     tag, its entry count, in-flight refs; mutations and chain lookups call the cache."""
 
-    __slots__ = ("size", "_cache", "_inflight", "_cover")
+    __slots__ = ("size", "_cache", "_cover")
 
     def __init__(
         self,
@@ -48,9 +39,8 @@ class FlatPoolBeliefs(CountingPool):
         #: Entries of this pool in the shared index.
         self.size = 0
         self._cache = cache
-        # Own writes' in-flight refs (cache mode; uncounted: the seed counts none), and the
-        # last covers_all's extra_cover (buffer mode: the seed's live inflight_backup_hashes).
-        self._inflight: dict[str, int] = {}
+        # Beside its own writes' in-flight refs (cache mode; uncounted: the seed counts none),
+        # the last covers_all's extra_cover (buffer mode: the seed's live inflight_backup_hashes).
         self._cover: Container[str] = _EMPTY
 
     @property
@@ -119,9 +109,6 @@ class FlatPoolBeliefs(CountingPool):
         tag = self.tag
         return tuple(k for t, k in self._entries.items() if t == tag)
 
-    def inflight_refs(self) -> dict[str, int]:
-        return dict(self._inflight)
-
     def stats(self) -> PoolStats:
         return self._counters.snapshot(
             self.name, self.size, self._cache.max_entries, len(self._inflight)
@@ -146,7 +133,6 @@ class _Both:
 class FlatStorageExistenceCache(PoolRegistry[FlatPoolBeliefs]):
     """One LRU of ``(pool, page_hash)`` beliefs shared by all pools (seed API)."""
 
-    #: Every pool lives in one LRU under one cap (``core.protocol``).
     shared_lru = True
 
     def __init__(
@@ -313,11 +299,3 @@ class FlatStorageExistenceCache(PoolRegistry[FlatPoolBeliefs]):
     def lru_keys(self) -> tuple[tuple[str, str], ...]:
         """``(pool, page_hash)`` beliefs, least recently used first (for tests)."""
         return tuple(self.lru_items())
-
-    def stats(self) -> CacheStats:
-        """Immutable snapshot of every pool, O(pools), safe from any thread: the dict is
-        copied in one C call (walking it could let GC, then the scheduler, in between)."""
-        return make_cache_stats(
-            {name: rec.stats() for name, rec in self._pools.copy().items()},
-            shared_capacity=True,
-        )

@@ -24,10 +24,9 @@ counts it in ``reap_errors``, whatever ``reap`` catches and reports itself (the
 integration's reports to the write path's error counter first).
 
 C ``core._lru.StepGate``/``StepHook`` (``time.monotonic`` read in C when it is
-``clock``; a ``StepGate`` as ``step`` is called without dispatch) and
-``PyStepGate``/``PyStepHook`` (below: the fallbacks, and the references the compiled
-ones are tested against) behave alike; ``HICACHE_EXISTENCE_BACKEND`` picks one, as
-for the index.
+``clock``; a ``StepGate`` as ``step`` is called without dispatch) and their fallbacks
+and test references ``PyStepGate``/``PyStepHook`` behave alike; the backend switch
+picks one, as for the index.
 """
 
 from __future__ import annotations
@@ -140,15 +139,17 @@ class PyStepHook:
 
 def c_gate() -> Callable[..., StepGateType] | None:
     """The compiled implementation, or ``None`` when it is not built."""
-    try:
-        from hicache_existence.core._lru import StepGate
-    except ImportError:
-        return None
-    return StepGate  # type: ignore[no-any-return]
+    return lru.c_type("StepGate")  # type: ignore[no-any-return]
 
 
-#: The gate of the selected backend (``HICACHE_EXISTENCE_BACKEND``, as the index).
+def c_hook() -> Callable[[Callable[..., Any]], StepHookType] | None:
+    """The compiled hook, or ``None`` when it is not built."""
+    return lru.c_type("StepHook")  # type: ignore[no-any-return]
+
+
+#: The selected backend's (``HICACHE_EXISTENCE_BACKEND``, as the index) compiled types.
 _C_GATE = c_gate() if lru.BACKEND == "c" else None
+_C_HOOK = c_hook() if lru.BACKEND == "c" else None
 
 
 def step_gate(due: Due, clock: Callable[[], float], busy_s: float, defer_s: float) -> StepGateType:
@@ -156,19 +157,6 @@ def step_gate(due: Due, clock: Callable[[], float], busy_s: float, defer_s: floa
     if _C_GATE is not None:
         return _C_GATE(due, None if clock is time.monotonic else clock, busy_s, defer_s)
     return PyStepGate(due, clock, busy_s, defer_s)
-
-
-def c_hook() -> Callable[[Callable[..., Any]], StepHookType] | None:
-    """The compiled hook, or ``None`` when it is not built."""
-    try:
-        from hicache_existence.core._lru import StepHook
-    except ImportError:
-        return None
-    return StepHook  # type: ignore[no-any-return]
-
-
-#: The hook of the selected backend.
-_C_HOOK = c_hook() if lru.BACKEND == "c" else None
 
 
 def step_hook(fallback: Callable[..., Any]) -> StepHookType:

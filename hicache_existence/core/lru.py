@@ -1,28 +1,24 @@
-"""The LRU index behind both cache generations, compiled when possible.
+"""The LRU index behind both cache generations (docs/design.md, "Why it is faster").
 
 An LRU-ordered set of ``(tag, page_hash)`` keys, the tag a small int naming the pool
 (the seed generation shares one index among pools; the current one gives each pool
 its own, tag 0).  It stores, orders and evicts; the caches do the accounting.
-``core._lru.LruIndex`` (C, built at install given a compiler: an 8-byte table slot
-and a 24-byte node per entry, a touch is one probe and one relink) beats the seed's
-and upstream's ``OrderedDict`` by the factors in ``docs/design.md``; ``PyLruIndex``
-(below: an ``OrderedDict``, per-page work in C iterators) is the fallback where it is
-not built, and its test reference.  ``HICACHE_EXISTENCE_BACKEND`` (read at import):
-``auto`` (default: compiled if importable), ``c`` (compiled or ImportError) or
-``python``.  Every method validates all input before changing anything: a non-``str``
-page raises ``TypeError`` naming its index and leaves the index as it was.
+``core._lru.LruIndex`` is compiled at install given a compiler; ``PyLruIndex`` (below)
+is the fallback and its test reference.  ``HICACHE_EXISTENCE_BACKEND`` (read at
+import): ``auto`` (default: compiled if importable), ``c`` (compiled or ImportError)
+or ``python``.  Every method validates all input before changing anything.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import itemgetter
 from types import ModuleType
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from hicache_existence.core import _validate
 from hicache_existence.core.sampler import PySampler, SamplerType
@@ -106,10 +102,8 @@ class PyLruIndex:
             # first index is where the walk stopped.  A tuple key may arrive as args.
             key = miss.args[0] if tag == 0 or len(miss.args) == 1 else miss.args
             return hashes.index(key if tag == 0 else key[1])
-        if self._samplers and hashes:
-            sampler = self._samplers.get(tag)
-            if sampler is not None:
-                sampler._fed(hashes, tag, True)
+        if self._samplers and hashes and (sampler := self._samplers.get(tag)) is not None:
+            sampler._fed(hashes, tag, True)
         return len(hashes)
 
     def touch(self, page_hash: str, tag: int = 0, /) -> bool:
@@ -128,15 +122,12 @@ class PyLruIndex:
         """Continue a walk at ``hashes[start]``: touch present pages, count ones in ``cover`` as
         rescues, stop at neither: ``(stop, rescues)``.  No sampler fed (the caller records)."""
         tag = _validate.index_batch(hashes, tag)
-        if not 0 <= start <= len(hashes):
-            raise ValueError("cover_rest: start out of range")
         od = self._od
         move_to_end = od.move_to_end
         rescues = 0
         i = start
         while i < len(hashes):
-            h = hashes[i]
-            _check_key(h)
+            h = hashes[i]  # items checked by index_batch
             key = h if tag == 0 else (tag, h)
             if key in od:
                 move_to_end(key)
@@ -166,10 +157,8 @@ class PyLruIndex:
         if inserted != len(keys):
             # Present or repeated pages: re-touch in order, so last occurrences decide.
             _exhaust(map(od.move_to_end, keys))
-        if self._samplers:
-            sampler = self._samplers.get(tag)
-            if sampler is not None:
-                sampler._fed(seq, tag, False)
+        if self._samplers and (sampler := self._samplers.get(tag)) is not None:
+            sampler._fed(seq, tag, False)
         return inserted
 
     def evict(self, count: int, /) -> dict[int, int]:
@@ -177,11 +166,7 @@ class PyLruIndex:
         if not self._tagged:  # every key is a tag-0 str: drain in C
             _exhaust(pops)
             return {0: n} if n else {}
-        out: dict[int, int] = {}
-        for key, _ in pops:
-            t = 0 if isinstance(key, str) else key[0]
-            out[t] = out.get(t, 0) + 1
-        return out
+        return dict(Counter(0 if isinstance(key, str) else key[0] for key, _ in pops))
 
     def evict_keys(self, count: int, /) -> dict[int, list[str]]:
         _, pops = self._pops(count)
@@ -190,10 +175,8 @@ class PyLruIndex:
             return {0: cast("list[str]", popped)} if popped else {}
         out: dict[int, list[str]] = {}
         for key in popped:
-            if isinstance(key, str):
-                out.setdefault(0, []).append(key)
-            else:
-                out.setdefault(key[0], []).append(key[1])
+            tag, page = (0, key) if isinstance(key, str) else key
+            out.setdefault(tag, []).append(page)
         return out
 
     def _pops(self, count: int) -> tuple[int, Iterator[tuple[str | tuple[int, str], None]]]:
@@ -206,10 +189,8 @@ class PyLruIndex:
 
     def discard(self, hashes: Sequence[str], tag: int = 0, /) -> list[str]:
         tag = _validate.index_batch(hashes, tag)
-        if self._samplers:
-            sampler = self._samplers.get(tag)
-            if sampler is not None:
-                sampler.removed(hashes, tag)
+        if self._samplers and (sampler := self._samplers.get(tag)) is not None:
+            sampler.removed(hashes, tag)
         keys = hashes if tag == 0 else list(zip(repeat(tag), hashes))
         results = list(map(self._od.pop, keys, repeat(_ABSENT)))
         return [h for h, r in zip(hashes, results) if r is not _ABSENT]
@@ -289,22 +270,18 @@ def py_inflight_release(refs: dict[str, int], hashes: Sequence[str]) -> tuple[in
     return released, unmatched
 
 
-def _select() -> tuple[Callable[[], LruIndexType], Callable[..., SamplerType], str]:
-    module = compiled("core._lru")
-    if module is not None:
-        return module.LruIndex, module.Sampler, "c"
-    return PyLruIndex, PySampler, "python"
-
-
+#: The compiled module, where the backend switch allows it and it is built.
+_compiled = compiled("core._lru")
 #: The implementation the caches use, its sampler (the one ``attach`` takes:
 #: ``Sampler(threshold, max_keys, half_life=0)``), and its name ("c" or "python").
-LruIndex, Sampler, BACKEND = _select()
+LruIndex: Callable[[], LruIndexType] = PyLruIndex if _compiled is None else _compiled.LruIndex
+Sampler: Callable[..., SamplerType] = PySampler if _compiled is None else _compiled.Sampler
+BACKEND = "python" if _compiled is None else "c"
 
 #: The caches' batch checks and in-flight refcounts, from the same build as the index
 #: (a build from before them: the Python twins).  ``page_hashes`` is
 #: ``_validate.page_hashes`` (same results and errors) with a list or tuple checked in
 #: one C pass that reads no string's characters, where ``"".join`` copies them all.
-_compiled = compiled("core._lru") if BACKEND == "c" else None
 page_hashes: Callable[..., Sequence[str]] = getattr(_compiled, "page_hashes", _validate.page_hashes)
 inflight_add: Callable[[dict[str, int], Sequence[str]], None] = getattr(
     _compiled, "inflight_add", py_inflight_add
@@ -319,19 +296,20 @@ inflight_release: Callable[[dict[str, int], Sequence[str]], tuple[int, int]] = g
 BYTES_PER_ENTRY = 40.0 if BACKEND == "c" else 77.3
 
 
-def c_index() -> Callable[[], LruIndexType] | None:
-    """The compiled implementation, or ``None`` when it is not built."""
+def c_type(name: str) -> Any:
+    """``core._lru.<name>`` whatever the backend switch says, or ``None`` if it is not built."""
     try:
-        from hicache_existence.core._lru import LruIndex as CLruIndex
+        module = importlib.import_module("hicache_existence.core._lru")
     except ImportError:
         return None
-    return CLruIndex  # type: ignore[no-any-return]
+    return getattr(module, name)
+
+
+def c_index() -> Callable[[], LruIndexType] | None:
+    """The compiled implementation, or ``None`` when it is not built."""
+    return c_type("LruIndex")  # type: ignore[no-any-return]
 
 
 def sampler_class(index: LruIndexType) -> Callable[..., SamplerType]:
     """The sampler type ``index.attach`` takes (``PySampler`` or the compiled ``Sampler``)."""
-    if isinstance(index, PyLruIndex):
-        return PySampler
-    from hicache_existence.core._lru import Sampler as CSampler
-
-    return CSampler  # type: ignore[no-any-return]
+    return PySampler if isinstance(index, PyLruIndex) else c_type("Sampler")

@@ -1,14 +1,9 @@
-"""The cache core's extension points, as protocols.
+"""The cache core's extension points, as protocols (docs/design.md, "Extension points").
 
 Memories and observers get whole batches, once per *operation*, and only when
 installed (else one ``is not None`` test): features that are off cost nothing.
-``MissMemory`` remembers why pages left the belief set (evicted, invalidated,
-cleared) so a later miss can be classified ("why was this page written to L3
-again?").  ``BeliefObserver`` sees every mutating or touching operation in order,
-with its inputs; the TP-divergence digest is one (replicas that saw the same
-operation stream hold the same state).  ``SamplerSource`` hands out a per-pool
-reference-stream ``Sampler`` attached to the LRU index (the capacity advisor): unlike
-an observer it costs the hot path no Python call (``core.sampler``).
+A ``SamplerSource``'s sampler is fed by the LRU index: unlike an observer it costs the
+hot path no Python call (``core.sampler``).
 """
 
 from __future__ import annotations
@@ -64,14 +59,11 @@ class SamplerSource(Protocol):
 
 
 class Tee:
-    """Fans one cache's operation stream out to several observers, in order (the cache
-    holds one observer; the TP digest and the reconciler each need the stream).
-
-    A cache given a ``Tee`` listens to it (``listen``) and holds what it should call:
-    ``None`` while it has no observer (no call), the observer itself while it has one
-    (one call, not a Python loop in front of it: a recorder's compiled tap, a TP=2
-    rank's digest), the ``Tee`` beyond that.  Attaching one later (the reconciler, a
-    recorder) reaches every pool at once."""
+    """Fans one cache's operation stream out to several observers, in order.  A cache
+    given a ``Tee`` listens to it and holds what it should call: ``None`` with no
+    observer, the one observer itself (one call, not a Python loop in front of it: a
+    recorder's compiled tap, a TP=2 rank's digest), else the ``Tee``.  Attaching one
+    later (the reconciler, a recorder) reaches every pool at once."""
 
     __slots__ = ("_observers", "_listeners")
 

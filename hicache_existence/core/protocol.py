@@ -19,58 +19,33 @@ from hicache_existence.core.stats import CacheStats, PoolStats
 
 
 class PoolView(Protocol):
-    """One pool's beliefs: ``PoolBeliefs`` or the seed generation's view of its shared LRU."""
+    """One pool's beliefs: ``PoolBeliefs`` or the seed generation's view of its shared LRU
+    (``FlatPoolBeliefs``), whose methods document each call.  Lookups are counted and
+    touch the believed pages they walk; ``believed`` reads, neither touching nor counting."""
 
     @property
-    def name(self) -> str:
-        """The pool's name (``"kv"``, ``"swa"``, ...)."""
-
+    def name(self) -> str: ...
     @property
     def max_entries(self) -> int:
         """The cap this pool counts against (shared by every pool if ``shared_lru``)."""
 
-    def add(self, hashes: Iterable[str]) -> None:
-        """Insert or refresh every page in order, then evict to the cap."""
-
-    def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None:
-        """Drop the beliefs beyond the leading ``keep_pages`` of ``hashes``."""
-
-    def clear(self) -> None:
-        """Forget this pool's beliefs and in-flight refs."""
-
-    def contains(self, page_hash: str) -> bool:
-        """One counted lookup; a hit is LRU-touched."""
-
-    def contains_all(self, hashes: Iterable[str]) -> bool:
-        """A counted chain lookup of believed pages (touches the believed prefix)."""
-
-    def covered(self, hashes: Iterable[str]) -> bool:
-        """A counted chain lookup of pages believed stored or in flight."""
-
     @property
-    def covered_pages(self) -> int:
-        """Pages of the ``covered()`` answered True while the tally was on."""
-
-    def track_inflight(self, hashes: Iterable[str]) -> None:
-        """One in-flight ref per page at its launch."""
-
-    def untrack_inflight(self, hashes: Iterable[str]) -> None:
-        """Drop one in-flight ref per page at its storage ack."""
-
-    def believed(self, hashes: Iterable[str]) -> list[str]:
-        """The pages of ``hashes`` believed stored: a read, neither touched nor counted."""
-
+    def covered_pages(self) -> int: ...
+    def add(self, hashes: Iterable[str]) -> None: ...
+    def invalidate_beyond(self, hashes: Sequence[str], keep_pages: int) -> None: ...
+    def clear(self) -> None: ...
+    def contains(self, page_hash: str) -> bool: ...
+    def contains_all(self, hashes: Iterable[str]) -> bool: ...
+    def covered(self, hashes: Iterable[str]) -> bool: ...
+    def track_inflight(self, hashes: Iterable[str]) -> None: ...
+    def untrack_inflight(self, hashes: Iterable[str]) -> None: ...
+    def believed(self, hashes: Iterable[str]) -> list[str]: ...
     def inflight_pages(self) -> Container[str]:
         """Pages from D2H launch to storage ack, live: read on the scheduler thread, never kept."""
 
-    def lru_keys(self) -> tuple[str, ...]:
-        """This pool's believed pages, least recently used first (O(entries))."""
-
-    def inflight_refs(self) -> dict[str, int]:
-        """A copy of the in-flight refcounts this pool keeps itself."""
-
-    def stats(self) -> PoolStats:
-        """An immutable snapshot of this pool's accounting."""
+    def lru_keys(self) -> tuple[str, ...]: ...
+    def inflight_refs(self) -> dict[str, int]: ...
+    def stats(self) -> PoolStats: ...
 
 
 class ExistenceCache(Protocol):
@@ -84,32 +59,19 @@ class ExistenceCache(Protocol):
     def max_entries(self) -> int:
         """The cap (per pool created from now on; or the one shared cap)."""
 
-    def pool(self, name: str) -> PoolView:
-        """The beliefs of pool ``name``, created on first use."""
-
-    def pools(self) -> tuple[PoolView, ...]:
-        """Every pool created so far, in creation order."""
-
-    def pool_names(self) -> tuple[str, ...]:
-        """Names of the pools created so far, in creation order."""
-
-    def clear(self) -> None:
-        """Forget every belief of every pool."""
-
-    def tally_covered(self, on: bool) -> None:
-        """Turn every pool's tally of covered pages (``covered_pages``) on or off."""
-
-    def settle(self) -> None:
-        """Classify every pool's pending misses (miss reasons)."""
-
+    def pool(self, name: str) -> PoolView: ...
+    def pools(self) -> tuple[PoolView, ...]: ...
+    def pool_names(self) -> tuple[str, ...]: ...
+    def clear(self) -> None: ...
+    def tally_covered(self, on: bool) -> None: ...
+    def settle(self) -> None: ...
     def stats(self) -> CacheStats:
         """An immutable snapshot of every pool; safe from another thread."""
 
     def lru_items(self) -> Iterable[tuple[str, str]]:
         """``(pool, page_hash)`` beliefs oldest first: one order if ``shared_lru``, else by pool."""
 
-    def __len__(self) -> int:
-        """Entries over all pools."""
+    def __len__(self) -> int: ...
 
 
 __all__ = ["ExistenceCache", "PoolView"]

@@ -6,11 +6,13 @@ added for one generation is the other's too."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from hicache_existence.core import _validate
 from hicache_existence.core.counting import CountingPool
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource, Tee
+from hicache_existence.core.stats import CacheStats
 
 #: ``pool name -> MissMemory | None``, called once per new pool (miss reasons).
 MissMemoryFactory = Callable[[str], "MissMemory | None"]
@@ -20,6 +22,9 @@ P = TypeVar("P", bound=CountingPool)
 
 class PoolRegistry(Generic[P]):
     """A cache's pools, in creation order, and what a new pool is given."""
+
+    #: Whether every pool lives in one LRU under one cap (``core.protocol``).
+    shared_lru: bool
 
     def __init__(
         self,
@@ -76,3 +81,9 @@ class PoolRegistry(Generic[P]):
         """Classify every pool's pending misses (miss reasons); scheduler thread."""
         for pool in list(self._pools.values()):
             pool.settle()
+
+    def stats(self) -> CacheStats:
+        """Immutable snapshot of every pool, O(pools), safe from any thread: the dict is
+        copied in one C call (walking it could let GC, then the scheduler, in between)."""
+        pools = {name: pool.stats() for name, pool in self._pools.copy().items()}
+        return CacheStats(MappingProxyType(pools), self.shared_lru)

@@ -1,14 +1,8 @@
-"""SHARDS reuse-distance sampling of one LRU's reference stream, fed from the index.
-
-The capacity advisor needs, per pool, the stack distance of every *sampled* page
-reference.  A Python observer per cache operation cost the hot path 10-50% on short
-lookups, so the sampler is attached to the index (``LruIndex.attach(tag, sampler)``)
-and fed inside ``touch_prefix`` (complete walks), ``add``, ``discard`` and ``clear``;
-the cache reports a lookup that stops short with ``walked``.  A page is sampled when
-its ``str`` hash, as an unsigned 64-bit number, is below ``threshold`` (``rate *
-2**64``): the index has that hash already, so an unsampled page costs one comparison.
-``str`` hashes are salted per process (``PYTHONHASHSEED``): each TP rank samples its
-own uniform subset, a page at every one of its references.
+"""SHARDS reuse-distance sampling of one LRU's reference stream, fed from the index
+(docs/capacity.md, "How it works").  A Python observer per cache operation cost the hot
+path 10-50% on short lookups, hence ``LruIndex.attach(tag, sampler)``: the index feeds
+it inside ``touch_prefix`` (complete walks), ``add``, ``discard`` and ``clear``, and the
+cache reports a lookup that stops short with ``walked``.
 
 ``core._lru.Sampler`` (C, ``_sampler.h``: an exact LRU stack over sampled keys,
 distances by a Fenwick tree over a timestamp bitmap) and ``PySampler`` (below: used
@@ -102,9 +96,7 @@ class _Stack:
                 del maxes[i]
 
     def push(self, key: Any) -> None:
-        old = self.times.pop(key, None)
-        if old is not None:
-            self._discard(old)
+        self.remove(key)
         t = self.clock
         self.clock = t + 1
         self.times[key] = t
@@ -173,11 +165,10 @@ class PySampler:
     )
 
     def __init__(self, threshold: int, max_keys: int, half_life: int = 0) -> None:
-        for name, value in (("threshold", threshold), ("max_keys", max_keys)):
+        args = (("threshold", threshold), ("max_keys", max_keys), ("half_life", half_life))
+        for name, value in args:
             if not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if not isinstance(half_life, int):
-            raise TypeError(f"half_life must be an int, got {type(half_life).__name__}")
         if not 0 <= threshold <= 1 << 64:
             raise ValueError("threshold must be in [0, 2**64]")
         if not 1 <= max_keys <= 1 << 28:

@@ -3,15 +3,9 @@
 Recording bumps plain ``int`` slots once per *call* with its page counts (never per
 page: a metrics-library call costs more than the lookup it counts).  Snapshots carry
 derived ratios, after Caffeine's ``CacheStats`` (1.0 when nothing was asked), and
-subtract to deltas so exporters and tests can reason about an interval.
-
-One declaration, ``PoolStats``'s fields (each a ``counter()``, ``gauge()`` or
-``miss_reason()`` with help, family name and unit), yields ``COUNTER_FIELDS`` /
-``GAUGE_FIELDS``, ``PoolCounters`` (a slot per counter) and its ``snapshot()``, the
-catalog's families (``exporters/catalog.py``: /metrics, OpenTelemetry,
-docs/metrics.md, the dashboard) and docs/design.md's counter table.  A new counter is
-one field here plus its increments (``core/counting.py`` for lookups, else the
-generations' mutations) and the reference model's (CONTRIBUTING, "Adding a counter").
+subtract to deltas.  One declaration, ``PoolStats``'s fields, yields the counters,
+the snapshots, the catalog's families and docs/design.md's counter table; a new
+counter is one field here plus its increments (CONTRIBUTING, "Adding a counter").
 """
 
 from __future__ import annotations
@@ -175,14 +169,12 @@ class PoolStats:
             return NotImplemented
         if other.pool != self.pool:
             raise ValueError(f"cannot subtract pool {other.pool!r} stats from pool {self.pool!r}")
-        values = {}
-        for f in fields(self):
-            name = f.name
-            mine = getattr(self, name)
-            if name == "pool" or name in _GAUGES:
-                values[name] = mine
-            else:
-                values[name] = mine - getattr(other, name)
+        values = {
+            f.name: getattr(self, f.name)
+            if f.name in _KEPT
+            else getattr(self, f.name) - getattr(other, f.name)
+            for f in fields(self)
+        }
         return PoolStats(**values)
 
     def __add__(self, other: PoolStats) -> PoolStats:
@@ -198,15 +190,8 @@ class PoolStats:
 
     def as_dict(self) -> dict[str, object]:
         """Fields plus derived ratios, for JSON output."""
-        out: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(
-            page_hit_ratio=self.page_hit_ratio,
-            coverage_ratio=self.coverage_ratio,
-            query_hit_ratio=self.query_hit_ratio,
-            miss_ratio=self.miss_ratio,
-            fill_ratio=self.fill_ratio,
-        )
-        return out
+        names = (*(f.name for f in fields(self)), *_RATIOS)
+        return {name: getattr(self, name) for name in names}
 
 
 def fields_of_kind(snapshot_type: type, kind: Kind) -> tuple[str, ...]:
@@ -218,55 +203,36 @@ def fields_of_kind(snapshot_type: type, kind: Kind) -> tuple[str, ...]:
 COUNTER_FIELDS: tuple[str, ...] = fields_of_kind(PoolStats, "counter")
 #: Point-in-time values.
 GAUGE_FIELDS: tuple[str, ...] = fields_of_kind(PoolStats, "gauge")
-_GAUGES = frozenset(GAUGE_FIELDS)
+#: Kept, not subtracted, by ``PoolStats.__sub__``.
+_KEPT = frozenset({"pool", *GAUGE_FIELDS})
+#: The derived ratios ``as_dict`` adds.
+_RATIOS = ("page_hit_ratio", "coverage_ratio", "query_hit_ratio", "miss_ratio", "fill_ratio")
 _REASON_FIELDS = fields_of_kind(PoolStats, "miss_reason")
 if tuple(f"misses_{r}" for r in MISS_REASONS) != _REASON_FIELDS:  # pragma: no cover
     raise AssertionError(f"PoolStats miss-reason fields {_REASON_FIELDS} != MISS_REASONS")
 
 
-def _counters_class() -> type:
-    """``PoolCounters``, built from ``PoolStats``'s counter fields: a slotted
-    object of plain ints (a slot increment is the cheapest counter Python has)."""
-    names = COUNTER_FIELDS
+class PoolCounters:
+    """The live counters of one pool: one plain ``int`` slot per ``PoolStats`` counter (a
+    slot increment is the cheapest counter Python has).  Owned and mutated by the cache."""
 
-    def __init__(self: Any) -> None:
-        for name in names:
-            setattr(self, name, 0)
-        self.miss_reasons = [0] * len(MISS_REASONS)
+    __slots__ = (*COUNTER_FIELDS, "miss_reasons")
 
-    def snapshot(self: Any, pool: str, entries: int, capacity: int, inflight: int) -> PoolStats:
-        """Freeze the counters together with the pool's current gauges."""
-        values = {name: getattr(self, name) for name in names}
-        values.update(zip(_REASON_FIELDS, self.miss_reasons))
-        return PoolStats(pool=pool, entries=entries, capacity=capacity, inflight=inflight, **values)
-
-    return type(
-        "PoolCounters",
-        (),
-        {
-            "__slots__": (*names, "miss_reasons"),
-            "__module__": __name__,
-            "__doc__": "The live counters of one pool (one int slot per ``PoolStats`` "
-            "counter).  Owned and mutated by the cache only.",
-            "__init__": __init__,
-            "snapshot": snapshot,
-        },
-    )
-
-
-if TYPE_CHECKING:
-
-    class PoolCounters:
-        """Typing view of the generated class: every counter is an ``int`` slot."""
-
-        miss_reasons: list[int]
+    if TYPE_CHECKING:  # every counter is an ``int`` slot
 
         def __getattr__(self, name: str) -> int: ...
         def __setattr__(self, name: str, value: Any) -> None: ...
-        def snapshot(self, pool: str, entries: int, capacity: int, inflight: int) -> PoolStats: ...
 
-else:
-    PoolCounters = _counters_class()
+    def __init__(self) -> None:
+        for name in COUNTER_FIELDS:
+            setattr(self, name, 0)
+        self.miss_reasons: list[int] = [0] * len(MISS_REASONS)
+
+    def snapshot(self, pool: str, entries: int, capacity: int, inflight: int) -> PoolStats:
+        """Freeze the counters together with the pool's current gauges."""
+        values = {name: getattr(self, name) for name in COUNTER_FIELDS}
+        values.update(zip(_REASON_FIELDS, self.miss_reasons))
+        return PoolStats(pool=pool, entries=entries, capacity=capacity, inflight=inflight, **values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,27 +255,20 @@ class CacheStats(Mapping[str, PoolStats]):
     @property
     def total(self) -> PoolStats:
         """All pools summed (pool name ``"*"``)."""
-        total = PoolStats(pool="*")
-        for stats in self.pools.values():
-            total = total + stats
+        total = sum(self.pools.values(), PoolStats(pool="*"))
         if self.shared_capacity and self.pools:
-            capacity = next(iter(self.pools.values())).capacity
-            total = replace(total, capacity=capacity)
+            total = replace(total, capacity=next(iter(self.pools.values())).capacity)
         return total
 
     def __sub__(self, other: CacheStats) -> CacheStats:
         """Per-pool deltas; a pool absent from ``other`` counts from zero."""
         if not isinstance(other, CacheStats):
             return NotImplemented
-        return CacheStats(
-            MappingProxyType(
-                {
-                    name: stats - other.pools.get(name, PoolStats(pool=name))
-                    for name, stats in self.pools.items()
-                }
-            ),
-            self.shared_capacity,
-        )
+        pools = {
+            name: stats - other.pools.get(name, PoolStats(pool=name))
+            for name, stats in self.pools.items()
+        }
+        return CacheStats(MappingProxyType(pools), self.shared_capacity)
 
     def as_dict(self) -> dict[str, object]:
         """Plain data for JSON output."""
@@ -317,8 +276,3 @@ class CacheStats(Mapping[str, PoolStats]):
             "pools": {name: s.as_dict() for name, s in self.pools.items()},
             "total": self.total.as_dict(),
         }
-
-
-def make_cache_stats(pools: Mapping[str, PoolStats], shared_capacity: bool = False) -> CacheStats:
-    """Build a ``CacheStats`` over a private copy of ``pools``."""
-    return CacheStats(MappingProxyType(dict(pools)), shared_capacity)
