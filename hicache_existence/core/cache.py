@@ -216,11 +216,10 @@ class StorageExistenceCache(PoolRegistry[PoolBeliefs]):
             key = _validate.pool_name(name, "name")
             beliefs = self._pools.get(key)
             if beliefs is None:
-                memory = self._miss_memory(key) if self._miss_memory else None
                 beliefs = PoolBeliefs(
                     self._max_entries,
                     key,
-                    miss_memory=memory,
+                    miss_memory=self._miss_memory(key) if self._miss_memory else None,
                     observer=self._observer,
                     advisor=self._advisor,
                 )

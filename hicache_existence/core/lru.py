@@ -302,7 +302,7 @@ def c_type(name: str) -> Any:
         module = importlib.import_module("hicache_existence.core._lru")
     except ImportError:
         return None
-    return getattr(module, name)
+    return getattr(module, name, None)
 
 
 def c_index() -> Callable[[], LruIndexType] | None:

@@ -154,7 +154,6 @@ class PySampler:
 
     __slots__ = (
         "_threshold",
-        "_all",
         "max_keys",
         "_growth",
         "_weight",
@@ -176,7 +175,6 @@ class PySampler:
         if half_life < 0:
             raise ValueError(f"half_life must be >= 0, got {half_life}")
         self._threshold = threshold
-        self._all = threshold == 1 << 64
         self.max_keys = max_keys
         self._growth = 2.0 ** (1.0 / half_life) if half_life else 1.0
         self._weight = 1.0
@@ -196,8 +194,6 @@ class PySampler:
         if thr <= 1 << 63:
             # (unsigned) h < thr  <=>  0 <= h < thr for the signed hash.
             values = [v for v in map(hasher, hashes) if 0 <= v < thr]
-        elif self._all:
-            values = [v & _M64 for v in map(hasher, hashes)]
         else:
             values = [u for u in (v & _M64 for v in map(hasher, hashes)) if u < thr]
         return values if tag == 0 else [(tag, v) for v in values]
