@@ -14,7 +14,7 @@ from hicache_existence.core import _validate, lru
 from hicache_existence.core.counting import CountingPool
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
 from hicache_existence.core.registry import MissMemoryFactory, PoolRegistry
-from hicache_existence.core.stats import CLEARED, EVICTED, INVALIDATED, PoolStats
+from hicache_existence.core.stats import CLEARED, EVICTED, INVALIDATED
 
 _SEQ = (list, tuple)
 
@@ -149,9 +149,6 @@ class PoolBeliefs(CountingPool):
             return True
         return False
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def __repr__(self) -> str:
         return (
             f"PoolBeliefs(name={self.name!r}, entries={len(self._entries)}, "
@@ -165,12 +162,6 @@ class PoolBeliefs(CountingPool):
     def inflight_pages(self) -> Container[str]:
         """The pages with an in-flight ref, live (the refcounts themselves)."""
         return self._inflight
-
-    def stats(self) -> PoolStats:
-        """An immutable snapshot of this pool's accounting, O(1)."""
-        return self._counters.snapshot(
-            self.name, len(self._entries), self._max_entries, len(self._inflight)
-        )
 
 
 #: Upstream's name for the per-pool class.

@@ -155,10 +155,18 @@ class CountingPool:
                 self.settle()
             memory.remember(keys, reason)
 
+    @property
+    def max_entries(self) -> int:
+        """The cap this pool counts against (each generation's pool says)."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def inflight_refs(self) -> dict[str, int]:
         """A copy of the in-flight refcounts."""
         return dict(self._inflight)
 
     def stats(self) -> PoolStats:
         """An immutable snapshot of this pool's accounting, O(1)."""
-        raise NotImplementedError
+        return self._counters.snapshot(self.name, len(self), self.max_entries, len(self._inflight))

@@ -17,7 +17,7 @@ from hicache_existence.core.cache import HICACHE_EXISTENCE_CACHE_MAX_ENTRIES
 from hicache_existence.core.counting import CountingPool
 from hicache_existence.core.observers import BeliefObserver, MissMemory, SamplerSource
 from hicache_existence.core.registry import MissMemoryFactory, PoolRegistry
-from hicache_existence.core.stats import CLEARED, EVICTED, INVALIDATED, PoolStats
+from hicache_existence.core.stats import CLEARED, EVICTED, INVALIDATED
 
 _EMPTY: frozenset[str] = frozenset()
 
@@ -108,11 +108,6 @@ class FlatPoolBeliefs(CountingPool):
     def lru_keys(self) -> tuple[str, ...]:
         tag = self.tag
         return tuple(k for t, k in self._entries.items() if t == tag)
-
-    def stats(self) -> PoolStats:
-        return self._counters.snapshot(
-            self.name, self.size, self._cache.max_entries, len(self._inflight)
-        )
 
     def __len__(self) -> int:
         return self.size

@@ -2,26 +2,21 @@
 
 SGLang calls the package every scheduler event-loop iteration, idle polling included
 (thousands per second); one with nothing due must cost one cheap test (issue 31).
-``StepGate`` counts a step, reads the clock and compares; only when something is due
-does it call ``due(steps, now, flush)`` (``ExistenceRuntime._step_due``), which sets
-``wake`` and ``flush_at`` for the next.  It opens when ``steps >= wake`` (step-counted
-work: a divergence check, a reconciler agreement; counted in steps, so the same on
-every TP rank and lockstep points stay put) or ``now >= flush_at`` (a rank-local
-metrics flush), unless the previous iteration ran a batch (``busy_s < gap < defer_s``,
-``gap`` since the previous step) and the flush may wait (``now < flush_at + defer_s``):
-a flush spends idle time, not a batch's.  ``flush`` tells ``due`` whether this held.
+``StepGate`` counts a step, reads the clock and calls ``due(steps, now, flush)``
+(``ExistenceRuntime._step_due``, which sets ``wake`` and ``flush_at``) only when
+``steps >= wake`` (step-counted work, so the same on every TP rank: lockstep points
+stay put) or a rank-local metrics flush is due (``now >= flush_at``), unless the
+previous iteration ran a batch (``busy_s < gap < defer_s``) and the flush may wait
+(``now < flush_at + defer_s``): a flush spends idle time, not a batch's.
 
-``StepHook`` is what SGLang calls (the integration's ``after_check_hicache_events``,
-``hook(result, tree_cache)``), bound to one tree: a call for it runs ``reap(tree)`` if
-the write path's ``pending`` is not empty (cache mode; ``reap`` decides whether an
-operation was acknowledged), then ``step()`` (the gate); other calls (the first, a
-foreign tree, an unbound hook) go to ``fallback`` as given.  An idle step is one
-identity test, one size test and the gate's: one C call, no Python frame of ours, in
-both host memory modes.  ``step``'s exceptions reach the caller (``abort``'s
-``DivergenceError`` is meant for the scheduler); an ``Exception`` from ``reap`` (or
-sizing ``pending``) never does: the hook, the scheduler's boundary, drops it and
-counts it in ``reap_errors``, whatever ``reap`` catches and reports itself (the
-integration's reports to the write path's error counter first).
+``StepHook`` is what SGLang calls (``after_check_hicache_events(result, tree_cache)``),
+bound to one tree: a call for it runs ``reap(tree)`` if the write path's ``pending`` is
+not empty (cache mode), then ``step()``; other calls (the first, a foreign tree, an
+unbound hook) go to ``fallback`` as given.  An idle step is one C call, no Python frame
+of ours, in both host memory modes.  ``step``'s exceptions reach the caller
+(``abort``'s ``DivergenceError`` is meant for the scheduler); an ``Exception`` from
+``reap`` (or sizing ``pending``) never does: the hook, the scheduler's boundary, counts
+it in ``reap_errors``, whatever ``reap`` catches and reports itself.
 
 C ``core._lru.StepGate``/``StepHook`` (``time.monotonic`` read in C when it is
 ``clock``; a ``StepGate`` as ``step`` is called without dispatch) and their fallbacks
