@@ -322,13 +322,17 @@ class _TimedTap:
 
 def _probe_cost_recorder(mod: ModuleType) -> None:
     cls = mod.Recorder
-    for name in ("written", "prefetch", "begin_request", "end_request"):
+    for name in ("begin_request", "end_request"):
         setattr(cls, name, _rec_timed(getattr(cls, name)))
     init = cls.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.tap = _TimedTap(self.tap)
+        # the write path's calls: the tap's own methods, held on the instance
+        # since the compiled tap (on the class before)
+        for name in ("written", "prefetch"):
+            setattr(self, name, _rec_timed(getattr(self, name)))
 
     cls.__init__ = __init__
 
