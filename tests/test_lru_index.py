@@ -244,6 +244,9 @@ def test_argument_errors_name_the_problem(impl):
         index.touch(5)
     with pytest.raises(ValueError, match="count must be >= 0"):
         index.evict(-1)
+    for start in (-1, 3):  # both twins: no walk from outside the chain
+        with pytest.raises(ValueError, match="start out of range"):
+            index.cover_rest(["a", "b"], start, 0, set())
     assert index.items() == [(0, "a"), (0, "b")]
     assert 5 not in index and "a" in index
 

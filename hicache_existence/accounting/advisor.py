@@ -161,6 +161,19 @@ class CapacityAdvisor:
     ``sampler_factory`` overrides the sampler type (default: the cache index's).
     """
 
+    __slots__ = (
+        "sampling_rate",
+        "adjust",
+        "shared",
+        "_threshold",
+        "_max_keys",
+        "_half_life",
+        "_factory",
+        "_samplers",
+        "_tags",
+        "errors",
+    )
+
     def __init__(
         self,
         sampling_rate: float = 0.02,

@@ -77,9 +77,15 @@ class _Generations:
         self.new: dict[Hashable, Any] = {}
         self.old: dict[Hashable, Any] = {}
 
+    def put(self, key: Hashable, value: Any) -> None:
+        new = self.new
+        new[key] = value
+        if len(new) >= self.size:
+            self.old, self.new = new, {}
+
     def put_many(self, keys: Iterable[Hashable], value: Any) -> None:
-        """Map every key to ``value`` (one C-level update; the generation may
-        overshoot ``size`` by the batch before it turns over)."""
+        """``put`` of every key (one C-level update; the generation may overshoot
+        ``size`` by the batch before it turns over)."""
         new = self.new
         new.update(dict.fromkeys(keys, value))
         if len(new) >= self.size:
@@ -183,7 +189,7 @@ class CauseTracker:
     def stored(self, node: Any, pages: Iterable[str]) -> None:
         """The write of ``pages`` by ``node`` was acknowledged."""
         if node is not None:
-            self._nodes.put_many((node,), True)
+            self._nodes.put(node, True)
         taken = self._taken
         if taken:
             for page in pages:

@@ -122,6 +122,8 @@ class PyLruIndex:
         """Continue a walk at ``hashes[start]``: touch present pages, count ones in ``cover`` as
         rescues, stop at neither: ``(stop, rescues)``.  No sampler fed (the caller records)."""
         tag = _validate.index_batch(hashes, tag)
+        if not 0 <= start <= len(hashes):
+            raise ValueError("cover_rest: start out of range")
         od = self._od
         move_to_end = od.move_to_end
         rescues = 0
