@@ -39,6 +39,7 @@ from hicache_existence.reconcile.redis_truth import (
     _pair,
     client_options,
     cluster_seeds,
+    is_cluster_url,
     map_error,
     redis_errors,
 )
@@ -113,9 +114,10 @@ class _LazyCluster:
 
     def __init__(self, settings: LedgerSettings, client: Any) -> None:
         self._settings = settings
+        self._given = client  # a client to use instead of building one (tests)
         self._lock = threading.Lock()
         #: The client once built (None before).
-        self.built: Any = client
+        self.built: Any = None
 
     def get(self) -> Any:
         client = self.built
@@ -124,7 +126,9 @@ class _LazyCluster:
         with self._lock:
             if self.built is None:
                 try:
-                    self.built = build_cluster_client(self._settings)
+                    given = self._given
+                    built = given if given is not None else build_cluster_client(self._settings)
+                    self.built = built
                 except Exception as exc:
                     raise TruthUnavailable(
                         f"cluster at {self._settings.redacted_url()} unreachable: {map_error(exc)}"
@@ -155,6 +159,10 @@ class RedisClusterLedger(RedisLedger):
         client: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not is_cluster_url(settings.url):
+            raise ValueError(
+                f"RedisClusterLedger needs a redis+cluster:// URL, got {settings.redacted_url()}"
+            )
         for arg in ("namespace", "shard"):
             if any(c in getattr(settings, arg) for c in "{}"):
                 raise ValueError(f"{arg} must not contain '{{' or '}}' on Redis Cluster")

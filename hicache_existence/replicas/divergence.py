@@ -577,10 +577,7 @@ class DivergenceChecker:
             action = "healed: cleared " + (", ".join(pools) if pools else "no local pool")
         return self._event(
             EVENT_DETECTED,
-            step=step,
-            policy=self._config.policy,
-            action=action,
-            kinds=kinds,
+            {"step": step, "policy": self._config.policy, "action": action, "kinds": kinds},
             reference_ranks=[group.ranks[i] for i in reference],
             diverged_ranks=[group.ranks[i] for i in diverged],
             diverged_slots=slots,
@@ -633,8 +630,7 @@ class DivergenceChecker:
             self._counts.errors += 1
         event = self._event(
             EVENT_CHECK_FAILED,
-            step=step,
-            stage=what,
+            {"step": step, "stage": what},
             timeout=timed_out,
             timeout_s=self._group.timeout_s,
             error=str(exc),
@@ -645,11 +641,15 @@ class DivergenceChecker:
         if self._config.policy == "abort":
             raise DivergenceTimeoutError(str(exc), event) from exc
 
-    def _event(self, name: str, **fields: Any) -> dict[str, Any]:
-        """A structured event naming this rank and the group's ranks."""
+    def _event(
+        self, name: str, lead: dict[str, Any] | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """A structured event naming this rank and the group's ranks, after the
+        ``lead`` fields (what the logged line shows first)."""
         group = self._group
         return {
             "event": name,
+            **(lead or {}),
             "rank": group.ranks[group.rank],
             "ranks": list(group.ranks),
             **fields,
