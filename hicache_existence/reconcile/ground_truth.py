@@ -107,8 +107,10 @@ class InMemoryGroundTruth:
         self._pages: dict[str, set[str]] = {}
 
     def leading_present(self, pool: str, hashes: Sequence[str]) -> int:
-        flags = self.present(pool, hashes)
-        return next((i for i, ok in enumerate(flags) if not ok), len(flags))
+        name, seq = check_chain(pool, hashes)
+        with self._lock:  # stops at the first absent page
+            stored = self._pages.get(name, set())
+            return next((i for i, h in enumerate(seq) if h not in stored), len(seq))
 
     def present(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         name, seq = check_chain(pool, hashes)
