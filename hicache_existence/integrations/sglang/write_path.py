@@ -192,8 +192,8 @@ class WritePath:
         if self.refreshing:
             return
         tree = getattr(pipeline, "_cache", None)
-        if not self.owns_tree(tree):
-            return
+        if getattr(tree, "storage_existence_cache", None) is not self.cache:  # owns_tree
+            return  # (inline: no frame per admission)
         if tree is not self._sidecar_tree:
             self._sidecar_tree = tree
             self._sidecars = {

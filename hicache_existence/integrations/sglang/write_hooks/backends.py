@@ -77,7 +77,9 @@ def file_exists(p: Params) -> Hooked:
     return around_file_exists
 
 
-def _batch_set(spans_of: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], doc: str) -> Hooked:
+def _batch_set(
+    spans_of: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], name: str, doc: str
+) -> Hooked:
     """An AROUND hook on a Mooncake ``batch_set``: ``spans_of`` gives its pages,
     (pool, pages, objects per page or ``None``: as many as the answer has per page),
     which are the next existence query's (it puts only the objects missing)."""
@@ -96,6 +98,7 @@ def _batch_set(spans_of: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], 
         finally:
             answers.batch_spans = None
 
+    around_mooncake_batch_set.__name__ = around_mooncake_batch_set.__qualname__ = name
     around_mooncake_batch_set.__doc__ = doc
     return around_mooncake_batch_set
 
@@ -110,6 +113,7 @@ def mooncake_batch_set_v1(p: Params) -> Hooked:
 
     return _batch_set(
         spans,
+        "around_mooncake_batch_set_v1",
         """AROUND ``MooncakeStore.batch_set_v1``: its pages are the next existence
         query's (it puts only the objects ``batch_is_exist`` misses).""",
     )
@@ -127,6 +131,7 @@ def mooncake_batch_set_v2(p: Params) -> Hooked:
 
     return _batch_set(
         spans,
+        "around_mooncake_batch_set_v2",
         """AROUND ``MooncakeStore.batch_set_v2`` (hybrid pools): its transfers' pages,
         pool by pool, are the next existence query's (``_batch_io_v2`` asks
         ``_batch_exist`` over every pool's objects, in transfer order, and puts only

@@ -15,9 +15,8 @@ from hicache_existence.integrations.sglang.write_hooks.binding import (
     Hooked,
     Param,
     Params,
-    read_then_account,
 )
-from hicache_existence.integrations.sglang.write_path import FEEDS, WritePath
+from hicache_existence.integrations.sglang.write_path import FEEDS
 
 
 def write_backup_storage(p: Params) -> Hooked:
@@ -127,39 +126,43 @@ def hit_query(p: Params) -> Hooked:
 
 
 def prefetch_result(p: Params) -> Hooked:
-    operation_of = p["operation"]
+    operation_at, operation_key = p["operation"].index, p["operation"].name  # read inline
 
-    def read(feed: WritePath, tree: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        operation = operation_of(a, kw)
-        requested = list(operation.hash_value or ())
-        page = int(tree.page_size)
-        loaded = int(operation.completed_tokens) // page
-        if loaded and _discarded(operation, len(requested) * page):
-            loaded = 0  # upstream's all-or-nothing check drops the whole prefetch
-        return tree, operation, requested, loaded
-
-    return read_then_account(
-        None,
-        read,
-        _prefetched,
-        "around_prefetch_result",
+    def around_prefetch_result(original: Hooked, tree: Any, *a: Any, **kw: Any) -> Any:
         """AROUND ``_handle_prefetch_result(operation)`` (rank-synchronised): the
         pages a prefetch loaded from L3, and those it requested but did not load
-        (read before upstream consumes the operation, recorded after it).""",
-    )
+        (read before upstream consumes the operation, recorded after it).  Written
+        without helper calls: it runs at every finished prefetch."""
+        feed = FEEDS.get(PROCESS.pid)
+        if feed is None or getattr(tree, "storage_existence_cache", None) is not feed.cache:
+            return original(tree, *a, **kw)
+        try:
+            operation: Any = (
+                a[operation_at] if 0 <= operation_at < len(a) else kw.get(operation_key)
+            )
+            requested = list(operation.hash_value or ())
+            page = int(tree.page_size)
+            loaded = int(operation.completed_tokens) // page
+            if loaded and _discarded(operation, len(requested) * page):
+                loaded = 0  # upstream's all-or-nothing check drops the whole prefetch
+        except Exception as exc:  # accounting never raises into the scheduler
+            feed.error(exc)
+            return original(tree, *a, **kw)
+        result = original(tree, *a, **kw)
+        try:
+            if loaded:
+                # Upstream's own verdict, which it sets on every path: a host insert
+                # it dropped (cache mode: a refill under a node not backed up) or a
+                # fetch it could not stage (buffer mode) delivered nothing.
+                got = getattr(tree, "prefetch_loaded_tokens_by_reqid", None) or {}
+                if got.get(getattr(operation, "handle", None)) == 0:
+                    loaded = 0
+            feed.causes.prefetched(requested, loaded)
+        except Exception as exc:
+            feed.error(exc)
+        return result
 
-
-def _prefetched(
-    feed: WritePath, tree: Any, operation: Any, requested: list[str], loaded: int
-) -> None:
-    if loaded:
-        # Upstream's own verdict, which it sets on every path: a host insert it
-        # dropped (cache mode: a refill under a node not backed up) or a fetch it
-        # could not stage (buffer mode) delivered nothing.
-        got = getattr(tree, "prefetch_loaded_tokens_by_reqid", None) or {}
-        if got.get(getattr(operation, "handle", None)) == 0:
-            loaded = 0
-    feed.causes.prefetched(requested, loaded)
+    return around_prefetch_result
 
 
 def _discarded(operation: Any, expected_tokens: int) -> bool:
