@@ -67,3 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -102,7 +102,9 @@ class EventLogger:
         return self._stdlib.isEnabledFor(logging.DEBUG)
 
 
-get_logger = EventLogger
+def get_logger(name: str = "hicache_existence") -> EventLogger:
+    """The event logger ``name`` (a stdlib logger name under ``hicache_existence``)."""
+    return EventLogger(name)
 
 
 class RateLimiter:
@@ -157,8 +159,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "event": getattr(record, "hicache_event", None) or record.getMessage(),
         }
-        for key, value in getattr(record, "hicache_fields", {}).items():
-            out.setdefault(key, value)
+        fields = getattr(record, "hicache_fields", None)
+        if isinstance(fields, dict):  # any record reaches a root handler
+            for key, value in fields.items():
+                out.setdefault(key, value)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -267,6 +271,8 @@ def _hoist_stdlib_fields(
     name = getattr(record, "hicache_event", None)
     if name:
         event_dict["event"] = name
-        for key, value in getattr(record, "hicache_fields", {}).items():
-            event_dict.setdefault(key, value)
+        fields = getattr(record, "hicache_fields", None)
+        if isinstance(fields, dict):
+            for key, value in fields.items():
+                event_dict.setdefault(key, value)
     return event_dict

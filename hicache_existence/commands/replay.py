@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import os
 import sys
@@ -26,7 +27,8 @@ def _checked(parse: str) -> Callable[[str], Any]:
     """``replay.sweep``'s ``parse`` (imported when a flag is read) as an argparse type."""
 
     def convert(text: str) -> Any:
-        from hicache_existence.replay import sweep
+        # The module (the package re-exports the function ``sweep`` under its name).
+        sweep = importlib.import_module("hicache_existence.replay.sweep")
 
         try:
             return getattr(sweep, parse)(text)
