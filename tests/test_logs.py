@@ -117,6 +117,30 @@ def test_json_formatter_without_structlog():
     assert out["event"] == logs.CACHE_AT_CAPACITY and out["entries"] == 4
 
 
+def test_json_formatters_keep_a_record_whose_fields_are_not_ours(capsys):
+    """Another library's record may carry ``hicache_fields`` of any type: the root
+    formatters (they see every record) still render it, without our fields."""
+    record = logging.LogRecord("other", logging.INFO, __file__, 1, "plain", (), None)
+    record.hicache_fields = None
+    assert json.loads(logs.JsonFormatter().format(record))["event"] == "plain"
+    assert logs.get_logger().name == "hicache_existence"
+
+
+def test_the_cli_module_runs_as_a_script_and_replay_exports_its_names():
+    """``python -m hicache_existence.cli`` is the CLI, as ``python -m
+    hicache_existence`` is; the replay package offers its documented names."""
+    from hicache_existence.replay import read_trace, run_model, sweep
+
+    assert callable(read_trace) and callable(run_model) and callable(sweep)
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache_existence.cli", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert he.__version__ in out.stdout
+
+
 def test_monitor_at_capacity_once_clears_and_bursts(caplog):
     """The monitor logs at-capacity once per pool, each clear, and a rate-limited
     eviction burst, from snapshot deltas only."""

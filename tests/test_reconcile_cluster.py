@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -112,8 +113,6 @@ def test_cluster_urls_parse_validate_and_redact() -> None:
 def test_a_query_without_a_path_reaches_redis_py_whole() -> None:
     """The node list ends at the path or, without one, at the query: a query value
     holding a '/' (``ssl_ca_certs=/etc/...``) was cut at it."""
-    from unittest import mock
-
     import redis.cluster
 
     from hicache_existence.reconcile.redis_cluster import build_cluster_client
@@ -138,6 +137,20 @@ def test_cluster_url_opens_the_cluster_ledger_and_standalone_stays() -> None:
     assert led.prefix("kv") == "{n:m_0_2:kv}:" and led.epoch_key("kv") == "{n:m_0_2:kv}"
     with pytest.raises(ValueError, match="namespace"):
         RedisClusterLedger(LedgerSettings("redis+cluster://127.0.0.1:1", namespace="a{b}"))
+    with pytest.raises(ValueError, match=r"redis\+cluster://"):
+        RedisClusterLedger(LedgerSettings("redis://127.0.0.1:1/0"))
+
+
+def test_an_injected_client_is_used_at_first_use_and_closed_only_then() -> None:
+    """A client handed in (tests, tools) counts as built at its first use, as a
+    built one does: a ledger closed before any use leaves it alone."""
+    client = mock.MagicMock()
+    led = RedisClusterLedger(LedgerSettings("redis+cluster://127.0.0.1:1"), client=client)
+    assert led._lazy.built is None
+    led.close()
+    client.close.assert_not_called()
+    led = RedisClusterLedger(LedgerSettings("redis+cluster://127.0.0.1:1"), client=client)
+    assert led._lazy.get() is client and led._lazy.built is client
 
 
 def test_cluster_errors_map_to_unavailable() -> None:

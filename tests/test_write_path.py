@@ -677,9 +677,14 @@ def test_parameters_are_read_by_name_wherever_upstream_puts_them() -> None:
 def test_every_hook_has_a_docstring() -> None:
     """CONTRIBUTING: every hook says why it is there."""
 
+    names: dict[str, str] = {}
     for h in wh.HOOKS:
         fn = h.bound(_any_target)
         assert fn.__doc__ and fn.__doc__.strip(), h.target
+        # the name sglang's hook registry logs: shared only by one method's hooks on
+        # two classes (HiCacheController / HybridCacheController)
+        method = h.target.rsplit(".", 1)[-1]
+        assert names.setdefault(fn.__name__, method) == method, (fn.__name__, h.target)
 
 
 def test_storage_tier_events_only_at_the_ack_and_only_for_stored_pages(feed_of) -> None:
