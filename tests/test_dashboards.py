@@ -472,15 +472,13 @@ _MATCHERS = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*"')
 _SCRAPE_LABELS = {"job", "instance"}
 #: Every exported family: cache metrics and feature metrics (both have ``kind``
 #: and ``label_names``).
-KNOWN: dict[str, catalog.MetricSpec | catalog.FeatureSpec] = {
+KNOWN: dict[str, catalog.MetricSpec] = {
     **catalog.BY_NAME,
     **catalog.FEATURE_BY_NAME,
 }
 
 
-def metric_problems(
-    exprs: list[str], known: dict[str, catalog.MetricSpec | catalog.FeatureSpec]
-) -> list[str]:
+def metric_problems(exprs: list[str], known: dict[str, catalog.MetricSpec]) -> list[str]:
     """Names or labels used in ``exprs`` that ``known`` (the catalog) does not
     account for, one line each."""
     problems: list[str] = []

@@ -39,8 +39,8 @@ class FlatPoolBeliefs(CountingPool):
         #: Entries of this pool in the shared index.
         self.size = 0
         self._cache = cache
-        # Beside its own writes' in-flight refs (cache mode; uncounted: the seed counts none),
-        # the last covers_all's extra_cover (buffer mode: the seed's live inflight_backup_hashes).
+        # The last covers_all's extra_cover (buffer mode: the seed's live
+        # inflight_backup_hashes).  Cache mode's own in-flight refs are CountingPool's.
         self._cover: Container[str] = _EMPTY
 
     @property

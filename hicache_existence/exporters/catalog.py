@@ -98,10 +98,6 @@ class MetricSpec:
         return (*DEPLOYMENT_LABELS, *self.labels)
 
 
-#: The features' families are specs like the cache's.
-FeatureSpec = MetricSpec
-
-
 def _spec(
     kind: Kind,
     source: Source,
