@@ -1131,23 +1131,37 @@ def test_timeout_bounds_the_whole_answer_not_each_read(slow: str) -> None:
     assert time.monotonic() - t0 < 3.0
 
 
-def test_many_pools_cost_linear_time() -> None:
-    """A body with thousands of ``pool`` values (hostile, or a mislabelled exporter):
-    the per-pool rules look figures up by name and pool, not by scanning every
-    figure per lookup (2,000 pools took 35-49 s that way)."""
+def _diagnose_seconds(pools: int) -> float:
+    """Wall seconds of one diagnosis of a body with ``pools`` pools."""
     import time
 
     lines = []
-    for i in range(2000):
+    for i in range(pools):
         p = f'pool="p{i}"'
         lines += [
             f"hicache_existence_queries_total{{{p}}} 10",
             f"hicache_existence_written_pages_total{{{p}}} 10",
             f"hicache_existence_redundant_written_pages_total{{{p}}} 5",
         ]
-    t0 = time.monotonic()
-    diagnosis.diagnose([fg.Reading("x", parse("\n".join(lines) + "\n"))])
-    assert time.monotonic() - t0 < 10.0
+    reading = fg.Reading("x", parse("\n".join(lines) + "\n"))
+    t0 = time.perf_counter()
+    diagnosis.diagnose([reading])
+    return time.perf_counter() - t0
+
+
+def test_many_pools_cost_linear_time() -> None:
+    """A body with thousands of ``pool`` values (hostile, or a mislabelled exporter):
+    the per-pool rules look figures up by name and pool, not by scanning every
+    figure per lookup (2,000 pools took 35-49 s that way; ``mode_labels`` still scanned
+    them once per pool).  Judged by how the time grows, not by a wall-clock bound (a
+    loaded CI machine is several times slower): 4x the pools take about 4.5x the time
+    here, 10x with ``mode_labels`` scanning, more with every lookup scanning."""
+    small: list[float] = []
+    large: list[float] = []
+    for _ in range(3):  # interleaved: a load spike slows both sizes alike
+        small.append(_diagnose_seconds(400))
+        large.append(_diagnose_seconds(1600))
+    assert min(large) / min(small) < 7.0, (small, large)
 
 
 def test_fleet_at_the_cap_is_info_as_its_alert_is_quiet() -> None:

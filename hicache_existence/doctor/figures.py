@@ -264,8 +264,9 @@ class View:
 
     def mode_labels(self) -> Labels:
         """The labels of ``mode_info`` (empty when not exported)."""
-        full = series("mode_info")
-        return next((k[1] for k, f in self.figures.items() if k[0] == full and f.value >= 1), ())
+        # By name, not a scan of every figure: the per-pool rules ask once per pool.
+        found = self._by_name.get(series("mode_info"), ())
+        return next((k[1] for k, f in found if f.value >= 1), ())
 
     def mode(self) -> tuple[str | None, str | None, bool | None]:
         """(host_memory_mode, write_policy, cache_mode_dedup) from ``mode_info``."""
