@@ -293,8 +293,8 @@ def test_the_doctor_reads_upstream_dedup_as_dedup_on() -> None:
         ("host_memory_mode", "cache"),
         ("write_policy", "write_through"),
     )
-    view = figures.View.__new__(figures.View)  # only .figures is read
-    view.figures = {(figures.series("mode_info"), labels): types.SimpleNamespace(value=1.0)}  # type: ignore[misc]
+    mode_info = types.SimpleNamespace(value=1.0)  # a figure, as far as mode() reads one
+    view = figures.View("x", {(figures.series("mode_info"), labels): mode_info}, None)  # type: ignore[dict-item]
     assert view.mode() == ("cache", "write_through", True)
 
 
