@@ -264,6 +264,17 @@ def test_the_node_write_trim_and_the_unwrapped_cache_are_the_recorded_ones() -> 
     )
 
 
+def _by_setting(runs: list[dict[str, Any]], key: str) -> list[Any]:
+    """``key`` of every cache-mode setting of ``runs``, run by run: low pressure dedup off,
+    on, then high pressure off, on (the order the README lists them in)."""
+    return [r[p][s][key] for r in runs for p in ("low", "high") for s in ("off", "on")]
+
+
+def _num(figure: str) -> float:
+    """A recorded "x.xx%" figure as a number of percent."""
+    return float(figure.rstrip("%"))
+
+
 def _pct(values: list[str]) -> str:
     """ "A%" or "A-B%" over recorded "x.xx%" figures, as the README states a range."""
     f = sorted(float(v.rstrip("%")) for v in values)
@@ -281,9 +292,6 @@ def test_the_per_site_figures_are_the_recorded_ones() -> None:
     mb = [m[k]["summary"] for k in ("buffer", "buffer_repeat", "buffer_third")]
     ib = [i["buffer"]["summary"], i["buffer_repeat"]["summary"]]
 
-    def cache(runs: list[dict[str, Any]], key: str) -> list[str]:
-        return [r[p][s][key] for r in runs for p in ("low", "high") for s in ("off", "on")]
-
     vc = [v["cache_repeat"], v["cache_third"]]
     mc, ic = [m["cache"], m["cache_repeat"]], [i["cache"], i["cache_repeat"]]
     timers = [r["timer_us_site_busy_median"] for r in vb + mb + ib]
@@ -294,27 +302,29 @@ def test_the_per_site_figures_are_the_recorded_ones() -> None:
     )
     assert (
         f"buffer mode took {', '.join(r[site] for r in vb)} of busy time (gross "
-        f"{', '.join(r[gross] for r in vb)}) and cache mode {_pct(cache(vc, site))} (gross "
-        f"{_pct(cache(vc, gross))})" in README
+        f"{', '.join(r[gross] for r in vb)}) and cache mode {_pct(_by_setting(vc, site))} (gross "
+        f"{_pct(_by_setting(vc, gross))})" in README
     )
     assert all(r["site_uncontrolled_calls_max"] == 0 for r in vb + mb + ib)
-    assert all(n == 0 for n in cache(vc + mc + ic, "site_uncontrolled_calls_max"))
+    assert all(n == 0 for n in _by_setting(vc + mc + ic, "site_uncontrolled_calls_max"))
     assert (
         f"the package took {', '.join(r[site] for r in mb)} of busy time in buffer mode net of "
-        f"the controls (gross {', '.join(r[gross] for r in mb)}) and {_pct(cache(mc, site))} in "
-        f"cache mode (gross {_pct(cache(mc, gross))})" in README
+        f"the controls (gross {', '.join(r[gross] for r in mb)}) and "
+        f"{_pct(_by_setting(mc, site))} in "
+        f"cache mode (gross {_pct(_by_setting(mc, gross))})" in README
     )
     hook = "hook_us_per_poll_iteration"
-    insitu = [r[f"{hook}_insitu_median"] for r in ib] + cache(ic, f"{hook}_insitu_median")
-    bare = [r[f"{hook}_median"] for r in ib] + cache(ic, f"{hook}_median")
+    insitu = [r[f"{hook}_insitu_median"] for r in ib] + _by_setting(ic, f"{hook}_insitu_median")
+    bare = [r[f"{hook}_median"] for r in ib] + _by_setting(ic, f"{hook}_median")
     assert (
         f"buffer mode {', '.join(r[site] for r in ib)} (gross {', '.join(r[gross] for r in ib)}), "
-        f"cache mode {_pct(cache(ic, site))} (gross {_pct(cache(ic, gross))}); the per-step hook "
+        f"cache mode {_pct(_by_setting(ic, site))} (gross {_pct(_by_setting(ic, gross))}); "
+        "the per-step hook "
         f"{min(insitu):.2f}-{max(insitu):.2f} µs per polling iteration net of its control "
         f"({min(bare):.2f}-{max(bare):.2f} gross)" in README
     )
     assert max(insitu) <= 0.5 and all(float(r[site].rstrip("%")) <= 0.3 for r in ib)
-    within = sum(float(s.rstrip("%")) <= 0.3 for s in cache(ic, site))
+    within = sum(float(s.rstrip("%")) <= 0.3 for s in _by_setting(ic, site))
     (stated,) = _claim(r"cache mode is in (\d) of its 8 medians")
     assert int(stated) == within
     inserts = [r["package_ms_by_function_per_round"]["hook:insert"] for r in mb]
@@ -380,23 +390,20 @@ def test_the_nested_control_figures_are_the_recorded_ones() -> None:
     assert all(float(v.rstrip("%")) > 0.05 for v in nested)  # so "not within its 0.05%"
     assert f"the recorder, at {', '.join(nested)}, is not within its 0.05%" in README
 
-    def cache(runs: list[dict[str, Any]], key: str) -> list[str]:
-        return [r[p][s][key] for r in runs for p in ("low", "high") for s in ("off", "on")]
-
     buffers = [b["summary"] for b in x["nested"]["buffer"]]
-    hook = [b["hook_us_per_poll_iteration_insitu_median"] for b in buffers] + cache(
+    hook = [b["hook_us_per_poll_iteration_insitu_median"] for b in buffers] + _by_setting(
         x["nested"]["cache"], "hook_us_per_poll_iteration_insitu_median"
     )
     assert (
         f"buffer mode {', '.join(b[site] for b in buffers)} of busy time net of the controls "
         f"(gross {', '.join(b[gross] for b in buffers)}; the control beside: "
         f"{x['beside']['buffer']['summary'][site]}), cache mode "
-        f"{_pct(cache(x['nested']['cache'], site))} in its 8 medians (gross "
-        f"{_pct(cache(x['nested']['cache'], gross))}; the control beside: "
-        f"{_pct(cache([x['beside']['cache']], site))}), the per-step hook "
+        f"{_pct(_by_setting(x['nested']['cache'], site))} in its 8 medians (gross "
+        f"{_pct(_by_setting(x['nested']['cache'], gross))}; the control beside: "
+        f"{_pct(_by_setting([x['beside']['cache']], site))}), the per-step hook "
         f"{min(hook):.2f}-{max(hook):.2f} µs per polling iteration" in README
     )
-    within = sum(float(v.rstrip("%")) <= 0.3 for v in cache(x["nested"]["cache"], site))
+    within = sum(float(v.rstrip("%")) <= 0.3 for v in _by_setting(x["nested"]["cache"], site))
     assert f"cache mode ({within} of its 8 medians)" in README
     assert within == 8 and max(hook) <= 0.5
     assert all(float(b[site].rstrip("%")) <= 0.3 for b in buffers)
@@ -523,31 +530,20 @@ def test_the_re_measure_after_the_shrink_is_the_recorded_one() -> None:
     assert f"({min(pkg):.2f}-{max(pkg):.2f} ms gross in buffer mode" in README
 
     def cache(tree: str) -> str:
-        return ", ".join(
-            " ".join(r[p][d][site] for p in ("low", "high") for d in ("off", "on"))
-            for r in x["cache"][tree]
-        )
+        return ", ".join(" ".join(_by_setting([r], site)) for r in x["cache"][tree])
 
     assert f"before {cache('before')}; after {cache('after')}." in README
     own = {t: round(x["step_hook"][t]["own_ns_per_call"]) for t in ("before", "after")}
     assert f"{own['before']} ns of our own per call before, {own['after']} ns after" in README
     rec = [s["recorder_share_of_busy_paired_median_insitu_site"] for s in x["recorder"]["after"]]
-    middle = sorted(rec, key=lambda s: float(s.rstrip("%")))[len(rec) // 2]
+    middle = sorted(rec, key=_num)[len(rec) // 2]
     assert (
         f"five runs): {', '.join(rec)} of busy time net of the controls, median {middle}" in README
     )
-    assert len(rec) == 5 and float(middle.rstrip("%")) > 0.05  # "not within its 0.05%"
+    assert len(rec) == 5 and _num(middle) > 0.05  # "not within its 0.05%"
     for t in ("before", "after"):  # "neither mode is within the 0.3% target, with either tree"
-        assert max(float(s[site].rstrip("%")) for s in buffer[t]) > 0.3, t
-        assert (
-            max(
-                float(r[p][d][site].rstrip("%"))
-                for r in x["cache"][t]
-                for p in ("low", "high")
-                for d in ("off", "on")
-            )
-            > 0.3
-        ), t
+        assert max(_num(s[site]) for s in buffer[t]) > 0.3, t
+        assert max(map(_num, _by_setting(x["cache"][t], site))) > 0.3, t
     variant = x["recorder"]["no_end_record"]
     assert (
         "(measurement only: replay needs the boundary): "
@@ -583,25 +579,16 @@ def test_the_targets_measured_on_a_third_machine_are_the_recorded_ones() -> None
     assert f"the per-step hook {hook} µs per polling iteration net of its control" in README
 
     def cache(runs: list[dict[str, Any]]) -> str:
-        return "; ".join(
-            " ".join(r[p][d][site] for p in ("low", "high") for d in ("off", "on")) for r in runs
-        )
+        return "; ".join(" ".join(_by_setting([r], site)) for r in runs)
 
     assert f"`--rounds 6`: {cache(x['cache'][:3])}; `--rounds 7`: {cache(x['cache'][3:])}" in README
-    cache_hook = [
-        r[p][d]["hook_us_per_poll_iteration_insitu_median"]
-        for r in x["cache"]
-        for p in ("low", "high")
-        for d in ("off", "on")
-    ]
+    cache_hook = _by_setting(x["cache"], "hook_us_per_poll_iteration_insitu_median")
     assert f"{min(cache_hook):.2f}-{max(cache_hook):.2f} µs per polling iteration" in README
     rec = [s["recorder_share_of_busy_paired_median_insitu_site"] for s in x["recorder"]]
     rec_gross = [s["recorder_share_of_busy_paired_median"] for s in x["recorder"]]
-    middle = f"{statistics.median(float(s.rstrip('%')) for s in rec):.3f}%"
+    middle = f"{statistics.median(map(_num, rec)):.3f}%"
     pairs = sorted(
-        float(p.rstrip("%"))
-        for s in x["recorder"]
-        for p in s["recorder_share_of_busy_paired_insitu_site"]
+        _num(p) for s in x["recorder"] for p in s["recorder_share_of_busy_paired_insitu_site"]
     )
     pooled = (pairs[len(pairs) // 2 - 1] + pairs[len(pairs) // 2]) / 2
     assert (
@@ -611,16 +598,11 @@ def test_the_targets_measured_on_a_third_machine_are_the_recorded_ones() -> None
     own = {m: round(x["step_hook"][m]["own_ns_per_call"]) for m in ("buffer", "cache")}
     assert f"{own['buffer']} ns of our own per call (buffer mode), {own['cache']} ns" in README
     # The verdicts the section gives.
-    assert max(float(s[site].rstrip("%")) for s in buffer) <= 0.3
-    assert all(
-        float(r[p][d][site].rstrip("%")) <= 0.3
-        for r in x["cache"]
-        for p in ("low", "high")
-        for d in ("off", "on")
-    )
+    assert max(_num(s[site]) for s in buffer) <= 0.3
+    assert max(map(_num, _by_setting(x["cache"], site))) <= 0.3
     assert max(s["hook_us_per_poll_iteration_insitu_median"] for s in buffer) <= 0.5
     assert max(cache_hook) <= 0.5
-    assert float(middle.rstrip("%")) <= 0.05 and pooled <= 0.05
+    assert _num(middle) <= 0.05 and pooled <= 0.05
     runs = x["foundation"]
 
     def speedups(baseline: str) -> list[str]:
@@ -655,11 +637,11 @@ def test_the_targets_measured_on_a_third_machine_are_the_recorded_ones() -> None
     assert f"spent a median {', '.join(rec[:-1])} and {rec[-1]} more of its busy" in docs
     assert f"{', '.join(rec_gross[:-1])} and {rec_gross[-1]} with them; {pooled:.3f}% over" in docs
     assert f"over the {len(pairs)} pairs): within the 0.05%" in docs
-    runs_over = sum(float(s.rstrip("%")) > 0.05 for s in rec)
+    runs_over = sum(_num(s) > 0.05 for s in rec)
     assert f"narrowly (one run of {len(rec)} was over)" in README and runs_over == 1
     shrink = [
         s["recorder_share_of_busy_paired_median_insitu_site"]
         for s in RECORD["after_shrink"]["recorder"]["after"]
     ]
-    mid = sorted(shrink, key=lambda s: float(s.rstrip("%")))[len(shrink) // 2]
+    mid = sorted(shrink, key=_num)[len(shrink) // 2]
     assert f"on a faster machine {mid} (median of {len(shrink)} runs)" in docs
